@@ -1,0 +1,198 @@
+"""Settings for the A2A dashboard, read from the environment (12-factor).
+
+One module for every environment. Local runs need no configuration at all:
+SQLite in the data folder, a secret key generated once and kept there, and a
+Redis that ``manage.py up`` starts itself when ``REDIS_URL`` is unset.
+
+Environment variables:
+    DATA_DIR        folder for local state (default ``./var``)
+    DATABASE_URL    any dj-database-url URL (default: SQLite in DATA_DIR)
+    REDIS_URL       broker, channel layer and health checks (default ``redis://127.0.0.1:6379/0``
+                    for tools; ``manage.py up`` starts its own when unset)
+    SECRET_KEY      required in production; generated into DATA_DIR otherwise
+    FIELD_ENCRYPTION_KEY  key for stored agent credentials (derived from SECRET_KEY if unset)
+    ALLOWED_HOSTS   comma-separated (default: localhost names)
+    DEBUG           "1"/"true" to enable (default off)
+    DASHBOARD_PRODUCTION  "1" to require real SECRET_KEY and ALLOWED_HOSTS
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def env_list(name: str, default: list[str]) -> list[str]:
+    value = os.environ.get(name, "")
+    items = [item.strip() for item in value.split(",") if item.strip()]
+    return items or default
+
+
+PRODUCTION = env_flag("DASHBOARD_PRODUCTION")
+DATA_DIR = Path(os.environ.get("DATA_DIR") or BASE_DIR / "var").resolve()
+
+
+def _local_secret_key() -> str:
+    """Generate the key once and keep it in the data folder, so sessions survive restarts."""
+    DATA_DIR.mkdir(parents=True, exist_ok=True)
+    path = DATA_DIR / "secret_key"
+    if not path.exists():
+        path.write_text(secrets.token_urlsafe(50))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+SECRET_KEY = os.environ.get("SECRET_KEY", "")
+if not SECRET_KEY:
+    if PRODUCTION:
+        raise ImproperlyConfigured("SECRET_KEY must be set when DASHBOARD_PRODUCTION is on.")
+    SECRET_KEY = _local_secret_key()
+
+DEBUG = env_flag("DEBUG")
+
+if PRODUCTION and not os.environ.get("ALLOWED_HOSTS"):
+    raise ImproperlyConfigured("ALLOWED_HOSTS must be set when DASHBOARD_PRODUCTION is on.")
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "tasks_app",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "dashboard.urls"
+ASGI_APPLICATION = "dashboard.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+
+def _database() -> dict:
+    url = os.environ.get("DATABASE_URL", "").strip()
+    if not url:
+        DATA_DIR.mkdir(parents=True, exist_ok=True)
+        url = f"sqlite:///{DATA_DIR / 'dashboard.sqlite3'}"
+    try:
+        config = dj_database_url.parse(url, conn_max_age=60, conn_health_checks=True)
+    except Exception as exc:  # dj-database-url raises bare ValueErrors and KeyErrors
+        raise ImproperlyConfigured(f"DATABASE_URL is not a valid database URL: {exc}") from exc
+    if config["ENGINE"] == "django.db.backends.sqlite3":
+        # WAL and a busy timeout let the web server, workers and beat write concurrently.
+        config["CONN_MAX_AGE"] = 0
+        config["OPTIONS"] = {
+            "timeout": 20,
+            "transaction_mode": "IMMEDIATE",
+            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        }
+    return config
+
+
+DATABASES = {"default": _database()}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+REDIS_URL = os.environ.get("REDIS_URL", "").strip() or "redis://127.0.0.1:6379/0"
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {
+            # redis-py 8: its default 5 s socket_timeout kills idle consumers and its
+            # pool caps at 100 connections; see docs/architecture.md.
+            "hosts": [{"address": REDIS_URL, "socket_timeout": None, "max_connections": 2000}],
+            "capacity": 1000,
+            "expiry": 60,
+        },
+    }
+}
+
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", REDIS_URL)
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TASK_DEFAULT_QUEUE = os.environ.get("CELERY_QUEUE", "dashboard")
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+LOGIN_URL = "/accounts/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/accounts/login/"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "/static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = DATA_DIR / "static"
+
+SESSION_COOKIE_HTTPONLY = True
+CSRF_COOKIE_HTTPONLY = False
+X_FRAME_OPTIONS = "DENY"
+SECURE_CONTENT_TYPE_NOSNIFF = True
+if PRODUCTION:
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+
+FIELD_ENCRYPTION_KEY = os.environ.get("FIELD_ENCRYPTION_KEY", "")
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
+    "loggers": {"httpx": {"level": "WARNING"}, "daphne": {"level": "WARNING"}},
+}
+
+# Watcher tuning (see tasks_app/watchers.py); tests shorten these.
+WATCH_LEASE_SECONDS = float(os.environ.get("WATCH_LEASE_SECONDS", "30"))
+WATCH_SLICE_SECONDS = float(os.environ.get("WATCH_SLICE_SECONDS", "300"))
+WATCH_POLL_MIN_SECONDS = float(os.environ.get("WATCH_POLL_MIN_SECONDS", "1"))
+WATCH_POLL_MAX_SECONDS = float(os.environ.get("WATCH_POLL_MAX_SECONDS", "30"))
+RECONCILE_EVERY_SECONDS = float(os.environ.get("RECONCILE_EVERY_SECONDS", "10"))

@@ -1,0 +1,7 @@
+from django.apps import AppConfig
+
+
+class TasksAppConfig(AppConfig):
+    name = "tasks_app"
+    verbose_name = "A2A tasks"
+    default_auto_field = "django.db.models.BigAutoField"

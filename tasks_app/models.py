@@ -1,0 +1,286 @@
+"""The mirror: remote A2A tasks as an append-only event log plus a folded snapshot.
+
+Only ``tasks_app.services`` writes these models (see docs/architecture.md); views,
+watchers, webhooks and commands go through services.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+TERMINAL_STATES = (
+    "TASK_STATE_COMPLETED",
+    "TASK_STATE_FAILED",
+    "TASK_STATE_CANCELED",
+    "TASK_STATE_REJECTED",
+)
+INTERRUPTED_STATES = ("TASK_STATE_INPUT_REQUIRED", "TASK_STATE_AUTH_REQUIRED")
+
+STATE_CHOICES = [
+    ("", "unknown"),
+    ("TASK_STATE_SUBMITTED", "submitted"),
+    ("TASK_STATE_WORKING", "working"),
+    ("TASK_STATE_INPUT_REQUIRED", "input required"),
+    ("TASK_STATE_AUTH_REQUIRED", "auth required"),
+    ("TASK_STATE_COMPLETED", "completed"),
+    ("TASK_STATE_FAILED", "failed"),
+    ("TASK_STATE_CANCELED", "canceled"),
+    ("TASK_STATE_REJECTED", "rejected"),
+]
+
+
+class Agent(models.Model):
+    """A remote A2A agent, with its card as last fetched."""
+
+    name = models.CharField(max_length=200)
+    base_url = models.URLField(max_length=1000, unique=True)
+    card_url = models.URLField(max_length=1000, blank=True)
+    card = models.JSONField(default=dict, blank=True)
+    card_etag = models.CharField(max_length=300, blank=True)
+    card_fetched_at = models.DateTimeField(null=True, blank=True)
+    card_problems = models.JSONField(default=list, blank=True)
+    interface_url = models.URLField(max_length=1000, blank=True)
+    binding = models.CharField(max_length=40, blank=True)  # "JSONRPC" or "HTTP+JSON"
+    protocol_version = models.CharField(max_length=10, blank=True)
+    tenant = models.CharField(max_length=200, blank=True)
+    streaming = models.BooleanField(default=False)
+    push = models.BooleanField(default=False)
+    # Fernet token of a JSON object; see tasks_app/crypto.py. Never rendered.
+    credentials_encrypted = models.TextField(blank=True)
+    reachable = models.BooleanField(null=True)
+    last_error = models.TextField(blank=True)
+    last_contact_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class RemoteTask(models.Model):
+    """One exchange with an agent: normally a remote task, mirrored.
+
+    ``phase`` says how far the exchange got: the send may still be under way,
+    the agent may have answered with a plain Message (no task exists), or the
+    send may have failed before the agent named a task.
+    """
+
+    class Phase(models.TextChoices):
+        SENDING = "sending"
+        TASK = "task"
+        MESSAGE = "message"
+        FAILED = "failed"
+
+    class Mode(models.TextChoices):
+        AUTO = "auto"
+        STREAM = "stream"
+        RETURN_IMMEDIATELY = "return-immediately"
+        BLOCKING = "blocking"
+        IMPORTED = "imported"
+
+    class Watch(models.TextChoices):
+        STREAM = "stream"
+        POLL = "poll"
+        PUSH = "push"
+        NONE = "none"
+
+    class WatcherStatus(models.TextChoices):
+        STREAMING = "streaming"
+        RECONNECTING = "reconnecting"
+        POLLING = "polling"
+        AWAITING_PUSH = "awaiting-push"
+        IDLE = "idle"
+        LOST = "lost"
+
+    agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="tasks")
+    remote_id = models.CharField(max_length=300, blank=True)
+    context_id = models.CharField(max_length=300, blank=True, db_index=True)
+    title = models.CharField(max_length=300, blank=True)
+    phase = models.CharField(max_length=20, choices=Phase.choices, default=Phase.SENDING)
+    mode = models.CharField(max_length=30, choices=Mode.choices, default=Mode.AUTO)
+    state = models.CharField(max_length=40, choices=STATE_CHOICES, blank=True, db_index=True)
+    status_message = models.JSONField(null=True, blank=True)
+    status_timestamp = models.DateTimeField(null=True, blank=True)
+    metadata = models.JSONField(default=dict, blank=True)
+    # The first message we sent; a retry reuses its messageId.
+    request = models.JSONField(default=dict, blank=True)
+    send_error = models.TextField(blank=True)
+    send_attempted_at = models.DateTimeField(null=True, blank=True)
+    started_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+    watch = models.CharField(max_length=20, choices=Watch.choices, default=Watch.NONE)
+    watcher_status = models.CharField(
+        max_length=20, choices=WatcherStatus.choices, default=WatcherStatus.IDLE
+    )
+    watcher_note = models.CharField(max_length=500, blank=True)
+    # The lease: who holds the watch, until when (compare-and-set; see watchers.py).
+    lease_token = models.CharField(max_length=64, blank=True)
+    lease_owner = models.CharField(max_length=200, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    # The last seq handed out; events are appended by compare-and-set on it.
+    last_seq = models.PositiveIntegerField(default=0)
+    last_event_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    updated_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        ordering = ["-updated_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["agent", "remote_id"],
+                condition=~Q(remote_id=""),
+                name="unique_remote_task_per_agent",
+            )
+        ]
+        indexes = [
+            models.Index(fields=["agent", "state", "-updated_at"]),
+            models.Index(fields=["state", "-updated_at"]),
+        ]
+
+    def __str__(self) -> str:
+        return self.remote_id or f"(unsent #{self.pk})"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    @property
+    def is_interrupted(self) -> bool:
+        return self.state in INTERRUPTED_STATES
+
+    @property
+    def state_label(self) -> str:
+        return self.get_state_display() if self.state else self.phase
+
+
+class Channel(models.TextChoices):
+    SEND_RESPONSE = "send-response"
+    STREAM = "stream"
+    RESUBSCRIBE = "resubscribe"
+    POLL = "poll"
+    PUSH = "push"
+    OPERATOR = "operator"
+    SYSTEM = "system"
+
+
+class TaskEvent(models.Model):
+    """One entry of a task's log. ``seq`` is per task, strictly increasing, no gaps."""
+
+    class Kind(models.TextChoices):
+        TASK = "task"
+        MESSAGE = "message"
+        STATUS_UPDATE = "statusUpdate"
+        ARTIFACT_UPDATE = "artifactUpdate"
+        GAP = "gap"
+        PROTOCOL_ERROR = "protocol-error"
+        OPERATOR = "operator"
+        SYSTEM = "system"
+
+    task = models.ForeignKey(RemoteTask, on_delete=models.CASCADE, related_name="events")
+    seq = models.PositiveIntegerField()
+    received_at = models.DateTimeField(default=timezone.now)
+    channel = models.CharField(max_length=20, choices=Channel.choices)
+    kind = models.CharField(max_length=20, choices=Kind.choices)
+    raw = models.JSONField(null=True, blank=True)
+    state_after = models.CharField(max_length=40, blank=True)
+    # Why an event changed nothing, or what was wrong with it.
+    note = models.TextField(blank=True)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+
+    class Meta:
+        ordering = ["task", "seq"]
+        constraints = [
+            models.UniqueConstraint(fields=["task", "seq"], name="unique_seq_per_task")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_id}#{self.seq} {self.kind}"
+
+
+class Artifact(models.Model):
+    """An artifact of a task; its parts are rows, so an appended chunk is one INSERT."""
+
+    task = models.ForeignKey(RemoteTask, on_delete=models.CASCADE, related_name="artifacts")
+    artifact_id = models.CharField(max_length=300)
+    name = models.CharField(max_length=500, blank=True)
+    description = models.TextField(blank=True)
+    metadata = models.JSONField(default=dict, blank=True)
+    extensions = models.JSONField(default=list, blank=True)
+    part_count = models.PositiveIntegerField(default=0)
+    # Chained sha256 over the parts in order: equal parts give an equal digest,
+    # and appending a chunk updates it without reading the earlier parts.
+    digest = models.CharField(max_length=64, blank=True)
+    complete = models.BooleanField(default=False)
+    position = models.PositiveIntegerField(default=0)
+    updated_seq = models.PositiveIntegerField(default=0)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["task", "position"]
+        constraints = [
+            models.UniqueConstraint(fields=["task", "artifact_id"], name="unique_artifact_per_task")
+        ]
+
+
+class ArtifactPart(models.Model):
+    artifact = models.ForeignKey(Artifact, on_delete=models.CASCADE, related_name="parts")
+    index = models.PositiveIntegerField()
+    part = models.JSONField()
+    seq = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        ordering = ["artifact", "index"]
+        constraints = [
+            models.UniqueConstraint(fields=["artifact", "index"], name="unique_part_index")
+        ]
+
+
+class ConversationMessage(models.Model):
+    """Messages we sent and messages the agent sent (status messages, replies, history)."""
+
+    task = models.ForeignKey(RemoteTask, on_delete=models.CASCADE, related_name="messages")
+    message_id = models.CharField(max_length=300)
+    role = models.CharField(max_length=20)
+    message = models.JSONField()
+    seq = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["task", "seq", "id"]
+        constraints = [
+            models.UniqueConstraint(fields=["task", "message_id"], name="unique_message_per_task")
+        ]
+
+
+class OperatorAction(models.Model):
+    """What a person (or a command) asked for, with the actor; also an event in the log."""
+
+    task = models.ForeignKey(
+        RemoteTask, null=True, blank=True, on_delete=models.CASCADE, related_name="actions"
+    )
+    agent = models.ForeignKey(Agent, null=True, blank=True, on_delete=models.CASCADE)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+    action = models.CharField(max_length=40)
+    payload = models.JSONField(default=dict, blank=True)
+    outcome = models.CharField(max_length=500, blank=True)
+    key = models.CharField(max_length=64, default="", blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex
