@@ -126,6 +126,10 @@ def _database() -> dict:
             "transaction_mode": "IMMEDIATE",
             "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
         }
+        # Tests run real workers and servers in other processes: the test
+        # database must be a file they can open, not SQLite's in-memory one.
+        test_name = os.environ.get("DASHBOARD_TEST_DB_FILE") or str(DATA_DIR / "test_dashboard.sqlite3")
+        config["TEST"] = {"NAME": test_name}
     return config
 
 

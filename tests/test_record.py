@@ -1,0 +1,171 @@
+"""record(): the fold into the snapshot, idempotence, gaps and seq allocation."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from django.db import close_old_connections
+
+from tasks_app.models import Agent, RemoteTask, TaskEvent
+from tasks_app.services.record import record, record_many
+from tasks_app.services.snapshot import task_view
+
+pytestmark = pytest.mark.django_db
+
+
+def status(task_id: str, state: str, ts: str | None = None, text: str | None = None, mid: str = "") -> dict:
+    body: dict = {"state": state}
+    if ts:
+        body["timestamp"] = ts
+    if text:
+        body["message"] = {"messageId": mid or f"m-{text}", "role": "ROLE_AGENT", "parts": [{"text": text}]}
+    return {"statusUpdate": {"taskId": task_id, "contextId": "c-1", "status": body}}
+
+
+def chunk(task_id: str, text: str, *, append: bool, last: bool = False, aid: str = "a-1") -> dict:
+    return {
+        "artifactUpdate": {
+            "taskId": task_id,
+            "contextId": "c-1",
+            "artifact": {"artifactId": aid, "name": "out.txt", "parts": [{"text": text}]},
+            "append": append,
+            "lastChunk": last,
+        }
+    }
+
+
+def snapshot(task_id: str, state: str, artifacts: list | None = None, ts: str | None = None) -> dict:
+    task: dict = {"id": task_id, "contextId": "c-1", "status": {"state": state}}
+    if ts:
+        task["status"]["timestamp"] = ts
+    if artifacts:
+        task["artifacts"] = artifacts
+    return {"task": task}
+
+
+@pytest.fixture
+def task(db) -> RemoteTask:
+    agent = Agent.objects.create(name="a", base_url="http://127.0.0.1:1/")
+    return RemoteTask.objects.create(agent=agent, title="t")
+
+
+def seqs(task: RemoteTask) -> list[int]:
+    return list(TaskEvent.objects.filter(task=task).order_by("seq").values_list("seq", flat=True))
+
+
+def test_first_task_event_adopts_the_remote_id(task):
+    result = record(task, snapshot("t-1", "TASK_STATE_SUBMITTED"), "stream")
+    task.refresh_from_db()
+    assert result.seqs == [1]
+    assert (task.remote_id, task.context_id, task.phase, task.state) == (
+        "t-1", "c-1", "task", "TASK_STATE_SUBMITTED"
+    )
+
+
+def test_chunks_append_replace_and_complete(task):
+    record_many(
+        task,
+        [
+            snapshot("t-1", "TASK_STATE_SUBMITTED"),
+            status("t-1", "TASK_STATE_WORKING", text="step 1/3"),
+            chunk("t-1", "a", append=False),
+            chunk("t-1", "b", append=True),
+            chunk("t-1", "c", append=True, last=True),
+        ],
+        "stream",
+    )
+    task.refresh_from_db()
+    view = task_view(task)
+    assert view["artifacts"] == [
+        {"artifactId": "a-1", "name": "out.txt", "parts": [{"text": "a"}, {"text": "b"}, {"text": "c"}]}
+    ]
+    assert task.artifacts.get().complete
+    record(task, chunk("t-1", "z", append=False), "stream")
+    assert task_view(task)["artifacts"][0]["parts"] == [{"text": "z"}]
+    assert seqs(task) == [1, 2, 3, 4, 5, 6]
+
+
+def test_same_status_twice_is_recorded_once(task):
+    record(task, snapshot("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:01Z"), "poll")
+    first = record(task, status("t-1", "TASK_STATE_COMPLETED", ts="2026-01-01T00:00:02Z"), "push")
+    again = record(task, status("t-1", "TASK_STATE_COMPLETED", ts="2026-01-01T00:00:02Z"), "poll")
+    same_snapshot = record(task, snapshot("t-1", "TASK_STATE_COMPLETED", ts="2026-01-01T00:00:02Z"), "poll")
+    assert first.seqs == [2]
+    assert again.duplicate and same_snapshot.duplicate
+    assert seqs(task) == [1, 2]
+
+
+def test_terminal_tasks_do_not_change(task):
+    record(task, snapshot("t-1", "TASK_STATE_COMPLETED"), "poll")
+    result = record(task, status("t-1", "TASK_STATE_WORKING"), "push")
+    task.refresh_from_db()
+    assert task.state == "TASK_STATE_COMPLETED"
+    event = TaskEvent.objects.get(task=task, seq=result.seqs[0])
+    assert event.kind == "protocol-error"
+    assert "illegal transition" in event.note
+
+
+def test_garbage_and_other_tasks_become_protocol_errors(task):
+    record(task, snapshot("t-1", "TASK_STATE_WORKING"), "stream")
+    results = [
+        record(task, "not json at all", "stream"),
+        record(task, {"kind": "status-update", "final": True}, "stream"),
+        record(task, status("t-other", "TASK_STATE_FAILED"), "stream"),
+        record(task, {"statusUpdate": {"taskId": "t-1", "status": {"state": "working"}}}, "stream"),
+    ]
+    kinds = [TaskEvent.objects.get(task=task, seq=r.seqs[0]).kind for r in results]
+    assert kinds == ["protocol-error"] * 4
+    task.refresh_from_db()
+    assert task.state == "TASK_STATE_WORKING"
+
+
+def test_resubscribe_snapshot_that_differs_records_a_gap(task):
+    record_many(task, [snapshot("t-1", "TASK_STATE_WORKING"), chunk("t-1", "a", append=False)], "stream")
+    artifact = {"artifactId": "a-1", "name": "out.txt", "parts": [{"text": "a"}, {"text": "b"}]}
+    result = record(task, snapshot("t-1", "TASK_STATE_COMPLETED", [artifact]), "resubscribe")
+    kinds = list(TaskEvent.objects.filter(task=task, seq__in=result.seqs).values_list("kind", flat=True))
+    assert kinds == ["gap", "task"]
+    assert task_view(task)["artifacts"] == [artifact]
+    # The same snapshot again adds nothing, and no second gap.
+    assert record(task, snapshot("t-1", "TASK_STATE_COMPLETED", [artifact]), "resubscribe").duplicate
+
+
+def test_plain_message_reply_ends_the_exchange_without_a_task(task):
+    reply = {"message": {"messageId": "m-r", "role": "ROLE_AGENT", "contextId": "c-9", "parts": [{"text": "hi"}]}}
+    record(task, reply, "send-response")
+    task.refresh_from_db()
+    assert (task.phase, task.remote_id, task.context_id) == ("message", "", "c-9")
+    assert record(task, reply, "send-response").duplicate
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_writers_never_duplicate_or_skip_a_seq():
+    agent = Agent.objects.create(name="a", base_url="http://127.0.0.1:2/")
+    task = RemoteTask.objects.create(agent=agent)
+    record(task, snapshot("t-1", "TASK_STATE_WORKING"), "stream")
+    errors: list[BaseException] = []
+
+    def writer(n: int) -> None:
+        try:
+            for i in range(15):
+                record(task.pk, chunk("t-1", f"{n}-{i}", append=True, aid=f"a-{n}"), "stream")
+                record(task.pk, {"operator": {"action": "note", "n": n, "i": i}}, "operator")
+        except BaseException as exc:  # collected and asserted below
+            errors.append(exc)
+        finally:
+            close_old_connections()
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert seqs(task) == list(range(1, 1 + 1 + 4 * 15 * 2))
+    task.refresh_from_db()
+    assert task.last_seq == 121
+    for n in range(4):
+        parts = task_view(task)["artifacts"]
+        texts = {a["artifactId"]: [p["text"] for p in a["parts"]] for a in parts}
+        assert texts[f"a-{n}"] == [f"{n}-{i}" for i in range(15)]
