@@ -1,0 +1,106 @@
+"""Low-level HTTP helpers: bounded reads, JSON decoding, httpx error mapping.
+
+Every network failure leaves this module as a :class:`TransportError`
+subclass and every unreadable body as a :class:`ProtocolError`, so the rest of
+the package never has to catch httpx exceptions itself.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from .errors import (
+    A2AError,
+    ConnectError,
+    ConnectionDropped,
+    PayloadTooLarge,
+    ProtocolError,
+    RequestTimeout,
+    StreamIdleTimeout,
+    TransportError,
+    from_http_error,
+)
+
+JSON_MEDIA_TYPES = ("application/json", "application/a2a+json", "application/problem+json")
+SSE_MEDIA_TYPE = "text/event-stream"
+
+
+def media_type(response: httpx.Response) -> str:
+    return response.headers.get("content-type", "").partition(";")[0].strip().lower()
+
+
+def is_json_media(mt: str) -> bool:
+    return mt in JSON_MEDIA_TYPES or mt.endswith("+json")
+
+
+def map_transport_error(exc: httpx.HTTPError, where: str, *, streaming: bool = False) -> A2AError:
+    """Translate an httpx exception into our hierarchy (keeps it as ``__cause__``)."""
+    detail = str(exc) or exc.__class__.__name__
+    if isinstance(exc, httpx.ConnectTimeout):
+        return ConnectError(f"{where}: connect timeout ({detail})")
+    if isinstance(exc, httpx.ConnectError):
+        return ConnectError(f"{where}: cannot connect ({detail})")
+    if isinstance(exc, httpx.ReadTimeout):
+        if streaming:
+            return StreamIdleTimeout(f"{where}: stream silent for too long (no event or keep-alive)")
+        return RequestTimeout(f"{where}: no answer in time")
+    if isinstance(exc, httpx.TimeoutException):
+        return RequestTimeout(f"{where}: timed out ({exc.__class__.__name__})")
+    if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError):
+        return ConnectionDropped(f"{where}: connection dropped ({detail})")
+    if isinstance(exc, httpx.InvalidURL | httpx.UnsupportedProtocol):
+        return TransportError(f"{where}: bad URL ({detail})")
+    return TransportError(f"{where}: {detail}")
+
+
+async def read_bounded(response: httpx.Response, limit: int, where: str) -> bytes:
+    """Read a streamed response body, refusing more than ``limit`` bytes."""
+    length = response.headers.get("content-length")
+    if length and length.isdigit() and int(length) > limit:
+        raise PayloadTooLarge(f"response of {int(length)} bytes exceeds the {limit}-byte limit", where=where)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"response exceeds the {limit}-byte limit", where=where)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def snippet_of(body: bytes | str, limit: int = 160) -> str:
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    return " ".join(text.split())[:limit]
+
+
+def decode_json(body: bytes, where: str, *, mt: str = "") -> Any:
+    """Parse a JSON body; anything else is a ProtocolError saying what came instead."""
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        what = f"{mt or 'no content type'}"
+        raise ProtocolError(
+            f"expected JSON, got {what}: {snippet_of(body) or '(empty body)'}",
+            where=where,
+            snippet=snippet_of(body, 500),
+        ) from exc
+
+
+def error_for_status(response: httpx.Response, body: bytes, where: str) -> A2AError:
+    """Typed error for a non-2xx response (A2A error body when there is one)."""
+    mt = media_type(response)
+    parsed: Any = None
+    if body:
+        try:
+            parsed = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            parsed = None
+    err = from_http_error(response.status_code, parsed, text=snippet_of(body, 500) if parsed is None else "")
+    if isinstance(err, ProtocolError) and not err.where:
+        err.where = where
+    if parsed is None and mt and not is_json_media(mt) and isinstance(err, ProtocolError):
+        err.message = f"{err.message} (content type {mt})"
+    return err

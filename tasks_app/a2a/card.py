@@ -1,0 +1,409 @@
+"""Agent cards: discovery, validation against A2A 1.0, and interface choice.
+
+A card is kept as the plain JSON dict the agent served. :func:`validate_card`
+lists *all* problems instead of stopping at the first, so an operator sees
+everything wrong with an agent at once. A 0.3 card (top-level ``url`` /
+``preferredTransport`` and no ``supportedInterfaces``) is recognised and
+reported as such; :func:`card_protocol_family` is the seam where 0.3 support
+will plug in later.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urljoin, urlsplit
+
+import httpx
+
+from ._http import decode_json, error_for_status, map_transport_error, media_type, read_bounded
+from .errors import IncompatibleAgentError, ProtocolError
+from .types import (
+    A2A_VERSION,
+    LEGACY_CARD_PATH,
+    SUPPORTED_BINDINGS,
+    WELL_KNOWN_CARD_PATH,
+    CardProblem,
+    CardResult,
+    Interface,
+)
+
+DEFAULT_CARD_MAX_BYTES = 1024 * 1024
+SCHEME_KINDS = (
+    "apiKeySecurityScheme",
+    "httpAuthSecurityScheme",
+    "oauth2SecurityScheme",
+    "openIdConnectSecurityScheme",
+    "mtlsSecurityScheme",
+)
+OAUTH_FLOWS = ("authorizationCode", "clientCredentials", "deviceCode", "implicit", "password")
+
+
+class CardNotFoundError(ProtocolError):
+    """No agent card at the well-known paths (or at the given card URL)."""
+
+
+def card_urls(base_or_card_url: str) -> list[str]:
+    """Candidate card URLs: the URL itself if it names a JSON document, else well-known paths."""
+    parts = urlsplit(base_or_card_url)
+    path = parts.path or ""
+    if path.endswith(".json") or "/.well-known/" in path:
+        return [base_or_card_url]
+    base = base_or_card_url.split("?", 1)[0].split("#", 1)[0].rstrip("/")
+    return [base + WELL_KNOWN_CARD_PATH, base + LEGACY_CARD_PATH]
+
+
+async def fetch_card(
+    base_or_card_url: str,
+    *,
+    http: httpx.AsyncClient,
+    etag: str | None = None,
+    timeout: float = 15.0,
+    max_bytes: int = DEFAULT_CARD_MAX_BYTES,
+    headers: dict[str, str] | None = None,
+) -> CardResult:
+    """Fetch an agent card, revalidating with ``If-None-Match`` when ``etag`` is given.
+
+    Tries ``/.well-known/agent-card.json`` then the pre-1.0
+    ``/.well-known/agent.json`` for a base URL. The card is *not* validated
+    here (call :func:`validate_card`): a broken card is still worth showing.
+    """
+    candidates = card_urls(base_or_card_url)
+    last_404: str | None = None
+    for url in candidates:
+        req_headers = {"Accept": "application/json", **(headers or {})}
+        if etag:
+            req_headers["If-None-Match"] = etag
+        where = f"GET {url}"
+        try:
+            async with http.stream("GET", url, headers=req_headers, timeout=timeout) as resp:
+                if resp.status_code == 304:
+                    return CardResult(
+                        url=url,
+                        card=None,
+                        etag=resp.headers.get("etag") or etag,
+                        not_modified=True,
+                        cache_control=resp.headers.get("cache-control"),
+                    )
+                body = await read_bounded(resp, max_bytes, where)
+                if resp.status_code in (404, 410) and url != candidates[-1]:
+                    last_404 = url
+                    continue
+                if resp.status_code in (404, 410):
+                    tried = ", ".join(candidates)
+                    raise CardNotFoundError(f"no agent card found (HTTP {resp.status_code}; tried {tried})", where=where)
+                if resp.status_code >= 400:
+                    raise error_for_status(resp, body, where)
+                card = decode_json(body, where, mt=media_type(resp))
+                if not isinstance(card, dict):
+                    raise ProtocolError(
+                        f"agent card must be a JSON object, got {type(card).__name__}", where=where
+                    )
+                return CardResult(
+                    url=url,
+                    card=card,
+                    etag=resp.headers.get("etag"),
+                    cache_control=resp.headers.get("cache-control"),
+                )
+        except httpx.HTTPError as exc:
+            raise map_transport_error(exc, where) from exc
+    raise CardNotFoundError(f"no agent card found (last tried {last_404})")  # pragma: no cover
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def is_v03_card(card: Any) -> bool:
+    """A 0.3 card has top-level url/preferredTransport and no supportedInterfaces."""
+    return (
+        isinstance(card, dict)
+        and "supportedInterfaces" not in card
+        and any(k in card for k in ("url", "preferredTransport", "additionalInterfaces"))
+    )
+
+
+def card_protocol_family(card: dict[str, Any]) -> str:
+    """``"1.0"`` or ``"0.3"``: where 0.3 normalisation will be added later."""
+    return "0.3" if is_v03_card(card) else "1.0"
+
+
+class _Checker:
+    def __init__(self) -> None:
+        self.problems: list[CardProblem] = []
+
+    def add(self, path: str, message: str) -> None:
+        self.problems.append(CardProblem(path, message))
+
+    def string(self, obj: dict[str, Any], key: str, path: str, *, required: bool) -> None:
+        full = f"{path}.{key}" if path else key
+        if key not in obj:
+            if required:
+                self.add(full, "required field is missing")
+            return
+        value = obj[key]
+        if not isinstance(value, str):
+            self.add(full, f"must be a string, got {type(value).__name__}")
+        elif required and not value:
+            self.add(full, "required field is empty")
+
+    def str_list(self, obj: dict[str, Any], key: str, path: str, *, required: bool) -> None:
+        full = f"{path}.{key}" if path else key
+        if key not in obj:
+            if required:
+                self.add(full, "required field is missing")
+            return
+        value = obj[key]
+        if not isinstance(value, list):
+            self.add(full, f"must be an array of strings, got {type(value).__name__}")
+            return
+        if required and not value:
+            self.add(full, "required array is empty")
+        for i, item in enumerate(value):
+            if not isinstance(item, str):
+                self.add(f"{full}[{i}]", f"must be a string, got {type(item).__name__}")
+
+    def obj(self, value: Any, path: str) -> bool:
+        if not isinstance(value, dict):
+            self.add(path, f"must be an object, got {type(value).__name__}")
+            return False
+        return True
+
+    def requirements(self, reqs: Any, path: str, scheme_names: set[str] | None) -> None:
+        if not isinstance(reqs, list):
+            self.add(path, "must be an array")
+            return
+        for i, req in enumerate(reqs):
+            rp = f"{path}[{i}]"
+            if not self.obj(req, rp):
+                continue
+            schemes = req.get("schemes", {})
+            if not self.obj(schemes, f"{rp}.schemes"):
+                continue
+            for name, scopes in schemes.items():
+                sp = f"{rp}.schemes.{name}"
+                if scheme_names is not None and name not in scheme_names:
+                    self.add(sp, "names a scheme not declared in securitySchemes")
+                if self.obj(scopes, sp) and "list" in scopes:
+                    self.str_list(scopes, "list", sp, required=False)
+
+
+def validate_card(card: Any) -> list[CardProblem]:
+    """Every way ``card`` deviates from an A2A 1.0 AgentCard (empty list = valid)."""
+    c = _Checker()
+    if not isinstance(card, dict):
+        c.add("", f"agent card must be a JSON object, got {type(card).__name__}")
+        return c.problems
+    v03 = is_v03_card(card)
+    if v03:
+        c.add(
+            "",
+            "agent speaks A2A 0.3 (top-level url/preferredTransport, no supportedInterfaces); "
+            "0.3 is not supported yet",
+        )
+    for key in ("name", "description", "version"):
+        c.string(card, key, "", required=True)
+    for key in ("documentationUrl", "iconUrl"):
+        c.string(card, key, "", required=False)
+
+    if not v03:
+        ifaces = card.get("supportedInterfaces")
+        if ifaces is None:
+            c.add("supportedInterfaces", "required field is missing")
+        elif not isinstance(ifaces, list):
+            c.add("supportedInterfaces", "must be an array")
+        else:
+            if not ifaces:
+                c.add("supportedInterfaces", "required array is empty")
+            for i, iface in enumerate(ifaces):
+                p = f"supportedInterfaces[{i}]"
+                if not c.obj(iface, p):
+                    continue
+                for key in ("url", "protocolBinding", "protocolVersion"):
+                    c.string(iface, key, p, required=True)
+                c.string(iface, "tenant", p, required=False)
+                ver = iface.get("protocolVersion")
+                if isinstance(ver, str) and ver and _major_minor(ver) is None:
+                    c.add(f"{p}.protocolVersion", f"not a Major.Minor version: {ver!r}")
+
+    if "provider" in card and c.obj(card["provider"], "provider"):
+        c.string(card["provider"], "url", "provider", required=True)
+        c.string(card["provider"], "organization", "provider", required=True)
+
+    caps = card.get("capabilities")
+    if caps is None:
+        c.add("capabilities", "required field is missing")
+    elif c.obj(caps, "capabilities"):
+        for flag in ("streaming", "pushNotifications", "extendedAgentCard"):
+            if flag in caps and not isinstance(caps[flag], bool):
+                c.add(f"capabilities.{flag}", f"must be a boolean, got {type(caps[flag]).__name__}")
+        exts = caps.get("extensions")
+        if exts is not None:
+            if not isinstance(exts, list):
+                c.add("capabilities.extensions", "must be an array")
+            else:
+                for i, ext in enumerate(exts):
+                    p = f"capabilities.extensions[{i}]"
+                    if not c.obj(ext, p):
+                        continue
+                    c.string(ext, "uri", p, required=True)
+                    c.string(ext, "description", p, required=False)
+                    if "required" in ext and not isinstance(ext["required"], bool):
+                        c.add(f"{p}.required", "must be a boolean")
+                    if "params" in ext:
+                        c.obj(ext["params"], f"{p}.params")
+
+    c.str_list(card, "defaultInputModes", "", required=True)
+    c.str_list(card, "defaultOutputModes", "", required=True)
+
+    schemes = card.get("securitySchemes")
+    scheme_names: set[str] | None = None
+    if schemes is not None and c.obj(schemes, "securitySchemes"):
+        scheme_names = set(schemes)
+        for name, scheme in schemes.items():
+            _check_scheme(c, scheme, f"securitySchemes.{name}")
+    if "securityRequirements" in card:
+        c.requirements(card["securityRequirements"], "securityRequirements", scheme_names or set())
+
+    skills = card.get("skills")
+    if skills is None:
+        c.add("skills", "required field is missing")
+    elif not isinstance(skills, list):
+        c.add("skills", "must be an array")
+    else:
+        if not skills:
+            c.add("skills", "required array is empty")
+        for i, skill in enumerate(skills):
+            p = f"skills[{i}]"
+            if not c.obj(skill, p):
+                continue
+            for key in ("id", "name", "description"):
+                c.string(skill, key, p, required=True)
+            c.str_list(skill, "tags", p, required=True)
+            for key in ("examples", "inputModes", "outputModes"):
+                c.str_list(skill, key, p, required=False)
+            if "securityRequirements" in skill:
+                c.requirements(skill["securityRequirements"], f"{p}.securityRequirements", scheme_names or set())
+
+    sigs = card.get("signatures")
+    if sigs is not None:
+        if not isinstance(sigs, list):
+            c.add("signatures", "must be an array")
+        else:
+            for i, sig in enumerate(sigs):
+                p = f"signatures[{i}]"
+                if c.obj(sig, p):
+                    c.string(sig, "protected", p, required=True)
+                    c.string(sig, "signature", p, required=True)
+                    if "header" in sig:
+                        c.obj(sig["header"], f"{p}.header")
+    return c.problems
+
+
+def _check_scheme(c: _Checker, scheme: Any, path: str) -> None:
+    if not c.obj(scheme, path):
+        return
+    if "type" in scheme:
+        c.add(path, "OpenAPI-style scheme with 'type' (A2A 0.3); 1.0 uses a oneof wrapper key")
+        return
+    kinds = [k for k in SCHEME_KINDS if k in scheme]
+    if len(kinds) != 1:
+        c.add(path, f"must have exactly one of {', '.join(SCHEME_KINDS)} (found {len(kinds)})")
+        return
+    kind = kinds[0]
+    body = scheme[kind]
+    p = f"{path}.{kind}"
+    if not c.obj(body, p):
+        return
+    c.string(body, "description", p, required=False)
+    if kind == "apiKeySecurityScheme":
+        c.string(body, "name", p, required=True)
+        loc = body.get("location")
+        if loc not in ("header", "query", "cookie"):
+            c.add(f"{p}.location", f"must be 'header', 'query' or 'cookie', got {loc!r}")
+    elif kind == "httpAuthSecurityScheme":
+        c.string(body, "scheme", p, required=True)
+        c.string(body, "bearerFormat", p, required=False)
+    elif kind == "oauth2SecurityScheme":
+        flows = body.get("flows")
+        if flows is None:
+            c.add(f"{p}.flows", "required field is missing")
+        elif c.obj(flows, f"{p}.flows"):
+            present = [f for f in OAUTH_FLOWS if f in flows]
+            if len(present) != 1:
+                c.add(f"{p}.flows", f"must have exactly one of {', '.join(OAUTH_FLOWS)} (found {len(present)})")
+            for f in present:
+                fp = f"{p}.flows.{f}"
+                if c.obj(flows[f], fp):
+                    if f in ("authorizationCode", "clientCredentials", "deviceCode", "password"):
+                        c.string(flows[f], "tokenUrl", fp, required=True)
+                    if f in ("authorizationCode", "implicit"):
+                        c.string(flows[f], "authorizationUrl", fp, required=True)
+                    if f == "deviceCode":
+                        c.string(flows[f], "deviceAuthorizationUrl", fp, required=True)
+                    if "scopes" in flows[f]:
+                        c.obj(flows[f]["scopes"], f"{fp}.scopes")
+        c.string(body, "oauth2MetadataUrl", p, required=False)
+    elif kind == "openIdConnectSecurityScheme":
+        c.string(body, "openIdConnectUrl", p, required=True)
+
+
+# --------------------------------------------------------------------------- interface choice
+
+
+def _major_minor(version: str) -> tuple[int, int] | None:
+    bits = version.strip().split(".")
+    if len(bits) < 2:
+        return None
+    try:
+        return int(bits[0]), int(bits[1])
+    except ValueError:
+        return None
+
+
+def choose_interface(
+    card: dict[str, Any],
+    *,
+    binding: str | None = None,
+    card_url: str | None = None,
+) -> Interface:
+    """The interface to use, per §8.3.2: first entry we can speak, in card order.
+
+    ``binding`` restricts the choice to ``"JSONRPC"`` or ``"HTTP+JSON"``
+    (CLI ``--binding``). A relative interface URL is resolved against
+    ``card_url``. Raises :class:`IncompatibleAgentError` when nothing fits.
+    """
+    if is_v03_card(card):
+        raise IncompatibleAgentError(
+            "agent speaks A2A 0.3 only (its card has no supportedInterfaces); 0.3 is not supported yet",
+            problems=validate_card(card),
+        )
+    wanted = SUPPORTED_BINDINGS if binding is None else (_normalise_binding(binding),)
+    target = _major_minor(A2A_VERSION)
+    offered: list[str] = []
+    for iface in card.get("supportedInterfaces") or []:
+        if not isinstance(iface, dict):
+            continue
+        b = iface.get("protocolBinding")
+        v = iface.get("protocolVersion")
+        url = iface.get("url")
+        offered.append(f"{b} {v}")
+        if not isinstance(b, str) or not isinstance(v, str) or not isinstance(url, str) or not url:
+            continue
+        if b.upper() not in wanted or _major_minor(v) != target:
+            continue
+        if card_url:
+            url = urljoin(card_url, url)
+        tenant = iface.get("tenant") if isinstance(iface.get("tenant"), str) else ""
+        return Interface(url=url, binding=b.upper(), protocol_version=A2A_VERSION, tenant=tenant)  # type: ignore[arg-type]
+    want = " or ".join(wanted)
+    raise IncompatibleAgentError(
+        f"no {want} interface for A2A {A2A_VERSION} in the card (offered: {', '.join(offered) or 'none'})"
+    )
+
+
+def _normalise_binding(binding: str) -> str:
+    b = binding.strip().upper()
+    if b in ("REST", "HTTP+JSON", "HTTP_JSON", "HTTPJSON"):
+        return "HTTP+JSON"
+    if b in ("JSONRPC", "JSON-RPC", "JSON_RPC"):
+        return "JSONRPC"
+    raise ValueError(f"unknown binding {binding!r} (use jsonrpc or rest)")

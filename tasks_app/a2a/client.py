@@ -1,0 +1,435 @@
+"""The async A2A 1.0 client: one API over the JSON-RPC and HTTP+JSON bindings.
+
+The ``httpx.AsyncClient`` is injected, never created here: building one costs
+tens of milliseconds of CPU (its SSL context) and the mirror holds hundreds of
+streams on one event loop, so one client is shared by all of them.
+
+Results stay ProtoJSON dicts; replies that can be a Task *or* a Message come
+back as a :class:`StreamEvent` so callers branch on ``event.kind``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import httpx
+
+from .bindings import BaseBinding, make_binding
+from .card import choose_interface, fetch_card
+from .errors import ProtocolError
+from .streams import DEFAULT_MAX_EVENT_BYTES, check_task, parse_stream_response
+from .types import (
+    A2A_VERSION,
+    EXTENSIONS_HEADER,
+    ROLE_USER,
+    VERSION_HEADER,
+    Credentials,
+    Interface,
+    StreamEvent,
+)
+
+DEFAULT_MAX_RESPONSE_BYTES = 32 * 1024 * 1024
+USER_AGENT = "a2a-dashboard/0.1"
+
+
+def user_message(
+    text: str | None = None,
+    *,
+    data: Any = None,
+    files: Iterable[Mapping[str, Any]] = (),
+    task_id: str | None = None,
+    context_id: str | None = None,
+    message_id: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    reference_task_ids: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Build a ``ROLE_USER`` Message.
+
+    A fresh UUID ``messageId`` is made unless one is given: pass the same id
+    again when *retrying* a send, so a server that deduplicates on it does not
+    create a second task. ``files`` are Part dicts (``{"raw": b64, ...}`` or
+    ``{"url": ...}``, with ``mediaType``/``filename``); ``data`` becomes a data
+    part with ``mediaType: application/json``.
+    """
+    parts: list[dict[str, Any]] = []
+    if text is not None:
+        parts.append({"text": text})
+    if data is not None:
+        parts.append({"data": data, "mediaType": "application/json"})
+    parts.extend(dict(f) for f in files)
+    if not parts:
+        raise ValueError("a message needs at least one part (text, data or files)")
+    msg: dict[str, Any] = {
+        "messageId": message_id or str(uuid.uuid4()),
+        "role": ROLE_USER,
+        "parts": parts,
+    }
+    if task_id:
+        msg["taskId"] = task_id
+    if context_id:
+        msg["contextId"] = context_id
+    if metadata:
+        msg["metadata"] = dict(metadata)
+    if reference_task_ids:
+        msg["referenceTaskIds"] = list(reference_task_ids)
+    return msg
+
+
+@dataclass(frozen=True, slots=True)
+class AuthPlan:
+    """Where credentials go for one agent: headers and query parameters."""
+
+    headers: dict[str, str] = field(default_factory=dict)
+    query: dict[str, str] = field(default_factory=dict)
+
+
+def auth_plan(card: Mapping[str, Any] | None, credentials: Credentials | None) -> AuthPlan:
+    """Place credentials as the card's security schemes say.
+
+    A token goes into ``Authorization`` (``Bearer`` unless the card's HTTP
+    scheme names another, e.g. ``Basic``); an API key goes to the location and
+    name of the card's ``apiKeySecurityScheme`` (header, query or cookie).
+    """
+    plan = AuthPlan()
+    if credentials is None:
+        return plan
+    plan.headers.update(dict(credentials.headers))
+    schemes = (card or {}).get("securitySchemes") or {}
+    schemes = schemes if isinstance(schemes, dict) else {}
+    preferred: list[str] = []
+    for req in (card or {}).get("securityRequirements") or []:
+        if isinstance(req, dict) and isinstance(req.get("schemes"), dict):
+            preferred.extend(req["schemes"])
+    ordered = [n for n in preferred if n in schemes] + [n for n in schemes if n not in preferred]
+
+    def first(kind: str) -> dict[str, Any] | None:
+        for name in ordered:
+            s = schemes.get(name)
+            if isinstance(s, dict) and isinstance(s.get(kind), dict):
+                return s[kind]
+        return None
+
+    if credentials.token:
+        http_scheme = first("httpAuthSecurityScheme")
+        scheme = "Bearer"
+        if http_scheme and isinstance(http_scheme.get("scheme"), str) and http_scheme["scheme"]:
+            scheme = http_scheme["scheme"]
+            scheme = "Bearer" if scheme.lower() == "bearer" else scheme
+        plan.headers["Authorization"] = f"{scheme} {credentials.token}"
+    if credentials.api_key:
+        api = first("apiKeySecurityScheme")
+        location = (api or {}).get("location") or credentials.api_key_location or "header"
+        name = (api or {}).get("name") or credentials.api_key_name or "X-API-Key"
+        if location == "query":
+            plan.query[name] = credentials.api_key
+        elif location == "cookie":
+            cookie = plan.headers.get("Cookie")
+            pair = f"{name}={credentials.api_key}"
+            plan.headers["Cookie"] = f"{cookie}; {pair}" if cookie else pair
+        else:
+            plan.headers[name] = credentials.api_key
+    return plan
+
+
+def _timestamp(value: str | datetime) -> str:
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise ValueError("status_timestamp_after needs an aware datetime (UTC)")
+        from datetime import UTC
+
+        return value.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return value
+
+
+class A2AClient:
+    """Talk A2A 1.0 to one agent interface.
+
+    Timeouts: ``timeout`` bounds ordinary calls; a *blocking* SendMessage
+    waits up to ``send_timeout`` for the task to reach a terminal or
+    interrupted state; a stream may stay silent (no event, no keep-alive)
+    for at most ``stream_idle_timeout`` seconds before
+    :class:`~tasks_app.a2a.errors.StreamIdleTimeout` (SDK servers ping about
+    every 15 s). Streams are async generators: close them (``aclosing``) when
+    you stop early.
+    """
+
+    def __init__(
+        self,
+        interface: Interface,
+        *,
+        http: httpx.AsyncClient,
+        credentials: Credentials | None = None,
+        extensions: Sequence[str] = (),
+        card: Mapping[str, Any] | None = None,
+        timeout: float = 30.0,
+        send_timeout: float = 600.0,
+        stream_idle_timeout: float = 60.0,
+        connect_timeout: float = 10.0,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+    ) -> None:
+        self.interface = interface
+        self.card = dict(card) if card is not None else None
+        self.extensions = tuple(extensions)
+        self._timeout = httpx.Timeout(timeout, connect=connect_timeout)
+        self._send_timeout = httpx.Timeout(send_timeout, connect=connect_timeout)
+        self._stream_timeout = httpx.Timeout(
+            connect=connect_timeout, read=stream_idle_timeout, write=timeout, pool=timeout
+        )
+        plan = auth_plan(card, credentials)
+        headers = {VERSION_HEADER: A2A_VERSION, "User-Agent": USER_AGENT, **plan.headers}
+        if self.extensions:
+            headers[EXTENSIONS_HEADER] = ",".join(self.extensions)
+        self._binding: BaseBinding = make_binding(
+            interface,
+            http,
+            headers=headers,
+            query=plan.query,
+            max_response_bytes=max_response_bytes,
+            max_event_bytes=max_event_bytes,
+        )
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        *,
+        http: httpx.AsyncClient,
+        binding: str | None = None,
+        credentials: Credentials | None = None,
+        **kwargs: Any,
+    ) -> A2AClient:
+        """Fetch the card at ``url`` (base or card URL), choose an interface, build a client."""
+        result = await fetch_card(url, http=http)
+        assert result.card is not None
+        iface = choose_interface(result.card, binding=binding, card_url=result.url)
+        return cls(iface, http=http, credentials=credentials, card=result.card, **kwargs)
+
+    @property
+    def capabilities(self) -> dict[str, Any]:
+        caps = (self.card or {}).get("capabilities")
+        return caps if isinstance(caps, dict) else {}
+
+    # ------------------------------------------------------------------ messages
+
+    @staticmethod
+    def _send_params(
+        message: Mapping[str, Any],
+        *,
+        return_immediately: bool,
+        history_length: int | None,
+        accepted_output_modes: Sequence[str] | None,
+        push_config: Mapping[str, Any] | None,
+        metadata: Mapping[str, Any] | None,
+    ) -> dict[str, Any]:
+        config: dict[str, Any] = {}
+        if accepted_output_modes:
+            config["acceptedOutputModes"] = list(accepted_output_modes)
+        if history_length is not None:
+            config["historyLength"] = history_length
+        if return_immediately:
+            config["returnImmediately"] = True
+        if push_config:
+            pc = dict(push_config)
+            pc.pop("taskId", None)  # inline configs carry no taskId (§8)
+            config["taskPushNotificationConfig"] = pc
+        params: dict[str, Any] = {"message": dict(message)}
+        if config:
+            params["configuration"] = config
+        if metadata:
+            params["metadata"] = dict(metadata)
+        return params
+
+    async def send_message(
+        self,
+        message: Mapping[str, Any],
+        *,
+        return_immediately: bool = False,
+        history_length: int | None = None,
+        accepted_output_modes: Sequence[str] | None = None,
+        push_config: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> StreamEvent:
+        """SendMessage: the reply is a ``task`` or a ``message`` event.
+
+        Blocking by default (the agent answers when the task is terminal or
+        interrupted), so the read timeout is ``send_timeout``.
+        """
+        params = self._send_params(
+            message,
+            return_immediately=return_immediately,
+            history_length=history_length,
+            accepted_output_modes=accepted_output_modes,
+            push_config=push_config,
+            metadata=metadata,
+        )
+        timeout = self._timeout if return_immediately else self._send_timeout
+        result = await self._binding.call("SendMessage", params, timeout=timeout)
+        return parse_stream_response(result, where="SendMessage result", allowed=("task", "message"))
+
+    async def send_streaming_message(
+        self,
+        message: Mapping[str, Any],
+        *,
+        history_length: int | None = None,
+        accepted_output_modes: Sequence[str] | None = None,
+        push_config: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> AsyncIterator[StreamEvent]:
+        """SendStreamingMessage: one ``message``, or a ``task`` then updates until it closes."""
+        params = self._send_params(
+            message,
+            return_immediately=False,
+            history_length=history_length,
+            accepted_output_modes=accepted_output_modes,
+            push_config=push_config,
+            metadata=metadata,
+        )
+        async for event in self._binding.stream(
+            "SendStreamingMessage", params, timeout=self._stream_timeout
+        ):
+            yield event
+
+    # ------------------------------------------------------------------ tasks
+
+    async def get_task(self, task_id: str, *, history_length: int | None = None) -> dict[str, Any]:
+        params: dict[str, Any] = {"id": task_id}
+        if history_length is not None:
+            params["historyLength"] = history_length
+        return check_task(await self._binding.call("GetTask", params, timeout=self._timeout), "GetTask result")
+
+    async def list_tasks(
+        self,
+        *,
+        context_id: str | None = None,
+        status: str | None = None,
+        page_size: int | None = None,
+        page_token: str | None = None,
+        history_length: int | None = None,
+        status_timestamp_after: str | datetime | None = None,
+        include_artifacts: bool = False,
+    ) -> dict[str, Any]:
+        """ListTasks: ``{"tasks": [...], "nextPageToken": "", "pageSize", "totalSize"}``."""
+        params: dict[str, Any] = {}
+        if context_id:
+            params["contextId"] = context_id
+        if status:
+            params["status"] = status
+        if page_size is not None:
+            params["pageSize"] = page_size
+        if page_token:
+            params["pageToken"] = page_token
+        if history_length is not None:
+            params["historyLength"] = history_length
+        if status_timestamp_after is not None:
+            params["statusTimestampAfter"] = _timestamp(status_timestamp_after)
+        if include_artifacts:
+            params["includeArtifacts"] = True
+        result = await self._binding.call("ListTasks", params, timeout=self._timeout)
+        if not isinstance(result, dict):
+            raise ProtocolError("ListTasks result must be an object", where="ListTasks")
+        tasks = result.get("tasks", [])
+        if not isinstance(tasks, list):
+            raise ProtocolError("'tasks' must be an array", where="ListTasks")
+        for i, task in enumerate(tasks):
+            check_task(task, f"ListTasks.tasks[{i}]")
+        result.setdefault("tasks", [])
+        result.setdefault("nextPageToken", "")
+        return result
+
+    async def cancel_task(
+        self, task_id: str, *, metadata: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """CancelTask: the updated Task (which may not be CANCELED yet)."""
+        params: dict[str, Any] = {"id": task_id}
+        if metadata:
+            params["metadata"] = dict(metadata)
+        return check_task(
+            await self._binding.call("CancelTask", params, timeout=self._timeout), "CancelTask result"
+        )
+
+    async def subscribe_to_task(self, task_id: str) -> AsyncIterator[StreamEvent]:
+        """SubscribeToTask: a ``task`` snapshot first, then live updates only."""
+        async for event in self._binding.stream(
+            "SubscribeToTask", {"id": task_id}, timeout=self._stream_timeout
+        ):
+            yield event
+
+    # ------------------------------------------------------------------ push configs
+
+    async def create_push_config(
+        self,
+        task_id: str,
+        url: str,
+        *,
+        config_id: str | None = None,
+        token: str | None = None,
+        auth_scheme: str | None = None,
+        auth_credentials: str | None = None,
+    ) -> dict[str, Any]:
+        """CreateTaskPushNotificationConfig. Always sends an ``id`` (fresh UUID by default):
+
+        servers store an id-less config under the task id, so a second one would
+        silently overwrite the first.
+        """
+        config: dict[str, Any] = {"taskId": task_id, "id": config_id or str(uuid.uuid4()), "url": url}
+        if token:
+            config["token"] = token
+        if auth_scheme:
+            config["authentication"] = {"scheme": auth_scheme}
+            if auth_credentials:
+                config["authentication"]["credentials"] = auth_credentials
+        return self._config(
+            await self._binding.call("CreateTaskPushNotificationConfig", config, timeout=self._timeout),
+            "CreateTaskPushNotificationConfig",
+        )
+
+    async def get_push_config(self, task_id: str, config_id: str) -> dict[str, Any]:
+        return self._config(
+            await self._binding.call(
+                "GetTaskPushNotificationConfig", {"taskId": task_id, "id": config_id}, timeout=self._timeout
+            ),
+            "GetTaskPushNotificationConfig",
+        )
+
+    async def list_push_configs(
+        self, task_id: str, *, page_size: int | None = None, page_token: str | None = None
+    ) -> dict[str, Any]:
+        """``{"configs": [...], "nextPageToken": ""}``."""
+        params: dict[str, Any] = {"taskId": task_id}
+        if page_size is not None:
+            params["pageSize"] = page_size
+        if page_token:
+            params["pageToken"] = page_token
+        result = await self._binding.call("ListTaskPushNotificationConfigs", params, timeout=self._timeout)
+        if result is None:
+            result = {}
+        if not isinstance(result, dict) or not isinstance(result.get("configs", []), list):
+            raise ProtocolError("malformed ListTaskPushNotificationConfigs result", where="ListTaskPushNotificationConfigs")
+        result.setdefault("configs", [])
+        result.setdefault("nextPageToken", "")
+        return result
+
+    async def delete_push_config(self, task_id: str, config_id: str) -> None:
+        await self._binding.call(
+            "DeleteTaskPushNotificationConfig", {"taskId": task_id, "id": config_id}, timeout=self._timeout
+        )
+
+    @staticmethod
+    def _config(result: Any, where: str) -> dict[str, Any]:
+        if not isinstance(result, dict) or not isinstance(result.get("url"), str):
+            raise ProtocolError("expected a TaskPushNotificationConfig with 'url'", where=where)
+        return result
+
+    # ------------------------------------------------------------------ cards
+
+    async def get_extended_agent_card(self) -> dict[str, Any]:
+        """GetExtendedAgentCard (needs ``capabilities.extendedAgentCard`` and usually credentials)."""
+        result = await self._binding.call("GetExtendedAgentCard", {}, timeout=self._timeout)
+        if not isinstance(result, dict):
+            raise ProtocolError("extended agent card must be an object", where="GetExtendedAgentCard")
+        return result

@@ -1,0 +1,264 @@
+"""SSE framing and ``StreamResponse`` parsing.
+
+The SSE reader is our own small bounded line reader rather than
+``EventSource.aiter_sse()``: that one buffers a line of any length, and an
+agent that never sends a newline would make us buffer without end. We still
+open the request with ``httpx_sse.aconnect_sse`` (it sets the SSE request
+headers). Comment lines (keep-alives) and events with empty data (a known
+httpx-sse / framing quirk) are skipped.
+
+:func:`parse_stream_response` turns one decoded JSON object into a
+:class:`StreamEvent`, rejecting shapes that are not A2A 1.0 (including
+0.3-shaped payloads with ``kind``) with a :class:`ProtocolError` that says
+what was wrong and where.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from .errors import PayloadTooLarge, ProtocolError
+from .types import ALL_ROLES, ALL_STATES, EVENT_KINDS, StreamEvent
+
+DEFAULT_MAX_EVENT_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class SSEMessage:
+    """One dispatched SSE event (``event`` is ``""`` when the field was absent)."""
+
+    event: str
+    data: str
+
+
+_EOL = re.compile(rb"\r\n|\r|\n")
+
+
+async def _iter_lines(
+    chunks: AsyncIterator[bytes], max_line: int, where: str
+) -> AsyncIterator[bytes]:
+    """Split a byte stream into SSE lines (CRLF, CR or LF), bounding line length.
+
+    Only new bytes are scanned and a partial line is kept as a list of pieces,
+    so a large event costs linear time.
+    """
+    partial: list[bytes] = []
+    partial_len = 0
+    cr_pending = False
+    async for chunk in chunks:
+        if cr_pending:
+            cr_pending = False
+            if chunk.startswith(b"\n"):
+                chunk = chunk[1:]
+        pos = 0
+        for m in _EOL.finditer(chunk):
+            if m.group() == b"\r" and m.end() == len(chunk):
+                cr_pending = True  # a "\n" may start the next chunk
+            piece = chunk[pos : m.start()]
+            if partial:
+                partial.append(piece)
+                line = b"".join(partial)
+                partial, partial_len = [], 0
+            else:
+                line = piece
+            yield line
+            pos = m.end()
+        rest = chunk[pos:]
+        if rest:
+            partial.append(rest)
+            partial_len += len(rest)
+            if partial_len > max_line:
+                raise PayloadTooLarge(
+                    f"SSE line longer than the {max_line}-byte limit", where=where
+                )
+    if partial:
+        yield b"".join(partial)
+    yield b""  # a stream ending without the final blank line still dispatches
+
+
+async def iter_sse(
+    chunks: AsyncIterator[bytes],
+    *,
+    max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+    where: str = "",
+) -> AsyncIterator[SSEMessage]:
+    """Decode an SSE byte stream into events, bounding every event's size."""
+    event = ""
+    data: list[str] = []
+    size = 0
+    async for raw in _iter_lines(chunks, max_event_bytes, where):
+        if not raw:
+            if data:
+                payload = "\n".join(data)
+                if payload.strip():
+                    yield SSEMessage(event=event, data=payload)
+            event, data, size = "", [], 0
+            continue
+        if raw.startswith(b":"):
+            continue  # comment / keep-alive
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ProtocolError("SSE stream is not valid UTF-8", where=where) from exc
+        name, _, value = line.partition(":")
+        if value.startswith(" "):
+            value = value[1:]
+        if name == "data":
+            size += len(raw) + 1
+            if size > max_event_bytes:
+                raise PayloadTooLarge(
+                    f"SSE event larger than the {max_event_bytes}-byte limit", where=where
+                )
+            data.append(value)
+        elif name == "event":
+            event = value
+        # id / retry have no meaning in A2A (§7); unknown fields are ignored.
+
+
+async def iter_sse_response(
+    response: httpx.Response, *, max_event_bytes: int, where: str
+) -> AsyncIterator[SSEMessage]:
+    async for msg in iter_sse(response.aiter_bytes(), max_event_bytes=max_event_bytes, where=where):
+        yield msg
+
+
+# --------------------------------------------------------------------------- payload checks
+
+
+def _hint_03(value: str) -> str:
+    return " (looks like A2A 0.3)" if value.islower() else ""
+
+
+def _check_state(status: Any, where: str) -> None:
+    if not isinstance(status, dict):
+        raise ProtocolError(f"'status' must be an object, got {type(status).__name__}", where=where)
+    state = status.get("state")
+    if state is None:
+        return  # default-valued (UNSPECIFIED); the fold reports it
+    if not isinstance(state, str) or state not in ALL_STATES:
+        hint = _hint_03(state) if isinstance(state, str) else ""
+        raise ProtocolError(f"unknown task state {state!r}{hint}", where=f"{where}.state")
+    if "message" in status and status["message"] is not None:
+        _check_message(status["message"], f"{where}.message")
+
+
+def _check_parts(parts: Any, where: str) -> None:
+    if parts is None:
+        return
+    if not isinstance(parts, list):
+        raise ProtocolError("'parts' must be an array", where=where)
+    for i, part in enumerate(parts):
+        if not isinstance(part, dict):
+            raise ProtocolError("part must be an object", where=f"{where}[{i}]")
+        if "kind" in part:
+            raise ProtocolError(
+                f"part has 'kind'={part.get('kind')!r}: a 0.3-shaped payload on a 1.0 interface",
+                where=f"{where}[{i}]",
+            )
+
+
+def _require_id(obj: dict[str, Any], key: str, where: str) -> None:
+    value = obj.get(key)
+    if not isinstance(value, str) or not value:
+        raise ProtocolError(f"missing or empty '{key}'", where=where)
+
+
+def _check_message(msg: Any, where: str) -> None:
+    if not isinstance(msg, dict):
+        raise ProtocolError("message must be an object", where=where)
+    if "kind" in msg:
+        raise ProtocolError("message has 'kind': a 0.3-shaped payload on a 1.0 interface", where=where)
+    _require_id(msg, "messageId", where)
+    role = msg.get("role")
+    if role is not None and role not in ALL_ROLES:
+        hint = _hint_03(role) if isinstance(role, str) else ""
+        raise ProtocolError(f"unknown role {role!r}{hint}", where=f"{where}.role")
+    _check_parts(msg.get("parts"), f"{where}.parts")
+
+
+def _check_artifact(art: Any, where: str) -> None:
+    if not isinstance(art, dict):
+        raise ProtocolError("artifact must be an object", where=where)
+    _require_id(art, "artifactId", where)
+    _check_parts(art.get("parts"), f"{where}.parts")
+
+
+def check_task(task: Any, where: str = "task") -> dict[str, Any]:
+    """Validate the shape of a Task object (ids, known enums, no 0.3 ``kind``)."""
+    if not isinstance(task, dict):
+        raise ProtocolError(f"expected a Task object, got {type(task).__name__}", where=where)
+    if "kind" in task:
+        raise ProtocolError("task has 'kind': a 0.3-shaped payload on a 1.0 interface", where=where)
+    _require_id(task, "id", where)
+    if "status" not in task:
+        raise ProtocolError("task without 'status'", where=where)
+    _check_state(task["status"], f"{where}.status")
+    arts = task.get("artifacts")
+    if arts is not None:
+        if not isinstance(arts, list):
+            raise ProtocolError("'artifacts' must be an array", where=where)
+        for i, art in enumerate(arts):
+            _check_artifact(art, f"{where}.artifacts[{i}]")
+    hist = task.get("history")
+    if hist is not None:
+        if not isinstance(hist, list):
+            raise ProtocolError("'history' must be an array", where=where)
+        for i, msg in enumerate(hist):
+            _check_message(msg, f"{where}.history[{i}]")
+    return task
+
+
+def _check_member(kind: str, member: Any, where: str) -> None:
+    if not isinstance(member, dict):
+        raise ProtocolError(f"'{kind}' must be an object", where=where)
+    if kind == "task":
+        check_task(member, where)
+    elif kind == "message":
+        _check_message(member, where)
+    elif kind == "statusUpdate":
+        if "final" in member or "kind" in member:
+            raise ProtocolError(
+                "status update has 'final'/'kind': a 0.3-shaped payload on a 1.0 interface",
+                where=where,
+            )
+        _require_id(member, "taskId", where)
+        if "status" not in member:
+            raise ProtocolError("status update without 'status'", where=where)
+        _check_state(member["status"], f"{where}.status")
+    elif kind == "artifactUpdate":
+        _require_id(member, "taskId", where)
+        if "artifact" not in member:
+            raise ProtocolError("artifact update without 'artifact'", where=where)
+        _check_artifact(member["artifact"], f"{where}.artifact")
+
+
+def parse_stream_response(
+    obj: Any, *, where: str = "", allowed: Iterable[str] = EVENT_KINDS
+) -> StreamEvent:
+    """Turn one StreamResponse JSON object into a :class:`StreamEvent`."""
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"expected a StreamResponse object, got {type(obj).__name__}", where=where)
+    if "kind" in obj:
+        raise ProtocolError(
+            f"payload has 'kind'={obj.get('kind')!r}: a 0.3-shaped payload on a 1.0 interface",
+            where=where,
+        )
+    present = [k for k in EVENT_KINDS if k in obj]
+    if not present:
+        keys = ", ".join(sorted(obj)[:8]) or "none"
+        raise ProtocolError(
+            f"no task/message/statusUpdate/artifactUpdate member (keys: {keys})", where=where
+        )
+    if len(present) > 1:
+        raise ProtocolError(f"more than one StreamResponse member: {present}", where=where)
+    kind = present[0]
+    allowed = tuple(allowed)
+    if kind not in allowed:
+        raise ProtocolError(f"unexpected '{kind}' (expected one of {list(allowed)})", where=where)
+    _check_member(kind, obj[kind], f"{where}.{kind}" if where else kind)
+    return StreamEvent(kind=kind, payload=obj[kind], raw=obj)  # type: ignore[arg-type]

@@ -1,0 +1,354 @@
+"""A scripted A2A 1.0 agent built on the official a2a-sdk server.
+
+Used by the test-suite (as a real, spec-following peer) and by
+``manage.py up --demo`` (something to watch without a real agent).
+
+It serves both bindings from one Starlette app:
+
+* card:      ``GET {base}/.well-known/agent-card.json`` (ETag, Cache-Control)
+* JSON-RPC:  ``POST {base}/jsonrpc``   (listed first in ``supportedInterfaces``)
+* HTTP+JSON: ``{base}/rest/...``
+
+Behaviour is chosen by the first word of the user's text:
+
+=====================  =====================================================
+``hello ...`` / other   a plain **Message** reply, no task
+``quick``               task completes at once with a small text artifact
+``slow [N] [interval]`` WORKING with "step i/N" status messages, an artifact
+                        streamed in N chunks (``append`` after the first,
+                        ``lastChunk`` on the last), then COMPLETED
+                        (defaults N=5, interval = ``--delay``, 0.2 s)
+``ask``                 INPUT_REQUIRED with a question; a follow-up message
+                        on the same task completes it with an artifact
+                        echoing the answer
+``auth [seconds]``      AUTH_REQUIRED with an explanation, then resumes *on
+                        its own* (out-of-band model: the executor keeps
+                        running) after ``seconds`` (default 1) -> WORKING ->
+                        COMPLETED. A follow-up message while it waits is
+                        queued by the SDK until then.
+``fail``                FAILED with a status message
+``reject``              REJECTED with a status message
+``long [seconds]``      WORKING with periodic progress until canceled
+                        (-> CANCELED) or until the time runs out (default
+                        300 s) -> COMPLETED
+``data``                completes with a JSON data-part artifact and a file
+                        artifact (raw bytes, ``hello.txt``)
+``markdown``            a text/markdown artifact containing ``<script>`` and a
+                        ``javascript:`` link (for sanitizer tests)
+=====================  =====================================================
+
+Options: ``--no-streaming`` / ``--no-push`` switch the capabilities off (the
+SDK then answers -32004 / -32003 itself); ``--token T`` requires
+``Authorization: Bearer T`` on the A2A endpoints (the card stays public, and
+declares the bearer scheme). The extended card (``capabilities.
+extendedAgentCard``) adds an ``admin`` skill. Push URLs are not screened, so
+loopback webhooks work for local development.
+
+Run: ``python -m tasks_app.demo_agent --host 127.0.0.1 --port 9999``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from a2a.helpers.proto_helpers import (
+    new_data_part,
+    new_raw_part,
+    new_task_from_user_message,
+    new_text_message,
+    new_text_part,
+)
+from a2a.server.agent_execution import AgentExecutor, RequestContext
+from a2a.server.events import EventQueue
+from a2a.server.request_handlers import DefaultRequestHandler
+from a2a.server.routes import create_agent_card_routes, create_jsonrpc_routes, create_rest_routes
+from a2a.server.tasks import (
+    BasePushNotificationSender,
+    InMemoryPushNotificationConfigStore,
+    InMemoryTaskStore,
+    TaskUpdater,
+)
+from a2a.types import a2a_pb2 as pb
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+log = logging.getLogger("tasks_app.demo_agent")
+
+TASK_WORDS = frozenset({"quick", "slow", "ask", "auth", "fail", "reject", "long", "data", "markdown"})
+MARKDOWN_SAMPLE = (
+    "# Demo report\n\n"
+    "Some **bold** text and a [safe link](https://example.org/).\n\n"
+    "<script>alert('xss')</script>\n\n"
+    "[click me](javascript:alert('xss'))\n\n"
+    '<img src="x" onerror="alert(1)">\n'
+)
+
+
+def _number(words: list[str], index: int, default: float) -> float:
+    try:
+        return float(words[index])
+    except (IndexError, ValueError):
+        return default
+
+
+class DemoExecutor(AgentExecutor):
+    """Plays the scripts described in the module docstring."""
+
+    def __init__(self, *, step_delay: float = 0.2, auth_delay: float = 1.0) -> None:
+        self.step_delay = step_delay
+        self.auth_delay = auth_delay
+        self._scripts: dict[str, str] = {}  # task id -> script word (for follow-ups)
+
+    async def execute(self, context: RequestContext, event_queue: EventQueue) -> None:
+        text = context.get_user_input().strip()
+        words = text.split()
+        word = words[0].lower() if words else ""
+        task = context.current_task
+
+        if task is None:
+            if word not in TASK_WORDS:
+                reply = f"Hello! You said: {text}" if text else "Hello!"
+                await event_queue.enqueue_event(
+                    new_text_message(reply, context_id=context.context_id)
+                )
+                return
+            assert context.message is not None
+            task = new_task_from_user_message(context.message)
+            await event_queue.enqueue_event(task)
+            self._scripts[task.id] = word
+        else:
+            word = self._scripts.get(task.id, "")
+
+        up = TaskUpdater(event_queue, task.id, task.context_id)
+
+        def say(msg: str) -> pb.Message:
+            return up.new_agent_message([new_text_part(msg)])
+
+        if context.current_task is not None:  # a follow-up on an existing task
+            if word == "ask" or task.status.state == pb.TASK_STATE_INPUT_REQUIRED:
+                await up.start_work(say("Thanks, working on it."))
+                await up.add_artifact(
+                    [new_text_part(f"You answered: {text}")], name="answer", last_chunk=True
+                )
+                await up.complete(say("Done."))
+            else:
+                await up.start_work(say(f"Follow-up received: {text}"))
+                await up.complete(say("Done."))
+            return
+
+        if word == "quick":
+            await up.add_artifact([new_text_part("quick result")], name="result", last_chunk=True)
+            await up.complete(say("Done."))
+        elif word == "slow":
+            n = max(1, int(_number(words, 1, 5)))
+            interval = _number(words, 2, self.step_delay)
+            art_id = f"{task.id}-report"
+            await up.start_work(say(f"starting {n} steps"))
+            for i in range(1, n + 1):
+                await asyncio.sleep(interval)
+                await up.update_status(pb.TASK_STATE_WORKING, say(f"step {i}/{n}"))
+                await up.add_artifact(
+                    [new_text_part(f"chunk {i}\n")],
+                    artifact_id=art_id,
+                    name="report.txt",
+                    append=i > 1,
+                    last_chunk=i == n,
+                )
+            await up.complete(say(f"finished {n} steps"))
+        elif word == "ask":
+            await up.start_work()
+            await up.requires_input(say("What is your name?"))
+        elif word == "auth":
+            wait = _number(words, 1, self.auth_delay)
+            await up.requires_auth(
+                say("Authorization needed: an operator must approve access to the demo vault.")
+            )
+            await asyncio.sleep(wait)
+            await up.start_work(say("Authorization received out of band."))
+            await up.add_artifact([new_text_part("vault opened")], name="vault", last_chunk=True)
+            await up.complete(say("Done."))
+        elif word == "fail":
+            await up.start_work()
+            await up.failed(say("Simulated failure: the demo backend is down."))
+        elif word == "reject":
+            await up.reject(say("I will not do that."))
+        elif word == "long":
+            total = _number(words, 1, 300.0)
+            interval = max(self.step_delay, 0.1)
+            await up.start_work(say(f"working for up to {total:g} s"))
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            i = 0
+            while loop.time() - start < total:
+                await asyncio.sleep(min(interval, max(0.0, total - (loop.time() - start))))
+                i += 1
+                await up.update_status(pb.TASK_STATE_WORKING, say(f"still working ({i})"))
+            await up.complete(say("Time is up."))
+        elif word == "data":
+            await up.add_artifact(
+                [new_data_part({"answer": 42, "items": ["a", "b"], "ok": True}, "application/json")],
+                name="data.json",
+                last_chunk=True,
+            )
+            await up.add_artifact(
+                [new_raw_part(b"hello, file\n", media_type="text/plain", filename="hello.txt")],
+                name="hello.txt",
+                last_chunk=True,
+            )
+            await up.complete(say("Done."))
+        elif word == "markdown":
+            await up.add_artifact(
+                [new_text_part(MARKDOWN_SAMPLE, media_type="text/markdown")],
+                name="report.md",
+                last_chunk=True,
+            )
+            await up.complete(say("Done."))
+
+    async def cancel(self, context: RequestContext, event_queue: EventQueue) -> None:
+        task = context.current_task
+        if task is None or not context.task_id:
+            return
+        up = TaskUpdater(event_queue, context.task_id, task.context_id)
+        await up.cancel(up.new_agent_message([new_text_part("Canceled on request.")]))
+
+
+def build_card(
+    base_url: str, *, streaming: bool = True, push: bool = True, token: str | None = None
+) -> pb.AgentCard:
+    base = base_url.rstrip("/")
+    card = pb.AgentCard(
+        name="Demo Agent",
+        description="A scripted A2A 1.0 agent for tests and demos (first word picks the script).",
+        version="1.0.0",
+        supported_interfaces=[
+            pb.AgentInterface(url=f"{base}/jsonrpc", protocol_binding="JSONRPC", protocol_version="1.0"),
+            pb.AgentInterface(url=f"{base}/rest", protocol_binding="HTTP+JSON", protocol_version="1.0"),
+        ],
+        provider=pb.AgentProvider(organization="a2a-dashboard", url="https://example.org/"),
+        capabilities=pb.AgentCapabilities(
+            streaming=streaming, push_notifications=push, extended_agent_card=True
+        ),
+        default_input_modes=["text/plain", "application/json"],
+        default_output_modes=["text/plain", "text/markdown", "application/json", "application/octet-stream"],
+        skills=[
+            pb.AgentSkill(
+                id="script",
+                name="Scripted behaviours",
+                description="hello, quick, slow, ask, auth, fail, reject, long, data, markdown",
+                tags=["demo", "test"],
+                examples=["hello", "quick", "slow 5 0.2", "ask", "auth", "long 30", "data"],
+            )
+        ],
+    )
+    if token:
+        card.security_schemes["bearer"].CopyFrom(
+            pb.SecurityScheme(
+                http_auth_security_scheme=pb.HTTPAuthSecurityScheme(scheme="Bearer", bearer_format="opaque")
+            )
+        )
+        req = pb.SecurityRequirement()
+        req.schemes["bearer"].CopyFrom(pb.StringList())
+        card.security_requirements.append(req)
+    return card
+
+
+class _BearerGuard:
+    """Plain ASGI middleware: 401 on A2A endpoints without the right bearer token."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not scope["path"].startswith("/.well-known/"):
+            auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if auth != self.expected:
+                response = JSONResponse(
+                    {"error": "unauthorized"}, status_code=401, headers={"WWW-Authenticate": "Bearer"}
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(
+    base_url: str,
+    *,
+    streaming: bool = True,
+    push: bool = True,
+    step_delay: float = 0.2,
+    auth_delay: float = 1.0,
+    token: str | None = None,
+) -> ASGIApp:
+    """The demo agent as an ASGI app; ``base_url`` is where it will be reachable."""
+    card = build_card(base_url, streaming=streaming, push=push, token=token)
+    extended = pb.AgentCard()
+    extended.CopyFrom(card)
+    extended.skills.append(
+        pb.AgentSkill(id="admin", name="Admin", description="Only in the extended card.", tags=["admin"])
+    )
+    push_http = httpx.AsyncClient(timeout=10.0)
+    push_store = InMemoryPushNotificationConfigStore() if push else None
+    handler = DefaultRequestHandler(
+        agent_executor=DemoExecutor(step_delay=step_delay, auth_delay=auth_delay),
+        task_store=InMemoryTaskStore(),
+        agent_card=card,
+        push_config_store=push_store,
+        push_sender=BasePushNotificationSender(push_http, push_store) if push_store else None,
+        extended_agent_card=extended,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            with contextlib.suppress(Exception):
+                await handler.aclose()
+            await push_http.aclose()
+
+    routes: list[Any] = []
+    routes += create_agent_card_routes(card, cache_control="max-age=60")
+    routes += create_jsonrpc_routes(handler, "/jsonrpc")
+    routes += create_rest_routes(handler, path_prefix="/rest")
+    app: ASGIApp = Starlette(routes=routes, lifespan=lifespan)
+    if token:
+        app = _BearerGuard(app, token)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description="Scripted A2A 1.0 demo agent (a2a-sdk).")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9999)
+    parser.add_argument("--public-url", default=None, help="base URL to advertise in the card")
+    parser.add_argument("--no-streaming", action="store_true")
+    parser.add_argument("--no-push", action="store_true")
+    parser.add_argument("--delay", type=float, default=0.2, help="default step interval (s)")
+    parser.add_argument("--auth-delay", type=float, default=1.0, help="auth-required wait (s)")
+    parser.add_argument("--token", default=None, help="require this bearer token")
+    parser.add_argument("--log-level", default="warning")
+    args = parser.parse_args(argv)
+    base = args.public_url or f"http://{args.host}:{args.port}"
+    app = build_app(
+        base,
+        streaming=not args.no_streaming,
+        push=not args.no_push,
+        step_delay=args.delay,
+        auth_delay=args.auth_delay,
+        token=args.token,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+
+
+if __name__ == "__main__":
+    main()
