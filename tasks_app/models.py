@@ -111,6 +111,9 @@ class RemoteTask(models.Model):
     metadata = models.JSONField(default=dict, blank=True)
     # The first message we sent; a retry reuses its messageId.
     request = models.JSONField(default=dict, blank=True)
+    # The message a watcher must send next (the first one, or an answer); cleared
+    # once the agent has acknowledged it.
+    outbox = models.JSONField(null=True, blank=True)
     send_error = models.TextField(blank=True)
     send_attempted_at = models.DateTimeField(null=True, blank=True)
     started_by = models.ForeignKey(

@@ -46,7 +46,7 @@ from tasks_app.models import (
 log = logging.getLogger(__name__)
 
 A2A_KINDS = ("task", "message", "statusUpdate", "artifactUpdate")
-LOCAL_KINDS = ("operator", "system", "gap")
+LOCAL_KINDS = ("operator", "system", "gap", "protocolError")
 KNOWN_STATES = {
     "TASK_STATE_SUBMITTED",
     "TASK_STATE_WORKING",
@@ -106,6 +106,9 @@ def parse_entry(obj: Any) -> Entry:
         )
     kind = keys[0]
     payload = obj[kind]
+    if kind == "protocolError":
+        message = payload.get("message", "") if isinstance(payload, dict) else str(payload)
+        return Entry("protocol-error", payload, obj, str(message)[:2000])
     if not isinstance(payload, dict):
         return Entry("protocol-error", None, obj, f"{kind} is not a JSON object")
     problem = _check(kind, payload)
@@ -377,6 +380,15 @@ class _Fold:
         self.remember_messages([message])
         row = _Row(entry, "message")
         row.messages = [message]  # type: ignore[attr-defined]
+        self.rows.append(row)
+
+    def _fold_operator(self, entry: Entry) -> None:
+        """An operator's action; a message we send joins the conversation."""
+        row = _Row(entry, "operator")
+        message = entry.payload.get("message")
+        if isinstance(message, dict) and message.get("messageId"):
+            row.messages = self.unknown_messages([message])  # type: ignore[attr-defined]
+            self.remember_messages(row.messages)  # type: ignore[attr-defined]
         self.rows.append(row)
 
     # -- writes
