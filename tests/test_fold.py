@@ -50,11 +50,11 @@ def art(artifact_id: str, text: str, *, append: bool = False, last: bool = False
 
 
 def test_state_sets_are_disjoint_and_complete() -> None:
-    assert TERMINAL_STATES == {
+    assert {
         "TASK_STATE_COMPLETED", "TASK_STATE_FAILED", "TASK_STATE_CANCELED", "TASK_STATE_REJECTED",
-    }  # fmt: skip
-    assert INTERRUPTED_STATES == {"TASK_STATE_INPUT_REQUIRED", "TASK_STATE_AUTH_REQUIRED"}
-    assert ACTIVE_STATES == {"TASK_STATE_SUBMITTED", "TASK_STATE_WORKING"}
+    } == TERMINAL_STATES  # fmt: skip
+    assert {"TASK_STATE_INPUT_REQUIRED", "TASK_STATE_AUTH_REQUIRED"} == INTERRUPTED_STATES
+    assert {"TASK_STATE_SUBMITTED", "TASK_STATE_WORKING"} == ACTIVE_STATES
     assert not (TERMINAL_STATES & INTERRUPTED_STATES) and not (TERMINAL_STATES & ACTIVE_STATES)
 
 
