@@ -549,23 +549,27 @@ def record_many(
     raise RecordError(f"task {task_pk}: gave up after {MAX_RETRIES} concurrent updates")
 
 
+RELAY_RAW_LIMIT = 64 * 1024
+
+
 def _relay_messages(task: RemoteTask, events: list[TaskEvent]) -> list[relay.Message]:
-    messages: list[relay.Message] = [
-        (
-            relay.task_group(task.pk),
-            {
-                "type": "task.event",
-                "task": task.pk,
-                "seq": event.seq,
-                "kind": event.kind,
-                "channel": event.channel,
-                "state": event.state_after,
-                "note": event.note,
-                "received_at": event.received_at.isoformat(),
-            },
-        )
-        for event in events
-    ]
+    """One message per appended row (with its raw JSON unless large) and one list summary."""
+    messages: list[relay.Message] = []
+    for event in events:
+        message = {
+            "type": "task.event",
+            "task": task.pk,
+            "seq": event.seq,
+            "kind": event.kind,
+            "channel": event.channel,
+            "state": event.state_after,
+            "note": event.note,
+            "received_at": event.received_at.isoformat(),
+        }
+        # Large entries are left for the consumer to read from the log.
+        if len(_canonical(event.raw)) <= RELAY_RAW_LIMIT:
+            message["raw"] = event.raw
+        messages.append((relay.task_group(task.pk), message))
     messages.append((relay.LIST_GROUP, {"type": "tasks.changed", **task_summary(task)}))
     return messages
 
