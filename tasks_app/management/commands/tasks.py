@@ -1,0 +1,105 @@
+"""``manage.py tasks start|import|show|list|cancel|refresh``: the mirror from the command line."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from tasks_app.models import Agent, RemoteTask
+from tasks_app.services import tasks as task_services
+from tasks_app.services.snapshot import task_document
+
+MODES = ["auto", "stream", "return-immediately", "blocking"]
+
+
+def find_agent(ref: str) -> Agent:
+    agent = (
+        Agent.objects.filter(pk=int(ref)).first()
+        if ref.isdigit()
+        else Agent.objects.filter(name=ref).first() or Agent.objects.filter(base_url=ref).first()
+    )
+    if agent is None:
+        raise CommandError(f"No agent {ref!r}: see 'manage.py agents list'.")
+    return agent
+
+
+def find_task(ref: str) -> RemoteTask:
+    task = RemoteTask.objects.filter(pk=int(ref)).first() if ref.isdigit() else None
+    task = task or RemoteTask.objects.filter(remote_id=ref).first()
+    if task is None:
+        raise CommandError(f"No task {ref!r}.")
+    return task
+
+
+class Command(BaseCommand):
+    help = "Start, import, show and act on mirrored A2A tasks."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        sub = parser.add_subparsers(dest="action", required=True)
+        start = sub.add_parser("start", help="send a message to an agent (a worker watches it)")
+        start.add_argument("agent", help="agent id, name or base URL")
+        start.add_argument("text")
+        start.add_argument("--mode", choices=MODES, default="auto")
+        start.add_argument("--wait", type=float, default=0, help="seconds to wait for it to settle")
+        imp = sub.add_parser("import", help="mirror the tasks an agent lists (ListTasks)")
+        imp.add_argument("agent")
+        show = sub.add_parser("show", help="a task's snapshot and event log")
+        show.add_argument("task", help="local id or remote task id")
+        show.add_argument("--json", action="store_true")
+        listing = sub.add_parser("list", help="newest tasks")
+        listing.add_argument("--limit", type=int, default=20)
+        cancel = sub.add_parser("cancel")
+        cancel.add_argument("task")
+        cancel.add_argument("--reason", default="")
+        refresh = sub.add_parser("refresh", help="GetTask now")
+        refresh.add_argument("task")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        action = options["action"]
+        try:
+            getattr(self, "do_" + action)(options)
+        except task_services.TaskActionError as exc:
+            raise CommandError(str(exc)) from exc
+
+    def do_start(self, options: dict) -> None:
+        agent = find_agent(options["agent"])
+        task = task_services.start_task(agent, options["text"], mode=options["mode"])
+        deadline = time.monotonic() + options["wait"]
+        while time.monotonic() < deadline:
+            task.refresh_from_db()
+            if task.phase in ("message", "failed") or task.is_terminal or task.is_interrupted:
+                break
+            time.sleep(0.2)
+        task.refresh_from_db()
+        self.stdout.write(f"{task.pk}\t{task.remote_id or '-'}\t{task.phase}\t{task.state_label}")
+
+    def do_import(self, options: dict) -> None:
+        result = task_services.import_tasks(find_agent(options["agent"]))
+        self.stdout.write(f"seen {result.seen}, new {result.created}, changed {result.changed}")
+
+    def do_show(self, options: dict) -> None:
+        task = find_task(options["task"])
+        document = task_document(task)
+        if options["json"]:
+            self.stdout.write(json.dumps(document, indent=2, default=str))
+            return
+        self.stdout.write(f"task {task.pk} ({task.remote_id or 'unsent'}) on {task.agent.name}: {task.state_label}")
+        self.stdout.write(f"watch {task.watch}, watcher {task.watcher_status} {task.watcher_note}")
+        for event in document["events"]:
+            note = f"  ({event['note']})" if event["note"] else ""
+            self.stdout.write(f"  #{event['seq']:>4} {event['received_at']} {event['channel']:<13} {event['kind']:<15} {event['state_after']}{note}")
+
+    def do_list(self, options: dict) -> None:
+        for task in RemoteTask.objects.select_related("agent")[: options["limit"]]:
+            self.stdout.write(f"{task.pk}\t{task.agent.name}\t{task.remote_id or '-'}\t{task.state_label}\t{task.title}")
+
+    def do_cancel(self, options: dict) -> None:
+        task = task_services.cancel_task(find_task(options["task"]), reason=options["reason"])
+        self.stdout.write(f"{task.pk}\t{task.state_label}")
+
+    def do_refresh(self, options: dict) -> None:
+        task = task_services.refresh_task(find_task(options["task"]))
+        self.stdout.write(f"{task.pk}\t{task.state_label}")
