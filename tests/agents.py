@@ -343,6 +343,7 @@ class BadServer:
         self._server: asyncio.base_events.Server | None = None
         self.port = 0
         self._conns: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def url_for(self, mode: str) -> str:
         return f"http://127.0.0.1:{self.port}/{mode}"
@@ -363,6 +364,9 @@ class BadServer:
         async def _close() -> None:
             for w in list(self._conns):
                 w.transport.abort()
+            for t in list(self._tasks):
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
             if self._server is not None:
                 self._server.close()
 
@@ -385,6 +389,9 @@ class BadServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._conns.add(writer)
+        me = asyncio.current_task()
+        if me is not None:
+            self._tasks.add(me)  # type: ignore[arg-type]
         try:
             head = await reader.readuntil(b"\r\n\r\n")
             lines = head.decode("latin-1").split("\r\n")
@@ -397,16 +404,24 @@ class BadServer:
             body = b""
             if int(headers.get("content-length", "0") or 0):
                 body = await reader.readexactly(int(headers["content-length"]))
-            await self._respond(verb, target, headers, body, writer)
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+            await self._respond(verb, target, headers, body, reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError, asyncio.CancelledError):
             pass
         finally:
             self._conns.discard(writer)
+            if me is not None:
+                self._tasks.discard(me)  # type: ignore[arg-type]
             with contextlib.suppress(Exception):
                 writer.close()
 
     async def _respond(
-        self, verb: str, target: str, headers: dict[str, str], body: bytes, w: asyncio.StreamWriter
+        self,
+        verb: str,
+        target: str,
+        headers: dict[str, str],
+        body: bytes,
+        reader: asyncio.StreamReader,
+        w: asyncio.StreamWriter,
     ) -> None:
         path, _, query = target.partition("?")
         mode = path.strip("/").split("/", 1)[0]
@@ -447,12 +462,12 @@ class BadServer:
             big = {"task": {**task, "metadata": {"blob": "x" * self.big_event_bytes}}}
             w.write(b"data: " + result(big) + b"\n\n")
         elif mode == "silent":
-            await asyncio.sleep(3600)
+            await reader.read()  # until the client gives up and closes
         elif mode == "silentstream":
             w.write(self._sse_head())
             w.write(b"data: " + result({"task": task}) + b"\n\n")
             await w.drain()
-            await asyncio.sleep(3600)
+            await reader.read()
         elif mode == "dropped":
             w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
             chunk = b"data: " + result({"task": task}) + b"\n\n"
