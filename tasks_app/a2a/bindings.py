@@ -343,8 +343,8 @@ class RestBinding(BaseBinding):
         except A2AError as exc:
             if started or verb == "GET" or not _verb_mismatch(exc, task_id):
                 raise
-        _SUBSCRIBE_VERB[key] = "GET"
         async for ev in self._stream_once("SubscribeToTask", params, timeout=timeout, verb="GET"):
+            _SUBSCRIBE_VERB[key] = "GET"  # remember only a verb that worked
             yield ev
 
 

@@ -1,0 +1,261 @@
+"""``manage.py a2a``: talk A2A 1.0 to an agent from the shell.
+
+A thin face over :mod:`tasks_app.a2a`; it touches no database and no Django
+model, so it works before the dashboard is set up and against any agent.
+See ``docs/a2a-cli.md`` for examples.
+
+Subcommands: ``card``, ``send``, ``get``, ``list``, ``cancel``, ``subscribe``.
+``URL`` is the agent's base URL (the card is discovered at
+``/.well-known/agent-card.json``) or the card's own URL. With ``--json`` every
+received object is printed as one JSON line in StreamResponse form
+(``{"task": …}``, ``{"message": …}``, ``{"statusUpdate": …}``,
+``{"artifactUpdate": …}``). Errors exit with status 1 and one line naming the
+A2A code and reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+from typing import Any
+
+import httpx
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from tasks_app.a2a import (
+    A2AClient,
+    A2AError,
+    Credentials,
+    StreamEvent,
+    choose_interface,
+    fetch_card,
+    message_text,
+    user_message,
+    validate_card,
+)
+
+STATES = (
+    "SUBMITTED", "WORKING", "INPUT_REQUIRED", "AUTH_REQUIRED",
+    "COMPLETED", "FAILED", "CANCELED", "REJECTED",
+)  # fmt: skip
+
+
+def _state_arg(value: str) -> str:
+    v = value.strip().upper().replace("-", "_")
+    v = v if v.startswith("TASK_STATE_") else f"TASK_STATE_{v}"
+    if v.removeprefix("TASK_STATE_") not in STATES:
+        raise argparse.ArgumentTypeError(f"unknown state {value!r} (one of {', '.join(s.lower() for s in STATES)})")
+    return v
+
+
+def _short_state(state: str | None) -> str:
+    return (state or "TASK_STATE_UNSPECIFIED").removeprefix("TASK_STATE_").lower().replace("_", "-")
+
+
+def _part_summary(part: dict[str, Any], limit: int = 200) -> str:
+    if isinstance(part.get("text"), str):
+        text = part["text"].strip().replace("\n", "\\n")
+        return text if len(text) <= limit else text[: limit - 1] + "…"
+    name = part.get("filename") or ""
+    mt = part.get("mediaType") or ""
+    if "raw" in part:
+        return f"[file {name} {mt} {len(part['raw']) * 3 // 4} bytes]".replace("  ", " ")
+    if "url" in part:
+        return f"[file {name} {mt} {part['url']}]".replace("  ", " ")
+    if "data" in part:
+        data = json.dumps(part["data"], ensure_ascii=False)
+        return data if len(data) <= limit else data[: limit - 1] + "…"
+    return "[empty part]"
+
+
+def _parts(obj: dict[str, Any] | None) -> str:
+    return " | ".join(_part_summary(p) for p in (obj or {}).get("parts") or [])
+
+
+class Command(BaseCommand):
+    help = "Talk A2A 1.0 to an agent: card, send, get, list, cancel, subscribe."
+    requires_system_checks: list[str] = []
+    requires_migrations_checks = False
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        common = argparse.ArgumentParser(add_help=False)
+        common.add_argument("--json", action="store_true", help="one JSON object per line")
+        common.add_argument("--binding", choices=["jsonrpc", "rest"], help="force a binding (default: the card's first)")
+        common.add_argument("--token", default=os.environ.get("A2A_TOKEN"), help="bearer token (env A2A_TOKEN)")
+        common.add_argument("--api-key", default=os.environ.get("A2A_API_KEY"), help="API key (env A2A_API_KEY)")
+        common.add_argument("--api-key-name", help="API key name when the card declares none")
+        common.add_argument("--api-key-location", choices=["header", "query", "cookie"])
+        common.add_argument("--extension", action="append", default=[], help="extension URI to activate (repeatable)")
+        common.add_argument("--timeout", type=float, default=None,
+                            help="seconds; bounds every call, a blocking send and stream silence")
+
+        sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+        p = sub.add_parser("card", parents=[common], help="fetch, validate and summarise the agent card")
+        p.add_argument("url")
+        p = sub.add_parser("send", parents=[common], help="send a text message")
+        p.add_argument("url")
+        p.add_argument("text")
+        p.add_argument("--mode", choices=["blocking", "return-immediately", "stream"], default="blocking")
+        p.add_argument("--task", dest="task_id", help="continue this task (e.g. answer input-required)")
+        p.add_argument("--context", dest="context_id", help="context id for the message")
+        p.add_argument("--message-id", help="reuse a messageId (safe retry)")
+        p = sub.add_parser("get", parents=[common], help="GetTask")
+        p.add_argument("url")
+        p.add_argument("task_id")
+        p.add_argument("--history-length", type=int)
+        p = sub.add_parser("list", parents=[common], help="ListTasks")
+        p.add_argument("url")
+        p.add_argument("--context", dest="context_id")
+        p.add_argument("--status", type=_state_arg, help="e.g. working, input-required, completed")
+        p.add_argument("--page-size", type=int)
+        p.add_argument("--page-token")
+        p = sub.add_parser("cancel", parents=[common], help="CancelTask")
+        p.add_argument("url")
+        p.add_argument("task_id")
+        p = sub.add_parser("subscribe", parents=[common], help="SubscribeToTask (stream)")
+        p.add_argument("url")
+        p.add_argument("task_id")
+
+    # ------------------------------------------------------------------ output
+
+    def _emit(self, obj: dict[str, Any], human: str, options: dict[str, Any]) -> None:
+        self.stdout.write(json.dumps(obj, ensure_ascii=False) if options["json"] else human)
+        self.stdout.flush()
+
+    def _event_line(self, ev: StreamEvent) -> str:
+        p = ev.payload
+        if ev.kind == "message":
+            role = "agent" if p.get("role") == "ROLE_AGENT" else "user"
+            return f"message ({role}): {_parts(p)}"
+        if ev.kind == "task":
+            line = f"task {p['id']} {_short_state(ev.state)}"
+            if p.get("contextId"):
+                line += f" (context {p['contextId']})"
+            if ev.status_message:
+                line += f": {message_text(ev.status_message, ' ')}"
+            for art in p.get("artifacts") or []:
+                line += f"\n  artifact {art.get('name') or art.get('artifactId')}: {_parts(art)}"
+            return line
+        if ev.kind == "statusUpdate":
+            line = f"status {_short_state(ev.state)}"
+            if ev.status_message:
+                line += f": {message_text(ev.status_message, ' ')}"
+            return line
+        art = p.get("artifact") or {}
+        flags = ("+" if p.get("append") else "") + (" (last chunk)" if p.get("lastChunk") else "")
+        return f"artifact {art.get('name') or art.get('artifactId')}{flags}: {_parts(art)}"
+
+    # ------------------------------------------------------------------ actions
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            asyncio.run(self._run(options))
+        except A2AError as exc:
+            raise CommandError(str(exc), returncode=1) from exc
+        except ValueError as exc:
+            raise CommandError(str(exc), returncode=2) from exc
+
+    def _credentials(self, options: dict[str, Any]) -> Credentials | None:
+        if not (options.get("token") or options.get("api_key")):
+            return None
+        return Credentials(
+            token=options.get("token") or None,
+            api_key=options.get("api_key") or None,
+            api_key_name=options.get("api_key_name"),
+            api_key_location=options.get("api_key_location"),
+        )
+
+    async def _run(self, options: dict[str, Any]) -> None:
+        action = options["action"]
+        timeout = options.get("timeout")
+        async with httpx.AsyncClient(timeout=timeout or 30.0) as http:
+            if action == "card":
+                await self._card(options, http)
+                return
+            kwargs: dict[str, Any] = {}
+            if timeout:
+                kwargs = {"timeout": timeout, "send_timeout": timeout, "stream_idle_timeout": timeout}
+            client = await A2AClient.connect(
+                options["url"],
+                http=http,
+                binding=options.get("binding"),
+                credentials=self._credentials(options),
+                extensions=options.get("extension") or (),
+                **kwargs,
+            )
+            await getattr(self, f"_{action}")(client, options)
+
+    async def _card(self, options: dict[str, Any], http: httpx.AsyncClient) -> None:
+        result = await fetch_card(options["url"], http=http, timeout=options.get("timeout") or 15.0)
+        card = result.card or {}
+        problems = validate_card(card)
+        if options["json"]:
+            self._emit(card, "", options)
+            return
+        out = [f"{card.get('name', '?')} {card.get('version', '')} — {card.get('description', '')}", f"card: {result.url}"]
+        for iface in card.get("supportedInterfaces") or []:
+            if isinstance(iface, dict):
+                tenant = f" tenant={iface['tenant']}" if iface.get("tenant") else ""
+                out.append(f"interface: {iface.get('protocolBinding')} {iface.get('protocolVersion')} {iface.get('url')}{tenant}")
+        try:
+            chosen = choose_interface(card, binding=options.get("binding"), card_url=result.url)
+            out.append(f"chosen: {chosen.binding} {chosen.url}")
+        except A2AError as exc:
+            out.append(f"chosen: none ({exc})")
+        caps = card.get("capabilities") or {}
+        flags = [k for k in ("streaming", "pushNotifications", "extendedAgentCard") if caps.get(k) is True]
+        out.append(f"capabilities: {', '.join(flags) or 'none'}")
+        for skill in card.get("skills") or []:
+            if isinstance(skill, dict):
+                out.append(f"skill: {skill.get('id')} — {skill.get('name')}: {skill.get('description')}")
+        out.extend(f"problem: {p}" for p in problems)
+        if not problems:
+            out.append("valid A2A 1.0 card")
+        self.stdout.write("\n".join(out))
+
+    async def _send(self, client: A2AClient, options: dict[str, Any]) -> None:
+        msg = user_message(
+            options["text"],
+            task_id=options.get("task_id"),
+            context_id=options.get("context_id"),
+            message_id=options.get("message_id"),
+        )
+        mode = options["mode"]
+        if mode == "stream":
+            await self._stream(client.send_streaming_message(msg), options)
+            return
+        ev = await client.send_message(msg, return_immediately=mode == "return-immediately")
+        self._emit(ev.raw, self._event_line(ev), options)
+
+    async def _stream(self, stream: Any, options: dict[str, Any]) -> None:
+        async for ev in stream:
+            self._emit(ev.raw, self._event_line(ev), options)
+
+    async def _get(self, client: A2AClient, options: dict[str, Any]) -> None:
+        task = await client.get_task(options["task_id"], history_length=options.get("history_length"))
+        ev = StreamEvent("task", task, {"task": task})
+        self._emit(ev.raw, self._event_line(ev), options)
+
+    async def _list(self, client: A2AClient, options: dict[str, Any]) -> None:
+        page = await client.list_tasks(
+            context_id=options.get("context_id"),
+            status=options.get("status"),
+            page_size=options.get("page_size"),
+            page_token=options.get("page_token"),
+        )
+        for task in page["tasks"]:
+            ev = StreamEvent("task", task, {"task": task})
+            self._emit(ev.raw, self._event_line(ev).split("\n", 1)[0], options)
+        if page.get("nextPageToken"):
+            tail = {k: page[k] for k in ("nextPageToken", "pageSize", "totalSize") if k in page}
+            self._emit(tail, f"next page: --page-token {page['nextPageToken']}", options)
+
+    async def _cancel(self, client: A2AClient, options: dict[str, Any]) -> None:
+        task = await client.cancel_task(options["task_id"])
+        ev = StreamEvent("task", task, {"task": task})
+        self._emit(ev.raw, self._event_line(ev), options)
+
+    async def _subscribe(self, client: A2AClient, options: dict[str, Any]) -> None:
+        await self._stream(client.subscribe_to_task(options["task_id"]), options)

@@ -1,0 +1,90 @@
+"""``manage.py a2a`` against a running demo agent (no database needed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from io import StringIO
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from tests.agents import REPO_ROOT, AgentHandle
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run(*args: str) -> list[str]:
+    out = StringIO()
+    call_command("a2a", *args, stdout=out)
+    return [line for line in out.getvalue().splitlines() if line.strip()]
+
+
+def run_json(*args: str) -> list[dict]:
+    return [json.loads(line) for line in run(*args, "--json")]
+
+
+def test_card_human_and_json(agent: AgentHandle) -> None:
+    lines = run("card", agent.base_url)
+    assert lines[0].startswith("Demo Agent 1.0.0")
+    assert f"chosen: JSONRPC {agent.jsonrpc_url}" in lines
+    assert "valid A2A 1.0 card" in lines
+    (card,) = run_json("card", agent.card_url)
+    assert card["name"] == "Demo Agent"
+
+
+@pytest.mark.parametrize("binding", ["jsonrpc", "rest"])
+def test_send_modes(agent: AgentHandle, binding: str) -> None:
+    (reply,) = run_json("send", agent.base_url, "hello", "--binding", binding)
+    assert set(reply) == {"message"}
+    (blocking,) = run_json("send", agent.base_url, "quick", "--binding", binding)
+    assert blocking["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+    (immediate,) = run_json("send", agent.base_url, "quick", "--mode", "return-immediately", "--binding", binding)
+    assert "task" in immediate
+    streamed = run_json("send", agent.base_url, "slow 3 0.01", "--mode", "stream", "--binding", binding)
+    kinds = [next(iter(o)) for o in streamed]
+    assert kinds[0] == "task" and kinds.count("artifactUpdate") == 3
+    assert streamed[-1]["statusUpdate"]["status"]["state"] == "TASK_STATE_COMPLETED"
+
+
+def test_answer_get_list_cancel_subscribe(agent: AgentHandle) -> None:
+    (asked,) = run_json("send", agent.base_url, "ask")
+    task = asked["task"]
+    assert task["status"]["state"] == "TASK_STATE_INPUT_REQUIRED"
+    human = run("send", agent.base_url, "Ada", "--task", task["id"], "--context", task["contextId"])
+    assert human[0].startswith(f"task {task['id']} completed")
+    (got,) = run_json("get", agent.base_url, task["id"])
+    assert got["task"]["id"] == task["id"]
+    listed = run_json("list", agent.base_url, "--context", task["contextId"], "--status", "completed")
+    assert [t["task"]["id"] for t in listed] == [task["id"]]
+
+    (long,) = run_json("send", agent.base_url, "long 30", "--mode", "return-immediately", "--binding", "rest")
+    (canceled,) = run_json("cancel", agent.base_url, long["task"]["id"])
+    assert canceled["task"]["status"]["state"] == "TASK_STATE_CANCELED"
+    with pytest.raises(CommandError) as err:
+        run("subscribe", agent.base_url, long["task"]["id"])
+    assert "-32004" in str(err.value) and "UNSUPPORTED_OPERATION" in str(err.value)
+    assert err.value.returncode == 1
+
+
+def test_list_paging_line(agent: AgentHandle) -> None:
+    for _ in range(3):
+        run("send", agent.base_url, "quick")
+    lines = run_json("list", agent.base_url, "--page-size", "2")
+    assert [next(iter(o)) for o in lines[:2]] == ["task", "task"]
+    assert lines[2]["nextPageToken"]
+    more = run_json("list", agent.base_url, "--page-size", "2", "--page-token", lines[2]["nextPageToken"])
+    assert more and "task" in more[0]
+
+
+def test_errors_exit_nonzero_with_one_line(agent: AgentHandle) -> None:
+    proc = subprocess.run(
+        [sys.executable, "manage.py", "a2a", "get", agent.base_url, "no-such-task"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 1
+    err_lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(err_lines) == 1 and "-32001" in err_lines[0] and "TASK_NOT_FOUND" in err_lines[0]
+    with pytest.raises(CommandError, match="cannot connect"):
+        run("get", "http://127.0.0.1:9", "x")
