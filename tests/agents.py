@@ -333,6 +333,7 @@ class BadServer:
     ``gateway401``    401 ``text/plain``
     ``echo``          a valid Task whose ``metadata`` echoes request headers/query/path
     ``card03``        serves a 0.3 agent card at the well-known path
+    ``legacycard``    404 at agent-card.json, a 1.0 card at the pre-1.0 ``agent.json``
     ``nocard``        404 everywhere
     """
 
@@ -496,6 +497,14 @@ class BadServer:
         elif mode == "echo":
             echo = {**task, "metadata": {"headers": headers, "query": query, "path": path, "verb": verb}}
             w.write(self._response("200 OK", "application/json", result(echo)))
+        elif mode == "legacycard" and path.endswith("/.well-known/agent.json"):
+            card = {**V03_CARD, "name": "Legacy path agent"}
+            for key in ("url", "preferredTransport", "protocolVersion"):
+                card.pop(key)
+            card["supportedInterfaces"] = [
+                {"url": "/legacycard/rpc", "protocolBinding": "JSONRPC", "protocolVersion": "1.0"}
+            ]
+            w.write(self._response("200 OK", "application/json", json.dumps(card).encode()))
         elif mode == "card03":
             w.write(self._response("200 OK", "application/json", json.dumps(V03_CARD).encode()))
         else:
