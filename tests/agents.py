@@ -10,9 +10,10 @@ Plain helpers (usable from any test module or benchmark)::
 
 Pytest fixtures (load with ``pytest_plugins = ["tests.agents"]`` or import *):
 ``agent`` (streaming + push), ``agent_nostream``, ``agent_nopush``,
-``agent_token`` (requires bearer ``TOKEN``), all session-scoped; ``tcp_proxy``
-(a factory ``tcp_proxy(host, port) -> TcpProxy``, closed after the test) and
-``bad_server`` (session-scoped :class:`BadServer`).
+``agent_token`` (requires bearer ``AGENT_TOKEN``), all session-scoped;
+``tcp_proxy`` (a factory ``tcp_proxy(host, port) -> TcpProxy``, closed after
+the test), ``webhook`` (a :class:`WebhookReceiver` recording push
+notifications) and ``bad_server`` (session-scoped :class:`BadServer`).
 
 The proxy and the bad server each run their own event loop in a daemon
 thread, so they serve sync tests (which call ``asyncio.run``) and async tests
@@ -45,7 +46,9 @@ __all__ = [
     "AGENT_TOKEN",
     "AgentHandle",
     "BadServer",
+    "ReceivedHook",
     "TcpProxy",
+    "WebhookReceiver",
     "agent",
     "agent_nopush",
     "agent_nostream",
@@ -55,6 +58,7 @@ __all__ = [
     "running_agent",
     "start_agent",
     "tcp_proxy",
+    "webhook",
 ]
 
 
@@ -182,9 +186,22 @@ class _LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=5)
+        """Cancel whatever still runs on the loop (open handlers), then stop it."""
+        if not self.loop.is_running():
+            return
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        with contextlib.suppress(Exception):
+            self.call(cancel_all(), timeout=5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+        if not self.thread.is_alive():
+            self.loop.close()
 
 
 class TcpProxy:
@@ -334,6 +351,8 @@ class BadServer:
     ``echo``          a valid Task whose ``metadata`` echoes request headers/query/path
     ``card03``        serves a 0.3 agent card at the well-known path
     ``legacycard``    404 at agent-card.json, a 1.0 card at the pre-1.0 ``agent.json``
+    ``getonly``       REST ``:subscribe`` answers 405 to POST and streams on GET
+    ``misroute``      REST ``:subscribe`` POST gets TaskNotFound naming "<id>:subscribe"; GET streams
     ``nocard``        404 everywhere
     """
 
@@ -345,6 +364,7 @@ class BadServer:
         self.port = 0
         self._conns: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.subscribe_verbs: list[str] = []
 
     def url_for(self, mode: str) -> str:
         return f"http://127.0.0.1:{self.port}/{mode}"
@@ -442,7 +462,21 @@ class BadServer:
             return json.dumps({"jsonrpc": "2.0", "id": rpc_id, "result": obj} if is_rpc else obj).encode()
 
         task = {"id": "t-1", "contextId": "c-1", "status": {"state": "TASK_STATE_WORKING"}}
-        if mode == "html":
+        if mode in ("getonly", "misroute") and path.endswith(":subscribe"):
+            if verb == "GET":
+                w.write(self._sse_head())
+                w.write(b"data: " + json.dumps({"task": task}).encode() + b"\n\n")
+            elif mode == "getonly":
+                w.write(self._response("405 Method Not Allowed", "text/plain", b"Method Not Allowed"))
+            else:
+                tid = path.rsplit("/", 1)[-1]
+                err = {"error": {"code": 404, "status": "NOT_FOUND", "message": f"Task {tid} not found",
+                                 "details": [{"@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                                              "reason": "TASK_NOT_FOUND", "domain": "a2a-protocol.org",
+                                              "metadata": {"taskId": tid}}]}}
+                w.write(self._response("404 Not Found", "application/json", json.dumps(err).encode()))
+            self.subscribe_verbs.append(verb)
+        elif mode == "html":
             page = b"<html><body><h1>500 Internal Server Error</h1></body></html>"
             w.write(self._response("500 Internal Server Error", "text/html", page))
         elif mode == "html200":
@@ -495,7 +529,10 @@ class BadServer:
         elif mode == "gateway401":
             w.write(self._response("401 Unauthorized", "text/plain", b"Unauthorized", "WWW-Authenticate: Bearer\r\n"))
         elif mode == "echo":
-            echo = {**task, "metadata": {"headers": headers, "query": query, "path": path, "verb": verb}}
+            sent: Any = None
+            with contextlib.suppress(ValueError):
+                sent = json.loads(body) if body else None
+            echo = {**task, "metadata": {"headers": headers, "query": query, "path": path, "verb": verb, "body": sent}}
             w.write(self._response("200 OK", "application/json", result(echo)))
         elif mode == "legacycard" and path.endswith("/.well-known/agent.json"):
             card = {**V03_CARD, "name": "Legacy path agent"}
@@ -510,6 +547,82 @@ class BadServer:
         else:
             w.write(self._response("404 Not Found", "text/plain", b"not found"))
         await w.drain()
+
+
+@dataclass
+class ReceivedHook:
+    path: str
+    headers: dict[str, str]
+    body: Any
+
+
+class WebhookReceiver:
+    """Records push notifications (POSTs) and answers 204; ``received`` lists them."""
+
+    def __init__(self) -> None:
+        self._lt: _LoopThread | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self.port = 0
+        self.received: list[ReceivedHook] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/hook"
+
+    def start(self) -> WebhookReceiver:
+        self._lt = _LoopThread("webhook")
+
+        async def _start() -> None:
+            self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+            self.port = self._server.sockets[0].getsockname()[1]
+
+        self._lt.call(_start())
+        return self
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:  # keep-alive: several notifications may share a connection
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                _, target, _ = lines[0].split(" ", 2)
+                headers = {}
+                for line in lines[1:]:
+                    if ":" in line:
+                        k, v = line.split(":", 1)
+                        headers[k.strip().lower()] = v.strip()
+                body = await reader.readexactly(int(headers.get("content-length", "0") or 0))
+                parsed: Any = None
+                with contextlib.suppress(ValueError):
+                    parsed = json.loads(body)
+                self.received.append(ReceivedHook(target, headers, parsed))
+                writer.write(b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    def wait_for(self, predicate: Callable[[list[ReceivedHook]], bool], timeout: float = 10.0) -> list[ReceivedHook]:
+        deadline = time.monotonic() + timeout
+        while not predicate(list(self.received)):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"webhook condition not met; received {len(self.received)} notifications")
+            time.sleep(0.02)
+        return list(self.received)
+
+    def close(self) -> None:
+        if self._lt is None:
+            return
+
+        async def _close() -> None:
+            if self._server is not None:
+                self._server.close()
+
+        with contextlib.suppress(Exception):
+            self._lt.call(_close())
+        self._lt.stop()
+        self._lt = None
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -554,6 +667,14 @@ def tcp_proxy() -> Iterator[Callable[..., TcpProxy]]:
     yield make
     for p in proxies:
         p.close()
+
+
+@pytest.fixture
+def webhook() -> Iterator[WebhookReceiver]:
+    """A fresh :class:`WebhookReceiver` for one test."""
+    receiver = WebhookReceiver().start()
+    yield receiver
+    receiver.close()
 
 
 @pytest.fixture(scope="session")

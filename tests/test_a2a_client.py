@@ -30,10 +30,11 @@ from tasks_app.a2a import (
     fold,
     fold_all,
     message_text,
+    parse_stream_response,
     user_message,
 )
 from tasks_app.a2a._http import error_for_status
-from tests.agents import AGENT_TOKEN, AgentHandle
+from tests.agents import AGENT_TOKEN, AgentHandle, WebhookReceiver
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -403,3 +404,29 @@ async def test_message_id_is_reusable_for_retries() -> None:
     assert [next(iter(p)) for p in m2["parts"]] == ["data", "raw"] and m2["taskId"] == "t"
     with pytest.raises(ValueError):
         user_message()
+
+
+async def test_push_notifications_are_delivered(
+    agent: AgentHandle, binding: str, http: httpx.AsyncClient, webhook: WebhookReceiver
+) -> None:
+    client = client_for(agent, binding, http)
+    res = await client.send_message(
+        user_message("slow 2 0.02"),
+        push_config={"id": "p-1", "url": webhook.url, "token": "tok-1",
+                     "authentication": {"scheme": "Bearer", "credentials": "whsec-1"}},
+    )
+    assert res.state == "TASK_STATE_COMPLETED"
+
+    def done(hooks: list) -> bool:
+        return any((h.body or {}).get("statusUpdate", {}).get("status", {}).get("state") == "TASK_STATE_COMPLETED"
+                   for h in hooks)
+
+    hooks = await asyncio.to_thread(webhook.wait_for, done)
+    events = [parse_stream_response(h.body, where="push") for h in hooks]
+    assert {e.task_id for e in events} == {res.task_id}
+    assert all(h.headers.get("x-a2a-notification-token") == "tok-1" for h in hooks)
+    assert all(h.headers.get("authorization") == "Bearer whsec-1" for h in hooks)
+    assert events[0].kind == "task"  # an inline config also receives the initial task
+    view = fold_all(events).view
+    assert view["status"]["state"] == "TASK_STATE_COMPLETED"
+    assert artifact_text(view["artifacts"][0]) == "chunk 1\nchunk 2\n"

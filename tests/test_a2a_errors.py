@@ -293,3 +293,25 @@ def test_rest_status_mapping() -> None:
     assert isinstance(from_http_error(403, None, text="Forbidden"), AuthError)
     assert isinstance(from_http_error(418, None, text="<html>teapot</html>"), HTTPStatusError)
     assert isinstance(from_http_error(503, None, text="busy"), TransportError)
+
+
+async def test_tenant_goes_into_path_and_body(bad_server: BadServer, http: httpx.AsyncClient) -> None:
+    rest = A2AClient(Interface.rest(bad_server.url_for("echo"), tenant="acme eu"), http=http)
+    echo = (await rest.get_task("t/1"))["metadata"]
+    assert echo["path"] == "/echo/acme%20eu/tasks/t%2F1" and echo["verb"] == "GET"
+    sent = (await rest.cancel_task("t-1"))["metadata"]
+    assert sent["path"] == "/echo/acme%20eu/tasks/t-1:cancel" and sent["body"] == {"tenant": "acme eu"}
+    rpc = A2AClient(Interface.jsonrpc(bad_server.url_for("echo"), tenant="acme"), http=http)
+    body = (await rpc.get_task("t-1"))["metadata"]["body"]
+    assert body["method"] == "GetTask" and body["params"] == {"id": "t-1", "tenant": "acme"}
+
+
+@pytest.mark.parametrize("mode", ["getonly", "misroute"])
+async def test_rest_subscribe_verb_fallback_is_remembered(bad_server: BadServer, mode: str, http: httpx.AsyncClient) -> None:
+    client = bad_client(bad_server, mode, "rest", http)
+    bad_server.subscribe_verbs.clear()
+    events = [ev async for ev in client.subscribe_to_task("t-1")]
+    assert [e.kind for e in events] == ["task"]
+    assert bad_server.subscribe_verbs == ["POST", "GET"]
+    events = [ev async for ev in client.subscribe_to_task("t-1")]
+    assert bad_server.subscribe_verbs == ["POST", "GET", "GET"]  # GET remembered for this agent
