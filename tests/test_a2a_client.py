@@ -430,3 +430,8 @@ async def test_push_notifications_are_delivered(
     view = fold_all(events).view
     assert view["status"]["state"] == "TASK_STATE_COMPLETED"
     assert artifact_text(view["artifacts"][0]) == "chunk 1\nchunk 2\n"
+
+
+async def test_subscribe_to_unknown_task(agent: AgentHandle, binding: str, http: httpx.AsyncClient) -> None:
+    with pytest.raises(TaskNotFoundError):
+        await collect(client_for(agent, binding, http).subscribe_to_task(str(uuid.uuid4())))

@@ -9,6 +9,7 @@ module is binding-agnostic.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -160,8 +161,6 @@ class BaseBinding:
 
 
 def _dumps(obj: Any) -> bytes:
-    import json
-
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 

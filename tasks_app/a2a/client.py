@@ -2,7 +2,11 @@
 
 The ``httpx.AsyncClient`` is injected, never created here: building one costs
 tens of milliseconds of CPU (its SSL context) and the mirror holds hundreds of
-streams on one event loop, so one client is shared by all of them.
+streams on one event loop, so one client is shared by all of them. Give that
+client ``httpx.Limits(max_connections=None)`` (or a limit above the number of
+streams you hold): httpx allows 100 connections by default and every open
+stream keeps one. All timeouts are set per request here; the injected client's
+own defaults do not matter.
 
 Results stay ProtoJSON dicts; replies that can be a Task *or* a Message come
 back as a :class:`StreamEvent` so callers branch on ``event.kind``.
