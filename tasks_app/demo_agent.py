@@ -81,7 +81,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 log = logging.getLogger("tasks_app.demo_agent")
 
-TASK_WORDS = frozenset({"quick", "slow", "ask", "auth", "fail", "reject", "long", "data", "markdown"})
+TASK_WORDS = frozenset(
+    {"quick", "slow", "ask", "auth", "fail", "reject", "long", "data", "markdown"}
+)
 MARKDOWN_SAMPLE = (
     "# Demo report\n\n"
     "Some **bold** text and a [safe link](https://example.org/).\n\n"
@@ -193,7 +195,11 @@ class DemoExecutor(AgentExecutor):
             await up.complete(say("Time is up."))
         elif word == "data":
             await up.add_artifact(
-                [new_data_part({"answer": 42, "items": ["a", "b"], "ok": True}, "application/json")],
+                [
+                    new_data_part(
+                        {"answer": 42, "items": ["a", "b"], "ok": True}, "application/json"
+                    )
+                ],
                 name="data.json",
                 last_chunk=True,
             )
@@ -228,15 +234,24 @@ def build_card(
         description="A scripted A2A 1.0 agent for tests and demos (first word picks the script).",
         version="1.0.0",
         supported_interfaces=[
-            pb.AgentInterface(url=f"{base}/jsonrpc", protocol_binding="JSONRPC", protocol_version="1.0"),
-            pb.AgentInterface(url=f"{base}/rest", protocol_binding="HTTP+JSON", protocol_version="1.0"),
+            pb.AgentInterface(
+                url=f"{base}/jsonrpc", protocol_binding="JSONRPC", protocol_version="1.0"
+            ),
+            pb.AgentInterface(
+                url=f"{base}/rest", protocol_binding="HTTP+JSON", protocol_version="1.0"
+            ),
         ],
         provider=pb.AgentProvider(organization="a2a-dashboard", url="https://example.org/"),
         capabilities=pb.AgentCapabilities(
             streaming=streaming, push_notifications=push, extended_agent_card=True
         ),
         default_input_modes=["text/plain", "application/json"],
-        default_output_modes=["text/plain", "text/markdown", "application/json", "application/octet-stream"],
+        default_output_modes=[
+            "text/plain",
+            "text/markdown",
+            "application/json",
+            "application/octet-stream",
+        ],
         skills=[
             pb.AgentSkill(
                 id="script",
@@ -250,7 +265,9 @@ def build_card(
     if token:
         card.security_schemes["bearer"].CopyFrom(
             pb.SecurityScheme(
-                http_auth_security_scheme=pb.HTTPAuthSecurityScheme(scheme="Bearer", bearer_format="opaque")
+                http_auth_security_scheme=pb.HTTPAuthSecurityScheme(
+                    scheme="Bearer", bearer_format="opaque"
+                )
             )
         )
         req = pb.SecurityRequirement()
@@ -271,7 +288,9 @@ class _BearerGuard:
             auth = dict(scope.get("headers") or []).get(b"authorization", b"")
             if auth != self.expected:
                 response = JSONResponse(
-                    {"error": "unauthorized"}, status_code=401, headers={"WWW-Authenticate": "Bearer"}
+                    {"error": "unauthorized"},
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
                 )
                 await response(scope, receive, send)
                 return
@@ -292,7 +311,9 @@ def build_app(
     extended = pb.AgentCard()
     extended.CopyFrom(card)
     extended.skills.append(
-        pb.AgentSkill(id="admin", name="Admin", description="Only in the extended card.", tags=["admin"])
+        pb.AgentSkill(
+            id="admin", name="Admin", description="Only in the extended card.", tags=["admin"]
+        )
     )
     push_http = httpx.AsyncClient(timeout=10.0)
     push_store = InMemoryPushNotificationConfigStore() if push else None

@@ -153,7 +153,9 @@ def start_agent(
                 pass
             if time.monotonic() > deadline:
                 handle.stop()
-                raise RuntimeError(f"demo agent did not answer on {handle.card_url} in {startup_timeout}s")
+                raise RuntimeError(
+                    f"demo agent did not answer on {handle.card_url} in {startup_timeout}s"
+                )
             time.sleep(0.05)
     # Drain stderr in the background so a chatty agent never blocks on a full pipe.
     if proc.stderr is not None:
@@ -236,7 +238,9 @@ class TcpProxy:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", self._listen_port)
         self.port = self._server.sockets[0].getsockname()[1]
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, downstream: bool) -> None:
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, downstream: bool
+    ) -> None:
         try:
             while True:
                 data = await reader.read(65536)
@@ -426,7 +430,12 @@ class BadServer:
             if int(headers.get("content-length", "0") or 0):
                 body = await reader.readexactly(int(headers["content-length"]))
             await self._respond(verb, target, headers, body, reader, writer)
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError, asyncio.CancelledError):
+        except (
+            asyncio.IncompleteReadError,
+            ConnectionError,
+            asyncio.LimitOverrunError,
+            asyncio.CancelledError,
+        ):
             pass
         finally:
             self._conns.discard(writer)
@@ -455,11 +464,14 @@ class BadServer:
                 method = str(req.get("method", ""))
         is_rpc = rpc_id is not None
         is_stream = "text/event-stream" in headers.get("accept", "") or method in (
-            "SendStreamingMessage", "SubscribeToTask",
+            "SendStreamingMessage",
+            "SubscribeToTask",
         )
 
         def result(obj: Any) -> bytes:
-            return json.dumps({"jsonrpc": "2.0", "id": rpc_id, "result": obj} if is_rpc else obj).encode()
+            return json.dumps(
+                {"jsonrpc": "2.0", "id": rpc_id, "result": obj} if is_rpc else obj
+            ).encode()
 
         task = {"id": "t-1", "contextId": "c-1", "status": {"state": "TASK_STATE_WORKING"}}
         if mode in ("getonly", "misroute") and path.endswith(":subscribe"):
@@ -467,24 +479,49 @@ class BadServer:
                 w.write(self._sse_head())
                 w.write(b"data: " + json.dumps({"task": task}).encode() + b"\n\n")
             elif mode == "getonly":
-                w.write(self._response("405 Method Not Allowed", "text/plain", b"Method Not Allowed"))
+                w.write(
+                    self._response("405 Method Not Allowed", "text/plain", b"Method Not Allowed")
+                )
             else:
                 tid = path.rsplit("/", 1)[-1]
-                err = {"error": {"code": 404, "status": "NOT_FOUND", "message": f"Task {tid} not found",
-                                 "details": [{"@type": "type.googleapis.com/google.rpc.ErrorInfo",
-                                              "reason": "TASK_NOT_FOUND", "domain": "a2a-protocol.org",
-                                              "metadata": {"taskId": tid}}]}}
-                w.write(self._response("404 Not Found", "application/json", json.dumps(err).encode()))
+                err = {
+                    "error": {
+                        "code": 404,
+                        "status": "NOT_FOUND",
+                        "message": f"Task {tid} not found",
+                        "details": [
+                            {
+                                "@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                                "reason": "TASK_NOT_FOUND",
+                                "domain": "a2a-protocol.org",
+                                "metadata": {"taskId": tid},
+                            }
+                        ],
+                    }
+                }
+                w.write(
+                    self._response("404 Not Found", "application/json", json.dumps(err).encode())
+                )
             self.subscribe_verbs.append(verb)
         elif mode == "html":
             page = b"<html><body><h1>500 Internal Server Error</h1></body></html>"
             w.write(self._response("500 Internal Server Error", "text/html", page))
         elif mode == "html200":
-            w.write(self._response("200 OK", "text/html; charset=utf-8", b"<!doctype html><html><body>Login</body></html>"))
+            w.write(
+                self._response(
+                    "200 OK",
+                    "text/html; charset=utf-8",
+                    b"<!doctype html><html><body>Login</body></html>",
+                )
+            )
         elif mode == "wrongtype":
             w.write(self._response("200 OK", "text/plain", b"hello, I am not an agent"))
         elif mode == "badjson":
-            w.write(self._response("200 OK", "application/json", b'{"jsonrpc": "2.0", "result": {"task": '))
+            w.write(
+                self._response(
+                    "200 OK", "application/json", b'{"jsonrpc": "2.0", "result": {"task": '
+                )
+            )
         elif mode == "v03":
             old = {"kind": "task", "id": "t-1", "contextId": "c-1", "status": {"state": "working"}}
             if is_stream:
@@ -504,10 +541,12 @@ class BadServer:
             await w.drain()
             await reader.read()
         elif mode == "dropped":
-            w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            w.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+            )
             chunk = b"data: " + result({"task": task}) + b"\n\n"
             w.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
-            w.write(b"40\r\ndata: {\"statusUp")  # half a chunk, then the line goes dead
+            w.write(b'40\r\ndata: {"statusUp')  # half a chunk, then the line goes dead
             await w.drain()
             await asyncio.sleep(0.05)
             w.transport.abort()
@@ -516,23 +555,62 @@ class BadServer:
             w.write(self._sse_head())
             w.write(b"data: " + result({"task": task}) + b"\n\n")
             if is_rpc:
-                err = {"jsonrpc": "2.0", "id": rpc_id, "error": {"code": -32603, "message": "agent crashed", "data": None}}
+                err = {
+                    "jsonrpc": "2.0",
+                    "id": rpc_id,
+                    "error": {"code": -32603, "message": "agent crashed", "data": None},
+                }
             else:
-                err = {"error": {"code": 500, "status": "INTERNAL", "message": "agent crashed",
-                                 "details": [{"@type": "type.googleapis.com/google.rpc.ErrorInfo",
-                                              "reason": "INTERNAL_ERROR", "domain": "a2a-protocol.org"}]}}
+                err = {
+                    "error": {
+                        "code": 500,
+                        "status": "INTERNAL",
+                        "message": "agent crashed",
+                        "details": [
+                            {
+                                "@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                                "reason": "INTERNAL_ERROR",
+                                "domain": "a2a-protocol.org",
+                            }
+                        ],
+                    }
+                }
             w.write(b"event: error\ndata: " + json.dumps(err).encode() + b"\n\n")
         elif mode == "problem":
-            prob = {"type": "https://a2a-protocol.org/errors/task-not-found", "title": "Task not found",
-                    "status": 404, "detail": "no task t-9"}
-            w.write(self._response("404 Not Found", "application/problem+json", json.dumps(prob).encode()))
+            prob = {
+                "type": "https://a2a-protocol.org/errors/task-not-found",
+                "title": "Task not found",
+                "status": 404,
+                "detail": "no task t-9",
+            }
+            w.write(
+                self._response(
+                    "404 Not Found", "application/problem+json", json.dumps(prob).encode()
+                )
+            )
         elif mode == "gateway401":
-            w.write(self._response("401 Unauthorized", "text/plain", b"Unauthorized", "WWW-Authenticate: Bearer\r\n"))
+            w.write(
+                self._response(
+                    "401 Unauthorized",
+                    "text/plain",
+                    b"Unauthorized",
+                    "WWW-Authenticate: Bearer\r\n",
+                )
+            )
         elif mode == "echo":
             sent: Any = None
             with contextlib.suppress(ValueError):
                 sent = json.loads(body) if body else None
-            echo = {**task, "metadata": {"headers": headers, "query": query, "path": path, "verb": verb, "body": sent}}
+            echo = {
+                **task,
+                "metadata": {
+                    "headers": headers,
+                    "query": query,
+                    "path": path,
+                    "verb": verb,
+                    "body": sent,
+                },
+            }
             w.write(self._response("200 OK", "application/json", result(echo)))
         elif mode == "legacycard" and path.endswith("/.well-known/agent.json"):
             card = {**V03_CARD, "name": "Legacy path agent"}
@@ -603,11 +681,15 @@ class WebhookReceiver:
             with contextlib.suppress(Exception):
                 writer.close()
 
-    def wait_for(self, predicate: Callable[[list[ReceivedHook]], bool], timeout: float = 10.0) -> list[ReceivedHook]:
+    def wait_for(
+        self, predicate: Callable[[list[ReceivedHook]], bool], timeout: float = 10.0
+    ) -> list[ReceivedHook]:
         deadline = time.monotonic() + timeout
         while not predicate(list(self.received)):
             if time.monotonic() > deadline:
-                raise AssertionError(f"webhook condition not met; received {len(self.received)} notifications")
+                raise AssertionError(
+                    f"webhook condition not met; received {len(self.received)} notifications"
+                )
             time.sleep(0.02)
         return list(self.received)
 

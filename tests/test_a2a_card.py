@@ -27,18 +27,43 @@ GOOD = {
     "description": "Extracts and reconciles invoices.",
     "version": "2.3.0",
     "supportedInterfaces": [
-        {"url": "https://agents.acme.test/invoice/grpc", "protocolBinding": "GRPC", "protocolVersion": "1.0"},
-        {"url": "https://agents.acme.test/invoice/v03", "protocolBinding": "JSONRPC", "protocolVersion": "0.3"},
-        {"url": "https://agents.acme.test/invoice/rest", "protocolBinding": "HTTP+JSON", "protocolVersion": "1.0.1",
-         "tenant": "acme-eu"},
-        {"url": "https://agents.acme.test/invoice/rpc", "protocolBinding": "JSONRPC", "protocolVersion": "1.0"},
+        {
+            "url": "https://agents.acme.test/invoice/grpc",
+            "protocolBinding": "GRPC",
+            "protocolVersion": "1.0",
+        },
+        {
+            "url": "https://agents.acme.test/invoice/v03",
+            "protocolBinding": "JSONRPC",
+            "protocolVersion": "0.3",
+        },
+        {
+            "url": "https://agents.acme.test/invoice/rest",
+            "protocolBinding": "HTTP+JSON",
+            "protocolVersion": "1.0.1",
+            "tenant": "acme-eu",
+        },
+        {
+            "url": "https://agents.acme.test/invoice/rpc",
+            "protocolBinding": "JSONRPC",
+            "protocolVersion": "1.0",
+        },
     ],
     "capabilities": {"streaming": True, "pushNotifications": True, "extendedAgentCard": False},
-    "securitySchemes": {"bearer": {"httpAuthSecurityScheme": {"scheme": "Bearer", "bearerFormat": "JWT"}}},
+    "securitySchemes": {
+        "bearer": {"httpAuthSecurityScheme": {"scheme": "Bearer", "bearerFormat": "JWT"}}
+    },
     "securityRequirements": [{"schemes": {"bearer": {"list": []}}}],
     "defaultInputModes": ["text/plain", "application/pdf"],
     "defaultOutputModes": ["application/json", "text/plain"],
-    "skills": [{"id": "extract", "name": "Extract invoice", "description": "PDF to JSON", "tags": ["finance"]}],
+    "skills": [
+        {
+            "id": "extract",
+            "name": "Extract invoice",
+            "description": "PDF to JSON",
+            "tags": ["finance"],
+        }
+    ],
 }
 
 
@@ -48,7 +73,9 @@ async def http() -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
-async def test_fetch_from_base_url_with_etag_revalidation(agent: AgentHandle, http: httpx.AsyncClient) -> None:
+async def test_fetch_from_base_url_with_etag_revalidation(
+    agent: AgentHandle, http: httpx.AsyncClient
+) -> None:
     first = await fetch_card(agent.base_url + "/", http=http)
     assert first.url == agent.card_url and first.card and first.card["name"] == "Demo Agent"
     assert first.etag and first.cache_control == "max-age=60" and not first.not_modified
@@ -60,7 +87,9 @@ async def test_fetch_from_base_url_with_etag_revalidation(agent: AgentHandle, ht
     assert direct.url == agent.card_url and validate_card(direct.card) == []
 
 
-async def test_fetch_falls_back_to_legacy_path(bad_server: BadServer, http: httpx.AsyncClient) -> None:
+async def test_fetch_falls_back_to_legacy_path(
+    bad_server: BadServer, http: httpx.AsyncClient
+) -> None:
     res = await fetch_card(bad_server.url_for("legacycard"), http=http)
     assert res.url.endswith("/.well-known/agent.json") and res.card["name"] == "Legacy path agent"
     iface = choose_interface(res.card, card_url=res.url)  # relative URL resolved against the card's
@@ -87,7 +116,9 @@ async def test_v03_card_is_recognised(bad_server: BadServer, http: httpx.AsyncCl
 def test_good_card_validates_and_chooses_first_usable_interface() -> None:
     assert validate_card(GOOD) == []
     iface = choose_interface(GOOD)
-    assert iface == Interface(url="https://agents.acme.test/invoice/rest", binding="HTTP+JSON", tenant="acme-eu")
+    assert iface == Interface(
+        url="https://agents.acme.test/invoice/rest", binding="HTTP+JSON", tenant="acme-eu"
+    )
     rpc = choose_interface(GOOD, binding="jsonrpc")
     assert rpc.url.endswith("/rpc") and rpc.tenant == ""
 
@@ -110,7 +141,10 @@ def test_validate_lists_every_problem() -> None:
         "capabilities": {"streaming": "yes", "extensions": [{"required": "no"}]},
         "defaultInputModes": [],
         "securitySchemes": {
-            "two": {"apiKeySecurityScheme": {"name": "k", "location": "header"}, "mtlsSecurityScheme": {}},
+            "two": {
+                "apiKeySecurityScheme": {"name": "k", "location": "header"},
+                "mtlsSecurityScheme": {},
+            },
             "loc": {"apiKeySecurityScheme": {"name": "k", "location": "body"}},
             "old": {"type": "apiKey", "in": "header", "name": "k"},
             "oauth": {"oauth2SecurityScheme": {"flows": {}}},

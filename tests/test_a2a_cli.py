@@ -40,9 +40,13 @@ def test_send_modes(agent: AgentHandle, binding: str) -> None:
     assert set(reply) == {"message"}
     (blocking,) = run_json("send", agent.base_url, "quick", "--binding", binding)
     assert blocking["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
-    (immediate,) = run_json("send", agent.base_url, "quick", "--mode", "return-immediately", "--binding", binding)
+    (immediate,) = run_json(
+        "send", agent.base_url, "quick", "--mode", "return-immediately", "--binding", binding
+    )
     assert "task" in immediate
-    streamed = run_json("send", agent.base_url, "slow 3 0.01", "--mode", "stream", "--binding", binding)
+    streamed = run_json(
+        "send", agent.base_url, "slow 3 0.01", "--mode", "stream", "--binding", binding
+    )
     kinds = [next(iter(o)) for o in streamed]
     assert kinds[0] == "task" and kinds.count("artifactUpdate") == 3
     assert streamed[-1]["statusUpdate"]["status"]["state"] == "TASK_STATE_COMPLETED"
@@ -56,10 +60,14 @@ def test_answer_get_list_cancel_subscribe(agent: AgentHandle) -> None:
     assert human[0].startswith(f"task {task['id']} completed")
     (got,) = run_json("get", agent.base_url, task["id"])
     assert got["task"]["id"] == task["id"]
-    listed = run_json("list", agent.base_url, "--context", task["contextId"], "--status", "completed")
+    listed = run_json(
+        "list", agent.base_url, "--context", task["contextId"], "--status", "completed"
+    )
     assert [t["task"]["id"] for t in listed] == [task["id"]]
 
-    (long,) = run_json("send", agent.base_url, "long 30", "--mode", "return-immediately", "--binding", "rest")
+    (long,) = run_json(
+        "send", agent.base_url, "long 30", "--mode", "return-immediately", "--binding", "rest"
+    )
     (canceled,) = run_json("cancel", agent.base_url, long["task"]["id"])
     assert canceled["task"]["status"]["state"] == "TASK_STATE_CANCELED"
     with pytest.raises(CommandError) as err:
@@ -74,14 +82,19 @@ def test_list_paging_line(agent: AgentHandle) -> None:
     lines = run_json("list", agent.base_url, "--page-size", "2")
     assert [next(iter(o)) for o in lines[:2]] == ["task", "task"]
     assert lines[2]["nextPageToken"]
-    more = run_json("list", agent.base_url, "--page-size", "2", "--page-token", lines[2]["nextPageToken"])
+    more = run_json(
+        "list", agent.base_url, "--page-size", "2", "--page-token", lines[2]["nextPageToken"]
+    )
     assert more and "task" in more[0]
 
 
 def test_errors_exit_nonzero_with_one_line(agent: AgentHandle) -> None:
     proc = subprocess.run(
         [sys.executable, "manage.py", "a2a", "get", agent.base_url, "no-such-task"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 1
     err_lines = [line for line in proc.stderr.splitlines() if line.strip()]

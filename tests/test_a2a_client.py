@@ -52,8 +52,14 @@ def binding(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def client_for(agent: AgentHandle, binding: str, http: httpx.AsyncClient, **kw: object) -> A2AClient:
-    iface = Interface.jsonrpc(agent.jsonrpc_url) if binding == "jsonrpc" else Interface.rest(agent.rest_url)
+def client_for(
+    agent: AgentHandle, binding: str, http: httpx.AsyncClient, **kw: object
+) -> A2AClient:
+    iface = (
+        Interface.jsonrpc(agent.jsonrpc_url)
+        if binding == "jsonrpc"
+        else Interface.rest(agent.rest_url)
+    )
     return A2AClient(iface, http=http, **kw)  # type: ignore[arg-type]
 
 
@@ -68,14 +74,18 @@ async def wait_state(client: A2AClient, task_id: str, state: str, timeout: float
         if task["status"]["state"] == state:
             return task
         if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"task {task_id} stuck in {task['status']['state']}, wanted {state}")
+            raise AssertionError(
+                f"task {task_id} stuck in {task['status']['state']}, wanted {state}"
+            )
         await asyncio.sleep(0.05)
 
 
 # --------------------------------------------------------------------------- discovery
 
 
-async def test_connect_discovers_card_and_prefers_first_interface(agent: AgentHandle, http: httpx.AsyncClient) -> None:
+async def test_connect_discovers_card_and_prefers_first_interface(
+    agent: AgentHandle, http: httpx.AsyncClient
+) -> None:
     client = await A2AClient.connect(agent.base_url, http=http)
     assert client.interface == Interface(url=agent.jsonrpc_url, binding="JSONRPC")
     assert client.capabilities["streaming"] is True
@@ -86,7 +96,9 @@ async def test_connect_discovers_card_and_prefers_first_interface(agent: AgentHa
 # --------------------------------------------------------------------------- stream shapes
 
 
-async def test_plain_message_reply(agent: AgentHandle, binding: str, http: httpx.AsyncClient) -> None:
+async def test_plain_message_reply(
+    agent: AgentHandle, binding: str, http: httpx.AsyncClient
+) -> None:
     client = client_for(agent, binding, http)
     reply = await client.send_message(user_message("hello there"))
     assert reply.kind == "message" and reply.task_id is None and reply.context_id
@@ -109,11 +121,17 @@ async def test_quick_task(agent: AgentHandle, binding: str, http: httpx.AsyncCli
     assert view["status"]["state"] == "TASK_STATE_COMPLETED"
 
 
-async def test_slow_task_progress_and_chunked_artifact(agent: AgentHandle, binding: str, http: httpx.AsyncClient) -> None:
+async def test_slow_task_progress_and_chunked_artifact(
+    agent: AgentHandle, binding: str, http: httpx.AsyncClient
+) -> None:
     client = client_for(agent, binding, http)
     events = await collect(client.send_streaming_message(user_message("slow 4 0.02")))
     assert events[0].kind == "task" and events[0].state == "TASK_STATE_SUBMITTED"
-    progress = [message_text(e.status_message) for e in events if e.kind == "statusUpdate" and e.status_message]
+    progress = [
+        message_text(e.status_message)
+        for e in events
+        if e.kind == "statusUpdate" and e.status_message
+    ]
     assert [p for p in progress if p.startswith("step")] == [f"step {i}/4" for i in range(1, 5)]
     chunks = [e.payload for e in events if e.kind == "artifactUpdate"]
     assert len(chunks) == 4
@@ -130,7 +148,9 @@ async def test_slow_task_progress_and_chunked_artifact(agent: AgentHandle, bindi
     assert artifact_text(server["artifacts"][0]) == artifact_text(artifact)
 
 
-async def test_ask_input_required_then_answer_on_same_task(agent: AgentHandle, binding: str, http: httpx.AsyncClient) -> None:
+async def test_ask_input_required_then_answer_on_same_task(
+    agent: AgentHandle, binding: str, http: httpx.AsyncClient
+) -> None:
     client = client_for(agent, binding, http)
     first = await client.send_message(user_message("ask"))
     assert first.state == "TASK_STATE_INPUT_REQUIRED"
@@ -151,16 +171,22 @@ async def test_ask_input_required_then_answer_on_same_task(agent: AgentHandle, b
     assert answer["messageId"] in [m["messageId"] for m in task.get("history", [])]
 
 
-async def test_ask_stream_closes_at_input_required(agent: AgentHandle, binding: str, http: httpx.AsyncClient) -> None:
+async def test_ask_stream_closes_at_input_required(
+    agent: AgentHandle, binding: str, http: httpx.AsyncClient
+) -> None:
     client = client_for(agent, binding, http)
     events = await collect(client.send_streaming_message(user_message("ask")))
     assert events[-1].state == "TASK_STATE_INPUT_REQUIRED"
     # answering with a blocking send completes it
-    done = await client.send_message(user_message("Bob", task_id=events[0].task_id, context_id=events[0].context_id))
+    done = await client.send_message(
+        user_message("Bob", task_id=events[0].task_id, context_id=events[0].context_id)
+    )
     assert done.state == "TASK_STATE_COMPLETED"
 
 
-async def test_subscribe_to_waiting_task_sees_the_answer(agent: AgentHandle, binding: str, http: httpx.AsyncClient) -> None:
+async def test_subscribe_to_waiting_task_sees_the_answer(
+    agent: AgentHandle, binding: str, http: httpx.AsyncClient
+) -> None:
     client = client_for(agent, binding, http)
     first = await client.send_message(user_message("ask"))
     seen: list[StreamEvent] = []
@@ -175,12 +201,16 @@ async def test_subscribe_to_waiting_task_sees_the_answer(agent: AgentHandle, bin
     while not seen:
         await asyncio.sleep(0.02)
     assert seen[0].kind == "task" and seen[0].state == "TASK_STATE_INPUT_REQUIRED"
-    await client.send_message(user_message("Cy", task_id=first.task_id, context_id=first.context_id))
+    await client.send_message(
+        user_message("Cy", task_id=first.task_id, context_id=first.context_id)
+    )
     await asyncio.wait_for(watcher, 10)
     assert seen[-1].state == "TASK_STATE_COMPLETED"
 
 
-async def test_auth_required_resumes_on_its_own(agent: AgentHandle, binding: str, http: httpx.AsyncClient) -> None:
+async def test_auth_required_resumes_on_its_own(
+    agent: AgentHandle, binding: str, http: httpx.AsyncClient
+) -> None:
     client = client_for(agent, binding, http)
     events = await collect(client.send_streaming_message(user_message("auth 0.3")))
     states = [e.state for e in events if e.state]
@@ -195,7 +225,10 @@ async def test_auth_required_resumes_on_its_own(agent: AgentHandle, binding: str
 
 @pytest.mark.parametrize(
     ("word", "state", "text"),
-    [("fail", "TASK_STATE_FAILED", "Simulated failure"), ("reject", "TASK_STATE_REJECTED", "will not")],
+    [
+        ("fail", "TASK_STATE_FAILED", "Simulated failure"),
+        ("reject", "TASK_STATE_REJECTED", "will not"),
+    ],
 )
 async def test_failure_and_rejection(
     agent: AgentHandle, binding: str, http: httpx.AsyncClient, word: str, state: str, text: str
@@ -207,7 +240,9 @@ async def test_failure_and_rejection(
     assert events[-1].state == state
 
 
-async def test_data_and_file_artifacts(agent: AgentHandle, binding: str, http: httpx.AsyncClient) -> None:
+async def test_data_and_file_artifacts(
+    agent: AgentHandle, binding: str, http: httpx.AsyncClient
+) -> None:
     client = client_for(agent, binding, http)
     res = await client.send_message(user_message("data"))
     data_art, file_art = res.payload["artifacts"]
@@ -218,7 +253,9 @@ async def test_data_and_file_artifacts(agent: AgentHandle, binding: str, http: h
     assert base64.b64decode(file_part["raw"]) == b"hello, file\n"
 
 
-async def test_markdown_artifact_carries_hostile_html(agent: AgentHandle, http: httpx.AsyncClient) -> None:
+async def test_markdown_artifact_carries_hostile_html(
+    agent: AgentHandle, http: httpx.AsyncClient
+) -> None:
     res = await client_for(agent, "rest", http).send_message(user_message("markdown"))
     part = res.payload["artifacts"][0]["parts"][0]
     assert part["mediaType"] == "text/markdown"
@@ -228,10 +265,15 @@ async def test_markdown_artifact_carries_hostile_html(agent: AgentHandle, http: 
 # --------------------------------------------------------------------------- task operations
 
 
-async def test_long_task_subscribe_then_cancel(agent: AgentHandle, binding: str, http: httpx.AsyncClient) -> None:
+async def test_long_task_subscribe_then_cancel(
+    agent: AgentHandle, binding: str, http: httpx.AsyncClient
+) -> None:
     client = client_for(agent, binding, http)
     started = await client.send_message(user_message("long 30"), return_immediately=True)
-    assert started.kind == "task" and started.state in ("TASK_STATE_SUBMITTED", "TASK_STATE_WORKING")
+    assert started.kind == "task" and started.state in (
+        "TASK_STATE_SUBMITTED",
+        "TASK_STATE_WORKING",
+    )
     tid = started.task_id
     seen: list[StreamEvent] = []
     stream = client.subscribe_to_task(tid)
@@ -252,7 +294,9 @@ async def test_long_task_subscribe_then_cancel(agent: AgentHandle, binding: str,
     assert err2.value.code == -32004 and err2.value.reason == "UNSUPPORTED_OPERATION"
 
 
-async def test_cancel_ends_an_open_stream(agent: AgentHandle, binding: str, http: httpx.AsyncClient) -> None:
+async def test_cancel_ends_an_open_stream(
+    agent: AgentHandle, binding: str, http: httpx.AsyncClient
+) -> None:
     client = client_for(agent, binding, http)
     events: list[StreamEvent] = []
 
@@ -269,7 +313,9 @@ async def test_cancel_ends_an_open_stream(agent: AgentHandle, binding: str, http
     assert task["status"]["state"] == "TASK_STATE_CANCELED"
 
 
-async def test_get_task_and_history_length(agent: AgentHandle, binding: str, http: httpx.AsyncClient) -> None:
+async def test_get_task_and_history_length(
+    agent: AgentHandle, binding: str, http: httpx.AsyncClient
+) -> None:
     client = client_for(agent, binding, http)
     res = await client.send_message(user_message("quick"))
     full = await client.get_task(res.task_id)
@@ -281,7 +327,9 @@ async def test_get_task_and_history_length(agent: AgentHandle, binding: str, htt
     assert err.value.code == -32001 and err.value.reason == "TASK_NOT_FOUND"
 
 
-async def test_list_tasks_with_paging_and_filters(agent: AgentHandle, binding: str, http: httpx.AsyncClient) -> None:
+async def test_list_tasks_with_paging_and_filters(
+    agent: AgentHandle, binding: str, http: httpx.AsyncClient
+) -> None:
     client = client_for(agent, binding, http)
     first = await client.send_message(user_message("quick"))
     ctx = first.context_id
@@ -295,22 +343,38 @@ async def test_list_tasks_with_paging_and_filters(agent: AgentHandle, binding: s
     assert len(page2["tasks"]) == 2 and page2["nextPageToken"] == ""
     ids = {t["id"] for t in page1["tasks"] + page2["tasks"]}
     assert len(ids) == 4 and first.task_id in ids
-    completed = await client.list_tasks(context_id=ctx, status="TASK_STATE_COMPLETED", include_artifacts=True)
+    completed = await client.list_tasks(
+        context_id=ctx, status="TASK_STATE_COMPLETED", include_artifacts=True
+    )
     assert len(completed["tasks"]) == 3
-    assert all(t["status"]["state"] == "TASK_STATE_COMPLETED" and t["artifacts"] for t in completed["tasks"])
+    assert all(
+        t["status"]["state"] == "TASK_STATE_COMPLETED" and t["artifacts"]
+        for t in completed["tasks"]
+    )
     later = await client.list_tasks(context_id=ctx, status_timestamp_after="2999-01-01T00:00:00Z")
     assert later["tasks"] == []
 
 
-async def test_push_config_lifecycle(agent: AgentHandle, binding: str, http: httpx.AsyncClient) -> None:
+async def test_push_config_lifecycle(
+    agent: AgentHandle, binding: str, http: httpx.AsyncClient
+) -> None:
     client = client_for(agent, binding, http)
     started = await client.send_message(user_message("long 30"), return_immediately=True)
     tid = started.task_id
     try:
         made = await client.create_push_config(
-            tid, "http://127.0.0.1:9/hook", config_id="pn-1", token="tok", auth_scheme="Bearer", auth_credentials="s3"
+            tid,
+            "http://127.0.0.1:9/hook",
+            config_id="pn-1",
+            token="tok",
+            auth_scheme="Bearer",
+            auth_credentials="s3",
         )
-        assert made["id"] == "pn-1" and made["taskId"] == tid and made["url"] == "http://127.0.0.1:9/hook"
+        assert (
+            made["id"] == "pn-1"
+            and made["taskId"] == tid
+            and made["url"] == "http://127.0.0.1:9/hook"
+        )
         auto = await client.create_push_config(tid, "http://127.0.0.1:9/other")
         assert auto["id"] and auto["id"] != tid  # we always send our own id
         got = await client.get_push_config(tid, "pn-1")
@@ -327,10 +391,13 @@ async def test_push_config_lifecycle(agent: AgentHandle, binding: str, http: htt
         await client.cancel_task(tid)
 
 
-async def test_inline_push_config_on_send(agent: AgentHandle, binding: str, http: httpx.AsyncClient) -> None:
+async def test_inline_push_config_on_send(
+    agent: AgentHandle, binding: str, http: httpx.AsyncClient
+) -> None:
     client = client_for(agent, binding, http)
     res = await client.send_message(
-        user_message("long 30"), return_immediately=True,
+        user_message("long 30"),
+        return_immediately=True,
         push_config={"id": "inline-1", "url": "http://127.0.0.1:9/hook", "token": "t"},
     )
     try:
@@ -348,7 +415,9 @@ async def test_extended_card(agent: AgentHandle, binding: str, http: httpx.Async
 # --------------------------------------------------------------------------- refusals & auth
 
 
-async def test_streaming_refused_without_capability(agent_nostream: AgentHandle, binding: str, http: httpx.AsyncClient) -> None:
+async def test_streaming_refused_without_capability(
+    agent_nostream: AgentHandle, binding: str, http: httpx.AsyncClient
+) -> None:
     client = client_for(agent_nostream, binding, http)
     with pytest.raises(UnsupportedOperationError) as err:
         await collect(client.send_streaming_message(user_message("quick")))
@@ -358,7 +427,9 @@ async def test_streaming_refused_without_capability(agent_nostream: AgentHandle,
         await collect(client.subscribe_to_task(res.task_id))
 
 
-async def test_push_refused_without_capability(agent_nopush: AgentHandle, binding: str, http: httpx.AsyncClient) -> None:
+async def test_push_refused_without_capability(
+    agent_nopush: AgentHandle, binding: str, http: httpx.AsyncClient
+) -> None:
     client = client_for(agent_nopush, binding, http)
     res = await client.send_message(user_message("quick"))
     with pytest.raises(PushNotificationNotSupportedError) as err:
@@ -372,7 +443,9 @@ async def test_push_refused_without_capability(agent_nopush: AgentHandle, bindin
         await client.delete_push_config(res.task_id, "x")
 
 
-async def test_bearer_token_from_card(agent_token: AgentHandle, binding: str, http: httpx.AsyncClient) -> None:
+async def test_bearer_token_from_card(
+    agent_token: AgentHandle, binding: str, http: httpx.AsyncClient
+) -> None:
     anon = await A2AClient.connect(agent_token.base_url, http=http, binding=binding)
     assert anon.card and "bearer" in anon.card["securitySchemes"]
     with pytest.raises(AuthError) as err:
@@ -385,7 +458,9 @@ async def test_bearer_token_from_card(agent_token: AgentHandle, binding: str, ht
     assert (await authed.send_message(user_message("quick"))).state == "TASK_STATE_COMPLETED"
 
 
-async def test_missing_version_header_is_version_not_supported(agent: AgentHandle, http: httpx.AsyncClient) -> None:
+async def test_missing_version_header_is_version_not_supported(
+    agent: AgentHandle, http: httpx.AsyncClient
+) -> None:
     # What a 1.0 server says to a client that forgets A2A-Version (we never do).
     body = {"jsonrpc": "2.0", "id": 1, "method": "GetTask", "params": {"id": "x"}}
     r = await http.post(agent.jsonrpc_url, json=body)
@@ -400,7 +475,9 @@ async def test_message_id_is_reusable_for_retries() -> None:
     m1 = user_message("hi", message_id="fixed-id")
     assert m1["messageId"] == "fixed-id" and m1["role"] == "ROLE_USER"
     assert user_message("hi")["messageId"] != user_message("hi")["messageId"]
-    m2 = user_message(data={"a": 1}, files=[{"raw": "aGk=", "filename": "f.txt"}], task_id="t", context_id="c")
+    m2 = user_message(
+        data={"a": 1}, files=[{"raw": "aGk=", "filename": "f.txt"}], task_id="t", context_id="c"
+    )
     assert [next(iter(p)) for p in m2["parts"]] == ["data", "raw"] and m2["taskId"] == "t"
     with pytest.raises(ValueError):
         user_message()
@@ -412,14 +489,21 @@ async def test_push_notifications_are_delivered(
     client = client_for(agent, binding, http)
     res = await client.send_message(
         user_message("slow 2 0.02"),
-        push_config={"id": "p-1", "url": webhook.url, "token": "tok-1",
-                     "authentication": {"scheme": "Bearer", "credentials": "whsec-1"}},
+        push_config={
+            "id": "p-1",
+            "url": webhook.url,
+            "token": "tok-1",
+            "authentication": {"scheme": "Bearer", "credentials": "whsec-1"},
+        },
     )
     assert res.state == "TASK_STATE_COMPLETED"
 
     def done(hooks: list) -> bool:
-        return any((h.body or {}).get("statusUpdate", {}).get("status", {}).get("state") == "TASK_STATE_COMPLETED"
-                   for h in hooks)
+        return any(
+            (h.body or {}).get("statusUpdate", {}).get("status", {}).get("state")
+            == "TASK_STATE_COMPLETED"
+            for h in hooks
+        )
 
     hooks = await asyncio.to_thread(webhook.wait_for, done)
     events = [parse_stream_response(h.body, where="push") for h in hooks]
@@ -432,6 +516,8 @@ async def test_push_notifications_are_delivered(
     assert artifact_text(view["artifacts"][0]) == "chunk 1\nchunk 2\n"
 
 
-async def test_subscribe_to_unknown_task(agent: AgentHandle, binding: str, http: httpx.AsyncClient) -> None:
+async def test_subscribe_to_unknown_task(
+    agent: AgentHandle, binding: str, http: httpx.AsyncClient
+) -> None:
     with pytest.raises(TaskNotFoundError):
         await collect(client_for(agent, binding, http).subscribe_to_task(str(uuid.uuid4())))

@@ -44,7 +44,9 @@ async def http() -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
-def bad_client(server: BadServer, mode: str, binding: str, http: httpx.AsyncClient, **kw: object) -> A2AClient:
+def bad_client(
+    server: BadServer, mode: str, binding: str, http: httpx.AsyncClient, **kw: object
+) -> A2AClient:
     url = server.url_for(mode)
     iface = Interface.jsonrpc(url) if binding == "jsonrpc" else Interface.rest(url)
     return A2AClient(iface, http=http, **kw)  # type: ignore[arg-type]
@@ -58,7 +60,9 @@ async def drain(client: A2AClient) -> list:
 
 
 @pytest.mark.parametrize("binding", BINDINGS)
-async def test_html_error_page(bad_server: BadServer, binding: str, http: httpx.AsyncClient) -> None:
+async def test_html_error_page(
+    bad_server: BadServer, binding: str, http: httpx.AsyncClient
+) -> None:
     client = bad_client(bad_server, "html", binding, http)
     with pytest.raises(HTTPStatusError) as err:
         await client.get_task("t-1")
@@ -69,8 +73,13 @@ async def test_html_error_page(bad_server: BadServer, binding: str, http: httpx.
 
 
 @pytest.mark.parametrize("binding", BINDINGS)
-@pytest.mark.parametrize(("mode", "needle"), [("html200", "text/html"), ("wrongtype", "text/plain"), ("badjson", "expected JSON")])
-async def test_wrong_content(bad_server: BadServer, binding: str, mode: str, needle: str, http: httpx.AsyncClient) -> None:
+@pytest.mark.parametrize(
+    ("mode", "needle"),
+    [("html200", "text/html"), ("wrongtype", "text/plain"), ("badjson", "expected JSON")],
+)
+async def test_wrong_content(
+    bad_server: BadServer, binding: str, mode: str, needle: str, http: httpx.AsyncClient
+) -> None:
     client = bad_client(bad_server, mode, binding, http)
     with pytest.raises(ProtocolError) as err:
         await client.get_task("t-1")
@@ -81,7 +90,9 @@ async def test_wrong_content(bad_server: BadServer, binding: str, mode: str, nee
 
 
 @pytest.mark.parametrize("binding", BINDINGS)
-async def test_v03_shaped_payload(bad_server: BadServer, binding: str, http: httpx.AsyncClient) -> None:
+async def test_v03_shaped_payload(
+    bad_server: BadServer, binding: str, http: httpx.AsyncClient
+) -> None:
     client = bad_client(bad_server, "v03", binding, http)
     with pytest.raises(ProtocolError, match=r"0\.3"):
         await client.get_task("t-1")
@@ -92,7 +103,9 @@ async def test_v03_shaped_payload(bad_server: BadServer, binding: str, http: htt
 
 
 @pytest.mark.parametrize("binding", BINDINGS)
-async def test_oversized_event_and_body(bad_server: BadServer, binding: str, http: httpx.AsyncClient) -> None:
+async def test_oversized_event_and_body(
+    bad_server: BadServer, binding: str, http: httpx.AsyncClient
+) -> None:
     client = bad_client(bad_server, "oversized", binding, http, max_event_bytes=64 * 1024)
     with pytest.raises(PayloadTooLarge, match="limit"):
         await drain(client)
@@ -102,8 +115,12 @@ async def test_oversized_event_and_body(bad_server: BadServer, binding: str, htt
 
 
 @pytest.mark.parametrize("binding", BINDINGS)
-async def test_agent_that_never_answers(bad_server: BadServer, binding: str, http: httpx.AsyncClient) -> None:
-    client = bad_client(bad_server, "silent", binding, http, timeout=0.3, stream_idle_timeout=0.3, send_timeout=0.3)
+async def test_agent_that_never_answers(
+    bad_server: BadServer, binding: str, http: httpx.AsyncClient
+) -> None:
+    client = bad_client(
+        bad_server, "silent", binding, http, timeout=0.3, stream_idle_timeout=0.3, send_timeout=0.3
+    )
     with pytest.raises(RequestTimeout):
         await client.get_task("t-1")
     with pytest.raises(RequestTimeout):
@@ -113,7 +130,9 @@ async def test_agent_that_never_answers(bad_server: BadServer, binding: str, htt
 
 
 @pytest.mark.parametrize("binding", BINDINGS)
-async def test_stream_goes_silent(bad_server: BadServer, binding: str, http: httpx.AsyncClient) -> None:
+async def test_stream_goes_silent(
+    bad_server: BadServer, binding: str, http: httpx.AsyncClient
+) -> None:
     client = bad_client(bad_server, "silentstream", binding, http, stream_idle_timeout=0.3)
     seen = []
     with pytest.raises(StreamIdleTimeout) as err:
@@ -124,7 +143,9 @@ async def test_stream_goes_silent(bad_server: BadServer, binding: str, http: htt
 
 
 @pytest.mark.parametrize("binding", BINDINGS)
-async def test_connection_dropped_mid_stream(bad_server: BadServer, binding: str, http: httpx.AsyncClient) -> None:
+async def test_connection_dropped_mid_stream(
+    bad_server: BadServer, binding: str, http: httpx.AsyncClient
+) -> None:
     client = bad_client(bad_server, "dropped", binding, http)
     seen = []
     with pytest.raises(ConnectionDropped):
@@ -134,7 +155,9 @@ async def test_connection_dropped_mid_stream(bad_server: BadServer, binding: str
 
 
 @pytest.mark.parametrize("binding", BINDINGS)
-async def test_error_event_mid_stream(bad_server: BadServer, binding: str, http: httpx.AsyncClient) -> None:
+async def test_error_event_mid_stream(
+    bad_server: BadServer, binding: str, http: httpx.AsyncClient
+) -> None:
     client = bad_client(bad_server, "sseerror", binding, http)
     seen = []
     with pytest.raises(InternalError) as err:
@@ -187,7 +210,9 @@ async def test_proxy_cut_mid_stream_is_a_transport_error(
 
 
 @pytest.mark.parametrize("binding", BINDINGS)
-async def test_service_headers_and_credentials(bad_server: BadServer, binding: str, http: httpx.AsyncClient) -> None:
+async def test_service_headers_and_credentials(
+    bad_server: BadServer, binding: str, http: httpx.AsyncClient
+) -> None:
     card = {
         "securitySchemes": {
             "key": {"apiKeySecurityScheme": {"location": "query", "name": "key"}},
@@ -196,8 +221,13 @@ async def test_service_headers_and_credentials(bad_server: BadServer, binding: s
         "securityRequirements": [{"schemes": {"tok": {"list": []}, "key": {"list": []}}}],
     }
     client = bad_client(
-        bad_server, "echo", binding, http,
-        credentials=Credentials(token="T0K", api_key="K3Y"), card=card, extensions=["urn:a", "urn:b"],
+        bad_server,
+        "echo",
+        binding,
+        http,
+        credentials=Credentials(token="T0K", api_key="K3Y"),
+        card=card,
+        extensions=["urn:a", "urn:b"],
     )
     task = await client.get_task("t-1")
     echo = task["metadata"]
@@ -209,7 +239,9 @@ async def test_service_headers_and_credentials(bad_server: BadServer, binding: s
 
 def test_auth_plan_locations() -> None:
     def card(loc: str) -> dict:
-        return {"securitySchemes": {"k": {"apiKeySecurityScheme": {"location": loc, "name": "X-Key"}}}}
+        return {
+            "securitySchemes": {"k": {"apiKeySecurityScheme": {"location": loc, "name": "X-Key"}}}
+        }
 
     creds = Credentials(api_key="v")
     assert auth_plan(card("header"), creds).headers == {"X-Key": "v"}
@@ -222,7 +254,9 @@ def test_auth_plan_locations() -> None:
     assert "v" not in repr(Credentials(api_key="v", token="v"))
 
 
-async def test_rest_subscribe_falls_back_to_get(bad_server: BadServer, http: httpx.AsyncClient) -> None:
+async def test_rest_subscribe_falls_back_to_get(
+    bad_server: BadServer, http: httpx.AsyncClient
+) -> None:
     # The bad server's "nocard" mode answers 404 to everything: POST fails, GET is
     # tried once, and that error surfaces (a clear HTTP status error, not a hang).
     client = bad_client(bad_server, "nocard", "rest", http)
@@ -270,44 +304,75 @@ async def test_sse_size_bound() -> None:
 
 
 def test_jsonrpc_error_mapping_tolerates_every_data_shape() -> None:
-    info = {"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "TASK_NOT_CANCELABLE",
-            "domain": "a2a-protocol.org", "metadata": {"taskId": "t-9"}}
+    info = {
+        "@type": "type.googleapis.com/google.rpc.ErrorInfo",
+        "reason": "TASK_NOT_CANCELABLE",
+        "domain": "a2a-protocol.org",
+        "metadata": {"taskId": "t-9"},
+    }
     err = from_jsonrpc_error({"code": -32002, "message": "Task t-9 is done", "data": [info]})
     assert isinstance(err, TaskNotCancelableError) and err.metadata == {"taskId": "t-9"}
     assert str(err) == "A2A error -32002 TASK_NOT_CANCELABLE: Task t-9 is done"
-    assert isinstance(from_jsonrpc_error({"code": -32004, "message": "x", "data": {"k": 1}}), UnsupportedOperationError)
-    assert isinstance(from_jsonrpc_error({"code": -32602, "message": "x", "data": "bad"}), InvalidParamsError)
+    assert isinstance(
+        from_jsonrpc_error({"code": -32004, "message": "x", "data": {"k": 1}}),
+        UnsupportedOperationError,
+    )
+    assert isinstance(
+        from_jsonrpc_error({"code": -32602, "message": "x", "data": "bad"}), InvalidParamsError
+    )
     odd = from_jsonrpc_error({"code": -32050, "message": "multi\nline", "data": None})
     assert type(odd) is RemoteError and "\n" not in str(odd) and "-32050" in str(odd)
     # an unknown code with a known reason still picks the class
-    assert isinstance(from_jsonrpc_error({"code": 1, "message": "m", "data": [{"reason": "TASK_NOT_FOUND"}]}), TaskNotFoundError)
+    assert isinstance(
+        from_jsonrpc_error({"code": 1, "message": "m", "data": [{"reason": "TASK_NOT_FOUND"}]}),
+        TaskNotFoundError,
+    )
 
 
 def test_rest_status_mapping() -> None:
-    body = {"error": {"code": 400, "status": "FAILED_PRECONDITION", "message": "nope",
-                      "details": [{"@type": "type.googleapis.com/google.rpc.ErrorInfo",
-                                   "reason": "UNSUPPORTED_OPERATION", "domain": "a2a-protocol.org"}]}}
+    body = {
+        "error": {
+            "code": 400,
+            "status": "FAILED_PRECONDITION",
+            "message": "nope",
+            "details": [
+                {
+                    "@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                    "reason": "UNSUPPORTED_OPERATION",
+                    "domain": "a2a-protocol.org",
+                }
+            ],
+        }
+    }
     err = from_http_error(400, body)
-    assert isinstance(err, UnsupportedOperationError) and err.code == -32004 and err.http_status == 400
+    assert (
+        isinstance(err, UnsupportedOperationError) and err.code == -32004 and err.http_status == 400
+    )
     assert "HTTP 400" in str(err)
     assert isinstance(from_http_error(403, None, text="Forbidden"), AuthError)
     assert isinstance(from_http_error(418, None, text="<html>teapot</html>"), HTTPStatusError)
     assert isinstance(from_http_error(503, None, text="busy"), TransportError)
 
 
-async def test_tenant_goes_into_path_and_body(bad_server: BadServer, http: httpx.AsyncClient) -> None:
+async def test_tenant_goes_into_path_and_body(
+    bad_server: BadServer, http: httpx.AsyncClient
+) -> None:
     rest = A2AClient(Interface.rest(bad_server.url_for("echo"), tenant="acme eu"), http=http)
     echo = (await rest.get_task("t/1"))["metadata"]
     assert echo["path"] == "/echo/acme%20eu/tasks/t%2F1" and echo["verb"] == "GET"
     sent = (await rest.cancel_task("t-1"))["metadata"]
-    assert sent["path"] == "/echo/acme%20eu/tasks/t-1:cancel" and sent["body"] == {"tenant": "acme eu"}
+    assert sent["path"] == "/echo/acme%20eu/tasks/t-1:cancel" and sent["body"] == {
+        "tenant": "acme eu"
+    }
     rpc = A2AClient(Interface.jsonrpc(bad_server.url_for("echo"), tenant="acme"), http=http)
     body = (await rpc.get_task("t-1"))["metadata"]["body"]
     assert body["method"] == "GetTask" and body["params"] == {"id": "t-1", "tenant": "acme"}
 
 
 @pytest.mark.parametrize("mode", ["getonly", "misroute"])
-async def test_rest_subscribe_verb_fallback_is_remembered(bad_server: BadServer, mode: str, http: httpx.AsyncClient) -> None:
+async def test_rest_subscribe_verb_fallback_is_remembered(
+    bad_server: BadServer, mode: str, http: httpx.AsyncClient
+) -> None:
     client = bad_client(bad_server, mode, "rest", http)
     bad_server.subscribe_verbs.clear()
     events = [ev async for ev in client.subscribe_to_task("t-1")]

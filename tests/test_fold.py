@@ -40,8 +40,14 @@ def status(state: str, ts: str | None = None, task_id: str = T) -> dict:
     return {"statusUpdate": {"taskId": task_id, "contextId": C, "status": st}}
 
 
-def art(artifact_id: str, text: str, *, append: bool = False, last: bool = False, task_id: str = T) -> dict:
-    ev: dict = {"taskId": task_id, "contextId": C, "artifact": {"artifactId": artifact_id, "parts": [{"text": text}]}}
+def art(
+    artifact_id: str, text: str, *, append: bool = False, last: bool = False, task_id: str = T
+) -> dict:
+    ev: dict = {
+        "taskId": task_id,
+        "contextId": C,
+        "artifact": {"artifactId": artifact_id, "parts": [{"text": text}]},
+    }
     if append:
         ev["append"] = True
     if last:
@@ -86,7 +92,9 @@ def test_transition_problem() -> None:
     assert transition_problem(None, "TASK_STATE_SUBMITTED") is None
     assert transition_problem("TASK_STATE_WORKING", "TASK_STATE_COMPLETED") is None
     assert "illegal" in (transition_problem("TASK_STATE_COMPLETED", "TASK_STATE_FAILED") or "")
-    assert "UNSPECIFIED" in (transition_problem("TASK_STATE_WORKING", "TASK_STATE_UNSPECIFIED") or "")
+    assert "UNSPECIFIED" in (
+        transition_problem("TASK_STATE_WORKING", "TASK_STATE_UNSPECIFIED") or ""
+    )
     assert "UNSPECIFIED" in (transition_problem("TASK_STATE_WORKING", None) or "")
     assert "unknown" in (transition_problem("TASK_STATE_WORKING", "working") or "")
 
@@ -162,8 +170,11 @@ def test_status_update_first_builds_minimal_view() -> None:
 
 def test_events_for_another_task_are_ignored() -> None:
     view = fold(None, task("TASK_STATE_WORKING")).view
-    for ev in (status("TASK_STATE_COMPLETED", task_id="other"), art("a", "x", task_id="other"),
-               {"task": {"id": "other", "status": {"state": "TASK_STATE_WORKING"}}}):
+    for ev in (
+        status("TASK_STATE_COMPLETED", task_id="other"),
+        art("a", "x", task_id="other"),
+        {"task": {"id": "other", "status": {"state": "TASK_STATE_WORKING"}}},
+    ):
         res = fold(view, ev)
         assert res.view is view and not res.changed
         assert res.problems and "other" in res.problems[0]
@@ -192,13 +203,22 @@ def test_fold_accepts_stream_events_and_messages() -> None:
     ev = parse_stream_response(task("TASK_STATE_WORKING"))
     assert isinstance(ev, StreamEvent) and ev.task_id == T and ev.state == "TASK_STATE_WORKING"
     view = fold(None, ev).view
-    msg = {"message": {"messageId": "m9", "role": "ROLE_AGENT", "taskId": T, "contextId": C,
-                       "parts": [{"text": "hi"}]}}
+    msg = {
+        "message": {
+            "messageId": "m9",
+            "role": "ROLE_AGENT",
+            "taskId": T,
+            "contextId": C,
+            "parts": [{"text": "hi"}],
+        }
+    }
     res = fold(view, msg)
     assert res.view["history"][-1]["messageId"] == "m9"
     assert fold(res.view, msg).changed is False  # duplicate messageId
     # a task-less Message reply has nothing to fold
-    solo = fold(None, {"message": {"messageId": "m1", "role": "ROLE_AGENT", "parts": [{"text": "x"}]}})
+    solo = fold(
+        None, {"message": {"messageId": "m1", "role": "ROLE_AGENT", "parts": [{"text": "x"}]}}
+    )
     assert solo.view is None and solo.problems == []
 
 

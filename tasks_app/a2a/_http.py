@@ -45,7 +45,9 @@ def map_transport_error(exc: httpx.HTTPError, where: str, *, streaming: bool = F
         return ConnectError(f"{where}: cannot connect ({detail})")
     if isinstance(exc, httpx.ReadTimeout):
         if streaming:
-            return StreamIdleTimeout(f"{where}: stream silent for too long (no event or keep-alive)")
+            return StreamIdleTimeout(
+                f"{where}: stream silent for too long (no event or keep-alive)"
+            )
         return RequestTimeout(f"{where}: no answer in time")
     if isinstance(exc, httpx.TimeoutException):
         return RequestTimeout(f"{where}: timed out ({exc.__class__.__name__})")
@@ -60,7 +62,9 @@ async def read_bounded(response: httpx.Response, limit: int, where: str) -> byte
     """Read a streamed response body, refusing more than ``limit`` bytes."""
     length = response.headers.get("content-length")
     if length and length.isdigit() and int(length) > limit:
-        raise PayloadTooLarge(f"response of {int(length)} bytes exceeds the {limit}-byte limit", where=where)
+        raise PayloadTooLarge(
+            f"response of {int(length)} bytes exceeds the {limit}-byte limit", where=where
+        )
     chunks: list[bytes] = []
     size = 0
     async for chunk in response.aiter_bytes():
@@ -98,7 +102,9 @@ def error_for_status(response: httpx.Response, body: bytes, where: str) -> A2AEr
             parsed = json.loads(body)
         except (ValueError, UnicodeDecodeError):
             parsed = None
-    err = from_http_error(response.status_code, parsed, text=snippet_of(body, 500) if parsed is None else "")
+    err = from_http_error(
+        response.status_code, parsed, text=snippet_of(body, 500) if parsed is None else ""
+    )
     if isinstance(err, ProtocolError) and not err.where:
         err.where = where
     if parsed is None and mt and not is_json_media(mt) and isinstance(err, ProtocolError):

@@ -142,7 +142,8 @@ class BaseBinding:
                     if is_json_media(mt) or body[:1] in (b"{", b"["):
                         unwrap_json_reply(decode_json(body, where, mt=mt), resp.status_code)
                         raise ProtocolError(
-                            f"expected {SSE_MEDIA_TYPE}, got a JSON reply", where=where,
+                            f"expected {SSE_MEDIA_TYPE}, got a JSON reply",
+                            where=where,
                             snippet=snippet_of(body, 500),
                         )
                     raise ProtocolError(
@@ -178,25 +179,36 @@ class JsonRpcBinding(BaseBinding):
     @staticmethod
     def _result(obj: Any, where: str, rid: str | None, http_status: int | None) -> Any:
         if not isinstance(obj, dict) or obj.get("jsonrpc") != "2.0":
-            raise ProtocolError("not a JSON-RPC 2.0 response object", where=where, snippet=str(obj)[:300])
+            raise ProtocolError(
+                "not a JSON-RPC 2.0 response object", where=where, snippet=str(obj)[:300]
+            )
         if "error" in obj and obj["error"] is not None:
             raise from_jsonrpc_error(obj["error"], http_status=http_status)
         if "result" not in obj:
             raise ProtocolError("JSON-RPC response has neither 'result' nor 'error'", where=where)
         if rid is not None and obj.get("id") not in (rid, None):
-            raise ProtocolError(f"JSON-RPC response id {obj.get('id')!r} does not match {rid!r}", where=where)
+            raise ProtocolError(
+                f"JSON-RPC response id {obj.get('id')!r} does not match {rid!r}", where=where
+            )
         return obj["result"]
 
     async def call(self, method: str, params: dict[str, Any], *, timeout: httpx.Timeout) -> Any:
         rid, body = self._envelope(method, params)
         where = f"{method} (JSON-RPC {self.interface.url})"
         resp, raw = await self._unary(
-            "POST", self.interface.url, json_body=body, query=None,
-            content_type="application/json", timeout=timeout, where=where,
+            "POST",
+            self.interface.url,
+            json_body=body,
+            query=None,
+            content_type="application/json",
+            timeout=timeout,
+            where=where,
         )
         if resp.status_code >= 400:
             raise error_for_status(resp, raw, where)
-        return self._result(decode_json(raw, where, mt=media_type(resp)), where, rid, resp.status_code)
+        return self._result(
+            decode_json(raw, where, mt=media_type(resp)), where, rid, resp.status_code
+        )
 
     def stream(
         self, method: str, params: dict[str, Any], *, timeout: httpx.Timeout
@@ -212,8 +224,14 @@ class JsonRpcBinding(BaseBinding):
             return parse_stream_response(result, where=f"{method} event")
 
         return self._sse(
-            "POST", self.interface.url, json_body=body, content_type="application/json",
-            timeout=timeout, where=where, unwrap_json_reply=unwrap_reply, unwrap_event=unwrap_event,
+            "POST",
+            self.interface.url,
+            json_body=body,
+            content_type="application/json",
+            timeout=timeout,
+            where=where,
+            unwrap_json_reply=unwrap_reply,
+            unwrap_event=unwrap_event,
         )
 
 
@@ -239,7 +257,9 @@ class RestBinding(BaseBinding):
             base += "/" + _q(self.interface.tenant)
         return base
 
-    def _route(self, method: str, params: dict[str, Any]) -> tuple[str, str, Any, dict[str, Any] | None]:
+    def _route(
+        self, method: str, params: dict[str, Any]
+    ) -> tuple[str, str, Any, dict[str, Any] | None]:
         """(verb, path, body, query) for one operation."""
         p = dict(params)
         tenant = self.interface.tenant
@@ -261,15 +281,27 @@ class RestBinding(BaseBinding):
         if method == "CreateTaskPushNotificationConfig":
             return "POST", f"/tasks/{_q(p['taskId'])}/pushNotificationConfigs", with_tenant(p), None
         if method == "GetTaskPushNotificationConfig":
-            return "GET", f"/tasks/{_q(p['taskId'])}/pushNotificationConfigs/{_q(p['id'])}", None, None
+            return (
+                "GET",
+                f"/tasks/{_q(p['taskId'])}/pushNotificationConfigs/{_q(p['id'])}",
+                None,
+                None,
+            )
         if method == "ListTaskPushNotificationConfigs":
             tid = p.pop("taskId")
             return (
-                "GET", f"/tasks/{_q(tid)}/pushNotificationConfigs", None,
+                "GET",
+                f"/tasks/{_q(tid)}/pushNotificationConfigs",
+                None,
                 {k: _query_value(v) for k, v in p.items()},
             )
         if method == "DeleteTaskPushNotificationConfig":
-            return "DELETE", f"/tasks/{_q(p['taskId'])}/pushNotificationConfigs/{_q(p['id'])}", None, None
+            return (
+                "DELETE",
+                f"/tasks/{_q(p['taskId'])}/pushNotificationConfigs/{_q(p['id'])}",
+                None,
+                None,
+            )
         if method == "GetExtendedAgentCard":
             return "GET", "/extendedAgentCard", None, None
         raise ValueError(f"unknown A2A method {method!r}")
@@ -279,8 +311,13 @@ class RestBinding(BaseBinding):
         url = self.base + path
         where = f"{method} ({verb} {url})"
         resp, raw = await self._unary(
-            verb, url, json_body=body, query=query, content_type=REST_JSON_MEDIA,
-            timeout=timeout, where=where,
+            verb,
+            url,
+            json_body=body,
+            query=query,
+            content_type=REST_JSON_MEDIA,
+            timeout=timeout,
+            where=where,
         )
         if resp.status_code >= 400:
             raise error_for_status(resp, raw, where)
@@ -303,7 +340,12 @@ class RestBinding(BaseBinding):
         return self._stream_once(method, params, timeout=timeout)
 
     def _stream_once(
-        self, method: str, params: dict[str, Any], *, timeout: httpx.Timeout, verb: str | None = None
+        self,
+        method: str,
+        params: dict[str, Any],
+        *,
+        timeout: httpx.Timeout,
+        verb: str | None = None,
     ) -> AsyncIterator[StreamEvent]:
         route_verb, path, body, _ = self._route(method, params)
         verb = verb or route_verb
@@ -322,8 +364,14 @@ class RestBinding(BaseBinding):
             return parse_stream_response(obj, where=f"{method} event")
 
         return self._sse(
-            verb, url, json_body=body, content_type=REST_JSON_MEDIA, timeout=timeout,
-            where=where, unwrap_json_reply=unwrap_reply, unwrap_event=unwrap_event,
+            verb,
+            url,
+            json_body=body,
+            content_type=REST_JSON_MEDIA,
+            timeout=timeout,
+            where=where,
+            unwrap_json_reply=unwrap_reply,
+            unwrap_event=unwrap_event,
         )
 
     async def _subscribe(
@@ -335,7 +383,9 @@ class RestBinding(BaseBinding):
         task_id = str(params.get("id", ""))
         started = False
         try:
-            async for ev in self._stream_once("SubscribeToTask", params, timeout=timeout, verb=verb):
+            async for ev in self._stream_once(
+                "SubscribeToTask", params, timeout=timeout, verb=verb
+            ):
                 started = True
                 yield ev
             return
@@ -371,6 +421,10 @@ def make_binding(
 ) -> BaseBinding:
     cls: type[BaseBinding] = JsonRpcBinding if interface.binding == "JSONRPC" else RestBinding
     return cls(
-        interface, http, headers=headers, query=query,
-        max_response_bytes=max_response_bytes, max_event_bytes=max_event_bytes,
+        interface,
+        http,
+        headers=headers,
+        query=query,
+        max_response_bytes=max_response_bytes,
+        max_event_bytes=max_event_bytes,
     )

@@ -90,7 +90,9 @@ async def fetch_card(
                     continue
                 if resp.status_code in (404, 410):
                     tried = ", ".join(candidates)
-                    raise CardNotFoundError(f"no agent card found (HTTP {resp.status_code}; tried {tried})", where=where)
+                    raise CardNotFoundError(
+                        f"no agent card found (HTTP {resp.status_code}; tried {tried})", where=where
+                    )
                 if resp.status_code >= 400:
                     raise error_for_status(resp, body, where)
                 card = decode_json(body, where, mt=media_type(resp))
@@ -281,7 +283,11 @@ def validate_card(card: Any) -> list[CardProblem]:
             for key in ("examples", "inputModes", "outputModes"):
                 c.str_list(skill, key, p, required=False)
             if "securityRequirements" in skill:
-                c.requirements(skill["securityRequirements"], f"{p}.securityRequirements", scheme_names or set())
+                c.requirements(
+                    skill["securityRequirements"],
+                    f"{p}.securityRequirements",
+                    scheme_names or set(),
+                )
 
     sigs = card.get("signatures")
     if sigs is not None:
@@ -329,7 +335,10 @@ def _check_scheme(c: _Checker, scheme: Any, path: str) -> None:
         elif c.obj(flows, f"{p}.flows"):
             present = [f for f in OAUTH_FLOWS if f in flows]
             if len(present) != 1:
-                c.add(f"{p}.flows", f"must have exactly one of {', '.join(OAUTH_FLOWS)} (found {len(present)})")
+                c.add(
+                    f"{p}.flows",
+                    f"must have exactly one of {', '.join(OAUTH_FLOWS)} (found {len(present)})",
+                )
             for f in present:
                 fp = f"{p}.flows.{f}"
                 if c.obj(flows[f], fp):

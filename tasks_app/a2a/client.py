@@ -273,7 +273,9 @@ class A2AClient:
         )
         timeout = self._timeout if return_immediately else self._send_timeout
         result = await self._binding.call("SendMessage", params, timeout=timeout)
-        return parse_stream_response(result, where="SendMessage result", allowed=("task", "message"))
+        return parse_stream_response(
+            result, where="SendMessage result", allowed=("task", "message")
+        )
 
     async def send_streaming_message(
         self,
@@ -304,7 +306,9 @@ class A2AClient:
         params: dict[str, Any] = {"id": task_id}
         if history_length is not None:
             params["historyLength"] = history_length
-        return check_task(await self._binding.call("GetTask", params, timeout=self._timeout), "GetTask result")
+        return check_task(
+            await self._binding.call("GetTask", params, timeout=self._timeout), "GetTask result"
+        )
 
     async def list_tasks(
         self,
@@ -353,7 +357,8 @@ class A2AClient:
         if metadata:
             params["metadata"] = dict(metadata)
         return check_task(
-            await self._binding.call("CancelTask", params, timeout=self._timeout), "CancelTask result"
+            await self._binding.call("CancelTask", params, timeout=self._timeout),
+            "CancelTask result",
         )
 
     async def subscribe_to_task(self, task_id: str) -> AsyncIterator[StreamEvent]:
@@ -380,7 +385,11 @@ class A2AClient:
         servers store an id-less config under the task id, so a second one would
         silently overwrite the first.
         """
-        config: dict[str, Any] = {"taskId": task_id, "id": config_id or str(uuid.uuid4()), "url": url}
+        config: dict[str, Any] = {
+            "taskId": task_id,
+            "id": config_id or str(uuid.uuid4()),
+            "url": url,
+        }
         if token:
             config["token"] = token
         if auth_scheme:
@@ -388,14 +397,18 @@ class A2AClient:
             if auth_credentials:
                 config["authentication"]["credentials"] = auth_credentials
         return self._config(
-            await self._binding.call("CreateTaskPushNotificationConfig", config, timeout=self._timeout),
+            await self._binding.call(
+                "CreateTaskPushNotificationConfig", config, timeout=self._timeout
+            ),
             "CreateTaskPushNotificationConfig",
         )
 
     async def get_push_config(self, task_id: str, config_id: str) -> dict[str, Any]:
         return self._config(
             await self._binding.call(
-                "GetTaskPushNotificationConfig", {"taskId": task_id, "id": config_id}, timeout=self._timeout
+                "GetTaskPushNotificationConfig",
+                {"taskId": task_id, "id": config_id},
+                timeout=self._timeout,
             ),
             "GetTaskPushNotificationConfig",
         )
@@ -409,18 +422,25 @@ class A2AClient:
             params["pageSize"] = page_size
         if page_token:
             params["pageToken"] = page_token
-        result = await self._binding.call("ListTaskPushNotificationConfigs", params, timeout=self._timeout)
+        result = await self._binding.call(
+            "ListTaskPushNotificationConfigs", params, timeout=self._timeout
+        )
         if result is None:
             result = {}
         if not isinstance(result, dict) or not isinstance(result.get("configs", []), list):
-            raise ProtocolError("malformed ListTaskPushNotificationConfigs result", where="ListTaskPushNotificationConfigs")
+            raise ProtocolError(
+                "malformed ListTaskPushNotificationConfigs result",
+                where="ListTaskPushNotificationConfigs",
+            )
         result.setdefault("configs", [])
         result.setdefault("nextPageToken", "")
         return result
 
     async def delete_push_config(self, task_id: str, config_id: str) -> None:
         await self._binding.call(
-            "DeleteTaskPushNotificationConfig", {"taskId": task_id, "id": config_id}, timeout=self._timeout
+            "DeleteTaskPushNotificationConfig",
+            {"taskId": task_id, "id": config_id},
+            timeout=self._timeout,
         )
 
     @staticmethod
@@ -435,5 +455,7 @@ class A2AClient:
         """GetExtendedAgentCard (needs ``capabilities.extendedAgentCard`` and usually credentials)."""
         result = await self._binding.call("GetExtendedAgentCard", {}, timeout=self._timeout)
         if not isinstance(result, dict):
-            raise ProtocolError("extended agent card must be an object", where="GetExtendedAgentCard")
+            raise ProtocolError(
+                "extended agent card must be an object", where="GetExtendedAgentCard"
+            )
         return result

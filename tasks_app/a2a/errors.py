@@ -331,7 +331,9 @@ def from_http_error(status: int, body: Any, *, text: str = "") -> A2AError:
             return from_jsonrpc_error(err, http_status=status)
         if isinstance(err, dict):
             details = err.get("details")
-            details = [d for d in details if isinstance(d, dict)] if isinstance(details, list) else []
+            details = (
+                [d for d in details if isinstance(d, dict)] if isinstance(details, list) else []
+            )
             info = _first_error_info(details)
             reason = info.get("reason") if info else None
             message = err.get("message") if isinstance(err.get("message"), str) else ""

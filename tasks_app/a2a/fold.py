@@ -112,7 +112,9 @@ def artifact_complete(view: dict[str, Any], artifact_id: str) -> bool:
 
 def artifact_text(artifact: dict[str, Any], sep: str = "") -> str:
     """Concatenated text parts of an artifact (or message)."""
-    return sep.join(p["text"] for p in artifact.get("parts") or [] if isinstance(p.get("text"), str))
+    return sep.join(
+        p["text"] for p in artifact.get("parts") or [] if isinstance(p.get("text"), str)
+    )
 
 
 def message_text(message: dict[str, Any] | None, sep: str = "\n") -> str:
@@ -179,18 +181,27 @@ def fold(view: dict[str, Any] | None, event: StreamEvent | dict[str, Any]) -> Fo
     """
     parsed = _as_event(event)
     if parsed is None:
-        return FoldResult(view, ["not a StreamResponse (no task/message/statusUpdate/artifactUpdate)"])
+        return FoldResult(
+            view, ["not a StreamResponse (no task/message/statusUpdate/artifactUpdate)"]
+        )
     kind, payload = parsed
     problems: list[str] = []
 
     if kind == "task":
         task_id = payload.get("id")
         if view is not None and task_id != view.get("id"):
-            return FoldResult(view, [f"snapshot of task {task_id!r} ignored: view is task {view.get('id')!r}"])
+            return FoldResult(
+                view, [f"snapshot of task {task_id!r} ignored: view is task {view.get('id')!r}"]
+            )
         status = payload.get("status") or {}
         if _stale(view, status):
-            return FoldResult(view, [f"stale task snapshot ignored (status.timestamp {status.get('timestamp')} "
-                                     f"is older than {view['status'].get('timestamp')})"])  # type: ignore[index]
+            return FoldResult(
+                view,
+                [
+                    f"stale task snapshot ignored (status.timestamp {status.get('timestamp')} "
+                    f"is older than {view['status'].get('timestamp')})"
+                ],
+            )  # type: ignore[index]
         problem = transition_problem(state_of(view), status.get("state"))
         if problem:
             problems.append(problem)
@@ -210,9 +221,13 @@ def fold(view: dict[str, Any] | None, event: StreamEvent | dict[str, Any]) -> Fo
         if view is None or not task_id:
             return FoldResult(view)  # a task-less Message reply: nothing to fold
         if task_id != view.get("id"):
-            return FoldResult(view, [f"message for task {task_id!r} ignored: view is task {view.get('id')!r}"])
+            return FoldResult(
+                view, [f"message for task {task_id!r} ignored: view is task {view.get('id')!r}"]
+            )
         history = view.get("history") or []
-        if any(m.get("messageId") == payload.get("messageId") for m in history if isinstance(m, dict)):
+        if any(
+            m.get("messageId") == payload.get("messageId") for m in history if isinstance(m, dict)
+        ):
             return FoldResult(view)
         new = copy.deepcopy(view)
         new.setdefault("history", []).append(copy.deepcopy(payload))
@@ -222,18 +237,35 @@ def fold(view: dict[str, Any] | None, event: StreamEvent | dict[str, Any]) -> Fo
     if not task_id:
         return FoldResult(view, [f"{kind} without taskId ignored"])
     if view is not None and task_id != view.get("id"):
-        return FoldResult(view, [f"{kind} for task {task_id!r} ignored: view is task {view.get('id')!r}"])
-    base = copy.deepcopy(view) if view is not None else _minimal_view(task_id, payload.get("contextId"))
-    if view is not None and payload.get("contextId") and view.get("contextId") not in (None, payload["contextId"]):
-        problems.append(f"{kind} contextId {payload['contextId']!r} differs from the task's {view.get('contextId')!r}")
+        return FoldResult(
+            view, [f"{kind} for task {task_id!r} ignored: view is task {view.get('id')!r}"]
+        )
+    base = (
+        copy.deepcopy(view)
+        if view is not None
+        else _minimal_view(task_id, payload.get("contextId"))
+    )
+    if (
+        view is not None
+        and payload.get("contextId")
+        and view.get("contextId") not in (None, payload["contextId"])
+    ):
+        problems.append(
+            f"{kind} contextId {payload['contextId']!r} differs from the task's {view.get('contextId')!r}"
+        )
     if view is not None and not view.get("contextId") and payload.get("contextId"):
         base["contextId"] = payload["contextId"]
 
     if kind == "statusUpdate":
         status = payload.get("status") or {}
         if _stale(view, status):
-            return FoldResult(view, [f"stale status ignored ({status.get('state')} at {status.get('timestamp')} is "
-                                     f"older than {view['status'].get('timestamp')})"])  # type: ignore[index]
+            return FoldResult(
+                view,
+                [
+                    f"stale status ignored ({status.get('state')} at {status.get('timestamp')} is "
+                    f"older than {view['status'].get('timestamp')})"
+                ],
+            )  # type: ignore[index]
         problem = transition_problem(state_of(view), status.get("state"))
         if problem:
             problems.append(problem)

@@ -172,7 +172,9 @@ def _check_message(msg: Any, where: str) -> None:
     if not isinstance(msg, dict):
         raise ProtocolError("message must be an object", where=where)
     if "kind" in msg:
-        raise ProtocolError("message has 'kind': a 0.3-shaped payload on a 1.0 interface", where=where)
+        raise ProtocolError(
+            "message has 'kind': a 0.3-shaped payload on a 1.0 interface", where=where
+        )
     _require_id(msg, "messageId", where)
     role = msg.get("role")
     if role is not None and role not in ALL_ROLES:
@@ -242,7 +244,9 @@ def parse_stream_response(
 ) -> StreamEvent:
     """Turn one StreamResponse JSON object into a :class:`StreamEvent`."""
     if not isinstance(obj, dict):
-        raise ProtocolError(f"expected a StreamResponse object, got {type(obj).__name__}", where=where)
+        raise ProtocolError(
+            f"expected a StreamResponse object, got {type(obj).__name__}", where=where
+        )
     if "kind" in obj:
         raise ProtocolError(
             f"payload has 'kind'={obj.get('kind')!r}: a 0.3-shaped payload on a 1.0 interface",

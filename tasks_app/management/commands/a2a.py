@@ -46,7 +46,9 @@ def _state_arg(value: str) -> str:
     v = value.strip().upper().replace("-", "_")
     v = v if v.startswith("TASK_STATE_") else f"TASK_STATE_{v}"
     if v.removeprefix("TASK_STATE_") not in STATES:
-        raise argparse.ArgumentTypeError(f"unknown state {value!r} (one of {', '.join(s.lower() for s in STATES)})")
+        raise argparse.ArgumentTypeError(
+            f"unknown state {value!r} (one of {', '.join(s.lower() for s in STATES)})"
+        )
     return v
 
 
@@ -82,23 +84,46 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         common = argparse.ArgumentParser(add_help=False)
         common.add_argument("--json", action="store_true", help="one JSON object per line")
-        common.add_argument("--binding", choices=["jsonrpc", "rest"], help="force a binding (default: the card's first)")
-        common.add_argument("--token", default=os.environ.get("A2A_TOKEN"), help="bearer token (env A2A_TOKEN)")
-        common.add_argument("--api-key", default=os.environ.get("A2A_API_KEY"), help="API key (env A2A_API_KEY)")
+        common.add_argument(
+            "--binding",
+            choices=["jsonrpc", "rest"],
+            help="force a binding (default: the card's first)",
+        )
+        common.add_argument(
+            "--token", default=os.environ.get("A2A_TOKEN"), help="bearer token (env A2A_TOKEN)"
+        )
+        common.add_argument(
+            "--api-key", default=os.environ.get("A2A_API_KEY"), help="API key (env A2A_API_KEY)"
+        )
         common.add_argument("--api-key-name", help="API key name when the card declares none")
         common.add_argument("--api-key-location", choices=["header", "query", "cookie"])
-        common.add_argument("--extension", action="append", default=[], help="extension URI to activate (repeatable)")
-        common.add_argument("--timeout", type=float, default=None,
-                            help="seconds; bounds every call, a blocking send and stream silence")
+        common.add_argument(
+            "--extension",
+            action="append",
+            default=[],
+            help="extension URI to activate (repeatable)",
+        )
+        common.add_argument(
+            "--timeout",
+            type=float,
+            default=None,
+            help="seconds; bounds every call, a blocking send and stream silence",
+        )
 
         sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-        p = sub.add_parser("card", parents=[common], help="fetch, validate and summarise the agent card")
+        p = sub.add_parser(
+            "card", parents=[common], help="fetch, validate and summarise the agent card"
+        )
         p.add_argument("url")
         p = sub.add_parser("send", parents=[common], help="send a text message")
         p.add_argument("url")
         p.add_argument("text")
-        p.add_argument("--mode", choices=["blocking", "return-immediately", "stream"], default="blocking")
-        p.add_argument("--task", dest="task_id", help="continue this task (e.g. answer input-required)")
+        p.add_argument(
+            "--mode", choices=["blocking", "return-immediately", "stream"], default="blocking"
+        )
+        p.add_argument(
+            "--task", dest="task_id", help="continue this task (e.g. answer input-required)"
+        )
         p.add_argument("--context", dest="context_id", help="context id for the message")
         p.add_argument("--message-id", help="reuse a messageId (safe retry)")
         p = sub.add_parser("get", parents=[common], help="GetTask")
@@ -176,7 +201,11 @@ class Command(BaseCommand):
                 return
             kwargs: dict[str, Any] = {}
             if timeout:
-                kwargs = {"timeout": timeout, "send_timeout": timeout, "stream_idle_timeout": timeout}
+                kwargs = {
+                    "timeout": timeout,
+                    "send_timeout": timeout,
+                    "stream_idle_timeout": timeout,
+                }
             client = await A2AClient.connect(
                 options["url"],
                 http=http,
@@ -194,22 +223,33 @@ class Command(BaseCommand):
         if options["json"]:
             self._emit(card, "", options)
             return
-        out = [f"{card.get('name', '?')} {card.get('version', '')} — {card.get('description', '')}", f"card: {result.url}"]
+        out = [
+            f"{card.get('name', '?')} {card.get('version', '')} — {card.get('description', '')}",
+            f"card: {result.url}",
+        ]
         for iface in card.get("supportedInterfaces") or []:
             if isinstance(iface, dict):
                 tenant = f" tenant={iface['tenant']}" if iface.get("tenant") else ""
-                out.append(f"interface: {iface.get('protocolBinding')} {iface.get('protocolVersion')} {iface.get('url')}{tenant}")
+                out.append(
+                    f"interface: {iface.get('protocolBinding')} {iface.get('protocolVersion')} {iface.get('url')}{tenant}"
+                )
         try:
             chosen = choose_interface(card, binding=options.get("binding"), card_url=result.url)
             out.append(f"chosen: {chosen.binding} {chosen.url}")
         except A2AError as exc:
             out.append(f"chosen: none ({exc})")
         caps = card.get("capabilities") or {}
-        flags = [k for k in ("streaming", "pushNotifications", "extendedAgentCard") if caps.get(k) is True]
+        flags = [
+            k
+            for k in ("streaming", "pushNotifications", "extendedAgentCard")
+            if caps.get(k) is True
+        ]
         out.append(f"capabilities: {', '.join(flags) or 'none'}")
         for skill in card.get("skills") or []:
             if isinstance(skill, dict):
-                out.append(f"skill: {skill.get('id')} — {skill.get('name')}: {skill.get('description')}")
+                out.append(
+                    f"skill: {skill.get('id')} — {skill.get('name')}: {skill.get('description')}"
+                )
         out.extend(f"problem: {p}" for p in problems)
         if not problems:
             out.append("valid A2A 1.0 card")
@@ -234,7 +274,9 @@ class Command(BaseCommand):
             self._emit(ev.raw, self._event_line(ev), options)
 
     async def _get(self, client: A2AClient, options: dict[str, Any]) -> None:
-        task = await client.get_task(options["task_id"], history_length=options.get("history_length"))
+        task = await client.get_task(
+            options["task_id"], history_length=options.get("history_length")
+        )
         ev = StreamEvent("task", task, {"task": task})
         self._emit(ev.raw, self._event_line(ev), options)
 
