@@ -1,0 +1,55 @@
+"""Entry point of one benchmark child: ``python -m tasks_app.bench.child ROW --db-label sqlite [--quick]``.
+
+The parent (``manage.py bench``) sets ``DATABASE_URL`` (a scratch database),
+``REDIS_URL`` (a private Redis), ``DATA_DIR`` and ``CELERY_QUEUE`` in the
+environment; settings are read from it at import, which is why a row runs in its
+own process rather than by swapping settings in the caller. The child migrates
+the scratch database, runs the row and prints each result as one line
+``BENCHROW {json}`` on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("row")
+    parser.add_argument("--db-label", default="sqlite")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    from tasks_app.bench import inproc, live
+    from tasks_app.bench.report import Row
+
+    call_command("migrate", verbosity=0, interactive=False)
+    rows_by_name = {"P1": live.p1, "P2": live.p2, "P3": inproc.p3, "P4": inproc.p4, "P5": inproc.p5,
+                    "P6": live.p6, "P7": live.p7}  # fmt: skip
+    func = rows_by_name[args.row]
+    try:
+        rows = func(args.db_label, args.quick)
+    except Exception as exc:
+        traceback.print_exc()
+        rows = [Row(args.row, "error", "error", "", False, db=args.db_label,
+                    note=f"the benchmark failed: {type(exc).__name__}: {str(exc)[:500]}")]
+    for row in rows:
+        print("BENCHROW " + json.dumps(row.to_json(), default=str), flush=True)
+    from tasks_app import eventloop
+
+    eventloop.stop(timeout=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

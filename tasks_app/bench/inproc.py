@@ -1,0 +1,470 @@
+"""Rows measured in-process against the (scratch) database: P3, P4, P5.
+
+These run inside :mod:`tasks_app.bench.child`, whose settings already point at a
+migrated scratch database and a private Redis. Recording goes through the real
+``record_many()`` with the relay on, the way a worker does it: the process's
+shared loop (``tasks_app.eventloop``) is started, so ``relay.publish()`` queues to
+the one relay coroutine, and a channel-layer listener in that loop counts what
+reaches the task's group - a row only counts as relayed when it arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import gc
+import json
+import statistics
+import time
+import tracemalloc
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from django.db import connection, transaction
+
+from tasks_app.bench.report import Row
+
+BATCH = 100  # events per record_many() call: what a fast stream queues while one commit runs
+
+
+# Fixtures -----------------------------------------------------------------------------------
+
+
+def make_agent(name: str = "bench") -> Any:
+    from tasks_app.models import Agent
+
+    return Agent.objects.create(
+        name=name,
+        base_url=f"http://127.0.0.1:9/{name}-{uuid.uuid4().hex[:8]}",
+        interface_url="http://127.0.0.1:9/jsonrpc",
+        binding="JSONRPC",
+        protocol_version="1.0",
+        streaming=True,
+    )
+
+
+def make_task(agent: Any, title: str = "bench") -> Any:
+    from tasks_app.models import RemoteTask
+
+    return RemoteTask.objects.create(
+        agent=agent,
+        remote_id=f"remote-{uuid.uuid4().hex}",
+        context_id=f"ctx-{uuid.uuid4().hex[:8]}",
+        title=title,
+        phase=RemoteTask.Phase.TASK,
+        state="TASK_STATE_WORKING",
+        # A held timestamp, so each later-stamped statusUpdate is news (same state, no
+        # timestamp held would make record() treat them as repeats of the held status).
+        status_timestamp=T0 - dt.timedelta(seconds=1),
+        watch=RemoteTask.Watch.STREAM,
+    )
+
+
+T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+
+def status_event(task: Any, i: int) -> dict:
+    ts = (T0 + dt.timedelta(milliseconds=i)).isoformat().replace("+00:00", "Z")
+    return {
+        "statusUpdate": {
+            "taskId": task.remote_id,
+            "contextId": task.context_id,
+            "status": {"state": "TASK_STATE_WORKING", "timestamp": ts},
+            "metadata": {"i": i},
+        }
+    }
+
+
+def chunk_event(task: Any, i: int, artifact_id: str = "out") -> dict:
+    return {
+        "artifactUpdate": {
+            "taskId": task.remote_id,
+            "contextId": task.context_id,
+            "artifact": {"artifactId": artifact_id, "parts": [{"text": f"chunk {i:06d} " + "x" * 48}]},
+            "append": i > 0,
+            "lastChunk": False,
+        }
+    }
+
+
+def mixed_events(task: Any, n: int) -> list[dict]:
+    """A fast stream: status updates and artifact chunks, alternating."""
+    return [status_event(task, i) if i % 2 == 0 else chunk_event(task, i) for i in range(n)]
+
+
+# Relay listener -------------------------------------------------------------------------------
+
+
+class RelayCounter:
+    """Joins ``task-<pk>`` on the worker-style shared loop and counts the messages that arrive."""
+
+    def __init__(self, task_pk: int) -> None:
+        from tasks_app import eventloop, relay
+
+        self.group = relay.task_group(task_pk)
+        self.count = 0
+        self.last_at = 0.0
+        self.loop = eventloop.get_loop()
+        self.channel = eventloop.submit(self._join()).result(10)
+        self.reader = asyncio.run_coroutine_threadsafe(self._read(), self.loop)
+
+    async def _join(self) -> str:
+        from channels.layers import get_channel_layer
+
+        layer = get_channel_layer()
+        channel = await layer.new_channel()
+        await layer.group_add(self.group, channel)
+        return channel
+
+    async def _read(self) -> None:
+        from channels.layers import get_channel_layer
+
+        layer = get_channel_layer()
+        while True:
+            message = await layer.receive(self.channel)
+            if message.get("type") == "task.event":
+                self.count += 1
+                self.last_at = time.perf_counter()
+
+    def wait_for(self, n: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.count < n and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return self.count >= n
+
+    def close(self) -> None:
+        self.reader.cancel()
+
+
+def start_worker_loop() -> None:
+    """Start the shared loop as a worker does, so relays go through the one relay coroutine."""
+    from tasks_app import eventloop
+
+    eventloop.get_loop()
+
+
+# P3 -------------------------------------------------------------------------------------------
+
+
+def record_stream(task: Any, events: list[dict], batch: int = BATCH) -> tuple[float, float, int]:
+    """Record ``events`` in batches, wait until all are relayed.
+
+    Returns (seconds until recorded, seconds until relayed, relayed count).
+    """
+    from tasks_app.services.record import record_many
+
+    counter = RelayCounter(task.pk)
+    try:
+        t0 = time.perf_counter()
+        for start in range(0, len(events), batch):
+            record_many(task.pk, events[start : start + batch], "stream")
+        recorded = time.perf_counter() - t0
+        counter.wait_for(len(events), timeout=30 + len(events) / 500)
+        relayed = (counter.last_at - t0) if counter.count else float("nan")
+        return recorded, max(relayed, recorded), counter.count
+    finally:
+        counter.close()
+
+
+def raw_insert_floor(task: Any, events: list[dict]) -> float:
+    """The floor: the same TaskEvent rows with one bulk INSERT in one transaction."""
+    from django.utils import timezone
+
+    from tasks_app.models import TaskEvent
+
+    now = timezone.now()
+    rows = [
+        TaskEvent(
+            task_id=task.pk, seq=i + 1, received_at=now, channel="stream",
+            kind=next(iter(e)), raw=e, state_after="TASK_STATE_WORKING",
+        )
+        for i, e in enumerate(events)
+    ]
+    t0 = time.perf_counter()
+    with transaction.atomic():
+        TaskEvent.objects.bulk_create(rows, batch_size=1000)
+    return time.perf_counter() - t0
+
+
+def p3(db: str, quick: bool) -> list[Row]:
+    start_worker_loop()
+    n = 600 if quick else 10_000
+    agent = make_agent("p3")
+    task = make_task(agent)
+    events = mixed_events(task, n)
+    # Warm up (first queries, connection, the relay's Redis connection).
+    warm = make_task(agent)
+    record_stream(warm, mixed_events(warm, 50))
+    recorded, relayed, count = record_stream(task, events)
+    floor_task = make_task(agent)
+    floor = raw_insert_floor(floor_task, events)
+    rate, floor_rate = n / relayed, n / floor
+    ratio = relayed / floor
+    ok = rate >= 2000 and ratio <= 2 and count == n
+    return [
+        Row(
+            "P3", f"events recorded (log + fold) and relayed /s, one fast stream ({n} events)",
+            f"{rate:,.0f}/s", ">= 2,000/s, <= 2x floor", ok,
+            floor=f"{floor_rate:,.0f}/s", ratio=f"{ratio:.1f}x", db=db,
+            note=(
+                f"record_many() in batches of {BATCH} (half statusUpdate, half appended artifact chunks), "
+                f"relay through the worker-style relay coroutine to Redis, clock stopped when the last "
+                f"message reached a listener in task-<pk>; relayed {count}/{n}; recording alone took "
+                f"{recorded:.2f}s ({n / recorded:,.0f}/s). Floor: bulk_create of the same TaskEvent rows "
+                f"in one transaction ({floor:.3f}s)."
+            ),
+            extra={"n": n, "rate": rate, "floor_rate": floor_rate, "ratio": ratio, "relayed": count,
+                   "record_rate": n / recorded},
+        )
+    ]
+
+
+# P4 -------------------------------------------------------------------------------------------
+
+
+def p4(db: str, quick: bool) -> list[Row]:
+    start_worker_loop()
+    small, large = (200, 2000) if quick else (2000, 20_000)
+    agent = make_agent("p4")
+    warm = make_task(agent)
+    record_stream(warm, [chunk_event(warm, i) for i in range(100)])
+    times = {}
+    counts = {}
+    for n in (small, large):
+        task = make_task(agent)
+        _, relayed, count = record_stream(task, [chunk_event(task, i) for i in range(n)])
+        times[n], counts[n] = relayed, count
+    from tasks_app.models import Artifact
+
+    parts = Artifact.objects.filter(task__agent=agent).order_by("-part_count").values_list("part_count", flat=True).first()
+    growth = times[large] / times[small]
+    lost = (small - counts[small]) + (large - counts[large])
+    ok = growth <= 12 and lost == 0 and parts == large
+    return [
+        Row(
+            "P4", f"one artifact of {large:,} chunks vs one of {small:,} (time ratio)",
+            f"{growth:.1f}x ({times[large]:.2f}s vs {times[small]:.2f}s)", "<= 12x (linear)", ok, db=db,
+            note=(
+                f"appended artifactUpdate chunks through record_many() in batches of {BATCH}, relay on, "
+                f"timed until the last chunk was relayed; the large artifact holds {parts} parts; "
+                f"{lost} relay messages missing."
+            ),
+            extra={"small": small, "large": large, "t_small": times[small], "t_large": times[large],
+                   "growth": growth, "lost": lost},
+        )
+    ]
+
+
+# P5 -------------------------------------------------------------------------------------------
+
+
+def _bulk_tasks(agent: Any, n: int) -> None:
+    from django.utils import timezone
+
+    from tasks_app.models import RemoteTask
+
+    states = ["TASK_STATE_WORKING", "TASK_STATE_COMPLETED", "TASK_STATE_FAILED", "TASK_STATE_INPUT_REQUIRED",
+              "TASK_STATE_COMPLETED", "TASK_STATE_CANCELED"]
+    now = timezone.now()
+    chunk = 5000
+    for start in range(0, n, chunk):
+        rows = [
+            RemoteTask(
+                agent=agent, remote_id=f"bulk-{i}", context_id=f"ctx-{i % 997}", title=f"bulk task {i}",
+                phase=RemoteTask.Phase.TASK, state=states[i % len(states)],
+                created_at=now - dt.timedelta(seconds=n - i), updated_at=now - dt.timedelta(seconds=n - i),
+                last_seq=1,
+            )
+            for i in range(start, min(n, start + chunk))
+        ]
+        with transaction.atomic():
+            RemoteTask.objects.bulk_create(rows, batch_size=1000)
+
+
+def _bulk_events(task: Any, n: int) -> None:
+    from django.utils import timezone
+
+    from tasks_app.models import RemoteTask, TaskEvent
+
+    now = timezone.now()
+    chunk = 5000
+    for start in range(0, n, chunk):
+        rows = []
+        for i in range(start, min(n, start + chunk)):
+            raw = status_event(task, i) if i % 2 == 0 else chunk_event(task, i)
+            rows.append(TaskEvent(task_id=task.pk, seq=i + 1, received_at=now, channel="stream",
+                                  kind=next(iter(raw)), raw=raw, state_after="TASK_STATE_WORKING"))
+        with transaction.atomic():
+            TaskEvent.objects.bulk_create(rows, batch_size=1000)
+    RemoteTask.objects.filter(pk=task.pk).update(last_seq=n)
+
+
+def _p95(samples: list[float]) -> float:
+    if len(samples) < 2:
+        return samples[0] if samples else float("nan")
+    return statistics.quantiles(samples, n=20, method="inclusive")[18]
+
+
+def _time_get(client: Any, url: str, repeat: int) -> tuple[list[float], int, str]:
+    """GET ``url`` ``repeat`` times; (seconds each, last status, error)."""
+    samples: list[float] = []
+    status, error = 0, ""
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        try:
+            response = client.get(url)
+            if getattr(response, "streaming", False):
+                for _chunk in response.streaming_content:
+                    pass
+            status = response.status_code
+        except Exception as exc:
+            return samples, 500, f"{type(exc).__name__}: {exc}"[:300]
+        samples.append(time.perf_counter() - t0)
+    return samples, status, error
+
+
+def _resolves(path: str) -> bool:
+    from django.urls import Resolver404, resolve
+
+    try:
+        match = resolve(path)
+    except Resolver404:
+        return False
+    # The overview's catch-all, if any, does not count as the page we want.
+    return getattr(match, "url_name", "") not in ("overview",)
+
+
+EXPORT_CANDIDATES = (
+    "/tasks/{pk}/export/", "/tasks/{pk}/export.jsonl", "/tasks/{pk}/events.jsonl",
+    "/tasks/{pk}/events/export/", "/tasks/{pk}/export",
+)
+
+
+def _export_orm(task_pk: int) -> Iterator[bytes]:
+    """What an export view should do: stream JSON lines from an iterator, never a list."""
+    from tasks_app.models import TaskEvent
+
+    rows = TaskEvent.objects.filter(task_id=task_pk).order_by("seq").values_list(
+        "seq", "received_at", "channel", "kind", "state_after", "note", "raw"
+    )
+    for seq, received_at, channel, kind, state, note, raw in rows.iterator(chunk_size=2000):
+        yield (json.dumps({"seq": seq, "received_at": received_at.isoformat(), "channel": channel,
+                           "kind": kind, "state": state, "note": note, "raw": raw}) + "\n").encode()
+
+
+def _measure_stream(produce: Callable[[], Iterator[bytes]]) -> tuple[float, int, int]:
+    """(seconds, bytes, tracemalloc peak bytes) of consuming ``produce()``."""
+    gc.collect()
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    t0 = time.perf_counter()
+    total = 0
+    for chunk in produce():
+        total += len(chunk)
+    seconds = time.perf_counter() - t0
+    peak = tracemalloc.get_traced_memory()[1] - base
+    tracemalloc.stop()
+    return seconds, total, peak
+
+
+def p5(db: str, quick: bool) -> list[Row]:
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    n_tasks, n_history, n_export = (2_000, 500, 5_000) if quick else (100_000, 10_000, 100_000)
+    repeat = 5 if quick else 20
+    agent = make_agent("p5")
+    t0 = time.perf_counter()
+    _bulk_tasks(agent, n_tasks)
+    history = make_task(agent, "history")
+    _bulk_events(history, n_history)
+    export_task = make_task(agent, "export")
+    _bulk_events(export_task, n_export)
+    small_export = make_task(agent, "export-small")
+    _bulk_events(small_export, n_export // 10)
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("ANALYZE")
+    seed = time.perf_counter() - t0
+
+    user = get_user_model().objects.create_user("bench", password="bench-password-1")
+    client = Client()
+    client.force_login(user)
+    rows: list[Row] = []
+
+    pages = {
+        "task list, first page": "/tasks/",
+        "task list, page 200": "/tasks/?page=200",
+        "task list, state filter": "/tasks/?state=TASK_STATE_WORKING",
+        f"task page, {n_history:,} events": f"/tasks/{history.pk}/",
+    }
+    results: dict[str, Any] = {}
+    missing = [url for url in pages.values() if not _resolves(url.split("?")[0])]
+    for label, url in pages.items():
+        if url.split("?")[0] in missing:
+            continue
+        client.get(url)  # warm (templates, first queries)
+        samples, status, error = _time_get(client, url, repeat)
+        results[label] = {"p95_ms": _p95(samples) * 1000 if samples else None, "status": status, "error": error}
+    if results:
+        worst_label = max(results, key=lambda k: results[k]["p95_ms"] or 1e9)
+        worst = results[worst_label]["p95_ms"]
+        bad = {k: v for k, v in results.items() if v["status"] != 200}
+        detail = "; ".join(
+            f"{k}: p95 {v['p95_ms']:.1f} ms" if v["p95_ms"] is not None else f"{k}: {v['error']}"
+            for k, v in results.items()
+        )
+        if bad:
+            detail += "; not 200: " + ", ".join(f"{k} ({v['status']} {v['error']})" for k, v in bad.items())
+        rows.append(Row(
+            "P5", f"page server time p95, worst page ({n_tasks:,} tasks)",
+            f"{worst:.1f} ms" if worst is not None else "error", "<= 100 ms per page",
+            (worst is not None and worst <= 100 and not bad), db=db,
+            note=f"Django test Client, logged in, {repeat} GETs per page after one warm-up, in-process (no network); "
+                 f"{detail}. Worst: {worst_label}. Seeding took {seed:.0f}s."
+                 + (f" Not measured (no such URL yet): {', '.join(missing)}." if missing else ""),
+            extra={"pages": results, "missing": missing},
+        ))
+    else:
+        rows.append(Row("P5", "page server time p95", "not measured", "<= 100 ms per page", None, db=db,
+                        note=f"the views do not exist yet: {', '.join(missing)} do not resolve."))
+
+    export_url = next((u.format(pk=export_task.pk) for u in EXPORT_CANDIDATES if _resolves(u.format(pk=export_task.pk))), "")
+    if export_url:
+        small_url = export_url.replace(f"/{export_task.pk}/", f"/{small_export.pk}/")
+
+        def via_view(url: str) -> Callable[[], Iterator[bytes]]:
+            def produce() -> Iterator[bytes]:
+                response = client.get(url)
+                if getattr(response, "streaming", False):
+                    yield from response.streaming_content
+                else:
+                    yield response.content
+            return produce
+
+        big, small = via_view(export_url), via_view(small_url)
+        how = f"GET {export_url.replace(str(export_task.pk), '<pk>')} through the test Client"
+    else:
+        def big() -> Iterator[bytes]:
+            return _export_orm(export_task.pk)
+
+        def small() -> Iterator[bytes]:
+            return _export_orm(small_export.pk)
+
+        how = ("no export view exists yet: measured JSON lines streamed from the ORM with "
+               ".values_list(...).iterator(chunk_size=2000), i.e. what such a view must do")
+    _, _, s_peak = _measure_stream(small)
+    b_sec, b_bytes, b_peak = _measure_stream(big)
+    growth = b_peak / s_peak if s_peak else float("inf")
+    ok = growth <= 2.0
+    rows.append(Row(
+        "P5", f"export of {n_export:,} events: memory high-water vs {n_export // 10:,}",
+        f"{b_peak / 1e6:.1f} MB vs {s_peak / 1e6:.1f} MB ({growth:.1f}x)", "constant memory (<= 2x for 10x rows)",
+        ok, db=db,
+        note=f"{how}; tracemalloc peak while consuming; {b_bytes / 1e6:.1f} MB written in {b_sec:.1f}s "
+             f"({n_export / b_sec:,.0f} events/s under tracemalloc).",
+        extra={"peak_large": b_peak, "peak_small": s_peak, "growth": growth, "export_view": export_url},
+    ))
+    return rows

@@ -1,0 +1,141 @@
+"""``manage.py bench [NAME ...] [--quick] [--db sqlite|postgres|both] [--write-docs]``.
+
+Runs the performance rows of docs/performance.md (P1-P7) and prints one table row
+per figure: value, goal, floor and ratio where a floor exists, PASS/MISS.
+
+Why it is built this way: each row runs in its own child process
+(``tasks_app.bench.child``) against its own scratch database - a temporary
+SQLite file or a scratch PostgreSQL database, dropped afterwards - and one
+private Redis for the whole run, so nothing touches real data or the shared
+Redis other processes use. Every process started is stopped on exit, Ctrl-C
+included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from tasks_app.bench import procs
+from tasks_app.bench.report import Row, notes, table, write_docs
+
+ALL_ROWS = ("P3", "P4", "P5", "P1", "P6", "P7", "P2")
+DOCS_PATH = procs.REPO_ROOT / "docs" / "performance.md"
+ANALYSIS_PATH = procs.REPO_ROOT / "tasks_app" / "bench" / "analysis.md"
+
+
+def run_rows(
+    names: list[str],
+    databases: list[str],
+    *,
+    quick: bool,
+    log: Any = None,
+    timeout: float | None = None,
+) -> list[Row]:
+    """Run ``names`` on each of ``databases``; returns the rows (a failed child gives a MISS row)."""
+    results: list[Row] = []
+    with procs.workdir() as work, procs.private_redis(work) as redis_url:
+        for db in databases:
+            for name in names:
+                if log:
+                    log(f"-- {name} on {db}{' (quick)' if quick else ''}")
+                with procs.scratch_database(db, work) as database_url:
+                    results.extend(_run_child(name, db, database_url, redis_url, work, quick, log, timeout))
+    return results
+
+
+def _run_child(
+    name: str, db: str, database_url: str, redis_url: str, work: Path, quick: bool, log: Any, timeout: float | None
+) -> list[Row]:
+    data_dir = work / f"data-{name}-{db}"
+    data_dir.mkdir(exist_ok=True)
+    env = dict(os.environ)
+    env.update(
+        DATABASE_URL=database_url,
+        REDIS_URL=redis_url,
+        DATA_DIR=str(data_dir),
+        CELERY_QUEUE=f"bench-{uuid.uuid4().hex[:8]}",
+        DJANGO_SETTINGS_MODULE="dashboard.settings",
+        DASHBOARD_TEST_DB_FILE=str(data_dir / "unused-test.sqlite3"),
+        LOG_LEVEL=env.get("BENCH_LOG_LEVEL", "WARNING"),
+    )
+    env.pop("CELERY_BROKER_URL", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(procs.REPO_ROOT), env.get("PYTHONPATH")]))
+    argv = [sys.executable, "-m", "tasks_app.bench.child", name, "--db-label", db]
+    if quick:
+        argv.append("--quick")
+    limit = timeout or (150 if quick else 1200)
+    err_path = work / f"child-{name}-{db}.err"
+    started = time.monotonic()
+    with open(err_path, "wb") as err:
+        child = subprocess.Popen(argv, cwd=procs.REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=err,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        proc = procs.Proc(name, child)
+        try:
+            out, _ = child.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            proc.stop()
+            out = b""
+        except BaseException:
+            proc.stop()
+            raise
+        finally:
+            proc.stop()  # the child's own children live in their own groups and are stopped by it
+    rows = []
+    for line in out.decode(errors="replace").splitlines():
+        if line.startswith("BENCHROW "):
+            rows.append(Row.from_json(json.loads(line[len("BENCHROW "):])))
+    if not rows:
+        tail = err_path.read_text(errors="replace")[-1500:]
+        rows.append(Row(name, "error", "error", "", False, db=db,
+                        note=f"the child exited with {child.returncode} after {time.monotonic() - started:.0f}s "
+                             f"without a result: {tail}"))  # fmt: skip
+    elif log:
+        log(f"   ({time.monotonic() - started:.0f}s)")
+    if log and os.environ.get("BENCH_SHOW_STDERR"):
+        log(err_path.read_text(errors="replace")[-3000:])
+    return rows
+
+
+class Command(BaseCommand):
+    help = "Run the performance benchmarks (P1-P7) and print value, goal, floor, PASS/MISS."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("names", nargs="*", help=f"rows to run (default: all of {' '.join(ALL_ROWS)})")
+        parser.add_argument("--quick", action="store_true", help="every row at a small scale (smoke test)")
+        parser.add_argument("--db", choices=["sqlite", "postgres", "both"], default="both",
+                            help="database(s) to run the rows on (default: both)")  # fmt: skip
+        parser.add_argument("--write-docs", action="store_true", help="write docs/performance.md")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        names = [n.upper() for n in options["names"]] or list(ALL_ROWS)
+        unknown = [n for n in names if n not in ALL_ROWS]
+        if unknown:
+            raise CommandError(f"unknown rows {unknown}; choose from {', '.join(ALL_ROWS)}")
+        databases = ["sqlite", "postgres"] if options["db"] == "both" else [options["db"]]
+        if "postgres" in databases:
+            why = procs.postgres_available()
+            if why:
+                if options["db"] == "postgres":
+                    raise CommandError(f"PostgreSQL is not reachable at {procs.PG_ADMIN_URL}: {why}")
+                self.stderr.write(f"PostgreSQL not reachable ({why}); running on SQLite only")
+                databases = ["sqlite"]
+        rows = run_rows(names, databases, quick=options["quick"], log=lambda s: self.stderr.write(s))
+        self.stdout.write(table(rows))
+        self.stdout.write("")
+        self.stdout.write(notes(rows))
+        if options["write_docs"]:
+            command = "manage.py bench " + " ".join(
+                [*options["names"], *(["--quick"] if options["quick"] else []), f"--db {options['db']}", "--write-docs"]
+            )
+            analysis = ANALYSIS_PATH.read_text() if ANALYSIS_PATH.exists() else ""
+            write_docs(DOCS_PATH, rows, command.replace("  ", " "), analysis)
+            self.stderr.write(f"wrote {DOCS_PATH}")
