@@ -1,13 +1,182 @@
-"""Websocket consumers: a browser follows one task's event log, or the task list."""
+"""Websocket consumers: a browser follows one task's event log, or the task list.
 
+``ws/tasks/<pk>/`` protocol (JSON messages):
+
+* The browser connects with ``?after=<last seq it has>``, or connects without it
+  and sends ``{"type": "resume", "after": N}``. Before a resume nothing is sent.
+* The consumer joins the group ``task-<pk>`` *first* (live messages queue up
+  behind the handler that runs), *then* reads the log rows with ``seq > after``
+  and sends them in order as ``{"type": "event", ...}``, then
+  ``{"type": "synced", "last_seq": N}``.
+* Live ``task.event`` messages are forwarded only when their seq is the next
+  one; an older seq is dropped (already sent); a seq that skips ahead, or one
+  whose raw JSON was left out for size, makes the consumer read the missing
+  rows from the log first. So the browser sees every seq once, in order.
+* ``task.watcher`` messages become ``{"type": "watcher", ...summary}``.
+
+``ws/tasks/`` forwards ``tasks.changed`` summaries as ``{"type": "task", ...}``.
+
+Both reject anonymous users (close code 4401) before accepting.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import parse_qs
+
+from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from tasks_app.models import RemoteTask, TaskEvent
+from tasks_app.relay import LIST_GROUP, task_group
+
+BATCH = 500
+CLOSE_UNAUTHENTICATED = 4401
+CLOSE_NOT_FOUND = 4404
+
+
+def _authenticated(scope: dict) -> bool:
+    user = scope.get("user")
+    return bool(user is not None and getattr(user, "is_authenticated", False))
+
+
+def event_message(event: TaskEvent) -> dict[str, Any]:
+    return {
+        "type": "event",
+        "task": event.task_id,
+        "seq": event.seq,
+        "kind": event.kind,
+        "channel": event.channel,
+        "state": event.state_after,
+        "note": event.note,
+        "received_at": event.received_at.isoformat(),
+        "raw": event.raw,
+    }
+
+
+@database_sync_to_async
+def _task_exists(pk: int) -> bool:
+    return RemoteTask.objects.filter(pk=pk).exists()
+
+
+@database_sync_to_async
+def _read_log(task_pk: int, after: int, upto: int | None, limit: int) -> list[dict[str, Any]]:
+    qs = TaskEvent.objects.filter(task_id=task_pk, seq__gt=after)
+    if upto is not None:
+        qs = qs.filter(seq__lte=upto)
+    return [event_message(e) for e in qs.order_by("seq")[:limit]]
 
 
 class TaskConsumer(AsyncJsonWebsocketConsumer):
+    """Follows one task's log with resume-after-seq: no gap, no duplicate."""
+
+    task_pk: int
+    group: str | None = None
+    last_sent: int | None = None  # None until the browser said where it is
+
     async def connect(self) -> None:
-        await self.close()
+        if not _authenticated(self.scope):
+            await self.close(code=CLOSE_UNAUTHENTICATED)
+            return
+        self.task_pk = int(self.scope["url_route"]["kwargs"]["task_id"])
+        if not await _task_exists(self.task_pk):
+            await self.close(code=CLOSE_NOT_FOUND)
+            return
+        # Join first: whatever is appended from now on is queued for us.
+        self.group = task_group(self.task_pk)
+        await self.channel_layer.group_add(self.group, self.channel_name)
+        await self.accept()
+        after = self._after_from_query()
+        if after is not None:
+            await self._resume(after)
+
+    async def disconnect(self, code: int) -> None:
+        if self.group:
+            await self.channel_layer.group_discard(self.group, self.channel_name)
+
+    def _after_from_query(self) -> int | None:
+        query = parse_qs((self.scope.get("query_string") or b"").decode())
+        values = query.get("after")
+        if not values:
+            return None
+        try:
+            return max(0, int(values[0]))
+        except ValueError:
+            return 0
+
+    async def receive_json(self, content: Any, **kwargs: Any) -> None:
+        if not isinstance(content, dict):
+            return
+        if content.get("type") == "resume":
+            try:
+                after = max(0, int(content.get("after") or 0))
+            except (TypeError, ValueError):
+                after = 0
+            await self._resume(after)
+        elif content.get("type") == "ping":
+            await self.send_json({"type": "pong"})
+
+    async def _resume(self, after: int) -> None:
+        self.last_sent = after
+        await self._send_from_log(upto=None)
+        await self.send_json({"type": "synced", "last_seq": self.last_sent})
+
+    async def _send_from_log(self, upto: int | None) -> None:
+        """Send every row after ``last_sent`` (up to ``upto``) from the log, in order."""
+        assert self.last_sent is not None
+        while True:
+            rows = await _read_log(self.task_pk, self.last_sent, upto, BATCH)
+            for row in rows:
+                if row["seq"] != self.last_sent + 1:
+                    # The log itself has a hole (should not happen): say so, carry on.
+                    await self.send_json(
+                        {"type": "gap", "after": self.last_sent, "next": row["seq"]}
+                    )
+                await self.send_json(row)
+                self.last_sent = row["seq"]
+            if len(rows) < BATCH:
+                return
+
+    # Group messages ------------------------------------------------------------------------
+
+    async def task_event(self, message: dict[str, Any]) -> None:
+        if self.last_sent is None:
+            return  # not resumed yet: the resume reads it from the log
+        seq = int(message.get("seq") or 0)
+        if seq <= self.last_sent:
+            return  # already sent (from the log, or a duplicate relay)
+        if seq > self.last_sent + 1 or "raw" not in message:
+            await self._send_from_log(upto=seq)
+            return
+        out = {key: message.get(key) for key in ("task", "seq", "kind", "channel", "state", "note", "received_at", "raw")}
+        out["type"] = "event"
+        await self.send_json(out)
+        self.last_sent = seq
+
+    async def task_watcher(self, message: dict[str, Any]) -> None:
+        await self.send_json({**message, "type": "watcher"})
 
 
 class TaskListConsumer(AsyncJsonWebsocketConsumer):
+    """Forwards task summaries for lists and the overview."""
+
+    joined = False
+
     async def connect(self) -> None:
-        await self.close()
+        if not _authenticated(self.scope):
+            await self.close(code=CLOSE_UNAUTHENTICATED)
+            return
+        await self.channel_layer.group_add(LIST_GROUP, self.channel_name)
+        self.joined = True
+        await self.accept()
+
+    async def disconnect(self, code: int) -> None:
+        if self.joined:
+            await self.channel_layer.group_discard(LIST_GROUP, self.channel_name)
+
+    async def receive_json(self, content: Any, **kwargs: Any) -> None:
+        if isinstance(content, dict) and content.get("type") == "ping":
+            await self.send_json({"type": "pong"})
+
+    async def tasks_changed(self, message: dict[str, Any]) -> None:
+        await self.send_json({**message, "type": "task"})

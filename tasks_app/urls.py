@@ -4,4 +4,31 @@ from . import views
 
 urlpatterns = [
     path("", views.overview, name="overview"),
+    path("agents/", views.agent_list, name="agent-list"),
+    path("agents/add/", views.agent_add, name="agent-add"),
+    path("agents/<int:pk>/", views.agent_detail, name="agent-detail"),
+    path("agents/<int:pk>/credentials/", views.agent_credentials, name="agent-credentials"),
+    path("agents/<int:pk>/refresh/", views.agent_refresh, name="agent-refresh"),
+    path("agents/<int:pk>/import/", views.agent_import, name="agent-import"),
+    path("tasks/", views.task_list, name="task-list"),
+    path("tasks/new", views.task_new, name="task-new"),
+    path("tasks/<int:pk>/", views.task_detail, name="task-detail"),
+    path("tasks/<int:pk>/row/", views.task_row, name="task-row"),
+    path("tasks/<int:pk>/live/", views.task_live, name="task-live"),
+    path("tasks/<int:pk>/cancel/", views.task_cancel, name="task-cancel"),
+    path("tasks/<int:pk>/refresh/", views.task_refresh, name="task-refresh"),
+    path("tasks/<int:pk>/retry/", views.task_retry, name="task-retry"),
+    path("tasks/<int:pk>/answer/", views.task_answer, name="task-answer"),
+    path("tasks/<int:pk>/events/", views.task_events, name="task-events"),
+    path("tasks/<int:pk>/events/<int:seq>/", views.event_detail, name="event-detail"),
+    path(
+        "tasks/<int:pk>/artifacts/<int:artifact_pk>/parts/<int:index>/download",
+        views.artifact_download,
+        name="artifact-download",
+    ),
+    path(
+        "tasks/<int:pk>/messages/<int:message_pk>/parts/<int:index>/download",
+        views.message_download,
+        name="message-download",
+    ),
 ]

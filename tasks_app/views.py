@@ -1,8 +1,687 @@
+"""Pages of the dashboard. Views read the mirror and call services; they never write models."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from datetime import datetime
+from urllib.parse import urlencode
+
+from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.http import HttpRequest, HttpResponse
-from django.shortcuts import render
+from django.db.models import Count, Q
+from django.http import (
+    Http404,
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBadRequest,
+    HttpResponseRedirect,
+    JsonResponse,
+)
+from django.shortcuts import get_object_or_404, redirect, render
+from django.template.loader import render_to_string
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+from django.views.decorators.http import require_GET, require_POST
+
+from tasks_app.forms import (
+    AgentAddForm,
+    AnswerForm,
+    CancelForm,
+    CredentialsForm,
+    StartTaskForm,
+    TaskFilterForm,
+)
+from tasks_app.models import (
+    INTERRUPTED_STATES,
+    STATE_CHOICES,
+    TERMINAL_STATES,
+    Agent,
+    Artifact,
+    ConversationMessage,
+    RemoteTask,
+    TaskEvent,
+)
+from tasks_app.rendering import (
+    decode_raw,
+    download_content_type,
+    message_html,
+    parts_html,
+    pretty_json,
+    safe_filename,
+)
+from tasks_app.services import agents as agent_services
+from tasks_app.services import tasks as task_services
+from tasks_app.services.record import task_summary
+from tasks_app.svg import timeline_svg
+
+PAGE_SIZE = 50
+COUNT_LIMIT = 1000
+EVENTS_ON_PAGE = 300
+MESSAGES_ON_PAGE = 200
+STATE_LABELS = dict(STATE_CHOICES)
+WATCHER_STATUSES = [s for s, _ in RemoteTask.WatcherStatus.choices]
+
+
+def _state_counts(qs) -> dict:
+    return {row["state"]: row["n"] for row in qs.values("state").annotate(n=Count("id")).order_by()}
+
+
+# Overview ----------------------------------------------------------------------------------
+
+
+def _overview_context() -> dict:
+    agents = list(Agent.objects.all())
+    by_agent: dict[int, dict[str, int]] = {}
+    totals: dict[str, int] = {}
+    for row in RemoteTask.objects.values("agent_id", "state").annotate(n=Count("id")).order_by():
+        by_agent.setdefault(row["agent_id"], {})[row["state"]] = row["n"]
+        totals[row["state"]] = totals.get(row["state"], 0) + row["n"]
+    states = [s for s, _ in STATE_CHOICES if s and totals.get(s)]
+    if totals.get(""):
+        states.insert(0, "")
+    rows = []
+    for agent in agents:
+        counts = by_agent.get(agent.pk, {})
+        rows.append(
+            {
+                "agent": agent,
+                "counts": [counts.get(s, 0) for s in states],
+                "total": sum(counts.values()),
+            }
+        )
+    watchers = {
+        row["watcher_status"]: row["n"]
+        for row in RemoteTask.objects.exclude(state__in=TERMINAL_STATES)
+        .values("watcher_status")
+        .annotate(n=Count("id"))
+        .order_by()
+    }
+    return {
+        "agents": agents,
+        "states": [{"key": s, "label": STATE_LABELS.get(s, s) or "unknown"} for s in states],
+        "rows": rows,
+        "totals": [totals.get(s, 0) for s in states],
+        "grand_total": sum(totals.values()),
+        "needs_input": totals.get("TASK_STATE_INPUT_REQUIRED", 0),
+        "needs_auth": totals.get("TASK_STATE_AUTH_REQUIRED", 0),
+        "watchers": [
+            {"status": s, "count": watchers.get(s, 0)}
+            for s in ("streaming", "reconnecting", "polling", "awaiting-push", "lost")
+        ],
+        "recent": RemoteTask.objects.select_related("agent").order_by("-updated_at", "-id")[:12],
+        "now": timezone.now(),
+    }
 
 
 @login_required
 def overview(request: HttpRequest) -> HttpResponse:
-    return render(request, "tasks_app/overview.html", {})
+    context = _overview_context()
+    if request.GET.get("fragment"):
+        return render(request, "tasks_app/_overview_body.html", context)
+    return render(request, "tasks_app/overview.html", context)
+
+
+# Agents ------------------------------------------------------------------------------------
+
+
+@login_required
+def agent_list(request: HttpRequest) -> HttpResponse:
+    counts: dict[int, int] = {
+        row["agent_id"]: row["n"]
+        for row in RemoteTask.objects.values("agent_id").annotate(n=Count("id")).order_by()
+    }
+    agents = list(Agent.objects.all())
+    for agent in agents:
+        agent.task_count = counts.get(agent.pk, 0)
+    return render(request, "tasks_app/agent_list.html", {"agents": agents})
+
+
+@login_required
+def agent_add(request: HttpRequest) -> HttpResponse:
+    preview = None
+    if request.method == "POST":
+        form = AgentAddForm(request.POST)
+        if form.is_valid():
+            url = form.cleaned_data["url"]
+            if request.POST.get("action") == "save":
+                try:
+                    agent = agent_services.add_agent(
+                        url, name=form.cleaned_data["name"], actor_id=request.user.id
+                    )
+                except agent_services.AgentError as exc:
+                    form.add_error("url", str(exc))
+                else:
+                    messages.success(request, f"Agent {agent.name} saved.")
+                    return redirect("agent-detail", pk=agent.pk)
+            else:
+                try:
+                    preview = agent_services.preview_card(url)
+                except agent_services.AgentError as exc:
+                    form.add_error("url", str(exc))
+    else:
+        form = AgentAddForm(initial={"url": request.GET.get("url", "")})
+    return render(request, "tasks_app/agent_add.html", {"form": form, "preview": preview})
+
+
+def _card_view(card: dict) -> dict:
+    """The parts of a card the agent page shows (all rendered escaped by templates)."""
+    card = card if isinstance(card, dict) else {}
+    capabilities = card.get("capabilities") if isinstance(card.get("capabilities"), dict) else {}
+    skills = [s for s in card.get("skills") or [] if isinstance(s, dict)]
+    interfaces = [i for i in card.get("supportedInterfaces") or [] if isinstance(i, dict)]
+    schemes = card.get("securitySchemes") if isinstance(card.get("securitySchemes"), dict) else {}
+    scheme_rows = []
+    for name, scheme in schemes.items():
+        kind = next(iter(scheme), "") if isinstance(scheme, dict) and scheme else ""
+        detail = scheme.get(kind) if isinstance(scheme, dict) else None
+        scheme_rows.append({"name": name, "kind": kind, "detail": pretty_json(detail)})
+    provider = card.get("provider") if isinstance(card.get("provider"), dict) else {}
+    return {
+        "name": str(card.get("name") or ""),
+        "description": str(card.get("description") or ""),
+        "version": str(card.get("version") or ""),
+        "provider": provider,
+        "capabilities": [
+            {"name": k, "value": v} for k, v in capabilities.items() if not isinstance(v, list | dict)
+        ],
+        "extensions": capabilities.get("extensions") or [],
+        "skills": skills,
+        "interfaces": interfaces,
+        "schemes": scheme_rows,
+        "requirements": pretty_json(card.get("securityRequirements")) if card.get("securityRequirements") else "",
+        "input_modes": card.get("defaultInputModes") or [],
+        "output_modes": card.get("defaultOutputModes") or [],
+        "raw": pretty_json(card),
+    }
+
+
+@login_required
+def agent_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    agent = get_object_or_404(Agent, pk=pk)
+    context = {
+        "agent": agent,
+        "card": _card_view(agent.card),
+        "credentials_set": bool(agent.credentials_encrypted),
+        "credentials_form": CredentialsForm(),
+        "counts": sorted(_state_counts(RemoteTask.objects.filter(agent=agent)).items()),
+        "recent": RemoteTask.objects.filter(agent=agent).order_by("-updated_at", "-id")[:15],
+    }
+    return render(request, "tasks_app/agent_detail.html", context)
+
+
+@login_required
+@require_POST
+def agent_credentials(request: HttpRequest, pk: int) -> HttpResponse:
+    agent = get_object_or_404(Agent, pk=pk)
+    form = CredentialsForm(request.POST)
+    if not form.is_valid():
+        context = {
+            "agent": agent,
+            "card": _card_view(agent.card),
+            "credentials_set": bool(agent.credentials_encrypted),
+            "credentials_form": form,
+            "counts": sorted(_state_counts(RemoteTask.objects.filter(agent=agent)).items()),
+            "recent": RemoteTask.objects.filter(agent=agent).order_by("-updated_at", "-id")[:15],
+        }
+        return render(request, "tasks_app/agent_detail.html", context, status=400)
+    agent_services.set_credentials(agent, form.credentials(), actor_id=request.user.id)
+    messages.success(
+        request, "Credentials removed." if form.cleaned_data["kind"] == "clear" else "Credentials saved."
+    )
+    return redirect("agent-detail", pk=agent.pk)
+
+
+@login_required
+@require_POST
+def agent_refresh(request: HttpRequest, pk: int) -> HttpResponse:
+    agent = get_object_or_404(Agent, pk=pk)
+    try:
+        agent_services.refresh_card(agent, actor_id=request.user.id)
+    except agent_services.AgentError as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, "Card refreshed.")
+    return redirect("agent-detail", pk=agent.pk)
+
+
+@login_required
+@require_POST
+def agent_import(request: HttpRequest, pk: int) -> HttpResponse:
+    agent = get_object_or_404(Agent, pk=pk)
+    try:
+        result = task_services.import_tasks(agent, actor_id=request.user.id)
+    except task_services.TaskActionError as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(
+            request,
+            f"Import: {result.seen} tasks listed, {result.created} new, {result.changed} changed.",
+        )
+    return redirect("agent-detail", pk=agent.pk)
+
+
+# Task list (keyset pagination) ---------------------------------------------------------------
+
+SORTS = {
+    "-updated": ("updated_at", True),
+    "updated": ("updated_at", False),
+    "-created": ("created_at", True),
+    "created": ("created_at", False),
+}
+
+
+def _encode_cursor(value: datetime, pk: int) -> str:
+    return base64.urlsafe_b64encode(f"{value.isoformat()}|{pk}".encode()).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[datetime, int] | None:
+    try:
+        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        stamp, pk = text.rsplit("|", 1)
+        value = parse_datetime(stamp)
+        return (value, int(pk)) if value else None
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        return None
+
+
+def filtered_tasks(data: dict) -> tuple:
+    """The filtered queryset (unordered) and the sort, from cleaned filter data."""
+    qs = RemoteTask.objects.all()
+    if data.get("agent"):
+        qs = qs.filter(agent=data["agent"])
+    state = data.get("state")
+    if state == "active":
+        qs = qs.exclude(state__in=TERMINAL_STATES)
+    elif state:
+        qs = qs.filter(state=state)
+    if data.get("context"):
+        qs = qs.filter(context_id=data["context"].strip())
+    q = (data.get("q") or "").strip()
+    if q:
+        qs = qs.filter(Q(remote_id=q) | Q(title__icontains=q) | Q(remote_id__istartswith=q))
+    sort = data.get("sort") or "-updated"
+    return qs, SORTS.get(sort, SORTS["-updated"]), sort
+
+
+@login_required
+def task_list(request: HttpRequest) -> HttpResponse:
+    form = TaskFilterForm(request.GET or None)
+    data = form.cleaned_data if form.is_bound and form.is_valid() else {}
+    qs, (field, desc), sort = filtered_tasks(data)
+    cursor = _decode_cursor(request.GET.get("cursor", "")) if request.GET.get("cursor") else None
+    page_qs = qs
+    if cursor:
+        value, pk = cursor
+        if desc:
+            page_qs = page_qs.filter(Q(**{f"{field}__lt": value}) | Q(**{field: value, "pk__lt": pk}))
+        else:
+            page_qs = page_qs.filter(Q(**{f"{field}__gt": value}) | Q(**{field: value, "pk__gt": pk}))
+    order = [f"-{field}", "-pk"] if desc else [field, "pk"]
+    rows = list(page_qs.select_related("agent").order_by(*order)[: PAGE_SIZE + 1])
+    has_next = len(rows) > PAGE_SIZE
+    rows = rows[:PAGE_SIZE]
+    # A bounded count: never a full COUNT(*) over a huge table.
+    count = qs.order_by().values("pk")[: COUNT_LIMIT + 1].count()
+    base_params = {k: v for k, v in request.GET.items() if k != "cursor" and v}
+    next_url = ""
+    if has_next and rows:
+        last = rows[-1]
+        next_url = "?" + urlencode({**base_params, "cursor": _encode_cursor(getattr(last, field), last.pk)})
+    first_url = "?" + urlencode(base_params) if cursor else ""
+    agents = {a.pk: a.name for a in Agent.objects.all()}
+    context = {
+        "form": form,
+        "tasks": rows,
+        "count": count,
+        "count_capped": count > COUNT_LIMIT,
+        "count_limit": COUNT_LIMIT,
+        "next_url": next_url,
+        "first_url": first_url,
+        "live_filters": {
+            "agent": data["agent"].pk if data.get("agent") else None,
+            "state": data.get("state") or "",
+            "context": data.get("context") or "",
+            "q": data.get("q") or "",
+            # New tasks are prepended only on the first page of the default order.
+            "prepend": not cursor and sort == "-updated",
+        },
+        "agent_names": {str(k): v for k, v in agents.items()},
+        "state_labels": STATE_LABELS,
+    }
+    return render(request, "tasks_app/task_list.html", context)
+
+
+@login_required
+@require_GET
+def task_row(request: HttpRequest, pk: int) -> HttpResponse:
+    """One row of the task list (server-rendered, for live inserts)."""
+    task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
+    return render(request, "tasks_app/_task_row.html", {"task": task})
+
+
+# Starting a task ---------------------------------------------------------------------------
+
+
+def _skills_by_agent(agents) -> list[dict]:
+    out = []
+    for agent in agents:
+        for skill in (agent.card or {}).get("skills") or []:
+            if isinstance(skill, dict) and skill.get("id"):
+                out.append(
+                    {
+                        "agent": agent.pk,
+                        "id": str(skill.get("id")),
+                        "name": str(skill.get("name") or skill.get("id")),
+                        "description": str(skill.get("description") or ""),
+                        "examples": [str(e) for e in skill.get("examples") or []][:5],
+                    }
+                )
+    return out
+
+
+@login_required
+def task_new(request: HttpRequest) -> HttpResponse:
+    agents = list(Agent.objects.all())
+    if request.method == "POST":
+        form = StartTaskForm(request.POST, request.FILES)
+        if form.is_valid():
+            data = form.cleaned_data
+            metadata = {"skill": data["skill"]} if data.get("skill") else None
+            try:
+                task = task_services.start_task(
+                    data["agent"],
+                    data.get("text") or "",
+                    mode=data["mode"],
+                    data=data.get("data"),
+                    files=(data["file_part"],) if data.get("file_part") else (),
+                    from_browser=True,
+                    actor_id=request.user.id,
+                    metadata=metadata,
+                )
+            except task_services.TaskActionError as exc:
+                message = str(exc)
+                form.add_error("mode" if "mode" in message or "stream" in message else None, message)
+            else:
+                return redirect("task-detail", pk=task.pk)
+        form.keep_file()
+        status = 400
+    else:
+        initial = {"mode": RemoteTask.Mode.AUTO}
+        if request.GET.get("agent"):
+            initial["agent"] = request.GET["agent"]
+        if request.GET.get("text"):
+            initial["text"] = request.GET["text"]
+        form = StartTaskForm(initial=initial)
+        status = 200
+    context = {"form": form, "agents": agents, "skills": _skills_by_agent(agents)}
+    return render(request, "tasks_app/task_new.html", context, status=status)
+
+
+# Task page ---------------------------------------------------------------------------------
+
+
+def _download_url(task: RemoteTask, artifact: Artifact):
+    return lambda index: reverse("artifact-download", args=[task.pk, artifact.pk, index])
+
+
+def _message_download_url(task: RemoteTask, message: ConversationMessage):
+    return lambda index: reverse("message-download", args=[task.pk, message.pk, index])
+
+
+def artifact_blocks(task: RemoteTask, only: list[str] | None = None) -> list[dict]:
+    qs = Artifact.objects.filter(task=task).prefetch_related("parts")
+    if only is not None:
+        qs = qs.filter(artifact_id__in=only)
+    blocks = []
+    for artifact in qs:
+        blocks.append(
+            {
+                "artifact": artifact,
+                "html": parts_html([p.part for p in artifact.parts.all()], _download_url(task, artifact)),
+            }
+        )
+    return blocks
+
+
+def _conversation(task: RemoteTask) -> list[dict]:
+    msgs = list(ConversationMessage.objects.filter(task=task).order_by("-seq", "-id")[:MESSAGES_ON_PAGE])
+    msgs.reverse()
+    return [
+        {
+            "m": m,
+            "agent": m.role == "ROLE_AGENT",
+            "html": message_html(m.message, _message_download_url(task, m)),
+        }
+        for m in msgs
+    ]
+
+
+def _timeline(task: RemoteTask):
+    events = list(task.events.order_by("seq").values_list("seq", "received_at", "state_after"))
+    return timeline_svg(events)
+
+
+def _status_html(task: RemoteTask):
+    return message_html(task.status_message) if task.status_message else ""
+
+
+def _task_context(task: RemoteTask) -> dict:
+    return {
+        "task": task,
+        "status_html": _status_html(task),
+        "conversation": _conversation(task),
+        "timeline": _timeline(task),
+        "artifacts": artifact_blocks(task),
+        "cancel_form": CancelForm(),
+        "answer_form": AnswerForm(),
+        "can_cancel": bool(task.remote_id) and not task.is_terminal,
+        "can_retry": task.phase == RemoteTask.Phase.FAILED and not task.remote_id,
+        "can_answer": task.state in INTERRUPTED_STATES,
+        "can_refresh": bool(task.remote_id),
+    }
+
+
+@login_required
+def task_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    task = get_object_or_404(RemoteTask.objects.select_related("agent", "started_by"), pk=pk)
+    events = list(task.events.order_by("-seq")[:EVENTS_ON_PAGE])
+    events.reverse()
+    context = _task_context(task)
+    context.update(
+        {
+            "events": [{"e": e, "raw": pretty_json(e.raw)} for e in events],
+            "first_seq": events[0].seq if events else 0,
+            # The page holds everything up to here; the websocket resumes after it.
+            "page_seq": events[-1].seq if events else 0,
+            "summary": task_summary(task),
+        }
+    )
+    return render(request, "tasks_app/task_detail.html", context)
+
+
+@login_required
+@require_GET
+def task_live(request: HttpRequest, pk: int) -> JsonResponse:
+    """Server-rendered (sanitized) fragments of the task page, for live redraws."""
+    task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
+    context = _task_context(task)
+    wanted = request.GET.getlist("artifact")
+    artifacts = artifact_blocks(task, None if request.GET.get("all_artifacts") else wanted)
+    return JsonResponse(
+        {
+            "summary": task_summary(task),
+            "state_label": task.state_label,
+            "last_event_at": task.last_event_at.isoformat() if task.last_event_at else None,
+            "html": {
+                "head": render_to_string("tasks_app/_task_head.html", context, request=request),
+                "watch": render_to_string("tasks_app/_task_watch.html", context, request=request),
+                "status": render_to_string("tasks_app/_task_status.html", context, request=request),
+                "conversation": render_to_string(
+                    "tasks_app/_task_conversation.html", context, request=request
+                ),
+                "timeline": str(context["timeline"]),
+                "actions": render_to_string("tasks_app/_task_actions.html", context, request=request),
+            },
+            "artifacts": [
+                {
+                    "artifact_id": b["artifact"].artifact_id,
+                    "updated_seq": b["artifact"].updated_seq,
+                    "html": render_to_string(
+                        "tasks_app/_artifact.html", {"block": b, "task": task}, request=request
+                    ),
+                }
+                for b in artifacts
+            ],
+        }
+    )
+
+
+def _back_to_task(task: RemoteTask) -> HttpResponseRedirect:
+    return redirect("task-detail", pk=task.pk)
+
+
+@login_required
+@require_POST
+def task_cancel(request: HttpRequest, pk: int) -> HttpResponse:
+    task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
+    form = CancelForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, "The reason is too long.")
+        return _back_to_task(task)
+    try:
+        task_services.cancel_task(task, reason=form.cleaned_data["reason"], actor_id=request.user.id)
+    except task_services.TaskActionError as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, "Cancel requested.")
+    return _back_to_task(task)
+
+
+@login_required
+@require_POST
+def task_refresh(request: HttpRequest, pk: int) -> HttpResponse:
+    task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
+    try:
+        task_services.refresh_task(task, actor_id=request.user.id)
+    except task_services.TaskActionError as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, "Refreshed from the agent.")
+    return _back_to_task(task)
+
+
+@login_required
+@require_POST
+def task_retry(request: HttpRequest, pk: int) -> HttpResponse:
+    task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
+    try:
+        task_services.retry_send(task, actor_id=request.user.id)
+    except task_services.TaskActionError as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, "Sending again (same messageId).")
+    return _back_to_task(task)
+
+
+@login_required
+@require_POST
+def task_answer(request: HttpRequest, pk: int) -> HttpResponse:
+    task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
+    form = AnswerForm(request.POST)
+    if form.is_valid():
+        try:
+            task_services.answer_task(task, form.cleaned_data["text"], actor_id=request.user.id)
+        except task_services.TaskActionError as exc:
+            form.add_error("text", str(exc))
+        else:
+            messages.success(request, "Answer sent.")
+            return _back_to_task(task)
+    # Re-render the page with the answer form and what was typed.
+    return _render_task_with(request, task, answer_form=form)
+
+
+def _render_task_with(request: HttpRequest, task: RemoteTask, **forms) -> HttpResponse:
+    events = list(task.events.order_by("-seq")[:EVENTS_ON_PAGE])
+    events.reverse()
+    context = _task_context(task)
+    context.update(forms)
+    context.update(
+        {
+            "events": [{"e": e, "raw": pretty_json(e.raw)} for e in events],
+            "first_seq": events[0].seq if events else 0,
+            "page_seq": events[-1].seq if events else 0,
+            "summary": task_summary(task),
+        }
+    )
+    return render(request, "tasks_app/task_detail.html", context, status=400)
+
+
+@login_required
+@require_GET
+def task_events(request: HttpRequest, pk: int) -> HttpResponse:
+    """The whole log, a page at a time (by seq)."""
+    task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
+    try:
+        after = max(0, int(request.GET.get("after", "0")))
+    except ValueError:
+        return HttpResponseBadRequest("after must be a number")
+    rows = list(task.events.filter(seq__gt=after).order_by("seq")[: EVENTS_ON_PAGE + 1])
+    has_next = len(rows) > EVENTS_ON_PAGE
+    rows = rows[:EVENTS_ON_PAGE]
+    return render(
+        request,
+        "tasks_app/task_events.html",
+        {
+            "task": task,
+            "events": [{"e": e, "raw": pretty_json(e.raw)} for e in rows],
+            "next_after": rows[-1].seq if has_next and rows else None,
+        },
+    )
+
+
+@login_required
+@require_GET
+def event_detail(request: HttpRequest, pk: int, seq: int) -> HttpResponse:
+    task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
+    event = get_object_or_404(TaskEvent, task=task, seq=seq)
+    if request.GET.get("format") == "json":
+        return JsonResponse({"seq": event.seq, "raw": event.raw}, json_dumps_params={"indent": 2})
+    return render(
+        request, "tasks_app/event_detail.html", {"task": task, "event": event, "raw": pretty_json(event.raw)}
+    )
+
+
+def _attachment(part: dict, default_name: str) -> HttpResponse:
+    content = decode_raw(part)
+    if content is None:
+        raise Http404("This part has no downloadable bytes.")
+    name = safe_filename(part.get("filename"), default_name)
+    response = HttpResponse(content, content_type=download_content_type(part.get("mediaType")))
+    ascii_name = name.encode("ascii", "ignore").decode() or default_name
+    response["Content-Disposition"] = f'attachment; filename="{ascii_name}"'
+    response["X-Content-Type-Options"] = "nosniff"
+    response["Content-Security-Policy"] = "default-src 'none'; sandbox"
+    response["Cache-Control"] = "private, no-store"
+    return response
+
+
+@login_required
+@require_GET
+def artifact_download(request: HttpRequest, pk: int, artifact_pk: int, index: int) -> HttpResponse:
+    artifact = get_object_or_404(Artifact, pk=artifact_pk, task_id=pk)
+    part = artifact.parts.filter(index=index).first()
+    if part is None or not isinstance(part.part, dict):
+        raise Http404("No such part.")
+    return _attachment(part.part, f"artifact-{artifact.pk}-{index}")
+
+
+@login_required
+@require_GET
+def message_download(request: HttpRequest, pk: int, message_pk: int, index: int) -> HttpResponse:
+    message = get_object_or_404(ConversationMessage, pk=message_pk, task_id=pk)
+    parts = message.message.get("parts") if isinstance(message.message, dict) else None
+    if not isinstance(parts, list) or not 0 <= index < len(parts) or not isinstance(parts[index], dict):
+        raise Http404("No such part.")
+    return _attachment(parts[index], f"message-{message.pk}-{index}")

@@ -1,0 +1,133 @@
+/* A websocket that reconnects with backoff. Vanilla JS, no build step.
+ *
+ *   const live = new LiveSocket("/ws/tasks/1/", {
+ *     query: () => "?after=" + lastSeq,   // asked again on every (re)connect
+ *     onMessage: (msg) => ..., onStatus: (state) => ...
+ *   });
+ */
+(function () {
+  "use strict";
+
+  function wsUrl(path) {
+    const proto = window.location.protocol === "https:" ? "wss://" : "ws://";
+    return proto + window.location.host + path;
+  }
+
+  class LiveSocket {
+    constructor(path, options) {
+      this.path = path;
+      this.options = options || {};
+      this.attempt = 0;
+      this.ws = null;
+      this.holdUntil = 0;
+      this.stopped = false;
+      this.timer = null;
+      this.connect();
+    }
+
+    status(state, text) {
+      if (this.options.onStatus) this.options.onStatus(state, text);
+      const el = document.getElementById("live-status");
+      if (el) {
+        el.dataset.state = state;
+        el.textContent = "live: " + (text || state);
+      }
+    }
+
+    connect() {
+      if (this.stopped) return;
+      const wait = this.holdUntil - Date.now();
+      if (wait > 0) {
+        this.timer = setTimeout(() => this.connect(), wait);
+        return;
+      }
+      const query = this.options.query ? this.options.query() : "";
+      const ws = new WebSocket(wsUrl(this.path + query));
+      this.ws = ws;
+      this.status("connecting", "connecting…");
+      ws.onopen = () => {
+        this.attempt = 0;
+        this.status("open", "connected");
+        if (this.options.onOpen) this.options.onOpen(ws);
+      };
+      ws.onmessage = (ev) => {
+        let msg;
+        try { msg = JSON.parse(ev.data); } catch (e) { return; }
+        if (this.options.onMessage) this.options.onMessage(msg);
+      };
+      ws.onclose = (ev) => {
+        if (this.ws !== ws) return;
+        this.ws = null;
+        if (this.stopped) return;
+        if (ev.code === 4401 || ev.code === 4404) {
+          this.status("closed", ev.code === 4401 ? "log in again" : "not found");
+          return;
+        }
+        this.attempt += 1;
+        const base = Math.min(10000, 400 * Math.pow(2, this.attempt - 1));
+        const delay = base / 2 + Math.random() * base / 2;
+        this.status("reconnecting", "reconnecting in " + Math.round(delay / 100) / 10 + " s");
+        this.timer = setTimeout(() => this.connect(), delay);
+      };
+      ws.onerror = () => { /* onclose follows */ };
+    }
+
+    /* Drop the connection as if the network failed (tests use it); the
+       reconnect waits at least holdMs. */
+    drop(holdMs) {
+      this.holdUntil = Date.now() + (holdMs || 0);
+      if (this.ws) this.ws.close();
+    }
+
+    reconnectNow() {
+      if (this.ws) this.ws.close();
+    }
+
+    send(obj) {
+      if (this.ws && this.ws.readyState === WebSocket.OPEN) this.ws.send(JSON.stringify(obj));
+    }
+  }
+
+  /* Run fn at most once per `ms`, and once more after the last call. */
+  function throttle(fn, ms) {
+    let last = 0, timer = null, running = false, again = false;
+    async function run() {
+      timer = null;
+      if (running) { again = true; return; }
+      running = true;
+      last = Date.now();
+      try { await fn(); } catch (e) { console.warn(e); }
+      running = false;
+      if (again) { again = false; schedule(); }
+    }
+    function schedule() {
+      if (timer) return;
+      const wait = Math.max(0, ms - (Date.now() - last));
+      timer = setTimeout(run, wait);
+    }
+    return schedule;
+  }
+
+  /* True when a scroll box is (nearly) scrolled to its end. */
+  function atBottom(el) {
+    return el.scrollHeight - el.scrollTop - el.clientHeight < 24;
+  }
+
+  function ago(iso) {
+    if (!iso) return "";
+    const s = Math.max(0, (Date.now() - Date.parse(iso)) / 1000);
+    if (s < 60) return Math.floor(s) + " s ago";
+    if (s < 3600) return Math.floor(s / 60) + " min ago";
+    if (s < 86400) return Math.floor(s / 3600) + " h ago";
+    return Math.floor(s / 86400) + " d ago";
+  }
+
+  function tickTimes() {
+    document.querySelectorAll("time.live-ago").forEach((t) => {
+      t.textContent = ago(t.getAttribute("datetime"));
+    });
+  }
+  setInterval(tickTimes, 1000);
+
+  window.Live = { LiveSocket, throttle, atBottom, ago, tickTimes };
+})();

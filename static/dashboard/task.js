@@ -1,0 +1,244 @@
+/* The task page: follows the task's log over a websocket and redraws.
+ *
+ * - Events are applied once, in seq order (idempotent: an old seq is ignored;
+ *   a skipped seq makes us reconnect and resume from the last one we have).
+ * - Text chunks of an artifact are appended at once (textContent only) and the
+ *   server's sanitized rendering of that artifact is fetched, throttled; the
+ *   block is redrawn in place, so an artifact is one growing block.
+ * - Redraws are batched per animation frame / throttled; scroll boxes follow
+ *   new content only when they were already at the bottom.
+ */
+(function () {
+  "use strict";
+  const page = document.getElementById("task-page");
+  if (!page) return;
+  const taskPk = page.dataset.task;
+  const liveUrl = page.dataset.liveUrl;
+  const eventRows = document.getElementById("event-rows");
+  const logBox = document.getElementById("event-log-box");
+  const convBox = document.getElementById("conversation");
+  const artifactsBox = document.getElementById("artifacts");
+
+  const state = {
+    lastSeq: parseInt(page.dataset.pageSeq || "0", 10),
+    seqs: [],
+    duplicates: 0,
+    gaps: 0,
+    synced: false,
+    socket: null,
+  };
+  eventRows.querySelectorAll("tr[data-seq]").forEach((tr) => state.seqs.push(parseInt(tr.dataset.seq, 10)));
+  window.__taskPage = state;
+
+  // --- the event log table (batched per frame)
+  let pendingRows = [];
+  let frame = 0;
+  function flushRows() {
+    frame = 0;
+    if (!pendingRows.length) return;
+    const follow = Live.atBottom(logBox);
+    const frag = document.createDocumentFragment();
+    pendingRows.forEach((tr) => frag.appendChild(tr));
+    pendingRows = [];
+    eventRows.appendChild(frag);
+    if (follow) logBox.scrollTop = logBox.scrollHeight;
+  }
+  function td(text, cls) {
+    const cell = document.createElement("td");
+    if (cls) cell.className = cls;
+    cell.textContent = text == null ? "" : String(text);
+    return cell;
+  }
+  function eventRow(ev) {
+    const tr = document.createElement("tr");
+    tr.dataset.seq = ev.seq;
+    tr.className = "ev ev-" + ev.kind;
+    tr.appendChild(td(ev.seq, "mono"));
+    const when = td("", "small");
+    const t = document.createElement("time");
+    t.setAttribute("datetime", ev.received_at || "");
+    t.textContent = (ev.received_at || "").slice(11, 23);
+    when.appendChild(t);
+    tr.appendChild(when);
+    tr.appendChild(td(ev.channel, "small"));
+    tr.appendChild(td(ev.kind));
+    tr.appendChild(td(ev.state || "—", "small"));
+    tr.appendChild(td(ev.note, "small note"));
+    const rawCell = document.createElement("td");
+    const details = document.createElement("details");
+    details.className = "raw";
+    const summary = document.createElement("summary");
+    summary.textContent = "raw";
+    const pre = document.createElement("pre");
+    pre.className = "json";
+    pre.textContent = JSON.stringify(ev.raw, null, 2);
+    const link = document.createElement("a");
+    link.className = "small";
+    link.href = "/tasks/" + taskPk + "/events/" + ev.seq + "/";
+    link.textContent = "open";
+    details.append(summary, pre, link);
+    rawCell.appendChild(details);
+    tr.appendChild(rawCell);
+    return tr;
+  }
+
+  // --- state badge (immediate)
+  const LABELS = {
+    TASK_STATE_SUBMITTED: "submitted", TASK_STATE_WORKING: "working",
+    TASK_STATE_INPUT_REQUIRED: "input required", TASK_STATE_AUTH_REQUIRED: "auth required",
+    TASK_STATE_COMPLETED: "completed", TASK_STATE_FAILED: "failed",
+    TASK_STATE_CANCELED: "canceled", TASK_STATE_REJECTED: "rejected",
+  };
+  function setBadge(st) {
+    if (!st) return;
+    const badge = document.querySelector("#state-badge .badge");
+    if (!badge || badge.dataset.state === st) return;
+    badge.dataset.state = st;
+    badge.className = "badge st-" + st.replace("TASK_STATE_", "").toLowerCase().replace(/_/g, "-");
+    badge.textContent = LABELS[st] || st;
+  }
+
+  // --- artifacts: one block per artifactId, growing in place
+  const pendingChunks = new Map(); // artifactId -> [{seq, text}]
+  const dirtyArtifacts = new Set();
+  function findArtifact(id) {
+    for (const el of artifactsBox.querySelectorAll("article.artifact")) {
+      if (el.dataset.artifactId === id) return el;
+    }
+    return null;
+  }
+  function pendingPre(block) {
+    let pre = block.querySelector("pre.pending");
+    if (!pre) {
+      pre = document.createElement("pre");
+      pre.className = "pending";
+      const body = block.querySelector(".artifact-body") || block;
+      body.appendChild(pre);
+    }
+    return pre;
+  }
+  function applyArtifactEvent(ev) {
+    const update = ev.raw && ev.raw.artifactUpdate;
+    if (!update || !update.artifact) return;
+    const art = update.artifact;
+    const id = String(art.artifactId || "");
+    let block = findArtifact(id);
+    if (!block) {
+      block = document.createElement("article");
+      block.className = "artifact";
+      block.dataset.artifactId = id;
+      block.dataset.seq = "0";
+      const head = document.createElement("header");
+      head.className = "artifact-head";
+      const h = document.createElement("h3");
+      h.textContent = art.name || id;
+      head.appendChild(h);
+      const body = document.createElement("div");
+      body.className = "artifact-body";
+      block.append(head, body);
+      artifactsBox.appendChild(block);
+      document.getElementById("no-artifacts").hidden = true;
+    }
+    const texts = (art.parts || []).filter((p) => p && typeof p.text === "string").map((p) => p.text);
+    let chunks = pendingChunks.get(id) || [];
+    if (!update.append) {
+      // A replacement: what was shown is superseded.
+      chunks = [];
+      const body = block.querySelector(".artifact-body");
+      if (body) body.textContent = "";
+    }
+    if (texts.length) {
+      chunks.push({ seq: ev.seq, text: texts.join("") });
+      pendingPre(block).textContent += texts.join("");
+    }
+    pendingChunks.set(id, chunks);
+    dirtyArtifacts.add(id);
+  }
+  function redrawArtifact(item) {
+    const block = findArtifact(item.artifact_id);
+    const tmp = document.createElement("div");
+    tmp.innerHTML = item.html; // server-rendered and sanitized (tasks_app/rendering.py)
+    const fresh = tmp.firstElementChild;
+    if (!fresh) return;
+    if (!block) { artifactsBox.appendChild(fresh); document.getElementById("no-artifacts").hidden = true; return; }
+    if (parseInt(block.dataset.seq || "0", 10) > item.updated_seq) return; // older than shown
+    // Redraw in place: same element, new content.
+    block.innerHTML = fresh.innerHTML;
+    block.id = fresh.id;
+    block.dataset.seq = String(item.updated_seq);
+    const rest = (pendingChunks.get(item.artifact_id) || []).filter((c) => c.seq > item.updated_seq);
+    pendingChunks.set(item.artifact_id, rest);
+    if (rest.length) pendingPre(block).textContent = rest.map((c) => c.text).join("");
+  }
+
+  // --- the rest of the page: server fragments, throttled
+  function replaceKeepingScroll(el, html) {
+    if (!el || el.dataset.html === html) return;
+    const follow = Live.atBottom(el);
+    const top = el.scrollTop;
+    el.innerHTML = html;
+    el.dataset.html = html;
+    el.scrollTop = follow ? el.scrollHeight : top;
+  }
+  function replaceActions(html) {
+    const box = document.getElementById("task-actions");
+    const tmp = document.createElement("div");
+    tmp.innerHTML = html;
+    const fresh = tmp.querySelector(".task-actions");
+    const current = box.querySelector(".task-actions");
+    if (fresh && current && fresh.dataset.key === current.dataset.key) return; // keep what is typed
+    box.innerHTML = html;
+  }
+  const refresh = Live.throttle(async function () {
+    const params = new URLSearchParams();
+    dirtyArtifacts.forEach((id) => params.append("artifact", id));
+    dirtyArtifacts.clear();
+    const resp = await fetch(liveUrl + "?" + params.toString(), { headers: { Accept: "application/json" }, credentials: "same-origin" });
+    if (!resp.ok) return;
+    const data = await resp.json();
+    const html = data.html;
+    document.getElementById("task-head").innerHTML = html.head;
+    replaceKeepingScroll(document.getElementById("task-watch"), html.watch);
+    replaceKeepingScroll(document.getElementById("task-status"), html.status);
+    replaceKeepingScroll(convBox, html.conversation);
+    replaceKeepingScroll(document.getElementById("timeline"), html.timeline);
+    replaceActions(html.actions);
+    data.artifacts.forEach(redrawArtifact);
+    Live.tickTimes();
+  }, 250);
+
+  // --- applying events
+  function apply(ev) {
+    if (ev.seq <= state.lastSeq) { state.duplicates += 1; return; }
+    if (ev.seq !== state.lastSeq + 1) {
+      // Never show a hole: resume from what we have.
+      state.gaps += 1;
+      state.socket.reconnectNow();
+      return;
+    }
+    state.lastSeq = ev.seq;
+    state.seqs.push(ev.seq);
+    pendingRows.push(eventRow(ev));
+    if (!frame) frame = requestAnimationFrame(flushRows);
+    setBadge(ev.state);
+    if (ev.kind === "artifactUpdate") applyArtifactEvent(ev);
+    refresh();
+  }
+
+  state.socket = new Live.LiveSocket("/ws/tasks/" + taskPk + "/", {
+    query: () => "?after=" + state.lastSeq,
+    onOpen: () => { state.synced = false; },
+    onMessage: (msg) => {
+      if (msg.type === "event") apply(msg);
+      else if (msg.type === "synced") {
+        state.synced = true;
+        state.socket.status("open", "up to date");
+        refresh();
+      } else if (msg.type === "watcher") refresh();
+    },
+  });
+  state.dropSocket = (holdMs) => state.socket.drop(holdMs);
+
+  if (logBox) logBox.scrollTop = logBox.scrollHeight;
+  if (convBox) convBox.scrollTop = convBox.scrollHeight;
+})();

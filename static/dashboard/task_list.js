@@ -1,0 +1,102 @@
+/* The task list: rows change in place; new matching tasks appear at the top
+   (on the first page of the default order) without moving what one reads. */
+(function () {
+  "use strict";
+  const tbody = document.getElementById("task-rows");
+  if (!tbody) return;
+  const filters = JSON.parse(document.getElementById("live-filters").textContent);
+  const labels = JSON.parse(document.getElementById("state-labels").textContent);
+  const TERMINAL = ["TASK_STATE_COMPLETED", "TASK_STATE_FAILED", "TASK_STATE_CANCELED", "TASK_STATE_REJECTED"];
+  const known = new Map(); // task pk -> last_seq shown
+
+  tbody.querySelectorAll("tr[data-task]").forEach((tr) => known.set(tr.dataset.task, parseInt(tr.dataset.seq || "0", 10)));
+
+  function matches(s) {
+    if (filters.agent && String(s.agent) !== String(filters.agent)) return false;
+    if (filters.state === "active" && TERMINAL.includes(s.state)) return false;
+    if (filters.state && filters.state !== "active" && s.state !== filters.state) return false;
+    if (filters.context && s.context_id !== filters.context) return false;
+    if (filters.q) {
+      const q = filters.q.toLowerCase();
+      const title = (s.title || "").toLowerCase();
+      const rid = (s.remote_id || "").toLowerCase();
+      if (!title.includes(q) && !rid.startsWith(q)) return false;
+    }
+    return true;
+  }
+
+  function shortState(st) {
+    return st ? st.replace("TASK_STATE_", "").toLowerCase().replace(/_/g, "-") : "phase-";
+  }
+
+  function updateRow(tr, s) {
+    const seq = s.last_seq || 0;
+    if (parseInt(tr.dataset.seq || "0", 10) > seq) return; // older news
+    tr.dataset.seq = seq;
+    const badge = tr.querySelector(".state-cell .badge");
+    if (badge) {
+      badge.className = "badge st-" + (s.state ? shortState(s.state) : "phase-" + s.phase);
+      badge.dataset.state = s.state || "";
+      badge.textContent = s.state ? (labels[s.state] || s.state) : s.phase;
+    }
+    const watch = tr.querySelector(".watch-cell");
+    if (watch) watch.textContent = s.watcher_status || "";
+    const time = tr.querySelector("time");
+    if (time && s.updated_at) { time.setAttribute("datetime", s.updated_at); time.textContent = s.updated_at.slice(0, 19).replace("T", " "); }
+    tr.classList.toggle("stale", !matches(s));
+    tr.classList.add("flash-row");
+    setTimeout(() => tr.classList.remove("flash-row"), 800);
+  }
+
+  const pending = new Set();
+  async function insertRow(s) {
+    const key = String(s.task);
+    if (pending.has(key)) return;
+    pending.add(key);
+    try {
+      const resp = await fetch("/tasks/" + s.task + "/row/", { credentials: "same-origin" });
+      if (!resp.ok) return;
+      const html = await resp.text();
+      if (document.getElementById("task-row-" + s.task)) return;
+      const tmp = document.createElement("tbody");
+      tmp.innerHTML = html.trim(); // server-rendered, escaped
+      const tr = tmp.querySelector("tr");
+      if (!tr) return;
+      const empty = tbody.querySelector("tr.empty");
+      if (empty) empty.remove();
+      const before = document.documentElement.scrollHeight;
+      tbody.insertBefore(tr, tbody.firstChild);
+      known.set(key, parseInt(tr.dataset.seq || "0", 10));
+      // Keep what the reader looks at in place.
+      if (window.scrollY > 0) window.scrollBy(0, document.documentElement.scrollHeight - before);
+      tr.classList.add("flash-row");
+      setTimeout(() => tr.classList.remove("flash-row"), 800);
+    } finally {
+      pending.delete(key);
+    }
+  }
+
+  const queue = new Map();
+  let frame = 0;
+  function flush() {
+    frame = 0;
+    queue.forEach((s) => {
+      const tr = document.getElementById("task-row-" + s.task);
+      if (tr) updateRow(tr, s);
+      else if (filters.prepend && matches(s)) insertRow(s);
+    });
+    queue.clear();
+  }
+
+  new Live.LiveSocket("/ws/tasks/", {
+    onMessage: (msg) => {
+      if (msg.type !== "task") return;
+      queue.set(String(msg.task), msg);
+      if (!frame) frame = requestAnimationFrame(flush);
+    },
+  });
+
+  // Filters apply as they change (and stay in the URL).
+  const form = document.getElementById("task-filters");
+  form.querySelectorAll("select").forEach((sel) => sel.addEventListener("change", () => form.requestSubmit()));
+})();

@@ -1,0 +1,65 @@
+"""The mirror in Django's admin: read-mostly views for debugging.
+
+Credentials are never shown (the encrypted field is excluded).
+"""
+
+from django.contrib import admin
+
+from tasks_app.models import (
+    Agent,
+    Artifact,
+    ArtifactPart,
+    ConversationMessage,
+    OperatorAction,
+    RemoteTask,
+    TaskEvent,
+)
+
+
+@admin.register(Agent)
+class AgentAdmin(admin.ModelAdmin):
+    list_display = ("name", "base_url", "binding", "streaming", "push", "reachable", "card_fetched_at")
+    search_fields = ("name", "base_url")
+    exclude = ("credentials_encrypted",)
+
+
+@admin.register(RemoteTask)
+class RemoteTaskAdmin(admin.ModelAdmin):
+    list_display = ("pk", "agent", "remote_id", "title", "phase", "state", "watcher_status", "updated_at")
+    list_filter = ("state", "phase", "watcher_status", "agent")
+    search_fields = ("remote_id", "title", "context_id")
+    raw_id_fields = ("agent", "started_by")
+    show_full_result_count = False  # no COUNT(*) over a huge table
+
+
+@admin.register(TaskEvent)
+class TaskEventAdmin(admin.ModelAdmin):
+    list_display = ("task", "seq", "kind", "channel", "state_after", "received_at")
+    list_filter = ("kind", "channel")
+    raw_id_fields = ("task", "actor")
+    show_full_result_count = False
+
+
+class ArtifactPartInline(admin.TabularInline):
+    model = ArtifactPart
+    extra = 0
+
+
+@admin.register(Artifact)
+class ArtifactAdmin(admin.ModelAdmin):
+    list_display = ("task", "artifact_id", "name", "part_count", "complete", "updated_at")
+    raw_id_fields = ("task",)
+    inlines = [ArtifactPartInline]
+
+
+@admin.register(ConversationMessage)
+class ConversationMessageAdmin(admin.ModelAdmin):
+    list_display = ("task", "message_id", "role", "seq", "created_at")
+    raw_id_fields = ("task",)
+
+
+@admin.register(OperatorAction)
+class OperatorActionAdmin(admin.ModelAdmin):
+    list_display = ("action", "task", "agent", "actor", "outcome", "created_at")
+    list_filter = ("action",)
+    raw_id_fields = ("task", "agent", "actor")

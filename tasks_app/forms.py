@@ -1,0 +1,191 @@
+"""Forms of the dashboard. They validate input; views hand the cleaned values to services."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from django import forms
+
+from tasks_app.models import STATE_CHOICES, Agent, RemoteTask
+from tasks_app.rendering import safe_filename
+
+MAX_UPLOAD_BYTES = 10 * 1024 * 1024
+
+MODE_CHOICES = [
+    (RemoteTask.Mode.AUTO, "Auto (stream when the agent can)"),
+    (RemoteTask.Mode.STREAM, "Stream"),
+    (RemoteTask.Mode.RETURN_IMMEDIATELY, "Return immediately, then poll"),
+    (RemoteTask.Mode.BLOCKING, "Blocking (wait for the answer)"),
+]
+
+
+class AgentAddForm(forms.Form):
+    url = forms.URLField(
+        label="Agent URL",
+        max_length=1000,
+        assume_scheme="https",
+        help_text="The agent's base URL or the URL of its card (…/.well-known/agent-card.json).",
+        widget=forms.URLInput(attrs={"autofocus": True, "placeholder": "https://agent.example.org"}),
+    )
+    name = forms.CharField(
+        label="Display name", max_length=200, required=False, help_text="Optional; defaults to the card's name."
+    )
+
+
+class CredentialsForm(forms.Form):
+    KIND_CHOICES = [
+        ("bearer", "Bearer token"),
+        ("api-key", "API key"),
+        ("clear", "Remove stored credentials"),
+    ]
+    kind = forms.ChoiceField(label="Kind", choices=KIND_CHOICES, initial="bearer")
+    token = forms.CharField(
+        label="Bearer token", required=False, max_length=4000,
+        widget=forms.PasswordInput(render_value=False, attrs={"autocomplete": "off"}),
+    )  # fmt: skip
+    api_key = forms.CharField(
+        label="API key", required=False, max_length=4000,
+        widget=forms.PasswordInput(render_value=False, attrs={"autocomplete": "off"}),
+    )  # fmt: skip
+    api_key_name = forms.CharField(
+        label="API key name", required=False, max_length=200,
+        help_text="Only when the card declares no API-key scheme (default header X-API-Key).",
+    )  # fmt: skip
+    api_key_location = forms.ChoiceField(
+        label="API key location", required=False,
+        choices=[("", "as the card says"), ("header", "header"), ("query", "query"), ("cookie", "cookie")],
+    )  # fmt: skip
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        kind = data.get("kind")
+        if kind == "bearer" and not data.get("token"):
+            self.add_error("token", "Enter the token.")
+        if kind == "api-key" and not data.get("api_key"):
+            self.add_error("api_key", "Enter the API key.")
+        return data
+
+    def credentials(self) -> dict[str, str]:
+        data = self.cleaned_data
+        if data["kind"] == "bearer":
+            return {"token": data["token"]}
+        if data["kind"] == "api-key":
+            creds = {"api_key": data["api_key"]}
+            if data.get("api_key_name"):
+                creds["api_key_name"] = data["api_key_name"]
+            if data.get("api_key_location"):
+                creds["api_key_location"] = data["api_key_location"]
+            return creds
+        return {}
+
+
+def parse_json_text(text: str) -> Any:
+    """JSON from a text box, with a plain error message."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise forms.ValidationError(
+            f"Not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}."
+        ) from exc
+
+
+class StartTaskForm(forms.Form):
+    agent = forms.ModelChoiceField(queryset=Agent.objects.all(), empty_label=None)
+    skill = forms.CharField(required=False, max_length=300, label="Skill (hint)")
+    text = forms.CharField(
+        required=False, label="Message", max_length=100_000,
+        widget=forms.Textarea(attrs={"rows": 5, "placeholder": "What should the agent do?"}),
+    )  # fmt: skip
+    file = forms.FileField(required=False, label="Attach a file")
+    data = forms.CharField(
+        required=False, label="JSON data", max_length=1_000_000,
+        widget=forms.Textarea(attrs={"rows": 4, "placeholder": '{"key": "value"}', "spellcheck": "false"}),
+    )  # fmt: skip
+    mode = forms.ChoiceField(choices=MODE_CHOICES, initial=RemoteTask.Mode.AUTO)
+    # A file already uploaded with a form that had another error: kept, so it is not lost.
+    kept_file = forms.CharField(required=False, widget=forms.HiddenInput)
+    kept_file_name = forms.CharField(required=False, widget=forms.HiddenInput, max_length=200)
+    kept_file_type = forms.CharField(required=False, widget=forms.HiddenInput, max_length=200)
+    drop_kept_file = forms.BooleanField(required=False, label="Remove the kept file")
+
+    def clean_data(self) -> Any:
+        text = (self.cleaned_data.get("data") or "").strip()
+        if not text:
+            return None
+        return parse_json_text(text)
+
+    def clean_file(self) -> Any:
+        upload = self.cleaned_data.get("file")
+        if upload and upload.size > MAX_UPLOAD_BYTES:
+            raise forms.ValidationError(f"The file is larger than {MAX_UPLOAD_BYTES // (1024 * 1024)} MB.")
+        return upload
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        upload = data.get("file")
+        part: dict[str, str] | None = None
+        if upload:
+            content = upload.read()
+            part = {
+                "raw": base64.b64encode(content).decode(),
+                "filename": safe_filename(upload.name, "upload"),
+                "mediaType": (upload.content_type or "application/octet-stream")[:200],
+            }
+        elif data.get("kept_file") and not data.get("drop_kept_file"):
+            part = {
+                "raw": data["kept_file"],
+                "filename": safe_filename(data.get("kept_file_name"), "upload"),
+                "mediaType": data.get("kept_file_type") or "application/octet-stream",
+            }
+        data["file_part"] = part
+        empty = not (data.get("text") or "").strip() and data.get("data") is None and part is None
+        if empty and "data" not in self.errors:
+            self.add_error("text", "Write a message, add JSON data or attach a file.")
+        return data
+
+    def keep_file(self) -> None:
+        """After an error elsewhere, carry the uploaded file in hidden fields."""
+        part = getattr(self, "cleaned_data", {}).get("file_part")
+        if not part:
+            return
+        self.data = self.data.copy()
+        self.data["kept_file"] = part["raw"]
+        self.data["kept_file_name"] = part["filename"]
+        self.data["kept_file_type"] = part["mediaType"]
+        self.data.pop("drop_kept_file", None)
+
+    @property
+    def kept_file_label(self) -> str:
+        name = self.data.get("kept_file_name") if self.is_bound else ""
+        return name or ""
+
+
+class CancelForm(forms.Form):
+    reason = forms.CharField(required=False, max_length=500, label="Reason (optional)")
+
+
+class AnswerForm(forms.Form):
+    text = forms.CharField(
+        label="Your answer", max_length=100_000, widget=forms.Textarea(attrs={"rows": 3})
+    )
+
+
+SORT_CHOICES = [
+    ("-updated", "Recently updated"),
+    ("updated", "Least recently updated"),
+    ("-created", "Newest"),
+    ("created", "Oldest"),
+]
+
+
+class TaskFilterForm(forms.Form):
+    agent = forms.ModelChoiceField(queryset=Agent.objects.all(), required=False, empty_label="All agents")
+    state = forms.ChoiceField(
+        required=False,
+        choices=[("", "All states"), ("active", "active (not ended)"), *[(k, v) for k, v in STATE_CHOICES if k]],
+    )
+    context = forms.CharField(required=False, max_length=300, label="Context id")
+    q = forms.CharField(required=False, max_length=300, label="Search", help_text="title or remote id")
+    sort = forms.ChoiceField(required=False, choices=SORT_CHOICES, initial="-updated")

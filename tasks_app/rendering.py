@@ -1,0 +1,240 @@
+"""The one place where agent content becomes HTML.
+
+Everything an agent sends (text, names, artifacts, messages) is untrusted.
+Text parts are rendered as markdown (raw HTML disabled) and the result is
+sanitized again with nh3: a small tag set, links http(s)/mailto only with
+``rel="noopener noreferrer"``, no images, no relative URLs. Data parts are
+pretty JSON, escaped. File parts are never rendered inline: inline bytes
+become a download link (served as an attachment), ``url`` parts are links only
+when they are http(s).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Callable, Iterable
+from typing import Any
+from urllib.parse import urlsplit
+
+import nh3
+from django.utils.html import escape, format_html
+from django.utils.safestring import SafeString, mark_safe
+from markdown_it import MarkdownIt
+
+ALLOWED_TAGS = {
+    "a", "abbr", "b", "blockquote", "br", "code", "del", "em", "h1", "h2", "h3", "h4",
+    "h5", "h6", "hr", "i", "kbd", "li", "ol", "p", "pre", "s", "strong", "sub", "sup",
+    "table", "tbody", "td", "th", "thead", "tr", "ul",
+}  # fmt: skip
+ALLOWED_ATTRIBUTES = {"a": {"href", "title"}, "abbr": {"title"}, "th": {"align"}, "td": {"align"}}
+URL_SCHEMES = {"http", "https", "mailto"}
+# Whole elements (with their content) that never survive.
+CLEAN_CONTENT_TAGS = {"script", "style", "iframe", "object", "embed", "template", "noscript"}
+
+# Media types a download may keep; anything else is served as application/octet-stream.
+SAFE_DOWNLOAD_TYPES = {
+    "text/plain",
+    "text/csv",
+    "application/json",
+    "application/pdf",
+    "application/zip",
+    "application/gzip",
+    "image/png",
+    "image/jpeg",
+    "image/gif",
+    "image/webp",
+    "audio/mpeg",
+    "audio/wav",
+    "video/mp4",
+}
+
+_md = MarkdownIt("commonmark", {"html": False, "linkify": False, "breaks": True}).enable(
+    ["table", "strikethrough"]
+)
+
+
+def sanitize_html(html: str) -> SafeString:
+    """Sanitize an HTML fragment; the result may be inserted into a page."""
+    cleaned = nh3.clean(
+        html,
+        tags=ALLOWED_TAGS,
+        clean_content_tags=CLEAN_CONTENT_TAGS,
+        attributes=ALLOWED_ATTRIBUTES,
+        url_schemes=URL_SCHEMES,
+        url_relative="deny",
+        link_rel="noopener noreferrer",
+        set_tag_attribute_values={"a": {"target": "_blank"}},
+        strip_comments=True,
+    )
+    return mark_safe(cleaned)  # sanitized just above
+
+
+def markdown_html(text: str) -> SafeString:
+    """Markdown (raw HTML disabled) -> sanitized HTML."""
+    return sanitize_html(_md.render(text or ""))
+
+
+def pretty_json(value: Any) -> str:
+    """Indented JSON text (not HTML: the template or textContent escapes it)."""
+    try:
+        return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=False)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def safe_http_url(url: Any) -> str | None:
+    """The URL if it is an absolute http(s) URL, else None."""
+    if not isinstance(url, str):
+        return None
+    url = url.strip()
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return None
+    if parts.scheme.lower() in ("http", "https") and parts.netloc and not any(c in url for c in "\r\n\t"):
+        return url
+    return None
+
+
+def safe_filename(name: Any, default: str = "download") -> str:
+    """A file name without path separators, quotes or control characters."""
+    if not isinstance(name, str) or not name.strip():
+        return default
+    name = name.replace("\\", "/").rsplit("/", 1)[-1]
+    cleaned = "".join(ch for ch in name if ch.isprintable() and ch not in '"<>:;|?*')
+    cleaned = cleaned.strip(" .")[:150]
+    return cleaned or default
+
+
+def download_content_type(media_type: Any) -> str:
+    media = (media_type or "").split(";", 1)[0].strip().lower() if isinstance(media_type, str) else ""
+    return media if media in SAFE_DOWNLOAD_TYPES else "application/octet-stream"
+
+
+def decode_raw(part: dict) -> bytes | None:
+    raw = part.get("raw")
+    if not isinstance(raw, str):
+        return None
+    try:
+        return base64.b64decode(raw + "=" * (-len(raw) % 4), validate=False)
+    except (binascii.Error, ValueError):
+        try:
+            return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4))
+        except (binascii.Error, ValueError):
+            return None
+
+
+def _raw_size(part: dict) -> int:
+    raw = part.get("raw")
+    return (len(raw) * 3) // 4 if isinstance(raw, str) else 0
+
+
+def _human_size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def part_kind(part: Any) -> str:
+    if not isinstance(part, dict):
+        return "unknown"
+    for key in ("text", "data", "raw", "url"):
+        if key in part:
+            return key
+    return "unknown"
+
+
+def parts_html(
+    parts: Iterable[Any],
+    download_url: Callable[[int], str] | None = None,
+) -> SafeString:
+    """Render a list of parts. Consecutive text parts are one markdown document
+
+    (a streamed artifact's chunks split words and lines anywhere)."""
+    out: list[str] = []
+    text_run: list[str] = []
+
+    def flush() -> None:
+        if text_run:
+            out.append(format_html('<div class="md">{}</div>', markdown_html("".join(text_run))))
+            text_run.clear()
+
+    for index, part in enumerate(parts):
+        kind = part_kind(part)
+        if kind == "text":
+            text_run.append(str(part.get("text") or ""))
+            continue
+        flush()
+        if kind == "data":
+            out.append(format_html('<pre class="json">{}</pre>', pretty_json(part.get("data"))))
+        elif kind == "raw":
+            name = safe_filename(part.get("filename"), f"part-{index}")
+            media = str(part.get("mediaType") or "application/octet-stream")
+            size = _human_size(_raw_size(part))
+            if download_url is not None:
+                out.append(
+                    format_html(
+                        '<p class="file"><a class="download" href="{}" download="{}">Download {}</a>'
+                        ' <span class="muted">({}, {})</span></p>',
+                        download_url(index),
+                        name,
+                        name,
+                        media,
+                        size,
+                    )
+                )
+            else:
+                out.append(format_html('<p class="file">File {} <span class="muted">({}, {})</span></p>', name, media, size))
+        elif kind == "url":
+            url = safe_http_url(part.get("url"))
+            label = safe_filename(part.get("filename"), "") or str(part.get("url"))[:200]
+            if url:
+                out.append(
+                    format_html(
+                        '<p class="file"><a href="{}" rel="noopener noreferrer" target="_blank">{}</a>'
+                        ' <span class="muted">(link)</span></p>',
+                        url,
+                        label,
+                    )
+                )
+            else:
+                out.append(
+                    format_html(
+                        '<p class="file">Link not shown (not http/https): <code>{}</code></p>',
+                        str(part.get("url"))[:300],
+                    )
+                )
+        else:
+            out.append(format_html('<pre class="json unknown-part">{}</pre>', pretty_json(part)))
+    flush()
+    return mark_safe("".join(str(x) for x in out))  # every piece escaped/sanitized
+
+
+def message_html(message: Any, download_url: Callable[[int], str] | None = None) -> SafeString:
+    if not isinstance(message, dict):
+        return format_html('<pre class="json">{}</pre>', pretty_json(message))
+    parts = message.get("parts") if isinstance(message.get("parts"), list) else []
+    return parts_html(parts, download_url)
+
+
+def message_text(message: Any, limit: int = 300) -> str:
+    """Plain text of a message's text parts (for titles and summaries)."""
+    if not isinstance(message, dict):
+        return ""
+    texts = [
+        str(p.get("text"))
+        for p in message.get("parts") or []
+        if isinstance(p, dict) and isinstance(p.get("text"), str)
+    ]
+    text = " ".join(t.strip() for t in texts if t.strip())
+    return text[:limit]
+
+
+def plain(value: Any) -> str:
+    """Escaped text for places where a template is not used."""
+    return escape(str(value))

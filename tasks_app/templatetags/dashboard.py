@@ -1,0 +1,55 @@
+"""Small template helpers. Agent content is rendered only through tasks_app.rendering."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import template
+from django.utils.html import format_html
+
+from tasks_app.models import STATE_CHOICES
+from tasks_app.rendering import markdown_html, pretty_json
+from tasks_app.svg import state_short as _state_short
+
+register = template.Library()
+_LABELS = dict(STATE_CHOICES)
+
+
+@register.filter
+def state_short(state: str) -> str:
+    return _state_short(state or "")
+
+
+@register.filter
+def state_label(state: str) -> str:
+    return _LABELS.get(state or "", state) or "unknown"
+
+
+@register.simple_tag
+def state_badge(task: Any) -> str:
+    """A badge for a task (its state, or its phase before the agent named a state)."""
+    state = getattr(task, "state", "") or ""
+    if state:
+        short, label = _state_short(state), _LABELS.get(state, state)
+    else:
+        short = f"phase-{getattr(task, 'phase', '')}"
+        label = getattr(task, "phase", "") or "unknown"
+    return format_html('<span class="badge st-{}" data-state="{}">{}</span>', short, state, label)
+
+
+@register.filter
+def pretty(value: Any) -> str:
+    return pretty_json(value)
+
+
+@register.filter
+def markdown(value: Any) -> str:
+    return markdown_html(str(value or ""))
+
+
+@register.filter
+def get_item(mapping: Any, key: Any) -> Any:
+    try:
+        return mapping.get(key)
+    except AttributeError:
+        return None

@@ -1,0 +1,523 @@
+"""Views through Django's test client: permissions, forms with bad input, sanitizing,
+downloads, pagination. Views call services; here services that would talk to a
+worker are stubbed where noted (the browser tests run the real thing)."""
+
+from __future__ import annotations
+
+import base64
+import re
+from datetime import timedelta
+from html.parser import HTMLParser
+
+import pytest
+from django.urls import reverse
+from django.utils import timezone
+
+from tasks_app.demo_agent import MARKDOWN_SAMPLE
+from tasks_app.models import Agent, OperatorAction, RemoteTask, TaskEvent
+from tasks_app.services import tasks as task_services
+from tasks_app.services.record import record
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def no_dispatch(monkeypatch):
+    """No watcher messages into the shared broker from these tests."""
+    calls: list[int] = []
+    monkeypatch.setattr(task_services, "dispatch", lambda pk: calls.append(pk))
+    return calls
+
+
+@pytest.fixture
+def user(django_user_model):
+    return django_user_model.objects.create_user(username="op", password="pw-12345678")
+
+
+@pytest.fixture
+def client_in(client, user):
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def demo_agent_row(db) -> Agent:
+    return Agent.objects.create(
+        name="Demo <b>agent</b>",
+        base_url="http://127.0.0.1:9/",
+        interface_url="http://127.0.0.1:9/jsonrpc",
+        binding="JSONRPC",
+        streaming=True,
+        card={
+            "name": "Demo <script>alert(1)</script>",
+            "description": "Does <i>things</i>",
+            "capabilities": {"streaming": True, "pushNotifications": False},
+            "skills": [{"id": "echo", "name": "Echo", "description": "echoes", "tags": ["t"]}],
+            "supportedInterfaces": [
+                {"url": "http://127.0.0.1:9/jsonrpc", "protocolBinding": "JSONRPC", "protocolVersion": "1.0"}
+            ],
+            "securitySchemes": {"bearer": {"httpAuthSecurityScheme": {"scheme": "Bearer"}}},
+        },
+    )
+
+
+class _Tags(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[tuple[str, dict]] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+
+def assert_safe_html(html: str) -> None:
+    """No script but our own static files, no event handlers, no javascript: URLs."""
+    parser = _Tags()
+    parser.feed(html)
+    for tag, attrs in parser.tags:
+        if tag == "script":
+            assert (attrs.get("src") or "").startswith("/static/"), attrs
+        assert tag not in ("iframe", "object", "embed", "img", "style"), tag
+        for name, value in attrs.items():
+            assert not name.startswith("on"), (tag, name)
+            if name in ("href", "src", "action", "formaction"):
+                assert not (value or "").strip().lower().startswith(("javascript:", "data:")), (tag, value)
+        if tag == "a" and (attrs.get("href") or "").startswith("http"):
+            assert attrs.get("rel") == "noopener noreferrer", attrs
+
+
+def artifact_chunk(task_id: str, parts: list, *, aid: str, name: str, append=False, last=True) -> dict:
+    return {
+        "artifactUpdate": {
+            "taskId": task_id,
+            "contextId": "c-1",
+            "artifact": {"artifactId": aid, "name": name, "parts": parts},
+            "append": append,
+            "lastChunk": last,
+        }
+    }
+
+
+@pytest.fixture
+def rich_task(demo_agent_row) -> RemoteTask:
+    """A task with markdown, data and file artifacts, in its log through record()."""
+    task = RemoteTask.objects.create(agent=demo_agent_row, title="rich <script>x</script>")
+    tid = "t-rich"
+    record(task, {"task": {"id": tid, "contextId": "c-1", "status": {"state": "TASK_STATE_WORKING"}}}, "stream")
+    record(
+        task,
+        artifact_chunk(tid, [{"text": MARKDOWN_SAMPLE, "mediaType": "text/markdown"}], aid="md", name="report.md"),
+        "stream",
+    )
+    record(task, artifact_chunk(tid, [{"data": {"answer": 42, "html": "<b>x</b>"}}], aid="data", name="data.json"), "stream")
+    record(
+        task,
+        artifact_chunk(
+            tid,
+            [{"raw": base64.b64encode(b"<html><script>alert(1)</script></html>").decode(),
+              "filename": '../../evil "name".html', "mediaType": "text/html"}],
+            aid="file", name="evil.html",
+        ),
+        "stream",
+    )  # fmt: skip
+    record(task, artifact_chunk(tid, [{"url": "javascript:alert(1)"}, {"url": "https://example.org/f.pdf"}], aid="links", name="links"), "stream")
+    record(
+        task,
+        {"statusUpdate": {"taskId": tid, "contextId": "c-1", "status": {
+            "state": "TASK_STATE_INPUT_REQUIRED",
+            "message": {"messageId": "q1", "role": "ROLE_AGENT", "parts": [{"text": "Your **name**? <script>bad()</script>"}]},
+        }}},
+        "stream",
+    )  # fmt: skip
+    task.refresh_from_db()
+    return task
+
+
+# Permissions ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,args",
+    [
+        ("overview", []),
+        ("agent-list", []),
+        ("agent-add", []),
+        ("agent-detail", [1]),
+        ("task-list", []),
+        ("task-new", []),
+        ("task-detail", [1]),
+        ("task-live", [1]),
+        ("task-row", [1]),
+        ("task-events", [1]),
+        ("event-detail", [1, 1]),
+        ("artifact-download", [1, 1, 0]),
+        ("message-download", [1, 1, 0]),
+    ],
+)
+def test_anonymous_is_sent_to_login(client, name, args):
+    url = reverse(name, args=args)
+    response = client.get(url)
+    assert response.status_code == 302
+    assert response["Location"].startswith("/accounts/login/?next=")
+
+
+@pytest.mark.parametrize(
+    "name,args",
+    [("task-cancel", [1]), ("task-refresh", [1]), ("task-retry", [1]), ("task-answer", [1]),
+     ("agent-credentials", [1]), ("agent-refresh", [1]), ("agent-import", [1])],
+)  # fmt: skip
+def test_anonymous_posts_are_sent_to_login(client, name, args):
+    response = client.post(reverse(name, args=args))
+    assert response.status_code == 302
+    assert "/accounts/login/" in response["Location"]
+
+
+def test_login_page_and_login(client, user):
+    page = client.get("/accounts/login/")
+    assert page.status_code == 200
+    assert b'name="username"' in page.content
+    response = client.post("/accounts/login/", {"username": "op", "password": "pw-12345678"})
+    assert response.status_code == 302
+    assert client.get("/").status_code == 200
+
+
+def test_bad_login_keeps_username(client, user):
+    response = client.post("/accounts/login/", {"username": "op", "password": "wrong"})
+    assert response.status_code == 200
+    assert b'value="op"' in response.content
+
+
+# Overview and lists --------------------------------------------------------------------------
+
+
+def test_overview_counts(client_in, demo_agent_row):
+    for state in ["TASK_STATE_WORKING", "TASK_STATE_INPUT_REQUIRED", "TASK_STATE_INPUT_REQUIRED"]:
+        RemoteTask.objects.create(agent=demo_agent_row, state=state, watcher_status="streaming")
+    page = client_in.get("/")
+    html = page.content.decode()
+    assert page.status_code == 200
+    assert re.search(r'id="needs-input">\s*<span class="num">2<', html)
+    assert "<b>3</b> streaming" in html
+    assert "Demo &lt;b&gt;agent&lt;/b&gt;" in html
+    fragment = client_in.get("/?fragment=1")
+    assert b"<html" not in fragment.content and b"needs-input" in fragment.content
+
+
+def test_task_list_filters_and_keyset_pages(client_in, demo_agent_row, django_assert_max_num_queries):
+    other = Agent.objects.create(name="other", base_url="http://127.0.0.1:8/")
+    base = timezone.now()
+    for i in range(120):
+        RemoteTask.objects.create(
+            agent=demo_agent_row if i % 2 else other,
+            title=f"job {i}",
+            remote_id=f"r-{i}",
+            context_id="ctx-a" if i < 10 else "ctx-b",
+            state="TASK_STATE_COMPLETED" if i % 3 else "TASK_STATE_WORKING",
+            updated_at=base - timedelta(seconds=i),
+        )
+    with django_assert_max_num_queries(10):
+        page = client_in.get("/tasks/")
+    html = page.content.decode()
+    assert "120 tasks match" in html
+    assert html.count('class="badge') == 50
+    titles = re.findall(r">job (\d+)<", html)
+    assert titles[:3] == ["0", "1", "2"]
+    next_url = re.search(r'href="(\?[^"]*cursor=[^"]+)" id="next-page"', html).group(1).replace("&amp;", "&")
+    page2 = client_in.get("/tasks/" + next_url).content.decode()
+    assert re.findall(r">job (\d+)<", page2)[:2] == ["50", "51"]
+    next2 = re.search(r'href="(\?[^"]*cursor=[^"]+)" id="next-page"', page2).group(1).replace("&amp;", "&")
+    page3 = client_in.get("/tasks/" + next2).content.decode()
+    rows3 = re.findall(r">job (\d+)<", page3)
+    assert rows3[0] == "100" and rows3[-1] == "119" and 'id="next-page"' not in page3
+
+    filtered = client_in.get(f"/tasks/?agent={demo_agent_row.pk}&state=TASK_STATE_WORKING&sort=created").content.decode()
+    numbers = [int(n) for n in re.findall(r">job (\d+)<", filtered)]
+    assert numbers and all(n % 2 == 1 and n % 3 == 0 for n in numbers)
+    assert numbers == sorted(numbers)  # oldest first
+
+    by_context = client_in.get("/tasks/?context=ctx-a").content.decode()
+    assert sorted(int(n) for n in re.findall(r">job (\d+)<", by_context)) == list(range(10))
+    by_text = client_in.get("/tasks/?q=job 11").content.decode()
+    assert sorted(re.findall(r">job (\d+)<", by_text)) == ["11", "110", "111", "112", "113", "114", "115", "116", "117", "118", "119"]
+    by_remote = client_in.get("/tasks/?q=r-7").content.decode()
+    assert "job 7<" in by_remote
+    bad = client_in.get("/tasks/?state=nonsense&cursor=%%%")
+    assert bad.status_code == 200
+
+
+def test_task_list_count_is_bounded(client_in, demo_agent_row, monkeypatch):
+    import tasks_app.views as views
+
+    monkeypatch.setattr(views, "COUNT_LIMIT", 5)
+    for i in range(8):
+        RemoteTask.objects.create(agent=demo_agent_row, title=f"t{i}")
+    assert "More than 5 tasks match" in client_in.get("/tasks/").content.decode()
+
+
+# Agents --------------------------------------------------------------------------------------
+
+
+def test_add_agent_rejects_a_bad_url_and_keeps_it(client_in):
+    response = client_in.post("/agents/add/", {"url": "not a url", "name": "mine", "action": "preview"})
+    html = response.content.decode()
+    assert response.status_code == 200
+    assert 'id="id_url-errors"' in html
+    assert 'value="not a url"' in html and 'value="mine"' in html
+
+
+def test_add_agent_unreachable_shows_the_reason(client_in):
+    response = client_in.post("/agents/add/", {"url": "http://127.0.0.1:9/", "action": "preview"})
+    html = response.content.decode()
+    assert "Could not read an agent card" in html
+    assert 'value="http://127.0.0.1:9/"' in html
+    assert not Agent.objects.exists()
+
+
+def test_add_agent_preview_then_save(client_in, agent):
+    preview = client_in.post("/agents/add/", {"url": agent.base_url, "action": "preview"})
+    html = preview.content.decode()
+    assert 'id="card-preview"' in html and "The card is valid." in html
+    assert 'value="save"' in html
+    assert not Agent.objects.exists()  # a preview saves nothing
+    saved = client_in.post("/agents/add/", {"url": agent.base_url, "action": "save"})
+    row = Agent.objects.get()
+    assert saved.status_code == 302 and saved["Location"] == f"/agents/{row.pk}/"
+    assert OperatorAction.objects.filter(action="add-agent", agent=row).exists()
+    detail = client_in.get(saved["Location"]).content.decode()
+    assert row.name in detail and "Skills" in detail
+
+
+def test_add_agent_preview_lists_card_problems(client_in, bad_server):
+    response = client_in.post("/agents/add/", {"url": bad_server.url_for("card03"), "action": "preview"})
+    html = response.content.decode()
+    assert "Problems found" in html or "Could not read" in html
+    assert 'value="save"' not in html
+
+
+def test_agent_page_escapes_card_text(client_in, demo_agent_row):
+    html = client_in.get(f"/agents/{demo_agent_row.pk}/").content.decode()
+    assert "<script>alert(1)" not in html
+    assert "Demo &lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert "httpAuthSecurityScheme" in html
+    assert 'id="credentials-status" class="muted">not set<' in html
+
+
+def test_credentials_are_never_shown_back(client_in, demo_agent_row):
+    missing = client_in.post(f"/agents/{demo_agent_row.pk}/credentials/", {"kind": "bearer", "token": ""})
+    assert missing.status_code == 400
+    assert 'id="id_token-errors"' in missing.content.decode()
+    secret = "s3cr3t-token-value"
+    done = client_in.post(f"/agents/{demo_agent_row.pk}/credentials/", {"kind": "bearer", "token": secret})
+    assert done.status_code == 302
+    demo_agent_row.refresh_from_db()
+    assert demo_agent_row.credentials_encrypted and secret not in demo_agent_row.credentials_encrypted
+    html = client_in.get(f"/agents/{demo_agent_row.pk}/").content.decode()
+    assert secret not in html
+    assert ">set<" in html
+    api = client_in.post(
+        f"/agents/{demo_agent_row.pk}/credentials/",
+        {"kind": "api-key", "api_key": "k-123", "api_key_location": "query"},
+    )
+    assert api.status_code == 302
+    assert "k-123" not in client_in.get(f"/agents/{demo_agent_row.pk}/").content.decode()
+
+
+# Starting a task -----------------------------------------------------------------------------
+
+
+def test_new_task_bad_json_keeps_everything(client_in, demo_agent_row, no_dispatch, django_capture_on_commit_callbacks):
+    upload = __import__("django.core.files.uploadedfile", fromlist=["SimpleUploadedFile"]).SimpleUploadedFile(
+        "notes.txt", b"hello file", content_type="text/plain"
+    )
+    response = client_in.post(
+        "/tasks/new",
+        {"agent": demo_agent_row.pk, "text": "my long message", "data": '{"a": 1,', "mode": "auto", "file": upload},
+    )
+    html = response.content.decode()
+    assert response.status_code == 400
+    assert 'id="id_data-errors"' in html and "Not valid JSON" in html
+    assert "my long message" in html and "{&quot;a&quot;: 1," in html
+    assert "Kept from before: <b>notes.txt</b>" in html
+    kept = re.search(r'name="kept_file" value="([^"]+)"', html).group(1)
+    assert base64.b64decode(kept) == b"hello file"
+    assert not RemoteTask.objects.exists()
+    # Fix the JSON: the kept file goes with the message.
+    with django_capture_on_commit_callbacks(execute=True):
+        fixed = client_in.post(
+            "/tasks/new",
+            {"agent": demo_agent_row.pk, "text": "my long message", "data": '{"a": 1}', "mode": "auto",
+             "kept_file": kept, "kept_file_name": "notes.txt", "kept_file_type": "text/plain"},
+        )  # fmt: skip
+    task = RemoteTask.objects.get()
+    assert fixed.status_code == 302 and fixed["Location"] == f"/tasks/{task.pk}/"
+    parts = task.request["message"]["parts"]
+    assert parts[0] == {"text": "my long message"}
+    assert parts[1]["data"] == {"a": 1}
+    assert parts[2]["filename"] == "notes.txt" and base64.b64decode(parts[2]["raw"]) == b"hello file"
+    assert task.mode == "stream" and task.started_by_id is not None
+    assert no_dispatch == [task.pk]
+
+
+def test_new_task_needs_some_content(client_in, demo_agent_row):
+    response = client_in.post("/tasks/new", {"agent": demo_agent_row.pk, "text": "  ", "mode": "auto"})
+    assert response.status_code == 400
+    assert 'id="id_text-errors"' in response.content.decode()
+
+
+def test_new_task_stream_mode_on_a_non_streaming_agent(client_in, demo_agent_row):
+    Agent.objects.filter(pk=demo_agent_row.pk).update(streaming=False)
+    response = client_in.post("/tasks/new", {"agent": demo_agent_row.pk, "text": "hi", "mode": "stream"})
+    html = response.content.decode()
+    assert response.status_code == 400
+    assert 'id="id_mode-errors"' in html and "does not declare streaming" in html
+    assert "hi</textarea>" in html
+
+
+def test_new_task_shows_skills_of_the_card(client_in, demo_agent_row):
+    html = client_in.get(f"/tasks/new?agent={demo_agent_row.pk}").content.decode()
+    assert f'data-agent="{demo_agent_row.pk}"' in html and ">Echo<" in html
+
+
+# Task page: sanitizing, downloads, actions ---------------------------------------------------
+
+
+def test_task_page_sanitizes_agent_content(client_in, rich_task):
+    response = client_in.get(f"/tasks/{rich_task.pk}/")
+    html = response.content.decode()
+    assert response.status_code == 200
+    # Nothing from the agent becomes a script or a javascript: link.
+    assert_safe_html(html)
+    assert "&lt;script&gt;alert(" in html  # shown as text, not run
+    assert '<a href="https://example.org/" target="_blank" rel="noopener noreferrer">safe link</a>' in html
+    assert '<a href="https://example.org/f.pdf" rel="noopener noreferrer" target="_blank">' in html
+    assert "Link not shown (not http/https)" in html
+    assert "<strong>name</strong>" in html  # the question, as markdown
+    assert "&quot;answer&quot;: 42" in html  # pretty JSON data part
+    assert 'id="answer-form"' in html  # INPUT_REQUIRED: answer form
+    # One block per artifact.
+    assert html.count('class="artifact"') == 4
+    # The log and its raw JSON, escaped.
+    assert html.count('<tr data-seq="') == rich_task.last_seq
+    assert "&lt;script&gt;alert(&#x27;xss&#x27;)&lt;/script&gt;" in html or "&lt;script&gt;" in html
+
+
+def test_live_fragments_are_sanitized(client_in, rich_task):
+    data = client_in.get(f"/tasks/{rich_task.pk}/live/?artifact=md").json()
+    assert data["summary"]["state"] == "TASK_STATE_INPUT_REQUIRED"
+    assert [a["artifact_id"] for a in data["artifacts"]] == ["md"]
+    for html in [*data["html"].values(), *(a["html"] for a in data["artifacts"])]:
+        assert_safe_html(html)
+    assert "<svg" in data["html"]["timeline"]
+    every = client_in.get(f"/tasks/{rich_task.pk}/live/?all_artifacts=1").json()
+    assert len(every["artifacts"]) == 4
+
+
+def test_file_part_download_is_an_attachment(client_in, rich_task):
+    html = client_in.get(f"/tasks/{rich_task.pk}/").content.decode()
+    href = re.search(r'<a class="download" href="([^"]+)"', html).group(1)
+    response = client_in.get(href)
+    assert response.status_code == 200
+    assert response["Content-Type"] == "application/octet-stream"  # text/html is never served as such
+    assert response["Content-Disposition"] == 'attachment; filename="evil name.html"'
+    assert response["X-Content-Type-Options"] == "nosniff"
+    assert "sandbox" in response["Content-Security-Policy"]
+    assert response.content == b"<html><script>alert(1)</script></html>"
+    assert client_in.get(href.replace("/parts/0/", "/parts/9/")).status_code == 404
+
+
+def test_safe_media_types_are_kept_for_downloads(client_in, demo_agent_row):
+    task = RemoteTask.objects.create(agent=demo_agent_row, title="f")
+    record(task, {"task": {"id": "t-f", "status": {"state": "TASK_STATE_WORKING"}}}, "stream")
+    record(task, artifact_chunk("t-f", [{"raw": base64.b64encode(b"hi\n").decode(), "filename": "hello.txt", "mediaType": "text/plain"}], aid="f", name="f"), "stream")
+    artifact = task.artifacts.get()
+    response = client_in.get(reverse("artifact-download", args=[task.pk, artifact.pk, 0]))
+    assert response["Content-Type"] == "text/plain"
+    assert response["Content-Disposition"] == 'attachment; filename="hello.txt"'
+
+
+def test_message_file_download(client_in, demo_agent_row):
+    task = RemoteTask.objects.create(agent=demo_agent_row, title="m")
+    msg = {"messageId": "u1", "role": "ROLE_USER", "parts": [{"text": "x"}, {"raw": base64.b64encode(b"abc").decode(), "filename": "a.bin"}]}
+    record(task, {"operator": {"action": "start", "message": msg}}, "operator")
+    message = task.messages.get()
+    response = client_in.get(reverse("message-download", args=[task.pk, message.pk, 1]))
+    assert response.content == b"abc" and response["Content-Disposition"] == 'attachment; filename="a.bin"'
+    assert client_in.get(reverse("message-download", args=[task.pk, message.pk, 0])).status_code == 404
+
+
+def test_event_detail_escapes_raw_json(client_in, rich_task):
+    seq = TaskEvent.objects.get(task=rich_task, kind="artifactUpdate", raw__artifactUpdate__artifact__artifactId="md").seq
+    html = client_in.get(f"/tasks/{rich_task.pk}/events/{seq}/").content.decode()
+    assert "<script>alert" not in html and "&lt;script&gt;alert" in html
+    as_json = client_in.get(f"/tasks/{rich_task.pk}/events/{seq}/?format=json").json()
+    assert as_json["raw"]["artifactUpdate"]["artifact"]["artifactId"] == "md"
+
+
+def test_full_log_pages(client_in, rich_task, monkeypatch):
+    import tasks_app.views as views
+
+    monkeypatch.setattr(views, "EVENTS_ON_PAGE", 2)
+    first = client_in.get(f"/tasks/{rich_task.pk}/events/").content.decode()
+    assert re.findall(r'<tr data-seq="(\d+)"', first) == ["1", "2"]
+    second = client_in.get(f"/tasks/{rich_task.pk}/events/?after=2").content.decode()
+    assert re.findall(r'<tr data-seq="(\d+)"', second) == ["3", "4"]
+
+
+def test_cancel_error_is_shown_plainly(client_in, rich_task, monkeypatch):
+    def refuse(task, *, reason="", actor_id=None):
+        assert reason == "not needed"
+        raise task_services.TaskActionError(
+            "The agent will not cancel this task (-32002 TASK_NOT_CANCELABLE): Task cannot be canceled"
+        )
+
+    monkeypatch.setattr(task_services, "cancel_task", refuse)
+    response = client_in.post(f"/tasks/{rich_task.pk}/cancel/", {"reason": "not needed"}, follow=True)
+    html = response.content.decode()
+    assert "The agent will not cancel this task (-32002 TASK_NOT_CANCELABLE)" in html
+    assert 'class="flash-error"' in html
+
+
+def test_answer_errors_keep_the_text(client_in, rich_task, monkeypatch):
+    def already(task, text="", *, data=None, actor_id=None):
+        raise task_services.TaskActionError("This question has already been answered.")
+
+    monkeypatch.setattr(task_services, "answer_task", already)
+    response = client_in.post(f"/tasks/{rich_task.pk}/answer/", {"text": "Ada Lovelace"})
+    html = response.content.decode()
+    assert response.status_code == 400
+    assert "already been answered" in html and "Ada Lovelace</textarea>" in html
+
+
+def test_answer_goes_through_the_service(client_in, rich_task, no_dispatch, django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks(execute=True):
+        response = client_in.post(f"/tasks/{rich_task.pk}/answer/", {"text": "Ada"})
+    assert response.status_code == 302
+    rich_task.refresh_from_db()
+    assert rich_task.outbox["message"]["parts"] == [{"text": "Ada"}]
+    assert no_dispatch == [rich_task.pk]
+
+
+def test_retry_only_when_the_send_failed(client_in, demo_agent_row, no_dispatch, django_capture_on_commit_callbacks):
+    task = RemoteTask.objects.create(agent=demo_agent_row, title="r", phase="failed", send_error="boom", request={"message": {"messageId": "m1"}})
+    page = client_in.get(f"/tasks/{task.pk}/").content.decode()
+    assert 'id="retry-button"' in page and "Send failed: boom" in page
+    with django_capture_on_commit_callbacks(execute=True):
+        response = client_in.post(f"/tasks/{task.pk}/retry/", follow=True)
+    task.refresh_from_db()
+    assert task.phase == "sending" and no_dispatch == [task.pk]
+    again = client_in.post(f"/tasks/{task.pk}/retry/", follow=True).content.decode()
+    assert "Only a send that failed" in again
+    assert response.status_code == 200
+
+
+def test_task_row_fragment(client_in, rich_task):
+    html = client_in.get(f"/tasks/{rich_task.pk}/row/").content.decode()
+    assert html.lstrip().startswith("<tr") and "rich &lt;script&gt;" in html
+
+
+def test_admin_lists_the_mirror(client, django_user_model, rich_task):
+    admin = django_user_model.objects.create_superuser("root", "r@example.org", "pw-12345678")
+    client.force_login(admin)
+    for model in ("agent", "remotetask", "taskevent", "artifact", "conversationmessage", "operatoraction"):
+        assert client.get(f"/admin/tasks_app/{model}/").status_code == 200
+    assert "credentials_encrypted" not in client.get(f"/admin/tasks_app/agent/{rich_task.agent_id}/change/").content.decode()
