@@ -1,0 +1,225 @@
+"""Websocket consumers: authentication, and resume-after-seq with no gap and no duplicate.
+
+Real Redis channel layer under a private prefix (other test runs share the server),
+real record() calls: the relay after commit is what the consumer forwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async
+from channels.layers import get_channel_layer
+from channels.routing import URLRouter
+from channels.testing import WebsocketCommunicator
+from django.conf import settings
+from django.contrib.auth.models import AnonymousUser
+from django.db import close_old_connections
+
+from tasks_app.models import Agent, RemoteTask, TaskEvent
+from tasks_app.relay import task_group
+from tasks_app.routing import websocket_urlpatterns
+from tasks_app.services.record import record
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(60)]
+
+
+@pytest.fixture(autouse=True)
+def private_layer(settings):
+    layer = dict(settings.CHANNEL_LAYERS["default"])
+    layer["CONFIG"] = {**layer["CONFIG"], "prefix": f"uitest-{uuid.uuid4().hex[:8]}"}
+    settings.CHANNEL_LAYERS = {"default": layer}
+    yield
+
+
+app = URLRouter(websocket_urlpatterns)
+
+
+@pytest.fixture
+def user(django_user_model):
+    return django_user_model.objects.create_user(username="ws", password="pw-12345678")
+
+
+@pytest.fixture
+def task(db) -> RemoteTask:
+    agent = Agent.objects.create(name="a", base_url="http://127.0.0.1:1/")
+    return RemoteTask.objects.create(agent=agent, title="t")
+
+
+def status(i: int, state: str = "TASK_STATE_WORKING") -> dict:
+    return {
+        "statusUpdate": {
+            "taskId": "t-1",
+            "contextId": "c-1",
+            "status": {
+                "state": state,
+                "message": {"messageId": f"m-{i}", "role": "ROLE_AGENT", "parts": [{"text": f"step {i}"}]},
+            },
+        }
+    }
+
+
+def write(task_pk: int, i: int) -> None:
+    record(task_pk, status(i), "stream")
+
+
+async def communicator(path: str, user) -> WebsocketCommunicator:
+    comm = WebsocketCommunicator(app, path)
+    comm.scope["user"] = user
+    return comm
+
+
+async def collect(comm: WebsocketCommunicator, until_seq: int, timeout: float = 10) -> list[dict]:
+    """Event messages until ``until_seq`` is seen (other message types are skipped)."""
+    out: list[dict] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"timed out; got {[m.get('seq') for m in out]}"
+        msg = await comm.receive_json_from(timeout=remaining)
+        if msg["type"] == "event":
+            out.append(msg)
+            if msg["seq"] >= until_seq:
+                return out
+
+
+async def test_anonymous_is_rejected(task):
+    comm = await communicator(f"/ws/tasks/{task.pk}/?after=0", AnonymousUser())
+    connected, _code = await comm.connect()
+    assert not connected
+    comm = await communicator("/ws/tasks/", AnonymousUser())
+    connected, _code = await comm.connect()
+    assert not connected
+
+
+async def test_unknown_task_is_rejected(user):
+    comm = await communicator("/ws/tasks/999999/?after=0", user)
+    connected, _ = await comm.connect()
+    assert not connected
+
+
+async def test_resume_from_query_then_live(task, user):
+    await database_sync_to_async(record)(task.pk, {"task": {"id": "t-1", "status": {"state": "TASK_STATE_SUBMITTED"}}}, "stream")
+    for i in range(1, 5):
+        await database_sync_to_async(write)(task.pk, i)
+    comm = await communicator(f"/ws/tasks/{task.pk}/?after=2", user)
+    connected, _ = await comm.connect()
+    assert connected
+    backlog = await collect(comm, 5)
+    assert [m["seq"] for m in backlog] == [3, 4, 5]
+    assert backlog[0]["raw"]["statusUpdate"]["status"]["message"]["parts"] == [{"text": "step 2"}]
+    synced = await comm.receive_json_from(timeout=5)
+    assert synced == {"type": "synced", "last_seq": 5}
+    for i in range(5, 8):
+        await database_sync_to_async(write)(task.pk, i)
+    live = await collect(comm, 8)
+    assert [m["seq"] for m in live] == [6, 7, 8]
+    assert live[-1]["state"] == "TASK_STATE_WORKING" and live[-1]["kind"] == "statusUpdate"
+    await comm.disconnect()
+
+
+async def test_resume_message_and_nothing_before_it(task, user):
+    comm = await communicator(f"/ws/tasks/{task.pk}/", user)
+    assert (await comm.connect())[0]
+    await database_sync_to_async(write)(task.pk, 1)
+    await database_sync_to_async(write)(task.pk, 2)
+    assert await comm.receive_nothing(timeout=0.5)
+    await comm.send_json_to({"type": "resume", "after": 0})
+    got = await collect(comm, 2)
+    assert [m["seq"] for m in got] == [1, 2]
+    await comm.disconnect()
+
+
+async def test_gap_is_filled_from_the_log_and_duplicates_dropped(task, user):
+    for i in range(1, 4):
+        await database_sync_to_async(write)(task.pk, i)
+    comm = await communicator(f"/ws/tasks/{task.pk}/?after=0", user)
+    assert (await comm.connect())[0]
+    assert [m["seq"] for m in await collect(comm, 3)] == [1, 2, 3]
+
+    @database_sync_to_async
+    def rows_without_relay() -> None:
+        # Rows 4..7 reach the log, but their relay is "lost" (e.g. a Redis hiccup).
+        for seq in range(4, 8):
+            TaskEvent.objects.create(
+                task_id=task.pk, seq=seq, channel="poll", kind="system",
+                raw={"system": {"n": seq}}, state_after="TASK_STATE_WORKING",
+            )  # fmt: skip
+        RemoteTask.objects.filter(pk=task.pk).update(last_seq=7)
+
+    await rows_without_relay()
+    layer = get_channel_layer()
+    group = task_group(task.pk)
+    base = {"type": "task.event", "task": task.pk, "kind": "system", "channel": "poll", "state": "", "note": "", "received_at": ""}
+    # seq 6 arrives first (4 and 5 were never relayed): the consumer reads 4..6 from the log.
+    await layer.group_send(group, {**base, "seq": 6, "raw": {"system": {"n": 6}}})
+    # A duplicate of 5, then 7 without its raw JSON (too large to relay): read from the log.
+    await layer.group_send(group, {**base, "seq": 5, "raw": {"system": {"n": 5}}})
+    await layer.group_send(group, {**base, "seq": 7})
+    got = await collect(comm, 7)
+    assert [m["seq"] for m in got] == [4, 5, 6, 7]
+    assert [m["raw"] for m in got] == [{"system": {"n": n}} for n in range(4, 8)]
+    assert await comm.receive_nothing(timeout=0.3)
+    await comm.disconnect()
+
+
+async def test_connect_while_a_writer_appends_gives_every_seq_once(task, user):
+    """The race the protocol exists for: join, read the log, forward live, all while
+    another thread appends. Whatever the interleaving: 1..N once each, in order."""
+    total = 60
+    started = threading.Event()
+
+    def writer() -> None:
+        try:
+            for i in range(1, total + 1):
+                write(task.pk, i)
+                if i == 10:
+                    started.set()
+                time.sleep(0.01)
+        finally:
+            close_old_connections()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    await sync_to_async(started.wait)(10)
+    comm = await communicator(f"/ws/tasks/{task.pk}/?after=0", user)
+    assert (await comm.connect())[0]
+    got = await collect(comm, total, timeout=30)
+    await sync_to_async(thread.join)(10)
+    assert [m["seq"] for m in got] == list(range(1, total + 1))
+    # A second browser that had seen 25 resumes with exactly the rest.
+    again = await communicator(f"/ws/tasks/{task.pk}/?after=25", user)
+    assert (await again.connect())[0]
+    assert [m["seq"] for m in await collect(again, total)] == list(range(26, total + 1))
+    await comm.disconnect()
+    await again.disconnect()
+
+
+async def test_list_consumer_forwards_summaries(task, user):
+    comm = await communicator("/ws/tasks/", user)
+    assert (await comm.connect())[0]
+    await database_sync_to_async(record)(task.pk, {"task": {"id": "t-9", "contextId": "c-9", "status": {"state": "TASK_STATE_WORKING"}}}, "poll")
+    msg = await comm.receive_json_from(timeout=5)
+    assert msg["type"] == "task" and msg["task"] == task.pk
+    assert msg["state"] == "TASK_STATE_WORKING" and msg["remote_id"] == "t-9" and msg["last_seq"] == 1
+    await comm.disconnect()
+
+
+def test_settings_use_redis_layer():
+    assert settings.CHANNEL_LAYERS["default"]["BACKEND"].startswith("channels_redis")
+
+
+async def test_ping(task, user):
+    comm = await communicator(f"/ws/tasks/{task.pk}/?after=0", user)
+    assert (await comm.connect())[0]
+    await comm.send_json_to({"type": "ping"})
+    msg = await comm.receive_json_from(timeout=5)
+    while msg["type"] != "pong":
+        msg = await comm.receive_json_from(timeout=5)
+    await comm.disconnect()
+    await asyncio.sleep(0)
