@@ -1,8 +1,9 @@
-from django.urls import path
+from django.urls import path, re_path
 
 from . import views
 
 urlpatterns = [
+    re_path(r"^static/(?P<path>.+)$", views.static_file, name="static-file"),
     path("", views.overview, name="overview"),
     path("agents/", views.agent_list, name="agent-list"),
     path("agents/add/", views.agent_add, name="agent-add"),

@@ -1,0 +1,324 @@
+"""The dashboard in headless Chromium against the real stack.
+
+A live daphne server and a real Celery worker run as subprocesses on a private
+SQLite file, a private Redis database number and a private Celery queue; the
+demo A2A agent is the real peer (``tests.agents``). The test process reads the
+log straight from the SQLite file to compare it with what the page shows.
+
+Screenshots of the main pages go to ``test-artifacts/screenshots/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+import sqlite3
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.agents import REPO_ROOT, free_port
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(240)]
+
+CHROMIUM = "/usr/bin/chromium"
+SHOTS = REPO_ROOT / "test-artifacts" / "screenshots"
+USERNAME, PASSWORD = "operator", "op-password-123"
+
+if not Path(CHROMIUM).exists():  # pragma: no cover - environment without the browser
+    pytest.skip("Chromium is not installed at /usr/bin/chromium", allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api")
+
+
+class Stack:
+    def __init__(self, base_url: str, db_path: Path, procs: list[subprocess.Popen], logs: Path) -> None:
+        self.base_url = base_url
+        self.db_path = db_path
+        self.procs = procs
+        self.logs = logs
+
+    def query(self, sql: str, *params: object) -> list[tuple]:
+        with contextlib.closing(sqlite3.connect(self.db_path, timeout=20)) as conn:
+            return conn.execute(sql, params).fetchall()
+
+    def seqs(self, task_pk: int) -> list[int]:
+        return [r[0] for r in self.query("SELECT seq FROM tasks_app_taskevent WHERE task_id=? ORDER BY seq", task_pk)]
+
+    def state(self, task_pk: int) -> str:
+        return self.query("SELECT state FROM tasks_app_remotetask WHERE id=?", task_pk)[0][0]
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        DJANGO_SETTINGS_MODULE="dashboard.settings",
+        DATABASE_URL=f"sqlite:///{tmp / 'ui.sqlite3'}",
+        DATA_DIR=str(tmp),
+        REDIS_URL=f"redis://127.0.0.1:6379/{random.randint(5, 15)}",
+        CELERY_QUEUE=f"uitest-{uuid.uuid4().hex[:8]}",
+        ALLOWED_HOSTS="127.0.0.1,localhost",
+        WATCH_LEASE_SECONDS="10",
+        WATCH_POLL_MIN_SECONDS="0.3",
+        WATCH_POLL_MAX_SECONDS="2",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=str(REPO_ROOT),
+    )
+    env.pop("DASHBOARD_TEST_DB_FILE", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("ui")
+    env = _env(tmp)
+    py = sys.executable
+    subprocess.run([py, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=REPO_ROOT, env=env, check=True)
+    subprocess.run(
+        [py, "-c", "import django; django.setup(); from django.contrib.auth.models import User; "
+         f"User.objects.create_user({USERNAME!r}, password={PASSWORD!r})"],
+        cwd=REPO_ROOT, env=env, check=True,
+    )  # fmt: skip
+    port = free_port()
+    logs = tmp / "logs"
+    logs.mkdir()
+    procs: list[subprocess.Popen] = []
+
+    def start(name: str, cmd: list[str]) -> None:
+        out = open(logs / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
+        procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
+        out.close()
+
+    start("worker", [py, "-m", "celery", "-A", "dashboard", "worker", "--pool", "threads",
+                     "--concurrency", "8", "-Q", env["CELERY_QUEUE"], "--loglevel", "INFO",
+                     "-n", f"ui-{uuid.uuid4().hex[:6]}@%h"])  # fmt: skip
+    start("web", [py, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "dashboard.asgi:application"])
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(base + "/accounts/login/", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, (logs / "web.log").read_text()[-3000:]
+        assert all(p.poll() is None for p in procs), "a server process died"
+        time.sleep(0.1)
+    try:
+        yield Stack(base, tmp / "ui.sqlite3", procs, logs)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def browser(stack):
+    with sync_api.sync_playwright() as pw:
+        chromium = pw.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+@pytest.fixture(scope="module")
+def context(browser, stack):
+    ctx = browser.new_context(base_url=stack.base_url, viewport={"width": 1280, "height": 900})
+    ctx.set_default_timeout(15_000)
+    page = ctx.new_page()
+    page.goto("/tasks/")
+    assert "/accounts/login/" in page.url  # everything needs a login
+    page.fill("#id_username", USERNAME)
+    page.fill("#id_password", PASSWORD)
+    page.click("button[type=submit]")
+    page.wait_for_url(re.compile(r"/tasks/$"))
+    page.close()
+    yield ctx
+    ctx.close()
+
+
+@pytest.fixture
+def page(context):
+    p = context.new_page()
+    yield p
+    p.close()
+
+
+def shot(page, name: str) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+def task_pk_of(page) -> int:
+    return int(re.search(r"/tasks/(\d+)/", page.url).group(1))
+
+
+def start_task(page, text: str, mode: str = "auto") -> int:
+    page.goto("/tasks/new")
+    page.fill("#id_text", text)
+    page.select_option("#id_mode", mode)
+    page.click("#start-task")
+    page.wait_for_url(re.compile(r"/tasks/\d+/$"))
+    return task_pk_of(page)
+
+
+def wait_state(page, label: str, timeout: float = 20_000) -> None:
+    page.wait_for_selector(f"#state-badge .badge:text-is('{label}')", timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def demo_agent_pk(context, agent, stack) -> int:
+    """Add the demo agent through the UI: preview first, then save."""
+    page = context.new_page()
+    page.goto("/agents/add/")
+    page.fill("#id_url", agent.base_url)
+    page.click("button[value=preview]")
+    page.wait_for_selector("#card-preview")
+    assert "The card is valid." in page.inner_text("#card-preview")
+    assert stack.query("SELECT count(*) FROM tasks_app_agent")[0][0] == 0
+    shot(page, "agent-add-preview")
+    page.click("#save-agent")
+    page.wait_for_url(re.compile(r"/agents/\d+/$"))
+    pk = int(re.search(r"/agents/(\d+)/", page.url).group(1))
+    assert "Skills" in page.inner_text("main")
+    assert page.inner_text("#credentials-status") == "not set"
+    shot(page, "agent-detail")
+    page.goto("/agents/")
+    shot(page, "agents")
+    page.close()
+    return pk
+
+
+def test_slow_task_grows_live_and_resumes_after_a_dropped_socket(page, stack, demo_agent_pk):
+    page.goto("/tasks/new")
+    shot(page, "new-task")
+    pk = start_task(page, "slow 12 0.4")
+    # The artifact appears and grows in place: always one block, never shrinking.
+    page.wait_for_selector("#artifacts article.artifact", timeout=20_000)
+    samples: list[tuple[int, int]] = []
+    dropped = False
+    saw_progress = False
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        blocks, length, conv = page.evaluate(
+            """() => [document.querySelectorAll('#artifacts article.artifact').length,
+                      (document.querySelector('#artifacts article.artifact .artifact-body') || {textContent: ''}).textContent.length,
+                      document.getElementById('conversation').textContent]"""
+        )
+        samples.append((blocks, length))
+        saw_progress = saw_progress or bool(re.search(r"step \d+/12", conv))
+        if not dropped and "chunk 4" in page.inner_text("#artifacts"):
+            # Kill the websocket; keep it down for a while so events are missed.
+            page.evaluate("window.__taskPage.dropSocket(1500)")
+            dropped = True
+        if stack.state(pk) == "TASK_STATE_COMPLETED" and "finished 12 steps" in conv:
+            break
+        page.wait_for_timeout(100)
+    assert dropped and saw_progress
+    assert all(blocks == 1 for blocks, _ in samples)
+    lengths = [n for _, n in samples]
+    assert lengths == sorted(lengths), lengths  # grows, never shrinks
+    assert len(set(lengths)) >= 4, lengths  # seen growing several times, live
+    wait_state(page, "completed")
+    # The page holds exactly the log: every seq once, in order.
+    db_seqs = stack.seqs(pk)
+    page.wait_for_function(f"window.__taskPage.lastSeq >= {db_seqs[-1]}")
+    page.wait_for_timeout(300)
+    state = page.evaluate("({seqs: window.__taskPage.seqs, dup: window.__taskPage.duplicates, gaps: window.__taskPage.gaps})")
+    rows = [int(s) for s in page.eval_on_selector_all("#event-rows tr[data-seq]", "rs => rs.map(r => r.dataset.seq)")]
+    assert state["seqs"] == db_seqs
+    assert rows == db_seqs
+    assert state["gaps"] == 0
+    text = page.inner_text("#artifacts article.artifact .artifact-body")
+    assert [int(n) for n in re.findall(r"chunk (\d+)", text)] == list(range(1, 13))
+    assert page.locator("#artifacts article.artifact").count() == 1
+    assert page.locator("#timeline svg rect.st-completed").count() == 1
+    shot(page, "task-page")
+
+
+def test_cancel_a_long_task(page, stack, demo_agent_pk):
+    pk = start_task(page, "long 60")
+    wait_state(page, "working")
+    page.click("#cancel-open")
+    page.fill("#id_reason", "not needed any more")
+    page.click("#cancel-confirm")
+    page.wait_for_url(re.compile(rf"/tasks/{pk}/$"))
+    wait_state(page, "canceled")
+    assert stack.state(pk) == "TASK_STATE_CANCELED"
+    assert "Cancel requested." in page.inner_text(".flash")
+    assert page.locator("#cancel-open").count() == 0
+
+
+def test_ask_then_answer(page, stack, demo_agent_pk):
+    pk = start_task(page, "ask")
+    wait_state(page, "input required")
+    page.wait_for_selector("#answer-form")
+    assert "What is your name?" in page.inner_text("#task-status")
+    page.fill("#answer-form textarea", "Ada")
+    page.click("#answer-form button[type=submit]")
+    wait_state(page, "completed")
+    page.wait_for_function("document.getElementById('artifacts').textContent.includes('You answered: Ada')")
+    assert stack.state(pk) == "TASK_STATE_COMPLETED"
+
+
+def test_untrusted_markdown_and_files(page, stack, demo_agent_pk):
+    start_task(page, "markdown")
+    wait_state(page, "completed")
+    page.wait_for_selector("#artifacts a[href='https://example.org/']")
+    assert page.locator("#artifacts script").count() == 0
+    assert page.locator("#artifacts img").count() == 0
+    assert page.locator("#artifacts [href^='javascript']").count() == 0
+    assert page.get_attribute("#artifacts a[href='https://example.org/']", "rel") == "noopener noreferrer"
+    assert "<script>alert('xss')</script>" in page.inner_text("#artifacts")  # shown as text
+    start_task(page, "data")
+    wait_state(page, "completed")
+    page.wait_for_selector("#artifacts a.download")
+    assert '"answer": 42' in page.inner_text("#artifacts pre.json")
+    href = page.get_attribute("#artifacts a.download", "href")
+    response = page.request.get(href)
+    assert response.status == 200
+    assert response.headers["content-disposition"] == 'attachment; filename="hello.txt"'
+    assert response.body() == b"hello, file\n"
+
+
+def test_task_list_is_live_and_filters(context, page, stack, demo_agent_pk):
+    page.goto("/tasks/")
+    page.wait_for_selector("#live-status[data-state=open]")
+    other = context.new_page()
+    pk = start_task(other, "quick live-list-check")
+    # The new task appears in the open list without a reload, and its state follows.
+    page.wait_for_selector(f"#task-row-{pk}")
+    page.wait_for_selector(f"#task-row-{pk} .badge:text-is('completed')")
+    other.close()
+    # Filter by state through the form: kept in the URL.
+    page.select_option("#id_state", "TASK_STATE_CANCELED")
+    page.wait_for_url(re.compile(r"state=TASK_STATE_CANCELED"))
+    badges = page.eval_on_selector_all("#task-rows .badge", "bs => bs.map(b => b.textContent)")
+    assert badges and set(badges) == {"canceled"}
+    page.goto("/tasks/?q=live-list-check")
+    assert page.locator("#task-rows tr[data-task]").count() == 1
+    page.goto("/tasks/")
+    shot(page, "task-list")
+    page.goto("/")
+    assert page.inner_text("#needs-input .num") == "0"
+    shot(page, "overview")
+    # Dark mode toggle and the narrow layout.
+    page.click("#theme-toggle")
+    page.set_viewport_size({"width": 420, "height": 900})
+    shot(page, "overview-narrow-dark")
