@@ -1,0 +1,371 @@
+"""``manage.py up``: run the whole dashboard with one command.
+
+Migrates the database, makes sure there is a login, starts Redis when ``REDIS_URL`` is unset,
+then the Celery worker, celery beat and daphne as child processes, waits until ``/healthz``
+says every part works and prints the URL. Ctrl-C (or SIGTERM) stops every child it started;
+if a child dies on its own, the others are stopped too and the command fails, so a half-running
+dashboard never looks healthy.
+
+Configuration mistakes end with one sentence naming the setting, never a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from django.conf import settings
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandParser
+from django.db import connection
+
+from tasks_app.runtime.admin import ensure_admin
+from tasks_app.runtime.net import free_port, port_available, redact_url, wait_until
+from tasks_app.runtime.redis_server import (
+    apply_redis_url,
+    find_redis_server,
+    ping_error,
+    redis_server_argv,
+)
+from tasks_app.runtime.supervisor import Child, Supervisor
+
+HEALTH_TIMEOUT_SECONDS = 60.0
+STOP_TIMEOUT_SECONDS = 10.0
+DEMO_AGENT_MODULE = "tasks_app.demo_agent"
+
+
+class StartupError(Exception):
+    """A problem the operator must fix; its message is printed as is, as one line."""
+
+
+def register_demo_agent(url: str) -> None:
+    """Add the demo agent to the dashboard, through the same service the UI uses."""
+    try:
+        agents = importlib.import_module("tasks_app.services.agents")
+    except ImportError:
+        agents = None
+    add_agent = getattr(agents, "add_agent", None)
+    if add_agent is None:
+        raise StartupError(
+            "--demo needs tasks_app.services.agents.add_agent(), which is not in this checkout yet."
+        )
+    add_agent(url, name="Demo agent")
+
+
+def _demo_preflight() -> None:
+    """Fail before starting anything when --demo cannot work in this checkout."""
+    if importlib.util.find_spec(DEMO_AGENT_MODULE) is None:
+        raise StartupError(
+            f"--demo needs the demo agent ({DEMO_AGENT_MODULE}), which is not in this checkout yet."
+        )
+    spec = importlib.util.find_spec("tasks_app.services.agents")
+    if spec is None:
+        raise StartupError(
+            "--demo needs tasks_app.services.agents.add_agent(), which is not in this checkout yet."
+        )
+
+
+def _describe_database() -> str:
+    url = os.environ.get("DATABASE_URL", "").strip()
+    if url:
+        return f"DATABASE_URL ({redact_url(url)})"
+    return f"the default SQLite database ({settings.DATABASES['default']['NAME']}; set DATABASE_URL to change it)"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0].rstrip(".") if text else type(exc).__name__
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _probe_host(host: str) -> str:
+    """Where to reach a server bound to ``host`` from this machine."""
+    if host in {"0.0.0.0", ""}:
+        return "127.0.0.1"
+    if host == "::":
+        return "::1"
+    return host
+
+
+class Command(BaseCommand):
+    help = "Run the dashboard: migrate, then start Redis (if needed), the worker, beat and daphne."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+        parser.add_argument(
+            "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)"
+        )
+        parser.add_argument(
+            "--demo", action="store_true", help="also start and register the demo A2A agent"
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        # Children's lines and ours must reach a pipe (or a test) as soon as they are written.
+        if hasattr(sys.stdout, "reconfigure"):
+            sys.stdout.reconfigure(line_buffering=True)
+        runner = Runner(host=options["host"], port=options["port"], demo=options["demo"])
+        try:
+            code = runner.run()
+        except StartupError as exc:
+            runner.supervisor.stop_all(STOP_TIMEOUT_SECONDS)
+            sys.stderr.write(f"Error: {exc}\n")
+            sys.stderr.flush()
+            raise SystemExit(1) from None
+        except BaseException:
+            runner.supervisor.stop_all(STOP_TIMEOUT_SECONDS)
+            raise
+        if code:
+            raise SystemExit(code)
+
+
+class Runner:
+    """One run of ``up``: the children it started and how to stop them."""
+
+    def __init__(self, *, host: str, port: int, demo: bool) -> None:
+        self.host = host
+        self.port = port
+        self.demo = demo
+        self.supervisor = Supervisor(output=sys.stdout)
+        self.stopping = threading.Event()
+        self.stop_signal: str | None = None
+
+    def say(self, line: str) -> None:
+        self.supervisor.write(line)
+
+    # -- signals ---------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.stop_signal = signal.Signals(signum).name
+        self.stopping.set()
+
+    def _install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    # -- the run -----------------------------------------------------------------------
+
+    def run(self) -> int:
+        self._install_signal_handlers()
+        if not port_available(self.host, self.port):
+            raise StartupError(
+                f"Port {self.port} on {self.host} is already in use; pass --port to use another one."
+            )
+        if self.demo:
+            _demo_preflight()
+        self._check_database()
+        redis_url = os.environ.get("REDIS_URL", "").strip()
+        if redis_url:
+            reason = ping_error(redis_url)
+            if reason is not None:
+                raise StartupError(
+                    f"Cannot reach Redis at REDIS_URL ({redact_url(redis_url)}): {reason.rstrip('.')}."
+                )
+        if self.stopping.is_set():
+            return 0
+
+        call_command("migrate", interactive=False, verbosity=0)
+        login_line = ensure_admin(Path(settings.DATA_DIR))
+        # Child processes open their own connections; ours is not needed while we wait.
+        connection.close()
+
+        if not redis_url:
+            self._start_redis()
+        env = self._child_env()
+        self._start_app(env)
+        demo_url = self._start_demo(env) if self.demo else None
+
+        if not self._wait_healthy():
+            return self._shutdown(1) if not self.stopping.is_set() else self._shutdown(0)
+
+        if demo_url is not None:
+            self._register_demo(demo_url)
+
+        url = f"http://{_url_host(self.host)}:{self.port}/"
+        self.say(login_line)
+        self.say(f"Dashboard running at {url} (Ctrl-C to stop)")
+        return self._supervise()
+
+    def _check_database(self) -> None:
+        try:
+            connection.ensure_connection()
+        except Exception as exc:  # every driver has its own errors; all mean the same here
+            raise StartupError(
+                f"Cannot connect to the database at {_describe_database()}: {_first_line(exc)}."
+            ) from None
+
+    def _start_redis(self) -> None:
+        try:
+            executable = find_redis_server()
+        except RuntimeError as exc:
+            raise StartupError(str(exc)) from None
+        port = free_port()
+        workdir = Path(settings.DATA_DIR) / "redis"
+        workdir.mkdir(parents=True, exist_ok=True)
+        env = os.environ.copy()
+        child = self.supervisor.start(
+            "redis",
+            redis_server_argv(executable, port, workdir),
+            env=env,
+            cwd=workdir,
+            infrastructure=True,
+        )
+        url = f"redis://127.0.0.1:{port}/0"
+        ready = wait_until(
+            lambda: ping_error(url, timeout=0.5) is None,
+            15,
+            abort=lambda: not child.alive() or self.stopping.is_set(),
+        )
+        if not ready and not self.stopping.is_set():
+            raise StartupError(f"The private Redis ({executable}) did not start on port {port}.")
+        self.say(f"Started a private Redis at {url} (no persistence)")
+        apply_redis_url(url)
+
+    def _child_env(self) -> dict[str, str]:
+        env = os.environ.copy()
+        env.update(
+            DJANGO_SETTINGS_MODULE=os.environ.get("DJANGO_SETTINGS_MODULE", "dashboard.settings"),
+            REDIS_URL=settings.REDIS_URL,
+            DATA_DIR=str(settings.DATA_DIR),
+            CELERY_QUEUE=settings.CELERY_TASK_DEFAULT_QUEUE,
+            PYTHONUNBUFFERED="1",
+        )
+        return env
+
+    def _start_app(self, env: dict[str, str]) -> None:
+        python = sys.executable
+        data_dir = Path(settings.DATA_DIR)
+        cwd = settings.BASE_DIR
+        queue = settings.CELERY_TASK_DEFAULT_QUEUE
+        self.supervisor.start(
+            "worker",
+            [python, "-m", "celery", "-A", "dashboard", "worker",
+             "--pool", "threads", "--concurrency", "8", "-Q", queue,
+             "--loglevel", "INFO", "-n", f"dashboard-{os.getpid()}@%h"],
+            env=env,
+            cwd=cwd,
+        )  # fmt: skip
+        self.supervisor.start(
+            "beat",
+            [python, "-m", "celery", "-A", "dashboard", "beat",
+             "--schedule", str(data_dir / "celerybeat-schedule"), "--loglevel", "INFO"],
+            env=env,
+            cwd=cwd,
+        )  # fmt: skip
+        self.supervisor.start(
+            "web",
+            [python, "-m", "daphne", "-b", self.host, "-p", str(self.port),
+             "dashboard.asgi:application"],
+            env=env,
+            cwd=cwd,
+        )  # fmt: skip
+
+    def _start_demo(self, env: dict[str, str]) -> str:
+        # Prefer the port after the web port so the registered URL stays the same across runs.
+        port = self.port + 1 if port_available("127.0.0.1", self.port + 1) else free_port()
+        child = self.supervisor.start(
+            "demo",
+            [sys.executable, "-m", DEMO_AGENT_MODULE, "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            cwd=settings.BASE_DIR,
+        )
+
+        def accepting() -> bool:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                    return True
+            except OSError:
+                return False
+
+        started = wait_until(
+            accepting, 30, abort=lambda: not child.alive() or self.stopping.is_set()
+        )
+        if not started and not self.stopping.is_set():
+            raise StartupError(f"The demo agent did not start listening on port {port}.")
+        return f"http://127.0.0.1:{port}/"
+
+    def _register_demo(self, url: str) -> None:
+        try:
+            register_demo_agent(url)
+        except StartupError:
+            raise
+        except Exception as exc:  # the dashboard still works; say why the demo is missing
+            self.say(f"Could not register the demo agent at {url}: {_first_line(exc)}.")
+        else:
+            self.say(f"Demo agent running at {url} and registered as 'Demo agent'")
+
+    def _health(self) -> tuple[int, dict[str, Any]]:
+        url = f"http://{_url_host(_probe_host(self.host))}:{self.port}/healthz"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                return response.status, json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as exc:
+            try:
+                body = json.loads(exc.read() or b"{}")
+            except ValueError:
+                body = {}
+            return exc.code, body
+        except (OSError, ValueError) as exc:
+            return 0, {"error": _first_line(exc)}
+
+    def _wait_healthy(self) -> bool:
+        """Poll /healthz until 200; on timeout or a dead child, say what is wrong."""
+        deadline = time.monotonic() + HEALTH_TIMEOUT_SECONDS
+        status, body = 0, {}
+        while time.monotonic() < deadline:
+            if self.stopping.is_set():
+                return False
+            dead = self.supervisor.first_exited()
+            if dead is not None:
+                self.say(
+                    f"{dead.name} exited with code {dead.returncode} while starting; stopping."
+                )
+                return False
+            status, body = self._health()
+            if status == 200:
+                return True
+            self.stopping.wait(0.5)
+        checks = body.get("checks", {}) if isinstance(body, dict) else {}
+        failing = [
+            f"{name}: {result.get('status')}"
+            for name, result in checks.items()
+            if isinstance(result, dict) and result.get("status") != "ok"
+        ]
+        detail = "; ".join(failing) or body.get("error", f"HTTP {status}")
+        self.say(
+            f"The dashboard did not become healthy within {HEALTH_TIMEOUT_SECONDS:.0f} s "
+            f"({detail}); stopping."
+        )
+        return False
+
+    def _supervise(self) -> int:
+        while not self.stopping.wait(0.5):
+            dead: Child | None = self.supervisor.first_exited()
+            if dead is not None:
+                self.say(
+                    f"{dead.name} exited unexpectedly with code {dead.returncode}; "
+                    "stopping the others."
+                )
+                return self._shutdown(1)
+        return self._shutdown(0)
+
+    def _shutdown(self, code: int) -> int:
+        if self.stop_signal:
+            self.say(f"Got {self.stop_signal}; stopping.")
+        self.supervisor.stop_all(STOP_TIMEOUT_SECONDS)
+        self.say("Stopped.")
+        return code

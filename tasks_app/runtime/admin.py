@@ -1,0 +1,52 @@
+"""A first login for a fresh install, without ever printing any other secret.
+
+A new install has no user, and the dashboard is useless without one. ``manage.py up``
+creates ``admin`` with a random password and keeps that password in
+``DATA_DIR/admin_password`` (mode 0600) so it can be shown again on later runs, until the
+operator changes it: a password that no longer works is never shown.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+ADMIN_USERNAME = "admin"
+PASSWORD_FILE = "admin_password"
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a file readable by its owner only, from the first byte on."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text + "\n")
+    path.chmod(0o600)
+
+
+def ensure_admin(data_dir: Path) -> str:
+    """Make sure someone can log in; return the line to show the operator."""
+    from django.contrib.auth import get_user_model
+
+    user_model = get_user_model()
+    path = data_dir / PASSWORD_FILE
+    if not user_model.objects.filter(is_superuser=True).exists():
+        if user_model.objects.filter(username=ADMIN_USERNAME).exists():
+            return (
+                f"No superuser exists and the name '{ADMIN_USERNAME}' is taken: "
+                "create one with 'manage.py createsuperuser'."
+            )
+        password = secrets.token_urlsafe(12)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        _write_private(path, password)
+        user_model.objects.create_superuser(ADMIN_USERNAME, email="", password=password)
+        return f"Log in as {ADMIN_USERNAME} / {password}"
+
+    if path.exists():
+        password = path.read_text().strip()
+        user = user_model.objects.filter(username=ADMIN_USERNAME, is_active=True).first()
+        if password and user is not None and user.check_password(password):
+            return f"Log in as {ADMIN_USERNAME} / {password}"
+    return (
+        "Log in with your superuser account ('manage.py changepassword <name>' resets a password)."
+    )

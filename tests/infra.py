@@ -1,0 +1,429 @@
+"""Real infrastructure for tests: Redis, Celery workers, celery beat and daphne as processes.
+
+Registered by ``tests/conftest.py`` (``pytest_plugins``). Nothing here is mocked: a worker is
+``python -m celery -A dashboard worker`` in a subprocess, exactly as ``manage.py up`` starts it.
+
+Fixtures
+--------
+``redis_url`` (session) -> str
+    The Redis this session uses, verified reachable. The server is ``REDIS_URL`` (default
+    ``redis://127.0.0.1:6379/0``); the session claims a free database number 1-15 on it with
+    a lock key, so two test runs (or a run and a leftover process) never share a broker queue,
+    a remote-control channel or a channel-layer group. An autouse session fixture points the
+    settings, the Celery app and the channel layers of the test process at it, and picks a
+    unique ``CELERY_QUEUE``, before any test runs.
+``start_celery_worker(*, concurrency=8, **env) -> WorkerProcess`` (function-scoped factory)
+    Starts a worker subprocess on the session's queue and waits until it answers ping. Extra
+    keyword arguments become environment variables (``WATCH_LEASE_SECONDS="2"``). Call it
+    again for a second worker. Every worker started is stopped after the test.
+``celery_worker`` (function) -> WorkerProcess
+    One worker; ``.pid``, ``.hostname``, ``.stop()``, ``.kill()`` (SIGKILL), ``.log_tail()``.
+``start_celery_beat(**env) -> ServiceProcess`` / ``celery_beat`` (function)
+    celery beat with its schedule file in a temporary folder.
+``start_daphne(**env) -> DaphneProcess`` (function) / ``live_server_daphne`` (session) -> str
+    daphne serving ``dashboard.asgi:application`` on a free port; ``live_server_daphne`` is
+    its base URL without a trailing slash (a ``str`` with a ``.process`` attribute).
+``child_env`` (function) -> Callable[..., dict[str, str]]
+    The environment a subprocess needs to share this session's database and Redis.
+``screenshot_dir`` (session) -> Path
+    ``test-artifacts/screenshots/`` (created; git-ignored), for browser tests.
+
+How subprocesses share the test database
+----------------------------------------
+pytest-django creates the test database (``test_<name>`` on PostgreSQL; on SQLite the file
+named by ``DATABASES["default"]["TEST"]["NAME"]``, which this module sets to a fresh file in
+the session's temporary folder unless ``DASHBOARD_TEST_DB_FILE`` is set; never SQLite's
+in-memory database, which other processes cannot open). After creation Django's connection
+settings name the test database, and :func:`test_database_url` turns them back into a
+``DATABASE_URL`` that the subprocess's settings parse like any other. Subprocesses only see
+committed data: use ``@pytest.mark.django_db(transaction=True)`` in tests that start
+processes (a plain ``django_db`` test holds its data, and on SQLite the write lock, in a
+transaction that is never committed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import httpx
+import pytest
+import redis
+
+from tasks_app.runtime.net import free_port, redact_url, wait_until
+from tasks_app.runtime.redis_server import apply_redis_url, ping_error
+from tasks_app.runtime.supervisor import Child, Supervisor
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SCREENSHOT_DIR = REPO_ROOT / "test-artifacts" / "screenshots"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+READY_TIMEOUT = 45.0
+STOP_TIMEOUT = 8.0
+_LOCK_PREFIX = "a2a-dashboard:test-redis-db:"
+
+# What the session's Redis check found, for a clear failure in the tests that need Redis.
+_redis_state: dict[str, str | None] = {"url": None, "problem": None}
+
+
+# -- the test database -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings(
+    django_db_modify_db_settings_parallel_suffix: None,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Give each session its own SQLite test file (concurrent runs must not share one)."""
+    from django.conf import settings
+
+    database = settings.DATABASES["default"]
+    if database["ENGINE"] == "django.db.backends.sqlite3" and not os.environ.get(
+        "DASHBOARD_TEST_DB_FILE"
+    ):
+        path = tmp_path_factory.mktemp("db") / "test_dashboard.sqlite3"
+        database.setdefault("TEST", {})["NAME"] = str(path)
+
+
+def test_database_url() -> str:
+    """``DATABASE_URL`` of the test database, for subprocesses (call after it was created)."""
+    from django.db import connections
+
+    config = connections["default"].settings_dict
+    name = str(config["NAME"])
+    if config["ENGINE"] == "django.db.backends.sqlite3":
+        if name == ":memory:" or name.startswith("file:"):
+            raise RuntimeError("the SQLite test database must be a file to share it")
+        return f"sqlite:///{Path(name).resolve()}"
+    original = os.environ.get("DATABASE_URL", "").strip()
+    if not original:
+        raise RuntimeError("DATABASE_URL is needed to reach a non-SQLite test database")
+    return urlunsplit(urlsplit(original)._replace(path="/" + quote(name)))
+
+
+# Pytest would otherwise collect the function above as a test.
+test_database_url.__test__ = False  # type: ignore[attr-defined]
+
+
+# -- Redis ---------------------------------------------------------------------------------
+
+
+def _with_db(url: str, number: int) -> str:
+    return urlunsplit(urlsplit(url)._replace(path=f"/{number}"))
+
+
+def _claim_database(base_url: str, owner: str) -> tuple[str, Callable[[], None]]:
+    """Lock a Redis database number 1-15 for this session; fall back to ``base_url``."""
+    client = redis.Redis.from_url(base_url, socket_timeout=2, socket_connect_timeout=2)
+    for number in range(1, 16):
+        key = f"{_LOCK_PREFIX}{number}"
+        if not client.set(key, owner, nx=True, ex=6 * 3600):
+            continue
+        url = _with_db(base_url, number)
+        if ping_error(url) is not None:  # e.g. a server configured with fewer databases
+            client.delete(key)
+            break
+
+        def release(key: str = key) -> None:
+            with contextlib.suppress(redis.RedisError):
+                if client.get(key) == owner.encode():
+                    client.delete(key)
+            client.close()
+
+        return url, release
+    client.close()
+    return base_url, lambda: None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_redis() -> Iterator[None]:
+    """Point the whole session (this process and its children) at a private Redis database.
+
+    Autouse, so in-process code (the relay's ``group_send``, health checks) and subprocesses
+    agree from the first test on. When Redis is not reachable nothing is changed and only
+    the tests that ask for ``redis_url`` (directly or through a process fixture) fail.
+    """
+    base = os.environ.get("REDIS_URL", "").strip() or DEFAULT_REDIS_URL
+    problem = ping_error(base, timeout=1.0)
+    if problem is not None:
+        _redis_state["problem"] = (
+            f"Redis is not reachable at REDIS_URL={redact_url(base)} ({problem})"
+        )
+        yield
+        return
+    saved = {name: os.environ.get(name) for name in ("REDIS_URL", "CELERY_QUEUE")}
+    owner = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    url, release = _claim_database(base, owner)
+    queue = f"test-{uuid.uuid4().hex[:10]}"
+    apply_redis_url(url, queue=queue)
+    _redis_state["url"] = url
+    try:
+        yield
+    finally:
+        release()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The session's Redis URL (its own database number), verified reachable."""
+    if _redis_state["url"] is None:
+        pytest.fail(
+            f"{_redis_state['problem']}; start one (./dash test does) or set REDIS_URL.",
+            pytrace=False,
+        )
+    return str(_redis_state["url"])
+
+
+# -- processes -----------------------------------------------------------------------------
+
+
+class ServiceProcess:
+    """A real process started for a test; stopped with SIGTERM, or killed with SIGKILL."""
+
+    def __init__(self, name: str, child: Child) -> None:
+        self.name = name
+        self.child = child
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
+
+    def alive(self) -> bool:
+        return self.child.alive()
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> int | None:
+        """SIGTERM (warm shutdown), then SIGKILL after ``timeout`` seconds."""
+        return self.child.stop(timeout)
+
+    def kill(self) -> int | None:
+        """SIGKILL, as a crash or an OOM kill would: no cleanup runs."""
+        return self.child.kill()
+
+    def log_tail(self, lines: int = 60) -> str:
+        return self.child.log_tail(lines)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} pid={self.pid}>"
+
+
+class WorkerProcess(ServiceProcess):
+    def __init__(self, name: str, child: Child, hostname: str, queue: str) -> None:
+        super().__init__(name, child)
+        self.hostname = hostname
+        self.queue = queue
+
+    def ping(self, timeout: float = 1.0) -> bool:
+        from dashboard.celery import app
+
+        return bool(app.control.ping(destination=[self.hostname], timeout=timeout))
+
+
+class DaphneProcess(ServiceProcess):
+    def __init__(self, name: str, child: Child, url: str) -> None:
+        super().__init__(name, child)
+        self.url = url
+
+
+class LiveServerURL(str):
+    """The base URL of a daphne started for tests; ``.process`` is its handle."""
+
+    process: DaphneProcess
+
+
+def make_child_env(**extra: Any) -> dict[str, str]:
+    """Environment for a subprocess that shares this session's test database and Redis."""
+    from django.conf import settings
+
+    env = os.environ.copy()
+    env.update(
+        DJANGO_SETTINGS_MODULE="dashboard.settings",
+        DATABASE_URL=test_database_url(),
+        REDIS_URL=settings.REDIS_URL,
+        CELERY_QUEUE=settings.CELERY_TASK_DEFAULT_QUEUE,
+        SECRET_KEY=settings.SECRET_KEY,  # sessions made in-process are valid in daphne
+        DATA_DIR=str(settings.DATA_DIR),
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("DASHBOARD_TEST_DB_FILE", None)
+    env.update({key: str(value) for key, value in extra.items()})
+    return env
+
+
+class ProcessStarter:
+    """Starts workers, beat and daphne for one scope and stops them all at its end."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.supervisor = Supervisor(output=None)
+        self.started: list[ServiceProcess] = []
+
+    def _start(self, name: str, argv: list[str], env: dict[str, str]) -> Child:
+        log_path = self.log_dir / f"{name}.log"
+        return self.supervisor.start(name, argv, env=env, cwd=REPO_ROOT, log_path=log_path)
+
+    def _unique(self, kind: str) -> str:
+        return f"{kind}-{uuid.uuid4().hex[:6]}"
+
+    def worker(self, *, concurrency: int = 8, **env: Any) -> WorkerProcess:
+        from django.conf import settings
+
+        name = self._unique("worker")
+        hostname = f"{name}@test"
+        queue = settings.CELERY_TASK_DEFAULT_QUEUE
+        argv = [
+            sys.executable, "-m", "celery", "-A", "dashboard", "worker",
+            "--pool", "threads", "--concurrency", str(concurrency), "-Q", queue,
+            "-n", hostname, "--loglevel", "INFO",
+            "--without-mingle", "--without-gossip", "--without-heartbeat",
+        ]  # fmt: skip
+        child = self._start(name, argv, make_child_env(**env))
+        worker = WorkerProcess(name, child, hostname, queue)
+        self.started.append(worker)
+        if not wait_until(
+            lambda: worker.ping(0.5), READY_TIMEOUT, interval=0.1, abort=lambda: not child.alive()
+        ):
+            self._fail(worker, "did not answer ping")
+        return worker
+
+    def beat(self, **env: Any) -> ServiceProcess:
+        name = self._unique("beat")
+        schedule = self.log_dir / f"{name}-schedule"
+        argv = [
+            sys.executable, "-m", "celery", "-A", "dashboard", "beat",
+            "--schedule", str(schedule), "--loglevel", "INFO",
+        ]  # fmt: skip
+        child = self._start(name, argv, make_child_env(**env))
+        beat = ServiceProcess(name, child)
+        self.started.append(beat)
+        if not wait_until(
+            lambda: "beat: Starting" in beat.log_tail(200),
+            READY_TIMEOUT,
+            abort=lambda: not child.alive(),
+        ):
+            self._fail(beat, "did not start")
+        return beat
+
+    def daphne(self, **env: Any) -> DaphneProcess:
+        name = self._unique("daphne")
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        argv = [
+            sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
+            "dashboard.asgi:application",
+        ]  # fmt: skip
+        child = self._start(name, argv, make_child_env(**env))
+        server = DaphneProcess(name, child, url)
+        self.started.append(server)
+
+        def answers() -> bool:
+            try:
+                httpx.get(f"{url}/healthz", timeout=5)
+            except httpx.HTTPError:
+                return False
+            return True
+
+        if not wait_until(answers, READY_TIMEOUT, interval=0.1, abort=lambda: not child.alive()):
+            self._fail(server, "did not answer HTTP")
+        return server
+
+    def _fail(self, process: ServiceProcess, what: str) -> None:
+        tail = process.log_tail()
+        process.kill()
+        pytest.fail(
+            f"{process.name} {what} within {READY_TIMEOUT:.0f} s; its log:\n{tail}", pytrace=False
+        )
+
+    def stop_all(self) -> None:
+        self.supervisor.stop_all(STOP_TIMEOUT)
+        self.started.clear()
+
+
+@pytest.fixture
+def child_env(redis_url: str, django_db_setup: None) -> Callable[..., dict[str, str]]:
+    """A function returning the environment for a subprocess of this test (``**extra`` added)."""
+    return make_child_env
+
+
+@pytest.fixture
+def _processes(redis_url: str, django_db_setup: None, tmp_path: Path) -> Iterator[ProcessStarter]:
+    starter = ProcessStarter(tmp_path / "process-logs")
+    try:
+        yield starter
+    finally:
+        starter.stop_all()
+
+
+@pytest.fixture
+def start_celery_worker(_processes: ProcessStarter) -> Callable[..., WorkerProcess]:
+    """Factory: ``start_celery_worker(concurrency=8, **env)`` -> a running :class:`WorkerProcess`."""
+    return _processes.worker
+
+
+@pytest.fixture
+def celery_worker(start_celery_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
+    """A real Celery worker process on this session's queue, stopped after the test."""
+    return start_celery_worker()
+
+
+@pytest.fixture
+def start_celery_beat(_processes: ProcessStarter) -> Callable[..., ServiceProcess]:
+    """Factory: ``start_celery_beat(**env)``, e.g. ``RECONCILE_EVERY_SECONDS="1"``."""
+    return _processes.beat
+
+
+@pytest.fixture
+def celery_beat(start_celery_beat: Callable[..., ServiceProcess]) -> ServiceProcess:
+    return start_celery_beat()
+
+
+@pytest.fixture
+def start_daphne(_processes: ProcessStarter) -> Callable[..., DaphneProcess]:
+    """Factory: ``start_daphne(**env)`` -> a :class:`DaphneProcess` (``.url``) for this test."""
+    return _processes.daphne
+
+
+@pytest.fixture(scope="session")
+def live_server_daphne(
+    redis_url: str, django_db_setup: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServerURL]:
+    """One daphne for the session; yields its base URL (no trailing slash).
+
+    Session-scoped because starting it costs about a second; it depends on
+    ``django_db_setup`` so it is stopped before the test database is dropped.
+    """
+    starter = ProcessStarter(tmp_path_factory.mktemp("daphne-logs"))
+    try:
+        server = starter.daphne()
+        url = LiveServerURL(server.url)
+        url.process = server
+        yield url
+    finally:
+        starter.stop_all()
+
+
+@pytest.fixture(scope="session")
+def screenshot_dir() -> Path:
+    """Where browser tests save screenshots (kept after the run, ignored by git)."""
+    SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
+    return SCREENSHOT_DIR
+
+
+def wait_for_healthz(base_url: str, timeout: float = 30.0) -> httpx.Response:
+    """GET /healthz until it answers 200 or the timeout passes; returns the last response."""
+    deadline = time.monotonic() + timeout
+    while True:
+        response = httpx.get(f"{base_url}/healthz", timeout=10)
+        if response.status_code == 200 or time.monotonic() >= deadline:
+            return response
+        time.sleep(0.3)

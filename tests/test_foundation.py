@@ -1,0 +1,128 @@
+"""The foundation every other test stands on: health checks, settings errors, and the
+process fixtures (a real worker, a real daphne, one shared test database)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import httpx
+import pytest
+from django.contrib.auth import get_user_model
+
+from tests.infra import REPO_ROOT, WorkerProcess, wait_for_healthz
+
+CHECKS = {"database", "redis", "channel_layer", "worker"}
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``python -c code`` in the project with these environment variables set."""
+    full_env = {
+        k: v for k, v in os.environ.items() if k not in {"DASHBOARD_PRODUCTION", "SECRET_KEY"}
+    }
+    full_env.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+SETUP = "import os, django; os.environ.setdefault('DJANGO_SETTINGS_MODULE', 'dashboard.settings'); django.setup()"
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_healthz_is_ok_while_a_worker_runs(
+    celery_worker: WorkerProcess, live_server_daphne: str
+) -> None:
+    response = wait_for_healthz(live_server_daphne)
+    body = response.json()
+    assert response.status_code == 200, body
+    assert set(body["checks"]) == CHECKS
+    assert all(check["status"] == "ok" for check in body["checks"].values()), body
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_healthz_names_the_worker_when_none_runs(live_server_daphne: str) -> None:
+    response = httpx.get(f"{live_server_daphne}/healthz", timeout=10)
+    body = response.json()
+    assert response.status_code == 503
+    assert body["status"] == "error"
+    assert body["checks"]["worker"]["status"].startswith("error")
+    assert {name for name, check in body["checks"].items() if check["status"] != "ok"} == {"worker"}
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_subprocesses_see_the_test_database(live_server_daphne: str) -> None:
+    """A user created here can log in through daphne: both use the same test database."""
+    get_user_model().objects.create_user("alice", password="s3cret-pass")
+    with httpx.Client(base_url=live_server_daphne, timeout=10) as browser:
+        page = browser.get("/accounts/login/")
+        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text)
+        assert token, page.text
+        response = browser.post(
+            "/accounts/login/",
+            data={
+                "username": "alice",
+                "password": "s3cret-pass",
+                "csrfmiddlewaretoken": token.group(1),
+            },
+            headers={"Referer": f"{live_server_daphne}/accounts/login/"},
+        )
+    assert response.status_code == 302, response.text
+    assert "sessionid" in response.cookies
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_second_worker_survives_the_first_being_killed(start_celery_worker) -> None:
+    first = start_celery_worker(WATCH_LEASE_SECONDS="3")
+    second = start_celery_worker(WATCH_LEASE_SECONDS="3")
+    assert first.pid != second.pid
+    first.kill()
+    assert not first.alive()
+    assert second.ping()
+
+
+def test_unparseable_database_url_names_the_setting() -> None:
+    result = run_python(SETUP, DATABASE_URL="not a url")
+    assert result.returncode != 0
+    assert "ImproperlyConfigured" in result.stderr
+    assert "DATABASE_URL" in result.stderr
+
+
+def test_production_needs_a_secret_key() -> None:
+    result = run_python(SETUP, DASHBOARD_PRODUCTION="1", ALLOWED_HOSTS="example.org")
+    assert result.returncode != 0
+    assert "ImproperlyConfigured" in result.stderr
+    assert "SECRET_KEY" in result.stderr
+
+
+def test_production_needs_allowed_hosts() -> None:
+    result = run_python(SETUP, DASHBOARD_PRODUCTION="1", SECRET_KEY="x" * 50, ALLOWED_HOSTS="")
+    assert result.returncode != 0
+    assert "ALLOWED_HOSTS" in result.stderr
+
+
+def test_manage_py_reports_a_settings_error_in_one_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "manage.py", "check"],
+        cwd=REPO_ROOT,
+        env={**os.environ, "DASHBOARD_PRODUCTION": "1", "SECRET_KEY": "", "ALLOWED_HOSTS": "x"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "Configuration error: SECRET_KEY must be set when DASHBOARD_PRODUCTION is on."
+    ]

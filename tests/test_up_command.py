@@ -1,0 +1,209 @@
+"""``manage.py up``, run the way the README says: as a process, with nothing configured."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import queue
+import re
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+import httpx
+import psutil
+import pytest
+
+from tasks_app.runtime.admin import PASSWORD_FILE, ensure_admin
+from tasks_app.runtime.net import free_port
+from tests.infra import REPO_ROOT
+
+URL_LINE = re.compile(r"Dashboard running at (http://\S+)")
+
+
+def up_env(data_dir: Path, **extra: str) -> dict[str, str]:
+    """A clean local environment: no Redis, no database configured, data in ``data_dir``."""
+    drop = {"REDIS_URL", "DATABASE_URL", "CELERY_BROKER_URL", "CELERY_QUEUE", "SECRET_KEY",
+            "DASHBOARD_PRODUCTION", "DASHBOARD_TEST_DB_FILE", "ALLOWED_HOSTS"}  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def run_up(
+    args: list[str], env: dict[str, str], timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "manage.py", "up", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+class Lines:
+    """Collects a process's output lines in a thread, so waiting for one never blocks."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.seen: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    def wait_for(self, pattern: re.Pattern[str], timeout: float) -> re.Match[str] | None:
+        deadline = time.monotonic() + timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                line = self._queue.get(timeout=remaining)
+            except queue.Empty:
+                return None
+            if line is None:
+                return None
+            self.seen.append(line)
+            if match := pattern.search(line):
+                return match
+        return None
+
+    def rest(self, timeout: float = 5) -> list[str]:
+        self.wait_for(re.compile(r"(?!)"), timeout)
+        return self.seen
+
+
+@pytest.fixture
+def up_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Lines, Path]]:
+    data_dir = tmp_path / "data"
+    process = subprocess.Popen(
+        [sys.executable, "manage.py", "up", "--port", str(free_port())],
+        cwd=REPO_ROOT,
+        env=up_env(data_dir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        yield process, Lines(process.stdout), data_dir
+    finally:
+        if process.poll() is None:  # the test failed half-way: do not leave it running
+            for child in psutil.Process(process.pid).children(recursive=True):
+                child.kill()
+            process.kill()
+        process.wait(timeout=10)
+
+
+@pytest.mark.slow
+def test_up_runs_everything_and_leaves_nothing_behind(up_process) -> None:
+    process, lines, data_dir = up_process
+    match = lines.wait_for(URL_LINE, timeout=90)
+    assert match, "\n".join(lines.seen)
+    url = match.group(1).rstrip("/")
+
+    login = next(line for line in lines.seen if line.startswith("Log in as admin / "))
+    password = login.removeprefix("Log in as admin / ")
+    stored = data_dir / PASSWORD_FILE
+    assert stored.read_text().strip() == password
+    assert stat.S_IMODE(stored.stat().st_mode) == 0o600
+
+    response = httpx.get(f"{url}/healthz", timeout=10)
+    assert response.status_code == 200, response.text
+    assert all(check["status"] == "ok" for check in response.json()["checks"].values())
+
+    descendants = psutil.Process(process.pid).children(recursive=True)
+    names = " ".join(" ".join(p.cmdline()) for p in descendants)
+    for part in ("redis-server", "worker", "beat", "daphne"):
+        assert part in names, names
+
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=30) == 0, "\n".join(lines.rest())
+    _gone, alive = psutil.wait_procs(descendants, timeout=5)
+    assert not alive, f"left running: {alive}"
+
+
+def test_port_in_use_is_reported_with_the_port(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_up(["--port", str(port)], up_env(tmp_path))
+    assert result.returncode == 1
+    assert f"Port {port} on 127.0.0.1 is already in use; pass --port" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_unreachable_redis_is_one_sentence(tmp_path: Path) -> None:
+    port = free_port()
+    env = up_env(tmp_path, REDIS_URL=f"redis://:hunter2@127.0.0.1:{port}/0")
+    result = run_up(["--port", str(free_port())], env)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("Error: Cannot reach Redis at REDIS_URL")
+    assert "hunter2" not in result.stderr + result.stdout
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("nonsense://what", "Configuration error: DATABASE_URL is not a valid database URL"),
+        (
+            "postgres://someone:pw@127.0.0.1:{port}/nothing",
+            "Error: Cannot connect to the database at DATABASE_URL",
+        ),
+    ],
+)
+def test_bad_database_url_is_one_sentence(tmp_path: Path, url: str, expected: str) -> None:
+    env = up_env(tmp_path, DATABASE_URL=url.format(port=free_port()))
+    result = run_up(["--port", str(free_port())], env)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(expected)
+    assert ":pw@" not in result.stderr
+
+
+def test_production_without_settings_is_one_line(tmp_path: Path) -> None:
+    result = run_up(["--port", str(free_port())], up_env(tmp_path, DASHBOARD_PRODUCTION="1"))
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [
+        "Configuration error: SECRET_KEY must be set when DASHBOARD_PRODUCTION is on."
+    ]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("tasks_app.demo_agent") is not None, reason="the demo agent exists"
+)
+def test_demo_without_the_demo_agent_says_so(tmp_path: Path) -> None:
+    result = run_up(["--port", str(free_port()), "--demo"], up_env(tmp_path))
+    assert result.returncode == 1
+    assert "--demo needs the demo agent" in result.stderr
+
+
+@pytest.mark.django_db
+def test_admin_password_is_shown_again_only_while_it_works(tmp_path: Path) -> None:
+    first = ensure_admin(tmp_path)
+    password = first.removeprefix("Log in as admin / ")
+    assert first.startswith("Log in as admin / ") and len(password) >= 12
+    assert ensure_admin(tmp_path) == first
+
+    from django.contrib.auth import get_user_model
+
+    admin = get_user_model().objects.get(username="admin")
+    assert admin.is_superuser
+    admin.set_password("changed-by-the-operator")
+    admin.save()
+    again = ensure_admin(tmp_path)
+    assert password not in again
+    assert "Log in as admin" not in again
