@@ -18,9 +18,12 @@ HEIGHT = 66
 MAX_TICKS = 400
 
 
+END_MARK = 36  # room at the right for the final state of an ended task
+
+
 def state_short(state: str) -> str:
     if not state:
-        return "unknown"
+        return "sending"
     return state.removeprefix("TASK_STATE_").lower().replace("_", "-")
 
 
@@ -52,11 +55,14 @@ def timeline_svg(
     now = now or timezone.now()
     start = events[0][1]
     last_state = events[-1][2]
-    end = events[-1][1] if last_state in TERMINAL_STATES else max(now, events[-1][1])
+    ended = last_state in TERMINAL_STATES
+    end = events[-1][1] if ended else max(now, events[-1][1])
     span = max((end - start).total_seconds(), 0.001)
+    # An ended task's last state has no duration: it gets a fixed mark at the end.
+    usable = WIDTH - 8 - (END_MARK if ended else 0)
 
     def x_of(t: datetime) -> float:
-        return round(4 + (WIDTH - 8) * ((t - start).total_seconds() / span), 2)
+        return round(4 + usable * ((t - start).total_seconds() / span), 2)
 
     segments: list[tuple[str, datetime, datetime]] = []
     for _seq, at, state in events:
@@ -68,11 +74,13 @@ def timeline_svg(
     segments[-1] = (segments[-1][0], segments[-1][1], end)
 
     out: list[str] = [
-        f'<svg class="timeline" role="img" viewBox="0 0 {WIDTH} {HEIGHT}" preserveAspectRatio="none" '
+        f'<svg class="timeline" role="img" viewBox="0 0 {WIDTH} {HEIGHT}" '
         f'aria-label="{escape(_summary(segments))}">'
     ]
-    for state, a, b in segments:
+    for i, (state, a, b) in enumerate(segments):
         x1, x2 = x_of(a), x_of(b)
+        if ended and i == len(segments) - 1:
+            x2 = x1 + END_MARK
         width = max(x2 - x1, 2)
         short = state_short(state)
         seconds = (b - a).total_seconds()
@@ -81,7 +89,11 @@ def timeline_svg(
             f'height="{BAR_H}" rx="3"><title>{escape(short)}: {escape(_fmt_duration(seconds))} '
             f"from {escape(a.strftime('%H:%M:%S'))}</title></rect>"
         )
-        if width > 60:
+        if ended and i == len(segments) - 1:
+            out.append(
+                f'<text class="tl-label" x="{WIDTH - 4}" y="{BAR_Y - 6}" text-anchor="end">{escape(short)}</text>'
+            )
+        elif width > 60:
             out.append(
                 f'<text class="tl-label" x="{x1 + 4}" y="{BAR_Y - 6}">{escape(short)}</text>'
             )
