@@ -292,14 +292,14 @@ async def wait_received(into: Received, expected: int, timeout: float, stop: asy
 
 
 def p1(db: str, quick: bool) -> list[Row]:
-    streams, events, interval = (5, 5, 0.5) if quick else (100, 20, 1.0)
+    streams, events, interval = (5, 4, 0.3) if quick else (100, 20, 1.0)
     with stack() as s:
         s.start_agent()
         s.start_web()
         worker = s.start_worker()
         agent, cookie = register(s)
         sampler = Sampler({"worker": worker})
-        delay = 4.0 if quick else 8.0
+        delay = 3.0 if quick else 8.0
         pks = start_tasks(agent, streams, events, interval, delay, spread=interval)
         expected = streams * (events + 1)
 
@@ -345,13 +345,13 @@ def p1(db: str, quick: bool) -> list[Row]:
 
 
 def p6(db: str, quick: bool) -> list[Row]:
-    browsers, events, interval = (20, 6, 0.5) if quick else (200, 40, 0.5)
+    browsers, events, interval = (20, 4, 0.3) if quick else (200, 40, 0.5)
     with stack() as s:
         s.start_agent()
         s.start_web()
         s.start_worker()
         agent, cookie = register(s)
-        delay = 5.0 if quick else 10.0
+        delay = 3.0 if quick else 10.0
         (pk,) = start_tasks(agent, 1, events, interval, delay, spread=0)
         expected = browsers * (events + 1)
         daphne = next(p for p in s.procs.started if p.name == "daphne")
@@ -386,13 +386,29 @@ def p6(db: str, quick: bool) -> list[Row]:
 # P7 -----------------------------------------------------------------------------------------
 
 
+TUNED_RECOVERY = {"WATCH_LEASE_SECONDS": "6", "RECONCILE_EVERY_SECONDS": "2"}
+
+
 def p7(db: str, quick: bool) -> list[Row]:
+    """Measured with the shipped defaults and with a shorter lease and reconcile period.
+
+    Recovery time is bounded by the lease (it must expire) plus the reconciler's
+    period, so the defaults decide the figure; the second run shows what meets the goal.
+    """
     from django.conf import settings
 
+    if quick:
+        return [_p7(db, 3, {"WATCH_LEASE_SECONDS": "2", "RECONCILE_EVERY_SECONDS": "1"}, "short lease (quick)")]
+    defaults = {"WATCH_LEASE_SECONDS": f"{settings.WATCH_LEASE_SECONDS:g}",
+                "RECONCILE_EVERY_SECONDS": f"{settings.RECONCILE_EVERY_SECONDS:g}"}  # fmt: skip
+    return [_p7(db, 50, defaults, "shipped defaults"), _p7(db, 50, TUNED_RECOVERY, "lease 6 s, reconcile 2 s")]
+
+
+def _p7(db: str, streams: int, tuning: dict[str, str], label: str) -> Row:
     from tasks_app.models import RemoteTask
 
-    streams = 5 if quick else 50
-    with stack() as s:
+    lease, every = float(tuning["WATCH_LEASE_SECONDS"]), float(tuning["RECONCILE_EVERY_SECONDS"])
+    with stack(tuning) as s:
         s.start_agent()
         first = s.start_worker("worker-a")
         agent, _ = register(s)
@@ -414,7 +430,7 @@ def p7(db: str, quick: bool) -> list[Row]:
         first.signal(signal.SIGKILL)
         killed = time.monotonic()
         held_at: dict[int, float] = {}
-        limit = settings.WATCH_LEASE_SECONDS + settings.RECONCILE_EVERY_SECONDS + 30
+        limit = lease + every + 30
         while len(held_at) < streams and time.monotonic() - killed < limit:
             rows = RemoteTask.objects.filter(pk__in=pks, lease_owner=owner_b).values_list("pk", "last_seq")
             for pk, seq in rows:
@@ -424,17 +440,16 @@ def p7(db: str, quick: bool) -> list[Row]:
     times = sorted(held_at.values())
     worst = times[-1] if len(times) == streams else float("inf")
     ok = worst <= 10
-    return [Row(
-        "P7", f"worker SIGKILLed holding {streams} streams: time until every stream is held again",
+    return Row(
+        "P7", f"worker SIGKILLed holding {streams} streams: every stream held again ({label})",
         f"{len(times)}/{streams} held again, max {worst:.1f} s" if times else f"0/{streams} held again",
         "every stream within 10 s", ok, db=db,
         note=(f"worker A held every stream (SubscribeToTask after the send) when SIGKILLed; worker B and celery "
               f"beat were running; 'held again' = lease owned by B and a new event recorded. median "
-              f"{pct(times, 0.5):.1f} s. Settings: WATCH_LEASE_SECONDS={settings.WATCH_LEASE_SECONDS:g}, "
-              f"RECONCILE_EVERY_SECONDS={settings.RECONCILE_EVERY_SECONDS:g} (the lease must expire before the "
-              f"reconciler re-dispatches)."),
-        extra={"held": len(times), "streams": streams, "max": worst, "median": pct(times, 0.5)},
-    )]  # fmt: skip
+              f"{pct(times, 0.5):.1f} s. Settings: WATCH_LEASE_SECONDS={lease:g}, RECONCILE_EVERY_SECONDS={every:g} "
+              f"(the lease must expire, then the next reconcile re-dispatches)."),
+        extra={"held": len(times), "streams": streams, "max": worst, "median": pct(times, 0.5), "lease": lease},
+    )  # fmt: skip
 
 
 # P2 -----------------------------------------------------------------------------------------
@@ -475,7 +490,7 @@ def p2(db: str, quick: bool) -> list[Row]:
 
     from tasks_app.models import RemoteTask, TaskEvent
 
-    streams, events, interval = (30, 3, 2.0) if quick else (1000, 6, 10.0)
+    streams, events, interval = (20, 2, 1.0) if quick else (1000, 6, 10.0)
     with stack() as s:
         s.start_agent()
         worker = s.start_worker()
@@ -483,7 +498,7 @@ def p2(db: str, quick: bool) -> list[Row]:
         sampler = Sampler({"worker": worker})
         got = Received()
         stop = asyncio.Event()
-        delay = 5.0 if quick else 30.0
+        delay = 3.0 if quick else 30.0
         t0 = time.monotonic()
         pks: list[int] = []
 

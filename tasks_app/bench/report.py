@@ -8,6 +8,7 @@ upper bounds, some ratios, some counts), so the table never re-interprets them.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import platform
 import sys
@@ -130,5 +131,18 @@ Floors are measured in the same run, on the same machine, at the same time.
 {notes(rows)}
 
 {analysis}
+{ROWS_MARK}{json.dumps([r.to_json() for r in rows], default=str)} -->
 """
     path.write_text(text)
+
+
+ROWS_MARK = "<!-- bench rows: "
+
+
+def rows_from_docs(path: Path) -> tuple[list[Row], str]:
+    """The rows and command embedded in a docs page written earlier (to re-render its text)."""
+    text = path.read_text()
+    start = text.index(ROWS_MARK) + len(ROWS_MARK)
+    rows = [Row.from_json(d) for d in json.loads(text[start : text.index(" -->", start)])]
+    command = next((line.split("`")[1] for line in text.splitlines() if line.startswith("| command |")), "")
+    return rows, command

