@@ -1,7 +1,8 @@
 """The dashboard in headless Chromium against the real stack.
 
 A live daphne server and a real Celery worker run as subprocesses on a private
-SQLite file, a private Redis database number and a private Celery queue; the
+SQLite file (migrated here, so the module needs no pytest-django database), the
+session's Redis database (``redis_url`` from ``tests.infra``) and a private Celery queue; the
 demo A2A agent is the real peer (``tests.agents``). The test process reads the
 log straight from the SQLite file to compare it with what the page shows.
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import re
 import sqlite3
 import subprocess
@@ -56,13 +56,13 @@ class Stack:
         return self.query("SELECT state FROM tasks_app_remotetask WHERE id=?", task_pk)[0][0]
 
 
-def _env(tmp: Path) -> dict[str, str]:
+def _env(tmp: Path, redis_url: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         DJANGO_SETTINGS_MODULE="dashboard.settings",
         DATABASE_URL=f"sqlite:///{tmp / 'ui.sqlite3'}",
         DATA_DIR=str(tmp),
-        REDIS_URL=f"redis://127.0.0.1:6379/{random.randint(5, 15)}",
+        REDIS_URL=redis_url,  # the session's own Redis database (tests.infra)
         CELERY_QUEUE=f"uitest-{uuid.uuid4().hex[:8]}",
         ALLOWED_HOSTS="127.0.0.1,localhost",
         WATCH_LEASE_SECONDS="10",
@@ -76,9 +76,9 @@ def _env(tmp: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory) -> Iterator[Stack]:
+def stack(tmp_path_factory, redis_url) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("ui")
-    env = _env(tmp)
+    env = _env(tmp, redis_url)
     py = sys.executable
     subprocess.run([py, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=REPO_ROOT, env=env, check=True)
     subprocess.run(
@@ -307,10 +307,10 @@ def test_task_list_is_live_and_filters(context, page, stack, demo_agent_pk):
     page.wait_for_selector(f"#task-row-{pk} .badge:text-is('completed')")
     other.close()
     # Filter by state through the form: kept in the URL.
-    page.select_option("#id_state", "TASK_STATE_CANCELED")
-    page.wait_for_url(re.compile(r"state=TASK_STATE_CANCELED"))
+    page.select_option("#id_state", "TASK_STATE_COMPLETED")
+    page.wait_for_url(re.compile(r"state=TASK_STATE_COMPLETED"))
     badges = page.eval_on_selector_all("#task-rows .badge", "bs => bs.map(b => b.textContent)")
-    assert badges and set(badges) == {"canceled"}
+    assert badges and set(badges) == {"completed"}
     page.goto("/tasks/?q=live-list-check")
     assert page.locator("#task-rows tr[data-task]").count() == 1
     page.goto("/tasks/")
