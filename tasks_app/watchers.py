@@ -301,6 +301,10 @@ class Holder:
                 # An answer the agent refused (or never got): say so; a person may answer again.
                 await eventloop.db(task_services.clear_outbox, self.task_pk, message_id)
                 await self._system("answer-failed", str(exc))
+            elif isinstance(exc, TransportError):
+                # The stream broke after the agent named the task: back off, then resubscribe.
+                self.failures = 1
+                await self._system("stream-dropped", str(exc))
             self.state = refreshed.state if refreshed else self.state
             self.remote_id = refreshed.remote_id if refreshed else self.remote_id
             return None
@@ -316,6 +320,8 @@ class Holder:
         if refreshed.phase != RemoteTask.Phase.TASK or not self.remote_id:
             return Turn(Status.IDLE, "no task to follow")
         interval = settings.WATCH_POLL_MIN_SECONDS
+        if self.failures:
+            await self._sleep(backoff(self.failures))
         while True:
             ended = self._ended()
             if ended is not None:
@@ -334,7 +340,9 @@ class Holder:
                             streaming = False
                         continue
                     if self._ended() is None:
-                        await self._poll_once(client)  # a closed stream proves nothing
+                        # A stream that closed while the task goes on proves nothing:
+                        # GetTask, and say so if it shows what the stream did not.
+                        await self._poll_once(client, gap_check=True)
                     self.failures = 0
                 else:
                     await self._status(Status.POLLING)
@@ -350,6 +358,8 @@ class Holder:
                 return Turn(Status.LOST, "the agent no longer knows this task", hold_off=LOST_HOLD_OFF_SECONDS)
             except TransportError as exc:
                 self.failures += 1
+                if self.failures == 1:  # the first of a series, not every retry
+                    await self._system("stream-dropped" if streaming else "poll-failed", str(exc))
                 if isinstance(exc, ConnectError):
                     await eventloop.db(agent_services.mark_unreachable, agent_id, str(exc))
                 await self._status(Status.RECONNECTING, f"{exc} (attempt {self.failures})")
@@ -364,9 +374,9 @@ class Holder:
             if self.failures:
                 await self._sleep(backoff(self.failures))
 
-    async def _poll_once(self, client: A2AClient) -> bool:
+    async def _poll_once(self, client: A2AClient, *, gap_check: bool = False) -> bool:
         snapshot = await client.get_task(self.remote_id)
-        result = await eventloop.db(record, self.task_pk, {"task": snapshot}, "poll")
+        result = await eventloop.db(record, self.task_pk, {"task": snapshot}, "poll", gap_check=gap_check)
         self.state = result.state
         return not result.duplicate
 

@@ -33,6 +33,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from tasks_app import relay
+from tasks_app.a2a import normalize
 from tasks_app.models import (
     INTERRUPTED_STATES,
     TERMINAL_STATES,
@@ -114,7 +115,20 @@ def parse_entry(obj: Any) -> Entry:
     problem = _check(kind, payload)
     if problem:
         return Entry("protocol-error", None, obj, f"{kind}: {problem}")
-    return Entry(kind, payload, obj)
+    return Entry(kind, _normalized(kind, payload), obj)
+
+
+def _normalized(kind: str, payload: dict) -> dict:
+    """The payload without default-valued optional fields (the log keeps it as it came)."""
+    if kind == "task":
+        return normalize.task(payload)
+    if kind == "statusUpdate":
+        return {**payload, "status": normalize.status(payload["status"])}
+    if kind == "artifactUpdate":
+        return {**payload, "artifact": normalize.artifact(payload["artifact"])}
+    if kind == "message":
+        return normalize.message(payload)
+    return payload
 
 
 def _check(kind: str, payload: dict) -> str:
@@ -205,9 +219,10 @@ class _Row:
 class _Fold:
     """Folds entries into an in-memory copy of the snapshot, then writes it."""
 
-    def __init__(self, task: RemoteTask, channel: str) -> None:
+    def __init__(self, task: RemoteTask, channel: str, *, gap_check: bool) -> None:
         self.task = task
         self.channel = channel
+        self.gap_check = gap_check
         self.changes: dict[str, Any] = {}
         self.rows: list[_Row] = []
         self._artifacts: dict[str, Artifact] | None = None
@@ -295,14 +310,14 @@ class _Fold:
         new_messages = self.unknown_messages(candidates)
         if status_same and artifacts_same and not new_messages and self.get("remote_id"):
             return  # a snapshot equal to the view: nothing new
-        if self.channel == "resubscribe" and self.get("remote_id") and not (status_same and artifacts_same):
+        if self.gap_check and self.get("remote_id") and not (status_same and artifacts_same):
             missed = []
             if not status_same:
                 missed.append(f"state {self.get('state') or 'unknown'} -> {status['state']}")
             if not artifacts_same:
                 missed.append("artifacts changed")
             gap = Entry("gap", None, {"gap": {"missed": missed}})
-            self.rows.append(_Row(gap, "gap", "resubscribed; events in between were not replayed: " + ", ".join(missed)))
+            self.rows.append(_Row(gap, "gap", "the stream broke; events in between were not replayed: " + ", ".join(missed)))
         self._adopt(task["id"], task.get("contextId"))
         self._set_status(status)
         if isinstance(task.get("metadata"), dict):
@@ -504,9 +519,10 @@ def record(
     channel: str,
     *,
     actor_id: int | None = None,
+    gap_check: bool | None = None,
 ) -> Recorded:
     """Record one object learned about ``task`` through ``channel``."""
-    return record_many(task, [obj], channel, actor_id=actor_id)
+    return record_many(task, [obj], channel, actor_id=actor_id, gap_check=gap_check)
 
 
 def record_many(
@@ -515,8 +531,16 @@ def record_many(
     channel: str,
     *,
     actor_id: int | None = None,
+    gap_check: bool | None = None,
 ) -> Recorded:
-    """Record several objects, in order, in one transaction (cheaper for fast streams)."""
+    """Record several objects, in order, in one transaction (cheaper for fast streams).
+
+    ``gap_check``: a snapshot that differs from the mirror means events were
+    missed (true by default on the ``resubscribe`` channel; watchers also set
+    it for the GetTask that follows a stream which closed too early).
+    """
+    if gap_check is None:
+        gap_check = channel == "resubscribe"
     task_pk = task if isinstance(task, int) else task.pk
     entries = [parse_entry(obj) for obj in objs]
     for _attempt in range(MAX_RETRIES):
@@ -524,7 +548,7 @@ def record_many(
             current = RemoteTask.objects.filter(pk=task_pk).first()
             if current is None:
                 raise RecordError(f"task {task_pk} does not exist")
-            fold = _Fold(current, channel)
+            fold = _Fold(current, channel, gap_check=gap_check)
             for entry in entries:
                 fold.add(entry)
             if not fold.rows:

@@ -133,10 +133,11 @@ def cancel_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = No
     if not task.remote_id:
         raise TaskActionError("The agent has not named this task yet; there is nothing to cancel.")
     client_metadata = {"reason": reason} if reason else None
+    agent = task.agent
     record(task, {"operator": {"action": "cancel", "reason": reason}}, "operator", actor_id=actor_id)
     try:
         result = outbound.run(
-            lambda http: outbound.client_for(task.agent, http).cancel_task(task.remote_id, metadata=client_metadata)
+            lambda http: outbound.client_for(agent, http).cancel_task(task.remote_id, metadata=client_metadata)
         )
     except TaskNotCancelableError as exc:
         task.refresh_from_db()
@@ -160,8 +161,9 @@ def refresh_task(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask
     """GetTask now and record what it says."""
     if not task.remote_id:
         raise TaskActionError("The agent has not named this task yet.")
+    agent = task.agent
     try:
-        result = outbound.run(lambda http: outbound.client_for(task.agent, http).get_task(task.remote_id))
+        result = outbound.run(lambda http: outbound.client_for(agent, http).get_task(task.remote_id))
     except A2AError as exc:
         raise TaskActionError(f"Refresh failed: {exc}") from exc
     record(task, {"task": result}, "poll", actor_id=actor_id)

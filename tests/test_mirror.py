@@ -1,0 +1,226 @@
+"""The mirror against real parts: a Celery worker process, Redis, and a2a-sdk agents.
+
+Each scenario ends with the mirror equal to the agent's own GetTask (state,
+status message, artifacts byte for byte).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+
+from tasks_app.a2a import A2AClient
+from tasks_app.models import Agent, RemoteTask, TaskEvent
+from tasks_app.outbound import client_for, http_client
+from tasks_app.services import tasks as task_services
+from tasks_app.services.agents import add_agent
+from tasks_app.services.snapshot import task_view
+from tasks_app.watchers import reconcile
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+SETTLED = ("TASK_STATE_COMPLETED", "TASK_STATE_FAILED", "TASK_STATE_CANCELED", "TASK_STATE_REJECTED")
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def settled(task: RemoteTask, states: tuple[str, ...] = SETTLED) -> bool:
+    task.refresh_from_db()
+    return task.phase in ("message", "failed") or task.state in states
+
+
+def agent_call(agent: Agent, call: Callable[[A2AClient], object]) -> object:
+    async def run() -> object:
+        async with http_client() as http:
+            return await call(client_for(agent, http))  # type: ignore[misc]
+
+    return asyncio.run(run())
+
+
+def assert_converged(task: RemoteTask) -> None:
+    """The mirror equals the agent's GetTask: state, status message, artifacts byte for byte."""
+    task.refresh_from_db()
+    remote = agent_call(task.agent, lambda c: c.get_task(task.remote_id))
+    mirror = task_view(task)
+    assert mirror["status"]["state"] == remote["status"]["state"]
+    assert mirror["status"].get("message") == remote["status"].get("message")
+    assert mirror.get("artifacts", []) == remote.get("artifacts", [])
+
+
+def log_kinds(task: RemoteTask) -> list[str]:
+    return list(TaskEvent.objects.filter(task=task).order_by("seq").values_list("kind", flat=True))
+
+
+def assert_log_is_gapless(task: RemoteTask) -> None:
+    seqs = list(TaskEvent.objects.filter(task=task).order_by("seq").values_list("seq", flat=True))
+    task.refresh_from_db()
+    assert seqs == list(range(1, task.last_seq + 1))
+
+
+@pytest.fixture
+def demo(agent, celery_worker) -> Agent:
+    return add_agent(agent.base_url, name="demo")
+
+
+SCENARIOS = [
+    ("quick", "TASK_STATE_COMPLETED"),
+    ("slow 4 0.05", "TASK_STATE_COMPLETED"),
+    ("data", "TASK_STATE_COMPLETED"),
+    ("fail", "TASK_STATE_FAILED"),
+    ("reject", "TASK_STATE_REJECTED"),
+    ("auth 0.5", "TASK_STATE_COMPLETED"),
+]
+
+
+@pytest.mark.parametrize("mode", ["stream", "return-immediately", "blocking"])
+@pytest.mark.parametrize(("text", "final"), SCENARIOS)
+def test_scenario_converges_in_every_mode(demo, mode, text, final):
+    task = task_services.start_task(demo, text, mode=mode)
+    wait_for(lambda: settled(task), what=f"{text!r} in {mode} to settle")
+    assert task.phase == "task", task.send_error
+    assert task.state == final
+    assert_converged(task)
+    assert_log_is_gapless(task)
+
+
+@pytest.mark.parametrize("mode", ["stream", "return-immediately", "blocking"])
+def test_plain_message_reply_is_recorded_without_a_task(demo, mode):
+    task = task_services.start_task(demo, "hello there", mode=mode)
+    wait_for(lambda: settled(task), what="the reply")
+    assert (task.phase, task.remote_id) == ("message", "")
+    assert log_kinds(task) == ["operator", "message"]
+    texts = [m.message["parts"][0].get("text") for m in task.messages.order_by("seq")]
+    assert texts[0] == "hello there" and len(texts) == 2
+
+
+@pytest.mark.parametrize("mode", ["stream", "return-immediately", "blocking"])
+def test_question_answered_on_the_same_task(demo, mode):
+    task = task_services.start_task(demo, "ask", mode=mode)
+    wait_for(lambda: settled(task, ("TASK_STATE_INPUT_REQUIRED",)), what="the question")
+    assert task.state == "TASK_STATE_INPUT_REQUIRED"
+    assert_converged(task)
+    remote_id = task.remote_id
+    task_services.answer_task(task, "blue")
+    with pytest.raises(task_services.TaskActionError):
+        task_services.answer_task(task, "a second operator")  # exactly one answer wins
+    wait_for(lambda: settled(task), what="completion after the answer")
+    assert (task.remote_id, task.state) == (remote_id, "TASK_STATE_COMPLETED")
+    assert_converged(task)
+    assert "You answered: blue" in str(task_view(task)["artifacts"])
+
+
+@pytest.mark.parametrize("mode", ["stream", "return-immediately"])
+def test_long_task_canceled(demo, mode):
+    task = task_services.start_task(demo, "long 60", mode=mode)
+    wait_for(lambda: settled(task, ("TASK_STATE_WORKING",)), what="work to start")
+    task_services.cancel_task(task, reason="test")
+    wait_for(lambda: settled(task), what="cancel")
+    assert task.state == "TASK_STATE_CANCELED"
+    assert_converged(task)
+    done = task_services.start_task(demo, "quick", mode="blocking")
+    wait_for(lambda: settled(done), what="a quick task")
+    with pytest.raises(task_services.TaskActionError, match=r"will not cancel .*-32002"):
+        task_services.cancel_task(done)
+
+
+def test_auto_mode_polls_an_agent_without_streaming(agent_nostream, celery_worker):
+    demo = add_agent(agent_nostream.base_url, name="no stream")
+    task = task_services.start_task(demo, "slow 3 0.1", from_browser=True)
+    assert task.mode == "return-immediately" and task.watch == "poll"
+    wait_for(lambda: settled(task), what="the polled task")
+    assert task.state == "TASK_STATE_COMPLETED"
+    assert_converged(task)
+    assert "poll" in set(TaskEvent.objects.filter(task=task).values_list("channel", flat=True))
+
+
+def test_import_mirrors_tasks_started_elsewhere(agent, celery_worker):
+    demo = add_agent(agent.base_url, name="demo")
+
+    async def start_elsewhere() -> str:
+        async with http_client() as http:
+            client = client_for(demo, http)
+            from tasks_app.a2a import user_message
+
+            event = await client.send_message(user_message("quick"))
+            return event.payload["id"]
+
+    remote_id = asyncio.run(start_elsewhere())
+    result = task_services.import_tasks(demo)
+    assert result.seen >= 1
+    task = RemoteTask.objects.get(agent=demo, remote_id=remote_id)
+    assert task.state == "TASK_STATE_COMPLETED" and task.mode == "imported"
+    assert_converged(task)
+    again = task_services.import_tasks(demo)
+    assert again.created == 0
+
+
+def test_unreachable_agent_fails_the_send_visibly(celery_worker):
+    from tests.agents import free_port
+
+    port = free_port()
+    demo = Agent.objects.create(
+        name="gone", base_url=f"http://127.0.0.1:{port}", interface_url=f"http://127.0.0.1:{port}/jsonrpc",
+        binding="JSONRPC", protocol_version="1.0", streaming=True,
+    )  # fmt: skip
+    task = task_services.start_task(demo, "quick", mode="stream")
+    wait_for(lambda: settled(task), what="the failed send")
+    assert task.phase == "failed" and task.send_error
+    demo.refresh_from_db()
+    assert demo.reachable is False and demo.last_error
+    assert log_kinds(task) == ["operator", "system"]
+
+
+def test_connection_dropped_mid_stream_resubscribes_with_a_gap(agent, tcp_proxy, start_celery_worker):
+    start_celery_worker(WATCH_BACKOFF_BASE_SECONDS="1.5", WATCH_BACKOFF_MAX_SECONDS="2")
+    proxy = tcp_proxy("127.0.0.1", agent.port)
+    demo = add_agent(agent.base_url, name="via proxy")
+    Agent.objects.filter(pk=demo.pk).update(interface_url=f"{proxy.url}/jsonrpc")
+    demo.refresh_from_db()
+    task = task_services.start_task(demo, "slow 40 0.1", mode="stream")
+    wait_for(lambda: TaskEvent.objects.filter(task=task, kind="artifactUpdate").count() >= 3, what="chunks")
+    assert proxy.cut() > 0, proxy.connections
+    wait_for(lambda: settled(task), timeout=40, what="convergence after the cut")
+    assert task.state == "TASK_STATE_COMPLETED"
+    assert_converged(task)
+    # The drop is in the log, then what the agent did meanwhile (the backoff is
+    # at least 0.75 s while the agent emits every 0.1 s) as a gap.
+    kinds = log_kinds(task)
+    assert "system" in kinds and "gap" in kinds
+    assert kinds.index("system") < kinds.index("gap")
+    drop = TaskEvent.objects.get(task=task, kind="system")
+    assert drop.raw["system"]["event"] == "stream-dropped"
+    channels = set(TaskEvent.objects.filter(task=task).values_list("channel", flat=True))
+    assert {"resubscribe", "poll"} & channels
+    assert_log_is_gapless(task)
+
+
+def test_killed_worker_is_replaced_and_no_second_task_is_created(agent, start_celery_worker):
+    first = start_celery_worker(WATCH_LEASE_SECONDS="2")
+    demo = add_agent(agent.base_url, name="demo")
+
+    def remote_total() -> int:
+        listing = agent_call(demo, lambda c: c.list_tasks(page_size=1))
+        return int(listing.get("totalSize", 0))
+
+    before = remote_total()
+    task = task_services.start_task(demo, "slow 40 0.15", mode="stream")
+    wait_for(lambda: TaskEvent.objects.filter(task=task, kind="artifactUpdate").count() >= 3, what="chunks")
+    first.kill()
+    start_celery_worker(WATCH_LEASE_SECONDS="2")
+    # What celery beat does every few seconds: re-dispatch tasks whose lease expired.
+    wait_for(lambda: reconcile() >= 0 and settled(task), timeout=60, what="another worker to finish the watch")
+    assert task.state == "TASK_STATE_COMPLETED"
+    assert_converged(task)
+    assert remote_total() == before + 1
+    assert RemoteTask.objects.filter(agent=demo).count() == 1
+    assert_log_is_gapless(task)
