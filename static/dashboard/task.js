@@ -18,6 +18,7 @@
   const logBox = document.getElementById("event-log-box");
   const convBox = document.getElementById("conversation");
   const artifactsBox = document.getElementById("artifacts");
+  const MAX_ROWS = 2000;
 
   const state = {
     lastSeq: parseInt(page.dataset.pageSeq || "0", 10),
@@ -41,6 +42,8 @@
     pendingRows.forEach((tr) => frag.appendChild(tr));
     pendingRows = [];
     eventRows.appendChild(frag);
+    // Keep the DOM bounded on very long logs (the full log page has everything).
+    while (follow && eventRows.childElementCount > MAX_ROWS) eventRows.removeChild(eventRows.firstElementChild);
     if (follow) logBox.scrollTop = logBox.scrollHeight;
   }
   function td(text, cls) {
@@ -139,6 +142,10 @@
       artifactsBox.appendChild(block);
       document.getElementById("no-artifacts").hidden = true;
     }
+    dirtyArtifacts.add(id);
+    // The server's rendering shown may already include this chunk (it can be newer
+    // than the events received so far, e.g. while catching up after a reconnect).
+    if (ev.seq <= parseInt(block.dataset.seq || "0", 10)) return;
     const texts = (art.parts || []).filter((p) => p && typeof p.text === "string").map((p) => p.text);
     let chunks = pendingChunks.get(id) || [];
     if (!update.append) {
@@ -152,7 +159,6 @@
       pendingPre(block).textContent += texts.join("");
     }
     pendingChunks.set(id, chunks);
-    dirtyArtifacts.add(id);
   }
   function redrawArtifact(item) {
     const block = findArtifact(item.artifact_id);
