@@ -1,9 +1,8 @@
-from django.urls import path, re_path
+from django.urls import path
 
 from . import views
 
 urlpatterns = [
-    re_path(r"^static/(?P<path>.+)$", views.static_file, name="static-file"),
     path("", views.overview, name="overview"),
     path("agents/", views.agent_list, name="agent-list"),
     path("agents/add/", views.agent_add, name="agent-add"),

@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-import mimetypes
-import os
 from datetime import datetime
 from urllib.parse import urlencode
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.contrib.staticfiles import finders
-from django.core.exceptions import SuspiciousFileOperation
 from django.db.models import Count, Q
 from django.http import (
-    FileResponse,
     Http404,
     HttpRequest,
     HttpResponse,
@@ -659,27 +654,6 @@ def event_detail(request: HttpRequest, pk: int, seq: int) -> HttpResponse:
 
 
 @require_GET
-def static_file(request: HttpRequest, path: str) -> HttpResponse:
-    """Serve a static file (CSS, JS, admin assets) straight from the finders.
-
-    daphne serves no static files by itself and the project has no other static
-    server; these files are small and few. (A front proxy or WhiteNoise can take
-    this over; see the report in the README.)
-    """
-    try:
-        found = finders.find(path)
-    except SuspiciousFileOperation:
-        found = None
-    if not found or not os.path.isfile(found):
-        raise Http404("No such static file.")
-    content_type, encoding = mimetypes.guess_type(found)
-    response = FileResponse(open(found, "rb"), content_type=content_type or "application/octet-stream")  # noqa: SIM115
-    if encoding:
-        response["Content-Encoding"] = encoding
-    response["Cache-Control"] = "public, max-age=300"
-    return response
-
-
 def _attachment(part: dict, default_name: str) -> HttpResponse:
     content = decode_raw(part)
     if content is None:
