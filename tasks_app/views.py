@@ -653,7 +653,6 @@ def event_detail(request: HttpRequest, pk: int, seq: int) -> HttpResponse:
     )
 
 
-@require_GET
 def _attachment(part: dict, default_name: str) -> HttpResponse:
     content = decode_raw(part)
     if content is None:
