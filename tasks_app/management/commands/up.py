@@ -185,6 +185,8 @@ class Runner:
 
         if not redis_url:
             self._start_redis()
+            if self.stopping.is_set():
+                return self._shutdown(0)
         env = self._child_env()
         self._start_app(env)
         demo_url = self._start_demo(env) if self.demo else None
@@ -201,6 +203,9 @@ class Runner:
         return self._supervise()
 
     def _check_database(self) -> None:
+        if connection.vendor == "postgresql":
+            # Without it an unroutable host hangs for minutes instead of failing with a sentence.
+            connection.settings_dict.setdefault("OPTIONS", {}).setdefault("connect_timeout", 10)
         try:
             connection.ensure_connection()
         except Exception as exc:  # every driver has its own errors; all mean the same here
@@ -230,7 +235,9 @@ class Runner:
             15,
             abort=lambda: not child.alive() or self.stopping.is_set(),
         )
-        if not ready and not self.stopping.is_set():
+        if self.stopping.is_set():
+            return
+        if not ready:
             raise StartupError(f"The private Redis ({executable}) did not start on port {port}.")
         self.say(f"Started a private Redis at {url} (no persistence)")
         apply_redis_url(url)
