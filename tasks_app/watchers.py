@@ -208,6 +208,7 @@ class Holder:
         self.http = http
         self.state = ""
         self.remote_id = ""
+        self.agent_id = 0
         self.failures = 0
         self.loop = asyncio.get_running_loop()
         self.deadline = self.loop.time() + settings.WATCH_SLICE_SECONDS
@@ -239,9 +240,12 @@ class Holder:
         )
         if task is None:
             return Turn(Status.IDLE, "task deleted")
-        self.state, self.remote_id = task.state, task.remote_id
+        self.state, self.remote_id, self.agent_id = task.state, task.remote_id, task.agent_id
         client = outbound.client_for(
-            task.agent, self.http, stream_idle_timeout=settings.WATCH_STREAM_IDLE_SECONDS
+            task.agent,
+            self.http,
+            stream_idle_timeout=settings.WATCH_STREAM_IDLE_SECONDS,
+            max_event_bytes=settings.WATCH_MAX_EVENT_BYTES,
         )
         streaming = task.agent.streaming and task.watch == RemoteTask.Watch.STREAM
         try:
@@ -301,10 +305,15 @@ class Holder:
                 # An answer the agent refused (or never got): say so; a person may answer again.
                 await eventloop.db(task_services.clear_outbox, self.task_pk, message_id)
                 await self._system("answer-failed", str(exc))
-            elif isinstance(exc, TransportError):
-                # The stream broke after the agent named the task: back off, then resubscribe.
+            else:
+                # The stream broke after the agent named the task: log why, back off, resubscribe.
                 self.failures = 1
-                await self._system("stream-dropped", str(exc))
+                if isinstance(exc, TransportError):
+                    await self._system("stream-dropped", str(exc))
+                elif isinstance(exc, ProtocolError):
+                    await self._note_problem(str(exc))
+                else:
+                    await self._system("agent-error", str(exc))
             self.state = refreshed.state if refreshed else self.state
             self.remote_id = refreshed.remote_id if refreshed else self.remote_id
             return None
@@ -435,6 +444,8 @@ class Holder:
                         result = await eventloop.db(
                             record_many, self.task_pk, [e.raw for e in events_only], channel
                         )
+                    if first:
+                        await self._connected()
                     first = False
                     self.state = result.state
                     if not self.remote_id:
@@ -452,6 +463,13 @@ class Holder:
             await asyncio.gather(reader_task, return_exceptions=True)
 
     # -- small helpers
+    async def _connected(self) -> None:
+        """A stream delivered: the agent is reachable, and a reconnection succeeded."""
+        await eventloop.db(agent_services.mark_reachable, self.agent_id)
+        if self.failures:
+            self.failures = 0
+            await self._status(Status.STREAMING)
+
     def _check_slice(self) -> None:
         if self.loop.time() >= self.deadline:
             raise HandOver

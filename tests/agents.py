@@ -283,6 +283,26 @@ class TcpProxy:
         self._writers.clear()
         return n
 
+    def refuse(self) -> None:
+        """Stop listening: new connections are refused (an agent that is down)."""
+        assert self._lt is not None, "proxy not started"
+
+        async def _close() -> None:
+            if self._server is not None:
+                self._server.close()
+                self._server = None
+
+        self._lt.call(_close())
+
+    def accept(self) -> None:
+        """Listen again on the same port (the agent is back)."""
+        assert self._lt is not None, "proxy not started"
+
+        async def _open() -> None:
+            self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+
+        self._lt.call(_open())
+
     def cut(self) -> int:
         """Abort all current connections (both sides); returns how many sockets were cut."""
         assert self._lt is not None, "proxy not started"
