@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -226,13 +227,30 @@ class Received:
     latencies: list[float] = field(default_factory=list)
     seen: dict[Any, set[int]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    # The two legs, where the message says when the worker recorded it (received_at):
+    # agent emit -> recorded (transport + queue + record transaction), recorded -> here (relay).
+    to_record: list[float] = field(default_factory=list)
+    to_client: list[float] = field(default_factory=list)
 
-    def add(self, key: Any, emitted: float, i: int) -> None:
+    def add(self, key: Any, emitted: float, i: int, received_at: str = "") -> None:
         got = self.seen.setdefault(key, set())
         if i in got:
             return
         got.add(i)
-        self.latencies.append(time.time() - emitted)
+        now = time.time()
+        self.latencies.append(now - emitted)
+        if received_at:
+            with contextlib.suppress(ValueError):
+                recorded = datetime.fromisoformat(received_at).timestamp()
+                self.to_record.append(recorded - emitted)
+                self.to_client.append(now - recorded)
+
+    def legs(self) -> str:
+        """The latency split into its two legs, for the notes."""
+        if not self.to_record:
+            return ""
+        return (f"Legs: emit -> recorded p50 {ms(pct(self.to_record, 0.5))} / p99 {ms(pct(self.to_record, 0.99))}; "
+                f"recorded -> client p50 {ms(pct(self.to_client, 0.5))} / p99 {ms(pct(self.to_client, 0.99))}.")
 
     def count(self) -> int:
         return sum(len(v) for v in self.seen.values())
@@ -255,7 +273,7 @@ async def browser(port: int, cookie: str, task_pk: int, key: Any, into: Received
                 if message.get("type") == "event":
                     stamp = emitted_of(message.get("raw"))
                     if stamp:
-                        into.add(key, *stamp)
+                        into.add(key, *stamp, received_at=message.get("received_at") or "")
     except Exception as exc:
         if not stop.is_set():
             into.errors.append(f"{type(exc).__name__}: {exc}"[:200])
@@ -335,7 +353,8 @@ def p1(db: str, quick: bool) -> list[Row]:
               f"the streams, records, relays; daphne serves one websocket per task (?after=0). {len(lat)} "
               f"samples; p90 {ms(pct(lat, 0.9))}, max {ms(max(lat) if lat else float('nan'))}. Floor: a bare "
               f"httpx-sse SubscribeToTask client per task at the agent, same run, {len(floor)} samples. "
-              f"Worker CPU {sampler.cpu_mean('worker'):.0f}% mean, RSS peak {sampler.peak['worker']:.0f} MB."
+              f"Worker CPU {sampler.cpu_mean('worker'):.0f}% mean, RSS peak {sampler.peak['worker']:.0f} MB. "
+              + ws_got.legs()
               + (f" Client errors: {ws_got.errors[:3] + floor_got.errors[:3]}" if ws_got.errors or floor_got.errors else "")),
         extra={"p50": p50, "p99": p99, "floor_p50": f50, "lost": lost, "samples": len(lat), "floor_samples": len(floor)},
     )]  # fmt: skip
@@ -377,7 +396,7 @@ def p6(db: str, quick: bool) -> list[Row]:
         "every browser every event, p99 <= 250 ms", ok, db=db,
         note=(f"{events + 1} status updates relayed to the group task-<pk> with {browsers} websocket members "
               f"(one daphne process); {len(lat)} of {expected} (browser, event) pairs arrived; daphne CPU "
-              f"{sampler.cpu_mean('daphne'):.0f}% mean."
+              f"{sampler.cpu_mean('daphne'):.0f}% mean. " + got.legs()
               + (f" Client errors: {got.errors[:3]}" if got.errors else "")),
         extra={"complete": complete, "browsers": browsers, "p99": p99, "p50": pct(lat, 0.5)},
     )]  # fmt: skip
@@ -421,8 +440,12 @@ def _p7(db: str, streams: int, tuning: dict[str, str], label: str) -> Row:
         def events_flowing() -> bool:
             return all(n >= 3 for n in RemoteTask.objects.filter(pk__in=pks).values_list("last_seq", flat=True))
 
-        if not wait_until(lambda: held_by(owner_a) == streams and events_flowing(), 60):
-            raise RuntimeError(f"worker A holds {held_by(owner_a)}/{streams} streams after 60 s")
+        wait_until(lambda: held_by(owner_a) == streams and events_flowing(), 60)
+        held_pks = list(RemoteTask.objects.filter(pk__in=pks, lease_owner=owner_a).values_list("pk", flat=True))
+        if not held_pks:
+            raise RuntimeError(f"worker A holds none of the {streams} streams after 60 s")
+        short = streams - len(held_pks)
+        pks, streams = held_pks, len(held_pks)
         second = s.start_worker("worker-b")
         s.start_beat()
         owner_b = owner_of(second)
@@ -447,7 +470,8 @@ def _p7(db: str, streams: int, tuning: dict[str, str], label: str) -> Row:
         note=(f"worker A held every stream (SubscribeToTask after the send) when SIGKILLed; worker B and celery "
               f"beat were running; 'held again' = lease owned by B and a new event recorded. median "
               f"{pct(times, 0.5):.1f} s. Settings: WATCH_LEASE_SECONDS={lease:g}, RECONCILE_EVERY_SECONDS={every:g} "
-              f"(the lease must expire, then the next reconcile re-dispatches)."),
+              f"(the lease must expire, then the next reconcile re-dispatches)."
+              + (f" {short} stream(s) were not yet held by worker A after 60 s and are left out." if short else "")),
         extra={"held": len(times), "streams": streams, "max": worst, "median": pct(times, 0.5), "lease": lease},
     )  # fmt: skip
 
@@ -482,7 +506,7 @@ class RelayTap:
             if message.get("type") == "task.event":
                 stamp = emitted_of(message.get("raw"))
                 if stamp:
-                    self.into.add(message.get("task"), *stamp)
+                    self.into.add(message.get("task"), *stamp, received_at=message.get("received_at") or "")
 
 
 def p2(db: str, quick: bool) -> list[Row]:
@@ -514,6 +538,18 @@ def p2(db: str, quick: bool) -> list[Row]:
         sampler.stop()
         held_max = RemoteTask.objects.filter(pk__in=pks).exclude(lease_owner="").count()
         stats = httpx.get(s.agent_url + "/bench/stats", timeout=30).json()
+    not_started = ""
+    if len(stats) < streams:
+        from django.db.models import Count
+
+        shapes = list(RemoteTask.objects.filter(pk__in=pks, remote_id="").values("phase", "watcher_status")
+                      .annotate(n=Count("pk")).values_list("phase", "watcher_status", "n"))
+        why = list(RemoteTask.objects.filter(pk__in=pks, remote_id="").exclude(send_error="")
+                   .values_list("send_error", flat=True)[:2])
+        notes = list(RemoteTask.objects.filter(pk__in=pks, remote_id="").exclude(watcher_note="")
+                     .values_list("watcher_note", flat=True)[:2])
+        not_started = (f" {streams - len(stats)} tasks never reached the agent: (phase, watcher, n) {shapes}; "
+                       f"send errors {why}; watcher notes {notes}.")
     emitted = sum(v["emitted"] for v in stats.values())
     recorded = TaskEvent.objects.filter(task_id__in=pks, kind="statusUpdate").count()
     lost = emitted - recorded
@@ -528,6 +564,6 @@ def p2(db: str, quick: bool) -> list[Row]:
               f"{emitted} events emitted by the agent, {recorded} recorded; relay measured at the channel layer "
               f"(one channel joined to every task-<pk> group, agent emit -> arrival), {len(got.latencies)} "
               f"samples, p50 {ms(pct(got.latencies, 0.5))}; worker CPU {sampler.cpu_mean('worker'):.0f}% mean; "
-              f"{held_max} still leased at the end; run {setup:.0f} s."),
+              f"{held_max} still leased at the end; run {setup:.0f} s. " + got.legs() + not_started),
         extra={"streams": len(stats), "lost": lost, "rss_mb": peak, "p99": p99, "emitted": emitted},
     )]  # fmt: skip

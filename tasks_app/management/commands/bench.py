@@ -112,6 +112,8 @@ def _run_child(
                         note=f"the child exited with {child.returncode} after {time.monotonic() - started:.0f}s "
                              f"without a result: {tail}"))  # fmt: skip
     elif log:
+        for row in rows:
+            log(f"   {row.row} {row.db}: {row.value} [{row.verdict}]")
         log(f"   ({time.monotonic() - started:.0f}s)")
     if log and os.environ.get("BENCH_SHOW_STDERR"):
         log(err_path.read_text(errors="replace")[-3000:])
