@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import queue
 import re
@@ -27,7 +26,6 @@ from tests.infra import REPO_ROOT
 
 URL_LINE = re.compile(r"Dashboard running at (http://\S+)")
 # The demo agent is written separately; until it exists, --demo must say so clearly.
-HAVE_DEMO_AGENT = importlib.util.find_spec("tasks_app.demo_agent") is not None
 
 
 def up_env(data_dir: Path, **extra: str) -> dict[str, str]:
@@ -87,7 +85,7 @@ class Lines:
 @pytest.fixture
 def up_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Lines, Path]]:
     data_dir = tmp_path / "data"
-    demo = ["--demo"] if HAVE_DEMO_AGENT else []
+    demo = ["--demo"]
     process = subprocess.Popen(
         [sys.executable, "manage.py", "up", "--port", str(free_port()), *demo],
         cwd=REPO_ROOT,
@@ -119,10 +117,9 @@ def test_up_runs_everything_and_leaves_nothing_behind(up_process) -> None:
     assert stored.read_text().strip() == password
     assert stat.S_IMODE(stored.stat().st_mode) == 0o600
 
-    if HAVE_DEMO_AGENT:
-        assert any(
-            line.startswith("Demo agent running at") and "registered" in line for line in lines.seen
-        ), "\n".join(lines.seen)
+    assert any(
+        line.startswith("Demo agent running at") and "registered" in line for line in lines.seen
+    ), "\n".join(lines.seen)
 
     response = httpx.get(f"{url}/healthz", timeout=10)
     assert response.status_code == 200, response.text
@@ -130,8 +127,7 @@ def test_up_runs_everything_and_leaves_nothing_behind(up_process) -> None:
 
     descendants = psutil.Process(process.pid).children(recursive=True)
     names = " ".join(" ".join(p.cmdline()) for p in descendants)
-    expected = ["redis-server", "worker", "beat", "daphne"]
-    for part in expected + (["tasks_app.demo_agent"] if HAVE_DEMO_AGENT else []):
+    for part in ["redis-server", "worker", "beat", "daphne", "tasks_app.demo_agent"]:
         assert part in names, names
 
     process.send_signal(signal.SIGINT)
@@ -189,13 +185,6 @@ def test_production_without_settings_is_one_line(tmp_path: Path) -> None:
     assert result.stderr.strip().splitlines() == [
         "Configuration error: SECRET_KEY must be set when DASHBOARD_PRODUCTION is on."
     ]
-
-
-@pytest.mark.skipif(HAVE_DEMO_AGENT, reason="the demo agent exists (the full run uses --demo)")
-def test_demo_without_the_demo_agent_says_so(tmp_path: Path) -> None:
-    result = run_up(["--port", str(free_port()), "--demo"], up_env(tmp_path))
-    assert result.returncode == 1
-    assert "--demo needs the demo agent" in result.stderr
 
 
 @pytest.mark.django_db

@@ -523,33 +523,41 @@ def test_admin_lists_the_mirror(client, django_user_model, rich_task):
     assert "credentials_encrypted" not in client.get(f"/admin/tasks_app/agent/{rich_task.agent_id}/change/").content.decode()
 
 
-@pytest.mark.slow
-def test_task_list_stays_fast_with_100k_tasks(client_in, demo_agent_row):
-    import time
+# Both backends take %s parameters here, so a literal % is written %%.
+STATE_CASE = """CASE i %% 4 WHEN 0 THEN 'TASK_STATE_COMPLETED' WHEN 1 THEN 'TASK_STATE_WORKING'
+                   WHEN 2 THEN 'TASK_STATE_FAILED' ELSE 'TASK_STATE_INPUT_REQUIRED' END"""
+COLUMNS = """remote_id, context_id, title, phase, mode, state, metadata, request, send_error,
+             watch, watcher_status, watcher_note, lease_token, lease_owner, last_seq,
+             created_at, updated_at, agent_id"""
+BULK_TASKS_SQL = {
+    # 100,000 rows in one statement (Django's bulk_create would take half a minute).
+    "sqlite": f"""
+        WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < 99999)
+        INSERT INTO tasks_app_remotetask ({COLUMNS})
+        SELECT '', '', 'bulk ' || i, 'task', 'auto', {STATE_CASE},
+            '{{}}', '{{}}', '', 'none', 'idle', '', '', '', 0,
+            strftime('%%Y-%%m-%%d %%H:%%M:%%S', 'now', '-' || i || ' seconds') || '.000000',
+            strftime('%%Y-%%m-%%d %%H:%%M:%%S', 'now', '-' || i || ' seconds') || '.000000',
+            CASE i %% 2 WHEN 1 THEN %s ELSE %s END
+        FROM n""",
+    "postgresql": f"""
+        INSERT INTO tasks_app_remotetask ({COLUMNS})
+        SELECT '', '', 'bulk ' || i, 'task', 'auto', {STATE_CASE},
+            '{{}}', '{{}}', '', 'none', 'idle', '', '', '', 0,
+            now() - i * interval '1 second', now() - i * interval '1 second',
+            CASE i %% 2 WHEN 1 THEN %s ELSE %s END
+        FROM generate_series(0, 99999) AS i""",
+}
 
+
+@pytest.mark.slow
+def test_task_list_pages_through_100k_tasks(client_in, demo_agent_row):
+    """Keyset pages and a bounded count over a large table (speed itself: see the P5 benchmark)."""
     from django.db import connection
 
     other = Agent.objects.create(name="other", base_url="http://127.0.0.1:8/")
-    # 100,000 rows in one statement (Django's bulk_create would take half a minute).
     with connection.cursor() as cursor:
-        cursor.execute(
-            """
-            WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < 99999)
-            INSERT INTO tasks_app_remotetask (
-                remote_id, context_id, title, phase, mode, state, metadata, request, send_error,
-                watch, watcher_status, watcher_note, lease_token, lease_owner, last_seq,
-                created_at, updated_at, agent_id)
-            SELECT '', '', 'bulk ' || i, 'task', 'auto',
-                CASE i % 4 WHEN 0 THEN 'TASK_STATE_COMPLETED' WHEN 1 THEN 'TASK_STATE_WORKING'
-                           WHEN 2 THEN 'TASK_STATE_FAILED' ELSE 'TASK_STATE_INPUT_REQUIRED' END,
-                '{}', '{}', '', 'none', 'idle', '', '', '', 0,
-                strftime('%Y-%m-%d %H:%M:%S', 'now', '-' || i || ' seconds') || '.000000',
-                strftime('%Y-%m-%d %H:%M:%S', 'now', '-' || i || ' seconds') || '.000000',
-                CASE i % 2 WHEN 1 THEN %s ELSE %s END
-            FROM n
-            """,
-            [demo_agent_row.pk, other.pk],
-        )
+        cursor.execute(BULK_TASKS_SQL[connection.vendor], [demo_agent_row.pk, other.pk])
     assert RemoteTask.objects.count() == 100_000
     urls = [
         "/tasks/",
@@ -558,18 +566,10 @@ def test_task_list_stays_fast_with_100k_tasks(client_in, demo_agent_row):
         "/tasks/?sort=created",
     ]
     for url in urls:
-        client_in.get(url)  # warm caches
-        started = time.perf_counter()
         html = client_in.get(url).content.decode()
-        elapsed = time.perf_counter() - started
         assert "More than 1000 tasks match" in html
-        assert elapsed < 0.5, (url, elapsed)
         next_url = re.search(r'href="(\?[^"]*cursor=[^"]+)" id="next-page"', html).group(1).replace("&amp;", "&")
-        started = time.perf_counter()
         page2 = client_in.get("/tasks/" + next_url).content.decode()
-        assert time.perf_counter() - started < 0.5, (url, "page 2")
         if url == "/tasks/":
             assert re.findall(r">bulk (\d+)<", page2)[:2] == ["50", "51"]
-    started = time.perf_counter()
-    client_in.get("/")
-    assert time.perf_counter() - started < 1.5  # the overview groups over the index
+    assert client_in.get("/").status_code == 200

@@ -22,6 +22,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -54,7 +56,7 @@ KNOWN_STATES = {
     *INTERRUPTED_STATES,
     *TERMINAL_STATES,
 }
-MAX_RETRIES = 20
+MAX_RETRIES = 100
 
 
 class RecordError(Exception):
@@ -543,34 +545,45 @@ def record_many(
         gap_check = channel == "resubscribe"
     task_pk = task if isinstance(task, int) else task.pk
     entries = [parse_entry(obj) for obj in objs]
-    for _attempt in range(MAX_RETRIES):
-        with transaction.atomic():
-            current = RemoteTask.objects.filter(pk=task_pk).first()
-            if current is None:
-                raise RecordError(f"task {task_pk} does not exist")
-            fold = _Fold(current, channel, gap_check=gap_check)
-            for entry in entries:
-                fold.add(entry)
-            if not fold.rows:
-                return Recorded(state=current.state)
-            now = timezone.now()
-            first_seq = current.last_seq + 1
-            last_seq = current.last_seq + len(fold.rows)
-            changes = dict(fold.changes, last_seq=last_seq, last_event_at=now, updated_at=now)
-            won = RemoteTask.objects.filter(pk=task_pk, last_seq=current.last_seq).update(**changes)
-            if not won:
-                continue  # another writer appended first: fold again on its result
-            for name, value in changes.items():
-                setattr(current, name, value)
-            events = fold.write_rows(first_seq, now, actor_id)
-            messages = _relay_messages(current, events)
-            transaction.on_commit(lambda messages=messages: relay.publish(messages))
-            return Recorded(
-                seqs=[e.seq for e in events],
-                state=current.state,
-                notes=[e.note for e in events if e.note],
-            )
+    for attempt in range(MAX_RETRIES):
+        recorded = _record_once(task_pk, entries, channel, gap_check, actor_id)
+        if recorded is not None:
+            return recorded
+        # Another writer appended first: fold again on its result, after a short
+        # random pause so that the same writers do not collide again and again.
+        time.sleep(random.uniform(0, 0.001 * min(attempt + 1, 20)))
     raise RecordError(f"task {task_pk}: gave up after {MAX_RETRIES} concurrent updates")
+
+
+def _record_once(
+    task_pk: int, entries: list[Entry], channel: str, gap_check: bool, actor_id: int | None
+) -> Recorded | None:
+    """One try: fold and append in one transaction; None when another writer won the race."""
+    with transaction.atomic():
+        current = RemoteTask.objects.filter(pk=task_pk).first()
+        if current is None:
+            raise RecordError(f"task {task_pk} does not exist")
+        fold = _Fold(current, channel, gap_check=gap_check)
+        for entry in entries:
+            fold.add(entry)
+        if not fold.rows:
+            return Recorded(state=current.state)
+        now = timezone.now()
+        first_seq = current.last_seq + 1
+        changes = dict(
+            fold.changes, last_seq=current.last_seq + len(fold.rows), last_event_at=now, updated_at=now
+        )
+        # Compare-and-set: matches no row if someone appended since we read.
+        if not RemoteTask.objects.filter(pk=task_pk, last_seq=current.last_seq).update(**changes):
+            return None
+        for name, value in changes.items():
+            setattr(current, name, value)
+        events = fold.write_rows(first_seq, now, actor_id)
+        messages = _relay_messages(current, events)
+        transaction.on_commit(lambda: relay.publish(messages))
+        return Recorded(
+            seqs=[e.seq for e in events], state=current.state, notes=[e.note for e in events if e.note]
+        )
 
 
 RELAY_RAW_LIMIT = 64 * 1024
