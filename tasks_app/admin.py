@@ -4,6 +4,7 @@ Credentials are never shown (the encrypted field is excluded).
 """
 
 from django.contrib import admin
+from django.db import models
 
 from tasks_app.models import (
     Agent,
@@ -21,6 +22,7 @@ class AgentAdmin(admin.ModelAdmin):
     list_display = ("name", "base_url", "binding", "streaming", "push", "reachable", "card_fetched_at")
     search_fields = ("name", "base_url")
     exclude = ("credentials_encrypted",)
+    formfield_overrides = {models.URLField: {"assume_scheme": "https"}}
 
 
 @admin.register(RemoteTask)

@@ -29,6 +29,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from tasks_app.models import RemoteTask, TaskEvent
 from tasks_app.relay import LIST_GROUP, task_group
+from tasks_app.services.snapshot import event_json
 
 BATCH = 500
 CLOSE_UNAUTHENTICATED = 4401
@@ -41,17 +42,7 @@ def _authenticated(scope: dict) -> bool:
 
 
 def event_message(event: TaskEvent) -> dict[str, Any]:
-    return {
-        "type": "event",
-        "task": event.task_id,
-        "seq": event.seq,
-        "kind": event.kind,
-        "channel": event.channel,
-        "state": event.state_after,
-        "note": event.note,
-        "received_at": event.received_at.isoformat(),
-        "raw": event.raw,
-    }
+    return {"type": "event", **event_json(event)}
 
 
 @database_sync_to_async

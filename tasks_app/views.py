@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Callable
 from datetime import datetime
 from urllib.parse import urlencode
 
@@ -184,13 +185,17 @@ def _card_view(card: dict) -> dict:
         "version": str(card.get("version") or ""),
         "provider": provider,
         "capabilities": [
-            {"name": k, "value": v} for k, v in capabilities.items() if not isinstance(v, list | dict)
+            {"name": k, "value": v}
+            for k, v in capabilities.items()
+            if not isinstance(v, list | dict)
         ],
         "extensions": capabilities.get("extensions") or [],
         "skills": skills,
         "interfaces": interfaces,
         "schemes": scheme_rows,
-        "requirements": pretty_json(card.get("securityRequirements")) if card.get("securityRequirements") else "",
+        "requirements": pretty_json(card.get("securityRequirements"))
+        if card.get("securityRequirements")
+        else "",
         "input_modes": card.get("defaultInputModes") or [],
         "output_modes": card.get("defaultOutputModes") or [],
         "raw": pretty_json(card),
@@ -228,7 +233,8 @@ def agent_credentials(request: HttpRequest, pk: int) -> HttpResponse:
         return render(request, "tasks_app/agent_detail.html", context, status=400)
     agent_services.set_credentials(agent, form.credentials(), actor_id=request.user.id)
     messages.success(
-        request, "Credentials removed." if form.cleaned_data["kind"] == "clear" else "Credentials saved."
+        request,
+        "Credentials removed." if form.cleaned_data["kind"] == "clear" else "Credentials saved.",
     )
     return redirect("agent-detail", pk=agent.pk)
 
@@ -315,9 +321,13 @@ def task_list(request: HttpRequest) -> HttpResponse:
     if cursor:
         value, pk = cursor
         if desc:
-            page_qs = page_qs.filter(Q(**{f"{field}__lt": value}) | Q(**{field: value, "pk__lt": pk}))
+            page_qs = page_qs.filter(
+                Q(**{f"{field}__lt": value}) | Q(**{field: value, "pk__lt": pk})
+            )
         else:
-            page_qs = page_qs.filter(Q(**{f"{field}__gt": value}) | Q(**{field: value, "pk__gt": pk}))
+            page_qs = page_qs.filter(
+                Q(**{f"{field}__gt": value}) | Q(**{field: value, "pk__gt": pk})
+            )
     order = [f"-{field}", "-pk"] if desc else [field, "pk"]
     rows = list(page_qs.select_related("agent").order_by(*order)[: PAGE_SIZE + 1])
     has_next = len(rows) > PAGE_SIZE
@@ -328,7 +338,9 @@ def task_list(request: HttpRequest) -> HttpResponse:
     next_url = ""
     if has_next and rows:
         last = rows[-1]
-        next_url = "?" + urlencode({**base_params, "cursor": _encode_cursor(getattr(last, field), last.pk)})
+        next_url = "?" + urlencode(
+            {**base_params, "cursor": _encode_cursor(getattr(last, field), last.pk)}
+        )
     first_url = "?" + urlencode(base_params) if cursor else ""
     agents = {a.pk: a.name for a in Agent.objects.all()}
     context = {
@@ -402,7 +414,9 @@ def task_new(request: HttpRequest) -> HttpResponse:
                 )
             except task_services.TaskActionError as exc:
                 message = str(exc)
-                form.add_error("mode" if "mode" in message or "stream" in message else None, message)
+                form.add_error(
+                    "mode" if "mode" in message or "stream" in message else None, message
+                )
             else:
                 return redirect("task-detail", pk=task.pk)
         form.keep_file()
@@ -439,14 +453,18 @@ def artifact_blocks(task: RemoteTask, only: list[str] | None = None) -> list[dic
         blocks.append(
             {
                 "artifact": artifact,
-                "html": parts_html([p.part for p in artifact.parts.all()], _download_url(task, artifact)),
+                "html": parts_html(
+                    [p.part for p in artifact.parts.all()], _download_url(task, artifact)
+                ),
             }
         )
     return blocks
 
 
 def _conversation(task: RemoteTask) -> list[dict]:
-    msgs = list(ConversationMessage.objects.filter(task=task).order_by("-seq", "-id")[:MESSAGES_ON_PAGE])
+    msgs = list(
+        ConversationMessage.objects.filter(task=task).order_by("-seq", "-id")[:MESSAGES_ON_PAGE]
+    )
     msgs.reverse()
     return [
         {
@@ -522,7 +540,9 @@ def task_live(request: HttpRequest, pk: int) -> JsonResponse:
                     "tasks_app/_task_conversation.html", context, request=request
                 ),
                 "timeline": str(context["timeline"]),
-                "actions": render_to_string("tasks_app/_task_actions.html", context, request=request),
+                "actions": render_to_string(
+                    "tasks_app/_task_actions.html", context, request=request
+                ),
             },
             "artifacts": [
                 {
@@ -542,6 +562,19 @@ def _back_to_task(task: RemoteTask) -> HttpResponseRedirect:
     return redirect("task-detail", pk=task.pk)
 
 
+def _act(
+    request: HttpRequest, task: RemoteTask, action: Callable[[], object], done: str
+) -> HttpResponse:
+    """Run a service action; say plainly what went wrong, or that it was done."""
+    try:
+        action()
+    except task_services.TaskActionError as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, done)
+    return _back_to_task(task)
+
+
 @login_required
 @require_POST
 def task_cancel(request: HttpRequest, pk: int) -> HttpResponse:
@@ -550,39 +583,37 @@ def task_cancel(request: HttpRequest, pk: int) -> HttpResponse:
     if not form.is_valid():
         messages.error(request, "The reason is too long.")
         return _back_to_task(task)
-    try:
-        task_services.cancel_task(task, reason=form.cleaned_data["reason"], actor_id=request.user.id)
-    except task_services.TaskActionError as exc:
-        messages.error(request, str(exc))
-    else:
-        messages.success(request, "Cancel requested.")
-    return _back_to_task(task)
+    reason = form.cleaned_data["reason"]
+    return _act(
+        request,
+        task,
+        lambda: task_services.cancel_task(task, reason=reason, actor_id=request.user.id),
+        "Cancel requested.",
+    )
 
 
 @login_required
 @require_POST
 def task_refresh(request: HttpRequest, pk: int) -> HttpResponse:
     task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
-    try:
-        task_services.refresh_task(task, actor_id=request.user.id)
-    except task_services.TaskActionError as exc:
-        messages.error(request, str(exc))
-    else:
-        messages.success(request, "Refreshed from the agent.")
-    return _back_to_task(task)
+    return _act(
+        request,
+        task,
+        lambda: task_services.refresh_task(task, actor_id=request.user.id),
+        "Refreshed from the agent.",
+    )
 
 
 @login_required
 @require_POST
 def task_retry(request: HttpRequest, pk: int) -> HttpResponse:
     task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
-    try:
-        task_services.retry_send(task, actor_id=request.user.id)
-    except task_services.TaskActionError as exc:
-        messages.error(request, str(exc))
-    else:
-        messages.success(request, "Sending again (same messageId).")
-    return _back_to_task(task)
+    return _act(
+        request,
+        task,
+        lambda: task_services.retry_send(task, actor_id=request.user.id),
+        "Sending again (same messageId).",
+    )
 
 
 @login_required
@@ -649,7 +680,9 @@ def event_detail(request: HttpRequest, pk: int, seq: int) -> HttpResponse:
     if request.GET.get("format") == "json":
         return JsonResponse({"seq": event.seq, "raw": event.raw}, json_dumps_params={"indent": 2})
     return render(
-        request, "tasks_app/event_detail.html", {"task": task, "event": event, "raw": pretty_json(event.raw)}
+        request,
+        "tasks_app/event_detail.html",
+        {"task": task, "event": event, "raw": pretty_json(event.raw)},
     )
 
 
@@ -682,6 +715,10 @@ def artifact_download(request: HttpRequest, pk: int, artifact_pk: int, index: in
 def message_download(request: HttpRequest, pk: int, message_pk: int, index: int) -> HttpResponse:
     message = get_object_or_404(ConversationMessage, pk=message_pk, task_id=pk)
     parts = message.message.get("parts") if isinstance(message.message, dict) else None
-    if not isinstance(parts, list) or not 0 <= index < len(parts) or not isinstance(parts[index], dict):
+    if (
+        not isinstance(parts, list)
+        or not 0 <= index < len(parts)
+        or not isinstance(parts[index], dict)
+    ):
         raise Http404("No such part.")
     return _attachment(parts[index], f"message-{message.pk}-{index}")

@@ -45,6 +45,7 @@ from tasks_app.models import (
     RemoteTask,
     TaskEvent,
 )
+from tasks_app.services.snapshot import event_json
 
 log = logging.getLogger(__name__)
 
@@ -593,19 +594,10 @@ def _relay_messages(task: RemoteTask, events: list[TaskEvent]) -> list[relay.Mes
     """One message per appended row (with its raw JSON unless large) and one list summary."""
     messages: list[relay.Message] = []
     for event in events:
-        message = {
-            "type": "task.event",
-            "task": task.pk,
-            "seq": event.seq,
-            "kind": event.kind,
-            "channel": event.channel,
-            "state": event.state_after,
-            "note": event.note,
-            "received_at": event.received_at.isoformat(),
-        }
+        message = {"type": "task.event", **event_json(event)}
         # Large entries are left for the consumer to read from the log.
-        if len(_canonical(event.raw)) <= RELAY_RAW_LIMIT:
-            message["raw"] = event.raw
+        if len(_canonical(event.raw)) > RELAY_RAW_LIMIT:
+            del message["raw"]
         messages.append((relay.task_group(task.pk), message))
     messages.append((relay.LIST_GROUP, {"type": "tasks.changed", **task_summary(task)}))
     return messages

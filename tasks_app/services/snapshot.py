@@ -42,12 +42,14 @@ def artifact_json(artifact: Artifact) -> dict[str, Any]:
 
 
 def event_json(event: TaskEvent) -> dict[str, Any]:
+    """One log row as JSON: what exports, ``tasks show``, the relay and websockets carry."""
     return {
+        "task": event.task_id,
         "seq": event.seq,
         "received_at": event.received_at.isoformat(),
         "channel": event.channel,
         "kind": event.kind,
-        "state_after": event.state_after,
+        "state": event.state_after,
         "note": event.note,
         "actor": event.actor_id,
         "raw": event.raw,

@@ -90,7 +90,7 @@ class Command(BaseCommand):
         self.stdout.write(f"watch {task.watch}, watcher {task.watcher_status} {task.watcher_note}")
         for event in document["events"]:
             note = f"  ({event['note']})" if event["note"] else ""
-            self.stdout.write(f"  #{event['seq']:>4} {event['received_at']} {event['channel']:<13} {event['kind']:<15} {event['state_after']}{note}")
+            self.stdout.write(f"  #{event['seq']:>4} {event['received_at']} {event['channel']:<13} {event['kind']:<15} {event['state']}{note}")
 
     def do_list(self, options: dict) -> None:
         for task in RemoteTask.objects.select_related("agent")[: options["limit"]]:
