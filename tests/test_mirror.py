@@ -18,7 +18,6 @@ from tasks_app.outbound import client_for, http_client
 from tasks_app.services import tasks as task_services
 from tasks_app.services.agents import add_agent
 from tasks_app.services.snapshot import task_view
-from tasks_app.watchers import reconcile
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -204,23 +203,41 @@ def test_connection_dropped_mid_stream_resubscribes_with_a_gap(agent, tcp_proxy,
     assert_log_is_gapless(task)
 
 
-def test_killed_worker_is_replaced_and_no_second_task_is_created(agent, start_celery_worker):
+def remote_total(demo: Agent) -> int:
+    listing = agent_call(demo, lambda c: c.list_tasks(page_size=1))
+    return int(listing.get("totalSize", 0))
+
+
+def test_killed_worker_is_replaced_and_no_second_task_is_created(agent, start_celery_worker, start_celery_beat):
     first = start_celery_worker(WATCH_LEASE_SECONDS="2")
     demo = add_agent(agent.base_url, name="demo")
-
-    def remote_total() -> int:
-        listing = agent_call(demo, lambda c: c.list_tasks(page_size=1))
-        return int(listing.get("totalSize", 0))
-
-    before = remote_total()
+    before = remote_total(demo)
     task = task_services.start_task(demo, "slow 40 0.15", mode="stream")
     wait_for(lambda: TaskEvent.objects.filter(task=task, kind="artifactUpdate").count() >= 3, what="chunks")
     first.kill()
     start_celery_worker(WATCH_LEASE_SECONDS="2")
-    # What celery beat does every few seconds: re-dispatch tasks whose lease expired.
-    wait_for(lambda: reconcile() >= 0 and settled(task), timeout=60, what="another worker to finish the watch")
+    # Beat's reconciler re-dispatches the task once the dead worker's lease expires.
+    start_celery_beat(RECONCILE_EVERY_SECONDS="1")
+    wait_for(lambda: settled(task), timeout=60, what="another worker to finish the watch")
     assert task.state == "TASK_STATE_COMPLETED"
     assert_converged(task)
-    assert remote_total() == before + 1
+    assert remote_total(demo) == before + 1
     assert RemoteTask.objects.filter(agent=demo).count() == 1
     assert_log_is_gapless(task)
+
+
+def test_a_stopping_worker_hands_its_streams_over_at_once(agent, start_celery_worker, start_celery_beat):
+    """A warm shutdown (SIGTERM) gives the leases back: no waiting for them to expire."""
+    first = start_celery_worker(WATCH_LEASE_SECONDS="600")
+    demo = add_agent(agent.base_url, name="demo")
+    task = task_services.start_task(demo, "slow 40 0.15", mode="stream")
+    wait_for(lambda: TaskEvent.objects.filter(task=task, kind="artifactUpdate").count() >= 3, what="chunks")
+    first.stop()
+    task.refresh_from_db()
+    assert (task.lease_token, task.lease_expires_at) == ("", None)
+    assert task.watcher_note.startswith("worker stopped")
+    start_celery_worker(WATCH_LEASE_SECONDS="600")
+    start_celery_beat(RECONCILE_EVERY_SECONDS="1")
+    wait_for(lambda: settled(task), timeout=40, what="the new worker to finish the watch")
+    assert task.state == "TASK_STATE_COMPLETED"
+    assert_converged(task)
