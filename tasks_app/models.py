@@ -194,6 +194,8 @@ class TaskEvent(models.Model):
     kind = models.CharField(max_length=20, choices=Kind.choices)
     raw = models.JSONField(null=True, blank=True)
     state_after = models.CharField(max_length=40, blank=True)
+    # True where state_after differs from the entry before: the timeline reads only these.
+    state_changed = models.BooleanField(default=False)
     # Why an event changed nothing, or what was wrong with it.
     note = models.TextField(blank=True)
     actor = models.ForeignKey(
@@ -204,6 +206,11 @@ class TaskEvent(models.Model):
         ordering = ["task", "seq"]
         constraints = [
             models.UniqueConstraint(fields=["task", "seq"], name="unique_seq_per_task")
+        ]
+        indexes = [
+            models.Index(
+                fields=["task", "seq"], condition=Q(state_changed=True), name="state_changes"
+            )
         ]
 
     def __str__(self) -> str:

@@ -169,3 +169,23 @@ def test_concurrent_writers_never_duplicate_or_skip_a_seq():
         parts = task_view(task)["artifacts"]
         texts = {a["artifactId"]: [p["text"] for p in a["parts"]] for a in parts}
         assert texts[f"a-{n}"] == [f"{n}-{i}" for i in range(15)]
+
+
+def test_each_entry_of_a_batch_carries_the_state_right_after_it(task):
+    record_many(
+        task,
+        [
+            snapshot("t-1", "TASK_STATE_SUBMITTED"),
+            status("t-1", "TASK_STATE_WORKING", text="go"),
+            chunk("t-1", "a", append=False),
+            status("t-1", "TASK_STATE_COMPLETED", text="done"),
+        ],
+        "stream",
+    )
+    rows = list(TaskEvent.objects.filter(task=task).order_by("seq").values_list("state_after", "state_changed"))
+    assert rows == [
+        ("TASK_STATE_SUBMITTED", True),
+        ("TASK_STATE_WORKING", True),
+        ("TASK_STATE_WORKING", False),
+        ("TASK_STATE_COMPLETED", True),
+    ]

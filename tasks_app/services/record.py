@@ -217,6 +217,19 @@ class _Row:
     kind: str
     note: str = ""
     apply: bool = True
+    state_after: str = ""
+
+
+class _Rows(list):
+    """The rows a fold appends; each is stamped with the task's state right after it."""
+
+    def __init__(self, fold: _Fold) -> None:
+        super().__init__()
+        self.fold = fold
+
+    def append(self, row: _Row) -> None:
+        row.state_after = self.fold.get("state")
+        super().append(row)
 
 
 class _Fold:
@@ -224,10 +237,11 @@ class _Fold:
 
     def __init__(self, task: RemoteTask, channel: str, *, gap_check: bool) -> None:
         self.task = task
+        self.initial_state = task.state
         self.channel = channel
         self.gap_check = gap_check
         self.changes: dict[str, Any] = {}
-        self.rows: list[_Row] = []
+        self.rows: _Rows = _Rows(self)
         self._artifacts: dict[str, Artifact] | None = None
         self._message_ids: set[str] | None = None
 
@@ -413,7 +427,7 @@ class _Fold:
     def write_rows(self, first_seq: int, now: datetime, actor_id: int | None) -> list[TaskEvent]:
         events = []
         seq = first_seq
-        state = self.get("state")
+        previous = self.initial_state
         for row in self.rows:
             events.append(
                 TaskEvent(
@@ -423,11 +437,13 @@ class _Fold:
                     channel=self.channel,
                     kind=row.kind,
                     raw=row.entry.raw,
-                    state_after=state,
+                    state_after=row.state_after,
+                    state_changed=row.state_after != previous or seq == 1,
                     note=row.note,
                     actor_id=actor_id,
                 )
             )
+            previous = row.state_after
             if row.apply:
                 self._apply_rows(row, seq, now)
             seq += 1
