@@ -460,23 +460,39 @@ def _p7(db: str, streams: int, tuning: dict[str, str], label: str) -> Row:
                 if pk not in held_at and seq > seq_at_kill[pk]:  # held, and recording again
                     held_at[pk] = time.monotonic() - killed
             time.sleep(0.1)
+        missing = list(RemoteTask.objects.filter(pk__in=[p for p in pks if p not in held_at])
+                       .values_list("lease_owner", "watcher_status", "watcher_note", "last_seq")[:3])
+        missing_note = ""
+        if missing:
+            missing_note = (f" Not held again in {limit:.0f} s: (owner, watcher, note, last_seq) {missing} "
+                            f"(B is {owner_b}); worker B log errors: {_log_errors(second)}.")
     times = sorted(held_at.values())
     worst = times[-1] if len(times) == streams else float("inf")
     ok = worst <= 10
     return Row(
         "P7", f"worker SIGKILLed holding {streams} streams: every stream held again ({label})",
-        f"{len(times)}/{streams} held again, max {worst:.1f} s" if times else f"0/{streams} held again",
+        f"{len(times)}/{streams} held again, max {worst:.1f} s" if len(times) == streams else f"{len(times)}/{streams} held again (max {times[-1]:.1f} s)" if times else f"0/{streams} held again",
         "every stream within 10 s", ok, db=db,
         note=(f"worker A held every stream (SubscribeToTask after the send) when SIGKILLed; worker B and celery "
               f"beat were running; 'held again' = lease owned by B and a new event recorded. median "
               f"{pct(times, 0.5):.1f} s. Settings: WATCH_LEASE_SECONDS={lease:g}, RECONCILE_EVERY_SECONDS={every:g} "
               f"(the lease must expire, then the next reconcile re-dispatches)."
-              + (f" {short} stream(s) were not yet held by worker A after 60 s and are left out." if short else "")),
+              + (f" {short} stream(s) were not yet held by worker A after 60 s and are left out." if short else "")
+              + missing_note),
         extra={"held": len(times), "streams": streams, "max": worst, "median": pct(times, 0.5), "lease": lease},
     )  # fmt: skip
 
 
 # P2 -----------------------------------------------------------------------------------------
+
+
+def _log_errors(proc: Proc, limit: int = 3) -> list[str]:
+    """The first few error lines of a process's log (for notes when something went missing)."""
+    if proc.log_path is None or not proc.log_path.exists():
+        return []
+    lines = proc.log_path.read_text(errors="replace").splitlines()
+    hits = [line[:300] for line in lines if "ERROR" in line or "Error" in line or "Traceback" in line]
+    return hits[:limit]
 
 
 class RelayTap:
@@ -538,6 +554,7 @@ def p2(db: str, quick: bool) -> list[Row]:
         sampler.stop()
         held_max = RemoteTask.objects.filter(pk__in=pks).exclude(lease_owner="").count()
         stats = httpx.get(s.agent_url + "/bench/stats", timeout=30).json()
+        worker_errors = _log_errors(worker)
     not_started = ""
     if len(stats) < streams:
         from django.db.models import Count
@@ -548,6 +565,10 @@ def p2(db: str, quick: bool) -> list[Row]:
                    .values_list("send_error", flat=True)[:2])
         notes = list(RemoteTask.objects.filter(pk__in=pks, remote_id="").exclude(watcher_note="")
                      .values_list("watcher_note", flat=True)[:2])
+        stages = list(RemoteTask.objects.filter(pk__in=pks, remote_id="")
+                      .values_list("lease_owner", "send_attempted_at", "last_seq")[:8])
+        notes.append(f"(lease owner, send attempted at, last_seq) {[(o, str(a), q) for o, a, q in stages]}")
+        notes.append(f"worker log errors: {worker_errors}")
         not_started = (f" {streams - len(stats)} tasks never reached the agent: (phase, watcher, n) {shapes}; "
                        f"send errors {why}; watcher notes {notes}.")
     emitted = sum(v["emitted"] for v in stats.values())

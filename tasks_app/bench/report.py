@@ -91,6 +91,8 @@ def machine() -> dict[str, str]:
         "python": sys.version.split()[0],
         "django": django.get_version(),
         "platform": platform.platform(),
+        # Other work on the machine shows here; latencies measured under load are upper bounds.
+        "load": " / ".join(f"{x:.1f}" for x in os.getloadavg()),
     }
 
 
@@ -117,6 +119,7 @@ Measured by `manage.py bench` (`tasks_app/management/commands/bench.py`,
 | Python | {info['python']} |
 | Django | {info['django']} |
 | platform | {info['platform']} |
+| load average (1/5/15 min) when written | {info['load']} |
 
 Agent, Redis, database, Celery worker, daphne and the measuring clients all run on
 this one machine, which is shared with other work: latencies are upper bounds.
