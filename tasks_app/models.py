@@ -34,6 +34,19 @@ STATE_CHOICES = [
 ]
 
 
+class BulkJSONField(models.JSONField):
+    """A JSONField for rows inserted in bulk (log entries, artifact parts, messages).
+
+    Having ``get_placeholder`` keeps Django's PostgreSQL bulk insert on plain
+    ``VALUES``: its ``UNNEST`` path sends each JSON value inside a text array,
+    which psycopg escapes value by value with a regex, and which profiled at
+    several times the cost of the insert itself.
+    """
+
+    def get_placeholder(self, value: object, compiler: object, connection: object) -> str:
+        return "%s"
+
+
 class Agent(models.Model):
     """A remote A2A agent, with its card as last fetched."""
 
@@ -192,7 +205,7 @@ class TaskEvent(models.Model):
     received_at = models.DateTimeField(default=timezone.now)
     channel = models.CharField(max_length=20, choices=Channel.choices)
     kind = models.CharField(max_length=20, choices=Kind.choices)
-    raw = models.JSONField(null=True, blank=True)
+    raw = BulkJSONField(null=True, blank=True)
     state_after = models.CharField(max_length=40, blank=True)
     # True where state_after differs from the entry before: the timeline reads only these.
     state_changed = models.BooleanField(default=False)
@@ -245,7 +258,7 @@ class Artifact(models.Model):
 class ArtifactPart(models.Model):
     artifact = models.ForeignKey(Artifact, on_delete=models.CASCADE, related_name="parts")
     index = models.PositiveIntegerField()
-    part = models.JSONField()
+    part = BulkJSONField()
     seq = models.PositiveIntegerField(default=0)
 
     class Meta:
@@ -261,7 +274,7 @@ class ConversationMessage(models.Model):
     task = models.ForeignKey(RemoteTask, on_delete=models.CASCADE, related_name="messages")
     message_id = models.CharField(max_length=300)
     role = models.CharField(max_length=20)
-    message = models.JSONField()
+    message = BulkJSONField()
     seq = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(default=timezone.now)
 

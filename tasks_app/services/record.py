@@ -179,6 +179,20 @@ def _jsonable(value: Any) -> Any:
         return repr(value)[:2000]
 
 
+def _messages_in(entry: Entry) -> list[dict]:
+    """The messages (with ids) an entry carries: its own, a status message, a history."""
+    payload = entry.payload if isinstance(entry.payload, dict) else {}
+    found: list[Any] = []
+    if entry.kind in ("message",):
+        found.append(payload)
+    elif entry.kind == "operator":
+        found.append(payload.get("message"))
+    elif entry.kind in ("task", "statusUpdate"):
+        found.append((payload.get("status") or {}).get("message"))
+        found.extend(payload.get("history") or [])
+    return [m for m in found if isinstance(m, dict) and m.get("messageId")]
+
+
 # Digests ------------------------------------------------------------------------------------
 
 
@@ -244,6 +258,7 @@ class _Fold:
         self.rows: _Rows = _Rows(self)
         self._artifacts: dict[str, Artifact] | None = None
         self._message_ids: set[str] | None = None
+        self._checked_ids: set[str] = set()
 
     # -- reads, cached for the fold
     def artifacts(self) -> dict[str, Artifact]:
@@ -251,14 +266,24 @@ class _Fold:
             self._artifacts = {a.artifact_id: a for a in self.task.artifacts.all()}
         return self._artifacts
 
-    def unknown_messages(self, messages: list[dict]) -> list[dict]:
-        """The messages (by messageId) that neither the mirror nor this fold holds yet."""
+    def prefetch_messages(self, entries: list[Entry]) -> None:
+        """Look up, in one query, which of the messages the entries carry are stored already."""
+        ids = {m["messageId"] for entry in entries for m in _messages_in(entry)}
+        self._lookup_messages(ids)
+
+    def _lookup_messages(self, ids: set[str]) -> None:
         if self._message_ids is None:
             self._message_ids = set()
-        ids = [m["messageId"] for m in messages if m["messageId"] not in self._message_ids]
+        ids -= self._checked_ids
         if ids:
             stored = ConversationMessage.objects.filter(task_id=self.task.pk, message_id__in=ids)
             self._message_ids.update(stored.values_list("message_id", flat=True))
+            self._checked_ids |= ids
+
+    def unknown_messages(self, messages: list[dict]) -> list[dict]:
+        """The messages (by messageId) that neither the mirror nor this fold holds yet."""
+        self._lookup_messages({m["messageId"] for m in messages})
+        assert self._message_ids is not None
         fresh, seen = [], set()
         for message in messages:
             mid = message["messageId"]
@@ -425,6 +450,14 @@ class _Fold:
 
     # -- writes
     def write_rows(self, first_seq: int, now: datetime, actor_id: int | None) -> list[TaskEvent]:
+        """Append the log rows and apply them to the snapshot's rows.
+
+        Writes are gathered and made in bulk at the end: a batch of any size
+        costs a handful of statements (events, parts, messages, artifacts).
+        """
+        self._new_parts: list[ArtifactPart] = []
+        self._new_messages: list[ConversationMessage] = []
+        self._touched: dict[str, Artifact] = {}
         events = []
         seq = first_seq
         previous = self.initial_state
@@ -445,45 +478,63 @@ class _Fold:
             )
             previous = row.state_after
             if row.apply:
-                self._apply_rows(row, seq, now)
+                self._apply_row(row, seq, now)
             seq += 1
         TaskEvent.objects.bulk_create(events)
+        ArtifactPart.objects.bulk_create(self._new_parts, batch_size=500)
+        ConversationMessage.objects.bulk_create(self._new_messages, batch_size=500)
+        if self._touched:
+            Artifact.objects.bulk_update(
+                list(self._touched.values()),
+                [
+                    "name", "description", "metadata", "extensions", "part_count",
+                    "digest", "complete", "updated_seq", "updated_at",
+                ],
+            )  # fmt: skip
         return events
 
-    def _apply_rows(self, row: _Row, seq: int, now: datetime) -> None:
+    def _apply_row(self, row: _Row, seq: int, now: datetime) -> None:
         for message in getattr(row, "messages", []):
-            ConversationMessage.objects.create(
-                task_id=self.task.pk,
-                message_id=message["messageId"],
-                role=str(message.get("role", "")),
-                message=message,
-                seq=seq,
-                created_at=now,
+            self._new_messages.append(
+                ConversationMessage(
+                    task_id=self.task.pk,
+                    message_id=message["messageId"],
+                    role=str(message.get("role", "")),
+                    message=message,
+                    seq=seq,
+                    created_at=now,
+                )
             )
         if row.kind == "task" and getattr(row, "replace_artifacts", False):
             self._replace_all_artifacts(row.artifacts, seq, now)  # type: ignore[attr-defined]
         elif row.kind == "artifactUpdate":
-            self._apply_artifact_update(row.entry.payload, seq, now)
+            update = row.entry.payload
+            data = update["artifact"]
+            append = bool(update.get("append")) and data["artifactId"] in self.artifacts()
+            artifact = self._put_artifact(data, seq, now, complete=bool(update.get("lastChunk")))
+            self._add_parts(artifact, data.get("parts") or [], seq, replace=not append)
 
     def _replace_all_artifacts(self, artifacts: list[dict], seq: int, now: datetime) -> None:
         held = self.artifacts()
-        wanted_ids = {a["artifactId"] for a in artifacts}
-        gone = [a.pk for aid, a in held.items() if aid not in wanted_ids]
+        gone = [aid for aid in held if aid not in {a["artifactId"] for a in artifacts}]
         if gone:
-            Artifact.objects.filter(pk__in=gone).delete()
-            for aid in [aid for aid in held if aid not in wanted_ids]:
+            Artifact.objects.filter(pk__in=[held[aid].pk for aid in gone]).delete()
+            for aid in gone:
                 del held[aid]
+                self._touched.pop(aid, None)
+        complete = self.get("state") in TERMINAL_STATES
         for position, data in enumerate(artifacts):
             parts = data.get("parts") or []
-            digest = chain_digest("", parts)
             current = held.get(data["artifactId"])
-            if current is not None and current.digest == digest:
+            if current is not None and current.digest == chain_digest("", parts):
                 continue
-            complete = self.get("state") in TERMINAL_STATES
             artifact = self._put_artifact(data, seq, now, position=position, complete=complete)
-            self._write_parts(artifact, parts, seq, replace=True)
+            self._add_parts(artifact, parts, seq, replace=True)
 
-    def _put_artifact(self, data: dict, seq: int, now: datetime, *, position: int | None = None, complete: bool = False) -> Artifact:
+    def _put_artifact(
+        self, data: dict, seq: int, now: datetime, *, position: int | None = None, complete: bool = False
+    ) -> Artifact:
+        """The artifact's row, updated in memory; a new one is inserted at once (parts need its pk)."""
         held = self.artifacts()
         artifact = held.get(data["artifactId"])
         if artifact is None:
@@ -501,32 +552,24 @@ class _Fold:
         artifact.complete = complete
         artifact.updated_seq = seq
         artifact.updated_at = now
-        artifact.save()
+        if artifact.pk is None:
+            artifact.save()
         held[artifact.artifact_id] = artifact
+        self._touched[artifact.artifact_id] = artifact
         return artifact
 
-    def _write_parts(self, artifact: Artifact, parts: list, seq: int, *, replace: bool) -> None:
+    def _add_parts(self, artifact: Artifact, parts: list, seq: int, *, replace: bool) -> None:
         if replace:
             ArtifactPart.objects.filter(artifact=artifact).delete()
+            self._new_parts = [p for p in self._new_parts if p.artifact_id != artifact.pk]
             artifact.part_count, artifact.digest = 0, ""
         start = artifact.part_count
-        ArtifactPart.objects.bulk_create(
+        self._new_parts.extend(
             ArtifactPart(artifact=artifact, index=start + i, part=part, seq=seq)
             for i, part in enumerate(parts)
         )
         artifact.part_count = start + len(parts)
         artifact.digest = chain_digest(artifact.digest, parts)
-        Artifact.objects.filter(pk=artifact.pk).update(
-            part_count=artifact.part_count, digest=artifact.digest
-        )
-
-    def _apply_artifact_update(self, update: dict, seq: int, now: datetime) -> None:
-        data = update["artifact"]
-        parts = data.get("parts") or []
-        append = bool(update.get("append"))
-        existing = self.artifacts().get(data["artifactId"])
-        artifact = self._put_artifact(data, seq, now, complete=bool(update.get("lastChunk")))
-        self._write_parts(artifact, parts, seq, replace=not (append and existing is not None))
 
 
 # 3. The transaction, and the relay after it --------------------------------------------------
@@ -581,6 +624,7 @@ def _record_once(
         if current is None:
             raise RecordError(f"task {task_pk} does not exist")
         fold = _Fold(current, channel, gap_check=gap_check)
+        fold.prefetch_messages(entries)
         for entry in entries:
             fold.add(entry)
         if not fold.rows:
