@@ -450,12 +450,14 @@ def artifact_blocks(task: RemoteTask, only: list[str] | None = None) -> list[dic
         qs = qs.filter(artifact_id__in=only)
     blocks = []
     for artifact in qs:
+        parts = list(artifact.parts.all())
         blocks.append(
             {
                 "artifact": artifact,
-                "html": parts_html(
-                    [p.part for p in artifact.parts.all()], _download_url(task, artifact)
-                ),
+                "html": parts_html([p.part for p in parts], _download_url(task, artifact)),
+                # The seq this rendering is up to, from the parts themselves: the artifact
+                # row was read first, and chunks committed in between are in the parts.
+                "seq": max((p.seq for p in parts), default=artifact.updated_seq),
             }
         )
     return blocks
@@ -553,7 +555,7 @@ def task_live(request: HttpRequest, pk: int) -> JsonResponse:
             "artifacts": [
                 {
                     "artifact_id": b["artifact"].artifact_id,
-                    "updated_seq": b["artifact"].updated_seq,
+                    "updated_seq": b["seq"],
                     "html": render_to_string(
                         "tasks_app/_artifact.html", {"block": b, "task": task}, request=request
                     ),
