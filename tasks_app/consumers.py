@@ -144,6 +144,11 @@ class TaskConsumer(AsyncJsonWebsocketConsumer):
         await self.send_json(out)
         self.last_sent = seq
 
+    async def task_events(self, message: dict[str, Any]) -> None:
+        """Several appended rows relayed as one message (see ``relay.pack``)."""
+        for event in message.get("events") or []:
+            await self.task_event(event)
+
     async def task_watcher(self, message: dict[str, Any]) -> None:
         await self.send_json({**message, "type": "watcher"})
 

@@ -30,12 +30,17 @@ def task_group(task_pk: int) -> str:
 
 
 class _LoopRelay:
-    """Sends queued messages from one coroutine, so their order is kept."""
+    """Sends queued messages from the loop: in order within a group, groups side by side.
+
+    Whatever has queued up is taken at once; list summaries of the same task are
+    coalesced (only the newest matters), and each group's messages go out in
+    order on their own coroutine, so one slow group does not hold up the others.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.queue: asyncio.Queue[list[Message]] = asyncio.Queue()
-        self.task = loop.create_task(self._run()) if loop.is_running() else None
+        self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         if self.task is None:
@@ -47,16 +52,47 @@ class _LoopRelay:
     async def _run(self) -> None:
         layer = get_channel_layer()
         while True:
-            batch = await self.queue.get()
+            batch = list(await self.queue.get())
+            while not self.queue.empty():
+                batch.extend(self.queue.get_nowait())
+            by_group: dict[str, list[dict]] = {}
+            summaries: dict[object, dict] = {}
             for group, message in batch:
-                try:
-                    await layer.group_send(group, message)
-                except Exception:  # a relay failure must not stop later messages
-                    log.exception("relay to %s failed", group)
+                if group == LIST_GROUP and message.get("type") == "tasks.changed":
+                    summaries.pop(message.get("task"), None)
+                    summaries[message.get("task")] = message
+                else:
+                    by_group.setdefault(group, []).append(message)
+            if summaries:
+                by_group[LIST_GROUP] = [*by_group.get(LIST_GROUP, []), *summaries.values()]
+            await asyncio.gather(*(self._send(layer, group, items) for group, items in by_group.items()))
 
-    async def drain(self) -> None:
-        while not self.queue.empty():
-            await asyncio.sleep(0.01)
+    @staticmethod
+    async def _send(layer: object, group: str, messages: list[dict]) -> None:
+        for message in pack(messages):
+            try:
+                await layer.group_send(group, message)  # type: ignore[attr-defined]
+            except Exception:  # a relay failure must not stop later messages
+                log.exception("relay to %s failed", group)
+
+
+def pack(messages: list[dict]) -> list[dict]:
+    """Runs of ``task.event`` messages become one ``task.events`` message (a fast stream
+    then costs one channel-layer send per batch, not per event); order is kept."""
+    packed: list[dict] = []
+    run: list[dict] = []
+    for message in [*messages, {}]:
+        if message.get("type") == "task.event":
+            run.append(message)
+            continue
+        if len(run) == 1:
+            packed.append(run[0])
+        elif run:
+            packed.append({"type": "task.events", "events": run})
+        run = []
+        if message:
+            packed.append(message)
+    return packed
 
 
 _loop_relay: _LoopRelay | None = None
@@ -84,9 +120,14 @@ def publish(messages: Iterable[Message]) -> None:
     if layer is None:
         return
 
+    by_group: dict[str, list[dict]] = {}
+    for group, message in batch:
+        by_group.setdefault(group, []).append(message)
+
     async def send_all() -> None:
-        for group, message in batch:
-            await layer.group_send(group, message)
+        for group, messages in by_group.items():
+            for message in pack(messages):
+                await layer.group_send(group, message)
 
     try:
         async_to_sync(send_all)()

@@ -223,3 +223,26 @@ async def test_ping(task, user):
         msg = await comm.receive_json_from(timeout=5)
     await comm.disconnect()
     await asyncio.sleep(0)
+
+
+def test_relay_packs_runs_of_events_and_keeps_the_order():
+    from tasks_app.relay import pack
+
+    events = [{"type": "task.event", "seq": n} for n in (1, 2, 3)]
+    watcher = {"type": "task.watcher"}
+    packed = pack([*events[:2], watcher, events[2]])
+    assert packed == [{"type": "task.events", "events": events[:2]}, watcher, events[2]]
+    assert pack([]) == []
+
+
+async def test_a_batch_recorded_at_once_arrives_event_by_event(task, user):
+    from tasks_app.services.record import record_many
+
+    comm = await communicator(f"/ws/tasks/{task.pk}/?after=0", user)
+    assert (await comm.connect())[0]
+    assert (await comm.receive_json_from(timeout=5))["type"] == "synced"
+    await database_sync_to_async(record_many)(task.pk, [status(i) for i in range(1, 6)], "stream")
+    got = await collect(comm, 5)
+    assert [m["seq"] for m in got] == [1, 2, 3, 4, 5]
+    assert got[2]["raw"]["statusUpdate"]["status"]["message"]["parts"] == [{"text": "step 3"}]
+    await comm.disconnect()
