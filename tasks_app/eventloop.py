@@ -24,7 +24,13 @@ from tasks_app import relay
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DB_THREADS = 8
+
+
+def db_threads() -> int:
+    """Threads for database work. SQLite takes one writer at a time: more threads
+    would only wait on its lock (and its busy handler sleeps), so one does it all."""
+    return 1 if connections["default"].vendor == "sqlite" else 8
+
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
@@ -54,7 +60,7 @@ def get_loop() -> asyncio.AbstractEventLoop:
         if _loop is None or (not _loop.is_running() and _thread is not None and not _thread.is_alive()):
             loop = asyncio.new_event_loop()
             ready = threading.Event()
-            _db_pool = concurrent.futures.ThreadPoolExecutor(DB_THREADS, thread_name_prefix="watch-db")
+            _db_pool = concurrent.futures.ThreadPoolExecutor(db_threads(), thread_name_prefix="watch-db")
             _thread = threading.Thread(target=_run, args=(loop, ready), name="watch-loop", daemon=True)
             _thread.start()
             ready.wait(10)
