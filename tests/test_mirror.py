@@ -153,9 +153,11 @@ def test_import_mirrors_tasks_started_elsewhere(agent, celery_worker):
             event = await client.send_message(user_message("quick"))
             return event.payload["id"]
 
-    remote_id = asyncio.run(start_elsewhere())
-    result = task_services.import_tasks(demo)
-    assert result.seen >= 1
+    remote_ids = [asyncio.run(start_elsewhere()) for _ in range(3)]
+    remote_id = remote_ids[0]
+    result = task_services.import_tasks(demo, page_size=2)  # several pages
+    assert result.seen >= 3
+    assert RemoteTask.objects.filter(agent=demo, remote_id__in=remote_ids).count() == 3
     task = RemoteTask.objects.get(agent=demo, remote_id=remote_id)
     assert task.state == "TASK_STATE_COMPLETED" and task.mode == "imported"
     assert_converged(task)
