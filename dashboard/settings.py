@@ -200,11 +200,12 @@ LOGGING = {
 }
 
 # Watcher tuning (see tasks_app/watchers.py); tests shorten these.
-WATCH_LEASE_SECONDS = float(os.environ.get("WATCH_LEASE_SECONDS", "30"))
+# A killed worker's streams are taken over within about lease + reconcile period.
+WATCH_LEASE_SECONDS = float(os.environ.get("WATCH_LEASE_SECONDS", "6"))
 WATCH_SLICE_SECONDS = float(os.environ.get("WATCH_SLICE_SECONDS", "300"))
 WATCH_POLL_MIN_SECONDS = float(os.environ.get("WATCH_POLL_MIN_SECONDS", "1"))
 WATCH_POLL_MAX_SECONDS = float(os.environ.get("WATCH_POLL_MAX_SECONDS", "30"))
-RECONCILE_EVERY_SECONDS = float(os.environ.get("RECONCILE_EVERY_SECONDS", "10"))
+RECONCILE_EVERY_SECONDS = float(os.environ.get("RECONCILE_EVERY_SECONDS", "2"))
 WATCH_STREAM_IDLE_SECONDS = float(os.environ.get("WATCH_STREAM_IDLE_SECONDS", "60"))
 WATCH_BACKOFF_BASE_SECONDS = float(os.environ.get("WATCH_BACKOFF_BASE_SECONDS", "0.5"))
 WATCH_BACKOFF_MAX_SECONDS = float(os.environ.get("WATCH_BACKOFF_MAX_SECONDS", "30"))

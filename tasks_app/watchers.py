@@ -146,7 +146,7 @@ class Registry:
             if not tokens:
                 continue
             try:
-                kept = await eventloop.db(task_services.renew_leases, tokens)
+                kept = await eventloop.db_lease(task_services.renew_leases, tokens)
             except Exception:
                 log.exception("lease renewal failed")
                 continue
