@@ -96,6 +96,15 @@ def mixed_events(task: Any, n: int) -> list[dict]:
 # Relay listener -------------------------------------------------------------------------------
 
 
+def relayed_events(message: dict) -> list[dict]:
+    """The log rows one channel-layer message carries: ``task.event`` (one) or ``task.events`` (a run)."""
+    if message.get("type") == "task.event":
+        return [message]
+    if message.get("type") == "task.events":
+        return [e for e in message.get("events") or [] if isinstance(e, dict)]
+    return []
+
+
 class RelayCounter:
     """Joins ``task-<pk>`` on the worker-style shared loop and counts the messages that arrive."""
 
@@ -123,8 +132,9 @@ class RelayCounter:
         layer = get_channel_layer()
         while True:
             message = await layer.receive(self.channel)
-            if message.get("type") == "task.event":
-                self.count += 1
+            events = relayed_events(message)
+            if events:
+                self.count += len(events)
                 self.last_at = time.perf_counter()
 
     def wait_for(self, n: int, timeout: float) -> bool:

@@ -30,6 +30,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from tasks_app.bench.inproc import relayed_events
 from tasks_app.bench.procs import Proc, Procs, free_port, wait_port
 from tasks_app.bench.report import Row
 
@@ -519,10 +520,10 @@ class RelayTap:
                 message = await asyncio.wait_for(layer.receive(channel), 0.5)
             except TimeoutError:
                 continue
-            if message.get("type") == "task.event":
-                stamp = emitted_of(message.get("raw"))
+            for event in relayed_events(message):
+                stamp = emitted_of(event.get("raw"))
                 if stamp:
-                    self.into.add(message.get("task"), *stamp, received_at=message.get("received_at") or "")
+                    self.into.add(event.get("task"), *stamp, received_at=event.get("received_at") or "")
 
 
 def p2(db: str, quick: bool) -> list[Row]:
