@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import urlsplit
@@ -71,9 +74,35 @@ def sanitize_html(html: str) -> SafeString:
     return mark_safe(cleaned)  # sanitized just above
 
 
+MARKDOWN_CACHE_SIZE = 256
+# Past this size text is shown as plain (escaped) text: rendering markdown costs
+# about 5 ms per KB, and a long machine output is rarely meant as markdown.
+MARKDOWN_MAX_CHARS = 20_000
+_markdown_cache: OrderedDict[bytes, SafeString] = OrderedDict()
+_markdown_lock = threading.Lock()
+
+
 def markdown_html(text: str) -> SafeString:
-    """Markdown (raw HTML disabled) -> sanitized HTML."""
-    return sanitize_html(_md.render(text or ""))
+    """Markdown (raw HTML disabled) -> sanitized HTML; remembered for repeated views."""
+    text = text or ""
+    if len(text) > MARKDOWN_MAX_CHARS:
+        return plain_text_html(text)
+    key = hashlib.sha256(text.encode()).digest()
+    with _markdown_lock:
+        if key in _markdown_cache:
+            _markdown_cache.move_to_end(key)
+            return _markdown_cache[key]
+    html = sanitize_html(_md.render(text))
+    with _markdown_lock:
+        _markdown_cache[key] = html
+        while len(_markdown_cache) > MARKDOWN_CACHE_SIZE:
+            _markdown_cache.popitem(last=False)
+    return html
+
+
+def plain_text_html(text: str) -> SafeString:
+    """Text shown as it is (escaped), keeping its line breaks."""
+    return format_html('<pre class="plain-text">{}</pre>', text)
 
 
 def pretty_json(value: Any) -> str:

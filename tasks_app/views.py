@@ -6,6 +6,7 @@ import base64
 import binascii
 from collections.abc import Callable
 from datetime import datetime
+from typing import Any
 from urllib.parse import urlencode
 
 from django.contrib import messages
@@ -40,6 +41,7 @@ from tasks_app.models import (
     TERMINAL_STATES,
     Agent,
     Artifact,
+    ArtifactPart,
     ConversationMessage,
     RemoteTask,
     TaskEvent,
@@ -445,22 +447,26 @@ def _message_download_url(task: RemoteTask, message: ConversationMessage):
 
 
 def artifact_blocks(task: RemoteTask, only: list[str] | None = None) -> list[dict]:
-    qs = Artifact.objects.filter(task=task).prefetch_related("parts")
+    qs = Artifact.objects.filter(task=task)
     if only is not None:
         qs = qs.filter(artifact_id__in=only)
-    blocks = []
-    for artifact in qs:
-        parts = list(artifact.parts.all())
-        blocks.append(
-            {
-                "artifact": artifact,
-                "html": parts_html([p.part for p in parts], _download_url(task, artifact)),
-                # The seq this rendering is up to, from the parts themselves: the artifact
-                # row was read first, and chunks committed in between are in the parts.
-                "seq": max((p.seq for p in parts), default=artifact.updated_seq),
-            }
-        )
-    return blocks
+    artifacts = list(qs)
+    # Plain tuples: a streamed artifact has thousands of parts, and model
+    # instances for each cost more than the query.
+    parts: dict[int, list[tuple[Any, int]]] = {a.pk: [] for a in artifacts}
+    rows = ArtifactPart.objects.filter(artifact__in=artifacts).order_by("artifact_id", "index")
+    for artifact_pk, part, seq in rows.values_list("artifact_id", "part", "seq"):
+        parts[artifact_pk].append((part, seq))
+    return [
+        {
+            "artifact": artifact,
+            "html": parts_html([p for p, _ in parts[artifact.pk]], _download_url(task, artifact)),
+            # The seq this rendering is up to, from the parts themselves: the artifact
+            # row was read first, and chunks committed in between are in the parts.
+            "seq": max((seq for _, seq in parts[artifact.pk]), default=artifact.updated_seq),
+        }
+        for artifact in artifacts
+    ]
 
 
 def _conversation(task: RemoteTask) -> list[dict]:

@@ -106,3 +106,19 @@ def test_timeline_segments_and_escaping():
     hostile = str(timeline_svg([(1, t0, '<script>"x'), (2, t0 + timedelta(seconds=1), "TASK_STATE_WORKING")], now=t0 + timedelta(seconds=3)))
     assert "<script" not in hostile
     assert "No events yet" in str(timeline_svg([]))
+
+
+def test_long_text_is_shown_plain_and_escaped():
+    from tasks_app.rendering import MARKDOWN_MAX_CHARS, markdown_html
+
+    text = "# title\n<script>alert(1)</script>\n" + "x" * MARKDOWN_MAX_CHARS
+    html = str(markdown_html(text))
+    assert html.startswith('<pre class="plain-text">')
+    assert "<script>" not in html and "&lt;script&gt;" in html
+    assert "<h1>" not in html
+
+
+def test_markdown_rendering_is_remembered():
+    from tasks_app.rendering import markdown_html
+
+    assert markdown_html("**same**") is markdown_html("**same**")
