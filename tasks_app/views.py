@@ -61,8 +61,9 @@ from tasks_app.svg import timeline_svg
 
 PAGE_SIZE = 50
 COUNT_LIMIT = 1000
-EVENTS_ON_PAGE = 300
-MESSAGES_ON_PAGE = 200
+EVENTS_ON_PAGE = 300  # a page of the full log
+EVENTS_ON_TASK_PAGE = 100  # the newest entries under the task; the rest is a link away
+MESSAGES_ON_PAGE = 100
 STATE_LABELS = dict(STATE_CHOICES)
 WATCHER_STATUSES = [s for s, _ in RemoteTask.WatcherStatus.choices]
 
@@ -518,7 +519,7 @@ def _task_context(task: RemoteTask) -> dict:
 @login_required
 def task_detail(request: HttpRequest, pk: int) -> HttpResponse:
     task = get_object_or_404(RemoteTask.objects.select_related("agent", "started_by"), pk=pk)
-    events = list(task.events.order_by("-seq")[:EVENTS_ON_PAGE])
+    events = list(task.events.order_by("-seq")[:EVENTS_ON_TASK_PAGE])
     events.reverse()
     context = _task_context(task)
     context.update(
@@ -648,7 +649,7 @@ def task_answer(request: HttpRequest, pk: int) -> HttpResponse:
 
 
 def _render_task_with(request: HttpRequest, task: RemoteTask, **forms) -> HttpResponse:
-    events = list(task.events.order_by("-seq")[:EVENTS_ON_PAGE])
+    events = list(task.events.order_by("-seq")[:EVENTS_ON_TASK_PAGE])
     events.reverse()
     context = _task_context(task)
     context.update(forms)
