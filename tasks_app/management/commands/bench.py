@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -134,6 +135,10 @@ class Command(BaseCommand):
                                  "tasks_app/bench/analysis.md), without measuring")  # fmt: skip
 
     def handle(self, *args: Any, **options: Any) -> None:
+        # Cleanup (child processes, scratch databases, the private Redis) runs in finally
+        # blocks: make SIGTERM, and SIGINT even where a background shell ignores it, unwind.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         if options["rewrite_docs"]:
             rows, command = rows_from_docs(DOCS_PATH)
             analysis = ANALYSIS_PATH.read_text() if ANALYSIS_PATH.exists() else ""
