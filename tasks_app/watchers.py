@@ -115,9 +115,12 @@ class Registry:
     """Holders running on this process's loop, their lease tokens, and the heartbeat."""
 
     def __init__(self) -> None:
-        self.holders: dict[int, tuple[str, asyncio.Task[None]]] = {}
+        self.holders: dict[int, tuple[Holder, asyncio.Task[None]]] = {}
         self.heartbeat: asyncio.Task[None] | None = None
         self.http: Any = None
+
+    def tokens(self) -> dict[int, str]:
+        return {pk: holder.token for pk, (holder, _) in self.holders.items()}
 
     async def start(self, task_pk: int, token: str) -> None:
         if self.http is None:
@@ -126,34 +129,40 @@ class Registry:
             self.heartbeat = asyncio.get_running_loop().create_task(self._beat())
         existing = self.holders.get(task_pk)
         if existing and not existing[1].done():
-            existing[1].cancel()
+            # This process already holds the task (its lease lapsed under load and was
+            # taken again, here): the running holder goes on under the new token rather
+            # than being interrupted, which could cut a send in half.
+            existing[0].token = token
+            return
         holder = Holder(task_pk, token, self.http)
-        self.holders[task_pk] = (token, asyncio.get_running_loop().create_task(self._run(holder)))
+        self.holders[task_pk] = (holder, asyncio.get_running_loop().create_task(self._run(holder)))
 
     async def _run(self, holder: Holder) -> None:
         try:
             await holder.run()
         finally:
             current = self.holders.get(holder.task_pk)
-            if current and current[0] == holder.token:
+            if current and current[0] is holder:
                 del self.holders[holder.task_pk]
 
     async def _beat(self) -> None:
         """Renew every lease we hold; cancel the holders whose lease someone else took."""
         while True:
             await asyncio.sleep(max(settings.WATCH_LEASE_SECONDS / 3, 0.2))
-            tokens = {token for token, _ in self.holders.values()}
-            if not tokens:
+            held = self.tokens()
+            if not held:
                 continue
             try:
-                kept = await eventloop.db_lease(task_services.renew_leases, tokens)
+                kept = await eventloop.db_lease(task_services.renew_leases, set(held.values()))
             except Exception:
                 log.exception("lease renewal failed")
                 continue
-            for pk, (token, task) in list(self.holders.items()):
-                if token not in kept:
+            for pk, token in held.items():
+                entry = self.holders.get(pk)
+                # (A holder given a new token meanwhile is checked on the next beat.)
+                if entry and entry[0].token == token and token not in kept:
                     log.warning("lost the lease of task %s; stopping its holder", pk)
-                    task.cancel()
+                    entry[1].cancel()
 
     async def shutdown(self) -> None:
         """Stop every holder and give its lease back, so another worker takes over at once."""
@@ -161,9 +170,13 @@ class Registry:
         for _, (_, task) in held:
             task.cancel()
         await asyncio.gather(*(task for _, (_, task) in held), return_exceptions=True)
-        for pk, (token, _) in held:
+        for pk, (holder, _) in held:
             await eventloop.db(
-                task_services.release_lease, pk, token, status=Status.IDLE, note="worker stopped; waiting for another"
+                task_services.release_lease,
+                pk,
+                holder.token,
+                status=Status.IDLE,
+                note="worker stopped; waiting for another",
             )
         if self.http is not None:
             await self.http.aclose()
@@ -277,7 +290,8 @@ class Holder:
             )
             await eventloop.db(task_services.fail_send, self.task_pk, reason)
             return Turn(Status.IDLE, "send interrupted")
-        await eventloop.db(task_services.mark_send_attempted, self.task_pk, self.token)
+        if not await eventloop.db(task_services.mark_send_attempted, self.task_pk, self.token):
+            raise asyncio.CancelledError  # the lease is no longer ours: someone else sends
         metadata = outbox.get("metadata") or None
         try:
             if streaming:

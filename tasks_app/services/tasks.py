@@ -330,10 +330,9 @@ def _relay_watcher(task_pk: int) -> None:
 
 
 def mark_send_attempted(task_pk: int, token: str) -> bool:
+    """Note that the outbox is being sent; False if the lease is no longer ours."""
     return bool(
-        RemoteTask.objects.filter(pk=task_pk, lease_token=token, phase=RemoteTask.Phase.SENDING).update(
-            send_attempted_at=timezone.now()
-        )
+        RemoteTask.objects.filter(pk=task_pk, lease_token=token).update(send_attempted_at=timezone.now())
     )
 
 
