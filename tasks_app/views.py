@@ -61,7 +61,7 @@ from tasks_app.svg import timeline_svg
 
 PAGE_SIZE = 50
 COUNT_LIMIT = 1000
-EVENTS_ON_PAGE = 300  # a page of the full log
+EVENTS_ON_PAGE = 100  # a page of the full log
 EVENTS_ON_TASK_PAGE = 100  # the newest entries under the task; the rest is a link away
 MESSAGES_ON_PAGE = 100
 STATE_LABELS = dict(STATE_CHOICES)
