@@ -189,3 +189,17 @@ def test_each_entry_of_a_batch_carries_the_state_right_after_it(task):
         ("TASK_STATE_WORKING", False),
         ("TASK_STATE_COMPLETED", True),
     ]
+
+
+def test_default_valued_fields_do_not_make_a_snapshot_differ(task):
+    """ListTasks results carry "filename": "", "extensions": [] ...; GetTask omits them."""
+    lean = {"artifactId": "a-1", "parts": [{"text": "x"}]}
+    verbose = {
+        "artifactId": "a-1", "name": "", "description": "", "metadata": {}, "extensions": [],
+        "parts": [{"text": "x", "filename": "", "mediaType": "", "metadata": {}}],
+    }  # fmt: skip
+    record(task, snapshot("t-1", "TASK_STATE_COMPLETED", [lean], ts="2026-01-01T00:00:01Z"), "poll")
+    assert record(
+        task, snapshot("t-1", "TASK_STATE_COMPLETED", [verbose], ts="2026-01-01T00:00:01Z"), "poll"
+    ).duplicate
+    assert task_view(task)["artifacts"] == [lean]

@@ -31,22 +31,22 @@ def parts(values: Any) -> Any:
     return [part(p) for p in values] if isinstance(values, list) else values
 
 
-def message(value: Any) -> Any:
+def _with_parts(value: Any, optional: tuple[str, ...]) -> Any:
+    """A Message or an Artifact: its own optional fields, then each of its parts."""
     if not isinstance(value, dict):
         return value
-    out = _strip(value, MESSAGE_OPTIONAL)
+    out = _strip(value, optional)
     if "parts" in out:
         out["parts"] = parts(out["parts"])
     return out
+
+
+def message(value: Any) -> Any:
+    return _with_parts(value, MESSAGE_OPTIONAL)
 
 
 def artifact(value: Any) -> Any:
-    if not isinstance(value, dict):
-        return value
-    out = _strip(value, ARTIFACT_OPTIONAL)
-    if "parts" in out:
-        out["parts"] = parts(out["parts"])
-    return out
+    return _with_parts(value, ARTIFACT_OPTIONAL)
 
 
 def status(value: Any) -> Any:
