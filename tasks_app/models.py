@@ -111,6 +111,9 @@ class RemoteTask(models.Model):
         AWAITING_PUSH = "awaiting-push"
         IDLE = "idle"
         LOST = "lost"
+        PARKED = "parked"  # needs attention: fruitless turns or a budget ran out
+        GONE = "gone"  # the agent no longer knows the task
+        ABANDONED = "abandoned"  # an operator gave the task up locally
 
     agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="tasks")
     remote_id = models.CharField(max_length=300, blank=True)
@@ -143,6 +146,29 @@ class RemoteTask(models.Model):
     lease_expires_at = models.DateTimeField(null=True, blank=True, db_index=True)
     # The last seq handed out; events are appended by compare-and-set on it.
     last_seq = models.PositiveIntegerField(default=0)
+    # Hash of the newest log row: the next row's hash chains from it (see audit.py).
+    last_hash = models.CharField(max_length=64, blank=True)
+    # Set when a terminal task was reconciled once with GetTask; nothing changes after.
+    settled_at = models.DateTimeField(null=True, blank=True)
+    # The seq of the row that asked the current question (input/auth-required), and the
+    # question an answer was accepted for: one answer per question, by compare-and-set.
+    asked_seq = models.PositiveIntegerField(default=0)
+    answered_seq = models.PositiveIntegerField(default=0)
+    answered_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="answered_tasks",
+    )
+    answered_at = models.DateTimeField(null=True, blank=True)
+    # Watcher bookkeeping (see the watcher state table in docs/architecture.md).
+    watcher_since = models.DateTimeField(null=True, blank=True)
+    fruitless_turns = models.PositiveIntegerField(default=0)
+    gone_at = models.DateTimeField(null=True, blank=True)
+    abandoned_at = models.DateTimeField(null=True, blank=True)
+    # Bytes of agent content stored for this task (the per-task budget).
+    stored_bytes = models.BigIntegerField(default=0)
     last_event_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
     updated_at = models.DateTimeField(default=timezone.now, db_index=True)
@@ -214,6 +240,10 @@ class TaskEvent(models.Model):
     actor = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
     )
+    # sha256 of the canonical raw content alone (recognizes a chunk delivered twice).
+    digest = models.CharField(max_length=64, blank=True)
+    # sha256 over the previous row's hash and this row's canonical form (the chain).
+    hash = models.CharField(max_length=64, blank=True)
 
     class Meta:
         ordering = ["task", "seq"]
@@ -223,7 +253,8 @@ class TaskEvent(models.Model):
         indexes = [
             models.Index(
                 fields=["task", "seq"], condition=Q(state_changed=True), name="state_changes"
-            )
+            ),
+            models.Index(fields=["task", "digest"], name="event_digest"),
         ]
 
     def __str__(self) -> str:
@@ -303,6 +334,34 @@ class OperatorAction(models.Model):
 
     class Meta:
         ordering = ["-created_at"]
+
+
+class ImportJob(models.Model):
+    """A background import of an agent's tasks (ListTasks, page by page), with progress."""
+
+    class Status(models.TextChoices):
+        QUEUED = "queued"
+        RUNNING = "running"
+        DONE = "done"
+        FAILED = "failed"
+        CANCELED = "canceled"
+
+    agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="import_jobs")
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+    status = models.CharField(max_length=20, choices=Status.choices, default=Status.QUEUED)
+    pages = models.PositiveIntegerField(default=0)
+    seen = models.PositiveIntegerField(default=0)
+    created = models.PositiveIntegerField(default=0)
+    changed = models.PositiveIntegerField(default=0)
+    error = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
 
 
 def new_token() -> str:

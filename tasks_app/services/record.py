@@ -79,6 +79,8 @@ class Recorded:
     seqs: list[int] = field(default_factory=list)
     state: str = ""
     notes: list[str] = field(default_factory=list)
+    # True when the writer's lease had moved on: nothing was written (see ``fence``).
+    fenced: bool = False
 
     @property
     def duplicate(self) -> bool:
@@ -582,9 +584,10 @@ def record(
     *,
     actor_id: int | None = None,
     gap_check: bool | None = None,
+    fence: str | None = None,
 ) -> Recorded:
     """Record one object learned about ``task`` through ``channel``."""
-    return record_many(task, [obj], channel, actor_id=actor_id, gap_check=gap_check)
+    return record_many(task, [obj], channel, actor_id=actor_id, gap_check=gap_check, fence=fence)
 
 
 def record_many(
@@ -594,19 +597,25 @@ def record_many(
     *,
     actor_id: int | None = None,
     gap_check: bool | None = None,
+    fence: str | None = None,
 ) -> Recorded:
     """Record several objects, in order, in one transaction (cheaper for fast streams).
 
     ``gap_check``: a snapshot that differs from the mirror means events were
     missed (true by default on the ``resubscribe`` channel; watchers also set
     it for the GetTask that follows a stream which closed too early).
+
+    ``fence``: the writer's lease token. A watcher passes its own; when the
+    task's lease has moved on (another holder took over), nothing is written
+    and the result says ``fenced``. The check is part of the compare-and-set,
+    so a holder that lost its lease in the middle of a batch cannot write.
     """
     if gap_check is None:
         gap_check = channel == "resubscribe"
     task_pk = task if isinstance(task, int) else task.pk
     entries = [parse_entry(obj) for obj in objs]
     for attempt in range(MAX_RETRIES):
-        recorded = _record_once(task_pk, entries, channel, gap_check, actor_id)
+        recorded = _record_once(task_pk, entries, channel, gap_check, actor_id, fence)
         if recorded is not None:
             return recorded
         # Another writer appended first: fold again on its result, after a short
@@ -616,13 +625,20 @@ def record_many(
 
 
 def _record_once(
-    task_pk: int, entries: list[Entry], channel: str, gap_check: bool, actor_id: int | None
+    task_pk: int,
+    entries: list[Entry],
+    channel: str,
+    gap_check: bool,
+    actor_id: int | None,
+    fence: str | None,
 ) -> Recorded | None:
     """One try: fold and append in one transaction; None when another writer won the race."""
     with transaction.atomic():
         current = RemoteTask.objects.filter(pk=task_pk).first()
         if current is None:
             raise RecordError(f"task {task_pk} does not exist")
+        if fence is not None and current.lease_token != fence:
+            return Recorded(state=current.state, fenced=True)
         fold = _Fold(current, channel, gap_check=gap_check)
         fold.prefetch_messages(entries)
         for entry in entries:
@@ -635,7 +651,8 @@ def _record_once(
             fold.changes, last_seq=current.last_seq + len(fold.rows), last_event_at=now, updated_at=now
         )
         # Compare-and-set: matches no row if someone appended since we read.
-        if not RemoteTask.objects.filter(pk=task_pk, last_seq=current.last_seq).update(**changes):
+        guard = {"lease_token": fence} if fence is not None else {}
+        if not RemoteTask.objects.filter(pk=task_pk, last_seq=current.last_seq, **guard).update(**changes):
             return None
         for name, value in changes.items():
             setattr(current, name, value)
