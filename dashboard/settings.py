@@ -212,3 +212,28 @@ WATCH_STREAM_IDLE_SECONDS = float(os.environ.get("WATCH_STREAM_IDLE_SECONDS", "6
 WATCH_BACKOFF_BASE_SECONDS = float(os.environ.get("WATCH_BACKOFF_BASE_SECONDS", "0.5"))
 WATCH_BACKOFF_MAX_SECONDS = float(os.environ.get("WATCH_BACKOFF_MAX_SECONDS", "30"))
 WATCH_MAX_EVENT_BYTES = int(os.environ.get("WATCH_MAX_EVENT_BYTES", str(8 * 1024 * 1024)))
+# A watcher that records nothing new this many turns in a row parks the task ("needs attention").
+WATCH_MAX_FRUITLESS_TURNS = int(os.environ.get("WATCH_MAX_FRUITLESS_TURNS", "8"))
+
+# Budgets: what one agent may make us do (see docs/architecture.md, "Budgets").
+# Per task: events recorded per second, bytes of agent content stored in all.
+BUDGET_TASK_EVENTS_PER_SECOND = float(os.environ.get("BUDGET_TASK_EVENTS_PER_SECOND", "200"))
+BUDGET_TASK_BYTES = int(os.environ.get("BUDGET_TASK_BYTES", str(64 * 1024 * 1024)))
+# Per agent: protocol errors per minute before its tasks are parked.
+BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE = int(
+    os.environ.get("BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE", "20")
+)
+# A part's content larger than this is stored once (in the part row); the log row keeps a
+# reference (its digest and size) instead of a second copy.
+INLINE_CONTENT_BYTES = int(os.environ.get("INLINE_CONTENT_BYTES", str(64 * 1024)))
+
+# Deadlines on whole outbound calls (not only per read): a trickling answer fails.
+A2A_CALL_DEADLINE_SECONDS = float(os.environ.get("A2A_CALL_DEADLINE_SECONDS", "60"))
+A2A_SEND_DEADLINE_SECONDS = float(os.environ.get("A2A_SEND_DEADLINE_SECONDS", "600"))
+
+# Import (ListTasks) jobs: at most this many pages, and this long in all.
+IMPORT_MAX_PAGES = int(os.environ.get("IMPORT_MAX_PAGES", "200"))
+IMPORT_DEADLINE_SECONDS = float(os.environ.get("IMPORT_DEADLINE_SECONDS", "600"))
+
+# How much of an artifact the task page shows inline; the rest is a download.
+ARTIFACT_PREVIEW_BYTES = int(os.environ.get("ARTIFACT_PREVIEW_BYTES", str(64 * 1024)))
