@@ -81,6 +81,15 @@ class Recorded:
     notes: list[str] = field(default_factory=list)
     # True when the writer's lease had moved on: nothing was written (see ``fence``).
     fenced: bool = False
+    # The kind of each appended row (a turn that appended only protocol errors made no progress).
+    kinds: list[str] = field(default_factory=list)
+    # True when the task's byte budget refused content in this call (BUDGET_TASK_BYTES).
+    over_budget: bool = False
+
+    @property
+    def progress(self) -> bool:
+        """Whether anything the agent said was new (protocol errors, gaps and notes are not)."""
+        return any(kind in A2A_KINDS for kind in self.kinds)
 
     @property
     def duplicate(self) -> bool:
@@ -660,7 +669,10 @@ def _record_once(
         messages = _relay_messages(current, events)
         transaction.on_commit(lambda: relay.publish(messages))
         return Recorded(
-            seqs=[e.seq for e in events], state=current.state, notes=[e.note for e in events if e.note]
+            seqs=[e.seq for e in events],
+            state=current.state,
+            notes=[e.note for e in events if e.note],
+            kinds=[e.kind for e in events],
         )
 
 
