@@ -7,7 +7,6 @@ the package never has to catch httpx exceptions itself.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import httpx
@@ -23,6 +22,7 @@ from .errors import (
     TransportError,
     from_http_error,
 )
+from .safejson import loads
 
 JSON_MEDIA_TYPES = ("application/json", "application/a2a+json", "application/problem+json")
 SSE_MEDIA_TYPE = "text/event-stream"
@@ -81,16 +81,23 @@ def snippet_of(body: bytes | str, limit: int = 160) -> str:
 
 
 def decode_json(body: bytes, where: str, *, mt: str = "") -> Any:
-    """Parse a JSON body; anything else is a ProtocolError saying what came instead."""
+    """Parse a JSON body; anything else is a ProtocolError saying what came instead.
+
+    Nesting deeper than :data:`safejson.DEFAULT_MAX_DEPTH` is refused with a
+    ProtocolError saying so (never a ``RecursionError``).
+    """
     try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+        return loads(body)
+    except ProtocolError as exc:
+        if not isinstance(exc.__cause__, ValueError):
+            exc.where = exc.where or where
+            raise  # too deep: its own message says where
         what = f"{mt or 'no content type'}"
         raise ProtocolError(
             f"expected JSON, got {what}: {snippet_of(body) or '(empty body)'}",
             where=where,
             snippet=snippet_of(body, 500),
-        ) from exc
+        ) from exc.__cause__
 
 
 def error_for_status(response: httpx.Response, body: bytes, where: str) -> A2AError:
@@ -99,9 +106,9 @@ def error_for_status(response: httpx.Response, body: bytes, where: str) -> A2AEr
     parsed: Any = None
     if body:
         try:
-            parsed = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            parsed = None
+            parsed = loads(body)
+        except ProtocolError:
+            parsed = None  # unreadable or too deep: reported as a non-A2A body
     err = from_http_error(
         response.status_code, parsed, text=snippet_of(body, 500) if parsed is None else ""
     )
