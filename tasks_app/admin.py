@@ -1,6 +1,10 @@
-"""The mirror in Django's admin: read-mostly views for debugging.
+"""The mirror in Django's admin: read-only views for debugging.
 
-Credentials are never shown (the encrypted field is excluded).
+The event log, the snapshot folded from it (tasks, artifacts, parts,
+conversation) and the operator actions are append-only records: the admin may
+view them, never add, change or delete them (the log's hash chain and
+``audit replay`` would otherwise break). Agents stay editable. Credentials are
+never shown (the encrypted field is excluded).
 """
 
 from django.contrib import admin
@@ -25,8 +29,34 @@ class AgentAdmin(admin.ModelAdmin):
     formfield_overrides = {models.URLField: {"assume_scheme": "https"}}
 
 
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """View permission only: no add, change or delete, whoever asks."""
+
+    def has_add_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+
+class ReadOnlyInline(admin.TabularInline):
+    extra = 0
+
+    def has_add_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+
 @admin.register(RemoteTask)
-class RemoteTaskAdmin(admin.ModelAdmin):
+class RemoteTaskAdmin(ReadOnlyAdmin):
     list_display = ("pk", "agent", "remote_id", "title", "phase", "state", "watcher_status", "updated_at")
     list_filter = ("state", "phase", "watcher_status", "agent")
     search_fields = ("remote_id", "title", "context_id")
@@ -35,33 +65,32 @@ class RemoteTaskAdmin(admin.ModelAdmin):
 
 
 @admin.register(TaskEvent)
-class TaskEventAdmin(admin.ModelAdmin):
+class TaskEventAdmin(ReadOnlyAdmin):
     list_display = ("task", "seq", "kind", "channel", "state_after", "received_at")
     list_filter = ("kind", "channel")
     raw_id_fields = ("task", "actor")
     show_full_result_count = False
 
 
-class ArtifactPartInline(admin.TabularInline):
+class ArtifactPartInline(ReadOnlyInline):
     model = ArtifactPart
-    extra = 0
 
 
 @admin.register(Artifact)
-class ArtifactAdmin(admin.ModelAdmin):
+class ArtifactAdmin(ReadOnlyAdmin):
     list_display = ("task", "artifact_id", "name", "part_count", "complete", "updated_at")
     raw_id_fields = ("task",)
     inlines = [ArtifactPartInline]
 
 
 @admin.register(ConversationMessage)
-class ConversationMessageAdmin(admin.ModelAdmin):
+class ConversationMessageAdmin(ReadOnlyAdmin):
     list_display = ("task", "message_id", "role", "seq", "created_at")
     raw_id_fields = ("task",)
 
 
 @admin.register(OperatorAction)
-class OperatorActionAdmin(admin.ModelAdmin):
+class OperatorActionAdmin(ReadOnlyAdmin):
     list_display = ("action", "task", "agent", "actor", "outcome", "created_at")
     list_filter = ("action",)
     raw_id_fields = ("task", "agent", "actor")

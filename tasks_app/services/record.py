@@ -29,13 +29,14 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import Max
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from tasks_app import relay
-from tasks_app.a2a import normalize
+from tasks_app.a2a import normalize, safejson
 from tasks_app.models import (
     INTERRUPTED_STATES,
     TERMINAL_STATES,
@@ -45,6 +46,7 @@ from tasks_app.models import (
     RemoteTask,
     TaskEvent,
 )
+from tasks_app.services.chain import content_digest, event_hash
 from tasks_app.services.snapshot import event_json
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,8 @@ KNOWN_STATES = {
     *TERMINAL_STATES,
 }
 MAX_RETRIES = 100
+# Channels written only by the task's lease holder (fenced): one ordered connection each.
+HOLDER_CHANNELS = ("stream", "resubscribe", "send-response")
 
 
 class RecordError(Exception):
@@ -70,6 +74,10 @@ class Entry:
     payload: Any
     raw: Any
     note: str = ""
+    # sha256 of the canonical raw content (see tasks_app/services/chain.py).
+    digest: str = ""
+    # Bytes of agent content the entry stores (its canonical raw size).
+    size: int = 0
 
 
 @dataclass
@@ -108,6 +116,16 @@ def parse_entry(obj: Any) -> Entry:
     layer's stream events) are unwrapped.
     """
     obj = getattr(obj, "raw", obj)
+    obj, replaced = safejson.clean(obj)
+    entry = _parse(obj)
+    entry.digest, entry.size = content_digest(entry.raw)
+    if replaced:
+        note = f"{replaced} character(s) no database can store (lone surrogates, NUL) replaced by U+FFFD"
+        entry.note = f"{entry.note}; {note}" if entry.note else note
+    return entry
+
+
+def _parse(obj: Any) -> Entry:
     if not isinstance(obj, dict):
         return Entry("protocol-error", None, _jsonable(obj), f"expected a JSON object, got {type(obj).__name__}")
     keys = [key for key in obj if key in A2A_KINDS or key in LOCAL_KINDS]
@@ -243,6 +261,8 @@ class _Row:
     note: str = ""
     apply: bool = True
     state_after: str = ""
+    # The row sets a new status in input-required/auth-required: a new question.
+    asks: bool = False
 
 
 class _Rows(list):
@@ -260,11 +280,14 @@ class _Rows(list):
 class _Fold:
     """Folds entries into an in-memory copy of the snapshot, then writes it."""
 
-    def __init__(self, task: RemoteTask, channel: str, *, gap_check: bool) -> None:
+    def __init__(self, task: RemoteTask, channel: str, *, gap_check: bool, fence: str | None) -> None:
         self.task = task
         self.initial_state = task.state
         self.channel = channel
         self.gap_check = gap_check
+        self.fence = fence
+        self.over_budget = False
+        self._digests: set[str] = set()
         self.changes: dict[str, Any] = {}
         self.rows: _Rows = _Rows(self)
         self._artifacts: dict[str, Artifact] | None = None
@@ -316,11 +339,42 @@ class _Fold:
 
     # -- the fold of one entry
     def add(self, entry: Entry) -> None:
+        if entry.kind not in ("operator", "system", "gap") and not self._within_budget(entry):
+            return
         handler = getattr(self, "_fold_" + entry.kind.replace("-", "_"), None)
         if handler is None:
             self.rows.append(_Row(entry, entry.kind, entry.note))
             return
         handler(entry)
+
+    def _within_budget(self, entry: Entry) -> bool:
+        """Count the agent's bytes; past the task's budget, one entry says so and the rest is dropped."""
+        budget = settings.BUDGET_TASK_BYTES
+        used = self.get("stored_bytes")
+        if used + entry.size <= budget:
+            self.set(stored_bytes=used + entry.size)
+            return True
+        self.over_budget = True
+        if used <= budget:  # the first entry past the budget: say so, once
+            self.set(stored_bytes=budget + 1)
+            notice = {"system": {"event": "budget-exceeded", "detail": (
+                f"the agent's content for this task passed the {budget}-byte budget "
+                f"(BUDGET_TASK_BYTES); a {entry.kind} entry of {entry.size} bytes and anything "
+                "after it is not stored"
+            ), "digest": entry.digest, "bytes": entry.size}}  # fmt: skip
+            self.rows.append(_Row(Entry("system", notice["system"], notice), "system", "over budget"))
+        return False
+
+    # -- the end of a task
+    @property
+    def settled(self) -> bool:
+        return self.get("settled_at") is not None
+
+    def _after_end(self, entry: Entry, what: str) -> None:
+        """An entry that would change an ended task: logged with the agent's content, not applied."""
+        self.rows.append(
+            _Row(entry, "protocol-error", f"changed after the end: {what}; the task is final", apply=False)
+        )
 
     def _wrong_task(self, entry: Entry, task_id: str) -> bool:
         remote_id = self.get("remote_id")
@@ -363,6 +417,9 @@ class _Fold:
         new_messages = self.unknown_messages(candidates)
         if status_same and artifacts_same and not new_messages and self.get("remote_id"):
             return  # a snapshot equal to the view: nothing new
+        if self.settled:
+            self._after_end(entry, "a snapshot that differs from the settled task")
+            return
         if self.gap_check and self.get("remote_id") and not (status_same and artifacts_same):
             missed = []
             if not status_same:
@@ -375,7 +432,7 @@ class _Fold:
         self._set_status(status)
         if isinstance(task.get("metadata"), dict):
             self.set(metadata=task["metadata"])
-        row = _Row(entry, "task")
+        row = _Row(entry, "task", asks=not status_same and status["state"] in INTERRUPTED_STATES)
         row.artifacts = artifacts  # type: ignore[attr-defined]
         row.replace_artifacts = not artifacts_same  # type: ignore[attr-defined]
         row.messages = new_messages  # type: ignore[attr-defined]
@@ -405,6 +462,9 @@ class _Fold:
         status = update["status"]
         if self.get("remote_id") and self._status_same(status):
             return
+        if self.get("state") in TERMINAL_STATES and status["state"] == self.get("state"):
+            self._after_end(entry, "a status update of the ended task")
+            return
         problem = self._state_problem(status["state"])
         if problem:
             self.rows.append(_Row(entry, "protocol-error", problem, apply=False))
@@ -417,7 +477,7 @@ class _Fold:
             return
         self._adopt(update["taskId"], update.get("contextId"))
         self._set_status(status)
-        row = _Row(entry, "statusUpdate")
+        row = _Row(entry, "statusUpdate", asks=status["state"] in INTERRUPTED_STATES)
         message = status.get("message")
         fresh = self.unknown_messages([message]) if isinstance(message, dict) and message.get("messageId") else []
         row.messages = fresh  # type: ignore[attr-defined]
@@ -429,16 +489,35 @@ class _Fold:
         if self._wrong_task(entry, update["taskId"]):
             return
         if self.get("state") in TERMINAL_STATES:
-            self.rows.append(
-                _Row(entry, "protocol-error", "artifact update after the task ended", apply=False)
-            )
+            self._after_end(entry, "an artifact update after the task ended")
             return
+        if self.channel not in HOLDER_CHANNELS and self._seen_chunk(entry.digest):
+            return  # the same chunk, already taken from another channel (see _seen_chunk)
+        self._digests.add(entry.digest)
         self._adopt(update["taskId"], update.get("contextId"))
         self.rows.append(_Row(entry, "artifactUpdate"))
+
+    def _seen_chunk(self, digest: str) -> bool:
+        """Whether an identical artifact update is already in the log.
+
+        A holder's channels (``HOLDER_CHANNELS``) are fenced by its lease and
+        each is one ordered connection, so every chunk they deliver is taken,
+        even one equal to an earlier chunk. Any other channel (push, poll, an import) may repeat what the stream or an
+        earlier delivery already brought: there, a chunk equal to one in the log
+        (same canonical content) is the same chunk and is not stored again.
+        """
+        if digest in self._digests:
+            return True
+        return TaskEvent.objects.filter(
+            task_id=self.task.pk, digest=digest, kind=TaskEvent.Kind.ARTIFACT_UPDATE
+        ).exists()
 
     def _fold_message(self, entry: Entry) -> None:
         message = entry.payload
         if not self.unknown_messages([message]):
+            return
+        if self.get("state") in TERMINAL_STATES:
+            self._after_end(entry, "a message after the task ended")
             return
         if not self.get("remote_id") and self.get("phase") == RemoteTask.Phase.SENDING:
             # A plain Message answered the send: the exchange ends without a task.
@@ -450,9 +529,27 @@ class _Fold:
         row.messages = [message]  # type: ignore[attr-defined]
         self.rows.append(row)
 
+    def _fold_system(self, entry: Entry) -> None:
+        """Our own notes; ``settled`` marks a terminal task final (see :func:`settle`)."""
+        payload = entry.payload if isinstance(entry.payload, dict) else {}
+        if payload.get("event") == "send-failed" and not self.get("remote_id"):
+            self.set(phase=RemoteTask.Phase.FAILED)
+        if payload.get("event") != "settled":
+            self.rows.append(_Row(entry, "system", entry.note))
+            return
+        if self.settled:
+            return
+        if self.get("state") not in TERMINAL_STATES:
+            self.rows.append(_Row(entry, "system", "not settled: the task has not ended", apply=False))
+            return
+        self.set(settled_at=timezone.now())
+        self.rows.append(_Row(entry, "system", entry.note))
+
     def _fold_operator(self, entry: Entry) -> None:
         """An operator's action; a message we send joins the conversation."""
         row = _Row(entry, "operator")
+        if entry.payload.get("action") == "retry" and self.get("phase") == RemoteTask.Phase.FAILED:
+            self.set(phase=RemoteTask.Phase.SENDING)
         message = entry.payload.get("message")
         if isinstance(message, dict) and message.get("messageId"):
             row.messages = self.unknown_messages([message])  # type: ignore[attr-defined]
@@ -460,7 +557,39 @@ class _Fold:
         self.rows.append(row)
 
     # -- writes
-    def write_rows(self, first_seq: int, now: datetime, actor_id: int | None) -> list[TaskEvent]:
+    def build_events(self, first_seq: int, now: datetime, actor_id: int | None) -> list[TaskEvent]:
+        """The log rows to append, each hashed onto the one before (the task's chain).
+
+        Also notes the seq of a new question (``asked_seq``), before the
+        compare-and-set writes the snapshot.
+        """
+        events = []
+        previous_state, previous_hash = self.initial_state, self.task.last_hash
+        for seq, row in enumerate(self.rows, start=first_seq):
+            if not row.entry.digest:  # entries the fold made itself (gaps, notices)
+                row.entry.digest, row.entry.size = content_digest(row.entry.raw)
+            notes = [row.note] + ([row.entry.note] if row.entry.note not in ("", row.note) else [])
+            event = TaskEvent(
+                task_id=self.task.pk,
+                seq=seq,
+                received_at=now,
+                channel=self.channel,
+                kind=row.kind,
+                raw=row.entry.raw,
+                state_after=row.state_after,
+                state_changed=row.state_after != previous_state or seq == 1,
+                note="; ".join(n for n in notes if n),
+                actor_id=actor_id,
+                digest=row.entry.digest,
+            )
+            event.hash = previous_hash = event_hash(previous_hash, event, row.entry.digest)
+            events.append(event)
+            previous_state = row.state_after
+            if row.apply and row.asks:
+                self.set(asked_seq=seq)
+        return events
+
+    def write_rows(self, events: list[TaskEvent], now: datetime) -> None:
         """Append the log rows and apply them to the snapshot's rows.
 
         Writes are gathered and made in bulk at the end: a batch of any size
@@ -469,28 +598,9 @@ class _Fold:
         self._new_parts: list[ArtifactPart] = []
         self._new_messages: list[ConversationMessage] = []
         self._touched: dict[str, Artifact] = {}
-        events = []
-        seq = first_seq
-        previous = self.initial_state
-        for row in self.rows:
-            events.append(
-                TaskEvent(
-                    task_id=self.task.pk,
-                    seq=seq,
-                    received_at=now,
-                    channel=self.channel,
-                    kind=row.kind,
-                    raw=row.entry.raw,
-                    state_after=row.state_after,
-                    state_changed=row.state_after != previous or seq == 1,
-                    note=row.note,
-                    actor_id=actor_id,
-                )
-            )
-            previous = row.state_after
+        for row, event in zip(self.rows, events, strict=True):
             if row.apply:
-                self._apply_row(row, seq, now)
-            seq += 1
+                self._apply_row(row, event.seq, now)
         TaskEvent.objects.bulk_create(events)
         ArtifactPart.objects.bulk_create(self._new_parts, batch_size=500)
         ConversationMessage.objects.bulk_create(self._new_messages, batch_size=500)
@@ -502,7 +612,6 @@ class _Fold:
                     "digest", "complete", "updated_seq", "updated_at",
                 ],
             )  # fmt: skip
-        return events
 
     def _apply_row(self, row: _Row, seq: int, now: datetime) -> None:
         for message in getattr(row, "messages", []):
@@ -611,16 +720,15 @@ def record_many(
     """Record several objects, in order, in one transaction (cheaper for fast streams).
 
     ``gap_check``: a snapshot that differs from the mirror means events were
-    missed (true by default on the ``resubscribe`` channel; watchers also set
-    it for the GetTask that follows a stream which closed too early).
+    missed (true by default on the ``resubscribe`` channel, and on ``poll`` for
+    a task watched by stream, where a poll only happens when no stream was
+    live; watchers also set it for the GetTask that settles a task).
 
     ``fence``: the writer's lease token. A watcher passes its own; when the
     task's lease has moved on (another holder took over), nothing is written
     and the result says ``fenced``. The check is part of the compare-and-set,
     so a holder that lost its lease in the middle of a batch cannot write.
     """
-    if gap_check is None:
-        gap_check = channel == "resubscribe"
     task_pk = task if isinstance(task, int) else task.pk
     entries = [parse_entry(obj) for obj in objs]
     for attempt in range(MAX_RETRIES):
@@ -637,7 +745,7 @@ def _record_once(
     task_pk: int,
     entries: list[Entry],
     channel: str,
-    gap_check: bool,
+    gap_check: bool | None,
     actor_id: int | None,
     fence: str | None,
 ) -> Recorded | None:
@@ -648,16 +756,26 @@ def _record_once(
             raise RecordError(f"task {task_pk} does not exist")
         if fence is not None and current.lease_token != fence:
             return Recorded(state=current.state, fenced=True)
-        fold = _Fold(current, channel, gap_check=gap_check)
+        if gap_check is None:
+            # A snapshot after a time with no live stream: what differs was not seen live.
+            gap_check = channel == "resubscribe" or (
+                channel == "poll" and current.watch == RemoteTask.Watch.STREAM
+            )
+        fold = _Fold(current, channel, gap_check=gap_check, fence=fence)
         fold.prefetch_messages(entries)
         for entry in entries:
             fold.add(entry)
         if not fold.rows:
-            return Recorded(state=current.state)
+            return Recorded(state=current.state, over_budget=fold.over_budget)
         now = timezone.now()
         first_seq = current.last_seq + 1
+        events = fold.build_events(first_seq, now, actor_id)
         changes = dict(
-            fold.changes, last_seq=current.last_seq + len(fold.rows), last_event_at=now, updated_at=now
+            fold.changes,
+            last_seq=current.last_seq + len(fold.rows),
+            last_hash=events[-1].hash,
+            last_event_at=now,
+            updated_at=now,
         )
         # Compare-and-set: matches no row if someone appended since we read.
         guard = {"lease_token": fence} if fence is not None else {}
@@ -665,7 +783,7 @@ def _record_once(
             return None
         for name, value in changes.items():
             setattr(current, name, value)
-        events = fold.write_rows(first_seq, now, actor_id)
+        fold.write_rows(events, now)
         messages = _relay_messages(current, events)
         transaction.on_commit(lambda: relay.publish(messages))
         return Recorded(
@@ -673,7 +791,28 @@ def _record_once(
             state=current.state,
             notes=[e.note for e in events if e.note],
             kinds=[e.kind for e in events],
+            over_budget=fold.over_budget,
         )
+
+
+def settle(
+    task: RemoteTask | int, snapshot: dict | None, *, fence: str | None = None, note: str = ""
+) -> Recorded:
+    """Make an ended task final, after reconciling it once with the agent's GetTask.
+
+    1. ``snapshot`` (the agent's GetTask, or None when it could not be read) is
+       recorded on ``poll`` with the gap check on: where it differs from the
+       view, a ``gap`` entry says what was not seen live and the view takes the
+       agent's content (an ended task's state itself never changes).
+    2. A ``system`` entry ``settled`` marks the task final, in the same
+       transaction. From then on, anything that would change the view is
+       logged as a ``protocol-error`` ("changed after the end") and changes
+       nothing.
+    """
+    objs: list[Any] = [{"task": snapshot}] if snapshot is not None else []
+    detail = note or ("reconciled with the agent's GetTask" if snapshot is not None else "not reconciled")
+    objs.append({"system": {"event": "settled", "detail": detail[:2000]}})
+    return record_many(task, objs, "poll", gap_check=True, fence=fence)
 
 
 RELAY_RAW_LIMIT = 64 * 1024

@@ -1,0 +1,205 @@
+"""Proving the log: the hash chain verifies, and a replay of the log equals the view.
+
+* :func:`verify` recomputes every row's hash (``tasks_app.services.chain``) in
+  seq order and names the first row that does not match, or the first seq
+  missing from the log.
+* :func:`replay` folds the stored log from scratch, through ``record()`` itself,
+  into a scratch task inside a transaction that is always rolled back, and
+  compares the result with the stored view. Equal means the view is exactly
+  what the log says (the log is the truth); a difference names the field.
+
+Both are read-only for the mirror; ``manage.py audit verify|replay`` and the
+task and event-log pages call them.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import transaction
+
+from tasks_app.models import Agent, RemoteTask, TaskEvent
+from tasks_app.services.chain import content_digest, event_hash
+from tasks_app.services.snapshot import task_view
+
+# Above this many rows the pages do not verify on every load (a link does it on request).
+VERIFY_ON_PAGE_MAX_ROWS = 2000
+BATCH = 1000
+
+
+@dataclass
+class Verification:
+    """The outcome of checking one task's chain."""
+
+    task_pk: int
+    rows: int = 0
+    broken_seq: int | None = None
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.broken_seq is None and not self.reason
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"task {self.task_pk}: chain verifies ({self.rows} rows)"
+        where = f" at seq {self.broken_seq}" if self.broken_seq is not None else ""
+        return f"task {self.task_pk}: chain broken{where}: {self.reason}"
+
+
+def verify(task: RemoteTask | int) -> Verification:
+    """Recompute the chain of one task's log; the first row that does not match breaks it.
+
+    1. Read the rows in seq order, a batch at a time (constant memory).
+    2. Each seq must be the one after the previous (no gap, no duplicate).
+    3. Each row's hash must equal sha256(previous hash + canonical form), with
+       the raw content's digest recomputed from what is stored.
+    4. The task's ``last_seq`` and ``last_hash`` must name the newest row.
+    """
+    task_pk = task if isinstance(task, int) else task.pk
+    result = Verification(task_pk)
+    previous_hash, expected_seq = "", 1
+    for event in _rows(task_pk):
+        if event.seq != expected_seq:
+            result.broken_seq = expected_seq
+            result.reason = f"row {expected_seq} is missing (next stored row is {event.seq})"
+            return result
+        digest, _ = content_digest(event.raw)
+        if event_hash(previous_hash, event, digest) != event.hash:
+            result.broken_seq = event.seq
+            result.reason = "the row's content does not match its hash"
+            return result
+        previous_hash = event.hash
+        expected_seq += 1
+        result.rows += 1
+    head = RemoteTask.objects.filter(pk=task_pk).values("last_seq", "last_hash").first()
+    if head is None:
+        result.reason = "the task does not exist"
+    elif head["last_seq"] != result.rows:
+        result.broken_seq = result.rows + 1
+        result.reason = f"the task counts {head['last_seq']} rows, the log holds {result.rows}"
+    elif head["last_hash"] != previous_hash:
+        result.broken_seq = result.rows or None
+        result.reason = "the task's newest hash is not the last row's"
+    return result
+
+
+def verify_for_page(task: RemoteTask) -> Verification | None:
+    """The chain's state for a page, or None when the log is too long to check on every load."""
+    if task.last_seq > VERIFY_ON_PAGE_MAX_ROWS:
+        return None
+    return verify(task)
+
+
+# Replay -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Replay:
+    task_pk: int
+    rows: int = 0
+    differences: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.differences
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"task {self.task_pk}: replay of {self.rows} rows equals the view"
+        return f"task {self.task_pk}: replay differs: " + "; ".join(self.differences)
+
+
+class _Rollback(Exception):
+    pass
+
+
+def view_of(task: RemoteTask) -> dict[str, Any]:
+    """What the log determines about a task: the A2A view plus the mirror's own facts."""
+    return {
+        "task": task_view(task),
+        "phase": task.phase,
+        "settled": task.settled_at is not None,
+        "interrupted_question": task.asked_seq > 0,
+    }
+
+
+def replay(task: RemoteTask | int) -> Replay:
+    """Fold the stored log from scratch and compare it with the stored view.
+
+    1. In a transaction that is always rolled back, make a scratch agent and a
+       scratch task that starts as every task starts (nothing known).
+    2. Feed every stored row, in seq order and on its own channel, to
+       ``record_many()`` (runs of rows on one channel together). ``gap`` rows
+       are left out: the fold writes them itself where it finds a difference.
+    3. The rows the replay appends, gaps left out, must have the same kinds and
+       states as the stored ones; the scratch view must equal the stored view.
+    """
+    from tasks_app.services.record import record_many  # record imports this module's peers
+
+    stored = task if isinstance(task, RemoteTask) else RemoteTask.objects.get(pk=task)
+    stored.refresh_from_db()
+    result = Replay(stored.pk)
+    expected = [
+        (kind, state)
+        for kind, state in stored.events.order_by("seq").values_list("kind", "state_after")
+        if kind != TaskEvent.Kind.GAP
+    ]
+    try:
+        with transaction.atomic():
+            agent = Agent.objects.create(name="replay", base_url=f"http://replay.invalid/{uuid.uuid4().hex}")
+            scratch = RemoteTask.objects.create(
+                agent=agent, mode=stored.mode, watch=stored.watch, phase=RemoteTask.Phase.SENDING
+            )
+            run: list[Any] = []
+            run_key: tuple[str, int | None] | None = None
+            for event in _rows(stored.pk):
+                if event.kind == TaskEvent.Kind.GAP:
+                    continue
+                key = (event.channel, event.actor_id)
+                if run and key != run_key:
+                    record_many(scratch.pk, run, run_key[0], actor_id=run_key[1])  # type: ignore[index]
+                    run = []
+                run_key = key
+                run.append(event.raw)
+                result.rows += 1
+            if run and run_key is not None:
+                record_many(scratch.pk, run, run_key[0], actor_id=run_key[1])
+            scratch.refresh_from_db()
+            replayed = [
+                (kind, state)
+                for kind, state in scratch.events.order_by("seq").values_list("kind", "state_after")
+                if kind != TaskEvent.Kind.GAP
+            ]
+            if replayed != expected:
+                first = next(
+                    (i for i, (a, b) in enumerate(zip(replayed, expected, strict=False)) if a != b),
+                    min(len(replayed), len(expected)),
+                )
+                result.differences.append(
+                    f"log entry {first + 1} (gaps left out) replays as "
+                    f"{replayed[first] if first < len(replayed) else 'nothing'}, stored as "
+                    f"{expected[first] if first < len(expected) else 'nothing'}"
+                )
+            mine, theirs = view_of(scratch), view_of(stored)
+            for key in mine:
+                if mine[key] != theirs[key]:
+                    result.differences.append(f"{key}: replayed {mine[key]!r} != stored {theirs[key]!r}"[:2000])
+            raise _Rollback
+    except _Rollback:
+        pass
+    return result
+
+
+def _rows(task_pk: int) -> Iterator[TaskEvent]:
+    """A task's log in seq order, a batch at a time (constant memory)."""
+    after = 0
+    while True:
+        rows = list(TaskEvent.objects.filter(task_id=task_pk, seq__gt=after).order_by("seq")[:BATCH])
+        yield from rows
+        if len(rows) < BATCH:
+            return
+        after = rows[-1].seq

@@ -1,0 +1,139 @@
+"""The hash chain over a task's log: the canonical form of a row and its hash.
+
+Each ``TaskEvent`` stores ``hash = sha256(previous_hash + canonical(row))``, the
+first row of a task chaining from the empty string. Changing, removing or
+reordering any stored row changes every hash after it, so ``manage.py audit
+verify`` names the first row that no longer matches.
+
+The canonical form of a row is a JSON object with the keys ``actor``,
+``channel``, ``kind``, ``note``, ``raw_sha256`` (the sha256 of the canonical
+form of the row's raw content), ``received_at``, ``seq`` and ``state`` (the
+state right after the row), serialized with sorted keys, no spaces and ASCII
+escapes (``ensure_ascii``), where:
+
+* ``received_at`` is ISO 8601 in UTC with microseconds (``2026-11-30T10:00:00.000000Z``);
+* the raw content is canonical in the same way (sorted keys, no spaces, ASCII);
+* numbers are written so that both databases read them back the same way:
+  an integer (or an integral float) below 2**53 in magnitude as an integer,
+  any other number as Python's shortest ``repr`` of the float (PostgreSQL's
+  ``jsonb`` keeps ``1.0`` as ``1.0`` but ``1e100`` as a 101-digit integer;
+  both become ``1e+100`` here); ``-0.0`` is ``0``.
+
+The content is hashed as stored: strings an agent sent that neither database
+can hold (lone surrogates, NUL) were replaced before storing (see
+``tasks_app.a2a.safejson``), and the row's note says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+EXACT_INTEGERS = 2**53
+
+
+def canonical_value(value: Any) -> Any:
+    """``value`` with its numbers in the canonical form (iterative: agent JSON may be deep)."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int | float):
+        return _number(value)
+    root: list[Any] = [None]
+    stack: list[tuple[Any, Any, Any]] = [(value, root, 0)]
+    while stack:
+        item, parent, key = stack.pop()
+        if isinstance(item, dict):
+            copy: Any = {}
+            for k, v in item.items():
+                stack.append((v, copy, k))
+        elif isinstance(item, list | tuple):
+            copy = [None] * len(item)
+            for i, v in enumerate(item):
+                stack.append((v, copy, i))
+        elif isinstance(item, int | float) and not isinstance(item, bool):
+            copy = _number(item)
+        else:
+            copy = item
+        parent[key] = copy
+    return root[0]
+
+
+def _number(value: int | float) -> Any:
+    # json writes a float with its shortest repr, so float() is the canonical text.
+    if isinstance(value, int):
+        return value if -EXACT_INTEGERS < value < EXACT_INTEGERS else float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        return repr(value)  # not JSON; never stored (safejson turns them into strings)
+    if value.is_integer() and -EXACT_INTEGERS < value < EXACT_INTEGERS:
+        return int(value)
+    return value
+
+
+def canonical_json(value: Any) -> bytes:
+    """Sorted keys, no spaces, ASCII escapes, canonical numbers."""
+    encoder = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return encoder.encode(canonical_value(value)).encode("ascii")
+
+
+def content_digest(raw: Any) -> tuple[str, int]:
+    """sha256 of one entry's raw content alone, and its canonical size in bytes.
+
+    The digest recognizes the same chunk delivered twice, and stands for the
+    content in the row's hash; the size counts against the task's byte budget.
+    """
+    text = canonical_json(raw)
+    return hashlib.sha256(text).hexdigest(), len(text)
+
+
+def timestamp_text(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def row_form(
+    *,
+    seq: int,
+    received_at: datetime,
+    channel: str,
+    kind: str,
+    raw_digest: str,
+    note: str,
+    state_after: str,
+    actor_id: int | None,
+) -> dict[str, Any]:
+    return {
+        "actor": actor_id,
+        "channel": channel,
+        "kind": kind,
+        "note": note,
+        "raw_sha256": raw_digest,
+        "received_at": timestamp_text(received_at),
+        "seq": seq,
+        "state": state_after,
+    }
+
+
+def row_hash(previous: str, form: dict[str, Any]) -> str:
+    return hashlib.sha256(previous.encode("ascii") + canonical_json(form)).hexdigest()
+
+
+def event_hash(previous: str, event: Any, raw_digest: str) -> str:
+    """The chained hash of a ``TaskEvent`` (stored or about to be) after ``previous``.
+
+    ``raw_digest`` is :func:`content_digest` of the row's raw content: computed
+    once when recording; recomputed from the stored content when verifying.
+    """
+    return row_hash(
+        previous,
+        row_form(
+            seq=event.seq,
+            received_at=event.received_at,
+            channel=event.channel,
+            kind=event.kind,
+            raw_digest=raw_digest,
+            note=event.note,
+            state_after=event.state_after,
+            actor_id=event.actor_id,
+        ),
+    )
