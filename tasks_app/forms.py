@@ -170,6 +170,8 @@ class AnswerForm(forms.Form):
     text = forms.CharField(
         label="Your answer", max_length=100_000, widget=forms.Textarea(attrs={"rows": 3})
     )
+    # The seq of the question the person saw: one answer per question (see answer_task).
+    question = forms.IntegerField(min_value=0, widget=forms.HiddenInput)
 
 
 SORT_CHOICES = [

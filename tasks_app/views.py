@@ -43,6 +43,7 @@ from tasks_app.models import (
     Artifact,
     ArtifactPart,
     ConversationMessage,
+    ImportJob,
     RemoteTask,
     TaskEvent,
 )
@@ -55,6 +56,7 @@ from tasks_app.rendering import (
     safe_filename,
 )
 from tasks_app.services import agents as agent_services
+from tasks_app.services import imports as import_services
 from tasks_app.services import tasks as task_services
 from tasks_app.services.record import task_summary
 from tasks_app.svg import timeline_svg
@@ -215,6 +217,7 @@ def agent_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "credentials_form": CredentialsForm(),
         "counts": sorted(_state_counts(RemoteTask.objects.filter(agent=agent)).items()),
         "recent": RemoteTask.objects.filter(agent=agent).order_by("-updated_at", "-id")[:15],
+        "import_job": import_services.latest_job(agent),
     }
     return render(request, "tasks_app/agent_detail.html", context)
 
@@ -258,17 +261,35 @@ def agent_refresh(request: HttpRequest, pk: int) -> HttpResponse:
 @login_required
 @require_POST
 def agent_import(request: HttpRequest, pk: int) -> HttpResponse:
+    """Queue an import job and return at once; the agent page shows its progress."""
     agent = get_object_or_404(Agent, pk=pk)
     try:
-        result = task_services.import_tasks(agent, actor_id=request.user.id)
+        job = import_services.start_import(agent, actor_id=request.user.id)
     except task_services.TaskActionError as exc:
         messages.error(request, str(exc))
     else:
-        messages.success(
-            request,
-            f"Import: {result.seen} tasks listed, {result.created} new, {result.changed} changed.",
-        )
+        messages.success(request, f"Import started (job {job.pk}); its progress is shown below.")
     return redirect("agent-detail", pk=agent.pk)
+
+
+@login_required
+@require_GET
+def agent_import_status(request: HttpRequest, pk: int) -> HttpResponse:
+    """The agent's newest import job as a fragment (the agent page polls it while it runs)."""
+    agent = get_object_or_404(Agent, pk=pk)
+    context = {"agent": agent, "import_job": import_services.latest_job(agent)}
+    return render(request, "tasks_app/_import_job.html", context)
+
+
+@login_required
+@require_POST
+def agent_import_cancel(request: HttpRequest, pk: int, job_pk: int) -> HttpResponse:
+    job = get_object_or_404(ImportJob, pk=job_pk, agent_id=pk)
+    if import_services.cancel_job(job, actor_id=request.user.id):
+        messages.success(request, f"Import job {job.pk} canceled.")
+    else:
+        messages.error(request, f"Import job {job.pk} had already ended.")
+    return redirect("agent-detail", pk=pk)
 
 
 # Task list (keyset pagination) ---------------------------------------------------------------
@@ -508,7 +529,7 @@ def _task_context(task: RemoteTask) -> dict:
         "timeline": _timeline(task),
         "artifacts": artifact_blocks(task),
         "cancel_form": CancelForm(),
-        "answer_form": AnswerForm(),
+        "answer_form": AnswerForm(initial={"question": task.asked_seq}),
         "can_cancel": bool(task.remote_id) and not task.is_terminal,
         "can_retry": task.phase == RemoteTask.Phase.FAILED and not task.remote_id,
         "can_answer": task.state in INTERRUPTED_STATES,
@@ -638,8 +659,16 @@ def task_answer(request: HttpRequest, pk: int) -> HttpResponse:
     form = AnswerForm(request.POST)
     if form.is_valid():
         try:
-            task_services.answer_task(task, form.cleaned_data["text"], actor_id=request.user.id)
+            task_services.answer_task(
+                task,
+                form.cleaned_data["text"],
+                actor_id=request.user.id,
+                question_seq=form.cleaned_data["question"],
+            )
         except task_services.TaskActionError as exc:
+            # The text stays in the form; sending it again answers the question now shown.
+            form.data = form.data.copy()
+            form.data["question"] = str(RemoteTask.objects.filter(pk=task.pk).values_list("asked_seq", flat=True).first() or 0)
             form.add_error("text", str(exc))
         else:
             messages.success(request, "Answer sent.")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -106,23 +105,67 @@ def retry_send(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask:
     return task
 
 
-def answer_task(task: RemoteTask, text: str = "", *, data: Any = None, actor_id: int | None = None) -> RemoteTask:
-    """Answer an interrupted task: a new message with the same taskId and contextId."""
+class AnswerTaken(TaskActionError):
+    """Someone else's answer to this question won; says who and when."""
+
+    def __init__(self, message: str, *, by: str = "", at: Any = None) -> None:
+        super().__init__(message)
+        self.by, self.at = by, at
+
+
+def answer_task(
+    task: RemoteTask,
+    text: str = "",
+    *,
+    data: Any = None,
+    actor_id: int | None = None,
+    question_seq: int | None = None,
+) -> RemoteTask:
+    """Answer an interrupted task: a new message with the same taskId and contextId.
+
+    Exactly one answer per question: ``question_seq`` is the seq of the row
+    that asked (``asked_seq``, carried by the form the person saw; the current
+    question when not given). The answer is taken only by a compare-and-set on
+    that question not being answered yet (``answered_seq < asked_seq``), so
+    nothing the watcher does while sending (clearing the outbox before the
+    agent's reply is recorded) reopens the question. A new question (the agent
+    asks again) has a new seq.
+    """
     if task.state not in ("TASK_STATE_INPUT_REQUIRED", "TASK_STATE_AUTH_REQUIRED"):
         raise TaskActionError("This task is not waiting for an answer.")
+    asked = task.asked_seq if question_seq is None else question_seq
     message = user_message(text or None, data=data, task_id=task.remote_id, context_id=task.context_id or None)
     with transaction.atomic():
-        # Compare-and-set: of two operators answering at once, one wins.
-        won = RemoteTask.objects.filter(pk=task.pk, state=task.state, outbox__isnull=True).update(
-            outbox={"message": message}, send_attempted_at=None
+        won = RemoteTask.objects.filter(
+            pk=task.pk,
+            asked_seq=asked,
+            answered_seq__lt=asked,
+            state__in=("TASK_STATE_INPUT_REQUIRED", "TASK_STATE_AUTH_REQUIRED"),
+        ).update(
+            outbox={"message": message},
+            send_attempted_at=None,
+            answered_seq=asked,
+            answered_by_id=actor_id,
+            answered_at=timezone.now(),
         )
         if not won:
-            raise TaskActionError("This question has already been answered.")
+            raise _answer_refused(task.pk, asked)
         OperatorAction.objects.create(task=task, agent=task.agent, actor_id=actor_id, action="answer")
-        record(task, {"operator": {"action": "answer", "message": message}}, "operator", actor_id=actor_id)
+        record(task, {"operator": {"action": "answer", "question": asked, "message": message}}, "operator", actor_id=actor_id)
         transaction.on_commit(lambda: dispatch(task.pk))
     task.refresh_from_db()
     return task
+
+
+def _answer_refused(task_pk: int, asked: int) -> TaskActionError:
+    current = RemoteTask.objects.select_related("answered_by").filter(pk=task_pk).first()
+    if current is None:
+        return TaskActionError("This task no longer exists.")
+    if current.answered_seq >= asked and current.answered_at is not None:
+        who = current.answered_by.get_username() if current.answered_by else "a command-line user"
+        when = timezone.localtime(current.answered_at).strftime("%Y-%m-%d %H:%M:%S %Z")
+        return AnswerTaken(f"Already answered by {who} at {when}.", by=who, at=current.answered_at)
+    return TaskActionError("The agent has asked something else since; read its new question.")
 
 
 # Actions on a known task ---------------------------------------------------------------------
@@ -169,66 +212,6 @@ def refresh_task(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask
     record(task, {"task": result}, "poll", actor_id=actor_id)
     task.refresh_from_db()
     return task
-
-
-@dataclass
-class ImportResult:
-    seen: int = 0
-    created: int = 0
-    changed: int = 0
-
-
-def import_tasks(agent: Agent, *, page_size: int = 100, actor_id: int | None = None) -> ImportResult:
-    """Mirror the tasks an agent lists (ListTasks, every page), including other clients' work."""
-    result = ImportResult()
-    token: str | None = None
-
-    async def page(http, token: str | None) -> dict:
-        client = outbound.client_for(agent, http)
-        return await client.list_tasks(page_size=page_size, page_token=token, include_artifacts=True)
-
-    while True:
-        try:
-            listing = outbound.run(lambda http, token=token: page(http, token))
-        except A2AError as exc:
-            raise TaskActionError(f"Import from {agent.name} failed: {exc}") from exc
-        for remote in listing.get("tasks") or []:
-            if not isinstance(remote, dict) or not remote.get("id"):
-                continue
-            result.seen += 1
-            task, created = RemoteTask.objects.get_or_create(
-                agent=agent,
-                remote_id=remote["id"],
-                defaults={
-                    "mode": Mode.IMPORTED,
-                    "phase": RemoteTask.Phase.TASK,
-                    "context_id": remote.get("contextId") or "",
-                    "title": _title_of(remote),
-                    "watch": RemoteTask.Watch.STREAM if agent.streaming else RemoteTask.Watch.POLL,
-                },
-            )
-            result.created += created
-            if not record(task, {"task": remote}, "poll", actor_id=actor_id).duplicate:
-                result.changed += 1
-            task.refresh_from_db()
-            if not task.is_terminal and task.state != "TASK_STATE_INPUT_REQUIRED":
-                dispatch(task.pk)
-        token = listing.get("nextPageToken") or None
-        if not token:
-            break
-    OperatorAction.objects.create(
-        agent=agent, actor_id=actor_id, action="import", payload=result.__dict__
-    )
-    return result
-
-
-def _title_of(remote: dict) -> str:
-    for message in remote.get("history") or []:
-        if isinstance(message, dict) and message.get("role") == "ROLE_USER":
-            for part in message.get("parts") or []:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    return part["text"].strip().splitlines()[0][:300] if part["text"].strip() else ""
-    return ""
 
 
 def _action(task: RemoteTask, actor_id: int | None, action: str, payload: dict, outcome: str) -> None:
