@@ -9,6 +9,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
 app = Celery("dashboard")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks(["tasks_app"], related_name="watchers")
+app.autodiscover_tasks(["tasks_app"], related_name="jobs")  # import jobs
 
 
 def _beat_schedule() -> dict:

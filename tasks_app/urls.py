@@ -10,6 +10,12 @@ urlpatterns = [
     path("agents/<int:pk>/credentials/", views.agent_credentials, name="agent-credentials"),
     path("agents/<int:pk>/refresh/", views.agent_refresh, name="agent-refresh"),
     path("agents/<int:pk>/import/", views.agent_import, name="agent-import"),
+    path("agents/<int:pk>/import/status/", views.agent_import_status, name="agent-import-status"),
+    path(
+        "agents/<int:pk>/import/<int:job_pk>/cancel/",
+        views.agent_import_cancel,
+        name="agent-import-cancel",
+    ),
     path("tasks/", views.task_list, name="task-list"),
     path("tasks/new", views.task_new, name="task-new"),
     path("tasks/<int:pk>/", views.task_detail, name="task-detail"),

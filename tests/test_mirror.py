@@ -15,6 +15,7 @@ import pytest
 from tasks_app.a2a import A2AClient
 from tasks_app.models import Agent, RemoteTask, TaskEvent
 from tasks_app.outbound import client_for, http_client
+from tasks_app.services import imports
 from tasks_app.services import tasks as task_services
 from tasks_app.services.agents import add_agent
 from tasks_app.services.snapshot import task_view
@@ -155,13 +156,13 @@ def test_import_mirrors_tasks_started_elsewhere(agent, celery_worker):
 
     remote_ids = [asyncio.run(start_elsewhere()) for _ in range(3)]
     remote_id = remote_ids[0]
-    result = task_services.import_tasks(demo, page_size=2)  # several pages
+    result = imports.import_tasks(demo, page_size=2)  # several pages
     assert result.seen >= 3
     assert RemoteTask.objects.filter(agent=demo, remote_id__in=remote_ids).count() == 3
     task = RemoteTask.objects.get(agent=demo, remote_id=remote_id)
     assert task.state == "TASK_STATE_COMPLETED" and task.mode == "imported"
     assert_converged(task)
-    again = task_services.import_tasks(demo)
+    again = imports.import_tasks(demo)
     assert again.created == 0
 
 

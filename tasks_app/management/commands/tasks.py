@@ -8,7 +8,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from tasks_app.models import Agent, RemoteTask
+from tasks_app.models import Agent, ImportJob, RemoteTask
+from tasks_app.services import imports
 from tasks_app.services import tasks as task_services
 from tasks_app.services.snapshot import task_document
 
@@ -46,6 +47,8 @@ class Command(BaseCommand):
         start.add_argument("--wait", type=float, default=0, help="seconds to wait for it to settle")
         imp = sub.add_parser("import", help="mirror the tasks an agent lists (ListTasks)")
         imp.add_argument("agent")
+        imp.add_argument("--json", action="store_true", help="print the finished job as JSON")
+        imp.add_argument("--page-size", type=int, default=100)
         show = sub.add_parser("show", help="a task's snapshot and event log")
         show.add_argument("task", help="local id or remote task id")
         show.add_argument("--json", action="store_true")
@@ -77,8 +80,23 @@ class Command(BaseCommand):
         self.stdout.write(f"{task.pk}\t{task.remote_id or '-'}\t{task.phase}\t{task.state_label}")
 
     def do_import(self, options: dict) -> None:
-        result = task_services.import_tasks(find_agent(options["agent"]))
-        self.stdout.write(f"seen {result.seen}, new {result.created}, changed {result.changed}")
+        """The same bounded job a worker runs, run here, with a line per page."""
+        agent = find_agent(options["agent"])
+        job = imports.create_job(agent)
+
+        def progress(j: ImportJob) -> None:
+            if not options["json"]:
+                self.stdout.write(f"page {j.pages}: {j.seen} listed, {j.created} new, {j.changed} changed")
+
+        job = imports.run_job(job.pk, page_size=max(1, options["page_size"]), progress=progress)
+        if options["json"]:
+            self.stdout.write(json.dumps(imports.job_document(job), indent=2))
+        else:
+            self.stdout.write(
+                f"{job.status}: {job.pages} pages, seen {job.seen}, new {job.created}, changed {job.changed}"
+            )
+        if job.status != ImportJob.Status.DONE:
+            raise CommandError(f"Import from {agent.name} {job.status}: {job.error}")
 
     def do_show(self, options: dict) -> None:
         task = find_task(options["task"])

@@ -1,0 +1,311 @@
+"""Importing an agent's tasks (ListTasks, page by page) as a job with progress.
+
+Why a job: a ListTasks walk lasts as long as the agent makes it, and an agent
+may repeat its ``nextPageToken`` forever. So the web request only creates an
+``ImportJob``; a worker runs it (``tasks_app.jobs.run_import``), or the command
+line runs it in its own process. Three bounds stop any walk: a page cap
+(``IMPORT_MAX_PAGES``), a guard against a token the agent already gave, and a
+deadline for the whole walk (``IMPORT_DEADLINE_SECONDS``, which also bounds each
+request). Progress is saved after every page, so the agent page can show it.
+
+At most one import per agent runs at a time: a job is claimed by compare-and-set
+(queued -> running), and a claimer that then finds another running job of the
+same agent steps back. Every listed task goes through ``record()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from tasks_app import outbound
+from tasks_app.a2a import A2AError
+from tasks_app.models import Agent, ImportJob, OperatorAction, RemoteTask
+from tasks_app.services.record import record
+from tasks_app.services.tasks import TaskActionError, dispatch
+
+log = logging.getLogger(__name__)
+
+Status = ImportJob.Status
+ACTIVE = (Status.QUEUED, Status.RUNNING)
+# A job still queued or running this long after its deadline lost its worker.
+STALE_GRACE_SECONDS = 60
+PAGE_SIZE = 100
+
+Progress = Callable[[ImportJob], None]
+
+
+def _stale_after() -> timedelta:
+    return timedelta(seconds=settings.IMPORT_DEADLINE_SECONDS + STALE_GRACE_SECONDS)
+
+
+def expire_stale(agent_id: int) -> int:
+    """Fail the agent's jobs that can no longer be alive, so they never block a new import.
+
+    A running job ends by its deadline; one still "running" well after it lost
+    its worker (killed). A queued job that old was never picked up.
+    """
+    cutoff = timezone.now() - _stale_after()
+    now = timezone.now()
+    running = ImportJob.objects.filter(
+        agent_id=agent_id, status=Status.RUNNING, started_at__lt=cutoff
+    ).update(
+        status=Status.FAILED,
+        finished_at=now,
+        error="The worker running this import stopped before it ended.",
+    )
+    queued = ImportJob.objects.filter(
+        agent_id=agent_id, status=Status.QUEUED, created_at__lt=cutoff
+    ).update(
+        status=Status.FAILED,
+        finished_at=now,
+        error="No worker picked this import up (is a worker running?).",
+    )
+    return running + queued
+
+
+def active_job(agent: Agent) -> ImportJob | None:
+    """The agent's queued or running import, if any."""
+    return ImportJob.objects.filter(agent=agent, status__in=ACTIVE).order_by("-id").first()
+
+
+def latest_job(agent: Agent) -> ImportJob | None:
+    return ImportJob.objects.filter(agent=agent).order_by("-id").first()
+
+
+def create_job(agent: Agent, *, actor_id: int | None = None) -> ImportJob:
+    """A queued job, unless the agent already has one queued or running."""
+    expire_stale(agent.pk)
+    existing = active_job(agent)
+    if existing is not None:
+        raise TaskActionError(
+            f"An import of {agent.name} is already {existing.status} (job {existing.pk})."
+        )
+    return ImportJob.objects.create(agent=agent, actor_id=actor_id)
+
+
+def start_import(agent: Agent, *, actor_id: int | None = None) -> ImportJob:
+    """Create a job and hand it to a worker after commit; returns at once."""
+    job = create_job(agent, actor_id=actor_id)
+    transaction.on_commit(lambda: _dispatch(job.pk))
+    return job
+
+
+def _dispatch(job_pk: int) -> None:
+    from tasks_app.jobs import run_import
+
+    try:
+        run_import.delay(job_pk)
+    except Exception as exc:  # a broker outage must not leave a job queued with no worker
+        log.warning("could not queue import job %s: %s", job_pk, type(exc).__name__)
+        _finish(job_pk, Status.FAILED, "The task queue could not be reached; try again.", ACTIVE)
+
+
+def cancel_job(job: ImportJob, *, actor_id: int | None = None) -> bool:
+    """Stop a queued or running job; the walk notices at its next page."""
+    done = ImportJob.objects.filter(pk=job.pk, status__in=ACTIVE).update(
+        status=Status.CANCELED, finished_at=timezone.now(), error="Canceled by an operator."
+    )
+    if done:
+        OperatorAction.objects.create(
+            agent_id=job.agent_id, actor_id=actor_id, action="import-cancel", payload={"job": job.pk}
+        )
+    return bool(done)
+
+
+def claim(job_pk: int) -> bool:
+    """Queued -> running by compare-and-set; step back if another import of the agent runs.
+
+    Each claimer writes its claim before it looks for others, so of two
+    concurrent claimers at least the later one sees the other and steps back.
+    """
+    if not ImportJob.objects.filter(pk=job_pk, status=Status.QUEUED).update(
+        status=Status.RUNNING, started_at=timezone.now()
+    ):
+        return False  # already taken (a redelivered message), canceled or expired
+    agent_id = ImportJob.objects.values_list("agent_id", flat=True).get(pk=job_pk)
+    expire_stale(agent_id)
+    other = (
+        ImportJob.objects.filter(agent_id=agent_id, status=Status.RUNNING)
+        .exclude(pk=job_pk)
+        .order_by("id")
+        .first()
+    )
+    if other is not None:
+        _finish(job_pk, Status.FAILED, f"Another import of this agent is running (job {other.pk}).")
+        return False
+    return True
+
+
+def _finish(job_pk: int, status: str, error: str, from_statuses: tuple = (Status.RUNNING,)) -> bool:
+    """End a job; a job canceled meanwhile stays canceled."""
+    return bool(
+        ImportJob.objects.filter(pk=job_pk, status__in=from_statuses).update(
+            status=status, error=error[:2000], finished_at=timezone.now()
+        )
+    )
+
+
+def run_job(job_pk: int, *, page_size: int = PAGE_SIZE, progress: Progress | None = None) -> ImportJob:
+    """Claim the job and walk the agent's ListTasks pages; returns the job as it ended.
+
+    A job that cannot be claimed (taken, canceled, another import running) is
+    returned as it is. Nothing here raises for what the agent does: every way
+    the walk stops is written into the job's ``error``.
+    """
+    if not claim(job_pk):
+        return ImportJob.objects.get(pk=job_pk)
+    job = ImportJob.objects.select_related("agent").get(pk=job_pk)
+    try:
+        error = _walk(job, page_size, progress)
+    except Exception as exc:  # a bug must not leave the job "running" until it goes stale
+        log.exception("import job %s stopped", job_pk)
+        error = f"The import stopped on an internal error ({type(exc).__name__}); see the worker log."
+    _finish(job_pk, Status.FAILED if error else Status.DONE, error or "")
+    job.refresh_from_db()
+    OperatorAction.objects.create(
+        agent_id=job.agent_id,
+        actor_id=job.actor_id,
+        action="import",
+        payload={"job": job.pk, "pages": job.pages, "seen": job.seen, "created": job.created, "changed": job.changed},
+        outcome=(job.error or job.status)[:500],
+    )
+    return job
+
+
+def import_tasks(
+    agent: Agent,
+    *,
+    page_size: int = PAGE_SIZE,
+    actor_id: int | None = None,
+    progress: Progress | None = None,
+) -> ImportJob:
+    """Run an import in this process (command line, tests); raise if it did not complete."""
+    job = run_job(create_job(agent, actor_id=actor_id).pk, page_size=page_size, progress=progress)
+    if job.status != Status.DONE:
+        raise TaskActionError(f"Import from {agent.name} failed: {job.error or job.status}")
+    return job
+
+
+def job_document(job: ImportJob) -> dict:
+    """A job as plain JSON (command line ``--json``, the agent page's poll)."""
+    return {
+        "id": job.pk,
+        "agent": job.agent_id,
+        "status": job.status,
+        "active": job.status in ACTIVE,
+        "pages": job.pages,
+        "seen": job.seen,
+        "created": job.created,
+        "changed": job.changed,
+        "error": job.error,
+        "created_at": job.created_at.isoformat() if job.created_at else None,
+        "started_at": job.started_at.isoformat() if job.started_at else None,
+        "finished_at": job.finished_at.isoformat() if job.finished_at else None,
+    }
+
+
+def _short(token: str) -> str:
+    """A page token as shown in an error: escaped (repr) and cut."""
+    return repr(token[:60] + ("…" if len(token) > 60 else ""))
+
+
+def _walk(job: ImportJob, page_size: int, progress: Progress | None) -> str:
+    """ListTasks page by page; returns "" when the listing ended, else why it stopped."""
+    agent = job.agent
+    limit = settings.IMPORT_DEADLINE_SECONDS
+    deadline = time.monotonic() + limit
+    max_pages = settings.IMPORT_MAX_PAGES
+    given: dict[str, int] = {}  # token -> the page that gave it
+    token: str | None = None
+
+    async def page(http, token: str | None) -> dict:
+        client = outbound.client_for(agent, http)
+        return await client.list_tasks(page_size=page_size, page_token=token, include_artifacts=True)
+
+    def so_far() -> str:
+        return f"{job.seen} tasks listed in {job.pages} pages were imported"
+
+    while True:
+        if job.pages >= max_pages:
+            return (
+                f"Stopped at the page cap ({max_pages} pages, IMPORT_MAX_PAGES) while the agent "
+                f"still offered more; {so_far()}."
+            )
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return f"Stopped at the deadline ({limit:g} s, IMPORT_DEADLINE_SECONDS); {so_far()}."
+        try:
+            listing = outbound.run(
+                lambda http, token=token, remaining=remaining: asyncio.wait_for(page(http, token), remaining)
+            )
+        except TimeoutError:
+            return (
+                f"Stopped at the deadline ({limit:g} s, IMPORT_DEADLINE_SECONDS) waiting for page "
+                f"{job.pages + 1}; {so_far()}."
+            )
+        except A2AError as exc:
+            return f"ListTasks failed on page {job.pages + 1}: {exc}; {so_far()}."
+        _record_page(job, listing.get("tasks") or [])
+        job.pages += 1
+        if not ImportJob.objects.filter(pk=job.pk, status=Status.RUNNING).update(
+            pages=job.pages, seen=job.seen, created=job.created, changed=job.changed
+        ):
+            return ""  # canceled meanwhile: it keeps its own status and reason
+        if progress is not None:
+            progress(job)
+        following = listing.get("nextPageToken") or None
+        if following is None:
+            return ""
+        if not isinstance(following, str):
+            return f"ListTasks page {job.pages} gave a nextPageToken that is not a string; {so_far()}."
+        if following in given:
+            return (
+                f"The agent repeated nextPageToken {_short(following)} (given on page "
+                f"{given[following]}, again on page {job.pages}): following it would loop forever; "
+                f"{so_far()}."
+            )
+        given[following] = job.pages
+        token = following
+
+
+def _record_page(job: ImportJob, tasks: list) -> None:
+    """Mirror one page of listed tasks, each through ``record()``."""
+    agent = job.agent
+    for remote in tasks:
+        if not isinstance(remote, dict) or not isinstance(remote.get("id"), str) or not remote["id"]:
+            continue
+        job.seen += 1
+        task, created = RemoteTask.objects.get_or_create(
+            agent=agent,
+            remote_id=remote["id"],
+            defaults={
+                "mode": RemoteTask.Mode.IMPORTED,
+                "phase": RemoteTask.Phase.TASK,
+                "context_id": remote.get("contextId") if isinstance(remote.get("contextId"), str) else "",
+                "title": _title_of(remote),
+                "watch": RemoteTask.Watch.STREAM if agent.streaming else RemoteTask.Watch.POLL,
+            },
+        )
+        job.created += created
+        if not record(task, {"task": remote}, "poll", actor_id=job.actor_id).duplicate:
+            job.changed += 1
+        task.refresh_from_db()
+        if not task.is_terminal and task.state != "TASK_STATE_INPUT_REQUIRED":
+            dispatch(task.pk)
+
+
+def _title_of(remote: dict) -> str:
+    for message in remote.get("history") or []:
+        if isinstance(message, dict) and message.get("role") == "ROLE_USER":
+            for part in message.get("parts") or []:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    return part["text"].strip().splitlines()[0][:300] if part["text"].strip() else ""
+    return ""

@@ -1,0 +1,261 @@
+"""Import as a bounded background job, against agents that misbehave on ListTasks.
+
+The misbehaving agent is a raw JSON-RPC server on 127.0.0.1 (no SDK: the SDK
+would not repeat a page token) that counts the ListTasks requests it gets, so
+every bound is asserted as a number of requests.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.test import override_settings
+from django.utils import timezone
+
+from tasks_app.models import Agent, ImportJob, OperatorAction, RemoteTask
+from tasks_app.services import imports
+from tasks_app.services.tasks import TaskActionError
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+REPEATED = "same-token"
+HOLD_LIMIT = 60.0  # a held answer is released at the latest after this (never hang a test)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class ListingAgent:
+    """A JSON-RPC agent whose ListTasks gives ``next_token(n)`` on its n-th answer.
+
+    ``gate`` holds every ListTasks answer while it is clear (set it to let them go).
+    """
+
+    def __init__(self, next_token: Callable[[int], str]) -> None:
+        self.next_token = next_token
+        self.list_requests = 0
+        self.tokens_received: list[str | None] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self._lock = threading.Lock()
+        agent = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:  # keep test output quiet
+                pass
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+                self.send_json(agent.answer(body))
+
+            def send_json(self, payload: dict) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def answer(self, body: dict) -> dict:
+        if body.get("method") != "ListTasks":
+            return {"jsonrpc": "2.0", "id": body.get("id"), "error": {"code": -32601, "message": "no"}}
+        with self._lock:
+            self.list_requests += 1
+            n = self.list_requests
+            self.tokens_received.append((body.get("params") or {}).get("pageToken"))
+        self.gate.wait(HOLD_LIMIT)
+        task = {
+            "id": "listed-1",
+            "contextId": "ctx-1",
+            "status": {"state": "TASK_STATE_COMPLETED"},
+            "history": [{"role": "ROLE_USER", "messageId": "m-1", "parts": [{"text": "hello there"}]}],
+        }
+        result = {"tasks": [task], "nextPageToken": self.next_token(n), "pageSize": 1, "totalSize": 1}
+        return {"jsonrpc": "2.0", "id": body.get("id"), "result": result}
+
+    def start(self) -> ListingAgent:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.gate.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+    def register(self, name: str) -> Agent:
+        url = f"http://127.0.0.1:{self.port}"
+        return Agent.objects.create(
+            name=name, base_url=url, interface_url=f"{url}/jsonrpc", binding="JSONRPC",
+            protocol_version="1.0", streaming=False,
+        )  # fmt: skip
+
+
+@pytest.fixture
+def listing_agent() -> Iterator[Callable[[Callable[[int], str]], ListingAgent]]:
+    started: list[ListingAgent] = []
+
+    def make(next_token: Callable[[int], str]) -> ListingAgent:
+        server = ListingAgent(next_token).start()
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def operator(client, django_user_model):
+    user = django_user_model.objects.create_user(username="op", password="pw-12345678")
+    client.force_login(user)
+    return client
+
+
+def test_web_import_returns_at_once_and_the_worker_stops_on_a_repeated_token(
+    listing_agent, operator, celery_worker
+):
+    server = listing_agent(lambda n: REPEATED)
+    agent = server.register("looper")
+    server.gate.clear()  # the agent holds its first answer: the job cannot end before we say so
+
+    response = operator.post(f"/agents/{agent.pk}/import/")
+
+    # The request has answered while the agent has not answered a single page.
+    assert response.status_code == 302 and response["Location"] == f"/agents/{agent.pk}/"
+    job = ImportJob.objects.get(agent=agent)
+    assert job.status in ("queued", "running") and job.pages == 0
+    wait_for(lambda: server.list_requests == 1, what="the worker's first ListTasks")
+    job.refresh_from_db()
+    assert job.status == "running" and job.finished_at is None
+    page = operator.get(f"/agents/{agent.pk}/")
+    assert b'id="import-job"' in page.content and b'data-active="1"' in page.content
+    assert b"running" in page.content and b"Stop this import" in page.content
+    # A second import of the same agent is refused while this one runs.
+    operator.post(f"/agents/{agent.pk}/import/")
+    assert ImportJob.objects.filter(agent=agent).count() == 1
+
+    server.gate.set()
+    wait_for(lambda: ImportJob.objects.get(pk=job.pk).status == "failed", what="the job to fail")
+    job.refresh_from_db()
+    # Page 1 gave the token, page 2 (asked with it) gave it again: two requests, then stop.
+    assert server.list_requests == 2
+    assert server.tokens_received == [None, REPEATED]
+    assert job.pages == 2 and job.seen == 2 and job.created == 1
+    assert "repeated nextPageToken 'same-token'" in job.error
+    assert "given on page 1, again on page 2" in job.error
+    assert job.finished_at is not None
+    assert RemoteTask.objects.filter(agent=agent, remote_id="listed-1").count() == 1
+    task = RemoteTask.objects.get(agent=agent, remote_id="listed-1")
+    assert task.state == "TASK_STATE_COMPLETED" and task.title == "hello there"
+    assert OperatorAction.objects.filter(agent=agent, action="import").count() == 1
+
+    page = operator.get(f"/agents/{agent.pk}/")
+    assert b'data-active="0"' in page.content and b"failed" in page.content
+    assert b"repeated nextPageToken" in page.content
+    fragment = operator.get(f"/agents/{agent.pk}/import/status/")
+    assert fragment.status_code == 200 and b"2</span> pages" in fragment.content
+    assert server.list_requests == 2  # nothing kept asking after the job ended
+
+
+def test_page_cap_stops_ever_new_tokens(listing_agent):
+    server = listing_agent(lambda n: f"token-{n}")
+    agent = server.register("endless")
+    out = io.StringIO()
+    with override_settings(IMPORT_MAX_PAGES=5), pytest.raises(CommandError) as failure:
+        call_command("tasks", "import", agent.name, stdout=out)
+    assert server.list_requests == 5
+    assert "page cap (5 pages, IMPORT_MAX_PAGES)" in str(failure.value)
+    lines = out.getvalue().splitlines()
+    assert lines[:5] == [f"page {n}: {n} listed, 1 new, 1 changed" for n in range(1, 6)]
+    assert lines[-1] == "failed: 5 pages, seen 5, new 1, changed 1"
+    assert ImportJob.objects.get(agent=agent).status == "failed"
+
+
+def test_command_json_reports_the_repeated_token(listing_agent):
+    server = listing_agent(lambda n: REPEATED)
+    agent = server.register("looper-cli")
+    out = io.StringIO()
+    with pytest.raises(CommandError, match="repeated nextPageToken"):
+        call_command("tasks", "import", str(agent.pk), "--json", stdout=out)
+    document = json.loads(out.getvalue())
+    assert document["status"] == "failed" and document["active"] is False
+    assert document["pages"] == 2 and "repeated nextPageToken" in document["error"]
+    assert server.list_requests == 2
+
+
+def test_deadline_bounds_an_agent_that_never_answers(listing_agent):
+    server = listing_agent(lambda n: "")
+    server.gate.clear()  # never answers within the deadline
+    agent = server.register("silent")
+    with override_settings(IMPORT_DEADLINE_SECONDS=1), pytest.raises(TaskActionError) as failure:
+        imports.import_tasks(agent)
+    assert "deadline (1 s, IMPORT_DEADLINE_SECONDS)" in str(failure.value)
+    assert server.list_requests == 1
+    job = ImportJob.objects.get(agent=agent)
+    assert job.status == "failed" and job.pages == 0
+
+
+def test_one_running_import_per_agent(listing_agent):
+    agent = listing_agent(lambda n: "").register("single")
+    first = ImportJob.objects.create(agent=agent)
+    second = ImportJob.objects.create(agent=agent)  # as if two requests raced past create_job
+    assert imports.claim(first.pk) is True
+    assert imports.claim(first.pk) is False  # a redelivered message does nothing
+    assert imports.claim(second.pk) is False
+    second.refresh_from_db()
+    assert second.status == "failed" and f"job {first.pk}" in second.error
+    with pytest.raises(TaskActionError, match="already running"):
+        imports.create_job(agent)
+    assert imports.cancel_job(first) is True
+    assert imports.cancel_job(first) is False
+    assert imports.create_job(agent).status == "queued"
+
+
+def test_a_job_whose_worker_died_does_not_block_the_next(listing_agent):
+    server = listing_agent(lambda n: "")
+    agent = server.register("orphan")
+    long_ago = timezone.now() - timedelta(hours=2)
+    dead = ImportJob.objects.create(
+        agent=agent, status="running", started_at=long_ago, created_at=long_ago
+    )
+    job = imports.import_tasks(agent)
+    assert job.status == "done" and job.pages == 1 and job.seen == 1
+    dead.refresh_from_db()
+    assert dead.status == "failed" and "stopped before it ended" in dead.error
+
+
+def test_cli_import_walks_a_healthy_agent_page_by_page(agent):
+    from tasks_app.a2a import user_message
+    from tasks_app.outbound import client_for, run
+    from tasks_app.services.agents import add_agent
+
+    demo = add_agent(agent.base_url, name="demo-import")
+    for _ in range(3):
+        run(lambda http: client_for(demo, http).send_message(user_message("quick")))
+    out = io.StringIO()
+    call_command("tasks", "import", "demo-import", "--page-size", "2", stdout=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("page 1: 2 listed") and lines[1].startswith("page 2:")
+    job = ImportJob.objects.get(agent=demo)
+    assert job.status == "done" and job.pages >= 2 and job.seen >= 3 and job.error == ""
+    assert lines[-1] == f"done: {job.pages} pages, seen {job.seen}, new {job.created}, changed {job.changed}"
+    assert RemoteTask.objects.filter(agent=demo, mode="imported").count() >= 3
