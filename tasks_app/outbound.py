@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from typing import TypeVar
 
 import httpx
+from django.conf import settings
 
 from tasks_app.a2a import A2AClient, Credentials, Interface
 from tasks_app.crypto import decrypt_json
@@ -50,8 +51,17 @@ def credentials_for(agent: Agent) -> Credentials | None:
     )
 
 
-def client_for(agent: Agent, http: httpx.AsyncClient, **options: float) -> A2AClient:
-    """An A2A client for a stored agent, on its chosen interface."""
+def client_for(agent: Agent, http: httpx.AsyncClient, **options: float | None) -> A2AClient:
+    """An A2A client for a stored agent, on its chosen interface.
+
+    Whole-call deadlines come from the settings (a trickling agent must not
+    hold a call past them); ``options`` override any A2AClient option.
+    """
+    options = {
+        "call_deadline": settings.A2A_CALL_DEADLINE_SECONDS,
+        "send_deadline": settings.A2A_SEND_DEADLINE_SECONDS,
+        **options,
+    }
     interface = Interface(
         url=agent.interface_url,
         binding=agent.binding,  # type: ignore[arg-type]
@@ -59,7 +69,11 @@ def client_for(agent: Agent, http: httpx.AsyncClient, **options: float) -> A2ACl
         tenant=agent.tenant,
     )
     return A2AClient(
-        interface, http=http, credentials=credentials_for(agent), card=agent.card, **options
+        interface,
+        http=http,
+        credentials=credentials_for(agent),
+        card=agent.card,
+        **options,  # type: ignore[arg-type]
     )
 
 

@@ -7,6 +7,9 @@ the package never has to catch httpx exceptions itself.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -15,6 +18,7 @@ from .errors import (
     A2AError,
     ConnectError,
     ConnectionDropped,
+    DeadlineExceeded,
     PayloadTooLarge,
     ProtocolError,
     RequestTimeout,
@@ -56,6 +60,33 @@ def map_transport_error(exc: httpx.HTTPError, where: str, *, streaming: bool = F
     if isinstance(exc, httpx.InvalidURL | httpx.UnsupportedProtocol):
         return TransportError(f"{where}: bad URL ({detail})")
     return TransportError(f"{where}: {detail}")
+
+
+def deadline_error(where: str, seconds: float, what: str = "") -> DeadlineExceeded:
+    tail = f" ({what})" if what else ""
+    return DeadlineExceeded(f"{where}: no complete response after {seconds:g} s{tail}")
+
+
+@asynccontextmanager
+async def deadline(seconds: float | None, where: str) -> AsyncIterator[None]:
+    """Bound a whole exchange (connect, headers, body) in wall-clock time.
+
+    httpx's timeouts are per operation: a body trickling a byte a second
+    never trips them. ``None`` means no bound. Do not ``yield`` to another
+    task from inside (an async generator's ``yield``): the cancellation would
+    land in the consumer.
+    """
+    if seconds is None:
+        yield
+        return
+    cm = asyncio.timeout(seconds)
+    try:
+        async with cm:
+            yield
+    except TimeoutError as exc:
+        if cm.expired():
+            raise deadline_error(where, seconds) from exc
+        raise
 
 
 async def read_bounded(response: httpx.Response, limit: int, where: str) -> bytes:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator, Mapping
+from contextlib import AsyncExitStack
 from typing import Any
 from urllib.parse import quote
 
@@ -28,6 +29,7 @@ from ._http import (
     read_bounded,
     snippet_of,
 )
+from ._http import deadline as deadline_scope  # ``deadline`` is a parameter name here
 from .errors import (
     A2AError,
     ProtocolError,
@@ -67,12 +69,32 @@ class BaseBinding:
         self.max_response_bytes = max_response_bytes
         self.max_event_bytes = max_event_bytes
 
-    async def call(self, method: str, params: dict[str, Any], *, timeout: httpx.Timeout) -> Any:
+    async def call(
+        self,
+        method: str,
+        params: dict[str, Any],
+        *,
+        timeout: httpx.Timeout,
+        deadline: float | None = None,
+    ) -> Any:
+        """One unary operation; ``deadline`` bounds it as a whole (seconds)."""
         raise NotImplementedError
 
     def stream(
-        self, method: str, params: dict[str, Any], *, timeout: httpx.Timeout
+        self,
+        method: str,
+        params: dict[str, Any],
+        *,
+        timeout: httpx.Timeout,
+        deadline: float | None = None,
+        event_gap: float | None = None,
     ) -> AsyncIterator[StreamEvent]:
+        """One SSE operation.
+
+        ``deadline`` bounds getting the response headers (or an error body) and
+        each event once it has started; ``event_gap`` bounds the time between
+        complete events even while keep-alives or partial data keep arriving.
+        """
         raise NotImplementedError
 
     # -- helpers ----------------------------------------------------------------
@@ -86,6 +108,7 @@ class BaseBinding:
         query: Mapping[str, Any] | None,
         content_type: str,
         timeout: httpx.Timeout,
+        deadline: float | None,
         where: str,
     ) -> tuple[httpx.Response, bytes]:
         headers = {**self.headers, "Accept": f"{content_type}, application/json"}
@@ -95,9 +118,12 @@ class BaseBinding:
             headers["Content-Type"] = content_type
         params = {**self.query, **(query or {})}
         try:
-            async with self.http.stream(
-                verb, url, headers=headers, params=params or None, timeout=timeout, **kwargs
-            ) as resp:
+            async with (
+                deadline_scope(deadline, where),
+                self.http.stream(
+                    verb, url, headers=headers, params=params or None, timeout=timeout, **kwargs
+                ) as resp,
+            ):
                 body = await read_bounded(resp, self.max_response_bytes, where)
                 return resp, body
         except httpx.HTTPError as exc:
@@ -111,6 +137,8 @@ class BaseBinding:
         json_body: Any,
         content_type: str,
         timeout: httpx.Timeout,
+        deadline: float | None,
+        event_gap: float | None,
         where: str,
         unwrap_json_reply: Any,
         unwrap_event: Any,
@@ -121,44 +149,60 @@ class BaseBinding:
             kwargs["content"] = _dumps(json_body)
             headers["Content-Type"] = content_type
         try:
-            async with aconnect_sse(
-                self.http,
-                verb,
-                url,
-                headers=headers,
-                params=self.query or None,
-                timeout=timeout,
-                **kwargs,
-            ) as source:
-                resp = source.response
-                mt = media_type(resp)
-                if resp.status_code >= 400:
-                    body = await read_bounded(resp, self.max_response_bytes, where)
-                    raise error_for_status(resp, body, where)
-                if mt != SSE_MEDIA_TYPE:
-                    # The SDK answers errors before the stream starts (e.g. -32004
-                    # streaming unsupported) as plain JSON, not SSE.
-                    body = await read_bounded(resp, self.max_response_bytes, where)
-                    if is_json_media(mt) or body[:1] in (b"{", b"["):
-                        unwrap_json_reply(decode_json(body, where, mt=mt), resp.status_code)
-                        raise ProtocolError(
-                            f"expected {SSE_MEDIA_TYPE}, got a JSON reply",
-                            where=where,
-                            snippet=snippet_of(body, 500),
+            async with AsyncExitStack() as stack:
+                # Headers (or a whole error body) within the deadline; the
+                # deadline's scope must close before the first ``yield``.
+                async with deadline_scope(deadline, where):
+                    source = await stack.enter_async_context(
+                        aconnect_sse(
+                            self.http,
+                            verb,
+                            url,
+                            headers=headers,
+                            params=self.query or None,
+                            timeout=timeout,
+                            **kwargs,
                         )
-                    raise ProtocolError(
-                        f"expected {SSE_MEDIA_TYPE}, got {mt or 'no content type'}: "
-                        f"{snippet_of(body) or '(empty body)'}",
-                        where=where,
-                        snippet=snippet_of(body, 500),
                     )
+                    resp = source.response
+                    await self._check_sse_response(resp, where, unwrap_json_reply)
                 async for msg in iter_sse_response(
-                    resp, max_event_bytes=self.max_event_bytes, where=where
+                    resp,
+                    max_event_bytes=self.max_event_bytes,
+                    where=where,
+                    event_deadline=deadline,
+                    event_gap=event_gap,
                 ):
                     obj = decode_json(msg.data.encode("utf-8"), f"{where} SSE event", mt="SSE data")
                     yield unwrap_event(obj, msg.event)
         except httpx.HTTPError as exc:
             raise map_transport_error(exc, where, streaming=True) from exc
+
+    async def _check_sse_response(
+        self, resp: httpx.Response, where: str, unwrap_json_reply: Any
+    ) -> None:
+        """Raise the typed error for a reply that is not an SSE stream."""
+        mt = media_type(resp)
+        if resp.status_code >= 400:
+            body = await read_bounded(resp, self.max_response_bytes, where)
+            raise error_for_status(resp, body, where)
+        if mt != SSE_MEDIA_TYPE:
+            # The SDK answers errors before the stream starts (e.g. -32004
+            # streaming unsupported) as plain JSON, not SSE.
+            body = await read_bounded(resp, self.max_response_bytes, where)
+            if is_json_media(mt) or body[:1] in (b"{", b"["):
+                unwrap_json_reply(decode_json(body, where, mt=mt), resp.status_code)
+                raise ProtocolError(
+                    f"expected {SSE_MEDIA_TYPE}, got a JSON reply",
+                    where=where,
+                    snippet=snippet_of(body, 500),
+                )
+            raise ProtocolError(
+                f"expected {SSE_MEDIA_TYPE}, got {mt or 'no content type'}: "
+                f"{snippet_of(body) or '(empty body)'}",
+                where=where,
+                snippet=snippet_of(body, 500),
+            )
 
 
 def _dumps(obj: Any) -> bytes:
@@ -192,7 +236,14 @@ class JsonRpcBinding(BaseBinding):
             )
         return obj["result"]
 
-    async def call(self, method: str, params: dict[str, Any], *, timeout: httpx.Timeout) -> Any:
+    async def call(
+        self,
+        method: str,
+        params: dict[str, Any],
+        *,
+        timeout: httpx.Timeout,
+        deadline: float | None = None,
+    ) -> Any:
         rid, body = self._envelope(method, params)
         where = f"{method} (JSON-RPC {self.interface.url})"
         resp, raw = await self._unary(
@@ -202,6 +253,7 @@ class JsonRpcBinding(BaseBinding):
             query=None,
             content_type="application/json",
             timeout=timeout,
+            deadline=deadline,
             where=where,
         )
         if resp.status_code >= 400:
@@ -211,7 +263,13 @@ class JsonRpcBinding(BaseBinding):
         )
 
     def stream(
-        self, method: str, params: dict[str, Any], *, timeout: httpx.Timeout
+        self,
+        method: str,
+        params: dict[str, Any],
+        *,
+        timeout: httpx.Timeout,
+        deadline: float | None = None,
+        event_gap: float | None = None,
     ) -> AsyncIterator[StreamEvent]:
         rid, body = self._envelope(method, params)
         where = f"{method} (JSON-RPC {self.interface.url})"
@@ -229,6 +287,8 @@ class JsonRpcBinding(BaseBinding):
             json_body=body,
             content_type="application/json",
             timeout=timeout,
+            deadline=deadline,
+            event_gap=event_gap,
             where=where,
             unwrap_json_reply=unwrap_reply,
             unwrap_event=unwrap_event,
@@ -306,7 +366,14 @@ class RestBinding(BaseBinding):
             return "GET", "/extendedAgentCard", None, None
         raise ValueError(f"unknown A2A method {method!r}")
 
-    async def call(self, method: str, params: dict[str, Any], *, timeout: httpx.Timeout) -> Any:
+    async def call(
+        self,
+        method: str,
+        params: dict[str, Any],
+        *,
+        timeout: httpx.Timeout,
+        deadline: float | None = None,
+    ) -> Any:
         verb, path, body, query = self._route(method, params)
         url = self.base + path
         where = f"{method} ({verb} {url})"
@@ -317,6 +384,7 @@ class RestBinding(BaseBinding):
             query=query,
             content_type=REST_JSON_MEDIA,
             timeout=timeout,
+            deadline=deadline,
             where=where,
         )
         if resp.status_code >= 400:
@@ -333,11 +401,18 @@ class RestBinding(BaseBinding):
             raise from_http_error(http_status, obj)
 
     def stream(
-        self, method: str, params: dict[str, Any], *, timeout: httpx.Timeout
+        self,
+        method: str,
+        params: dict[str, Any],
+        *,
+        timeout: httpx.Timeout,
+        deadline: float | None = None,
+        event_gap: float | None = None,
     ) -> AsyncIterator[StreamEvent]:
+        bounds = {"timeout": timeout, "deadline": deadline, "event_gap": event_gap}
         if method == "SubscribeToTask":
-            return self._subscribe(params, timeout=timeout)
-        return self._stream_once(method, params, timeout=timeout)
+            return self._subscribe(params, **bounds)
+        return self._stream_once(method, params, **bounds)
 
     def _stream_once(
         self,
@@ -345,6 +420,8 @@ class RestBinding(BaseBinding):
         params: dict[str, Any],
         *,
         timeout: httpx.Timeout,
+        deadline: float | None = None,
+        event_gap: float | None = None,
         verb: str | None = None,
     ) -> AsyncIterator[StreamEvent]:
         route_verb, path, body, _ = self._route(method, params)
@@ -369,13 +446,20 @@ class RestBinding(BaseBinding):
             json_body=body,
             content_type=REST_JSON_MEDIA,
             timeout=timeout,
+            deadline=deadline,
+            event_gap=event_gap,
             where=where,
             unwrap_json_reply=unwrap_reply,
             unwrap_event=unwrap_event,
         )
 
     async def _subscribe(
-        self, params: dict[str, Any], *, timeout: httpx.Timeout
+        self,
+        params: dict[str, Any],
+        *,
+        timeout: httpx.Timeout,
+        deadline: float | None = None,
+        event_gap: float | None = None,
     ) -> AsyncIterator[StreamEvent]:
         """POST first; on 404/405 (or TaskNotFound naming "<id>:subscribe") retry once with GET."""
         key = self.base
@@ -384,7 +468,12 @@ class RestBinding(BaseBinding):
         started = False
         try:
             async for ev in self._stream_once(
-                "SubscribeToTask", params, timeout=timeout, verb=verb
+                "SubscribeToTask",
+                params,
+                timeout=timeout,
+                deadline=deadline,
+                event_gap=event_gap,
+                verb=verb,
             ):
                 started = True
                 yield ev
@@ -392,7 +481,14 @@ class RestBinding(BaseBinding):
         except A2AError as exc:
             if started or verb == "GET" or not _verb_mismatch(exc, task_id):
                 raise
-        async for ev in self._stream_once("SubscribeToTask", params, timeout=timeout, verb="GET"):
+        async for ev in self._stream_once(
+            "SubscribeToTask",
+            params,
+            timeout=timeout,
+            deadline=deadline,
+            event_gap=event_gap,
+            verb="GET",
+        ):
             _SUBSCRIBE_VERB[key] = "GET"  # remember only a verb that worked
             yield ev
 

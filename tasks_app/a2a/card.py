@@ -15,7 +15,14 @@ from urllib.parse import urljoin, urlsplit
 
 import httpx
 
-from ._http import decode_json, error_for_status, map_transport_error, media_type, read_bounded
+from ._http import deadline as deadline_scope  # ``deadline`` is a parameter name here
+from ._http import (
+    decode_json,
+    error_for_status,
+    map_transport_error,
+    media_type,
+    read_bounded,
+)
 from .errors import IncompatibleAgentError, ProtocolError
 from .types import (
     A2A_VERSION,
@@ -28,6 +35,9 @@ from .types import (
 )
 
 DEFAULT_CARD_MAX_BYTES = 1024 * 1024
+DEFAULT_CARD_DEADLINE = 30.0
+HTTP_SCHEMES = ("http", "https")
+HTTP_ONLY = "only http and https URLs are accepted"
 SCHEME_KINDS = (
     "apiKeySecurityScheme",
     "httpAuthSecurityScheme",
@@ -40,6 +50,26 @@ OAUTH_FLOWS = ("authorizationCode", "clientCredentials", "deviceCode", "implicit
 
 class CardNotFoundError(ProtocolError):
     """No agent card at the well-known paths (or at the given card URL)."""
+
+
+def http_url_problem(url: str, *, relative_ok: bool = False) -> str | None:
+    """Why ``url`` may not be used to reach an agent, or None.
+
+    Only absolute ``http``/``https`` URLs with a host are accepted: a card is
+    untrusted input and may name ``javascript:``, ``file:``, ``data:`` or a
+    scheme-less ``host:port`` (which parses as a scheme). With
+    ``relative_ok``, a path reference starting with ``/`` is accepted too: it
+    is resolved against the (http or https) card URL.
+    """
+    if relative_ok and url.startswith("/") and not url.startswith("//"):
+        return None
+    try:
+        parts = urlsplit(url.strip())
+    except ValueError:
+        return HTTP_ONLY
+    if parts.scheme.lower() not in HTTP_SCHEMES or not parts.hostname:
+        return HTTP_ONLY
+    return None
 
 
 def card_urls(base_or_card_url: str) -> list[str]:
@@ -58,6 +88,7 @@ async def fetch_card(
     http: httpx.AsyncClient,
     etag: str | None = None,
     timeout: float = 15.0,
+    deadline: float | None = DEFAULT_CARD_DEADLINE,
     max_bytes: int = DEFAULT_CARD_MAX_BYTES,
     headers: dict[str, str] | None = None,
 ) -> CardResult:
@@ -66,7 +97,32 @@ async def fetch_card(
     Tries ``/.well-known/agent-card.json`` then the pre-1.0
     ``/.well-known/agent.json`` for a base URL. The card is *not* validated
     here (call :func:`validate_card`): a broken card is still worth showing.
+    ``timeout`` bounds each read; ``deadline`` the whole fetch (all candidate
+    URLs), raising :class:`DeadlineExceeded`. Only http(s) URLs are fetched.
     """
+    problem = http_url_problem(base_or_card_url)
+    if problem:
+        raise ProtocolError(problem, where=f"card URL {base_or_card_url[:200]!r}")
+    async with deadline_scope(deadline, f"card fetch from {base_or_card_url}"):
+        return await _fetch_card(
+            base_or_card_url,
+            http=http,
+            etag=etag,
+            timeout=timeout,
+            max_bytes=max_bytes,
+            headers=headers,
+        )
+
+
+async def _fetch_card(
+    base_or_card_url: str,
+    *,
+    http: httpx.AsyncClient,
+    etag: str | None,
+    timeout: float,
+    max_bytes: int,
+    headers: dict[str, str] | None,
+) -> CardResult:
     candidates = card_urls(base_or_card_url)
     last_404: str | None = None
     for url in candidates:
@@ -205,6 +261,7 @@ def validate_card(card: Any) -> list[CardProblem]:
         c.string(card, key, "", required=True)
     for key in ("documentationUrl", "iconUrl"):
         c.string(card, key, "", required=False)
+        _check_link(c, card, key, "")
 
     if not v03:
         ifaces = card.get("supportedInterfaces")
@@ -221,6 +278,11 @@ def validate_card(card: Any) -> list[CardProblem]:
                     continue
                 for key in ("url", "protocolBinding", "protocolVersion"):
                     c.string(iface, key, p, required=True)
+                url = iface.get("url")
+                if isinstance(url, str) and url:
+                    problem = http_url_problem(url, relative_ok=True)
+                    if problem:
+                        c.add(f"{p}.url", problem)
                 c.string(iface, "tenant", p, required=False)
                 ver = iface.get("protocolVersion")
                 if isinstance(ver, str) and ver and _major_minor(ver) is None:
@@ -228,6 +290,7 @@ def validate_card(card: Any) -> list[CardProblem]:
 
     if "provider" in card and c.obj(card["provider"], "provider"):
         c.string(card["provider"], "url", "provider", required=True)
+        _check_link(c, card["provider"], "url", "provider")
         c.string(card["provider"], "organization", "provider", required=True)
 
     caps = card.get("capabilities")
@@ -304,6 +367,13 @@ def validate_card(card: Any) -> list[CardProblem]:
     return c.problems
 
 
+def _check_link(c: _Checker, obj: dict[str, Any], key: str, path: str) -> None:
+    """A link the UI may render (documentation, icon, provider): http(s) only."""
+    value = obj.get(key)
+    if isinstance(value, str) and value and http_url_problem(value):
+        c.add(f"{path}.{key}" if path else key, HTTP_ONLY)
+
+
 def _check_scheme(c: _Checker, scheme: Any, path: str) -> None:
     if not c.obj(scheme, path):
         return
@@ -377,8 +447,10 @@ def choose_interface(
     """The interface to use, per §8.3.2: first entry we can speak, in card order.
 
     ``binding`` restricts the choice to ``"JSONRPC"`` or ``"HTTP+JSON"``
-    (CLI ``--binding``). A relative interface URL is resolved against
-    ``card_url``. Raises :class:`IncompatibleAgentError` when nothing fits.
+    (CLI ``--binding``). A relative interface URL (``/path``) is resolved
+    against ``card_url``. An interface whose URL is not http(s) is never
+    chosen. Raises :class:`IncompatibleAgentError` when nothing fits (saying
+    why URLs were refused, if any were).
     """
     if is_v03_card(card):
         raise IncompatibleAgentError(
@@ -388,7 +460,9 @@ def choose_interface(
     wanted = SUPPORTED_BINDINGS if binding is None else (_normalise_binding(binding),)
     target = _major_minor(A2A_VERSION)
     offered: list[str] = []
-    for iface in card.get("supportedInterfaces") or []:
+    refused: list[str] = []
+    ifaces = card.get("supportedInterfaces")
+    for i, iface in enumerate(ifaces if isinstance(ifaces, list) else []):
         if not isinstance(iface, dict):
             continue
         b = iface.get("protocolBinding")
@@ -399,13 +473,19 @@ def choose_interface(
             continue
         if b.upper() not in wanted or _major_minor(v) != target:
             continue
-        if card_url:
+        if card_url and not http_url_problem(url, relative_ok=True):
             url = urljoin(card_url, url)
+        problem = http_url_problem(url)
+        if problem:
+            refused.append(f"supportedInterfaces[{i}].url: {problem}")
+            continue
         tenant = iface.get("tenant") if isinstance(iface.get("tenant"), str) else ""
         return Interface(url=url, binding=b.upper(), protocol_version=A2A_VERSION, tenant=tenant)  # type: ignore[arg-type]
     want = " or ".join(wanted)
+    why = f"; {'; '.join(refused)}" if refused else ""
     raise IncompatibleAgentError(
-        f"no {want} interface for A2A {A2A_VERSION} in the card (offered: {', '.join(offered) or 'none'})"
+        f"no {want} interface for A2A {A2A_VERSION} in the card "
+        f"(offered: {', '.join(offered) or 'none'}){why}"
     )
 
 

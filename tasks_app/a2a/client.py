@@ -37,6 +37,9 @@ from .types import (
 )
 
 DEFAULT_MAX_RESPONSE_BYTES = 32 * 1024 * 1024
+# Whole-call deadlines (seconds); the Django side passes its settings.
+DEFAULT_CALL_DEADLINE = 60.0
+DEFAULT_SEND_DEADLINE = 600.0
 USER_AGENT = "a2a-dashboard/0.1"
 
 
@@ -152,13 +155,23 @@ def _timestamp(value: str | datetime) -> str:
 class A2AClient:
     """Talk A2A 1.0 to one agent interface.
 
-    Timeouts: ``timeout`` bounds ordinary calls; a *blocking* SendMessage
-    waits up to ``send_timeout`` for the task to reach a terminal or
-    interrupted state; a stream may stay silent (no event, no keep-alive)
-    for at most ``stream_idle_timeout`` seconds before
+    Timeouts (per read): ``timeout`` bounds each read of ordinary calls; a
+    *blocking* SendMessage waits up to ``send_timeout`` for the task to reach
+    a terminal or interrupted state; a stream may stay silent (no event, no
+    keep-alive) for at most ``stream_idle_timeout`` seconds before
     :class:`~tasks_app.a2a.errors.StreamIdleTimeout` (SDK servers ping about
-    every 15 s). Streams are async generators: close them (``aclosing``) when
-    you stop early.
+    every 15 s).
+
+    Deadlines (whole calls, however the bytes arrive): every unary call must
+    complete within ``call_deadline`` seconds, a blocking SendMessage within
+    ``send_deadline``, else :class:`~tasks_app.a2a.errors.DeadlineExceeded`
+    ("no complete response after N s"). A stream must deliver its headers,
+    and each event once started, within ``call_deadline``; complete events
+    must come at most ``stream_event_gap`` seconds apart (default: the idle
+    timeout), keep-alives or not, else ``StreamIdleTimeout``. ``None``
+    disables a deadline.
+
+    Streams are async generators: close them (``aclosing``) when you stop early.
     """
 
     def __init__(
@@ -173,6 +186,9 @@ class A2AClient:
         send_timeout: float = 600.0,
         stream_idle_timeout: float = 60.0,
         connect_timeout: float = 10.0,
+        call_deadline: float | None = DEFAULT_CALL_DEADLINE,
+        send_deadline: float | None = DEFAULT_SEND_DEADLINE,
+        stream_event_gap: float | None = None,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
     ) -> None:
@@ -184,6 +200,9 @@ class A2AClient:
         self._stream_timeout = httpx.Timeout(
             connect=connect_timeout, read=stream_idle_timeout, write=timeout, pool=timeout
         )
+        self._call_deadline = call_deadline
+        self._send_deadline = send_deadline
+        self._event_gap = stream_event_gap if stream_event_gap is not None else stream_idle_timeout
         plan = auth_plan(card, credentials)
         headers = {VERSION_HEADER: A2A_VERSION, "User-Agent": USER_AGENT, **plan.headers}
         if self.extensions:
@@ -208,7 +227,9 @@ class A2AClient:
         **kwargs: Any,
     ) -> A2AClient:
         """Fetch the card at ``url`` (base or card URL), choose an interface, build a client."""
-        result = await fetch_card(url, http=http)
+        result = await fetch_card(
+            url, http=http, deadline=kwargs.get("call_deadline", DEFAULT_CALL_DEADLINE)
+        )
         assert result.card is not None
         iface = choose_interface(result.card, binding=binding, card_url=result.url)
         return cls(iface, http=http, credentials=credentials, card=result.card, **kwargs)
@@ -217,6 +238,16 @@ class A2AClient:
     def capabilities(self) -> dict[str, Any]:
         caps = (self.card or {}).get("capabilities")
         return caps if isinstance(caps, dict) else {}
+
+    def _unary_bounds(self) -> dict[str, Any]:
+        return {"timeout": self._timeout, "deadline": self._call_deadline}
+
+    def _stream_bounds(self) -> dict[str, Any]:
+        return {
+            "timeout": self._stream_timeout,
+            "deadline": self._call_deadline,
+            "event_gap": self._event_gap,
+        }
 
     # ------------------------------------------------------------------ messages
 
@@ -261,7 +292,9 @@ class A2AClient:
         """SendMessage: the reply is a ``task`` or a ``message`` event.
 
         Blocking by default (the agent answers when the task is terminal or
-        interrupted), so the read timeout is ``send_timeout``.
+        interrupted), so the read timeout is ``send_timeout`` and the whole call
+        is bounded by ``send_deadline`` (``call_deadline`` with
+        ``return_immediately``).
         """
         params = self._send_params(
             message,
@@ -271,8 +304,11 @@ class A2AClient:
             push_config=push_config,
             metadata=metadata,
         )
-        timeout = self._timeout if return_immediately else self._send_timeout
-        result = await self._binding.call("SendMessage", params, timeout=timeout)
+        if return_immediately:
+            timeout, deadline = self._timeout, self._call_deadline
+        else:
+            timeout, deadline = self._send_timeout, self._send_deadline
+        result = await self._binding.call("SendMessage", params, timeout=timeout, deadline=deadline)
         return parse_stream_response(
             result, where="SendMessage result", allowed=("task", "message")
         )
@@ -296,7 +332,7 @@ class A2AClient:
             metadata=metadata,
         )
         async for event in self._binding.stream(
-            "SendStreamingMessage", params, timeout=self._stream_timeout
+            "SendStreamingMessage", params, **self._stream_bounds()
         ):
             yield event
 
@@ -307,7 +343,7 @@ class A2AClient:
         if history_length is not None:
             params["historyLength"] = history_length
         return check_task(
-            await self._binding.call("GetTask", params, timeout=self._timeout), "GetTask result"
+            await self._binding.call("GetTask", params, **self._unary_bounds()), "GetTask result"
         )
 
     async def list_tasks(
@@ -337,7 +373,7 @@ class A2AClient:
             params["statusTimestampAfter"] = _timestamp(status_timestamp_after)
         if include_artifacts:
             params["includeArtifacts"] = True
-        result = await self._binding.call("ListTasks", params, timeout=self._timeout)
+        result = await self._binding.call("ListTasks", params, **self._unary_bounds())
         if not isinstance(result, dict):
             raise ProtocolError("ListTasks result must be an object", where="ListTasks")
         tasks = result.get("tasks", [])
@@ -357,14 +393,14 @@ class A2AClient:
         if metadata:
             params["metadata"] = dict(metadata)
         return check_task(
-            await self._binding.call("CancelTask", params, timeout=self._timeout),
+            await self._binding.call("CancelTask", params, **self._unary_bounds()),
             "CancelTask result",
         )
 
     async def subscribe_to_task(self, task_id: str) -> AsyncIterator[StreamEvent]:
         """SubscribeToTask: a ``task`` snapshot first, then live updates only."""
         async for event in self._binding.stream(
-            "SubscribeToTask", {"id": task_id}, timeout=self._stream_timeout
+            "SubscribeToTask", {"id": task_id}, **self._stream_bounds()
         ):
             yield event
 
@@ -398,7 +434,7 @@ class A2AClient:
                 config["authentication"]["credentials"] = auth_credentials
         return self._config(
             await self._binding.call(
-                "CreateTaskPushNotificationConfig", config, timeout=self._timeout
+                "CreateTaskPushNotificationConfig", config, **self._unary_bounds()
             ),
             "CreateTaskPushNotificationConfig",
         )
@@ -408,7 +444,7 @@ class A2AClient:
             await self._binding.call(
                 "GetTaskPushNotificationConfig",
                 {"taskId": task_id, "id": config_id},
-                timeout=self._timeout,
+                **self._unary_bounds(),
             ),
             "GetTaskPushNotificationConfig",
         )
@@ -423,7 +459,7 @@ class A2AClient:
         if page_token:
             params["pageToken"] = page_token
         result = await self._binding.call(
-            "ListTaskPushNotificationConfigs", params, timeout=self._timeout
+            "ListTaskPushNotificationConfigs", params, **self._unary_bounds()
         )
         if result is None:
             result = {}
@@ -440,7 +476,7 @@ class A2AClient:
         await self._binding.call(
             "DeleteTaskPushNotificationConfig",
             {"taskId": task_id, "id": config_id},
-            timeout=self._timeout,
+            **self._unary_bounds(),
         )
 
     @staticmethod
@@ -453,7 +489,7 @@ class A2AClient:
 
     async def get_extended_agent_card(self) -> dict[str, Any]:
         """GetExtendedAgentCard (needs ``capabilities.extendedAgentCard`` and usually credentials)."""
-        result = await self._binding.call("GetExtendedAgentCard", {}, timeout=self._timeout)
+        result = await self._binding.call("GetExtendedAgentCard", {}, **self._unary_bounds())
         if not isinstance(result, dict):
             raise ProtocolError(
                 "extended agent card must be an object", where="GetExtendedAgentCard"

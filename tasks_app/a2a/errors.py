@@ -57,6 +57,14 @@ class StreamIdleTimeout(RequestTimeout):
     """An open stream stayed silent (not even a keep-alive) for too long."""
 
 
+class DeadlineExceeded(RequestTimeout):
+    """A whole call, or one SSE event, did not complete within its deadline.
+
+    Unlike a read timeout this fires even while bytes keep arriving: an agent
+    that trickles one byte a second never trips a per-read timeout.
+    """
+
+
 class ConnectionDropped(TransportError):
     """The connection broke while a response or stream was being read."""
 

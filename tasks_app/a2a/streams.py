@@ -7,6 +7,13 @@ open the request with ``httpx_sse.aconnect_sse`` (it sets the SSE request
 headers). Comment lines (keep-alives) and events with empty data (a known
 httpx-sse / framing quirk) are skipped.
 
+Two clocks bound a stream besides httpx's read (idle) timeout, which only
+notices silence: an event that has started must complete within
+``event_deadline`` (:class:`DeadlineExceeded`), and complete events must
+come at most ``event_gap`` apart (:class:`StreamIdleTimeout`), so an agent
+that trickles keep-alives or a byte a second cannot hold a stream forever.
+Time the consumer spends between events is not counted.
+
 :func:`parse_stream_response` turns one decoded JSON object into a
 :class:`StreamEvent`, rejecting shapes that are not A2A 1.0 (including
 0.3-shaped payloads with ``kind``) with a :class:`ProtocolError` that says
@@ -15,6 +22,7 @@ what was wrong and where.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
@@ -22,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from .errors import PayloadTooLarge, ProtocolError
+from .errors import DeadlineExceeded, PayloadTooLarge, ProtocolError, StreamIdleTimeout
 from .types import ALL_ROLES, ALL_STATES, EVENT_KINDS, StreamEvent
 
 DEFAULT_MAX_EVENT_BYTES = 8 * 1024 * 1024
@@ -37,24 +45,108 @@ class SSEMessage:
 
 
 _EOL = re.compile(rb"\r\n|\r|\n")
+_LINE_BREAK_BYTES = b"\r\n"
+
+
+class _Clock:
+    """The two deadlines of one SSE reader, in event-loop time."""
+
+    def __init__(self, event_deadline: float | None, event_gap: float | None, where: str):
+        self.event_deadline = event_deadline
+        self.event_gap = event_gap
+        self.where = where
+        self.now = asyncio.get_running_loop().time
+        self.last_event = self.now()
+        self.event_started: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.event_deadline is not None or self.event_gap is not None
+
+    def line_started(self, first_byte: int) -> None:
+        """A line began: unless it is a comment or blank, an event has started."""
+        if self.event_started is None and first_byte != ord(":"):
+            self.event_started = self.now()
+
+    def event_done(self, *, dispatched: bool) -> None:
+        self.event_started = None
+        if dispatched:
+            self.last_event = self.now()
+
+    def paused(self, seconds: float) -> None:
+        """The consumer held us for ``seconds``: that time is not the agent's."""
+        self.last_event += seconds
+        if self.event_started is not None:
+            self.event_started += seconds
+
+    def next_deadline(self) -> tuple[float, str] | None:
+        bounds: list[tuple[float, str]] = []
+        if self.event_gap is not None:
+            bounds.append((self.last_event + self.event_gap, "gap"))
+        if self.event_deadline is not None and self.event_started is not None:
+            bounds.append((self.event_started + self.event_deadline, "event"))
+        return min(bounds) if bounds else None
+
+    def error(self, why: str) -> Exception:
+        if why == "event":
+            return DeadlineExceeded(
+                f"{self.where}: no complete response after {self.event_deadline:g} s "
+                "(an SSE event started and did not finish)"
+            )
+        return StreamIdleTimeout(
+            f"{self.where}: no complete event for {self.event_gap:g} s "
+            "(only keep-alives or partial data)"
+        )
+
+
+async def _bounded_chunks(chunks: AsyncIterator[bytes], clock: _Clock) -> AsyncIterator[bytes]:
+    """``chunks``, each awaited no later than the clock's next deadline."""
+    it = aiter(chunks)
+    while True:
+        bound = clock.next_deadline()
+        if bound is None:
+            try:
+                chunk = await anext(it)
+            except StopAsyncIteration:
+                return
+        else:
+            when, why = bound
+            cm = asyncio.timeout_at(when)
+            try:
+                async with cm:
+                    chunk = await anext(it)
+            except StopAsyncIteration:
+                return
+            except TimeoutError as exc:
+                if cm.expired():
+                    raise clock.error(why) from exc
+                raise
+        yield chunk
 
 
 async def _iter_lines(
-    chunks: AsyncIterator[bytes], max_line: int, where: str
+    chunks: AsyncIterator[bytes], max_line: int, where: str, clock: _Clock | None = None
 ) -> AsyncIterator[bytes]:
     """Split a byte stream into SSE lines (CRLF, CR or LF), bounding line length.
 
     Only new bytes are scanned and a partial line is kept as a list of pieces,
-    so a large event costs linear time.
+    so a large event costs linear time. ``clock`` (if any) learns when a
+    non-comment line starts.
     """
     partial: list[bytes] = []
     partial_len = 0
     cr_pending = False
+    if clock is not None and clock.active:
+        chunks = _bounded_chunks(chunks, clock)
+    else:
+        clock = None
     async for chunk in chunks:
         if cr_pending:
             cr_pending = False
             if chunk.startswith(b"\n"):
                 chunk = chunk[1:]
+        if clock is not None and not partial and chunk and chunk[0] not in _LINE_BREAK_BYTES:
+            clock.line_started(chunk[0])
         pos = 0
         for m in _EOL.finditer(chunk):
             if m.group() == b"\r" and m.end() == len(chunk):
@@ -66,7 +158,14 @@ async def _iter_lines(
                 partial, partial_len = [], 0
             else:
                 line = piece
+            if clock is not None and m.end() < len(chunk):
+                nxt = chunk[m.end()]
+                if nxt not in _LINE_BREAK_BYTES:
+                    clock.line_started(nxt)
+            t0 = clock.now() if clock is not None else 0.0
             yield line
+            if clock is not None:
+                clock.paused(clock.now() - t0)
             pos = m.end()
         rest = chunk[pos:]
         if rest:
@@ -86,17 +185,26 @@ async def iter_sse(
     *,
     max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
     where: str = "",
+    event_deadline: float | None = None,
+    event_gap: float | None = None,
 ) -> AsyncIterator[SSEMessage]:
-    """Decode an SSE byte stream into events, bounding every event's size."""
+    """Decode an SSE byte stream into events, bounding every event's size and time.
+
+    ``event_deadline``: seconds an event may take from its first line to its
+    end; ``event_gap``: seconds between complete events (keep-alives do not
+    count). ``None`` disables either bound.
+    """
     event = ""
     data: list[str] = []
     size = 0
-    async for raw in _iter_lines(chunks, max_event_bytes, where):
+    clock = _Clock(event_deadline, event_gap, where)
+    async for raw in _iter_lines(chunks, max_event_bytes, where, clock):
         if not raw:
-            if data:
-                payload = "\n".join(data)
-                if payload.strip():
-                    yield SSEMessage(event=event, data=payload)
+            payload = "\n".join(data) if data else ""
+            dispatched = bool(payload.strip())
+            clock.event_done(dispatched=dispatched)
+            if dispatched:
+                yield SSEMessage(event=event, data=payload)
             event, data, size = "", [], 0
             continue
         if raw.startswith(b":"):
@@ -121,9 +229,20 @@ async def iter_sse(
 
 
 async def iter_sse_response(
-    response: httpx.Response, *, max_event_bytes: int, where: str
+    response: httpx.Response,
+    *,
+    max_event_bytes: int,
+    where: str,
+    event_deadline: float | None = None,
+    event_gap: float | None = None,
 ) -> AsyncIterator[SSEMessage]:
-    async for msg in iter_sse(response.aiter_bytes(), max_event_bytes=max_event_bytes, where=where):
+    async for msg in iter_sse(
+        response.aiter_bytes(),
+        max_event_bytes=max_event_bytes,
+        where=where,
+        event_deadline=event_deadline,
+        event_gap=event_gap,
+    ):
         yield msg
 
 
