@@ -13,14 +13,22 @@
   whose raw JSON was left out for size, makes the consumer read the missing
   rows from the log first. So the browser sees every seq once, in order.
 * ``task.watcher`` messages become ``{"type": "watcher", ...summary}``.
+* Re-sync: a relay message can be lost (a Redis hiccup, a worker killed after its
+  commit), and a lost *last* event would leave the page stale forever. So the
+  browser sends ``{"type": "sync"}`` when it has heard nothing for a few seconds
+  (and now and then anyway). The consumer reads the log rows after the last seq it
+  sent (one indexed range query, usually empty), sends them, then ``synced``.
 
-``ws/tasks/`` forwards ``tasks.changed`` summaries as ``{"type": "task", ...}``.
+``ws/tasks/`` forwards ``tasks.changed`` summaries as ``{"type": "task", ...}``,
+and answers ``{"type": "sync", "since": ISO}`` with the summaries changed since
+then and ``{"type": "version", "version": ISO}`` (see ``TaskListConsumer``).
 
 Both reject anonymous users (close code 4401) before accepting.
 """
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -29,11 +37,15 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from tasks_app.models import RemoteTask, TaskEvent
 from tasks_app.relay import LIST_GROUP, task_group
+from tasks_app.services.record import task_summary
 from tasks_app.services.snapshot import event_json
 
 BATCH = 500
 CLOSE_UNAUTHENTICATED = 4401
 CLOSE_NOT_FOUND = 4404
+# List re-sync: how far before the browser's version to look again, and at most how many rows.
+LIST_OVERLAP = timedelta(seconds=30)
+LIST_SYNC_LIMIT = 200
 
 
 def _authenticated(scope: dict) -> bool:
@@ -104,11 +116,28 @@ class TaskConsumer(AsyncJsonWebsocketConsumer):
             except (TypeError, ValueError):
                 after = 0
             await self._resume(after)
+        elif content.get("type") == "sync":
+            await self._resync(content.get("after"))
         elif content.get("type") == "ping":
             await self.send_json({"type": "pong"})
 
     async def _resume(self, after: int) -> None:
         self.last_sent = after
+        await self._send_from_log(upto=None)
+        await self.send_json({"type": "synced", "last_seq": self.last_sent})
+
+    async def _resync(self, after: Any) -> None:
+        """Idle re-sync: send what the log holds beyond what we sent (a lost relay).
+
+        Rows between the browser's seq and ours are on their way to it already, so
+        we read after our own ``last_sent``; before any resume, this is one.
+        """
+        if self.last_sent is None:
+            try:
+                await self._resume(max(0, int(after or 0)))
+            except (TypeError, ValueError):
+                await self._resume(0)
+            return
         await self._send_from_log(upto=None)
         await self.send_json({"type": "synced", "last_seq": self.last_sent})
 
@@ -153,8 +182,48 @@ class TaskConsumer(AsyncJsonWebsocketConsumer):
         await self.send_json({**message, "type": "watcher"})
 
 
+def _parse_version(value: Any) -> datetime | None:
+    if not isinstance(value, str) or len(value) > 64:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+
+@database_sync_to_async
+def _changed_since(since: datetime | None) -> tuple[list[dict[str, Any]], datetime | None]:
+    """Summaries of the tasks changed since ``since`` (with the overlap), newest first,
+    and the newest ``updated_at`` among them; one query on the ``updated_at`` index."""
+    if since is None:
+        newest = RemoteTask.objects.order_by("-updated_at").values_list("updated_at", flat=True).first()
+        return [], newest
+    fields = ("agent", "remote_id", "context_id", "title", "phase", "state", "last_seq", "watcher_status", "updated_at")
+    changed = RemoteTask.objects.filter(updated_at__gte=since - LIST_OVERLAP).only(*fields)
+    tasks = list(changed.order_by("-updated_at", "-pk")[:LIST_SYNC_LIMIT])
+    return [task_summary(t) for t in tasks], (tasks[0].updated_at if tasks else None)
+
+
 class TaskListConsumer(AsyncJsonWebsocketConsumer):
-    """Forwards task summaries for lists and the overview."""
+    """Forwards task summaries for lists and the overview, and re-syncs them by version.
+
+    The list's version is the newest ``RemoteTask.updated_at`` the browser knows
+    of. Every ``record()`` that appends sets ``updated_at`` (with ``last_seq``) in
+    its compare-and-set, so a task whose summary was lost has an ``updated_at``
+    after the version the browser held when the loss happened. A ``sync`` with
+    ``since`` answers the summaries of the tasks changed from ``since`` minus
+    ``LIST_OVERLAP`` (one range query on the ``updated_at`` index, bounded by
+    ``LIST_SYNC_LIMIT``), then the new version. The overlap is there because
+    ``updated_at`` is taken before commit: a transaction that took its time
+    earlier but committed after a newer one must still be seen. Repeats are
+    harmless, the browser keeps a row only when its ``last_seq`` is newer (or its
+    phase or watcher changed). Without ``since`` (or with a malformed one) only
+    the current version is answered.
+
+    Not covered: a lost watcher-status change (it does not touch ``updated_at``)
+    waits for the task's next change.
+    """
 
     joined = False
 
@@ -171,7 +240,18 @@ class TaskListConsumer(AsyncJsonWebsocketConsumer):
             await self.channel_layer.group_discard(LIST_GROUP, self.channel_name)
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
-        if isinstance(content, dict) and content.get("type") == "ping":
+        if not isinstance(content, dict):
+            return
+        if content.get("type") == "sync":
+            since = _parse_version(content.get("since"))
+            if since is not None:
+                since = min(since, datetime.now(UTC))  # a version from the future would hide changes
+            summaries, newest = await _changed_since(since)
+            for summary in summaries:
+                await self.send_json({**summary, "type": "task", "resync": True})
+            version = max((v for v in (since, newest) if v is not None), default=None)
+            await self.send_json({"type": "version", "version": version.isoformat() if version else None})
+        elif content.get("type") == "ping":
             await self.send_json({"type": "pong"})
 
     async def tasks_changed(self, message: dict[str, Any]) -> None:

@@ -246,3 +246,170 @@ async def test_a_batch_recorded_at_once_arrives_event_by_event(task, user):
     assert [m["seq"] for m in got] == [1, 2, 3, 4, 5]
     assert got[2]["raw"]["statusUpdate"]["status"]["message"]["parts"] == [{"text": "step 3"}]
     await comm.disconnect()
+
+
+# Re-sync: a relay message that never arrives ------------------------------------------------
+
+
+def record_with_relay_lost(task_pk: int, obj: dict, channel: str = "poll") -> None:
+    """Append through record() while relay.publish drops everything: the row reaches the
+    log and the mirror, no group ever hears of it (a lost relay message)."""
+    from unittest import mock
+
+    with mock.patch("tasks_app.relay.publish", lambda messages: None):
+        record(task_pk, obj, channel)
+
+
+async def until_type(comm: WebsocketCommunicator, kind: str, timeout: float = 10) -> tuple[list[dict], dict]:
+    """Messages until one of type ``kind`` (returned apart from the others)."""
+    before: list[dict] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"no {kind!r}; got {before}"
+        msg = await comm.receive_json_from(timeout=remaining)
+        if msg["type"] == kind:
+            return before, msg
+        before.append(msg)
+
+
+async def test_idle_sync_delivers_a_last_event_whose_relay_was_lost(task, user):
+    for i in range(1, 3):
+        await database_sync_to_async(write)(task.pk, i)
+    comm = await communicator(f"/ws/tasks/{task.pk}/?after=0", user)
+    assert (await comm.connect())[0]
+    assert [m["seq"] for m in await collect(comm, 2)] == [1, 2]
+    assert (await comm.receive_json_from(timeout=5)) == {"type": "synced", "last_seq": 2}
+    # An idle sync with nothing new: just "synced", no rows.
+    await comm.send_json_to({"type": "sync", "after": 2})
+    assert (await comm.receive_json_from(timeout=5)) == {"type": "synced", "last_seq": 2}
+
+    await database_sync_to_async(record_with_relay_lost)(task.pk, status(3, "TASK_STATE_COMPLETED"))
+    assert await comm.receive_nothing(timeout=0.5)  # lost indeed: nothing relayed
+    await comm.send_json_to({"type": "sync", "after": 2})
+    events, synced = await until_type(comm, "synced")
+    assert [(m["type"], m["seq"], m["state"]) for m in events] == [("event", 3, "TASK_STATE_COMPLETED")]
+    assert events[0]["raw"]["statusUpdate"]["status"]["message"]["parts"] == [{"text": "step 3"}]
+    assert synced == {"type": "synced", "last_seq": 3}
+    # Asking again (or with a seq the browser has not caught up to) never repeats a row.
+    await comm.send_json_to({"type": "sync", "after": 1})
+    assert (await comm.receive_json_from(timeout=5)) == {"type": "synced", "last_seq": 3}
+    await comm.disconnect()
+
+
+async def test_sync_before_any_resume_resumes_and_bad_input_is_harmless(task, user):
+    await database_sync_to_async(write)(task.pk, 1)
+    comm = await communicator(f"/ws/tasks/{task.pk}/", user)
+    assert (await comm.connect())[0]
+    for junk in ([1, 2], "sync", {"type": "sync", "after": "x"}):
+        await comm.send_json_to(junk)
+    events, synced = await until_type(comm, "synced")  # the malformed sync resumed from 0
+    assert [m["seq"] for m in events] == [1] and synced["last_seq"] == 1
+    await comm.send_json_to({"type": "sync", "after": None})
+    assert (await comm.receive_json_from(timeout=5)) == {"type": "synced", "last_seq": 1}
+    await comm.disconnect()
+
+
+async def test_list_sync_by_version_repairs_a_lost_summary(task, user):
+    comm = await communicator("/ws/tasks/", user)
+    assert (await comm.connect())[0]
+    # No version yet: the answer is only the current one.
+    await comm.send_json_to({"type": "sync", "since": None})
+    assert await until_type(comm, "version") == ([], {"type": "version", "version": task.updated_at.isoformat()})
+    await database_sync_to_async(record)(task.pk, status(1), "poll")
+    live = await comm.receive_json_from(timeout=5)
+    assert live["type"] == "task" and live["last_seq"] == 1 and "resync" not in live
+    version = live["updated_at"]
+
+    other = await database_sync_to_async(RemoteTask.objects.create)(agent_id=task.agent_id, title="quiet")
+    await database_sync_to_async(record_with_relay_lost)(task.pk, status(2, "TASK_STATE_COMPLETED"))
+    assert await comm.receive_nothing(timeout=0.5)  # the summary is lost
+    await comm.send_json_to({"type": "sync", "since": version})
+    rows, answer = await until_type(comm, "version")
+    fresh = await database_sync_to_async(RemoteTask.objects.get)(pk=task.pk)
+    by_task = {m["task"]: m for m in rows}
+    assert by_task[task.pk]["state"] == "TASK_STATE_COMPLETED" and by_task[task.pk]["last_seq"] == 2
+    assert by_task[task.pk]["resync"] is True and by_task[task.pk]["type"] == "task"
+    assert other.pk in by_task  # created after the version: new rows are found too
+    assert answer["version"] == max(fresh.updated_at, other.updated_at).isoformat()
+    await comm.disconnect()
+
+
+async def test_list_sync_is_one_query_and_bounded(task, user):
+    from asgiref.sync import async_to_sync
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from tasks_app.consumers import LIST_SYNC_LIMIT, TaskListConsumer
+
+    comm = await communicator("/ws/tasks/", user)
+    assert (await comm.connect())[0]
+    # Malformed versions are answered with the current version, nothing else.
+    for since in ("yesterday", 12, "2024-13-45T00:00:00", "x" * 500):
+        await comm.send_json_to({"type": "sync", "since": since})
+        rows, answer = await until_type(comm, "version")
+        assert rows == [] and answer["version"] == task.updated_at.isoformat()
+    # A version from the future is clamped to now: nothing changed since then.
+    await comm.send_json_to({"type": "sync", "since": "2999-01-01T00:00:00+00:00"})
+    rows, answer = await until_type(comm, "version")
+    assert answer["version"] < "2999"
+    assert [m["task"] for m in rows] == [task.pk]  # only what changed within the overlap
+    await comm.disconnect()
+
+    # However old the version, the answer is one query for at most LIST_SYNC_LIMIT rows.
+    @database_sync_to_async
+    def many() -> None:
+        RemoteTask.objects.bulk_create(
+            RemoteTask(agent_id=task.agent_id, title=f"t{i}") for i in range(LIST_SYNC_LIMIT + 5)
+        )
+
+    await many()
+    sent: list[dict] = []
+    consumer = TaskListConsumer()
+
+    async def capture(content: dict, close: bool = False) -> None:
+        sent.append(content)
+
+    consumer.send_json = capture  # type: ignore[method-assign]
+
+    @database_sync_to_async
+    def counted(since: str | None) -> int:
+        # The handler's database work runs on this very thread (thread-sensitive).
+        with CaptureQueriesContext(connection) as queries:
+            async_to_sync(consumer.receive_json)({"type": "sync", "since": since})
+        return len(queries)
+
+    assert await counted("2000-01-01T00:00:00Z") == 1
+    assert len(sent) == LIST_SYNC_LIMIT + 1 and sent[-1]["type"] == "version"
+    assert [m["resync"] for m in sent[:-1]] == [True] * LIST_SYNC_LIMIT
+    sent.clear()
+    assert await counted(None) == 1
+    assert [m["type"] for m in sent] == ["version"]
+
+
+async def test_task_sync_when_idle_is_one_query(task, user):
+    from asgiref.sync import async_to_sync
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from tasks_app.consumers import TaskConsumer
+
+    await database_sync_to_async(write)(task.pk, 1)
+    sent: list[dict] = []
+    consumer = TaskConsumer()
+    consumer.task_pk = task.pk
+    consumer.last_sent = 1
+
+    async def capture(content: dict, close: bool = False) -> None:
+        sent.append(content)
+
+    consumer.send_json = capture  # type: ignore[method-assign]
+
+    @database_sync_to_async
+    def counted() -> int:
+        with CaptureQueriesContext(connection) as queries:
+            async_to_sync(consumer.receive_json)({"type": "sync", "after": 1})
+        return len(queries)
+
+    assert await counted() == 1
+    assert sent == [{"type": "synced", "last_seq": 1}]

@@ -2,8 +2,15 @@
  *
  *   const live = new LiveSocket("/ws/tasks/1/", {
  *     query: () => "?after=" + lastSeq,   // asked again on every (re)connect
- *     onMessage: (msg) => ..., onStatus: (state) => ...
+ *     onMessage: (msg) => ..., onStatus: (state) => ...,
+ *     onIdle: () => live.send({type: "sync"}),  // re-sync: see below
  *   });
+ *
+ * Re-sync: a relay message can be lost, and nothing would tell us if it was
+ * the last one. With onIdle, the socket calls it when nothing arrived for
+ * idleMs (default 5 s), and every 6 idleMs anyway; the server answers every
+ * sync, so a connection that stays silent for 4 idleMs in spite of them is
+ * treated as dead and reconnected.
  */
 (function () {
   "use strict";
@@ -22,7 +29,25 @@
       this.holdUntil = 0;
       this.stopped = false;
       this.timer = null;
+      this.heardAt = 0;
+      this.pokedAt = 0;
+      if (this.options.onIdle) setInterval(() => this.checkIdle(), 1000);
       this.connect();
+    }
+
+    checkIdle() {
+      const ws = this.ws;
+      if (!ws || ws.readyState !== WebSocket.OPEN) return;
+      const idle = this.options.idleMs || 5000;
+      const now = Date.now();
+      if (this.pokedAt > this.heardAt && now - this.heardAt > 4 * idle) {
+        this.reconnectNow(); // asked again and again, never answered
+        return;
+      }
+      if (now - Math.max(this.heardAt, this.pokedAt) >= idle || now - this.pokedAt >= 6 * idle) {
+        this.pokedAt = now;
+        this.options.onIdle();
+      }
     }
 
     status(state, text) {
@@ -47,10 +72,12 @@
       this.status("connecting", "connecting…");
       ws.onopen = () => {
         this.attempt = 0;
+        this.heardAt = Date.now();
         this.status("open", "connected");
         if (this.options.onOpen) this.options.onOpen(ws);
       };
       ws.onmessage = (ev) => {
+        this.heardAt = Date.now();
         let msg;
         try { msg = JSON.parse(ev.data); } catch (e) { return; }
         if (this.options.onMessage) this.options.onMessage(msg);

@@ -1,4 +1,9 @@
-/* The overview redraws (throttled) when any task changes. */
+/* The overview redraws (throttled) when any task changes.
+ *
+ * Re-sync as on the task list (see TaskListConsumer): after a (re)connect and
+ * when idle, ask for the tasks changed since the newest updated_at we know of;
+ * redraw only for a task whose summary differs from the last one seen, so an
+ * idle re-sync costs the server one small query and no render. */
 (function () {
   "use strict";
   const body = document.getElementById("overview-body");
@@ -8,5 +13,21 @@
     const resp = await fetch(url, { credentials: "same-origin" });
     if (resp.ok) body.innerHTML = await resp.text();
   }, 1000);
-  new Live.LiveSocket("/ws/tasks/", { onMessage: (msg) => { if (msg.type === "task") redraw(); } });
+  const seen = new Map(); // task pk -> what its last summary said
+  let version = Date.parse(body.dataset.version || "") || 0;
+  function newer(iso) { version = Math.max(version, Date.parse(iso || "") || 0); }
+  const sync = () => socket.send({ type: "sync", since: version ? new Date(version).toISOString() : null });
+  const socket = new Live.LiveSocket("/ws/tasks/", {
+    onOpen: sync,
+    onIdle: sync,
+    onMessage: (msg) => {
+      if (msg.type === "version") newer(msg.version);
+      if (msg.type !== "task") return;
+      newer(msg.updated_at);
+      const key = [msg.last_seq, msg.state, msg.phase, msg.watcher_status].join("|");
+      if (seen.get(msg.task) === key) return;
+      seen.set(msg.task, key);
+      redraw();
+    },
+  });
 })();

@@ -2,6 +2,7 @@
  *
  * - Events are applied once, in seq order (idempotent: an old seq is ignored;
  *   a skipped seq makes us reconnect and resume from the last one we have).
+ * - When idle, the socket asks for rows after the last seq (a lost relay).
  * - Text chunks of an artifact are appended at once (textContent only) and the
  *   server's sanitized rendering of that artifact is fetched, throttled; the
  *   block is redrawn in place, so an artifact is one growing block.
@@ -231,15 +232,19 @@
     refresh();
   }
 
+  // A (re)connect resumes after lastSeq; when idle we ask for rows after it too,
+  // so a lost relay of the task's last event is repaired within seconds. Fragments
+  // are fetched again only after a (re)connect or when an event was applied.
   state.socket = new Live.LiveSocket("/ws/tasks/" + taskPk + "/", {
     query: () => "?after=" + state.lastSeq,
     onOpen: () => { state.synced = false; },
+    onIdle: () => state.socket.send({ type: "sync", after: state.lastSeq }),
     onMessage: (msg) => {
       if (msg.type === "event") apply(msg);
       else if (msg.type === "synced") {
+        if (!state.synced) refresh();
         state.synced = true;
         state.socket.status("open", "up to date");
-        refresh();
       } else if (msg.type === "watcher") refresh();
     },
   });

@@ -1,5 +1,6 @@
 /* The task list: rows change in place; new matching tasks appear at the top
-   (on the first page of the default order) without moving what one reads. */
+   (on the first page of the default order) without moving what one reads.
+   A lost summary is repaired by the re-sync (below). */
 (function () {
   "use strict";
   const tbody = document.getElementById("task-rows");
@@ -31,16 +32,20 @@
 
   function updateRow(tr, s) {
     const seq = s.last_seq || 0;
-    if (parseInt(tr.dataset.seq || "0", 10) > seq) return; // older news
-    tr.dataset.seq = seq;
+    const shown = parseInt(tr.dataset.seq || "0", 10);
+    if (shown > seq) return; // older news
     const badge = tr.querySelector(".state-cell .badge");
+    const watch = tr.querySelector(".watch-cell");
+    const label = s.state ? (labels[s.state] || s.state) : s.phase;
+    const watcher = s.watcher_status || "";
+    if (shown === seq && (!badge || badge.textContent === label) && (!watch || watch.textContent === watcher)) return; // nothing new (a re-sync repeats rows)
+    tr.dataset.seq = seq;
     if (badge) {
       badge.className = "badge st-" + (s.state ? shortState(s.state) : "phase-" + s.phase);
       badge.dataset.state = s.state || "";
-      badge.textContent = s.state ? (labels[s.state] || s.state) : s.phase;
+      badge.textContent = label;
     }
-    const watch = tr.querySelector(".watch-cell");
-    if (watch) watch.textContent = s.watcher_status || "";
+    if (watch) watch.textContent = watcher;
     const time = tr.querySelector("time");
     if (time && s.updated_at) { time.setAttribute("datetime", s.updated_at); time.textContent = s.updated_at.slice(0, 19).replace("T", " "); }
     tr.classList.toggle("stale", !matches(s));
@@ -88,13 +93,26 @@
     queue.clear();
   }
 
-  new Live.LiveSocket("/ws/tasks/", {
+  // Re-sync by version: the newest updated_at we know of (the render time at
+  // first). After a (re)connect and when idle we ask for the tasks changed since
+  // then (see TaskListConsumer); rows already up to date are left alone.
+  let version = Date.parse(tbody.dataset.version || "") || 0;
+  function newer(iso) { version = Math.max(version, Date.parse(iso || "") || 0); }
+  const sync = () => socket.send({ type: "sync", since: version ? new Date(version).toISOString() : null });
+  const socket = new Live.LiveSocket("/ws/tasks/", {
+    onOpen: sync,
+    onIdle: sync,
     onMessage: (msg) => {
+      if (msg.type === "version") newer(msg.version);
       if (msg.type !== "task") return;
-      queue.set(String(msg.task), msg);
+      newer(msg.updated_at);
+      const key = String(msg.task);
+      if ((queue.get(key) || {}).last_seq > msg.last_seq) return; // keep the newer one queued
+      queue.set(key, msg);
       if (!frame) frame = requestAnimationFrame(flush);
     },
   });
+  window.__taskList = { version: () => version };
 
   // Filters apply as they change (and stay in the URL).
   const form = document.getElementById("task-filters");
