@@ -13,13 +13,11 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-TERMINAL_STATES = (
-    "TASK_STATE_COMPLETED",
-    "TASK_STATE_FAILED",
-    "TASK_STATE_CANCELED",
-    "TASK_STATE_REJECTED",
-)
-INTERRUPTED_STATES = ("TASK_STATE_INPUT_REQUIRED", "TASK_STATE_AUTH_REQUIRED")
+from tasks_app.a2a import states
+
+# The protocol's sets, as tuples for queries (``state__in``).
+TERMINAL_STATES = tuple(sorted(states.TERMINAL_STATES))
+INTERRUPTED_STATES = tuple(sorted(states.INTERRUPTED_STATES))
 
 STATE_CHOICES = [
     ("", "unknown"),

@@ -25,10 +25,7 @@ from tasks_app.a2a import (
     TaskNotFoundError,
     UnsupportedOperationError,
     VersionNotSupportedError,
-    artifact_complete,
     artifact_text,
-    fold,
-    fold_all,
     message_text,
     parse_stream_response,
     user_message,
@@ -117,8 +114,7 @@ async def test_quick_task(agent: AgentHandle, binding: str, http: httpx.AsyncCli
     events = await collect(client.send_streaming_message(user_message("quick")))
     assert events[0].kind == "task" and events[0].state == "TASK_STATE_SUBMITTED"
     assert events[-1].state == "TASK_STATE_COMPLETED"
-    view = fold_all(events).view
-    assert view["status"]["state"] == "TASK_STATE_COMPLETED"
+    assert [e.state for e in events if e.state].count("TASK_STATE_COMPLETED") == 1
 
 
 async def test_slow_task_progress_and_chunked_artifact(
@@ -138,14 +134,12 @@ async def test_slow_task_progress_and_chunked_artifact(
     assert not chunks[0].get("append") and all(c.get("append") for c in chunks[1:])
     assert [bool(c.get("lastChunk")) for c in chunks] == [False, False, False, True]
     assert events[-1].kind == "statusUpdate" and events[-1].state == "TASK_STATE_COMPLETED"
-    res = fold_all(events)
-    assert res.problems == []
-    (artifact,) = res.view["artifacts"]
-    assert artifact_text(artifact) == "chunk 1\nchunk 2\nchunk 3\nchunk 4\n"
-    assert artifact_complete(res.view, artifact["artifactId"])
-    # the server's own assembly agrees with ours
+    assert len({c["artifact"]["artifactId"] for c in chunks}) == 1
+    streamed = "".join(artifact_text(c["artifact"]) for c in chunks)
+    assert streamed == "chunk 1\nchunk 2\nchunk 3\nchunk 4\n"
+    # the server's own assembly agrees with the chunks as streamed
     server = await client.get_task(events[0].task_id)
-    assert artifact_text(server["artifacts"][0]) == artifact_text(artifact)
+    assert artifact_text(server["artifacts"][0]) == streamed
 
 
 async def test_ask_input_required_then_answer_on_same_task(
@@ -155,17 +149,14 @@ async def test_ask_input_required_then_answer_on_same_task(
     first = await client.send_message(user_message("ask"))
     assert first.state == "TASK_STATE_INPUT_REQUIRED"
     assert message_text(first.status_message) == "What is your name?"
-    view = fold(None, first).view
     answer = user_message("Ada", task_id=first.task_id, context_id=first.context_id)
     events = await collect(client.send_streaming_message(answer))
     # a follow-up stream starts with a statusUpdate, not a Task (SDK behaviour)
     assert events[0].kind == "statusUpdate" and events[0].task_id == first.task_id
     assert events[-1].state == "TASK_STATE_COMPLETED"
-    res = fold_all(events, view)
-    assert res.problems == []
-    assert artifact_text(res.view["artifacts"][-1]) == "You answered: Ada"
-    # the same follow-up shape folds from nothing as well
-    assert fold_all(events).view["status"]["state"] == "TASK_STATE_COMPLETED"
+    assert all(e.task_id == first.task_id for e in events)
+    answered = [e.payload["artifact"] for e in events if e.kind == "artifactUpdate"]
+    assert artifact_text(answered[-1]) == "You answered: Ada"
     task = await client.get_task(first.task_id)
     assert task["status"]["state"] == "TASK_STATE_COMPLETED"
     assert answer["messageId"] in [m["messageId"] for m in task.get("history", [])]
@@ -511,9 +502,9 @@ async def test_push_notifications_are_delivered(
     assert all(h.headers.get("x-a2a-notification-token") == "tok-1" for h in hooks)
     assert all(h.headers.get("authorization") == "Bearer whsec-1" for h in hooks)
     assert events[0].kind == "task"  # an inline config also receives the initial task
-    view = fold_all(events).view
-    assert view["status"]["state"] == "TASK_STATE_COMPLETED"
-    assert artifact_text(view["artifacts"][0]) == "chunk 1\nchunk 2\n"
+    assert events[-1].state == "TASK_STATE_COMPLETED"
+    pushed = [e.payload["artifact"] for e in events if e.kind == "artifactUpdate"]
+    assert "".join(artifact_text(a) for a in pushed) == "chunk 1\nchunk 2\n"
 
 
 async def test_subscribe_to_unknown_task(

@@ -5,7 +5,7 @@ Public surface::
     fetch_card, validate_card, choose_interface        # agent cards
     A2AClient, user_message, Credentials, Interface    # talking to agents
     StreamEvent, parse_stream_response                 # what agents send
-    fold, FoldResult, TERMINAL_STATES, ...             # the task state machine
+    TERMINAL_STATES, transition_problem, ...           # the task state machine (sets, rules)
     A2AError, TransportError, ProtocolError, RemoteError, ...  # errors
 """
 
@@ -49,23 +49,16 @@ from .errors import (
     VersionNotSupportedError,
     error_class_for,
 )
-from .fold import (
+from .states import (
     ACTIVE_STATES,
-    FOLD_KEY,
     INTERRUPTED_STATES,
     TERMINAL_STATES,
-    FoldResult,
-    artifact_complete,
     artifact_text,
-    fold,
-    fold_all,
     is_active,
     is_interrupted,
     is_terminal,
     message_text,
     parse_timestamp,
-    state_of,
-    task_json,
     transition_problem,
 )
 from .streams import check_task, parse_stream_response
@@ -81,7 +74,6 @@ from .types import (
 __all__ = [
     "A2A_VERSION",
     "ACTIVE_STATES",
-    "FOLD_KEY",
     "INTERRUPTED_STATES",
     "TERMINAL_STATES",
     "A2AClient",
@@ -98,7 +90,6 @@ __all__ = [
     "DeadlineExceeded",
     "ExtendedAgentCardNotConfiguredError",
     "ExtensionSupportRequiredError",
-    "FoldResult",
     "HTTPStatusError",
     "IncompatibleAgentError",
     "Interface",
@@ -121,7 +112,6 @@ __all__ = [
     "TransportError",
     "UnsupportedOperationError",
     "VersionNotSupportedError",
-    "artifact_complete",
     "artifact_text",
     "auth_plan",
     "card_protocol_family",
@@ -129,8 +119,6 @@ __all__ = [
     "choose_interface",
     "error_class_for",
     "fetch_card",
-    "fold",
-    "fold_all",
     "is_active",
     "is_interrupted",
     "is_terminal",
@@ -138,8 +126,6 @@ __all__ = [
     "message_text",
     "parse_stream_response",
     "parse_timestamp",
-    "state_of",
-    "task_json",
     "transition_problem",
     "user_message",
     "validate_card",

@@ -37,6 +37,7 @@ from django.utils.dateparse import parse_datetime
 
 from tasks_app import relay
 from tasks_app.a2a import normalize, safejson
+from tasks_app.a2a.states import transition_problem
 from tasks_app.models import (
     INTERRUPTED_STATES,
     TERMINAL_STATES,
@@ -392,10 +393,7 @@ class _Fold:
             self.set(context_id=context_id)
 
     def _state_problem(self, new_state: str) -> str:
-        old = self.get("state")
-        if old in TERMINAL_STATES and new_state != old:
-            return f"illegal transition {old} -> {new_state}: terminal tasks do not change"
-        return ""
+        return transition_problem(self.get("state") or None, new_state) or ""
 
     def _fold_task(self, entry: Entry) -> None:
         task = entry.payload
@@ -477,6 +475,9 @@ class _Fold:
             return
         self._adopt(update["taskId"], update.get("contextId"))
         self._set_status(status)
+        if isinstance(update.get("metadata"), dict) and update["metadata"]:
+            # The agent merges a status update's metadata into the task's (as GetTask shows).
+            self.set(metadata={**(self.get("metadata") or {}), **update["metadata"]})
         row = _Row(entry, "statusUpdate", asks=status["state"] in INTERRUPTED_STATES)
         message = status.get("message")
         fresh = self.unknown_messages([message]) if isinstance(message, dict) and message.get("messageId") else []

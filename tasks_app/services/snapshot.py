@@ -19,12 +19,37 @@ def task_view(task: RemoteTask, *, history: bool = True) -> dict[str, Any]:
     if artifacts:
         view["artifacts"] = artifacts
     if history:
-        messages = [m.message for m in ConversationMessage.objects.filter(task=task)]
+        messages = history_of(task)
         if messages:
             view["history"] = messages
     if task.metadata:
         view["metadata"] = task.metadata
     return view
+
+
+def history_of(task: RemoteTask) -> list[dict[str, Any]]:
+    """The conversation as an agent's GetTask shows it in ``history``.
+
+    Normalizations (what an A2A 1.0 agent does, as the reference SDK does it):
+
+    * the current status message is not in ``history`` (it is in
+      ``status.message``; the agent moves it to ``history`` when the status
+      changes again, which is when the mirror's next row arrives);
+    * a message we sent is shown with the ``taskId`` and ``contextId`` the
+      agent stamps on it when it takes the message.
+    """
+    current = (task.status_message or {}).get("messageId") if isinstance(task.status_message, dict) else None
+    messages = []
+    for stored in ConversationMessage.objects.filter(task=task):
+        message = stored.message
+        if current and message.get("messageId") == current:
+            continue
+        if task.remote_id and not message.get("taskId"):
+            message = {**message, "taskId": task.remote_id}
+        if task.context_id and not message.get("contextId"):
+            message = {**message, "contextId": task.context_id}
+        messages.append(message)
+    return messages
 
 
 def artifact_json(artifact: Artifact) -> dict[str, Any]:
