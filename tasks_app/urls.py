@@ -24,9 +24,16 @@ urlpatterns = [
     path("tasks/<int:pk>/cancel/", views.task_cancel, name="task-cancel"),
     path("tasks/<int:pk>/refresh/", views.task_refresh, name="task-refresh"),
     path("tasks/<int:pk>/retry/", views.task_retry, name="task-retry"),
+    path("tasks/<int:pk>/abandon/", views.task_abandon, name="task-abandon"),
+    path("tasks/<int:pk>/watch/", views.task_watch_again, name="task-watch-again"),
     path("tasks/<int:pk>/answer/", views.task_answer, name="task-answer"),
     path("tasks/<int:pk>/events/", views.task_events, name="task-events"),
     path("tasks/<int:pk>/events/<int:seq>/", views.event_detail, name="event-detail"),
+    path(
+        "tasks/<int:pk>/artifacts/<int:artifact_pk>/download",
+        views.artifact_download_all,
+        name="artifact-download-all",
+    ),
     path(
         "tasks/<int:pk>/artifacts/<int:artifact_pk>/parts/<int:index>/download",
         views.artifact_download,

@@ -6,11 +6,11 @@ import base64
 import binascii
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any
 from urllib.parse import urlencode
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.core.handlers.asgi import ASGIRequest
 from django.db.models import Count, Q
 from django.http import (
     Http404,
@@ -19,6 +19,7 @@ from django.http import (
     HttpResponseBadRequest,
     HttpResponseRedirect,
     JsonResponse,
+    StreamingHttpResponse,
 )
 from django.shortcuts import get_object_or_404, redirect, render
 from django.template.loader import render_to_string
@@ -41,17 +42,23 @@ from tasks_app.models import (
     TERMINAL_STATES,
     Agent,
     Artifact,
-    ArtifactPart,
     ConversationMessage,
     ImportJob,
     RemoteTask,
     TaskEvent,
 )
+from tasks_app.previews import (
+    artifact_chunks,
+    artifact_chunks_async,
+    artifact_is_text,
+    artifact_preview,
+    raw_preview,
+    with_raw_preview,
+)
 from tasks_app.rendering import (
     decode_raw,
     download_content_type,
     message_html,
-    parts_html,
     pretty_json,
     safe_filename,
 )
@@ -469,26 +476,21 @@ def _message_download_url(task: RemoteTask, message: ConversationMessage):
 
 
 def artifact_blocks(task: RemoteTask, only: list[str] | None = None) -> list[dict]:
+    """Each artifact as a bounded preview (ARTIFACT_PREVIEW_BYTES); the whole is a download."""
     qs = Artifact.objects.filter(task=task)
     if only is not None:
         qs = qs.filter(artifact_id__in=only)
-    artifacts = list(qs)
-    # Plain tuples: a streamed artifact has thousands of parts, and model
-    # instances for each cost more than the query.
-    parts: dict[int, list[tuple[Any, int]]] = {a.pk: [] for a in artifacts}
-    rows = ArtifactPart.objects.filter(artifact__in=artifacts).order_by("artifact_id", "index")
-    for artifact_pk, part, seq in rows.values_list("artifact_id", "part", "seq"):
-        parts[artifact_pk].append((part, seq))
-    return [
-        {
-            "artifact": artifact,
-            "html": parts_html([p for p, _ in parts[artifact.pk]], _download_url(task, artifact)),
-            # The seq this rendering is up to, from the parts themselves: the artifact
-            # row was read first, and chunks committed in between are in the parts.
-            "seq": max((seq for _, seq in parts[artifact.pk]), default=artifact.updated_seq),
-        }
-        for artifact in artifacts
-    ]
+    blocks = []
+    for artifact in qs:
+        preview = artifact_preview(artifact, _download_url(task, artifact))
+        blocks.append(
+            {
+                "artifact": artifact,
+                **preview,
+                "download_all": reverse("artifact-download-all", args=[task.pk, artifact.pk]),
+            }
+        )
+    return blocks
 
 
 def _conversation(task: RemoteTask) -> list[dict]:
@@ -530,22 +532,39 @@ def _task_context(task: RemoteTask) -> dict:
         "artifacts": artifact_blocks(task),
         "cancel_form": CancelForm(),
         "answer_form": AnswerForm(initial={"question": task.asked_seq}),
-        "can_cancel": bool(task.remote_id) and not task.is_terminal,
-        "can_retry": task.phase == RemoteTask.Phase.FAILED and not task.remote_id,
-        "can_answer": task.state in INTERRUPTED_STATES,
-        "can_refresh": bool(task.remote_id),
+        **_watch_actions(task),
+        "can_answer": task.state in INTERRUPTED_STATES and task.abandoned_at is None,
+    }
+
+
+def _watch_actions(task: RemoteTask) -> dict:
+    """Every phase has a way out: refresh and abandon for anything unfinished, cancel once named."""
+    unfinished = not task.is_terminal and task.phase != RemoteTask.Phase.MESSAGE
+    lookup = task.phase in (RemoteTask.Phase.SENDING, RemoteTask.Phase.FAILED) and not task.remote_id
+    open_ = task.abandoned_at is None
+    return {
+        # A task not named yet is looked up by its contextId first (services.tasks._name_task).
+        "can_cancel": open_ and unfinished and (bool(task.remote_id) or task.phase == RemoteTask.Phase.SENDING),
+        "can_retry": task_services.can_retry(task),
+        "can_refresh": bool(task.remote_id) or (open_ and lookup),
+        "can_abandon": open_ and unfinished,
+        "can_watch_again": open_
+        and bool(task.remote_id)
+        and unfinished
+        and task.gone_at is None
+        and task.watcher_status in (RemoteTask.WatcherStatus.PARKED, RemoteTask.WatcherStatus.LOST),
     }
 
 
 @login_required
 def task_detail(request: HttpRequest, pk: int) -> HttpResponse:
     task = get_object_or_404(RemoteTask.objects.select_related("agent", "started_by"), pk=pk)
-    events = list(task.events.order_by("-seq")[:EVENTS_ON_TASK_PAGE])
+    events = list(with_raw_preview(task.events).order_by("-seq")[:EVENTS_ON_TASK_PAGE])
     events.reverse()
     context = _task_context(task)
     context.update(
         {
-            "events": [{"e": e, "raw": pretty_json(e.raw)} for e in events],
+            "events": [{"e": e, "raw": raw_preview(e)} for e in events],
             "first_seq": events[0].seq if events else 0,
             # The page holds everything up to here; the websocket resumes after it.
             "page_seq": events[-1].seq if events else 0,
@@ -642,6 +661,33 @@ def task_refresh(request: HttpRequest, pk: int) -> HttpResponse:
 
 @login_required
 @require_POST
+def task_abandon(request: HttpRequest, pk: int) -> HttpResponse:
+    task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
+    form = CancelForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, "The reason is too long.")
+        return _back_to_task(task)
+    reason = form.cleaned_data["reason"]
+    who = request.user.get_username()
+    return _act(
+        request,
+        task,
+        lambda: task_services.abandon_task(task, reason=reason, actor_id=request.user.id, actor_name=who),
+        "Abandoned: this task is no longer watched.",
+    )
+
+
+@login_required
+@require_POST
+def task_watch_again(request: HttpRequest, pk: int) -> HttpResponse:
+    task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
+    return _act(
+        request, task, lambda: task_services.watch_again(task, actor_id=request.user.id), "Watching again."
+    )
+
+
+@login_required
+@require_POST
 def task_retry(request: HttpRequest, pk: int) -> HttpResponse:
     task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
     return _act(
@@ -678,13 +724,13 @@ def task_answer(request: HttpRequest, pk: int) -> HttpResponse:
 
 
 def _render_task_with(request: HttpRequest, task: RemoteTask, **forms) -> HttpResponse:
-    events = list(task.events.order_by("-seq")[:EVENTS_ON_TASK_PAGE])
+    events = list(with_raw_preview(task.events).order_by("-seq")[:EVENTS_ON_TASK_PAGE])
     events.reverse()
     context = _task_context(task)
     context.update(forms)
     context.update(
         {
-            "events": [{"e": e, "raw": pretty_json(e.raw)} for e in events],
+            "events": [{"e": e, "raw": raw_preview(e)} for e in events],
             "first_seq": events[0].seq if events else 0,
             "page_seq": events[-1].seq if events else 0,
             "summary": task_summary(task),
@@ -702,7 +748,7 @@ def task_events(request: HttpRequest, pk: int) -> HttpResponse:
         after = max(0, int(request.GET.get("after", "0")))
     except ValueError:
         return HttpResponseBadRequest("after must be a number")
-    rows = list(task.events.filter(seq__gt=after).order_by("seq")[: EVENTS_ON_PAGE + 1])
+    rows = list(with_raw_preview(task.events.filter(seq__gt=after)).order_by("seq")[: EVENTS_ON_PAGE + 1])
     has_next = len(rows) > EVENTS_ON_PAGE
     rows = rows[:EVENTS_ON_PAGE]
     return render(
@@ -710,7 +756,7 @@ def task_events(request: HttpRequest, pk: int) -> HttpResponse:
         "tasks_app/task_events.html",
         {
             "task": task,
-            "events": [{"e": e, "raw": pretty_json(e.raw)} for e in rows],
+            "events": [{"e": e, "raw": raw_preview(e)} for e in rows],
             "next_after": rows[-1].seq if has_next and rows else None,
         },
     )
@@ -732,15 +778,45 @@ def event_detail(request: HttpRequest, pk: int, seq: int) -> HttpResponse:
 
 def _attachment(part: dict, default_name: str) -> HttpResponse:
     content = decode_raw(part)
+    media = download_content_type(part.get("mediaType"))
+    if content is None and "data" in part:  # a data part too big for the page
+        content, media = pretty_json(part["data"]).encode("utf-8", "replace"), "application/json"
+    elif content is None and isinstance(part.get("text"), str):
+        content, media = part["text"].encode("utf-8", "replace"), "text/plain; charset=utf-8"
     if content is None:
         raise Http404("This part has no downloadable bytes.")
     name = safe_filename(part.get("filename"), default_name)
-    response = HttpResponse(content, content_type=download_content_type(part.get("mediaType")))
+    response = HttpResponse(content, content_type=media)
+    _download_headers(response, name, default_name)
+    return response
+
+
+def _download_headers(response: HttpResponse | StreamingHttpResponse, name: str, default_name: str) -> None:
+    """An attachment that the browser never renders or sniffs (agent content)."""
     ascii_name = name.encode("ascii", "ignore").decode() or default_name
     response["Content-Disposition"] = f'attachment; filename="{ascii_name}"'
     response["X-Content-Type-Options"] = "nosniff"
     response["Content-Security-Policy"] = "default-src 'none'; sandbox"
     response["Cache-Control"] = "private, no-store"
+
+
+@login_required
+@require_GET
+def artifact_download_all(request: HttpRequest, pk: int, artifact_pk: int) -> StreamingHttpResponse:
+    """The whole artifact, streamed from the database in batches (memory stays bounded)."""
+    artifact = get_object_or_404(Artifact, pk=artifact_pk, task_id=pk)
+    text = artifact_is_text(artifact.pk)
+    chunks = (
+        artifact_chunks_async(artifact.pk)
+        if isinstance(request, ASGIRequest)
+        else artifact_chunks(artifact.pk)
+    )
+    response = StreamingHttpResponse(
+        chunks, content_type="text/plain; charset=utf-8" if text else "application/octet-stream"
+    )
+    default_name = f"artifact-{artifact.pk}"
+    name = safe_filename(artifact.name or artifact.artifact_id, default_name)
+    _download_headers(response, name + (".txt" if text and "." not in name else ""), default_name)
     return response
 
 

@@ -1,6 +1,6 @@
 """Watchers: hold a task's outbound stream or polling loop, and feed ``record()``.
 
-Shape (docs/architecture.md has the why):
+Shape (docs/architecture.md, "Watching", has the why and the state table):
 
 * ``watch(task_pk)`` is a Celery task. It takes the task's **lease** by
   compare-and-set and starts a :class:`Holder` on the worker process's shared
@@ -8,38 +8,39 @@ Shape (docs/architecture.md has the why):
   streams share one loop and one HTTP client, and the broker never holds a
   long-running task (so its re-delivery rules do not matter).
 * One heartbeat per process renews all the leases it holds; a holder whose
-  lease was lost is canceled.
+  lease was lost is canceled, and every write it makes is fenced by its lease
+  token (``record(..., fence=token)``), so a late holder cannot write.
 * A holder works for a bounded **slice**, then releases the lease and
   dispatches its own continuation; ``reconcile()`` (celery beat) dispatches
   every watchable task whose lease expired, e.g. after a worker was killed.
 
-A holder's algorithm:
+The watcher is a state machine: :data:`TABLE` lists every watcher status, what
+bounds the time spent in it, and the next status for each event. The holder
+changes status only through :func:`next_status`, so the table is the
+behaviour, not a description of it.
 
-1. If the task has something to send (the first message, or an answer), send
-   it in the task's mode. A send that fails before the agent names a task is
-   marked failed, never retried blindly; a send interrupted by a crash is not
-   repeated (the agent may have created the task).
-2. While the slice lasts and the task is neither terminal nor waiting for
-   input: stream (``SubscribeToTask``; its first snapshot is recorded on the
-   ``resubscribe`` channel, where a differing snapshot adds a gap event) or
-   poll (``GetTask``, backing off while nothing changes). A stream that closes
-   on a non-terminal state is checked with ``GetTask``; a subscribe refused on
-   a terminal task falls back to ``GetTask``; transport failures back off
-   exponentially with jitter and mark the agent unreachable.
-3. ``input-required`` ends the turn (a person answers; that dispatches a new
-   watcher); ``auth-required`` keeps watching to see the agent resume.
+Backoff follows **progress**, not exceptions: a turn (one stream, or one
+poll) that brings nothing new from the agent and no valid word about our task
+(only protocol errors, a refused call, a dead connection) is *fruitless*. The
+holder backs off with jitter after each one and, after
+``WATCH_MAX_FRUITLESS_TURNS`` in a row, parks the task ("needs attention"),
+with one system entry, and looks again only rarely (``PARKED_RECHECK_SECONDS``).
+A turn that only confirms what the mirror holds (an equal snapshot) is
+*quiet*: not fruitless, but it waits before the next one like a poll does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import os
 import random
 import socket
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from celery import shared_task
@@ -61,19 +62,139 @@ from tasks_app.a2a import (
     TransportError,
     UnsupportedOperationError,
 )
-from tasks_app.models import TERMINAL_STATES, RemoteTask
+from tasks_app.models import TERMINAL_STATES, RemoteTask, TaskEvent
 from tasks_app.services import agents as agent_services
+from tasks_app.services import record as record_services
 from tasks_app.services import tasks as task_services
-from tasks_app.services.record import record, record_many
+from tasks_app.services.record import Recorded, record, record_many
 
 log = logging.getLogger(__name__)
 
 OWNER = f"{socket.gethostname()}:{os.getpid()}"
 Status = RemoteTask.WatcherStatus
 INPUT_REQUIRED = "TASK_STATE_INPUT_REQUIRED"
+AUTH_REQUIRED = "TASK_STATE_AUTH_REQUIRED"
 BATCH = 500
-GIVE_UP_AFTER_FAILURES = 30
-LOST_HOLD_OFF_SECONDS = 600
+# A parked task is looked at again this rarely (one call), in case the agent recovered.
+PARKED_RECHECK_SECONDS = 600
+# While a task waits for authorization, the outbox is checked this often (an answer goes at once).
+OUTBOX_CHECK_SECONDS = 1.0
+
+
+# The state table -------------------------------------------------------------------------------
+
+
+class Event(enum.StrEnum):
+    """What can happen to a watcher; :data:`TABLE` says where each one leads."""
+
+    FOLLOW = "turn starts"  # a holder opens a stream or polls
+    PROGRESS = "progress"  # the agent said something new
+    QUIET = "quiet turn"  # a valid answer that changed nothing (waits like a poll)
+    FRUITLESS = "fruitless turn"  # nothing new and no valid answer: back off with jitter
+    PARK = "fruitless limit or budget"  # WATCH_MAX_FRUITLESS_TURNS, or a budget ran out
+    NOT_FOUND = "agent forgot the task"  # TaskNotFound for an unfinished task
+    ENDED = "turn over"  # ended, waits for input, answered by a message, or the send failed
+    SLICE_OVER = "slice over"  # lease released, continuation dispatched
+    LEASE_EXPIRED = "lease expired"  # the holder's process stopped renewing (reconciler)
+    RECHECK = "recheck fruitless"  # a parked task's one look after its hold-off found nothing
+    OPERATOR_WATCH = "watch again"  # an operator asked to watch again, or a refresh found it
+    ABANDON = "abandon"  # an operator gave the task up locally
+
+
+# "streaming" or "polling", by how the task is watched.
+FOLLOWING = "following"
+
+
+@dataclass(frozen=True)
+class StateRule:
+    """One watcher status: what it means, what bounds the time in it, where each event leads."""
+
+    meaning: str
+    timeout: str
+    on: dict[Event, str] = field(default_factory=dict)
+
+
+def _active(**overrides: str) -> dict[Event, str]:
+    exits = {
+        Event.FOLLOW: FOLLOWING,
+        Event.PROGRESS: FOLLOWING,
+        Event.QUIET: FOLLOWING,
+        Event.FRUITLESS: Status.RECONNECTING,
+        Event.PARK: Status.PARKED,
+        Event.NOT_FOUND: Status.GONE,
+        Event.ENDED: Status.IDLE,
+        Event.SLICE_OVER: Status.IDLE,
+        Event.LEASE_EXPIRED: Status.LOST,
+        Event.RECHECK: Status.PARKED,
+        Event.OPERATOR_WATCH: Status.IDLE,
+        Event.ABANDON: Status.ABANDONED,
+    }
+    exits.update({Event[key]: value for key, value in overrides.items()})
+    return exits
+
+
+TABLE: dict[str, StateRule] = {
+    Status.IDLE: StateRule(
+        "nobody holds the task: it ended, waits for an answer, or waits for a worker",
+        "RECONCILE_EVERY_SECONDS: the reconciler dispatches every watchable task nobody holds",
+        _active(),
+    ),
+    Status.STREAMING: StateRule(
+        "a stream (the send's, or SubscribeToTask) is open",
+        "the slice (WATCH_SLICE_SECONDS); a silent stream fails after WATCH_STREAM_IDLE_SECONDS",
+        _active(),
+    ),
+    Status.POLLING: StateRule(
+        "GetTask every WATCH_POLL_MIN..MAX_SECONDS (slower while nothing changes)",
+        "the slice (WATCH_SLICE_SECONDS); every call has its deadline",
+        _active(),
+    ),
+    Status.RECONNECTING: StateRule(
+        "the last turns were fruitless (the note says why); backing off with jitter",
+        "the backoff (at most WATCH_BACKOFF_MAX_SECONDS), then one more turn; "
+        "parked after WATCH_MAX_FRUITLESS_TURNS in a row",
+        _active(FOLLOW=Status.RECONNECTING),
+    ),
+    Status.AWAITING_PUSH: StateRule(
+        "reserved for push-only watching (not entered by this version)",
+        "as polling",
+        _active(),
+    ),
+    Status.LOST: StateRule(
+        "the holder's worker stopped renewing its lease",
+        "WATCH_LEASE_SECONDS plus a reconcile tick: the reconciler dispatches a new holder",
+        _active(),
+    ),
+    Status.PARKED: StateRule(
+        "needs attention: fruitless turns, or a budget ran out (the note says which)",
+        "PARKED_RECHECK_SECONDS, then one turn: news resumes watching, nothing parks it again "
+        "silently. An operator can watch again, refresh, cancel or abandon at any time",
+        _active(FOLLOW=Status.PARKED, FRUITLESS=Status.PARKED, SLICE_OVER=Status.PARKED, LEASE_EXPIRED=Status.PARKED),
+    ),
+    Status.GONE: StateRule(
+        "the agent answered TaskNotFound for a task it had not finished",
+        "none: not watched any more. A refresh that finds the task again resumes watching; "
+        "abandon ends it locally",
+        {Event.OPERATOR_WATCH: Status.IDLE, Event.ABANDON: Status.ABANDONED, Event.ENDED: Status.GONE},
+    ),
+    Status.ABANDONED: StateRule(
+        "an operator gave the task up locally (who and why are in the log)",
+        "final: a local end state, never watched again",
+        {Event.ENDED: Status.ABANDONED},
+    ),
+}
+
+
+def next_status(current: str, event: Event, *, streaming: bool = False) -> str:
+    """The table's next status; an event the table does not list keeps the status (and says so)."""
+    rule = TABLE.get(current) or TABLE[Status.IDLE]
+    target = rule.on.get(event)
+    if target is None:
+        log.warning("watcher table: no transition from %s on %s; status kept", current, event.value)
+        return current
+    if target == FOLLOWING:
+        return Status.STREAMING if streaming else Status.POLLING
+    return target
 
 
 # Celery tasks ---------------------------------------------------------------------------------
@@ -91,12 +212,19 @@ def watch(task_pk: int) -> str:
 
 @shared_task(name="tasks_app.watchers.reconcile", ignore_result=True)
 def reconcile() -> int:
-    """Dispatch a watcher for every watchable task that nobody holds (lease missing or expired)."""
+    """Dispatch a watcher for every watchable task that nobody holds (lease missing or expired).
+
+    Quiet on purpose: it runs every few seconds, so it logs nothing unless something is wrong.
+    """
     now = timezone.now()
     expired = Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=now)
     RemoteTask.objects.filter(expired, ~Q(lease_token="")).exclude(
-        watcher_status__in=[Status.IDLE, Status.LOST]
-    ).update(watcher_status=Status.LOST, watcher_note="its watcher stopped answering; taking over")
+        watcher_status__in=[Status.IDLE, Status.LOST, Status.PARKED, Status.GONE, Status.ABANDONED]
+    ).update(
+        watcher_status=next_status(Status.STREAMING, Event.LEASE_EXPIRED),  # "lost"
+        watcher_note="its watcher stopped answering; taking over",
+        watcher_since=now,
+    )
     pks = list(
         RemoteTask.objects.filter(task_services.watchable())
         .filter(expired)
@@ -161,7 +289,7 @@ class Registry:
                 entry = self.holders.get(pk)
                 # (A holder given a new token meanwhile is checked on the next beat.)
                 if entry and entry[0].token == token and token not in kept:
-                    log.warning("lost the lease of task %s; stopping its holder", pk)
+                    log.info("lost the lease of task %s; stopping its holder", pk)
                     entry[1].cancel()
 
     async def shutdown(self) -> None:
@@ -204,6 +332,14 @@ class HandOver(Exception):
     """The slice is over: release the lease and dispatch the continuation."""
 
 
+class Fenced(Exception):
+    """A write was refused because the lease moved on: stop quietly, write nothing more."""
+
+
+class OutboxReady(Exception):
+    """An answer waits in the outbox while the task waits for authorization: send it now."""
+
+
 @dataclass
 class Turn:
     """Why a holder stops holding."""
@@ -214,6 +350,26 @@ class Turn:
     continue_elsewhere: bool = False
 
 
+@dataclass
+class Outcome:
+    """What one turn (a stream, or a poll) brought."""
+
+    progress: bool = False  # the agent said something new
+    confirmed: bool = False  # a valid word about our task, even if nothing changed
+    problem: str = ""  # why the turn was fruitless
+    over_budget: bool = False
+
+    def add(self, result: Recorded) -> None:
+        if result.fenced:
+            raise Fenced
+        self.progress = self.progress or result.progress
+        if result.kinds and all(kind == "protocol-error" for kind in result.kinds):
+            self.problem = self.problem or (result.notes[0] if result.notes else "protocol error")
+        else:
+            self.confirmed = True
+        self.over_budget = self.over_budget or getattr(result, "over_budget", False)
+
+
 class Holder:
     def __init__(self, task_pk: int, token: str, http: Any) -> None:
         self.task_pk = task_pk
@@ -222,9 +378,15 @@ class Holder:
         self.state = ""
         self.remote_id = ""
         self.agent_id = 0
-        self.failures = 0
+        self.status = Status.IDLE
+        self.fruitless = 0
+        self.was_parked = False
+        self.streaming = False
         self.loop = asyncio.get_running_loop()
         self.deadline = self.loop.time() + settings.WATCH_SLICE_SECONDS
+        # Events-per-second budget: the loop time until which recorded events are "paid for".
+        self.paid_until = self.loop.time()
+        self.throttled = False
 
     # -- the outline
     async def run(self) -> None:
@@ -232,7 +394,12 @@ class Holder:
             turn = await self._hold()
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # a bug or an unforeseen answer must not kill the worker
+        except Fenced:
+            return  # the lease moved on: the new holder speaks for the task
+        except A2AError as exc:  # agent misbehaviour that escaped a turn: recorded, no traceback
+            await self._note_problem(str(exc))
+            turn = Turn(Status.LOST, f"watcher stopped: {exc}", hold_off=30)
+        except Exception as exc:  # a bug must not kill the worker
             log.exception("watcher of task %s failed", self.task_pk)
             await self._note_problem(f"watcher error: {type(exc).__name__}: {exc}")
             turn = Turn(Status.LOST, f"watcher error: {exc}", hold_off=30)
@@ -243,167 +410,325 @@ class Holder:
             status=turn.status,
             note=turn.note,
             hold_off=turn.hold_off,
+            fruitless_turns=self.fruitless,
         )
         if released and turn.continue_elsewhere:
             await eventloop.db(task_services.dispatch, self.task_pk)
 
-    async def _hold(self) -> Turn:
-        task = await eventloop.db(
+    async def _load(self) -> RemoteTask | None:
+        return await eventloop.db(
             lambda: RemoteTask.objects.select_related("agent").filter(pk=self.task_pk).first()
         )
+
+    async def _hold(self) -> Turn:
+        task = await self._load()
         if task is None:
             return Turn(Status.IDLE, "task deleted")
-        self.state, self.remote_id, self.agent_id = task.state, task.remote_id, task.agent_id
+        if task.abandoned_at is not None:
+            return Turn(Status.ABANDONED, task.watcher_note or "abandoned")
+        self.status = task.watcher_status
+        self.was_parked = task.watcher_status == Status.PARKED
+        self.fruitless = task.fruitless_turns
+        self.agent_id = task.agent_id
         client = outbound.client_for(
             task.agent,
             self.http,
             stream_idle_timeout=settings.WATCH_STREAM_IDLE_SECONDS,
             max_event_bytes=settings.WATCH_MAX_EVENT_BYTES,
         )
-        streaming = task.agent.streaming and task.watch == RemoteTask.Watch.STREAM
+        self.streaming = task.agent.streaming and task.watch == RemoteTask.Watch.STREAM
+        interval = settings.WATCH_POLL_MIN_SECONDS
         try:
-            if task.outbox:
-                turn = await self._send(task, client, streaming)
+            while True:
+                if task is None:
+                    return Turn(Status.IDLE, "task deleted")
+                if task.abandoned_at is not None:
+                    return Turn(Status.ABANDONED, task.watcher_note or "abandoned")
+                self.state, self.remote_id = task.state, task.remote_id
+                if task.outbox:
+                    turn = await self._send(task, client)
+                    if turn is not None:
+                        return turn
+                    task = await self._load()
+                    continue
+                ended = await self._ended(task, client)
+                if ended is not None:
+                    return ended
+                if task.gone_at is not None:
+                    return Turn(Status.GONE, "gone at the agent")
+                self._check_slice()
+                try:
+                    outcome = await self._follow_turn(client)
+                except TaskNotFoundError as exc:
+                    return await self._gone(str(exc))
+                except OutboxReady:
+                    task = await self._load()
+                    continue
+                turn = await self._judge(outcome)
                 if turn is not None:
                     return turn
-            return await self._follow(client, streaming, task.agent_id)
+                if outcome.progress:
+                    # Even a stream that brought news and closed is not reopened at once.
+                    interval = settings.WATCH_POLL_MIN_SECONDS
+                    wait = interval
+                elif outcome.confirmed:
+                    # Quiet: nothing changed. A stream that closed on a task that goes on is
+                    # not reopened at once; polls slow down while nothing changes.
+                    interval = min(interval * 2, settings.WATCH_POLL_MAX_SECONDS)
+                    wait = interval * random.uniform(0.8, 1.0)
+                else:
+                    wait = backoff(self.fruitless)
+                if self.state not in TERMINAL_STATES and self.state != INPUT_REQUIRED and wait:
+                    await self._sleep(wait)
+                task = await self._load()
         except HandOver:
-            return Turn(Status.STREAMING if streaming else Status.POLLING, "handing over", continue_elsewhere=True)
+            status = next_status(self.status, Event.SLICE_OVER, streaming=self.streaming)
+            if status == Status.PARKED:  # a parked task's one look took the whole slice
+                return Turn(status, "needs attention (looked again)", hold_off=PARKED_RECHECK_SECONDS)
+            return Turn(status, "handing over", continue_elsewhere=True)
 
-    def _ended(self) -> Turn | None:
-        if self.state in TERMINAL_STATES:
-            return Turn(Status.IDLE, "task ended")
-        if self.state == INPUT_REQUIRED:
-            return Turn(Status.IDLE, "waiting for an answer")
+    async def _ended(self, task: RemoteTask, client: A2AClient) -> Turn | None:
+        """The turn is over when the task ended, waits for input, or never became a task."""
+        if task.phase == RemoteTask.Phase.MESSAGE:
+            return Turn(next_status(self.status, Event.ENDED), "answered with a message; no task")
+        if task.phase == RemoteTask.Phase.FAILED:
+            return Turn(next_status(self.status, Event.ENDED), "send failed")
+        if task.phase == RemoteTask.Phase.SENDING:
+            # Nothing to send and no task named: a send interrupted before the agent answered.
+            return await self._recover_send(client, task, "the send was interrupted before the agent answered")
+        if task.state in TERMINAL_STATES:
+            if task.settled_at is None:
+                await self._settle(client)
+            return Turn(next_status(self.status, Event.ENDED), "task ended")
+        if task.state == INPUT_REQUIRED:
+            return Turn(next_status(self.status, Event.ENDED), "waiting for an answer")
+        if not task.remote_id:
+            return Turn(next_status(self.status, Event.ENDED), "no task to follow")
         return None
 
+    async def _settle(self, client: A2AClient) -> None:
+        """A terminal state was seen: GetTask once, and let the mirror settle on it."""
+        settle = getattr(record_services, "settle", None)
+        if settle is None:  # TODO: record.settle() is being added; until then nothing to settle
+            return
+        snapshot: dict | None = None
+        note = ""
+        try:
+            snapshot = await client.get_task(self.remote_id)
+            await eventloop.db(agent_services.mark_reachable, self.agent_id)
+        except A2AError as exc:
+            note = f"GetTask after the end failed: {exc}"
+        result = await eventloop.db(settle, self.task_pk, snapshot, fence=self.token, note=note)
+        if getattr(result, "fenced", False):
+            raise Fenced
+
+    # -- judging a turn: progress, quiet, or fruitless
+    async def _judge(self, outcome: Outcome) -> Turn | None:
+        if outcome.over_budget:
+            return await self._park(
+                f"the task is over its storage budget ({settings.BUDGET_TASK_BYTES} bytes of agent content)"
+            )
+        if outcome.progress or (outcome.confirmed and not outcome.problem):
+            event = Event.PROGRESS if outcome.progress else Event.QUIET
+            if self.fruitless or self.was_parked:
+                self.fruitless = 0
+                await eventloop.db(task_services.set_fruitless, self.task_pk, self.token, 0)
+                if self.was_parked:
+                    self.was_parked = False
+                    await self._system("watching-again", "the agent answered usefully again")
+            await self._go(event)
+            return None
+        self.fruitless += 1
+        await eventloop.db(task_services.set_fruitless, self.task_pk, self.token, self.fruitless)
+        reason = outcome.problem or "nothing new"
+        if self.was_parked or self.fruitless >= settings.WATCH_MAX_FRUITLESS_TURNS:
+            return await self._park(f"{self.fruitless} fruitless turns in a row; last: {reason}")
+        if outcome.problem and await self._agent_over_error_budget():
+            return await self._park(
+                f"the agent sent more than {settings.BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE} "
+                f"protocol errors in a minute; last: {reason}"
+            )
+        await self._go(Event.FRUITLESS, f"{reason} (fruitless turn {self.fruitless})")
+        return None
+
+    async def _agent_over_error_budget(self) -> bool:
+        budget = settings.BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE
+        since = timezone.now() - timedelta(seconds=60)
+
+        def count() -> int:
+            return (
+                TaskEvent.objects.filter(
+                    task__agent_id=self.agent_id, kind="protocol-error", received_at__gte=since
+                )[: budget + 1].count()
+            )
+
+        return budget > 0 and await eventloop.db(count) > budget
+
+    async def _park(self, reason: str) -> Turn:
+        """Needs attention: one system entry (not one per turn), then a long hold-off."""
+        if not self.was_parked:
+            await self._system("parked", reason)
+        status = next_status(self.status, Event.PARK if not self.was_parked else Event.RECHECK)
+        return Turn(status, f"needs attention: {reason}"[:500], hold_off=PARKED_RECHECK_SECONDS)
+
+    async def _gone(self, detail: str) -> Turn:
+        """The agent no longer knows an unfinished task: say so once, stop watching."""
+        await eventloop.db(agent_services.mark_reachable, self.agent_id)  # it did answer
+        await eventloop.db(task_services.mark_gone, self.task_pk, self.token, detail)
+        return Turn(next_status(self.status, Event.NOT_FOUND), "gone at the agent")
+
     # -- 1. sending
-    async def _send(self, task: RemoteTask, client: A2AClient, streaming: bool) -> Turn | None:
+    async def _send(self, task: RemoteTask, client: A2AClient) -> Turn | None:
         outbox = task.outbox or {}
         message = outbox.get("message") or {}
         message_id = message.get("messageId", "")
         is_first = task.phase == RemoteTask.Phase.SENDING
         if task.send_attempted_at is not None and is_first:
-            reason = (
-                "the worker stopped while sending, before the agent named a task; "
-                "not sent again (it may exist on the agent). Retry sends the same messageId."
-            )
-            await eventloop.db(task_services.fail_send, self.task_pk, reason)
-            return Turn(Status.IDLE, "send interrupted")
+            return await self._recover_send(client, task, "the worker stopped while sending, before the agent answered")
         if not await eventloop.db(task_services.mark_send_attempted, self.task_pk, self.token):
-            raise asyncio.CancelledError  # the lease is no longer ours: someone else sends
+            raise Fenced  # the lease is no longer ours: someone else sends
         metadata = outbox.get("metadata") or None
         try:
-            if streaming:
-                await self._status(Status.STREAMING)
+            if self.streaming:
+                await self._go(Event.FOLLOW)
                 events = client.send_streaming_message(message, metadata=metadata)
-                await self._pump(events, "stream", "stream", clear_outbox=message_id)
-                return None  # step 2 checks how the stream ended
-            immediately = task.mode != RemoteTask.Mode.BLOCKING or not is_first
-            reply = await client.send_message(message, return_immediately=immediately, metadata=metadata)
-            await eventloop.db(task_services.clear_outbox, self.task_pk, message_id)
-            result = await eventloop.db(record, self.task_pk, reply.raw, "send-response")
-            self.state = result.state
+                outcome = await self._pump(events, "stream", "stream", clear_outbox=message_id)
+                if outcome.over_budget:
+                    return await self._park("the task is over its storage budget")
+                return None  # the loop checks how the stream ended
+            # Blocking starts are sent as return-immediately and followed: the task is named
+            # at once, so it can be canceled, and a long task never holds a request open.
+            reply = await client.send_message(message, return_immediately=True, metadata=metadata)
             await eventloop.db(agent_services.mark_reachable, task.agent_id)
+            await eventloop.db(task_services.clear_outbox, self.task_pk, message_id)
+            result = await eventloop.db(record, self.task_pk, reply.raw, "send-response", fence=self.token)
+            if result.fenced:
+                raise Fenced
+            self.state = result.state
             return None
         except A2AError as exc:
             if isinstance(exc, ConnectError):
                 await eventloop.db(agent_services.mark_unreachable, task.agent_id, str(exc))
-            refreshed = await eventloop.db(lambda: RemoteTask.objects.filter(pk=self.task_pk).first())
-            if refreshed is not None and refreshed.phase == RemoteTask.Phase.SENDING:
-                await eventloop.db(task_services.fail_send, self.task_pk, str(exc))
-                return Turn(Status.IDLE, "send failed")
-            if refreshed is not None and refreshed.phase == RemoteTask.Phase.MESSAGE:
-                return Turn(Status.IDLE, "answered with a message")
-            if refreshed is not None and refreshed.outbox:
+            elif isinstance(exc, RemoteError):
+                await eventloop.db(agent_services.mark_reachable, task.agent_id)
+            refreshed = await self._load()
+            if refreshed is None:
+                return Turn(Status.IDLE, "task deleted")
+            if refreshed.phase == RemoteTask.Phase.SENDING:
+                if isinstance(exc, ConnectError):
+                    # Nothing reached the agent: the send failed, and a retry is safe.
+                    await eventloop.db(
+                        task_services.fail_send, self.task_pk, str(exc), retry_safe=True, fence=self.token
+                    )
+                    return Turn(next_status(self.status, Event.ENDED), "send failed")
+                hint = getattr(exc, "snippet", "") or ""
+                return await self._recover_send(client, refreshed, str(exc), hint=hint)
+            if refreshed.phase == RemoteTask.Phase.MESSAGE:
+                return Turn(next_status(self.status, Event.ENDED), "answered with a message")
+            if refreshed.outbox:
                 # An answer the agent refused (or never got): say so; a person may answer again.
                 await eventloop.db(task_services.clear_outbox, self.task_pk, message_id)
                 await self._system("answer-failed", str(exc))
+            elif isinstance(exc, TransportError):
+                await self._system("stream-dropped", str(exc))
+            elif isinstance(exc, ProtocolError):
+                await self._note_problem(str(exc))
             else:
-                # The stream broke after the agent named the task: log why, back off, resubscribe.
-                self.failures = 1
-                if isinstance(exc, TransportError):
-                    await self._system("stream-dropped", str(exc))
-                elif isinstance(exc, ProtocolError):
-                    await self._note_problem(str(exc))
-                else:
-                    await self._system("agent-error", str(exc))
-            self.state = refreshed.state if refreshed else self.state
-            self.remote_id = refreshed.remote_id if refreshed else self.remote_id
+                await self._system("agent-error", str(exc))
+            self.state, self.remote_id = refreshed.state, refreshed.remote_id
             return None
 
-    # -- 2. following a known task
-    async def _follow(self, client: A2AClient, streaming: bool, agent_id: int) -> Turn:
-        refreshed = await eventloop.db(lambda: RemoteTask.objects.filter(pk=self.task_pk).first())
-        if refreshed is None:
-            return Turn(Status.IDLE, "task deleted")
-        self.state, self.remote_id = refreshed.state, refreshed.remote_id
-        if refreshed.phase == RemoteTask.Phase.MESSAGE:
-            return Turn(Status.IDLE, "answered with a message; no task")
-        if refreshed.phase != RemoteTask.Phase.TASK or not self.remote_id:
-            return Turn(Status.IDLE, "no task to follow")
-        interval = settings.WATCH_POLL_MIN_SECONDS
-        if self.failures:
-            await self._sleep(backoff(self.failures))
-        while True:
-            ended = self._ended()
-            if ended is not None:
-                return ended
-            self._check_slice()
-            try:
-                if streaming:
-                    await self._status(Status.RECONNECTING if self.failures else Status.STREAMING)
-                    try:
-                        await self._pump(client.subscribe_to_task(self.remote_id), "resubscribe", "stream")
-                    except (UnsupportedOperationError, InvalidParamsError) as exc:
-                        # Terminal task (or a server's variant of saying so): GetTask decides.
-                        await self._poll_once(client)
-                        if self._ended() is None:
-                            await self._system("subscribe-refused", f"{exc}; polling instead")
-                            streaming = False
-                        continue
-                    if self._ended() is None:
-                        # A stream that closed while the task goes on proves nothing:
-                        # GetTask, and say so if it shows what the stream did not.
-                        await self._poll_once(client, gap_check=True)
-                    self.failures = 0
-                else:
-                    await self._status(Status.POLLING)
-                    changed = await self._poll_once(client)
-                    self.failures = 0
-                    max_interval = settings.WATCH_POLL_MAX_SECONDS
-                    interval = settings.WATCH_POLL_MIN_SECONDS if changed else min(interval * 2, max_interval)
-                    if self._ended() is None:
-                        await self._sleep(interval * random.uniform(0.8, 1.0))
-                await eventloop.db(agent_services.mark_reachable, agent_id)
-            except TaskNotFoundError as exc:
-                await self._system("task-not-found", str(exc))
-                return Turn(Status.LOST, "the agent no longer knows this task", hold_off=LOST_HOLD_OFF_SECONDS)
-            except TransportError as exc:
-                self.failures += 1
-                if self.failures == 1:  # the first of a series, not every retry
-                    await self._system("stream-dropped" if streaming else "poll-failed", str(exc))
-                if isinstance(exc, ConnectError):
-                    await eventloop.db(agent_services.mark_unreachable, agent_id, str(exc))
-                await self._status(Status.RECONNECTING, f"{exc} (attempt {self.failures})")
-            except ProtocolError as exc:
-                self.failures += 1
-                await self._note_problem(str(exc))
-            except RemoteError as exc:
-                self.failures += 1
-                await self._system("agent-error", str(exc))
-            if self.failures >= GIVE_UP_AFTER_FAILURES:
-                return Turn(Status.LOST, f"gave up after {self.failures} failures", hold_off=LOST_HOLD_OFF_SECONDS)
-            if self.failures:
-                await self._sleep(backoff(self.failures))
+    async def _recover_send(self, client: A2AClient, task: RemoteTask, reason: str, *, hint: str = "") -> Turn | None:
+        """The reply to a send was lost or unreadable: find the task before saying the send failed."""
+        message = (task.request or {}).get("message") or (task.outbox or {}).get("message") or {}
+        found = await task_services.find_sent_task(client, message, hint=hint)
+        if found.task is not None:
+            await self._system(
+                "found-again",
+                f"{reason}; found the task {found.task.get('id')!r} by the contextId this dashboard chose",
+            )
+            result = await eventloop.db(record, self.task_pk, {"task": found.task}, "poll", fence=self.token)
+            if result.fenced:
+                raise Fenced
+            await eventloop.db(task_services.clear_outbox, self.task_pk, message.get("messageId", ""))
+            await eventloop.db(agent_services.mark_reachable, task.agent_id)
+            self.state = result.state
+            return None
+        if found.absent:
+            await eventloop.db(
+                task_services.fail_send,
+                self.task_pk,
+                f"{reason}; the agent has no task for this message, so retrying is safe",
+                retry_safe=True,
+                fence=self.token,
+            )
+        else:
+            await eventloop.db(
+                task_services.fail_send,
+                self.task_pk,
+                f"{reason}; could not tell whether the agent has the task ({found.problem}). "
+                "Refresh looks it up again; abandon gives it up.",
+                retry_safe=False,
+                fence=self.token,
+            )
+        return Turn(next_status(self.status, Event.ENDED), "send failed")
 
-    async def _poll_once(self, client: A2AClient, *, gap_check: bool = False) -> bool:
+    # -- 2. one turn of following a known task
+    async def _follow_turn(self, client: A2AClient) -> Outcome:
+        """One stream (until it closes or the turn ends) or one poll; failures become the outcome."""
+        outcome = Outcome()
+        try:
+            if self.streaming:
+                await self._go(Event.FOLLOW)
+                try:
+                    outcome = await self._pump(client.subscribe_to_task(self.remote_id), "resubscribe", "stream")
+                except (UnsupportedOperationError, InvalidParamsError) as exc:
+                    # Terminal task (or a server's variant of saying so): GetTask decides.
+                    outcome = await self._poll_once(client)
+                    if self.state not in TERMINAL_STATES:
+                        await self._system("subscribe-refused", f"{exc}; polling instead")
+                        self.streaming = False
+                    return outcome
+                if self.state not in TERMINAL_STATES and self.state != INPUT_REQUIRED:
+                    # A stream that closed while the task goes on proves nothing:
+                    # GetTask, and say so if it shows what the stream did not.
+                    checked = await self._poll_once(client, gap_check=True)
+                    outcome.progress = outcome.progress or checked.progress
+                    outcome.over_budget = outcome.over_budget or checked.over_budget
+                    outcome.confirmed = checked.confirmed and not checked.problem
+                    outcome.problem = checked.problem or outcome.problem
+            else:
+                await self._go(Event.FOLLOW)
+                outcome = await self._poll_once(client)
+        except TaskNotFoundError:
+            raise
+        except TransportError as exc:
+            outcome.problem = str(exc)
+            if self.fruitless == 0:  # the first of a series, not every retry
+                await self._system("stream-dropped" if self.streaming else "poll-failed", str(exc))
+            if isinstance(exc, ConnectError):
+                await eventloop.db(agent_services.mark_unreachable, self.agent_id, str(exc))
+        except ProtocolError as exc:
+            outcome.problem = str(exc)
+            await self._note_problem(str(exc))
+        except RemoteError as exc:
+            outcome.problem = str(exc)
+            await eventloop.db(agent_services.mark_reachable, self.agent_id)
+            await self._system("agent-error", str(exc))
+        return outcome
+
+    async def _poll_once(self, client: A2AClient, *, gap_check: bool = False) -> Outcome:
         snapshot = await client.get_task(self.remote_id)
-        result = await eventloop.db(record, self.task_pk, {"task": snapshot}, "poll", gap_check=gap_check)
+        await eventloop.db(agent_services.mark_reachable, self.agent_id)
+        result = await eventloop.db(
+            record, self.task_pk, {"task": snapshot}, "poll", gap_check=gap_check, fence=self.token
+        )
+        outcome = Outcome()
+        outcome.add(result)
         self.state = result.state
-        return not result.duplicate
+        return outcome
 
-    # -- streams into record_many, in batches
+    # -- streams into record_many, in batches, within the events-per-second budget
     async def _pump(
         self,
         events: AsyncIterator[StreamEvent],
@@ -411,15 +736,18 @@ class Holder:
         channel: str,
         *,
         clear_outbox: str = "",
-    ) -> None:
+    ) -> Outcome:
         """Record a stream's events until it closes, the turn ends, or the slice is over.
 
-        A reader task queues events; this coroutine records whatever has
-        queued up in one transaction, so a fast stream costs one commit per
-        batch rather than per event.
+        A reader task queues events (a bounded queue: a flooding agent waits on
+        its TCP window); this coroutine records whatever has queued up in one
+        transaction, so a fast stream costs one commit per batch rather than
+        per event. While the task waits for authorization, the outbox is looked
+        at every second so that an answer goes out at once.
         """
-        queue: asyncio.Queue[Any] = asyncio.Queue()
+        queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=2 * BATCH)
         done = object()
+        outcome = Outcome()
 
         async def reader() -> None:
             try:
@@ -438,9 +766,16 @@ class Holder:
                 timeout = self.deadline - self.loop.time()
                 if timeout <= 0:
                     raise HandOver
+                waiting_for_auth = self.state == AUTH_REQUIRED
                 try:
-                    item = await asyncio.wait_for(queue.get(), timeout)
+                    item = await asyncio.wait_for(
+                        queue.get(), min(timeout, OUTBOX_CHECK_SECONDS) if waiting_for_auth else timeout
+                    )
                 except TimeoutError:
+                    if waiting_for_auth and self.loop.time() < self.deadline:
+                        if await eventloop.db(task_services.has_outbox, self.task_pk):
+                            raise OutboxReady from None
+                        continue
                     raise HandOver from None
                 batch = [item]
                 while not queue.empty() and len(batch) < BATCH:
@@ -452,64 +787,110 @@ class Holder:
                         await eventloop.db(task_services.clear_outbox, self.task_pk, clear_outbox)
                         clear_outbox = ""
                     if first and first_channel != channel:
-                        result = await eventloop.db(record, self.task_pk, events_only[0].raw, first_channel)
+                        result = await eventloop.db(
+                            record, self.task_pk, events_only[0].raw, first_channel, fence=self.token
+                        )
+                        outcome.add(result)
                         events_only = events_only[1:]
                     if events_only:
                         result = await eventloop.db(
-                            record_many, self.task_pk, [e.raw for e in events_only], channel
+                            record_many, self.task_pk, [e.raw for e in events_only], channel, fence=self.token
                         )
+                        outcome.add(result)
                     if first:
-                        await self._connected()
+                        await eventloop.db(agent_services.mark_reachable, self.agent_id)
                     first = False
                     self.state = result.state
                     if not self.remote_id:
                         self.remote_id = await eventloop.db(
                             lambda: RemoteTask.objects.filter(pk=self.task_pk).values_list("remote_id", flat=True).first() or ""
                         )
-                    if self._ended() is not None:
-                        return
+                    if outcome.over_budget:
+                        return outcome
+                    if self.state in TERMINAL_STATES or self.state == INPUT_REQUIRED:
+                        return outcome
+                    await self._throttle(len(batch))
                 if isinstance(end, BaseException):
+                    if isinstance(end, A2AError) and outcome.progress:
+                        # The stream brought news, then broke: that turn was not fruitless.
+                        await self._system(
+                            "stream-dropped" if isinstance(end, TransportError) else "stream-error", str(end)
+                        )
+                        return outcome
                     raise end
                 if end is done:
-                    return
+                    return outcome
         finally:
             reader_task.cancel()
             await asyncio.gather(reader_task, return_exceptions=True)
 
+    async def _throttle(self, recorded: int) -> None:
+        """Keep a task within BUDGET_TASK_EVENTS_PER_SECOND: past a one-second burst, wait."""
+        rate = settings.BUDGET_TASK_EVENTS_PER_SECOND
+        if rate <= 0:
+            return
+        now = self.loop.time()
+        self.paid_until = max(self.paid_until, now) + recorded / rate
+        ahead = self.paid_until - now - 1.0
+        if ahead > 0:
+            if not self.throttled:
+                self.throttled = True
+                await self._system(
+                    "throttled", f"the agent sends more than {rate:g} events per second; recording at that rate"
+                )
+            await self._sleep(ahead)
+
     # -- small helpers
-    async def _connected(self) -> None:
-        """A stream delivered: the agent is reachable, and a reconnection succeeded."""
-        await eventloop.db(agent_services.mark_reachable, self.agent_id)
-        if self.failures:
-            self.failures = 0
-            await self._status(Status.STREAMING)
+    async def _go(self, event: Event, note: str = "") -> None:
+        """Move to the table's next status for ``event`` (written only when it changes)."""
+        status = next_status(self.status, event, streaming=self.streaming)
+        if status == self.status and not note:
+            return  # nothing to write (and the note of a series stays)
+        held = await eventloop.db(task_services.set_watcher_status, self.task_pk, self.token, status, note)
+        if not held:
+            raise Fenced
+        self.status = status
 
     def _check_slice(self) -> None:
         if self.loop.time() >= self.deadline:
             raise HandOver
 
     async def _sleep(self, seconds: float) -> None:
-        remaining = self.deadline - self.loop.time()
-        if remaining <= 0:
+        """Sleep within the slice; while authorization is awaited, wake for an answer."""
+        end = min(self.loop.time() + seconds, self.deadline)
+        while True:
+            remaining = end - self.loop.time()
+            if remaining <= 0:
+                break
+            if self.state == AUTH_REQUIRED:
+                await asyncio.sleep(min(remaining, OUTBOX_CHECK_SECONDS))
+                if await eventloop.db(task_services.has_outbox, self.task_pk):
+                    return
+            else:
+                await asyncio.sleep(remaining)
+        if self.loop.time() >= self.deadline:
             raise HandOver
-        await asyncio.sleep(min(seconds, remaining))
-
-    async def _status(self, status: str, note: str = "") -> None:
-        held = await eventloop.db(task_services.set_watcher_status, self.task_pk, self.token, status, note)
-        if not held:
-            raise asyncio.CancelledError
 
     async def _system(self, event: str, detail: str) -> None:
-        await eventloop.db(record, self.task_pk, {"system": {"event": event, "detail": detail[:2000]}}, "system")
+        result = await eventloop.db(
+            record, self.task_pk, {"system": {"event": event, "detail": detail[:2000]}}, "system", fence=self.token
+        )
+        if result.fenced:
+            raise Fenced
 
     async def _note_problem(self, message: str) -> None:
         try:
-            await eventloop.db(record, self.task_pk, {"protocolError": {"message": message[:2000]}}, "system")
-        except Exception:
-            log.exception("could not record a protocol error for task %s", self.task_pk)
+            result = await eventloop.db(
+                record, self.task_pk, {"protocolError": {"message": message[:2000]}}, "system", fence=self.token
+            )
+        except Exception as exc:  # recording the problem must not become a second one
+            log.warning("could not record a protocol error for task %s: %s", self.task_pk, type(exc).__name__)
+            return
+        if result.fenced:
+            raise Fenced
 
 
 def backoff(failures: int) -> float:
-    """Exponential backoff with full jitter, capped."""
+    """Exponential backoff with jitter (50-100%), capped at WATCH_BACKOFF_MAX_SECONDS."""
     cap = settings.WATCH_BACKOFF_MAX_SECONDS
-    return random.uniform(0.5, 1.0) * min(cap, settings.WATCH_BACKOFF_BASE_SECONDS * 2 ** (failures - 1))
+    return random.uniform(0.5, 1.0) * min(cap, settings.WATCH_BACKOFF_BASE_SECONDS * 2 ** max(failures - 1, 0))

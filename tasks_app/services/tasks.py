@@ -8,22 +8,27 @@ actor) and talk to the agent through ``tasks_app.outbound``.
 from __future__ import annotations
 
 import logging
+import re
 import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import Case, F, Q, Value, When
 from django.utils import timezone
 
 from tasks_app import outbound, relay
 from tasks_app.a2a import (
+    A2AClient,
     A2AError,
     TaskNotCancelableError,
+    TaskNotFoundError,
     user_message,
 )
 from tasks_app.models import TERMINAL_STATES, Agent, OperatorAction, RemoteTask
+from tasks_app.services import agents as agent_services
 from tasks_app.services.record import record, task_summary
 
 log = logging.getLogger(__name__)
@@ -64,13 +69,18 @@ def start_task(
     actor_id: int | None = None,
     metadata: dict | None = None,
 ) -> RemoteTask:
-    """Create the mirror row and hand the send to a watcher (which records what comes back)."""
+    """Create the mirror row and hand the send to a watcher (which records what comes back).
+
+    The message carries a ``contextId`` chosen here (a fresh UUID) and a stored
+    ``messageId``: if the reply to the send is lost, ``ListTasks`` by that
+    context finds the task the agent created, instead of a blind second send.
+    """
     if not (text or data is not None or files):
         raise TaskActionError("A message needs text, data or a file.")
     if not agent.interface_url:
         raise TaskActionError(f"{agent.name} has no usable interface; refresh its card.")
     mode = resolve_mode(agent, mode, from_browser=from_browser)
-    message = user_message(text or None, data=data, files=files)
+    message = user_message(text or None, data=data, files=files, context_id=str(uuid.uuid4()))
     with transaction.atomic():
         task = RemoteTask.objects.create(
             agent=agent,
@@ -90,19 +100,42 @@ def start_task(
     return task
 
 
+def can_retry(task: RemoteTask) -> bool:
+    """A send may be repeated only when the agent is known not to have the task.
+
+    ``fail_send`` clears ``send_attempted_at`` when that is known (nothing
+    reached the agent, or ``ListTasks`` by our contextId found nothing); a send
+    whose fate is unknown keeps it, and offers refresh (look again) instead.
+    """
+    return (
+        task.phase == RemoteTask.Phase.FAILED
+        and not task.remote_id
+        and task.send_attempted_at is None
+        and task.abandoned_at is None
+    )
+
+
 def retry_send(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask:
     """Send the same message again (same ``messageId``, so the agent can drop a duplicate)."""
     with transaction.atomic():
-        won = RemoteTask.objects.filter(pk=task.pk, phase=RemoteTask.Phase.FAILED, remote_id="").update(
-            phase=RemoteTask.Phase.SENDING, send_error="", send_attempted_at=None, outbox=task.request
-        )
+        won = RemoteTask.objects.filter(
+            pk=task.pk,
+            phase=RemoteTask.Phase.FAILED,
+            remote_id="",
+            send_attempted_at__isnull=True,
+            abandoned_at__isnull=True,
+        ).update(phase=RemoteTask.Phase.SENDING, send_error="", send_attempted_at=None, outbox=task.request)
         if not won:
-            raise TaskActionError("Only a send that failed before the agent named a task can be retried.")
+            raise TaskActionError(
+                "Only a send that the agent is known not to have can be retried "
+                "(refresh looks the task up by its contextId)."
+            )
         OperatorAction.objects.create(task=task, agent=task.agent, actor_id=actor_id, action="retry")
         record(task, {"operator": {"action": "retry", "messageId": task.request.get("message", {}).get("messageId")}}, "operator", actor_id=actor_id)
         transaction.on_commit(lambda: dispatch(task.pk))
     task.refresh_from_db()
     return task
+
 
 
 class AnswerTaken(TaskActionError):
@@ -168,13 +201,101 @@ def _answer_refused(task_pk: int, asked: int) -> TaskActionError:
     return TaskActionError("The agent has asked something else since; read its new question.")
 
 
+# Finding a task whose send reply was lost ---------------------------------------------------
+
+_ID_IN_SNIPPET = re.compile(r'"id"\s*:\s*"([^"\\]{1,300})"')
+
+
+@dataclass
+class Lookup:
+    """What looking for a sent message's task found: the task, known absence, or why unknown."""
+
+    task: dict | None = None
+    absent: bool = False
+    problem: str = ""
+
+
+def _history_ids(task: dict) -> set[str]:
+    return {
+        m.get("messageId")
+        for m in task.get("history") or []
+        if isinstance(m, dict) and isinstance(m.get("messageId"), str)
+    }
+
+
+async def find_sent_task(client: A2AClient, message: dict, *, hint: str = "") -> Lookup:
+    """Find the task a sent message created: by an id seen in a broken reply, else by contextId.
+
+    ``ListTasks`` filtered by the contextId this dashboard chose tells whether
+    the agent has the task. An empty answer means it does not (a retry is then
+    safe); an agent that cannot list, or answers nonsense, leaves it unknown.
+    """
+    context_id = message.get("contextId") or ""
+    message_id = message.get("messageId") or ""
+    candidates = list(dict.fromkeys(_ID_IN_SNIPPET.findall(hint or "")))[:3]
+    for candidate in candidates:
+        try:
+            snapshot = await client.get_task(candidate)
+        except A2AError:
+            continue
+        if (context_id and snapshot.get("contextId") == context_id) or message_id in _history_ids(snapshot):
+            return Lookup(task=snapshot)
+    if not context_id:
+        return Lookup(problem="the message carried no contextId to look it up by")
+    try:
+        listing = await client.list_tasks(context_id=context_id, page_size=20, history_length=5)
+    except A2AError as exc:
+        return Lookup(problem=f"ListTasks by contextId failed: {exc}")
+    # An agent may ignore the filter: only tasks in our (fresh, unique) context count.
+    ours = [t for t in listing.get("tasks") or [] if isinstance(t, dict) and t.get("contextId") == context_id]
+    if not ours:
+        if listing.get("nextPageToken"):
+            return Lookup(problem="ListTasks ignored the contextId filter; the task may be on a later page")
+        return Lookup(absent=True)
+    with_message = [t for t in ours if message_id and message_id in _history_ids(t)]
+    return Lookup(task=(with_message or ours)[0])
+
+
+def _lookup_now(task: RemoteTask) -> Lookup:
+    message = (task.request or {}).get("message") or {}
+    agent = task.agent
+    return outbound.run(lambda http: find_sent_task(outbound.client_for(agent, http), message))
+
+
 # Actions on a known task ---------------------------------------------------------------------
 
 
+def _name_task(task: RemoteTask, *, actor_id: int | None) -> RemoteTask:
+    """A task the agent has not named to us: look it up by its contextId and adopt what is found."""
+    if task.remote_id:
+        return task
+    if task.phase not in (RemoteTask.Phase.SENDING, RemoteTask.Phase.FAILED):
+        raise TaskActionError("This exchange has no task at the agent.")
+    found = _lookup_now(task)
+    if found.task is None:
+        if found.absent:
+            if task.phase == RemoteTask.Phase.FAILED:
+                # Known now: the agent does not have it, so a retry is safe.
+                RemoteTask.objects.filter(pk=task.pk, phase=RemoteTask.Phase.FAILED, remote_id="").update(
+                    send_attempted_at=None
+                )
+            raise TaskActionError("The agent has no task for this message (looked up by its contextId).")
+        raise TaskActionError(f"The agent has not named this task yet, and looking it up failed: {found.problem}")
+    result = record(task, {"task": found.task}, "poll", actor_id=actor_id)
+    if result.duplicate and not RemoteTask.objects.filter(pk=task.pk).exclude(remote_id="").exists():
+        raise TaskActionError("The agent listed a task for this message that the mirror could not take.")
+    RemoteTask.objects.filter(pk=task.pk).exclude(remote_id="").update(send_error="", outbox=None)
+    task.refresh_from_db()
+    return task
+
+
 def cancel_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = None) -> RemoteTask:
-    """Ask the agent to cancel; record the request and the task it returns."""
-    if not task.remote_id:
-        raise TaskActionError("The agent has not named this task yet; there is nothing to cancel.")
+    """Ask the agent to cancel; record the request and the task it returns.
+
+    A task not yet named to us (a send under way, or whose reply was lost) is
+    first looked up by its contextId, so cancel works in every phase.
+    """
+    task = _name_task(task, actor_id=actor_id)
     client_metadata = {"reason": reason} if reason else None
     agent = task.agent
     record(task, {"operator": {"action": "cancel", "reason": reason}}, "operator", actor_id=actor_id)
@@ -192,6 +313,7 @@ def cancel_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = No
     except A2AError as exc:
         _action(task, actor_id, "cancel", {"reason": reason}, str(exc))
         raise TaskActionError(f"Cancel failed: {exc}") from exc
+    agent_services.mark_reachable(agent.pk)
     _action(task, actor_id, "cancel", {"reason": reason}, "requested")
     record(task, {"task": result}, "operator", actor_id=actor_id)
     task.refresh_from_db()
@@ -201,15 +323,96 @@ def cancel_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = No
 
 
 def refresh_task(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask:
-    """GetTask now and record what it says."""
+    """GetTask now and record what it says; a task not named yet is looked up by its contextId.
+
+    A task the agent had forgotten ("gone") that it knows again is watched
+    again; one it still does not know stays gone, and the message says so.
+    """
     if not task.remote_id:
-        raise TaskActionError("The agent has not named this task yet.")
+        task = _name_task(task, actor_id=actor_id)
+        if not task.is_terminal:
+            dispatch(task.pk)
+        return task
     agent = task.agent
     try:
         result = outbound.run(lambda http: outbound.client_for(agent, http).get_task(task.remote_id))
+    except TaskNotFoundError as exc:
+        agent_services.mark_reachable(agent.pk)
+        if task.is_terminal:
+            raise TaskActionError(f"The agent no longer knows this task (it had ended): {exc}") from exc
+        mark_gone(task.pk, None, str(exc))
+        raise TaskActionError(f"The agent does not know this task: gone at the agent. ({exc})") from exc
     except A2AError as exc:
         raise TaskActionError(f"Refresh failed: {exc}") from exc
+    agent_services.mark_reachable(agent.pk)
     record(task, {"task": result}, "poll", actor_id=actor_id)
+    if task.gone_at is not None:
+        back = RemoteTask.objects.filter(pk=task.pk, gone_at__isnull=False, abandoned_at__isnull=True).update(
+            gone_at=None, watcher_status=RemoteTask.WatcherStatus.IDLE, watcher_note="the agent knows it again",
+            watcher_since=timezone.now(), fruitless_turns=0,
+        )
+        if back:
+            record(task, {"system": {"event": "found-again", "detail": "the agent knows this task again"}}, "system")
+    task.refresh_from_db()
+    if RemoteTask.objects.filter(watchable(), pk=task.pk).exists():
+        dispatch(task.pk)
+    return task
+
+
+def watch_again(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask:
+    """An operator asks for a parked (or lost) task to be watched again, from a clean slate."""
+    with transaction.atomic():
+        won = RemoteTask.objects.filter(
+            pk=task.pk,
+            lease_token="",
+            abandoned_at__isnull=True,
+            gone_at__isnull=True,
+            watcher_status__in=[
+                RemoteTask.WatcherStatus.PARKED, RemoteTask.WatcherStatus.LOST,
+                RemoteTask.WatcherStatus.IDLE, RemoteTask.WatcherStatus.RECONNECTING,
+            ],
+        ).update(
+            fruitless_turns=0,
+            lease_expires_at=None,
+            watcher_status=RemoteTask.WatcherStatus.IDLE,
+            watcher_note="watch again asked",
+            watcher_since=timezone.now(),
+        )
+        if not won:
+            raise TaskActionError("This task is being watched already, or cannot be watched (gone or abandoned).")
+        OperatorAction.objects.create(task=task, agent=task.agent, actor_id=actor_id, action="watch")
+        record(task, {"operator": {"action": "watch-again"}}, "operator", actor_id=actor_id)
+        transaction.on_commit(lambda: dispatch(task.pk))
+    task.refresh_from_db()
+    return task
+
+
+def abandon_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = None, actor_name: str = "") -> RemoteTask:
+    """Give a task up locally: a final local state, never watched again (the agent is not told).
+
+    Clearing the lease fences a running holder: its next write is refused and
+    it stops quietly.
+    """
+    now = timezone.now()
+    who = actor_name or "an operator"
+    with transaction.atomic():
+        won = RemoteTask.objects.filter(pk=task.pk, abandoned_at__isnull=True).update(
+            abandoned_at=now,
+            outbox=None,
+            lease_token="",
+            lease_owner="",
+            lease_expires_at=None,
+            watcher_status=RemoteTask.WatcherStatus.ABANDONED,
+            watcher_note=f"abandoned by {who}" + (f": {reason}" if reason else "")[:400],
+            watcher_since=now,
+        )
+        if not won:
+            raise TaskActionError("This task was abandoned already.")
+        OperatorAction.objects.create(
+            task=task, agent=task.agent, actor_id=actor_id, action="abandon", payload={"reason": reason}
+        )
+        record(task, {"operator": {"action": "abandon", "by": who, "reason": reason}}, "operator", actor_id=actor_id)
+        transaction.on_commit(lambda: _relay_watcher(task.pk))
     task.refresh_from_db()
     return task
 
@@ -229,19 +432,23 @@ def dispatch(task_pk: int) -> None:
 
     try:
         watch.delay(task_pk)
-    except Exception:  # the reconciler re-dispatches; a broker hiccup must not fail the action
-        log.exception("could not dispatch a watcher for task %s", task_pk)
+    except Exception as exc:  # the reconciler re-dispatches; a broker hiccup must not fail the action
+        log.warning("could not dispatch a watcher for task %s: %s", task_pk, exc)
 
 
 def watchable() -> Q:
-    """Tasks a watcher should hold: something to send, or known and neither ended nor waiting."""
+    """Tasks a watcher should hold: something to send, or known and neither ended nor waiting.
+
+    Abandoned tasks and tasks the agent forgot ("gone") are never watched.
+    """
     return (
         Q(phase=RemoteTask.Phase.SENDING)
         | Q(phase=RemoteTask.Phase.TASK, outbox__isnull=False)
         | Q(phase=RemoteTask.Phase.TASK)
         & ~Q(state__in=[*TERMINAL_STATES, "TASK_STATE_INPUT_REQUIRED"])
         & ~Q(watch=RemoteTask.Watch.NONE)
-    )
+        & Q(gone_at__isnull=True)
+    ) & Q(abandoned_at__isnull=True)
 
 
 def acquire_lease(task_pk: int, owner: str) -> str | None:
@@ -269,6 +476,11 @@ def renew_leases(tokens: set[str]) -> set[str]:
     return set(RemoteTask.objects.filter(lease_token__in=tokens).values_list("lease_token", flat=True))
 
 
+def _since(status: str) -> Case:
+    """``watcher_since`` moves only when the status changes (a new note keeps it)."""
+    return Case(When(~Q(watcher_status=status), then=Value(timezone.now())), default=F("watcher_since"))
+
+
 def release_lease(
     task_pk: int,
     token: str,
@@ -276,11 +488,19 @@ def release_lease(
     status: str = RemoteTask.WatcherStatus.IDLE,
     note: str = "",
     hold_off: float = 0,
+    fruitless_turns: int | None = None,
 ) -> bool:
     """Give the watch up. ``hold_off`` keeps anyone (the reconciler too) from taking it for a while."""
     until = timezone.now() + timedelta(seconds=hold_off) if hold_off else None
+    extra = {} if fruitless_turns is None else {"fruitless_turns": fruitless_turns}
     released = RemoteTask.objects.filter(pk=task_pk, lease_token=token).update(
-        lease_token="", lease_owner="", lease_expires_at=until, watcher_status=status, watcher_note=note[:500]
+        lease_token="",
+        lease_owner="",
+        lease_expires_at=until,
+        watcher_since=_since(status),
+        watcher_status=status,
+        watcher_note=note[:500],
+        **extra,
     )
     if released:
         _relay_watcher(task_pk)
@@ -292,11 +512,49 @@ def set_watcher_status(task_pk: int, token: str, status: str, note: str = "") ->
     changed = (
         RemoteTask.objects.filter(pk=task_pk, lease_token=token)
         .exclude(watcher_status=status, watcher_note=note[:500])
-        .update(watcher_status=status, watcher_note=note[:500])
+        .update(watcher_since=_since(status), watcher_status=status, watcher_note=note[:500])
     )
     if changed:
         _relay_watcher(task_pk)
     return RemoteTask.objects.filter(pk=task_pk, lease_token=token).exists() if not changed else True
+
+
+def set_fruitless(task_pk: int, token: str, turns: int) -> None:
+    """Keep the count of fruitless turns in a row (it survives slices and workers)."""
+    RemoteTask.objects.filter(pk=task_pk, lease_token=token).exclude(fruitless_turns=turns).update(
+        fruitless_turns=turns
+    )
+
+
+def has_outbox(task_pk: int) -> bool:
+    """Whether a message waits to be sent (checked often only while authorization is awaited)."""
+    return RemoteTask.objects.filter(pk=task_pk, outbox__isnull=False).exists()
+
+
+def mark_gone(task_pk: int, token: str | None, detail: str) -> bool:
+    """The agent answered TaskNotFound for a task it had not finished: say so once; stop watching.
+
+    ``token`` is the holder's lease (its entry is fenced by it); None for an operator's refresh.
+    """
+    now = timezone.now()
+    with transaction.atomic():
+        guard = {"lease_token": token} if token is not None else {}
+        won = RemoteTask.objects.filter(pk=task_pk, gone_at__isnull=True, **guard).update(
+            gone_at=now,
+            watcher_since=now,
+            watcher_status=RemoteTask.WatcherStatus.GONE,
+            watcher_note="gone at the agent",
+        )
+        if won:
+            record(
+                task_pk,
+                {"system": {"event": "gone", "detail": f"the agent no longer knows this task: {detail}"[:2000]}},
+                "system",
+                fence=token,
+            )
+    if won:
+        transaction.on_commit(lambda: _relay_watcher(task_pk))
+    return bool(won)
 
 
 def _relay_watcher(task_pk: int) -> None:
@@ -306,7 +564,15 @@ def _relay_watcher(task_pk: int) -> None:
     summary = task_summary(task)
     relay.publish(
         [
-            (relay.task_group(task_pk), {"type": "task.watcher", **summary, "watcher_note": task.watcher_note}),
+            (
+                relay.task_group(task_pk),
+                {
+                    "type": "task.watcher",
+                    **summary,
+                    "watcher_note": task.watcher_note,
+                    "watcher_since": task.watcher_since.isoformat() if task.watcher_since else None,
+                },
+            ),
             (relay.LIST_GROUP, {"type": "tasks.changed", **summary}),
         ]
     )
@@ -326,11 +592,22 @@ def clear_outbox(task_pk: int, message_id: str) -> None:
         RemoteTask.objects.filter(pk=task_pk, outbox__isnull=False).update(outbox=None)
 
 
-def fail_send(task_pk: int, reason: str) -> None:
-    """The send failed before the agent named a task: say so; never retry blindly."""
+def fail_send(task_pk: int, reason: str, *, retry_safe: bool = False, fence: str | None = None) -> None:
+    """The send failed before the agent named a task: say so; never retry blindly.
+
+    ``retry_safe``: the agent is known not to have the task (nothing reached
+    it, or ListTasks by our contextId found nothing); only then is "Retry
+    send" offered (``send_attempted_at`` is cleared to say so).
+    """
+    extra = {"send_attempted_at": None} if retry_safe else {}
     with transaction.atomic():
         won = RemoteTask.objects.filter(pk=task_pk, phase=RemoteTask.Phase.SENDING, remote_id="").update(
-            phase=RemoteTask.Phase.FAILED, send_error=reason[:2000], outbox=None
+            phase=RemoteTask.Phase.FAILED, send_error=reason[:2000], outbox=None, **extra
         )
         if won:
-            record(task_pk, {"system": {"event": "send-failed", "reason": reason[:2000]}}, "system")
+            record(
+                task_pk,
+                {"system": {"event": "send-failed", "reason": reason[:2000], "retry_safe": retry_safe}},
+                "system",
+                fence=fence,
+            )
