@@ -63,6 +63,7 @@ from tasks_app.rendering import (
     safe_filename,
 )
 from tasks_app.services import agents as agent_services
+from tasks_app.services import audit
 from tasks_app.services import imports as import_services
 from tasks_app.services import tasks as task_services
 from tasks_app.services.record import task_summary
@@ -569,9 +570,15 @@ def task_detail(request: HttpRequest, pk: int) -> HttpResponse:
             # The page holds everything up to here; the websocket resumes after it.
             "page_seq": events[-1].seq if events else 0,
             "summary": task_summary(task),
+            "chain": _chain(request, task),
         }
     )
     return render(request, "tasks_app/task_detail.html", context)
+
+
+def _chain(request: HttpRequest, task: RemoteTask) -> audit.Verification | None:
+    """Whether the task's hash chain verifies (on request only, for very long logs)."""
+    return audit.verify(task) if request.GET.get("verify") else audit.verify_for_page(task)
 
 
 @login_required
@@ -758,6 +765,7 @@ def task_events(request: HttpRequest, pk: int) -> HttpResponse:
             "task": task,
             "events": [{"e": e, "raw": raw_preview(e)} for e in rows],
             "next_after": rows[-1].seq if has_next and rows else None,
+            "chain": _chain(request, task),
         },
     )
 
@@ -779,10 +787,6 @@ def event_detail(request: HttpRequest, pk: int, seq: int) -> HttpResponse:
 def _attachment(part: dict, default_name: str) -> HttpResponse:
     content = decode_raw(part)
     media = download_content_type(part.get("mediaType"))
-    if content is None and "data" in part:  # a data part too big for the page
-        content, media = pretty_json(part["data"]).encode("utf-8", "replace"), "application/json"
-    elif content is None and isinstance(part.get("text"), str):
-        content, media = part["text"].encode("utf-8", "replace"), "text/plain; charset=utf-8"
     if content is None:
         raise Http404("This part has no downloadable bytes.")
     name = safe_filename(part.get("filename"), default_name)
@@ -827,6 +831,10 @@ def artifact_download(request: HttpRequest, pk: int, artifact_pk: int, index: in
     part = artifact.parts.filter(index=index).first()
     if part is None or not isinstance(part.part, dict):
         raise Http404("No such part.")
+    if "data" in part.part and "raw" not in part.part:  # a data part too big for the page
+        response = HttpResponse(pretty_json(part.part["data"]).encode("utf-8", "replace"), content_type="application/json")
+        _download_headers(response, f"artifact-{artifact.pk}-{index}.json", f"artifact-{artifact.pk}-{index}")
+        return response
     return _attachment(part.part, f"artifact-{artifact.pk}-{index}")
 
 
