@@ -1,0 +1,268 @@
+"""Bounded views of big content: artifact previews, streamed artifact downloads, log previews.
+
+An agent decides how big an artifact or a log entry is; the web process must not.
+A task page shows at most ``ARTIFACT_PREVIEW_BYTES`` of each artifact and a few KB
+of each log entry, and the database cuts the text (``SUBSTR``) so that a 30 MB
+part is never read into the web process to show its first 64 KB. The whole
+artifact is a streamed download read from the database in batches and slices,
+so memory stays bounded whatever the size.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db.models import Max, QuerySet, Sum, TextField, Value
+from django.db.models.fields.json import KT
+from django.db.models.functions import Cast, Coalesce, Length, Substr
+from django.utils.html import format_html
+from django.utils.safestring import SafeString, mark_safe
+
+from tasks_app.models import Artifact, ArtifactPart
+from tasks_app.rendering import parts_html, pretty_json, safe_filename
+
+PREVIEW_BATCH = 16  # parts per query while building a preview (each cut to the budget)
+PLACEHOLDER_BYTES = 256  # what a part shown only as a link counts against the budget
+DOWNLOAD_BATCH = 64  # parts per query while streaming a download
+DOWNLOAD_HEAD_CHARS = 64 * 1024  # text of each part read with its batch
+DOWNLOAD_SLICE_CHARS = 2 * 1024 * 1024  # the rest of a long text part, a slice per query
+EVENT_RAW_PREVIEW_CHARS = 4096  # of a log entry's raw JSON on a page (the entry page has it all)
+
+
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8", "replace"))
+
+
+def _cut_utf8(text: str, limit: int) -> str:
+    """The longest prefix of ``text`` whose UTF-8 form fits in ``limit`` bytes."""
+    encoded = text.encode("utf-8", "replace")
+    if len(encoded) <= limit:
+        return text
+    return encoded[:limit].decode("utf-8", "ignore")
+
+
+def _part_rows(artifact_pk: int, after: int, limit: int, head_chars: int) -> QuerySet:
+    """Part rows with only what a preview needs; the text cut by the database."""
+    text = KT("part__text")
+    return (
+        ArtifactPart.objects.filter(artifact_id=artifact_pk, index__gt=after)
+        .order_by("index")
+        .annotate(
+            text_len=Length(text),
+            text_head=Substr(text, 1, max(1, head_chars)),
+            size=Length(Cast("part", TextField())),
+            filename=KT("part__filename"),
+            media=KT("part__mediaType"),
+            raw_len=Length(KT("part__raw")),
+        )
+        .values_list("pk", "index", "seq", "text_len", "text_head", "size", "filename", "media", "raw_len")[
+            :limit
+        ]
+    )
+
+
+def _placeholder(index: int, kind: str, filename: Any, media: Any, size: int, url: str) -> SafeString:
+    name = safe_filename(filename, f"part-{index}")
+    what = "file" if kind == "raw" else "JSON data"
+    return format_html(
+        '<p class="file big-part"><a class="download" href="{}" download="{}">Download {}</a>'
+        ' <span class="muted">({}{}, {} bytes; too big to show here)</span></p>',
+        url,
+        name,
+        name,
+        what,
+        f", {media}" if isinstance(media, str) and media else "",
+        size,
+    )
+
+
+def artifact_preview(artifact: Artifact, download_url: Callable[[int], str]) -> dict:
+    """The first ``ARTIFACT_PREVIEW_BYTES`` of an artifact, rendered, and what was left out.
+
+    Parts are read in order, a batch at a time, until the budget is spent: text
+    parts are concatenated (cut by the database to what can still be shown);
+    data and file parts count their size, and one too big to show becomes a
+    download link. Returns ``html``, ``seq`` (the newest part this rendering
+    reflects), ``truncated``, ``shown_bytes`` and ``total_bytes``.
+    """
+    budget = settings.ARTIFACT_PREVIEW_BYTES
+    used = 0
+    # Runs of parts for parts_html (index of their first part, parts) and ready placeholders.
+    pieces: list[SafeString | tuple[int, list[Any]]] = []
+    run: list[Any] = []
+    run_start = 0
+    after = -1
+    max_seq = artifact.updated_seq
+    truncated = False
+
+    def close_run() -> None:
+        if run:
+            pieces.append((run_start, list(run)))
+            run.clear()
+
+    while not truncated:
+        rows = list(_part_rows(artifact.pk, after, PREVIEW_BATCH, budget - used))
+        for pk, index, seq, text_len, head, size, filename, media, raw_len in rows:
+            after = index
+            max_seq = max(max_seq, seq)
+            if not run:
+                run_start = index
+            if text_len is not None:
+                head = head or ""
+                room = budget - used
+                if text_len == len(head) and _utf8_len(head) <= room:
+                    run.append({"text": head})
+                    used += _utf8_len(head)
+                else:
+                    cut = _cut_utf8(head, room)
+                    run.append({"text": cut})
+                    used += _utf8_len(cut)
+                    truncated = True
+            elif (size or 0) <= budget - used:
+                part = ArtifactPart.objects.values_list("part", flat=True).get(pk=pk)
+                run.append(part)
+                used += size or 0
+            else:
+                close_run()
+                kind = "raw" if raw_len is not None else "data"
+                shown = (raw_len * 3) // 4 if raw_len is not None else size
+                pieces.append(_placeholder(index, kind, filename, media, shown, download_url(index)))
+                used += PLACEHOLDER_BYTES
+            if used >= budget:
+                truncated = True
+            if truncated:
+                break
+        if len(rows) < PREVIEW_BATCH:
+            break
+    close_run()
+    html = []
+    for piece in pieces:
+        if isinstance(piece, tuple):
+            start, parts = piece
+            html.append(str(parts_html(parts, lambda i, start=start: download_url(start + i))))
+        else:
+            html.append(str(piece))
+    total = used
+    if truncated:
+        # Only now is the whole artifact measured, in the database (text counted in characters).
+        totals = ArtifactPart.objects.filter(artifact_id=artifact.pk).aggregate(
+            size=Sum(Coalesce(Length(KT("part__text")), Length(Cast("part", TextField())), Value(0))),
+            seq=Max("seq"),
+        )
+        total = max(int(totals["size"] or 0), used)
+        max_seq = max(max_seq, int(totals["seq"] or 0))
+    return {
+        "html": mark_safe("".join(html)),  # every piece rendered by parts_html or format_html
+        "seq": max_seq,
+        "truncated": truncated and total > used,
+        "shown_bytes": used,
+        "total_bytes": total,
+    }
+
+
+# Streamed download ---------------------------------------------------------------------------
+
+
+def artifact_is_text(artifact_pk: int) -> bool:
+    """Whether every part is a text part (the download is then text/plain)."""
+    return not (
+        ArtifactPart.objects.filter(artifact_id=artifact_pk)
+        .annotate(t=KT("part__text"))
+        .filter(t__isnull=True)
+        .exists()
+    )
+
+
+def _text_rest(pk: int, start: int, length: int) -> Iterator[bytes]:
+    """The text of one long part after its head, a slice per query."""
+    while start <= length:
+        piece = (
+            ArtifactPart.objects.filter(pk=pk)
+            .annotate(piece=Substr(KT("part__text"), start, DOWNLOAD_SLICE_CHARS))
+            .values_list("piece", flat=True)
+            .first()
+        )
+        if not piece:
+            return
+        yield piece.encode("utf-8", "replace")
+        start += DOWNLOAD_SLICE_CHARS
+
+
+def _other_part_bytes(part: Any) -> bytes:
+    """A non-text part in the whole-artifact download: data as JSON, files as their bytes."""
+    from tasks_app.rendering import decode_raw
+
+    if isinstance(part, dict) and "data" in part:
+        return (json.dumps(part["data"], ensure_ascii=False) + "\n").encode("utf-8", "replace")
+    if isinstance(part, dict) and "raw" in part:
+        return decode_raw(part) or b""
+    if isinstance(part, dict) and isinstance(part.get("url"), str):
+        return (part["url"] + "\n").encode("utf-8", "replace")
+    return (json.dumps(part, ensure_ascii=False) + "\n").encode("utf-8", "replace")
+
+
+def artifact_chunks(artifact_pk: int) -> Iterator[bytes]:
+    """The whole artifact, in order, as bytes: one chunk per batch of parts or slice of a part."""
+    after = -1
+    text = KT("part__text")
+    while True:
+        rows = list(
+            ArtifactPart.objects.filter(artifact_id=artifact_pk, index__gt=after)
+            .order_by("index")
+            .annotate(text_len=Length(text), head=Substr(text, 1, DOWNLOAD_HEAD_CHARS))
+            .values_list("pk", "index", "text_len", "head")[:DOWNLOAD_BATCH]
+        )
+        if not rows:
+            return
+        batch: list[bytes] = []
+        for pk, index, text_len, head in rows:
+            after = index
+            if text_len is None:
+                batch.append(_other_part_bytes(ArtifactPart.objects.values_list("part", flat=True).get(pk=pk)))
+                continue
+            batch.append((head or "").encode("utf-8", "replace"))
+            if text_len > DOWNLOAD_HEAD_CHARS:
+                yield b"".join(batch)
+                batch.clear()
+                yield from _text_rest(pk, DOWNLOAD_HEAD_CHARS + 1, text_len)
+        if batch:
+            yield b"".join(batch)
+        if len(rows) < DOWNLOAD_BATCH:
+            return
+
+
+async def artifact_chunks_async(artifact_pk: int) -> AsyncIterator[bytes]:
+    """``artifact_chunks`` for an ASGI server: Django would read a sync iterator whole first."""
+    chunks = artifact_chunks(artifact_pk)
+    step = sync_to_async(lambda: next(chunks, None), thread_sensitive=True)
+    while (chunk := await step()) is not None:
+        yield chunk
+
+
+# Log entries on a page -----------------------------------------------------------------------
+
+
+def with_raw_preview(events: QuerySet) -> QuerySet:
+    """Log rows without their raw JSON, but with its size and its head (cut by the database)."""
+    raw = Cast("raw", TextField())
+    return events.defer("raw").annotate(
+        raw_size=Length(raw), raw_head=Substr(raw, 1, EVENT_RAW_PREVIEW_CHARS)
+    )
+
+
+def raw_preview(event: Any) -> str:
+    """A log entry's raw JSON for a page: indented when small, else its first few KB."""
+    size = getattr(event, "raw_size", None)
+    head = getattr(event, "raw_head", None)
+    if head is None:
+        return pretty_json(event.raw)
+    if size is not None and size <= EVENT_RAW_PREVIEW_CHARS:
+        try:
+            return pretty_json(json.loads(head))
+        except ValueError:
+            return head
+    return f"{head}… ({size} characters in all: open the entry for the whole)"
