@@ -216,7 +216,8 @@ class TaskListConsumer(AsyncJsonWebsocketConsumer):
     ``LIST_OVERLAP`` (one range query on the ``updated_at`` index, bounded by
     ``LIST_SYNC_LIMIT``), then the new version. The overlap is there because
     ``updated_at`` is taken before commit: a transaction that took its time
-    earlier but committed after a newer one must still be seen. Repeats are
+    earlier but committed after a newer one (or on a clock a little behind)
+    must still be seen. Repeats are
     harmless, the browser keeps a row only when its ``last_seq`` is newer (or its
     phase or watcher changed). Without ``since`` (or with a malformed one) only
     the current version is answered.
