@@ -11,14 +11,33 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing
+from typing import Any
 
+import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tasks_app.a2a import ProtocolError
+from tasks_app.a2a import (
+    A2AClient,
+    DeadlineExceeded,
+    IncompatibleAgentError,
+    Interface,
+    ProtocolError,
+    StreamIdleTimeout,
+    TransportError,
+    choose_interface,
+    fetch_card,
+    user_message,
+    validate_card,
+)
 from tasks_app.a2a._http import decode_json, error_for_status
 from tasks_app.a2a.safejson import clean, loads
+from tests.hostile_servers import TASK_ID, Conn, HostileServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,8 +119,9 @@ json_values = st.recursive(
     | st.integers()
     | st.floats(allow_nan=False, allow_infinity=False)
     | safe_text,
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(safe_text, children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(safe_text, children, max_size=4)
+    ),
     max_leaves=30,
 )
 
@@ -202,8 +222,9 @@ hostile_text = st.lists(
 ).map("".join)
 hostile_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | hostile_text,
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(hostile_text, children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(hostile_text, children, max_size=4)
+    ),
     max_leaves=30,
 )
 
@@ -226,8 +247,271 @@ def test_clean_leaves_valid_json_unchanged(value: object) -> None:
 
 
 def test_error_for_status_with_deep_body_is_not_a_crash() -> None:
-    import httpx
-
     resp = httpx.Response(500, headers={"content-type": "application/json"})
     err = error_for_status(resp, _nested(10_000).encode(), "GetTask")
     assert "HTTP 500" in str(err)
+
+
+# --------------------------------------------------------------------------- real hostile servers
+
+
+@pytest.fixture(scope="module")
+def hostile() -> Iterator[HostileServer]:
+    server = HostileServer(interval=0.25, trickle_bytes=160).start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient() as client:
+        yield client
+
+
+BINDINGS = ["JSONRPC", "HTTP+JSON"]
+
+
+def hostile_client(
+    server: HostileServer, mode: str, binding: str, http: httpx.AsyncClient, **kw: Any
+) -> A2AClient:
+    return A2AClient(Interface(url=server.url_for(mode), binding=binding), http=http, **kw)  # type: ignore[arg-type]
+
+
+def _opener_past(body: bytes, depth: int) -> int:
+    """Offset of the first bracket nesting deeper than ``depth`` (bodies without strings in brackets)."""
+    level = 0
+    for i, byte in enumerate(body):
+        if byte in b"[{":
+            level += 1
+            if level > depth:
+                return i
+        elif byte in b"]}":
+            level -= 1
+    raise AssertionError("not that deep")
+
+
+def _last_conn(server: HostileServer, mode: str) -> Conn:
+    conns = server.conns_for(mode)
+    assert conns, f"the client never reached /{mode}"
+    return conns[-1]
+
+
+@pytest.mark.parametrize("binding", BINDINGS)
+async def test_trickling_reply_fails_at_the_call_deadline(
+    hostile: HostileServer, http: httpx.AsyncClient, binding: str
+) -> None:
+    client = hostile_client(hostile, "trickle", binding, http, call_deadline=2.0, timeout=30.0)
+    trickle_seconds = hostile.trickle_bytes * hostile.interval  # 40 s to finish the reply
+    start = time.monotonic()
+    with pytest.raises(DeadlineExceeded) as info:
+        await client.get_task(TASK_ID)
+    elapsed = time.monotonic() - start
+    assert isinstance(info.value, TransportError)
+    assert "no complete response after 2 s" in str(info.value)
+    assert elapsed < trickle_seconds / 4  # well under the trickle, though bytes kept coming
+    conn = _last_conn(hostile, "trickle")
+    assert hostile.wait_peer_closed(conn), "the client kept the connection open"
+    assert 1 <= conn.body_bytes_sent < hostile.trickle_bytes / 4
+
+
+async def test_trickling_blocking_send_uses_the_send_deadline(
+    hostile: HostileServer, http: httpx.AsyncClient
+) -> None:
+    client = hostile_client(
+        hostile, "trickle", "JSONRPC", http, call_deadline=60.0, send_deadline=2.0
+    )
+    start = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match=r"SendMessage.*no complete response after 2 s"):
+        await client.send_message(user_message("hello"))
+    assert time.monotonic() - start < hostile.trickle_bytes * hostile.interval / 4
+    assert hostile.wait_peer_closed(_last_conn(hostile, "trickle"))
+
+
+async def test_trickling_card_fails_at_its_deadline(
+    hostile: HostileServer, http: httpx.AsyncClient
+) -> None:
+    start = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match=r"card fetch .* no complete response after 2 s"):
+        await fetch_card(hostile.url_for("trickle"), http=http, deadline=2.0)
+    assert time.monotonic() - start < hostile.trickle_bytes * hostile.interval / 4
+    conn = _last_conn(hostile, "trickle")
+    assert conn.path.endswith("/.well-known/agent-card.json")
+    assert hostile.wait_peer_closed(conn)
+
+
+@pytest.mark.parametrize("mode", ["keepalive", "blanklines"])
+@pytest.mark.parametrize("binding", BINDINGS)
+async def test_stream_of_keepalives_only_ends_at_the_idle_bound(
+    hostile: HostileServer, http: httpx.AsyncClient, binding: str, mode: str
+) -> None:
+    # Bytes arrive every 0.25 s, so httpx's read timeout (1.5 s) never fires;
+    # the gap between complete events is what ends the stream.
+    client = hostile_client(hostile, mode, binding, http, stream_idle_timeout=1.5)
+    events = []
+    start = time.monotonic()
+    with pytest.raises(StreamIdleTimeout) as info:
+        async with aclosing(client.subscribe_to_task(TASK_ID)) as stream:
+            async for event in stream:
+                events.append(event)
+    elapsed = time.monotonic() - start
+    assert not isinstance(info.value, DeadlineExceeded)
+    assert "no complete event for 1.5 s (only keep-alives or partial data)" in str(info.value)
+    assert events == []
+    assert elapsed < 10
+    conn = _last_conn(hostile, mode)
+    assert hostile.wait_peer_closed(conn)
+    assert conn.body_bytes_sent >= 3  # bytes did keep arriving: not a silent stream
+
+
+@pytest.mark.parametrize("binding", BINDINGS)
+async def test_event_that_never_finishes_fails_at_the_call_deadline(
+    hostile: HostileServer, http: httpx.AsyncClient, binding: str
+) -> None:
+    client = hostile_client(
+        hostile, "slowevent", binding, http, call_deadline=2.0, stream_idle_timeout=30.0
+    )
+    events = []
+    start = time.monotonic()
+    with pytest.raises(DeadlineExceeded) as info:
+        async with aclosing(client.subscribe_to_task(TASK_ID)) as stream:
+            async for event in stream:
+                events.append(event)
+    elapsed = time.monotonic() - start
+    assert "no complete response after 2 s (an SSE event started and did not finish)" in str(
+        info.value
+    )
+    assert [e.kind for e in events] == ["task"]  # the complete event before it got through
+    assert elapsed < 10  # the idle bound (30 s) was not what ended it
+    assert hostile.wait_peer_closed(_last_conn(hostile, "slowevent"))
+
+
+@pytest.mark.parametrize("binding", BINDINGS)
+async def test_deeply_nested_reply_is_a_precise_protocol_error(
+    hostile: HostileServer, http: httpx.AsyncClient, binding: str
+) -> None:
+    client = hostile_client(hostile, "deep", binding, http)
+    before = len(hostile.conns_for("deep"))
+    with pytest.raises(ProtocolError) as info:
+        await client.get_task(TASK_ID)
+    assert not isinstance(info.value.__cause__, RecursionError)
+    conn = _last_conn(hostile, "deep")
+    at = _opener_past(bytes(conn.body_sent), 256)
+    assert f"JSON nested deeper than 256 levels (at byte {at})" in str(info.value)
+    assert "GetTask" in info.value.where
+    assert len(hostile.conns_for("deep")) == before + 1  # one request, no retry
+    assert conn.body_bytes_sent == len(conn.body_sent) < 64 * 1024
+
+
+@pytest.mark.parametrize("binding", BINDINGS)
+async def test_deeply_nested_sse_event_is_a_precise_protocol_error(
+    hostile: HostileServer, http: httpx.AsyncClient, binding: str
+) -> None:
+    client = hostile_client(hostile, "deepsse", binding, http)
+    with pytest.raises(ProtocolError) as info:
+        async with aclosing(client.subscribe_to_task(TASK_ID)) as stream:
+            async for _ in stream:
+                pass
+    message = str(info.value)
+    assert "SSE event" in message and "JSON nested deeper than 256 levels (at byte" in message
+    conn = _last_conn(hostile, "deepsse")
+    sent = bytes(conn.body_sent)
+    event_data = sent[sent.index(b"data: ") + len(b"data: ") :]
+    assert f"(at byte {_opener_past(event_data, 256)})" in message
+    assert conn.body_bytes_sent < 64 * 1024
+
+
+@pytest.mark.parametrize("binding", BINDINGS)
+async def test_lone_surrogates_nul_and_nan_come_back_and_clean_makes_them_safe(
+    hostile: HostileServer, http: httpx.AsyncClient, binding: str
+) -> None:
+    client = hostile_client(hostile, "badtext", binding, http)
+    task = await client.get_task(TASK_ID)
+    text = task["status"]["message"]["parts"][0]["text"]
+    assert text == "\ud800 and \x00"  # the client returns what the agent said
+    assert math.isnan(task["metadata"]["score"])
+    with pytest.raises(UnicodeEncodeError):
+        json.dumps(task, ensure_ascii=False).encode("utf-8")
+    cleaned, count = clean(task)
+    assert count == 3
+    assert cleaned["status"]["message"]["parts"][0]["text"] == "\ufffd and \ufffd"
+    assert cleaned["metadata"]["score"] == "NaN"
+    assert _storable(cleaned)
+    assert task["status"]["message"]["parts"][0]["text"] == text  # input untouched
+    assert _last_conn(hostile, "badtext").body_bytes_sent < 4096
+
+
+async def test_javascript_interface_url_is_refused_and_never_chosen(
+    hostile: HostileServer, http: httpx.AsyncClient
+) -> None:
+    result = await fetch_card(hostile.url_for("jscard"), http=http)
+    problems = [f"{p.path}: {p.message}" for p in validate_card(result.card)]
+    sentence = "supportedInterfaces[0].url: only http and https URLs are accepted"
+    assert sentence in problems
+    with pytest.raises(IncompatibleAgentError, match=re.escape(sentence)):
+        choose_interface(result.card, card_url=result.url)
+    with pytest.raises(IncompatibleAgentError, match=re.escape(sentence)):
+        await A2AClient.connect(hostile.url_for("jscard"), http=http)
+    # Only the card was ever fetched: nothing went to the interface.
+    assert {c.path for c in hostile.conns_for("jscard")} == {"/jscard/.well-known/agent-card.json"}
+
+
+async def test_an_http_interface_after_a_file_one_is_chosen(
+    hostile: HostileServer, http: httpx.AsyncClient
+) -> None:
+    result = await fetch_card(hostile.url_for("mixedcard"), http=http)
+    problems = [f"{p.path}: {p.message}" for p in validate_card(result.card)]
+    assert problems == ["supportedInterfaces[0].url: only http and https URLs are accepted"]
+    iface = choose_interface(result.card, card_url=result.url)
+    assert iface.url == hostile.url_for("mixedcard")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "javascript:alert(1)",
+        "file:///etc/passwd",
+        "data:text/html,hi",
+        "agent.example:8080/rpc",
+        "example.com/rpc",
+        "http://",
+        "ftp://example.com/rpc",
+    ],
+)
+def test_non_http_interface_urls_are_validation_problems(url: str) -> None:
+    card = {
+        "name": "x",
+        "description": "x",
+        "version": "1",
+        "supportedInterfaces": [
+            {"url": url, "protocolBinding": "JSONRPC", "protocolVersion": "1.0"}
+        ],
+        "capabilities": {},
+        "defaultInputModes": ["text/plain"],
+        "defaultOutputModes": ["text/plain"],
+        "skills": [{"id": "s", "name": "s", "description": "s", "tags": ["t"]}],
+    }
+    problems = [f"{p.path}: {p.message}" for p in validate_card(card)]
+    assert problems == ["supportedInterfaces[0].url: only http and https URLs are accepted"]
+    with pytest.raises(IncompatibleAgentError, match="only http and https URLs are accepted"):
+        choose_interface(card, card_url="https://agent.example/.well-known/agent-card.json")
+
+
+async def test_card_url_must_be_http(http: httpx.AsyncClient) -> None:
+    for url in ("file:///etc/passwd", "javascript:alert(1)", "localhost:8000"):
+        with pytest.raises(ProtocolError, match="only http and https URLs are accepted"):
+            await fetch_card(url, http=http)
+
+
+@pytest.mark.django_db
+def test_registration_of_a_javascript_card_fails_with_the_sentence(
+    hostile: HostileServer,
+) -> None:
+    from tasks_app.models import Agent
+    from tasks_app.services.agents import AgentError, add_agent
+
+    with pytest.raises(AgentError) as info:
+        add_agent(hostile.url_for("jscard"))
+    assert "supportedInterfaces[0].url: only http and https URLs are accepted" in str(info.value)
+    assert Agent.objects.count() == 0

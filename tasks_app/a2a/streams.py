@@ -158,14 +158,14 @@ async def _iter_lines(
                 partial, partial_len = [], 0
             else:
                 line = piece
-            if clock is not None and m.end() < len(chunk):
-                nxt = chunk[m.end()]
-                if nxt not in _LINE_BREAK_BYTES:
-                    clock.line_started(nxt)
             t0 = clock.now() if clock is not None else 0.0
             yield line
             if clock is not None:
                 clock.paused(clock.now() - t0)
+                # The next line's first byte is here already: after the
+                # yield, since a blank line just yielded ends the event.
+                if m.end() < len(chunk) and chunk[m.end()] not in _LINE_BREAK_BYTES:
+                    clock.line_started(chunk[m.end()])
             pos = m.end()
         rest = chunk[pos:]
         if rest:
