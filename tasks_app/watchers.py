@@ -508,9 +508,6 @@ class Holder:
 
     async def _settle(self, client: A2AClient) -> None:
         """A terminal state was seen: GetTask once, and let the mirror settle on it."""
-        settle = getattr(record_services, "settle", None)
-        if settle is None:  # TODO: record.settle() is being added; until then nothing to settle
-            return
         snapshot: dict | None = None
         note = ""
         try:
@@ -518,15 +515,16 @@ class Holder:
             await eventloop.db(agent_services.mark_reachable, self.agent_id)
         except A2AError as exc:
             note = f"GetTask after the end failed: {exc}"
-        result = await eventloop.db(settle, self.task_pk, snapshot, fence=self.token, note=note)
-        if getattr(result, "fenced", False):
+        result = await eventloop.db(record_services.settle, self.task_pk, snapshot, fence=self.token, note=note)
+        if result.fenced:
             raise Fenced
 
     # -- judging a turn: progress, quiet, or fruitless
     async def _judge(self, outcome: Outcome) -> Turn | None:
-        if outcome.over_budget:
+        if outcome.over_budget:  # record() said so in the log, once
             return await self._park(
-                f"the task is over its storage budget ({settings.BUDGET_TASK_BYTES} bytes of agent content)"
+                f"the task is over its storage budget ({settings.BUDGET_TASK_BYTES} bytes of agent content)",
+                announce=False,
             )
         if outcome.progress or (outcome.confirmed and not outcome.problem):
             event = Event.PROGRESS if outcome.progress else Event.QUIET
@@ -564,9 +562,9 @@ class Holder:
 
         return budget > 0 and await eventloop.db(count) > budget
 
-    async def _park(self, reason: str) -> Turn:
+    async def _park(self, reason: str, *, announce: bool = True) -> Turn:
         """Needs attention: one system entry (not one per turn), then a long hold-off."""
-        if not self.was_parked:
+        if announce and not self.was_parked:
             await self._system("parked", reason)
         status = next_status(self.status, Event.PARK if not self.was_parked else Event.RECHECK)
         return Turn(status, f"needs attention: {reason}"[:500], hold_off=PARKED_RECHECK_SECONDS)
@@ -593,8 +591,8 @@ class Holder:
                 await self._go(Event.FOLLOW)
                 events = client.send_streaming_message(message, metadata=metadata)
                 outcome = await self._pump(events, "stream", "stream", clear_outbox=message_id)
-                if outcome.over_budget:
-                    return await self._park("the task is over its storage budget")
+                if outcome.over_budget:  # record() said so in the log, once
+                    return await self._park("the task is over its storage budget", announce=False)
                 return None  # the loop checks how the stream ended
             # Blocking starts are sent as return-immediately and followed: the task is named
             # at once, so it can be canceled, and a long task never holds a request open.

@@ -127,7 +127,7 @@ def retry_send(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask:
         ).update(phase=RemoteTask.Phase.SENDING, send_error="", send_attempted_at=None, outbox=task.request)
         if not won:
             raise TaskActionError(
-                "Only a send that the agent is known not to have can be retried "
+                "Only a send that failed, to an agent known not to have the task, can be retried "
                 "(refresh looks the task up by its contextId)."
             )
         OperatorAction.objects.create(task=task, agent=task.agent, actor_id=actor_id, action="retry")

@@ -1,0 +1,261 @@
+"""Misbehaving A2A agents for the watcher tests: a raw JSON-RPC server on 127.0.0.1.
+
+:class:`HostileAgent` speaks just enough A2A 1.0 over JSON-RPC (SendMessage,
+SendStreamingMessage, GetTask, SubscribeToTask, ListTasks, CancelTask) to be
+followed by the dashboard, and misbehaves as its ``behaviour`` says. It keeps
+its own tasks, and counts every request by method (``calls``), so a test can
+assert how hard the dashboard hit it.
+
+Behaviours:
+
+``wrongid``      GetTask answers a task with another id; SubscribeToTask sends
+                 the right snapshot, then closes cleanly (the task goes on)
+``unspecified``  GetTask answers the task in ``TASK_STATE_UNSPECIFIED``
+``quietclose``   a well-formed agent whose streams close at once on a task that
+                 goes on (every GetTask confirms it is still working)
+``flood``        the send stream carries ``flood_events`` distinct status
+                 updates as fast as it can, then closes
+``lostreply``    SendMessage creates the task (completed, with an artifact),
+                 then drops the connection before any reply byte
+``forget``       after the first ``forget_after`` GetTask calls, answers
+                 TaskNotFound (the agent restarted without its tasks)
+``authwait``     tasks wait in AUTH_REQUIRED until a follow-up message on them
+                 arrives; then they complete (``answered`` records when)
+``garbage``      GetTask answers a body that is not JSON
+
+Use it as a context manager, or through the ``hostile`` fixture factory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.agents import _LoopThread
+
+WORKING = "TASK_STATE_WORKING"
+COMPLETED = "TASK_STATE_COMPLETED"
+AUTH_REQUIRED = "TASK_STATE_AUTH_REQUIRED"
+CANCELED = "TASK_STATE_CANCELED"
+
+
+class HostileAgent:
+    """A tiny HTTP/1.1 JSON-RPC A2A agent that misbehaves on purpose (see the module docstring)."""
+
+    def __init__(self, behaviour: str, *, flood_events: int = 3000, forget_after: int = 1) -> None:
+        self.behaviour = behaviour
+        self.flood_events = flood_events
+        self.forget_after = forget_after
+        self.tasks: dict[str, dict] = {}
+        self.calls: Counter[str] = Counter()
+        self.call_times: list[tuple[float, str]] = []
+        self.answered: dict[str, float] = {}
+        self.port = 0
+        self._lt: _LoopThread | None = None
+        self._server: asyncio.base_events.Server | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/rpc"
+
+    def start(self) -> HostileAgent:
+        self._lt = _LoopThread(f"hostile-{self.behaviour}")
+
+        async def _start() -> None:
+            self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+            self.port = self._server.sockets[0].getsockname()[1]
+
+        self._lt.call(_start())
+        return self
+
+    def close(self) -> None:
+        if self._lt is None:
+            return
+
+        async def _close() -> None:
+            if self._server is not None:
+                self._server.close()
+
+        with contextlib.suppress(Exception):
+            self._lt.call(_close())
+        self._lt.stop()
+        self._lt = None
+
+    def __enter__(self) -> HostileAgent:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def calls_since(self, since: float, method: str | None = None) -> int:
+        return sum(1 for t, m in list(self.call_times) if t >= since and (method is None or m == method))
+
+    # -- HTTP
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            headers = {}
+            for line in head.decode("latin-1").split("\r\n")[1:]:
+                if ":" in line:
+                    key, value = line.split(":", 1)
+                    headers[key.strip().lower()] = value.strip()
+            body = await reader.readexactly(int(headers.get("content-length", "0") or 0))
+            request = json.loads(body) if body else {}
+            await self._respond(request, writer)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError, ValueError):
+            pass
+        finally:
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    @staticmethod
+    def _json(writer: asyncio.StreamWriter, obj: Any) -> None:
+        body = json.dumps(obj).encode()
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+
+    @staticmethod
+    def _sse(writer: asyncio.StreamWriter, rpc_id: Any, results: list[Any]) -> None:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-store\r\n"
+            b"Connection: close\r\n\r\n"
+        )
+        for result in results:
+            data = json.dumps({"jsonrpc": "2.0", "id": rpc_id, "result": result})
+            writer.write(f"data: {data}\n\n".encode())
+
+    # -- A2A
+    def _new_task(self, message: dict, state: str) -> dict:
+        task_id = str(uuid.uuid4())
+        task = {
+            "id": task_id,
+            "contextId": message.get("contextId") or str(uuid.uuid4()),
+            "status": {"state": state},
+            "history": [dict(message, taskId=task_id)],
+        }
+        if state == COMPLETED:
+            task["artifacts"] = [{"artifactId": "a1", "parts": [{"text": "done once"}]}]
+        self.tasks[task_id] = task
+        return task
+
+    async def _respond(self, request: dict, writer: asyncio.StreamWriter) -> None:
+        method = str(request.get("method", ""))
+        rpc_id = request.get("id")
+        params = request.get("params") or {}
+        self.calls[method] += 1
+        self.call_times.append((time.monotonic(), method))
+
+        def ok(result: Any) -> None:
+            self._json(writer, {"jsonrpc": "2.0", "id": rpc_id, "result": result})
+
+        def error(code: int, message: str) -> None:
+            self._json(writer, {"jsonrpc": "2.0", "id": rpc_id, "error": {"code": code, "message": message}})
+
+        b = self.behaviour
+        if method in ("SendMessage", "SendStreamingMessage"):
+            message = params.get("message") or {}
+            existing = self.tasks.get(message.get("taskId") or "")
+            if existing is not None:  # a follow-up (an answer)
+                self.answered[existing["id"]] = time.monotonic()
+                existing["status"] = {"state": COMPLETED}
+                existing["history"].append(message)
+                if method == "SendMessage":
+                    ok({"task": existing})
+                else:
+                    self._sse(writer, rpc_id, [{"task": existing}])
+                return
+            state = {"lostreply": COMPLETED, "authwait": AUTH_REQUIRED}.get(b, WORKING)
+            task = self._new_task(message, state)
+            if b == "lostreply":
+                # The agent got the request and created the task; the reply is lost.
+                writer.transport.abort()
+                return
+            if method == "SendMessage":
+                ok({"task": task})
+                return
+            events: list[Any] = [{"task": task}]
+            if b == "flood":
+                for i in range(self.flood_events):
+                    status = {"state": WORKING, "message": {
+                        "messageId": f"m-{i}", "role": "ROLE_AGENT", "parts": [{"text": f"tick {i}"}],
+                    }}  # fmt: skip
+                    events.append({"statusUpdate": {"taskId": task["id"], "contextId": task["contextId"], "status": status}})
+            self._sse(writer, rpc_id, events)
+            return
+        if method == "GetTask":
+            task = self.tasks.get(params.get("id") or "")
+            if task is None:
+                error(-32001, "Task not found")
+            elif b == "wrongid":
+                ok(dict(task, id="somebody-elses-task"))
+            elif b == "unspecified":
+                ok(dict(task, status={"state": "TASK_STATE_UNSPECIFIED"}))
+            elif b == "forget" and self.calls["GetTask"] > self.forget_after:
+                error(-32001, f"Task not found: {task['id']}")
+            elif b == "garbage":
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 9\r\n"
+                    b"Connection: close\r\n\r\n{not json"
+                )
+            else:
+                ok(task)
+            return
+        if method == "SubscribeToTask":
+            task = self.tasks.get(params.get("id") or "")
+            if task is None:
+                error(-32001, "Task not found")
+            elif b == "forget" and self.calls["GetTask"] >= self.forget_after:
+                error(-32001, f"Task not found: {task['id']}")
+            else:
+                self._sse(writer, rpc_id, [{"task": task}])  # then a clean close
+            return
+        if method == "ListTasks":
+            context = params.get("contextId")
+            found = [t for t in self.tasks.values() if not context or t["contextId"] == context]
+            ok({"tasks": found, "nextPageToken": "", "pageSize": len(found), "totalSize": len(found)})
+            return
+        if method == "CancelTask":
+            task = self.tasks.get(params.get("id") or "")
+            if task is None:
+                error(-32001, "Task not found")
+            else:
+                task["status"] = {"state": CANCELED}
+                ok(task)
+            return
+        error(-32601, f"Method not found: {method}")
+
+
+@contextlib.contextmanager
+def hostile_servers() -> Iterator[Callable[..., HostileAgent]]:
+    """``make("wrongid")`` starts a :class:`HostileAgent`; all are closed on exit."""
+    started: list[HostileAgent] = []
+
+    def make(behaviour: str, **options: Any) -> HostileAgent:
+        agent = HostileAgent(behaviour, **options).start()
+        started.append(agent)
+        return agent
+
+    try:
+        yield make
+    finally:
+        for agent in started:
+            agent.close()
+
+
+@pytest.fixture
+def hostile() -> Iterator[Callable[..., HostileAgent]]:
+    """Factory fixture: ``hostile("wrongid")`` starts a :class:`HostileAgent`, closed after the test."""
+    with hostile_servers() as make:
+        yield make
