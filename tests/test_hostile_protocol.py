@@ -9,6 +9,7 @@ precise error and the bound (time, bytes) at which the client gave up.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -37,6 +38,7 @@ from tasks_app.a2a import (
 )
 from tasks_app.a2a._http import decode_json, error_for_status
 from tasks_app.a2a.safejson import clean, loads
+from tasks_app.a2a.streams import iter_sse
 from tests.hostile_servers import TASK_ID, Conn, HostileServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -515,3 +517,59 @@ def test_registration_of_a_javascript_card_fails_with_the_sentence(
         add_agent(hostile.url_for("jscard"))
     assert "supportedInterfaces[0].url: only http and https URLs are accepted" in str(info.value)
     assert Agent.objects.count() == 0
+
+
+@pytest.mark.parametrize("binding", BINDINGS)
+async def test_agent_chosen_ids_with_lone_surrogates_can_be_sent_back(
+    hostile: HostileServer, http: httpx.AsyncClient, binding: str
+) -> None:
+    # A task id or page token the agent chose is echoed in later requests:
+    # it must not crash the request encoder.
+    client = hostile_client(hostile, "badtext", binding, http)
+    before = len(hostile.conns_for("badtext"))
+    task = await client.get_task("id-\ud800")
+    assert task["id"] == TASK_ID
+    listed = await client.list_tasks(context_id="ctx-\udfff", page_token="tok-\ud800")
+    assert isinstance(listed["tasks"], list)
+    conns = hostile.conns_for("badtext")[before:]
+    assert len(conns) == 2  # exactly one request each
+    if binding == "HTTP+JSON":
+        assert conns[0].path == "/badtext/tasks/id-%ED%A0%80"
+
+
+# --------------------------------------------------------------------------- SSE clocks (no network)
+
+
+async def _chunks(parts: list[bytes], pause: float = 0.0) -> AsyncIterator[bytes]:
+    for part in parts:
+        if pause:
+            await asyncio.sleep(pause)
+        yield part
+
+
+async def test_time_the_consumer_spends_is_not_the_agents() -> None:
+    # Three events arrive at once; the consumer takes longer than the gap and
+    # the event deadline on each. The agent was not slow: nothing may fail.
+    body = [b'data: {"a": 1}\n\ndata: {"a": 2}\n\ndata: {"a"', b": 3}\n\n"]
+    got = []
+    async for msg in iter_sse(_chunks(body), event_deadline=0.2, event_gap=0.2, where="t"):
+        got.append(json.loads(msg.data))
+        await asyncio.sleep(0.5)
+    assert got == [{"a": 1}, {"a": 2}, {"a": 3}]
+
+
+async def test_regular_events_never_trip_the_gap() -> None:
+    body = [b'data: {"n": %d}\n\n: ping\n\n' % i for i in range(20)]
+    got = [
+        json.loads(m.data)["n"]
+        async for m in iter_sse(_chunks(body, 0.02), event_deadline=5, event_gap=5, where="t")
+    ]
+    assert got == list(range(20))
+
+
+async def test_comment_lines_alone_end_at_the_gap() -> None:
+    start = time.monotonic()
+    with pytest.raises(StreamIdleTimeout, match=r"no complete event for 0\.3 s"):
+        async for _ in iter_sse(_chunks([b": ping\n"] * 1000, 0.01), event_gap=0.3, where="t"):
+            pass
+    assert time.monotonic() - start < 5  # 1000 pings would take 10 s

@@ -38,6 +38,7 @@ from .errors import (
     from_http_error,
     from_jsonrpc_error,
 )
+from .safejson import clean
 from .streams import iter_sse_response, parse_stream_response
 from .types import Interface, StreamEvent
 
@@ -206,7 +207,14 @@ class BaseBinding:
 
 
 def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    """A request body. Ids and tokens come from the agent and may hold lone
+    surrogates (not encodable as UTF-8): then every non-ASCII character is
+    escaped instead, which sends the agent back exactly what it gave us."""
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(obj, separators=(",", ":")).encode("ascii")
 
 
 class JsonRpcBinding(BaseBinding):
@@ -296,13 +304,14 @@ class JsonRpcBinding(BaseBinding):
 
 
 def _q(segment: str) -> str:
-    return quote(str(segment), safe="")
+    # surrogatepass: an agent-chosen id with a lone surrogate must not crash us.
+    return quote(str(segment), safe="", errors="surrogatepass")
 
 
 def _query_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    return str(value)
+    return clean(str(value))[0]  # httpx cannot encode lone surrogates
 
 
 class RestBinding(BaseBinding):
