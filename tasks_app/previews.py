@@ -30,7 +30,9 @@ PLACEHOLDER_BYTES = 256  # what a part shown only as a link counts against the b
 DOWNLOAD_BATCH = 64  # parts per query while streaming a download
 DOWNLOAD_HEAD_CHARS = 64 * 1024  # text of each part read with its batch
 DOWNLOAD_SLICE_CHARS = 2 * 1024 * 1024  # the rest of a long text part, a slice per query
-EVENT_RAW_PREVIEW_CHARS = 4096  # of a log entry's raw JSON on a page (the entry page has it all)
+# A log entry's raw JSON up to this size is shown on a page; a bigger one only says its size
+# (a hundred rows of a streamed artifact would otherwise be most of the page).
+EVENT_RAW_PREVIEW_CHARS = 2048
 
 
 def _utf8_len(text: str) -> int:
@@ -255,7 +257,7 @@ def with_raw_preview(events: QuerySet) -> QuerySet:
 
 
 def raw_preview(event: Any) -> str:
-    """A log entry's raw JSON for a page: indented when small, else its first few KB."""
+    """A log entry's raw JSON for a page: indented when small, else only its size."""
     size = getattr(event, "raw_size", None)
     head = getattr(event, "raw_head", None)
     if head is None:
@@ -265,4 +267,4 @@ def raw_preview(event: Any) -> str:
             return pretty_json(json.loads(head))
         except ValueError:
             return head
-    return f"{head}… ({size} characters in all: open the entry for the whole)"
+    return f"{size} characters: too long to show here; open the entry to see it."

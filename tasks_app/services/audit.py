@@ -27,6 +27,8 @@ from tasks_app.services.snapshot import task_view
 
 # Above this many rows the pages do not verify on every load (a link does it on request).
 VERIFY_ON_PAGE_MAX_ROWS = 2000
+# ... or above this many bytes of agent content: reading them on every load grows the web process.
+VERIFY_ON_PAGE_MAX_BYTES = 4 * 1024 * 1024
 BATCH = 1000
 
 
@@ -89,7 +91,7 @@ def verify(task: RemoteTask | int) -> Verification:
 
 def verify_for_page(task: RemoteTask) -> Verification | None:
     """The chain's state for a page, or None when the log is too long to check on every load."""
-    if task.last_seq > VERIFY_ON_PAGE_MAX_ROWS:
+    if task.last_seq > VERIFY_ON_PAGE_MAX_ROWS or task.stored_bytes > VERIFY_ON_PAGE_MAX_BYTES:
         return None
     return verify(task)
 
