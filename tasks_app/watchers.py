@@ -752,6 +752,8 @@ class Holder:
                 async with contextlib.aclosing(events) as stream:  # type: ignore[type-var]
                     async for event in stream:
                         await queue.put(event)
+            except asyncio.CancelledError:
+                raise  # the turn is over: never wait on a full queue nobody reads
             except BaseException as exc:
                 await queue.put(exc)
                 return
