@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
+from django.utils import timezone
 
 from tasks_app.models import Agent, RemoteTask, TaskEvent
 from tasks_app.services import tasks as task_services
@@ -228,8 +229,6 @@ def test_a_reply_lost_after_the_agent_got_the_request_is_found_by_context(hostil
 @pytest.mark.slow
 @pytest.mark.parametrize("agent_has_it", [True, False])
 def test_a_send_interrupted_by_a_crash_is_looked_up_not_repeated(hostile, start_celery_worker, agent_has_it):
-    from django.utils import timezone
-
     plain = hostile("quietclose")
     row = hostile_row(plain, streaming=False)
     message = {"messageId": "m-crash", "role": "ROLE_USER", "parts": [{"text": "x"}], "contextId": "ctx-crash"}
@@ -348,3 +347,32 @@ def test_an_answer_to_an_auth_required_task_is_sent_at_once(hostile, start_celer
     wait_for(lambda: settled(task), what="the task to complete")
     assert task.state == "TASK_STATE_COMPLETED"
     assert auth.calls["SendMessage"] + auth.calls["SendStreamingMessage"] == 2
+
+
+# The command line: every phase has a way out there too ------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_cli_refresh_and_abandon_a_task_that_was_never_named(hostile):
+    from django.core.management import CommandError, call_command
+
+    plain = hostile("quietclose")
+    row = hostile_row(plain, streaming=False)
+    message = {"messageId": "m-cli", "role": "ROLE_USER", "parts": [{"text": "x"}], "contextId": "ctx-cli"}
+    task = RemoteTask.objects.create(
+        agent=row, phase="failed", mode="blocking", watch="poll", request={"message": message},
+        send_error="connection dropped", send_attempted_at=timezone.now(),
+    )  # fmt: skip
+    assert not task_services.can_retry(task)  # unknown whether the agent has it
+    with pytest.raises(CommandError, match="no task for this message"):
+        call_command("tasks", "refresh", str(task.pk))
+    assert plain.calls["ListTasks"] == 1 and plain.calls["SendMessage"] == 0
+    task.refresh_from_db()
+    assert task_services.can_retry(task)  # known now: the agent does not have it
+    call_command("tasks", "abandon", str(task.pk), "--reason", "not needed")
+    task.refresh_from_db()
+    assert task.abandoned_at is not None and task.watcher_status == Status.ABANDONED
+    assert not task_services.can_retry(task)
+    assert kinds(task, "operator")[-1].raw["operator"]["reason"] == "not needed"
+    with pytest.raises(CommandError, match="abandoned already"):
+        call_command("tasks", "abandon", str(task.pk))

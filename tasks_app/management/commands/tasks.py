@@ -1,4 +1,4 @@
-"""``manage.py tasks start|import|show|list|cancel|refresh``: the mirror from the command line."""
+"""``manage.py tasks start|import|show|list|cancel|refresh|abandon|watch``: the mirror from the command line."""
 
 from __future__ import annotations
 
@@ -57,8 +57,13 @@ class Command(BaseCommand):
         cancel = sub.add_parser("cancel")
         cancel.add_argument("task")
         cancel.add_argument("--reason", default="")
-        refresh = sub.add_parser("refresh", help="GetTask now")
+        refresh = sub.add_parser("refresh", help="GetTask now (a task not named yet: look it up by contextId)")
         refresh.add_argument("task")
+        abandon = sub.add_parser("abandon", help="give a task up locally: never watched again")
+        abandon.add_argument("task")
+        abandon.add_argument("--reason", default="")
+        again = sub.add_parser("watch", help="watch a parked (needs attention) task again")
+        again.add_argument("task")
 
     def handle(self, *args: Any, **options: Any) -> None:
         action = options["action"]
@@ -105,7 +110,10 @@ class Command(BaseCommand):
             self.stdout.write(json.dumps(document, indent=2, default=str))
             return
         self.stdout.write(f"task {task.pk} ({task.remote_id or 'unsent'}) on {task.agent.name}: {task.state_label}")
-        self.stdout.write(f"watch {task.watch}, watcher {task.watcher_status} {task.watcher_note}")
+        since = f" since {task.watcher_since:%Y-%m-%d %H:%M:%S}" if task.watcher_since else ""
+        self.stdout.write(f"watch {task.watch}, watcher {task.watcher_status}{since} {task.watcher_note}")
+        if task.gone_at:
+            self.stdout.write(f"gone at the agent since {task.gone_at:%Y-%m-%d %H:%M:%S}")
         for event in document["events"]:
             note = f"  ({event['note']})" if event["note"] else ""
             self.stdout.write(f"  #{event['seq']:>4} {event['received_at']} {event['channel']:<13} {event['kind']:<15} {event['state']}{note}")
@@ -120,4 +128,14 @@ class Command(BaseCommand):
 
     def do_refresh(self, options: dict) -> None:
         task = task_services.refresh_task(find_task(options["task"]))
-        self.stdout.write(f"{task.pk}\t{task.state_label}")
+        self.stdout.write(f"{task.pk}\t{task.state_label}\t{task.watcher_status}")
+
+    def do_abandon(self, options: dict) -> None:
+        task = task_services.abandon_task(
+            find_task(options["task"]), reason=options["reason"], actor_name="the command line"
+        )
+        self.stdout.write(f"{task.pk}\t{task.state_label}\tabandoned")
+
+    def do_watch(self, options: dict) -> None:
+        task = task_services.watch_again(find_task(options["task"]))
+        self.stdout.write(f"{task.pk}\t{task.state_label}\twatching again")
