@@ -310,7 +310,7 @@ entries = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(steps=st.lists(st.tuples(entries, st.sampled_from(CHANNELS), st.sampled_from(["A", "B"])), min_size=1, max_size=14))
 def test_random_interleavings_keep_every_promise(steps):
     """Two writers (holders A and B, fenced by the lease) and every channel, in random order."""
@@ -339,3 +339,14 @@ def test_random_interleavings_keep_every_promise(steps):
         elif task.settled_at is not None:
             settled_view = task_view(task)
         assert_sound(task)
+
+
+def test_a_batch_folds_as_the_same_entries_one_by_one():
+    """A chunk and then a snapshot without it, in one batch: the snapshot still removes it."""
+    one, batch = new_task(), new_task()
+    entries = [chunk("x", append=False), {"task": snapshot("TASK_STATE_WORKING", [])}]
+    for entry in entries:
+        record(one, entry, "poll")
+    record_many(batch, entries, "poll")
+    assert task_view(one) == task_view(batch) and "artifacts" not in task_view(batch)
+    assert_sound(batch)

@@ -289,6 +289,9 @@ class _Fold:
         self.fence = fence
         self.over_budget = False
         self._digests: set[str] = set()
+        # Artifact digests as the entries folded so far leave them (None: removed), so
+        # that a batch folds exactly as the same entries recorded one by one.
+        self._pending: dict[str, str | None] = {}
         self.changes: dict[str, Any] = {}
         self.rows: _Rows = _Rows(self)
         self._artifacts: dict[str, Artifact] | None = None
@@ -300,6 +303,12 @@ class _Fold:
         if self._artifacts is None:
             self._artifacts = {a.artifact_id: a for a in self.task.artifacts.all()}
         return self._artifacts
+
+    def held_digests(self) -> dict[str, str]:
+        """Each artifact's digest after the entries folded so far (stored, then pending)."""
+        held: dict[str, str | None] = {aid: a.digest for aid, a in self.artifacts().items()}
+        held.update(self._pending)
+        return {aid: digest for aid, digest in held.items() if digest is not None}
 
     def prefetch_messages(self, entries: list[Entry]) -> None:
         """Look up, in one query, which of the messages the entries carry are stored already."""
@@ -407,7 +416,7 @@ class _Fold:
         artifacts = [a for a in task.get("artifacts") or [] if isinstance(a, dict) and a.get("artifactId")]
         history = [m for m in task.get("history") or [] if isinstance(m, dict) and m.get("messageId")]
         wanted = {a["artifactId"]: chain_digest("", a.get("parts") or []) for a in artifacts}
-        held = {aid: a.digest for aid, a in self.artifacts().items()}
+        held = self.held_digests()
         status_same = self._status_same(status)
         artifacts_same = wanted == held
         status_message = status.get("message")
@@ -430,6 +439,9 @@ class _Fold:
         self._set_status(status)
         if isinstance(task.get("metadata"), dict):
             self.set(metadata=task["metadata"])
+        if not artifacts_same:
+            self._pending.update(dict.fromkeys(held))
+            self._pending.update(wanted)
         row = _Row(entry, "task", asks=not status_same and status["state"] in INTERRUPTED_STATES)
         row.artifacts = artifacts  # type: ignore[attr-defined]
         row.replace_artifacts = not artifacts_same  # type: ignore[attr-defined]
@@ -489,13 +501,17 @@ class _Fold:
         update = entry.payload
         if self._wrong_task(entry, update["taskId"]):
             return
+        if self.channel not in HOLDER_CHANNELS and self._seen_chunk(entry.digest):
+            return  # the same chunk, already taken from another channel (see _seen_chunk)
         if self.get("state") in TERMINAL_STATES:
             self._after_end(entry, "an artifact update after the task ended")
             return
-        if self.channel not in HOLDER_CHANNELS and self._seen_chunk(entry.digest):
-            return  # the same chunk, already taken from another channel (see _seen_chunk)
         self._digests.add(entry.digest)
         self._adopt(update["taskId"], update.get("contextId"))
+        data = update["artifact"]
+        current = self.held_digests().get(data["artifactId"])
+        append = bool(update.get("append")) and current is not None
+        self._pending[data["artifactId"]] = chain_digest(current if append else "", data.get("parts") or [])
         self.rows.append(_Row(entry, "artifactUpdate"))
 
     def _seen_chunk(self, digest: str) -> bool:
@@ -509,9 +525,7 @@ class _Fold:
         """
         if digest in self._digests:
             return True
-        return TaskEvent.objects.filter(
-            task_id=self.task.pk, digest=digest, kind=TaskEvent.Kind.ARTIFACT_UPDATE
-        ).exists()
+        return TaskEvent.objects.filter(task_id=self.task.pk, digest=digest).exists()
 
     def _fold_message(self, entry: Entry) -> None:
         message = entry.payload
@@ -639,7 +653,10 @@ class _Fold:
         held = self.artifacts()
         gone = [aid for aid in held if aid not in {a["artifactId"] for a in artifacts}]
         if gone:
-            Artifact.objects.filter(pk__in=[held[aid].pk for aid in gone]).delete()
+            gone_pks = {held[aid].pk for aid in gone}
+            Artifact.objects.filter(pk__in=gone_pks).delete()
+            # Parts queued earlier in this batch for an artifact now removed are not written.
+            self._new_parts = [p for p in self._new_parts if p.artifact_id not in gone_pks]
             for aid in gone:
                 del held[aid]
                 self._touched.pop(aid, None)
