@@ -1,0 +1,121 @@
+"""Exactly one answer reaches the agent, with answerers released at every point of the window.
+
+The window that used to exist: the holder clears the outbox when the agent
+acknowledges the answer, and records the agent's reply a moment later; in
+between, the task still reads input-required with an empty outbox. Here the
+holder runs in this process (so a pause can be injected exactly there: after
+the agent's acknowledgement, before the recording) against a real a2a-sdk
+agent, and N answerers are released together before the send, inside the
+paused window, and after the reply. The agent's own GetTask must show exactly
+one answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+from django.db import close_old_connections, connection
+
+from tasks_app import watchers
+from tasks_app.models import RemoteTask
+from tasks_app.outbound import client_for, http_client
+from tasks_app.services import tasks as task_services
+from tasks_app.services.agents import add_agent
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+ANSWERERS = 6
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def race(task_pk: int, question: int, label: str) -> tuple[list[str], list[str]]:
+    """Release ANSWERERS threads at once; return the texts that won and the refusals."""
+    barrier = threading.Barrier(ANSWERERS)
+    won: list[str] = []
+    refused: list[str] = []
+
+    def answer(i: int) -> None:
+        text = f"{label} {i}"
+        try:
+            task = RemoteTask.objects.select_related("agent").get(pk=task_pk)
+            barrier.wait(timeout=10)
+            task_services.answer_task(task, text, question_seq=question)
+            won.append(text)
+        except task_services.TaskActionError as exc:
+            refused.append(str(exc))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=answer, args=(i,)) for i in range(ANSWERERS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return won, refused
+
+
+def test_exactly_one_answer_reaches_the_agent(agent, monkeypatch):
+    acknowledged = threading.Event()
+    resume = threading.Event()
+    original_clear = task_services.clear_outbox
+
+    def clear_then_pause(task_pk: int, message_id: str) -> None:
+        original_clear(task_pk, message_id)
+        acknowledged.set()
+        resume.wait(timeout=20)  # the injected pause: acknowledged, not yet recorded
+
+    monkeypatch.setattr(task_services, "clear_outbox", clear_then_pause)
+    # Holders run here, on this process's shared loop, instead of in a worker.
+    monkeypatch.setattr(task_services, "dispatch", lambda pk: watchers.watch(pk))
+
+    resume.set()  # the first send's acknowledgement needs no pause
+    demo = add_agent(agent.base_url, name="demo")
+    task = task_services.start_task(demo, "ask", mode="stream")
+    wait_for(lambda: RemoteTask.objects.get(pk=task.pk).state == "TASK_STATE_INPUT_REQUIRED", what="the question")
+    task.refresh_from_db()
+    question = task.asked_seq
+    assert question > 0
+
+    # 1. Released together before anything is sent: exactly one wins.
+    acknowledged.clear()
+    resume.clear()
+    won, refused = race(task.pk, question, "first")
+    assert len(won) == 1, (won, refused)
+    assert len(refused) == ANSWERERS - 1 and all("Already answered by" in r for r in refused)
+
+    # 2. Released inside the window (acknowledged by the agent, reply not yet recorded).
+    assert acknowledged.wait(timeout=20), "the holder never sent the answer"
+    task.refresh_from_db()
+    assert task.outbox is None and task.state == "TASK_STATE_INPUT_REQUIRED"  # the old window
+    late_won, late_refused = race(task.pk, question, "inside the window")
+    assert late_won == [] and len(late_refused) == ANSWERERS
+    resume.set()
+
+    # 3. After the reply: the question is gone.
+    wait_for(lambda: RemoteTask.objects.get(pk=task.pk).state == "TASK_STATE_COMPLETED", what="completion")
+    after_won, _ = race(task.pk, question, "after the reply")
+    assert after_won == []
+
+    async def remote() -> dict:
+        async with http_client() as http:
+            return await client_for(demo, http).get_task(task.remote_id)
+
+    close_old_connections()
+    snapshot = asyncio.run(remote())
+    answers = [
+        m for m in snapshot.get("history", []) if m.get("role") == "ROLE_USER" and m["parts"][0].get("text") != "ask"
+    ]
+    assert [m["parts"][0]["text"] for m in answers] == won
+    assert f"You answered: {won[0]}" in str(snapshot.get("artifacts"))
