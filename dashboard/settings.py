@@ -196,9 +196,23 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    # The reconcile tick (every RECONCILE_EVERY_SECONDS) logs nothing at INFO; its warnings do.
+    "filters": {
+        "routine_tasks": {
+            "()": "tasks_app.runtime.logs.QuietRoutineTasks",
+            "tasks": ["tasks_app.watchers.reconcile"],
+        }
+    },
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
-    "loggers": {"httpx": {"level": "WARNING"}, "daphne": {"level": "WARNING"}},
+    "loggers": {
+        "httpx": {"level": "WARNING"},
+        "daphne": {"level": "WARNING"},
+        **{
+            name: {"filters": ["routine_tasks"]}
+            for name in ("celery.beat", "celery.worker.strategy", "celery.app.trace")
+        },
+    },
 }
 
 # Watcher tuning (see tasks_app/watchers.py); tests shorten these.

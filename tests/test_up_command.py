@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 import queue
 import re
+import shelve
 import signal
 import socket
 import stat
@@ -12,19 +15,22 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
 import httpx
 import psutil
 import pytest
+from celery.app import trace
 
 from tasks_app.runtime.admin import PASSWORD_FILE, ensure_admin
 from tasks_app.runtime.net import free_port
+from tasks_app.runtime.supervisor import Backoff, Supervisor
 from tests.infra import REPO_ROOT
 
 URL_LINE = re.compile(r"Dashboard running at (http://\S+)")
+RECONCILE = "tasks_app.watchers.reconcile"
 # The demo agent is written separately; until it exists, --demo must say so clearly.
 
 
@@ -134,6 +140,159 @@ def test_up_runs_everything_and_leaves_nothing_behind(up_process) -> None:
     assert process.wait(timeout=30) == 0, "\n".join(lines.rest())
     _gone, alive = psutil.wait_procs(descendants, timeout=5)
     assert not alive, f"left running: {alive}"
+
+
+IDLE_SECONDS = 10
+# What one reconcile tick used to print: beat's "Sending due task", the worker's received/succeeded.
+TICK_LINE = re.compile(r"Sending due task|tasks_app\.watchers\.reconcile\[")
+
+
+def _children_named(process: subprocess.Popen[str], part: str) -> list[psutil.Process]:
+    found = []
+    for child in psutil.Process(process.pid).children(recursive=True):
+        try:
+            if part in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _healthy(url: str) -> bool:
+    try:
+        response = httpx.get(f"{url}/healthz", timeout=10)
+    except httpx.HTTPError:
+        return False
+    checks = response.json().get("checks", {}) if response.status_code == 200 else {}
+    return bool(checks) and all(check["status"] == "ok" for check in checks.values())
+
+
+def _kill_and_see_it_come_back(
+    process: subprocess.Popen[str], lines: Lines, url: str, name: str, part: str
+) -> list[psutil.Process]:
+    """SIGKILL the child whose command line holds ``part``; return the processes seen."""
+    (victim,) = [p for p in _children_named(process, part) if p.ppid() == process.pid]
+    victim.send_signal(signal.SIGKILL)
+    said = re.compile(
+        rf"^{name} \(pid {victim.pid}\) was killed by SIGKILL; restarting it in 1 s\.$"
+    )
+    assert lines.wait_for(said, timeout=30), "\n".join(lines.seen)
+    assert lines.wait_for(re.compile(rf"^{name} restarted \(pid \d+\)\.$"), timeout=30)
+
+    deadline = time.monotonic() + 90
+    while not _healthy(url):
+        assert process.poll() is None, "\n".join(lines.rest())
+        assert time.monotonic() < deadline, "\n".join(lines.rest(timeout=0.5))
+        time.sleep(0.5)
+    successors = [p for p in _children_named(process, part) if p.ppid() == process.pid]
+    assert successors and victim.pid not in {p.pid for p in successors}
+    return [victim, *successors]
+
+
+@pytest.mark.slow
+def test_up_restarts_a_killed_child_and_stays_quiet_while_idle(up_process) -> None:
+    process, lines, data_dir = up_process
+    match = lines.wait_for(URL_LINE, timeout=90)
+    assert match, "\n".join(lines.seen)
+    url = match.group(1).rstrip("/")
+
+    # Idle: beat keeps ticking (counted below, from its schedule file), the output stays quiet.
+    lines.rest(timeout=IDLE_SECONDS)
+    ticks = [line for line in lines.seen if TICK_LINE.search(line)]
+    assert not ticks, ticks
+    seen = psutil.Process(process.pid).children(recursive=True)
+
+    seen += _kill_and_see_it_come_back(process, lines, url, "worker", "celery -A dashboard worker")
+    seen += _kill_and_see_it_come_back(process, lines, url, "redis", "redis-server")
+    assert process.poll() is None
+    seen += psutil.Process(process.pid).children(recursive=True)
+
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=30) == 0, "\n".join(lines.rest())
+    _gone, alive = psutil.wait_procs(seen, timeout=5)
+    assert not alive, f"left running: {alive}"
+
+    # Beat saved its schedule on the way out: the reconcile task did run while nothing showed.
+    with shelve.open(str(data_dir / "celerybeat-schedule"), flag="r") as schedule:
+        runs = schedule["entries"]["reconcile-watchers"].total_run_count
+    assert runs >= IDLE_SECONDS // 4, runs
+
+
+def _tend_until(supervisor: Supervisor, done: Callable[[], bool], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "deadline passed"
+        supervisor.tend()
+        time.sleep(0.02)
+
+
+def test_a_child_that_keeps_dying_is_restarted_less_and_less_often(tmp_path: Path) -> None:
+    output = io.StringIO()
+    backoff = Backoff(first=0.1, maximum=0.4, stable_after=60)
+    crashing = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    with Supervisor(output=output) as supervisor:
+        child = supervisor.start("crasher", crashing, env=dict(os.environ), cwd=tmp_path,
+                                 restart=backoff)  # fmt: skip
+        _tend_until(supervisor, lambda: child.restarts >= 4)
+    lines = output.getvalue().splitlines()
+    deaths = [line for line in lines if "restarting it in" in line]
+    delays = [line.rsplit("restarting it in ", 1)[1] for line in deaths]
+    assert delays == ["0.1 s.", "0.2 s.", "0.4 s.", "0.4 s."], lines
+    assert all(line.startswith("crasher (pid ") and "exited with code 3" in line for line in deaths)
+    assert sum(line.startswith("crasher restarted (pid ") for line in lines) == 4
+
+
+def test_a_child_that_stayed_up_comes_back_after_the_first_delay(tmp_path: Path) -> None:
+    output = io.StringIO()
+    backoff = Backoff(first=0.1, maximum=5, stable_after=0.3)
+    # Up for about a second each time: longer than stable_after, so no death counts as "in a row".
+    lives_a_while = [sys.executable, "-c", "import time; time.sleep(1); raise SystemExit(2)"]
+    with Supervisor(output=output) as supervisor:
+        child = supervisor.start("sleeper", lives_a_while, env=dict(os.environ), cwd=tmp_path,
+                                 restart=backoff)  # fmt: skip
+        _tend_until(supervisor, lambda: child.restarts >= 3)
+        last = psutil.Process(child.pid)
+    lines = output.getvalue().splitlines()
+    deaths = [line for line in lines if "restarting it in" in line]
+    assert len(deaths) == 3, lines
+    assert all(line.endswith("exited with code 2; restarting it in 0.1 s.") for line in deaths)
+    assert not last.is_running()  # leaving the block stopped the current incarnation
+
+
+def test_a_child_without_restart_policy_is_only_reported(tmp_path: Path) -> None:
+    output = io.StringIO()
+    with Supervisor(output=output) as supervisor:
+        child = supervisor.start("once", [sys.executable, "-c", "pass"], env=dict(os.environ),
+                                 cwd=tmp_path)  # fmt: skip
+        child.popen.wait(timeout=30)
+        supervisor.tend()
+        assert supervisor.first_exited() is child
+        assert child.restarts == 0
+    assert output.getvalue() == ""
+
+
+@pytest.mark.parametrize(
+    ("logger", "log", "shown"),
+    [
+        ("celery.beat", lambda lg: lg.info("Scheduler: Sending due task %s (%s)", "reconcile-watchers", RECONCILE), False),
+        ("celery.worker.strategy", lambda lg: lg.info(trace.LOG_RECEIVED, {"name": RECONCILE, "id": "1", "args": "()", "kwargs": "{}", "eta": None}), False),
+        ("celery.app.trace", lambda lg: lg.info(trace.LOG_SUCCESS, {"name": RECONCILE, "id": "1", "runtime": 0.01, "return_value": 0}), False),
+        # A failing tick, and every other task, still show.
+        ("celery.app.trace", lambda lg: lg.error(trace.LOG_FAILURE, {"name": RECONCILE, "id": "1", "exc": "boom", "description": "raised unexpected"}), True),
+        ("celery.beat", lambda lg: lg.info("Scheduler: Sending due task %s (%s)", "other", "tasks_app.watchers.watch"), True),
+        ("celery.app.trace", lambda lg: lg.info(trace.LOG_SUCCESS, {"name": "tasks_app.watchers.watch", "id": "2", "runtime": 0.01, "return_value": None}), True),
+    ],
+)  # fmt: skip
+def test_the_reconcile_tick_says_nothing_at_info(
+    caplog: pytest.LogCaptureFixture,
+    logger: str,
+    log: Callable[[logging.Logger], None],
+    shown: bool,
+) -> None:
+    """The filter configured in settings.LOGGING, on the loggers celery really uses."""
+    with caplog.at_level(logging.INFO):
+        log(logging.getLogger(logger))
+    assert bool(caplog.records) is shown, caplog.records
 
 
 def test_port_in_use_is_reported_with_the_port(tmp_path: Path) -> None:

@@ -5,6 +5,11 @@ reaches only the supervisor, which then stops the children in a known order, and
 the group also reaches grandchildren a child may have forked. On Linux each child also asks
 the kernel for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``), so even a supervisor
 killed with SIGKILL leaves no orphans behind.
+
+A child started with a ``Backoff`` is restarted when it dies on its own (``Supervisor.tend``):
+after 1 s, then 2, 4 ... up to a maximum, and back to the first delay once it has stayed up a
+while. Children without one (the test fixtures' workers, which tests kill on purpose) are only
+reported by ``first_exited``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -68,6 +74,37 @@ def spawn(
     )
 
 
+@dataclass(frozen=True)
+class Backoff:
+    """When to restart a child that died: ``first`` s, doubling up to ``maximum`` s.
+
+    A child that stayed up ``stable_after`` s counts as healthy again, so its next death is
+    restarted after ``first`` s; one that keeps dying right away is restarted less and less
+    often instead of spinning.
+    """
+
+    first: float = 1.0
+    maximum: float = 30.0
+    stable_after: float = 60.0
+
+    def delay(self, failures: int) -> float:
+        """The wait before restart number ``failures`` in a row (1 for the first)."""
+        return min(self.maximum, self.first * 2 ** max(0, failures - 1))
+
+
+def describe_exit(returncode: int | None) -> str:
+    """'exited with code 1' or 'was killed by SIGKILL', for the operator."""
+    if returncode is None:
+        return "is still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with code {returncode}"
+
+
 class Child:
     """One started process (and its process group)."""
 
@@ -78,12 +115,21 @@ class Child:
         *,
         infrastructure: bool = False,
         log_path: Path | None = None,
+        restart: Backoff | None = None,
+        spawner: Callable[[], subprocess.Popen[bytes]] | None = None,
     ) -> None:
         self.name = name
         self.popen = popen
         self.infrastructure = infrastructure
         self.log_path = log_path
         self.reader: threading.Thread | None = None
+        # Restarting: how, when it was last started, deaths in a row, when to start it again.
+        self.restart = restart
+        self.spawner = spawner
+        self.started_at = time.monotonic()
+        self.failures = 0
+        self.restarts = 0
+        self.restart_at: float | None = None
 
     @property
     def pid(self) -> int:
@@ -166,31 +212,49 @@ class Supervisor:
         cwd: str | Path,
         log_path: Path | None = None,
         infrastructure: bool = False,
+        restart: Backoff | None = None,
     ) -> Child:
-        if log_path is not None:
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(log_path, "ab") as log_file:
-                popen = spawn(argv, env=env, cwd=cwd, stdout=log_file)
-        elif self.output is not None:
-            popen = spawn(argv, env=env, cwd=cwd, stdout=subprocess.PIPE)
-        else:
-            popen = spawn(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL)
-        child = Child(name, popen, infrastructure=infrastructure, log_path=log_path)
-        if popen.stdout is not None:
-            child.reader = threading.Thread(
-                target=self._copy_output, args=(child,), name=f"output-{name}", daemon=True
-            )
-            child.reader.start()
+        """Start ``argv``; with ``restart``, ``tend()`` starts it again whenever it dies."""
+
+        def spawner() -> subprocess.Popen[bytes]:
+            if log_path is not None:
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+                with open(log_path, "ab") as log_file:
+                    return spawn(argv, env=env, cwd=cwd, stdout=log_file)
+            if self.output is not None:
+                return spawn(argv, env=env, cwd=cwd, stdout=subprocess.PIPE)
+            return spawn(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL)
+
+        child = Child(
+            name,
+            spawner(),
+            infrastructure=infrastructure,
+            log_path=log_path,
+            restart=restart,
+            spawner=spawner,
+        )
+        self._start_reader(child)
         self.children.append(child)
         return child
 
-    def _copy_output(self, child: Child) -> None:
-        assert child.popen.stdout is not None
+    def _start_reader(self, child: Child) -> None:
+        if child.popen.stdout is not None:
+            child.reader = threading.Thread(
+                target=self._copy_output,
+                args=(child, child.popen),
+                name=f"output-{child.name}",
+                daemon=True,
+            )
+            child.reader.start()
+
+    def _copy_output(self, child: Child, popen: subprocess.Popen[bytes]) -> None:
+        # ``popen``, not ``child.popen``: a restart replaces the latter while this still reads.
+        assert popen.stdout is not None
         width = max(8, len(child.name))
-        for raw in iter(child.popen.stdout.readline, b""):
+        for raw in iter(popen.stdout.readline, b""):
             line = raw.decode(errors="replace").rstrip("\n")
             self.write(f"{child.name:<{width}} | {line}")
-        child.popen.stdout.close()
+        popen.stdout.close()
 
     def write(self, line: str) -> None:
         """Print a line without interleaving it with a child's line."""
@@ -206,6 +270,52 @@ class Supervisor:
             if not child.alive():
                 return child
         return None
+
+    def tend(self) -> None:
+        """Restart the children that died and are due; say what happened, one line each.
+
+        Called periodically by the owner (``manage.py up``'s main loop), never from a signal
+        handler, so a restart can never race with ``stop_all``.
+        """
+        for child in self.children:
+            if child.restart is None:
+                continue
+            now = time.monotonic()
+            if child.alive():
+                if child.failures and now - child.started_at >= child.restart.stable_after:
+                    child.failures = 0
+                continue
+            if child.restart_at is None:
+                self._schedule_restart(child, now, describe_exit(child.returncode))
+            elif now >= child.restart_at:
+                self._restart(child)
+
+    def _schedule_restart(self, child: Child, now: float, what: str) -> None:
+        assert child.restart is not None
+        if now - child.started_at >= child.restart.stable_after:
+            child.failures = 0
+        child.failures += 1
+        delay = child.restart.delay(child.failures)
+        child.restart_at = now + delay
+        # Whatever the dead leader left in its group goes now, before a new one starts.
+        child.terminate()
+        self.write(f"{child.name} (pid {child.pid}) {what}; restarting it in {delay:g} s.")
+
+    def _restart(self, child: Child) -> None:
+        assert child.spawner is not None
+        child.finish(time.monotonic())  # SIGKILL leftovers of the old group, reap the leader
+        try:
+            popen = child.spawner()
+        except OSError as exc:  # e.g. the executable vanished; try again later
+            child.started_at = time.monotonic()
+            self._schedule_restart(child, child.started_at, f"could not be started ({exc})")
+            return
+        child.popen = popen
+        child.started_at = time.monotonic()
+        child.restart_at = None
+        child.restarts += 1
+        self._start_reader(child)
+        self.write(f"{child.name} restarted (pid {popen.pid}).")
 
     def stop_all(self, timeout: float = 10.0) -> None:
         """Stop the application processes, then the infrastructure they were using.

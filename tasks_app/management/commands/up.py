@@ -2,9 +2,12 @@
 
 Migrates the database, makes sure there is a login, starts Redis when ``REDIS_URL`` is unset,
 then the Celery worker, celery beat and daphne as child processes, waits until ``/healthz``
-says every part works and prints the URL. Ctrl-C (or SIGTERM) stops every child it started;
-if a child dies on its own, the others are stopped too and the command fails, so a half-running
-dashboard never looks healthy.
+says every part works and prints the URL. From then on it supervises: a child that dies on its
+own (the worker, beat, daphne, the private Redis, the demo agent) is restarted after a backoff
+(1 s doubling to 30 s, reset once it has stayed up a minute), with one line saying which child
+died, how, and when it comes back. Only Ctrl-C (or SIGTERM) stops every child it started.
+A child that dies while starting still stops everything and fails the command: that is a
+configuration problem to report, not a crash to retry.
 
 Configuration mistakes end with one sentence naming the setting, never a traceback.
 """
@@ -39,10 +42,13 @@ from tasks_app.runtime.redis_server import (
     ping_error,
     redis_server_argv,
 )
-from tasks_app.runtime.supervisor import Child, Supervisor
+from tasks_app.runtime.supervisor import Backoff, Supervisor, describe_exit
 
 HEALTH_TIMEOUT_SECONDS = 60.0
 STOP_TIMEOUT_SECONDS = 10.0
+SUPERVISE_EVERY_SECONDS = 0.5
+# A dead child comes back after 1 s, 2 s, 4 s ... at most 30 s; a minute up resets the delay.
+RESTART_BACKOFF = Backoff(first=1.0, maximum=30.0, stable_after=60.0)
 DEMO_AGENT_MODULE = "tasks_app.demo_agent"
 
 
@@ -228,6 +234,7 @@ class Runner:
             env=env,
             cwd=workdir,
             infrastructure=True,
+            restart=RESTART_BACKOFF,
         )
         url = f"redis://127.0.0.1:{port}/0"
         ready = wait_until(
@@ -265,6 +272,7 @@ class Runner:
              "--loglevel", "INFO", "-n", f"dashboard-{os.getpid()}@%h"],
             env=env,
             cwd=cwd,
+            restart=RESTART_BACKOFF,
         )  # fmt: skip
         self.supervisor.start(
             "beat",
@@ -272,6 +280,7 @@ class Runner:
              "--schedule", str(data_dir / "celerybeat-schedule"), "--loglevel", "INFO"],
             env=env,
             cwd=cwd,
+            restart=RESTART_BACKOFF,
         )  # fmt: skip
         self.supervisor.start(
             "web",
@@ -279,6 +288,7 @@ class Runner:
              "dashboard.asgi:application"],
             env=env,
             cwd=cwd,
+            restart=RESTART_BACKOFF,
         )  # fmt: skip
 
     def _start_demo(self, env: dict[str, str]) -> str:
@@ -289,6 +299,7 @@ class Runner:
             [sys.executable, "-m", DEMO_AGENT_MODULE, "--host", "127.0.0.1", "--port", str(port)],
             env=env,
             cwd=settings.BASE_DIR,
+            restart=RESTART_BACKOFF,
         )
 
         def accepting() -> bool:
@@ -338,9 +349,7 @@ class Runner:
                 return False
             dead = self.supervisor.first_exited()
             if dead is not None:
-                self.say(
-                    f"{dead.name} exited with code {dead.returncode} while starting; stopping."
-                )
+                self.say(f"{dead.name} {describe_exit(dead.returncode)} while starting; stopping.")
                 return False
             status, body = self._health()
             if status == 200:
@@ -360,14 +369,9 @@ class Runner:
         return False
 
     def _supervise(self) -> int:
-        while not self.stopping.wait(0.5):
-            dead: Child | None = self.supervisor.first_exited()
-            if dead is not None:
-                self.say(
-                    f"{dead.name} exited unexpectedly with code {dead.returncode}; "
-                    "stopping the others."
-                )
-                return self._shutdown(1)
+        """Restart whatever dies until a signal asks to stop; then stop everything."""
+        while not self.stopping.wait(SUPERVISE_EVERY_SECONDS):
+            self.supervisor.tend()
         return self._shutdown(0)
 
     def _shutdown(self, code: int) -> int:
