@@ -350,3 +350,25 @@ def test_a_batch_folds_as_the_same_entries_one_by_one():
     record_many(batch, entries, "poll")
     assert task_view(one) == task_view(batch) and "artifacts" not in task_view(batch)
     assert_sound(batch)
+
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**30), max_value=10**30)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.sampled_from(["\ud800", "a\x00b", "\udfff\ud800", "\u202e"]),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(value=json_values)
+def test_any_json_an_agent_sends_is_stored_and_keeps_the_chain(value):
+    """Huge floats, -0.0, big integers, NaN, lone surrogates, NUL: stored, read back, chain intact."""
+    task = new_task()
+    result = record(task, {"task": {**snapshot("TASK_STATE_WORKING"), "metadata": {"v": value}}}, "poll")
+    assert result.seqs == [1]
+    assert verify(task).ok, str(verify(task))

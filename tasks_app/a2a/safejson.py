@@ -143,7 +143,27 @@ def _clean_scalar(value: Any) -> tuple[Any, int]:
         return _clean_str(value)
     if isinstance(value, float) and not math.isfinite(value):
         return ("NaN" if math.isnan(value) else _NON_FINITE[value]), 1
-    return value, 0
+    return _stable_number(value), 0
+
+
+EXACT_INTEGERS = 2**53
+
+
+def _stable_number(value: Any) -> Any:
+    """A number as every store reads it back (not counted as a replacement).
+
+    PostgreSQL's ``jsonb`` keeps numbers as exact decimals: a float of 2**53 or
+    more (always integral) comes back as an integer, and ``-0.0`` as ``0.0``.
+    Storing them in that form to begin with makes a value read back equal to
+    what was stored, on SQLite and PostgreSQL alike (the log's hash chain
+    relies on it).
+    """
+    if isinstance(value, float):
+        if value == 0.0 and math.copysign(1.0, value) < 0:
+            return 0.0
+        if math.isfinite(value) and abs(value) >= EXACT_INTEGERS:
+            return int(value)
+    return value
 
 
 def _needs_cleaning(value: Any) -> bool:
@@ -157,7 +177,7 @@ def _needs_cleaning(value: Any) -> bool:
                 stack.append(v)
         elif isinstance(item, list | tuple):
             stack.extend(item)
-        elif _clean_scalar(item)[1]:
+        elif _clean_scalar(item)[1] or _stable_number(item) is not item:
             return True
     return False
 
@@ -173,7 +193,9 @@ def clean(value: Any) -> tuple[Any, int]:
     """A copy of a decoded JSON value that any UTF-8 store (and ``jsonb``) accepts.
 
     Lone surrogates and NUL in strings (keys too) become U+FFFD; NaN and
-    +/-Infinity become the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``.
+    +/-Infinity become the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``;
+    floats that ``jsonb`` would read back in another form are stored in that
+    form (see :func:`_stable_number`; not counted).
     Returns ``(value, replacements)``; when nothing needed replacing the value
     itself is returned (no copy). Iterative, so any depth is fine.
     """

@@ -13,11 +13,11 @@ escapes (``ensure_ascii``), where:
 
 * ``received_at`` is ISO 8601 in UTC with microseconds (``2026-11-30T10:00:00.000000Z``);
 * the raw content is canonical in the same way (sorted keys, no spaces, ASCII);
-* numbers are written so that both databases read them back the same way:
-  an integer (or an integral float) below 2**53 in magnitude as an integer,
-  any other number as Python's shortest ``repr`` of the float (PostgreSQL's
-  ``jsonb`` keeps ``1.0`` as ``1.0`` but ``1e100`` as a 101-digit integer;
-  both become ``1e+100`` here); ``-0.0`` is ``0``.
+* numbers are written as Python's ``json`` writes them (integers in full,
+  floats as their shortest ``repr``). This reads back the same from both
+  databases because what is stored was made stable first: PostgreSQL's
+  ``jsonb`` would turn a float of 2**53 or more into an integer and ``-0.0``
+  into ``0.0``, so ``tasks_app.a2a.safejson.clean`` stores them in that form.
 
 The content is hashed as stored: strings an agent sent that neither database
 can hold (lone surrogates, NUL) were replaced before storing (see
@@ -31,50 +31,12 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-EXACT_INTEGERS = 2**53
-
-
-def canonical_value(value: Any) -> Any:
-    """``value`` with its numbers in the canonical form (iterative: agent JSON may be deep)."""
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return value
-    if isinstance(value, int | float):
-        return _number(value)
-    root: list[Any] = [None]
-    stack: list[tuple[Any, Any, Any]] = [(value, root, 0)]
-    while stack:
-        item, parent, key = stack.pop()
-        if isinstance(item, dict):
-            copy: Any = {}
-            for k, v in item.items():
-                stack.append((v, copy, k))
-        elif isinstance(item, list | tuple):
-            copy = [None] * len(item)
-            for i, v in enumerate(item):
-                stack.append((v, copy, i))
-        elif isinstance(item, int | float) and not isinstance(item, bool):
-            copy = _number(item)
-        else:
-            copy = item
-        parent[key] = copy
-    return root[0]
-
-
-def _number(value: int | float) -> Any:
-    # json writes a float with its shortest repr, so float() is the canonical text.
-    if isinstance(value, int):
-        return value if -EXACT_INTEGERS < value < EXACT_INTEGERS else float(value)
-    if value != value or value in (float("inf"), float("-inf")):
-        return repr(value)  # not JSON; never stored (safejson turns them into strings)
-    if value.is_integer() and -EXACT_INTEGERS < value < EXACT_INTEGERS:
-        return int(value)
-    return value
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
 def canonical_json(value: Any) -> bytes:
-    """Sorted keys, no spaces, ASCII escapes, canonical numbers."""
-    encoder = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return encoder.encode(canonical_value(value)).encode("ascii")
+    """Sorted keys, no spaces, ASCII escapes (numbers as Python writes them)."""
+    return _ENCODER.encode(value).encode("ascii")
 
 
 def content_digest(raw: Any) -> tuple[str, int]:
