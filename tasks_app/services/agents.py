@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
@@ -49,7 +50,9 @@ def _problem_text(problem: CardProblem | Any) -> str:
 def preview_card(url: str) -> CardPreview:
     """Fetch and check a card without saving anything."""
     try:
-        result = outbound.run(lambda http: fetch_card(url, http=http))
+        result = outbound.run(
+            lambda http: fetch_card(url, http=http, deadline=settings.A2A_CALL_DEADLINE_SECONDS)
+        )
     except A2AError as exc:
         raise AgentError(f"Could not read an agent card at {url}: {exc}") from exc
     card = result.card or {}
@@ -117,7 +120,12 @@ def refresh_card(agent: Agent, *, actor_id: int | None = None) -> Agent:
     """Fetch the card again (revalidating with the ETag) and store what changed."""
     try:
         result = outbound.run(
-            lambda http: fetch_card(agent.card_url or agent.base_url, http=http, etag=agent.card_etag or None)
+            lambda http: fetch_card(
+                agent.card_url or agent.base_url,
+                http=http,
+                etag=agent.card_etag or None,
+                deadline=settings.A2A_CALL_DEADLINE_SECONDS,
+            )
         )
     except A2AError as exc:
         mark_unreachable(agent.pk, str(exc))
