@@ -259,6 +259,29 @@ def test_a_child_that_stayed_up_comes_back_after_the_first_delay(tmp_path: Path)
     assert not last.is_running()  # leaving the block stopped the current incarnation
 
 
+def test_a_child_that_cannot_be_started_again_is_retried(tmp_path: Path) -> None:
+    script = tmp_path / "child.sh"
+    script.write_text("#!/bin/sh\nexit 4\n")
+    script.chmod(0o755)
+    output = io.StringIO()
+    with Supervisor(output=output) as supervisor:
+        child = supervisor.start("gone", [str(script)], env=dict(os.environ), cwd=tmp_path,
+                                 restart=Backoff(first=0.1, maximum=0.2))  # fmt: skip
+        child.popen.wait(timeout=30)
+        script.unlink()  # the next start fails with an OSError, not a traceback
+        _tend_until(supervisor, lambda: "could not be started" in output.getvalue())
+        script.write_text("#!/bin/sh\nsleep 30\n")
+        script.chmod(0o755)
+        _tend_until(supervisor, lambda: child.restarts == 1 and child.alive())
+    lines = output.getvalue().splitlines()
+    assert lines[0].endswith("exited with code 4; restarting it in 0.1 s."), lines
+    assert any(
+        line.startswith("gone could not be started (") and line.endswith("restarting it in 0.2 s.")
+        for line in lines
+    ), lines
+    assert lines[-1].startswith("gone restarted (pid ")
+
+
 def test_a_child_without_restart_policy_is_only_reported(tmp_path: Path) -> None:
     output = io.StringIO()
     with Supervisor(output=output) as supervisor:

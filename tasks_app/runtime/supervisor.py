@@ -286,11 +286,13 @@ class Supervisor:
                     child.failures = 0
                 continue
             if child.restart_at is None:
-                self._schedule_restart(child, now, describe_exit(child.returncode))
+                died = f"{child.name} (pid {child.pid}) {describe_exit(child.returncode)}"
+                self._schedule_restart(child, now, died)
             elif now >= child.restart_at:
                 self._restart(child)
 
     def _schedule_restart(self, child: Child, now: float, what: str) -> None:
+        """Say ``what`` happened and when the child comes back; free its old group."""
         assert child.restart is not None
         if now - child.started_at >= child.restart.stable_after:
             child.failures = 0
@@ -299,7 +301,7 @@ class Supervisor:
         child.restart_at = now + delay
         # Whatever the dead leader left in its group goes now, before a new one starts.
         child.terminate()
-        self.write(f"{child.name} (pid {child.pid}) {what}; restarting it in {delay:g} s.")
+        self.write(f"{what}; restarting it in {delay:g} s.")
 
     def _restart(self, child: Child) -> None:
         assert child.spawner is not None
@@ -308,7 +310,9 @@ class Supervisor:
             popen = child.spawner()
         except OSError as exc:  # e.g. the executable vanished; try again later
             child.started_at = time.monotonic()
-            self._schedule_restart(child, child.started_at, f"could not be started ({exc})")
+            self._schedule_restart(
+                child, child.started_at, f"{child.name} could not be started ({exc})"
+            )
             return
         child.popen = popen
         child.started_at = time.monotonic()
