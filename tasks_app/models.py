@@ -144,14 +144,16 @@ class RemoteTask(models.Model):
     lease_expires_at = models.DateTimeField(null=True, blank=True, db_index=True)
     # The last seq handed out; events are appended by compare-and-set on it.
     last_seq = models.PositiveIntegerField(default=0)
+    # Fields added after the first release carry database defaults, so that rows written
+    # by an older process (or by bulk SQL) are valid.
     # Hash of the newest log row: the next row's hash chains from it (see audit.py).
-    last_hash = models.CharField(max_length=64, blank=True)
+    last_hash = models.CharField(max_length=64, blank=True, default="", db_default="")
     # Set when a terminal task was reconciled once with GetTask; nothing changes after.
     settled_at = models.DateTimeField(null=True, blank=True)
     # The seq of the row that asked the current question (input/auth-required), and the
     # question an answer was accepted for: one answer per question, by compare-and-set.
-    asked_seq = models.PositiveIntegerField(default=0)
-    answered_seq = models.PositiveIntegerField(default=0)
+    asked_seq = models.PositiveIntegerField(default=0, db_default=0)
+    answered_seq = models.PositiveIntegerField(default=0, db_default=0)
     answered_by = models.ForeignKey(
         settings.AUTH_USER_MODEL,
         null=True,
@@ -162,11 +164,11 @@ class RemoteTask(models.Model):
     answered_at = models.DateTimeField(null=True, blank=True)
     # Watcher bookkeeping (see the watcher state table in docs/architecture.md).
     watcher_since = models.DateTimeField(null=True, blank=True)
-    fruitless_turns = models.PositiveIntegerField(default=0)
+    fruitless_turns = models.PositiveIntegerField(default=0, db_default=0)
     gone_at = models.DateTimeField(null=True, blank=True)
     abandoned_at = models.DateTimeField(null=True, blank=True)
     # Bytes of agent content stored for this task (the per-task budget).
-    stored_bytes = models.BigIntegerField(default=0)
+    stored_bytes = models.BigIntegerField(default=0, db_default=0)
     last_event_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
     updated_at = models.DateTimeField(default=timezone.now, db_index=True)

@@ -477,20 +477,23 @@ def test_cancel_error_is_shown_plainly(client_in, rich_task, monkeypatch):
     assert 'class="flash-error"' in html
 
 
-def test_answer_errors_keep_the_text(client_in, rich_task, monkeypatch):
-    def already(task, text="", *, data=None, actor_id=None):
-        raise task_services.TaskActionError("This question has already been answered.")
-
-    monkeypatch.setattr(task_services, "answer_task", already)
-    response = client_in.post(f"/tasks/{rich_task.pk}/answer/", {"text": "Ada Lovelace"})
+def test_a_stale_answer_form_says_who_answered_and_keeps_the_text(client_in, rich_task, no_dispatch, django_user_model):
+    """Two people saw the same question; the second one to send is told who won, and when."""
+    first = django_user_model.objects.create_user("grace", password="pw-123456789")
+    question = rich_task.asked_seq
+    assert question == rich_task.last_seq  # the input-required status asked it
+    task_services.answer_task(rich_task, "Grace", actor_id=first.pk, question_seq=question)
+    response = client_in.post(f"/tasks/{rich_task.pk}/answer/", {"text": "Ada Lovelace", "question": question})
     html = response.content.decode()
     assert response.status_code == 400
-    assert "already been answered" in html and "Ada Lovelace</textarea>" in html
+    assert "Already answered by grace at " in html and "Ada Lovelace</textarea>" in html
+    rich_task.refresh_from_db()
+    assert rich_task.outbox["message"]["parts"] == [{"text": "Grace"}]
 
 
 def test_answer_goes_through_the_service(client_in, rich_task, no_dispatch, django_capture_on_commit_callbacks):
     with django_capture_on_commit_callbacks(execute=True):
-        response = client_in.post(f"/tasks/{rich_task.pk}/answer/", {"text": "Ada"})
+        response = client_in.post(f"/tasks/{rich_task.pk}/answer/", {"text": "Ada", "question": rich_task.asked_seq})
     assert response.status_code == 302
     rich_task.refresh_from_db()
     assert rich_task.outbox["message"]["parts"] == [{"text": "Ada"}]
