@@ -1,0 +1,260 @@
+"""P9, the noisy neighbour: healthy streams' latency beside ten misbehaving agents.
+
+The question (issue 9): can a few agents that break the protocol slow down
+everyone else's tasks? One stack (the bench agent, daphne, one Celery worker,
+as in P1) runs the same healthy load twice in one child:
+
+1. **alone**: ``streams`` healthy tasks started with ``start_task(mode=stream)``,
+   one browser websocket each, events at a steady rate; latency is agent emit ->
+   browser, exactly as P1 measures it;
+2. **beside the neighbours**: the same load again, and as its events begin, one
+   task is started through the services on each of ten misbehaving agents
+   (:mod:`tasks_app.bench.hostile`, registered with ``add_agent``), so the same
+   worker's real watchers hold them; the repeat-tokens agent is also imported
+   (``start_import``) every ``IMPORT_EVERY`` seconds, as an impatient operator
+   would. The neighbours start when the healthy events do, so the window covers
+   their first, busiest minute (before backoff and parking quieten them).
+
+Reported: the healthy p50/p99 with neighbours against alone (goal: <= 1.5x,
+nothing lost), and the bounds the watchers kept over the neighbours' first
+minute: log rows written for the hostile tasks, requests the hostile agents
+received, and where each hostile task ended (parked, throttled, ...).
+
+The alone run goes first in a fresh stack, so it also pays the warm-up
+(connections, imports); the note gives both runs' worker CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from typing import Any
+
+from tasks_app.bench.hostile import BEHAVIOURS
+from tasks_app.bench.live import (
+    Received,
+    Sampler,
+    Stack,
+    browser,
+    ms,
+    pct,
+    register,
+    remote_ids,
+    stack,
+    start_tasks,
+    wait_received,
+)
+from tasks_app.bench.procs import free_port, wait_port
+from tasks_app.bench.report import Row
+
+IMPORT_EVERY = 15.0  # seconds between imports of the repeat-tokens agent
+WINDOW = 60.0  # the neighbours' first minute, over which the bounds are counted
+REQUESTS_PER_AGENT_MINUTE = 60  # the bound on requests to one agent (issue 9 saw 2,100-3,000)
+
+
+def start_hostile(s: Stack, huge_bytes: int) -> tuple[int, dict[str, int]]:
+    """Start the ten agents (one process); returns the control port and each agent's port."""
+    ports = {name: free_port() for name in BEHAVIOURS}
+    control = free_port()
+    argv = [sys.executable, "-m", "tasks_app.bench.hostile", "--control-port", str(control),
+            "--huge-bytes", str(huge_bytes)]  # fmt: skip
+    for name, port in ports.items():
+        argv += ["--agent", f"{name}:{name}:{port}"]
+    proc = s.procs.start("hostile", argv, s.env)
+    for port in [control, *ports.values()]:
+        wait_port(port, 20, proc.popen)
+    return control, ports
+
+
+def hostile_stats(control: int) -> dict[str, Any]:
+    import httpx
+
+    return httpx.get(f"http://127.0.0.1:{control}/stats", timeout=30).json()
+
+
+class Importer:
+    """Imports the repeat-tokens agent every IMPORT_EVERY seconds (when no import of it runs)."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent, self.started, self.refused = agent, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        from django.db import connection
+
+        from tasks_app.services.imports import start_import
+        from tasks_app.services.tasks import TaskActionError
+
+        try:
+            while True:
+                try:
+                    start_import(self.agent)
+                    self.started += 1
+                except TaskActionError:
+                    self.refused += 1  # the previous import still runs
+                if self._stop.wait(IMPORT_EVERY):
+                    return
+        finally:
+            connection.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def healthy_run(
+    s: Stack, agent: Any, cookie: str, load: tuple[int, int, float, float], during: Any = None
+) -> tuple[Received, int]:
+    """P1's measurement: ``streams`` tasks, a browser websocket each; ``during()`` runs once the tasks are named."""
+    streams, events, interval, delay = load
+    pks = start_tasks(agent, streams, events, interval, delay, spread=interval)
+    expected = streams * (events + 1)
+
+    async def run() -> Received:
+        got = Received()
+        stop = asyncio.Event()
+        clients = [asyncio.create_task(browser(s.web_port, cookie, pk, pk, got, stop)) for pk in pks]
+        ids: dict[int, str] = {}
+        deadline = time.monotonic() + delay
+        while len(ids) < len(pks) and time.monotonic() < deadline:
+            ids = await asyncio.to_thread(remote_ids, pks)
+            await asyncio.sleep(0.2)
+        if during is not None:
+            await asyncio.to_thread(during)
+        await wait_received(got, expected, delay + events * interval + 30, stop)
+        await asyncio.gather(*clients, return_exceptions=True)
+        return got
+
+    return asyncio.run(run()), expected
+
+
+def p9(db: str, quick: bool) -> list[Row]:
+    from django.conf import settings
+    from django.db import connection
+    from django.db.models import Count
+    from django.utils import timezone
+
+    from tasks_app.models import RemoteTask, TaskEvent
+    from tasks_app.services.agents import add_agent
+    from tasks_app.services.tasks import start_task
+
+    load = (5, 4, 0.3, 3.0) if quick else (100, 40, 1.0, 8.0)
+    streams, events, interval, _ = load
+    # Quick: smaller huge events and byte budget, so the smoke run stays short; full: shipped defaults.
+    tuning = {"BUDGET_TASK_BYTES": str(4 * 2**20)} if quick else {}
+    max_event = settings.WATCH_MAX_EVENT_BYTES
+    huge_bytes = 256 * 1024 if quick else int(max_event * 0.9)
+    budget_rate = settings.BUDGET_TASK_EVENTS_PER_SECOND
+    with stack(tuning) as s:
+        s.start_agent()
+        s.start_web()
+        worker = s.start_worker()
+        agent, cookie = register(s)
+        control, ports = start_hostile(s, huge_bytes)
+        hostile = {name: add_agent(f"http://127.0.0.1:{port}/") for name, port in ports.items()}
+        connection.close()  # the runs use threads; each opens its own connection
+
+        sampler = Sampler({"worker": worker})
+        alone, expected = healthy_run(s, agent, cookie, load)
+        sampler.stop()
+        cpu_alone = sampler.cpu_mean("worker")
+
+        marks: dict[str, Any] = {}
+        importer = Importer(hostile["repeat-tokens"])
+
+        def unleash() -> None:
+            marks["stats"] = hostile_stats(control)
+            marks["wall"], marks["t0"] = timezone.now(), time.monotonic()
+            marks["pks"] = [
+                start_task(a, f"noisy neighbour {name}", mode="stream" if BEHAVIOURS[name] else "return-immediately").pk
+                for name, a in hostile.items()
+            ]
+            importer.start()
+            connection.close()
+
+        sampler = Sampler({"worker": worker})
+        beside, _ = healthy_run(s, agent, cookie, load, during=unleash)
+        sampler.stop()
+        if not quick:  # count the bounds over the neighbours' whole first minute
+            time.sleep(max(0.0, marks["t0"] + WINDOW - time.monotonic()))
+        window = time.monotonic() - marks["t0"]
+        importer.stop()
+        stats = hostile_stats(control)
+        ids = [a.pk for a in hostile.values()]
+        rows_by_task = dict(
+            TaskEvent.objects.filter(task__agent_id__in=ids, received_at__gte=marks["wall"])
+            .order_by().values("task_id").annotate(n=Count("pk")).values_list("task_id", "n")
+        )
+        names = dict(RemoteTask.objects.filter(agent_id__in=ids).values_list("pk", "agent__name"))
+        ends = list(RemoteTask.objects.filter(pk__in=marks["pks"]).order_by("pk")
+                    .values_list("agent__name", "watcher_status", "watcher_note"))  # fmt: skip
+        kinds = dict(TaskEvent.objects.filter(task__agent_id__in=ids, received_at__gte=marks["wall"])
+                     .order_by().values("kind").annotate(n=Count("pk")).values_list("kind", "n"))  # fmt: skip
+        log_text = worker.log_path.read_text(errors="replace") if worker.log_path else ""
+    minutes = window / 60
+    requests = {n: stats[n]["requests"] - marks["stats"][n]["requests"] for n in stats}
+    sent_mb = {n: (stats[n]["bytes"] - marks["stats"][n]["bytes"]) / 2**20 for n in stats}
+    total_rows = sum(rows_by_task.values())
+    top_pk, top_rows = max(rows_by_task.items(), key=lambda kv: kv[1], default=(0, 0))
+    top_agent = max(requests, key=lambda n: requests[n])
+    rows_goal = budget_rate * 60 + 60  # the events/s budget, plus a system row a second
+    bounds_ok = top_rows / minutes <= rows_goal and requests[top_agent] / minutes <= REQUESTS_PER_AGENT_MINUTE
+
+    a50, a99, b50, b99 = (pct(alone.latencies, 0.5), pct(alone.latencies, 0.99),
+                          pct(beside.latencies, 0.5), pct(beside.latencies, 0.99))  # fmt: skip
+    r50, r99 = b50 / a50 if a50 else float("nan"), b99 / a99 if a99 else float("nan")
+    lost_alone, lost_beside = expected - alone.count(), expected - beside.count()
+    ok = bool(beside.latencies) and r50 <= 1.5 and r99 <= 1.5 and lost_beside == 0 and lost_alone == 0
+    tracebacks = log_text.count("Traceback")
+    where = "; ".join(f"{n}: {st}" + (f" ({note[:80]})" if note else "") for n, st, note in ends)
+    per_agent = ", ".join(f"{n} {count}" for n, count in requests.items())
+    return [
+        Row(
+            "P9", f"healthy emit -> browser beside 10 misbehaving agents, {streams} streams x {events + 1} events at {1 / interval:g}/s",
+            f"p50 {ms(b50)}, p99 {ms(b99)}, lost {lost_beside}", "<= 1.5x the same run alone (p50 and p99), 0 lost", ok,
+            floor=f"alone: p50 {ms(a50)}, p99 {ms(a99)}, lost {lost_alone}", ratio=f"p50 {r50:.2f}x, p99 {r99:.2f}x",
+            db=db,
+            note=(f"one stack (bench agent, daphne, one Celery worker, threads pool), the same load run twice: alone, "
+                  f"then with one task on each of 10 misbehaving agents (tasks_app/bench/hostile.py: "
+                  f"{', '.join(BEHAVIOURS)}) started through add_agent/start_task as the healthy events began, "
+                  f"held by the same worker, and the repeat-tokens agent imported every {IMPORT_EVERY:g} s. "
+                  f"{len(alone.latencies)} / {len(beside.latencies)} samples (alone / beside); p90 "
+                  f"{ms(pct(alone.latencies, 0.9))} / {ms(pct(beside.latencies, 0.9))}; max "
+                  f"{ms(max(alone.latencies, default=float('nan')))} / {ms(max(beside.latencies, default=float('nan')))}. "
+                  f"Worker CPU {cpu_alone:.0f}% alone, {sampler.cpu_mean('worker'):.0f}% beside. "
+                  f"Alone: {alone.legs()} Beside: {beside.legs()}"
+                  + (f" Client errors: {alone.errors[:2] + beside.errors[:2]}" if alone.errors or beside.errors else "")),
+            extra={"p50_alone": a50, "p99_alone": a99, "p50": b50, "p99": b99, "ratio_p50": r50, "ratio_p99": r99,
+                   "lost": lost_beside, "lost_alone": lost_alone, "samples": len(beside.latencies),
+                   "samples_alone": len(alone.latencies)},
+        ),
+        Row(
+            "P9", f"what 10 misbehaving agents cost, over their first {window:.0f} s",
+            f"{total_rows / minutes:,.0f} log rows/min (one task at most {top_rows / minutes:,.0f}/min), "
+            f"{sum(requests.values()) / minutes:,.0f} requests/min (one agent at most {requests[top_agent] / minutes:,.0f}/min)",
+            f"per task <= {rows_goal:,.0f} rows/min (the events/s budget), per agent <= "
+            f"{REQUESTS_PER_AGENT_MINUTE} requests/min", bounds_ok, db=db,
+            note=(f"counted from the neighbours' start over {window:.0f} s and scaled to a minute"
+                  + (" (quick: a short window, so the per-minute figures overstate)" if quick else "")
+                  + f". Busiest task: {names.get(top_pk, '?')} ({top_rows} rows); busiest agent: {top_agent}. "
+                  f"Requests per agent: {per_agent}. Bytes the agents sent: "
+                  + ", ".join(f"{n} {mb:.1f} MB" for n, mb in sent_mb.items() if mb >= 0.1)
+                  + f". Rows by kind: {dict(sorted(kinds.items(), key=lambda kv: -kv[1]))}. Imports started "
+                  f"{importer.started}, refused while one ran {importer.refused}. Where each hostile task ended: "
+                  f"{where}. Settings: BUDGET_TASK_EVENTS_PER_SECOND={budget_rate:g}, BUDGET_TASK_BYTES="
+                  f"{tuning.get('BUDGET_TASK_BYTES', settings.BUDGET_TASK_BYTES)}, WATCH_MAX_EVENT_BYTES={max_event} "
+                  f"(huge events of {huge_bytes} bytes), WATCH_MAX_FRUITLESS_TURNS={settings.WATCH_MAX_FRUITLESS_TURNS}, "
+                  f"BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE={settings.BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE}. "
+                  f"Worker log: {tracebacks} tracebacks."),
+            extra={"rows_per_minute": total_rows / minutes, "top_task_rows_per_minute": top_rows / minutes,
+                   "requests_per_minute": sum(requests.values()) / minutes,
+                   "top_agent_requests_per_minute": requests[top_agent] / minutes, "requests": requests,
+                   "window": window, "tracebacks": tracebacks, "hostile_tasks": len(ends)},
+        ),
+    ]  # fmt: skip
