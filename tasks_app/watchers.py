@@ -358,6 +358,7 @@ class Outcome:
     confirmed: bool = False  # a valid word about our task, even if nothing changed
     problem: str = ""  # why the turn was fruitless
     over_budget: bool = False
+    dropped: bool = False  # the stream broke after it spoke: back off once before the next
 
     def add(self, result: Recorded) -> None:
         if result.fenced:
@@ -446,7 +447,10 @@ class Holder:
                     return Turn(Status.ABANDONED, task.watcher_note or "abandoned")
                 self.state, self.remote_id = task.state, task.remote_id
                 if task.outbox:
-                    turn = await self._send(task, client)
+                    try:
+                        turn = await self._send(task, client)
+                    except OutboxReady:  # an answer came while the send's stream waited for auth
+                        turn = None
                     if turn is not None:
                         return turn
                     task = await self._load()
@@ -470,7 +474,7 @@ class Holder:
                 if outcome.progress:
                     # Even a stream that brought news and closed is not reopened at once.
                     interval = settings.WATCH_POLL_MIN_SECONDS
-                    wait = interval
+                    wait = backoff(1) if outcome.dropped else interval
                 elif outcome.confirmed:
                     # Quiet: nothing changed. A stream that closed on a task that goes on is
                     # not reopened at once; polls slow down while nothing changes.
@@ -591,8 +595,16 @@ class Holder:
                 await self._go(Event.FOLLOW)
                 events = client.send_streaming_message(message, metadata=metadata)
                 outcome = await self._pump(events, "stream", "stream", clear_outbox=message_id)
+                if await eventloop.db(task_services.has_outbox, self.task_pk):
+                    # The agent took the request and closed the stream without a word: never
+                    # send it again blindly (a first send is looked up by its contextId next).
+                    await eventloop.db(task_services.clear_outbox, self.task_pk, message_id)
+                    if not is_first:
+                        await self._system("answer-failed", "the agent closed the stream without any event")
                 if outcome.over_budget:  # record() said so in the log, once
                     return await self._park("the task is over its storage budget", announce=False)
+                if outcome.dropped and self.state not in TERMINAL_STATES:
+                    await self._sleep(backoff(1))
                 return None  # the loop checks how the stream ended
             # Blocking starts are sent as return-immediately and followed: the task is named
             # at once, so it can be canceled, and a long task never holds a request open.
@@ -811,11 +823,14 @@ class Holder:
                         return outcome
                     await self._throttle(len(batch))
                 if isinstance(end, BaseException):
-                    if isinstance(end, A2AError) and outcome.progress:
-                        # The stream brought news, then broke: that turn was not fruitless.
-                        await self._system(
-                            "stream-dropped" if isinstance(end, TransportError) else "stream-error", str(end)
-                        )
+                    if isinstance(end, A2AError) and (outcome.progress or outcome.confirmed):
+                        # The stream spoke validly, then broke (a proxy's idle cut, a restart):
+                        # not a fruitless turn. The GetTask check after it says what was missed.
+                        if outcome.progress or isinstance(end, RemoteError):  # a silent cut is not news
+                            await self._system(
+                                "stream-dropped" if isinstance(end, TransportError) else "stream-error", str(end)
+                            )
+                        outcome.dropped = True
                         return outcome
                     raise end
                 if end is done:
