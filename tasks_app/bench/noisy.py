@@ -2,7 +2,7 @@
 
 The question (issue 9): can a few agents that break the protocol slow down
 everyone else's tasks? One stack (the bench agent, daphne, one Celery worker,
-as in P1) runs the same healthy load twice in one child:
+as in P1) runs the same healthy load three times in one child:
 
 1. **alone**: ``streams`` healthy tasks started with ``start_task(mode=stream)``,
    one browser websocket each, events at a steady rate; latency is agent emit ->
@@ -13,20 +13,23 @@ as in P1) runs the same healthy load twice in one child:
    worker's real watchers hold them; the repeat-tokens agent is also imported
    (``start_import``) every ``IMPORT_EVERY`` seconds, as an impatient operator
    would. The neighbours start when the healthy events do, so the window covers
-   their first, busiest minute (before backoff and parking quieten them).
+   their first, busiest minute (before backoff and parking quieten them);
+3. **alone again**, after every hostile task was abandoned (``abandon_task``).
+
+A short warm-up pass comes first and is discarded, and the baseline pools both
+alone runs, so neither warm-up nor drift in the shared machine's load favours
+one side of the ratio.
 
 Reported: the healthy p50/p99 with neighbours against alone (goal: <= 1.5x,
 nothing lost), and the bounds the watchers kept over the neighbours' first
 minute: log rows written for the hostile tasks, requests the hostile agents
 received, and where each hostile task ended (parked, throttled, ...).
-
-The alone run goes first in a fresh stack, so it also pays the warm-up
-(connections, imports); the note gives both runs' worker CPU.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import threading
 import time
@@ -142,7 +145,8 @@ def p9(db: str, quick: bool) -> list[Row]:
 
     from tasks_app.models import RemoteTask, TaskEvent
     from tasks_app.services.agents import add_agent
-    from tasks_app.services.tasks import start_task
+    from tasks_app.services.tasks import TaskActionError, abandon_task, start_task
+    from tasks_app.watchers import BATCH
 
     load = (5, 4, 0.3, 3.0) if quick else (100, 40, 1.0, 8.0)
     streams, events, interval, _ = load
@@ -160,10 +164,13 @@ def p9(db: str, quick: bool) -> list[Row]:
         hostile = {name: add_agent(f"http://127.0.0.1:{port}/") for name, port in ports.items()}
         connection.close()  # the runs use threads; each opens its own connection
 
+        # A short pass first, discarded: daphne, the worker and the websocket paths warm up.
+        healthy_run(s, agent, cookie, (streams, 2, interval, load[3]))
         sampler = Sampler({"worker": worker})
-        alone, expected = healthy_run(s, agent, cookie, load)
+        before, expected = healthy_run(s, agent, cookie, load)
         sampler.stop()
-        cpu_alone = sampler.cpu_mean("worker")
+        cpu = {"before": sampler.cpu_mean("worker")}
+        rss = {"before": sampler.peak["worker"]}
 
         marks: dict[str, Any] = {}
         importer = Importer(hostile["repeat-tokens"])
@@ -180,9 +187,10 @@ def p9(db: str, quick: bool) -> list[Row]:
 
         sampler = Sampler({"worker": worker})
         beside, _ = healthy_run(s, agent, cookie, load, during=unleash)
-        sampler.stop()
         if not quick:  # count the bounds over the neighbours' whole first minute
             time.sleep(max(0.0, marks["t0"] + WINDOW - time.monotonic()))
+        sampler.stop()
+        cpu["beside"], rss["beside"] = sampler.cpu_mean("worker"), sampler.peak["worker"]
         window = time.monotonic() - marks["t0"]
         importer.stop()
         stats = hostile_stats(control)
@@ -196,6 +204,18 @@ def p9(db: str, quick: bool) -> list[Row]:
                     .values_list("agent__name", "watcher_status", "watcher_note"))  # fmt: skip
         kinds = dict(TaskEvent.objects.filter(task__agent_id__in=ids, received_at__gte=marks["wall"])
                      .order_by().values("kind").annotate(n=Count("pk")).values_list("kind", "n"))  # fmt: skip
+
+        # The neighbours given up (as an operator would), then the same load alone again: the
+        # baseline is both alone runs, so drift in the machine's load does not favour either side.
+        for task in RemoteTask.objects.filter(agent_id__in=ids, abandoned_at__isnull=True).select_related("agent"):
+            with contextlib.suppress(TaskActionError):
+                abandon_task(task, reason="benchmark P9: the neighbours leave", actor_name="bench")
+        connection.close()
+        time.sleep(2 * settings.WATCH_LEASE_SECONDS / 3)  # the holders notice their lease is gone
+        sampler = Sampler({"worker": worker})
+        after, _ = healthy_run(s, agent, cookie, load)
+        sampler.stop()
+        cpu["after"], rss["after"] = sampler.cpu_mean("worker"), sampler.peak["worker"]
         log_text = worker.log_path.read_text(errors="replace") if worker.log_path else ""
     minutes = window / 60
     requests = {n: stats[n]["requests"] - marks["stats"][n]["requests"] for n in stats}
@@ -203,45 +223,56 @@ def p9(db: str, quick: bool) -> list[Row]:
     total_rows = sum(rows_by_task.values())
     top_pk, top_rows = max(rows_by_task.items(), key=lambda kv: kv[1], default=(0, 0))
     top_agent = max(requests, key=lambda n: requests[n])
-    rows_goal = budget_rate * 60 + 60  # the events/s budget, plus a system row a second
-    bounds_ok = top_rows / minutes <= rows_goal and requests[top_agent] / minutes <= REQUESTS_PER_AGENT_MINUTE
+    # The events/s budget lets a one-second burst through, then that rate, recorded in batches (one
+    # batch may overshoot); plus a system row a second. Requests: the allowance of a first minute.
+    rows_goal = budget_rate * (window + 1) + BATCH + window
+    requests_goal = REQUESTS_PER_AGENT_MINUTE * max(minutes, 1.0)
+    bounds_ok = top_rows <= rows_goal and requests[top_agent] <= requests_goal
 
-    a50, a99, b50, b99 = (pct(alone.latencies, 0.5), pct(alone.latencies, 0.99),
-                          pct(beside.latencies, 0.5), pct(beside.latencies, 0.99))  # fmt: skip
+    alone = before.latencies + after.latencies
+    a50, a99, b50, b99 = pct(alone, 0.5), pct(alone, 0.99), pct(beside.latencies, 0.5), pct(beside.latencies, 0.99)
     r50, r99 = b50 / a50 if a50 else float("nan"), b99 / a99 if a99 else float("nan")
-    lost_alone, lost_beside = expected - alone.count(), expected - beside.count()
+    lost_alone = 2 * expected - before.count() - after.count()
+    lost_beside = expected - beside.count()
     ok = bool(beside.latencies) and r50 <= 1.5 and r99 <= 1.5 and lost_beside == 0 and lost_alone == 0
     tracebacks = log_text.count("Traceback")
+    errors = traceback_lines(log_text)
     where = "; ".join(f"{n}: {st}" + (f" ({note[:80]})" if note else "") for n, st, note in ends)
     per_agent = ", ".join(f"{n} {count}" for n, count in requests.items())
     return [
         Row(
             "P9", f"healthy emit -> browser beside 10 misbehaving agents, {streams} streams x {events + 1} events at {1 / interval:g}/s",
-            f"p50 {ms(b50)}, p99 {ms(b99)}, lost {lost_beside}", "<= 1.5x the same run alone (p50 and p99), 0 lost", ok,
+            f"p50 {ms(b50)}, p99 {ms(b99)}, lost {lost_beside}", "<= 1.5x the same load alone (p50 and p99), 0 lost", ok,
             floor=f"alone: p50 {ms(a50)}, p99 {ms(a99)}, lost {lost_alone}", ratio=f"p50 {r50:.2f}x, p99 {r99:.2f}x",
             db=db,
-            note=(f"one stack (bench agent, daphne, one Celery worker, threads pool), the same load run twice: alone, "
-                  f"then with one task on each of 10 misbehaving agents (tasks_app/bench/hostile.py: "
-                  f"{', '.join(BEHAVIOURS)}) started through add_agent/start_task as the healthy events began, "
-                  f"held by the same worker, and the repeat-tokens agent imported every {IMPORT_EVERY:g} s. "
-                  f"{len(alone.latencies)} / {len(beside.latencies)} samples (alone / beside); p90 "
-                  f"{ms(pct(alone.latencies, 0.9))} / {ms(pct(beside.latencies, 0.9))}; max "
-                  f"{ms(max(alone.latencies, default=float('nan')))} / {ms(max(beside.latencies, default=float('nan')))}. "
-                  f"Worker CPU {cpu_alone:.0f}% alone, {sampler.cpu_mean('worker'):.0f}% beside. "
-                  f"Alone: {alone.legs()} Beside: {beside.legs()}"
-                  + (f" Client errors: {alone.errors[:2] + beside.errors[:2]}" if alone.errors or beside.errors else "")),
+            note=(f"one stack (bench agent, daphne, one Celery worker, threads pool, a websocket per healthy task as in "
+                  f"P1); after a short warm-up pass (discarded), the same load three times: alone, beside the "
+                  f"neighbours, alone again. Neighbours: one task on each of 10 misbehaving agents "
+                  f"(tasks_app/bench/hostile.py: {', '.join(BEHAVIOURS)}), started with start_task as the healthy "
+                  f"events began and held by the same worker's watchers, and the repeat-tokens agent imported "
+                  f"(start_import) every {IMPORT_EVERY:g} s; afterwards every hostile task was abandoned. 'Alone' "
+                  f"pools both alone runs ({len(alone)} samples; before p50 {ms(pct(before.latencies, 0.5))} / p99 "
+                  f"{ms(pct(before.latencies, 0.99))}, after p50 {ms(pct(after.latencies, 0.5))} / p99 "
+                  f"{ms(pct(after.latencies, 0.99))}); beside {len(beside.latencies)} samples, p90 "
+                  f"{ms(pct(beside.latencies, 0.9))}, max {ms(max(beside.latencies, default=float('nan')))}. "
+                  f"Worker CPU before / beside / after {cpu['before']:.0f}% / {cpu['beside']:.0f}% / {cpu['after']:.0f}%, "
+                  f"RSS peak {rss['before']:.0f} / {rss['beside']:.0f} / {rss['after']:.0f} MB. "
+                  f"Before: {before.legs()} Beside: {beside.legs()} After: {after.legs()}"
+                  + (f" Client errors: {(before.errors + beside.errors + after.errors)[:3]}"
+                     if before.errors or beside.errors or after.errors else "")),
             extra={"p50_alone": a50, "p99_alone": a99, "p50": b50, "p99": b99, "ratio_p50": r50, "ratio_p99": r99,
                    "lost": lost_beside, "lost_alone": lost_alone, "samples": len(beside.latencies),
-                   "samples_alone": len(alone.latencies)},
+                   "samples_alone": len(alone), "rss_beside": rss["beside"]},
         ),
         Row(
             "P9", f"what 10 misbehaving agents cost, over their first {window:.0f} s",
-            f"{total_rows / minutes:,.0f} log rows/min (one task at most {top_rows / minutes:,.0f}/min), "
-            f"{sum(requests.values()) / minutes:,.0f} requests/min (one agent at most {requests[top_agent] / minutes:,.0f}/min)",
-            f"per task <= {rows_goal:,.0f} rows/min (the events/s budget), per agent <= "
-            f"{REQUESTS_PER_AGENT_MINUTE} requests/min", bounds_ok, db=db,
-            note=(f"counted from the neighbours' start over {window:.0f} s and scaled to a minute"
-                  + (" (quick: a short window, so the per-minute figures overstate)" if quick else "")
+            f"{total_rows:,} log rows (one task {top_rows:,}), {sum(requests.values()):,} requests (one agent "
+            f"{requests[top_agent]:,}) in {window:.0f} s",
+            f"per task <= {budget_rate:g} rows/s after a 1 s burst, + one batch ({rows_goal:,.0f} here); per agent "
+            f"<= {REQUESTS_PER_AGENT_MINUTE} requests in its first minute", bounds_ok, db=db,
+            note=(f"counted from the neighbours' start over {window:.0f} s: {total_rows / minutes:,.0f} log rows/min, "
+                  f"{sum(requests.values()) / minutes:,.0f} requests/min"
+                  + (" (quick: a short window, so per-minute figures overstate)" if quick else "")
                   + f". Busiest task: {names.get(top_pk, '?')} ({top_rows} rows); busiest agent: {top_agent}. "
                   f"Requests per agent: {per_agent}. Bytes the agents sent: "
                   + ", ".join(f"{n} {mb:.1f} MB" for n, mb in sent_mb.items() if mb >= 0.1)
@@ -251,10 +282,23 @@ def p9(db: str, quick: bool) -> list[Row]:
                   f"{tuning.get('BUDGET_TASK_BYTES', settings.BUDGET_TASK_BYTES)}, WATCH_MAX_EVENT_BYTES={max_event} "
                   f"(huge events of {huge_bytes} bytes), WATCH_MAX_FRUITLESS_TURNS={settings.WATCH_MAX_FRUITLESS_TURNS}, "
                   f"BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE={settings.BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE}. "
-                  f"Worker log: {tracebacks} tracebacks."),
+                  f"Worker log: {tracebacks} tracebacks" + (f" ({'; '.join(errors)})." if errors else ".")),
             extra={"rows_per_minute": total_rows / minutes, "top_task_rows_per_minute": top_rows / minutes,
                    "requests_per_minute": sum(requests.values()) / minutes,
                    "top_agent_requests_per_minute": requests[top_agent] / minutes, "requests": requests,
                    "window": window, "tracebacks": tracebacks, "hostile_tasks": len(ends)},
         ),
     ]  # fmt: skip
+
+
+def traceback_lines(log_text: str, limit: int = 3) -> list[str]:
+    """The distinct exception lines ending the tracebacks of a log (what went wrong, briefly)."""
+    lines = log_text.splitlines()
+    found: list[str] = []
+    for i, line in enumerate(lines):
+        if not line.startswith("Traceback"):
+            continue
+        end = next((t for t in lines[i + 1 :] if t and not t[0].isspace()), "")
+        if end and end[:200] not in found:
+            found.append(end[:200])
+    return found[:limit]
