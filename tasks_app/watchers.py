@@ -435,6 +435,10 @@ class Holder:
             task.agent,
             self.http,
             stream_idle_timeout=settings.WATCH_STREAM_IDLE_SECONDS,
+            # Keep-alives keep a quiet healthy stream open until the slice ends (a quiet
+            # task is not resubscribed every minute, which would turn its news into gaps);
+            # a stream that never completes an event is still cut at the slice's end.
+            stream_event_gap=settings.WATCH_SLICE_SECONDS,
             max_event_bytes=settings.WATCH_MAX_EVENT_BYTES,
         )
         self.streaming = task.agent.streaming and task.watch == RemoteTask.Watch.STREAM
