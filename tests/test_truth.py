@@ -10,6 +10,7 @@ runs (SQLite, then PostgreSQL).
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 from django.contrib.auth import get_user_model
@@ -18,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tasks_app.a2a import safejson
-from tasks_app.models import Agent, RemoteTask, TaskEvent
+from tasks_app.models import Agent, ArtifactPart, RemoteTask, TaskEvent
 from tasks_app.services.audit import replay, verify
 from tasks_app.services.chain import content_digest
 from tasks_app.services.record import record, record_many, settle
@@ -372,3 +373,43 @@ def test_any_json_an_agent_sends_is_stored_and_keeps_the_chain(value):
     result = record(task, {"task": {**snapshot("TASK_STATE_WORKING"), "metadata": {"v": value}}}, "poll")
     assert result.seqs == [1]
     assert verify(task).ok, str(verify(task))
+
+
+# Big contents, stored once ----------------------------------------------------------------------
+
+
+def stored_chars(task: RemoteTask) -> tuple[int, int]:
+    """Characters of the log's raw JSON and of the part rows, as stored."""
+    log_chars = sum(len(json.dumps(raw)) for raw in task.events.values_list("raw", flat=True))
+    part_chars = sum(len(json.dumps(part)) for part in ArtifactPart.objects.filter(artifact__task=task).values_list("part", flat=True))
+    return log_chars, part_chars
+
+
+def test_a_big_chunk_is_stored_once_and_the_log_still_replays():
+    task = new_task()
+    big = "x" * 1_000_000
+    record_many(task, [{"task": snapshot("TASK_STATE_WORKING")}, chunk(big, append=False), chunk("tail")], "stream")
+    row = task.events.get(kind="artifactUpdate", seq=2)
+    (part,) = row.raw["artifactUpdate"]["artifact"]["parts"]
+    assert "text" not in part and part["$stored"]["chars"] == 1_000_000
+    assert "stored once" in row.note
+    log_chars, part_chars = stored_chars(task)
+    assert log_chars < 10_000 and 1_000_000 <= part_chars < 1_010_000
+    assert artifact_texts(task) == [big + "tail"]
+    # The same big chunk pushed again is recognized (by its content, not its reference).
+    assert record(task, chunk(big, append=False), "push").duplicate
+    assert_sound(task)
+    # Superseded by the agent's snapshot: the reference stays in the log, replay still agrees.
+    record(task, {"task": snapshot("TASK_STATE_WORKING", [{"artifactId": "a-1", "parts": [{"text": "short"}]}])}, "poll")
+    assert artifact_texts(task) == ["short"]
+    assert_sound(task)
+
+
+def test_a_big_artifact_in_a_snapshot_is_stored_once():
+    task = new_task()
+    big = "y" * 300_000
+    record(task, {"task": snapshot("TASK_STATE_COMPLETED", [{"artifactId": "r", "parts": [{"text": big}]}])}, "poll")
+    log_chars, part_chars = stored_chars(task)
+    assert log_chars < 5_000 and part_chars >= 300_000
+    assert artifact_texts(task) == [big]
+    assert_sound(task)

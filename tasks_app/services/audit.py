@@ -135,12 +135,13 @@ def replay(task: RemoteTask | int) -> Replay:
     1. In a transaction that is always rolled back, make a scratch agent and a
        scratch task that starts as every task starts (nothing known).
     2. Feed every stored row, in seq order and on its own channel, to
-       ``record_many()`` (runs of rows on one channel together). ``gap`` rows
-       are left out: the fold writes them itself where it finds a difference.
+       ``record_many()`` (runs of rows on one channel together), with big part
+       contents the log keeps by reference put back from the part rows. ``gap``
+       rows are left out: the fold writes them itself where it finds a difference.
     3. The rows the replay appends, gaps left out, must have the same kinds and
        states as the stored ones; the scratch view must equal the stored view.
     """
-    from tasks_app.services.record import record_many  # record imports this module's peers
+    from tasks_app.services.record import record_many, stored_contents, with_content
 
     stored = task if isinstance(task, RemoteTask) else RemoteTask.objects.get(pk=task)
     stored.refresh_from_db()
@@ -150,6 +151,7 @@ def replay(task: RemoteTask | int) -> Replay:
         for kind, state in stored.events.order_by("seq").values_list("kind", "state_after")
         if kind != TaskEvent.Kind.GAP
     ]
+    contents = stored_contents(stored.pk)
     try:
         with transaction.atomic():
             agent = Agent.objects.create(name="replay", base_url=f"http://replay.invalid/{uuid.uuid4().hex}")
@@ -166,7 +168,7 @@ def replay(task: RemoteTask | int) -> Replay:
                     record_many(scratch.pk, run, run_key[0], actor_id=run_key[1])  # type: ignore[index]
                     run = []
                 run_key = key
-                run.append(event.raw)
+                run.append(with_content(event.raw, contents) if contents else event.raw)
                 result.rows += 1
             if run and run_key is not None:
                 record_many(scratch.pk, run, run_key[0], actor_id=run_key[1])

@@ -250,6 +250,94 @@ def _timestamp(status: dict) -> datetime | None:
     return parsed
 
 
+# Big contents, stored once ------------------------------------------------------------------
+
+STORED = "$stored"  # the key of a part whose content is kept in the artifact's part row
+
+
+def by_reference(raw: Any) -> tuple[Any, int]:
+    """``raw`` with each big part content (over INLINE_CONTENT_BYTES) replaced by a reference.
+
+    The part row keeps the content; the log row keeps ``{"$stored": {"field",
+    "sha256", "chars"}}`` in place of the part's ``text`` or ``raw``, so a 30 MB
+    artifact is stored once, not twice. ``replay`` puts the content back from
+    the part rows (``with_content``). Returns the new raw (shared parts are
+    copied, never changed in place) and how many characters moved.
+    """
+    if not isinstance(raw, dict):
+        return raw, 0
+    update = raw.get("artifactUpdate")
+    if isinstance(update, dict) and isinstance(update.get("artifact"), dict):
+        artifact, moved = _artifact_by_reference(update["artifact"])
+        return ({**raw, "artifactUpdate": {**update, "artifact": artifact}}, moved) if moved else (raw, 0)
+    task = raw.get("task")
+    if isinstance(task, dict) and isinstance(task.get("artifacts"), list):
+        artifacts, total = [], 0
+        for artifact in task["artifacts"]:
+            artifact, moved = _artifact_by_reference(artifact)
+            artifacts.append(artifact)
+            total += moved
+        return ({**raw, "task": {**task, "artifacts": artifacts}}, total) if total else (raw, 0)
+    return raw, 0
+
+
+def _artifact_by_reference(artifact: Any) -> tuple[Any, int]:
+    if not isinstance(artifact, dict) or not isinstance(artifact.get("parts"), list):
+        return artifact, 0
+    limit = settings.INLINE_CONTENT_BYTES
+    parts, moved = [], 0
+    for part in artifact["parts"]:
+        if isinstance(part, dict):
+            for name in ("text", "raw"):
+                value = part.get(name)
+                if isinstance(value, str) and len(value) > limit:
+                    reference = {"field": name, "sha256": _sha256(value), "chars": len(value)}
+                    part = {**{k: v for k, v in part.items() if k != name}, STORED: reference}
+                    moved += len(value)
+        parts.append(part)
+    return ({**artifact, "parts": parts}, moved) if moved else (artifact, 0)
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def with_content(raw: Any, contents: dict[str, str]) -> Any:
+    """The reverse of :func:`by_reference`, from ``{sha256: content}``; unknown ones stay references."""
+
+    def restore(artifact: Any) -> Any:
+        if not isinstance(artifact, dict) or not isinstance(artifact.get("parts"), list):
+            return artifact
+        parts = []
+        for part in artifact["parts"]:
+            reference = part.get(STORED) if isinstance(part, dict) else None
+            if isinstance(reference, dict) and reference.get("sha256") in contents:
+                part = {k: v for k, v in part.items() if k != STORED}
+                part[reference["field"]] = contents[reference["sha256"]]
+            parts.append(part)
+        return {**artifact, "parts": parts}
+
+    if isinstance(raw, dict) and isinstance(raw.get("artifactUpdate"), dict):
+        update = raw["artifactUpdate"]
+        return {**raw, "artifactUpdate": {**update, "artifact": restore(update.get("artifact"))}}
+    if isinstance(raw, dict) and isinstance(raw.get("task"), dict) and isinstance(raw["task"].get("artifacts"), list):
+        return {**raw, "task": {**raw["task"], "artifacts": [restore(a) for a in raw["task"]["artifacts"]]}}
+    return raw
+
+
+def stored_contents(task_pk: int) -> dict[str, str]:
+    """``{sha256: content}`` of the task's big part contents (what references point to)."""
+    limit = settings.INLINE_CONTENT_BYTES
+    found: dict[str, str] = {}
+    for part in ArtifactPart.objects.filter(artifact__task_id=task_pk).values_list("part", flat=True).iterator():
+        if isinstance(part, dict):
+            for name in ("text", "raw"):
+                value = part.get(name)
+                if isinstance(value, str) and len(value) > limit:
+                    found[_sha256(value)] = value
+    return found
+
+
 # 2. Folding ---------------------------------------------------------------------------------
 
 
@@ -584,20 +672,27 @@ class _Fold:
             if not row.entry.digest:  # entries the fold made itself (gaps, notices)
                 row.entry.digest, row.entry.size = content_digest(row.entry.raw)
             notes = [row.note] + ([row.entry.note] if row.entry.note not in ("", row.note) else [])
+            raw, raw_digest = row.entry.raw, row.entry.digest
+            if row.apply and row.kind in ("artifactUpdate", "task"):
+                # Big part contents live once, in the part rows; the log keeps a reference.
+                raw, moved = by_reference(raw)
+                if moved:
+                    raw_digest, _ = content_digest(raw)
+                    notes.append(f"{moved} characters of part content stored once, in the artifact")
             event = TaskEvent(
                 task_id=self.task.pk,
                 seq=seq,
                 received_at=now,
                 channel=self.channel,
                 kind=row.kind,
-                raw=row.entry.raw,
+                raw=raw,
                 state_after=row.state_after,
                 state_changed=row.state_after != previous_state or seq == 1,
                 note="; ".join(n for n in notes if n),
                 actor_id=actor_id,
                 digest=row.entry.digest,
             )
-            event.hash = previous_hash = event_hash(previous_hash, event, row.entry.digest)
+            event.hash = previous_hash = event_hash(previous_hash, event, raw_digest)
             events.append(event)
             previous_state = row.state_after
             if row.apply and row.asks:
