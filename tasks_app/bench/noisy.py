@@ -30,14 +30,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from tasks_app.bench.hostile import BEHAVIOURS
 from tasks_app.bench.live import (
     Received,
+    RelayTap,
     Sampler,
     Stack,
     browser,
@@ -57,9 +61,18 @@ WINDOW = 60.0  # the neighbours' first minute, over which the bounds are counted
 REQUESTS_PER_AGENT_MINUTE = 60  # the bound on requests to one agent (issue 9 saw 2,100-3,000)
 
 
-def start_hostile(s: Stack, huge_bytes: int) -> tuple[int, dict[str, int]]:
-    """Start the ten agents (one process); returns the control port and each agent's port."""
-    ports = {name: free_port() for name in BEHAVIOURS}
+def neighbours() -> list[str]:
+    """All ten behaviours; ``BENCH_P9_NEIGHBOURS=flood,huge`` runs only some (to find which one costs)."""
+    chosen = [b.strip() for b in os.environ.get("BENCH_P9_NEIGHBOURS", "").split(",") if b.strip()]
+    unknown = [b for b in chosen if b not in BEHAVIOURS]
+    if unknown:
+        raise ValueError(f"BENCH_P9_NEIGHBOURS: unknown behaviours {unknown}; choose from {', '.join(BEHAVIOURS)}")
+    return chosen or list(BEHAVIOURS)
+
+
+def start_hostile(s: Stack, huge_bytes: int, names: list[str]) -> tuple[int, dict[str, int]]:
+    """Start the misbehaving agents (one process); returns the control port and each agent's port."""
+    ports = {name: free_port() for name in names}
     control = free_port()
     argv = [sys.executable, "-m", "tasks_app.bench.hostile", "--control-port", str(control),
             "--huge-bytes", str(huge_bytes)]  # fmt: skip
@@ -111,18 +124,51 @@ class Importer:
         self._thread.join(10)
 
 
-def healthy_run(
-    s: Stack, agent: Any, cookie: str, load: tuple[int, int, float, float], during: Any = None
-) -> tuple[Received, int]:
-    """P1's measurement: ``streams`` tasks, a browser websocket each; ``during()`` runs once the tasks are named."""
+class Timed(Received):
+    """Received, also keeping when each sample arrived (to see when a stall happened)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at: list[tuple[float, float]] = []  # (arrival time.time(), latency)
+
+    def add(self, key: Any, emitted: float, i: int, received_at: str = "") -> None:
+        before = len(self.latencies)
+        super().add(key, emitted, i, received_at)
+        if len(self.latencies) > before:
+            self.at.append((emitted + self.latencies[-1], self.latencies[-1]))
+
+    def slow(self, since: float, threshold: float = 0.5) -> str:
+        """How many samples took longer than ``threshold``, and when (seconds after ``since``)."""
+        late = sorted(t - since for t, lat in self.at if lat > threshold)
+        if not late:
+            return f"no sample over {threshold * 1000:.0f} ms"
+        return f"{len(late)} samples over {threshold * 1000:.0f} ms, arriving +{late[0]:.1f} s to +{late[-1]:.1f} s"
+
+
+@dataclass
+class Run:
+    """One healthy run: at the browsers, and at a channel-layer tap on the same task groups."""
+
+    browsers: Timed
+    tap: Timed
+    expected: int
+
+
+def healthy_run(s: Stack, agent: Any, cookie: str, load: tuple[int, int, float, float], during: Any = None) -> Run:
+    """P1's measurement: ``streams`` tasks, a browser websocket each; ``during()`` runs once the tasks are named.
+
+    A channel-layer tap joined to the same groups splits the relay leg: agent emit ->
+    the message in the channel layer (worker) against -> the browser (daphne).
+    """
     streams, events, interval, delay = load
     pks = start_tasks(agent, streams, events, interval, delay, spread=interval)
     expected = streams * (events + 1)
 
-    async def run() -> Received:
-        got = Received()
+    async def run() -> Run:
+        got, tapped = Timed(), Timed()
         stop = asyncio.Event()
         clients = [asyncio.create_task(browser(s.web_port, cookie, pk, pk, got, stop)) for pk in pks]
+        tap = asyncio.create_task(RelayTap(pks, tapped).run(stop))
         ids: dict[int, str] = {}
         deadline = time.monotonic() + delay
         while len(ids) < len(pks) and time.monotonic() < deadline:
@@ -131,10 +177,30 @@ def healthy_run(
         if during is not None:
             await asyncio.to_thread(during)
         await wait_received(got, expected, delay + events * interval + 30, stop)
-        await asyncio.gather(*clients, return_exceptions=True)
-        return got
+        await asyncio.gather(*clients, tap, return_exceptions=True)
+        return Run(got, tapped, expected)
 
-    return asyncio.run(run()), expected
+    return asyncio.run(run())
+
+
+def tap(run: Run) -> str:
+    return f"{ms(pct(run.tap.latencies, 0.5))} / {ms(pct(run.tap.latencies, 0.99))}"
+
+
+def profile(s: Stack, db: str, seconds: float) -> list[subprocess.Popen]:
+    """With ``BENCH_PYSPY`` (a py-spy binary) and ``BENCH_PROFILE_DIR`` set: sample the worker and
+    daphne for ``seconds`` while the neighbours run, as collapsed stacks per thread."""
+    spy, out = os.environ.get("BENCH_PYSPY"), os.environ.get("BENCH_PROFILE_DIR")
+    if not (spy and out):
+        return []
+    os.makedirs(out, exist_ok=True)
+    started = []
+    for proc in s.procs.started:
+        if proc.name in ("worker", "daphne"):
+            argv = [spy, "record", "--pid", str(proc.pid), "--rate", "100", "--threads", "--format", "raw",
+                    "--duration", str(int(seconds)), "--nonblocking", "-o", f"{out}/P9-{db}-{proc.name}.txt"]  # fmt: skip
+            started.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    return started
 
 
 def p9(db: str, quick: bool) -> list[Row]:
@@ -160,50 +226,60 @@ def p9(db: str, quick: bool) -> list[Row]:
         s.start_web()
         worker = s.start_worker()
         agent, cookie = register(s)
-        control, ports = start_hostile(s, huge_bytes)
+        control, ports = start_hostile(s, huge_bytes, neighbours())
         hostile = {name: add_agent(f"http://127.0.0.1:{port}/") for name, port in ports.items()}
         connection.close()  # the runs use threads; each opens its own connection
 
         # A short pass first, discarded: daphne, the worker and the websocket paths warm up.
         healthy_run(s, agent, cookie, (streams, 2, interval, load[3]))
         sampler = Sampler({"worker": worker})
-        before, expected = healthy_run(s, agent, cookie, load)
+        first = healthy_run(s, agent, cookie, load)
+        before, expected = first.browsers, first.expected
         sampler.stop()
         cpu = {"before": sampler.cpu_mean("worker")}
         rss = {"before": sampler.peak["worker"]}
 
         marks: dict[str, Any] = {}
-        importer = Importer(hostile["repeat-tokens"])
+        importer = Importer(hostile["repeat-tokens"]) if "repeat-tokens" in hostile else None
 
         def unleash() -> None:
             marks["stats"] = hostile_stats(control)
-            marks["wall"], marks["t0"] = timezone.now(), time.monotonic()
+            marks["wall"], marks["t0"], marks["epoch"] = timezone.now(), time.monotonic(), time.time()
+            marks["spies"] = profile(s, db, 10 if quick else WINDOW)
             marks["pks"] = [
                 start_task(a, f"noisy neighbour {name}", mode="stream" if BEHAVIOURS[name] else "return-immediately").pk
                 for name, a in hostile.items()
             ]
-            importer.start()
+            if importer is not None:
+                importer.start()
             connection.close()
 
         sampler = Sampler({"worker": worker})
-        beside, _ = healthy_run(s, agent, cookie, load, during=unleash)
+        middle = healthy_run(s, agent, cookie, load, during=unleash)
+        beside = middle.browsers
         if not quick:  # count the bounds over the neighbours' whole first minute
             time.sleep(max(0.0, marks["t0"] + WINDOW - time.monotonic()))
         sampler.stop()
         cpu["beside"], rss["beside"] = sampler.cpu_mean("worker"), sampler.peak["worker"]
-        window = time.monotonic() - marks["t0"]
-        importer.stop()
+        window, wall_end = time.monotonic() - marks["t0"], timezone.now()
         stats = hostile_stats(control)
+        if importer is not None:
+            importer.stop()
         ids = [a.pk for a in hostile.values()]
         rows_by_task = dict(
-            TaskEvent.objects.filter(task__agent_id__in=ids, received_at__gte=marks["wall"])
+            TaskEvent.objects.filter(task__agent_id__in=ids, received_at__gte=marks["wall"],
+                                     received_at__lt=wall_end)
             .order_by().values("task_id").annotate(n=Count("pk")).values_list("task_id", "n")
         )
         names = dict(RemoteTask.objects.filter(agent_id__in=ids).values_list("pk", "agent__name"))
         ends = list(RemoteTask.objects.filter(pk__in=marks["pks"]).order_by("pk")
                     .values_list("agent__name", "watcher_status", "watcher_note"))  # fmt: skip
-        kinds = dict(TaskEvent.objects.filter(task__agent_id__in=ids, received_at__gte=marks["wall"])
+        kinds = dict(TaskEvent.objects.filter(task__agent_id__in=ids, received_at__gte=marks["wall"], received_at__lt=wall_end)
                      .order_by().values("kind").annotate(n=Count("pk")).values_list("kind", "n"))  # fmt: skip
+
+        for spy in marks["spies"]:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                spy.wait(30)
 
         # The neighbours given up (as an operator would), then the same load alone again: the
         # baseline is both alone runs, so drift in the machine's load does not favour either side.
@@ -213,7 +289,8 @@ def p9(db: str, quick: bool) -> list[Row]:
         connection.close()
         time.sleep(2 * settings.WATCH_LEASE_SECONDS / 3)  # the holders notice their lease is gone
         sampler = Sampler({"worker": worker})
-        after, _ = healthy_run(s, agent, cookie, load)
+        last = healthy_run(s, agent, cookie, load)
+        after = last.browsers
         sampler.stop()
         cpu["after"], rss["after"] = sampler.cpu_mean("worker"), sampler.peak["worker"]
         log_text = worker.log_path.read_text(errors="replace") if worker.log_path else ""
@@ -241,14 +318,14 @@ def p9(db: str, quick: bool) -> list[Row]:
     per_agent = ", ".join(f"{n} {count}" for n, count in requests.items())
     return [
         Row(
-            "P9", f"healthy emit -> browser beside 10 misbehaving agents, {streams} streams x {events + 1} events at {1 / interval:g}/s",
+            "P9", f"healthy emit -> browser beside {len(hostile)} misbehaving agents, {streams} streams x {events + 1} events at {1 / interval:g}/s",
             f"p50 {ms(b50)}, p99 {ms(b99)}, lost {lost_beside}", "<= 1.5x the same load alone (p50 and p99), 0 lost", ok,
             floor=f"alone: p50 {ms(a50)}, p99 {ms(a99)}, lost {lost_alone}", ratio=f"p50 {r50:.2f}x, p99 {r99:.2f}x",
             db=db,
             note=(f"one stack (bench agent, daphne, one Celery worker, threads pool, a websocket per healthy task as in "
                   f"P1); after a short warm-up pass (discarded), the same load three times: alone, beside the "
-                  f"neighbours, alone again. Neighbours: one task on each of 10 misbehaving agents "
-                  f"(tasks_app/bench/hostile.py: {', '.join(BEHAVIOURS)}), started with start_task as the healthy "
+                  f"neighbours, alone again. Neighbours: one task on each of {len(hostile)} misbehaving agents "
+                  f"(tasks_app/bench/hostile.py: {', '.join(hostile)}), started with start_task as the healthy "
                   f"events began and held by the same worker's watchers, and the repeat-tokens agent imported "
                   f"(start_import) every {IMPORT_EVERY:g} s; afterwards every hostile task was abandoned. 'Alone' "
                   f"pools both alone runs ({len(alone)} samples; before p50 {ms(pct(before.latencies, 0.5))} / p99 "
@@ -257,7 +334,10 @@ def p9(db: str, quick: bool) -> list[Row]:
                   f"{ms(pct(beside.latencies, 0.9))}, max {ms(max(beside.latencies, default=float('nan')))}. "
                   f"Worker CPU before / beside / after {cpu['before']:.0f}% / {cpu['beside']:.0f}% / {cpu['after']:.0f}%, "
                   f"RSS peak {rss['before']:.0f} / {rss['beside']:.0f} / {rss['after']:.0f} MB. "
-                  f"Before: {before.legs()} Beside: {beside.legs()} After: {after.legs()}"
+                  f"Before: {before.legs()} Beside: {beside.legs()} After: {after.legs()} Emit -> the message "
+                  f"in the channel layer (a tap on the same groups), p50 / p99: before {tap(first)}, beside "
+                  f"{tap(middle)}, after {tap(last)}. Beside, at the browsers: {beside.slow(marks['epoch'])} "
+                  f"(after the neighbours started); at the tap: {middle.tap.slow(marks['epoch'])}."
                   + (f" Client errors: {(before.errors + beside.errors + after.errors)[:3]}"
                      if before.errors or beside.errors or after.errors else "")),
             extra={"p50_alone": a50, "p99_alone": a99, "p50": b50, "p99": b99, "ratio_p50": r50, "ratio_p99": r99,
@@ -265,7 +345,7 @@ def p9(db: str, quick: bool) -> list[Row]:
                    "samples_alone": len(alone), "rss_beside": rss["beside"]},
         ),
         Row(
-            "P9", f"what 10 misbehaving agents cost, over their first {window:.0f} s",
+            "P9", f"what {len(hostile)} misbehaving agents cost, over their first {window:.0f} s",
             f"{total_rows:,} log rows (one task {top_rows:,}), {sum(requests.values()):,} requests (one agent "
             f"{requests[top_agent]:,}) in {window:.0f} s",
             f"per task <= {budget_rate:g} rows/s after a 1 s burst, + one batch ({rows_goal:,.0f} here); per agent "
@@ -277,7 +357,7 @@ def p9(db: str, quick: bool) -> list[Row]:
                   f"Requests per agent: {per_agent}. Bytes the agents sent: "
                   + ", ".join(f"{n} {mb:.1f} MB" for n, mb in sent_mb.items() if mb >= 0.1)
                   + f". Rows by kind: {dict(sorted(kinds.items(), key=lambda kv: -kv[1]))}. Imports started "
-                  f"{importer.started}, refused while one ran {importer.refused}. Where each hostile task ended: "
+                  f"{importer.started if importer else 0}, refused while one ran {importer.refused if importer else 0}. Where each hostile task ended: "
                   f"{where}. Settings: BUDGET_TASK_EVENTS_PER_SECOND={budget_rate:g}, BUDGET_TASK_BYTES="
                   f"{tuning.get('BUDGET_TASK_BYTES', settings.BUDGET_TASK_BYTES)}, WATCH_MAX_EVENT_BYTES={max_event} "
                   f"(huge events of {huge_bytes} bytes), WATCH_MAX_FRUITLESS_TURNS={settings.WATCH_MAX_FRUITLESS_TURNS}, "
