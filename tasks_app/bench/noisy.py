@@ -152,6 +152,7 @@ class Run:
     browsers: Timed
     tap: Timed
     expected: int
+    sends_per_second: float = 0.0
 
 
 def healthy_run(s: Stack, agent: Any, cookie: str, load: tuple[int, int, float, float], during: Any = None) -> Run:
@@ -183,13 +184,34 @@ def healthy_run(s: Stack, agent: Any, cookie: str, load: tuple[int, int, float, 
     return asyncio.run(run())
 
 
+def group_sends() -> int:
+    """Channel-layer group sends so far (each starts with one ZRANGE on the private Redis)."""
+    import redis
+    from django.conf import settings
+
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    try:
+        return int(client.info("commandstats").get("cmdstat_zrange", {}).get("calls", 0))
+    finally:
+        client.close()
+
+
+def timed_run(s: Stack, agent: Any, cookie: str, load: tuple[int, int, float, float], during: Any = None) -> Run:
+    """A healthy run, with the channel layer's group sends per second while it lasted."""
+    sends, started = group_sends(), time.monotonic()
+    run = healthy_run(s, agent, cookie, load, during)
+    run.sends_per_second = (group_sends() - sends) / (time.monotonic() - started)
+    return run
+
+
 def tap(run: Run) -> str:
     return f"{ms(pct(run.tap.latencies, 0.5))} / {ms(pct(run.tap.latencies, 0.99))}"
 
 
 def profile(s: Stack, db: str, seconds: float) -> list[subprocess.Popen]:
     """With ``BENCH_PYSPY`` (a py-spy binary) and ``BENCH_PROFILE_DIR`` set: sample the worker and
-    daphne for ``seconds`` while the neighbours run, as collapsed stacks per thread."""
+    daphne for ``seconds`` while the neighbours run, as collapsed stacks per thread
+    (``BENCH_PYSPY_ARGS="--gil"``: only samples holding the GIL)."""
     spy, out = os.environ.get("BENCH_PYSPY"), os.environ.get("BENCH_PROFILE_DIR")
     if not (spy and out):
         return []
@@ -198,7 +220,8 @@ def profile(s: Stack, db: str, seconds: float) -> list[subprocess.Popen]:
     for proc in s.procs.started:
         if proc.name in ("worker", "daphne"):
             argv = [spy, "record", "--pid", str(proc.pid), "--rate", "100", "--threads", "--format", "raw",
-                    "--duration", str(int(seconds)), "--nonblocking", "-o", f"{out}/P9-{db}-{proc.name}.txt"]  # fmt: skip
+                    "--duration", str(int(seconds)), "--nonblocking", "-o", f"{out}/P9-{db}-{proc.name}.txt",
+                    *os.environ.get("BENCH_PYSPY_ARGS", "").split()]  # fmt: skip
             started.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     return started
 
@@ -221,6 +244,7 @@ def p9(db: str, quick: bool) -> list[Row]:
     max_event = settings.WATCH_MAX_EVENT_BYTES
     huge_bytes = 256 * 1024 if quick else int(max_event * 0.9)
     budget_rate = settings.BUDGET_TASK_EVENTS_PER_SECOND
+    load_start = os.getloadavg()[0]
     with stack(tuning) as s:
         s.start_agent()
         s.start_web()
@@ -233,7 +257,7 @@ def p9(db: str, quick: bool) -> list[Row]:
         # A short pass first, discarded: daphne, the worker and the websocket paths warm up.
         healthy_run(s, agent, cookie, (streams, 2, interval, load[3]))
         sampler = Sampler({"worker": worker})
-        first = healthy_run(s, agent, cookie, load)
+        first = timed_run(s, agent, cookie, load)
         before, expected = first.browsers, first.expected
         sampler.stop()
         cpu = {"before": sampler.cpu_mean("worker")}
@@ -255,7 +279,7 @@ def p9(db: str, quick: bool) -> list[Row]:
             connection.close()
 
         sampler = Sampler({"worker": worker})
-        middle = healthy_run(s, agent, cookie, load, during=unleash)
+        middle = timed_run(s, agent, cookie, load, during=unleash)
         beside = middle.browsers
         if not quick:  # count the bounds over the neighbours' whole first minute
             time.sleep(max(0.0, marks["t0"] + WINDOW - time.monotonic()))
@@ -289,7 +313,7 @@ def p9(db: str, quick: bool) -> list[Row]:
         connection.close()
         time.sleep(2 * settings.WATCH_LEASE_SECONDS / 3)  # the holders notice their lease is gone
         sampler = Sampler({"worker": worker})
-        last = healthy_run(s, agent, cookie, load)
+        last = timed_run(s, agent, cookie, load)
         after = last.browsers
         sampler.stop()
         cpu["after"], rss["after"] = sampler.cpu_mean("worker"), sampler.peak["worker"]
@@ -337,7 +361,10 @@ def p9(db: str, quick: bool) -> list[Row]:
                   f"Before: {before.legs()} Beside: {beside.legs()} After: {after.legs()} Emit -> the message "
                   f"in the channel layer (a tap on the same groups), p50 / p99: before {tap(first)}, beside "
                   f"{tap(middle)}, after {tap(last)}. Beside, at the browsers: {beside.slow(marks['epoch'])} "
-                  f"(after the neighbours started); at the tap: {middle.tap.slow(marks['epoch'])}."
+                  f"(after the neighbours started); at the tap: {middle.tap.slow(marks['epoch'])}. Channel-layer "
+                  f"group sends/s before / beside / after: {first.sends_per_second:.0f} / "
+                  f"{middle.sends_per_second:.0f} / {last.sends_per_second:.0f}. Load average (1 min) at the start "
+                  f"and the end of the row: {load_start:.1f}, {os.getloadavg()[0]:.1f}."
                   + (f" Client errors: {(before.errors + beside.errors + after.errors)[:3]}"
                      if before.errors or beside.errors or after.errors else "")),
             extra={"p50_alone": a50, "p99_alone": a99, "p50": b50, "p99": b99, "ratio_p50": r50, "ratio_p99": r99,
