@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import json
 import logging
 import os
 import random
@@ -758,22 +759,36 @@ class Holder:
         transaction, so a fast stream costs one commit per batch rather than
         per event. While the task waits for authorization, the outbox is looked
         at every second so that an answer goes out at once.
+
+        The queue is bounded in bytes too (about ``WATCH_MAX_EVENT_BYTES`` read
+        ahead, or one event): bounded in events only, a stream of 1 MB chunks
+        was read up to 1,000 MB ahead of the recorder, so a worker's memory
+        grew with the artifact (2.4 times its size, measured).
         """
-        queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=2 * BATCH)
+        queue: asyncio.Queue[tuple[Any, int]] = asyncio.Queue(maxsize=2 * BATCH)
         done = object()
         outcome = Outcome()
+        read_ahead = max(settings.WATCH_MAX_EVENT_BYTES, 1)
+        queued = 0  # bytes of events waiting in the queue
+        room = asyncio.Event()  # set when the recorder took some
 
         async def reader() -> None:
+            nonlocal queued
             try:
                 async with contextlib.aclosing(events) as stream:  # type: ignore[type-var]
                     async for event in stream:
-                        await queue.put(event)
+                        size = _event_size(event)
+                        while queued and queued + size > read_ahead:
+                            room.clear()
+                            await room.wait()
+                        queued += size
+                        await queue.put((event, size))
             except asyncio.CancelledError:
                 raise  # the turn is over: never wait on a full queue nobody reads
             except BaseException as exc:
-                await queue.put(exc)
+                await queue.put((exc, 0))
                 return
-            await queue.put(done)
+            await queue.put((done, 0))
 
         reader_task = self.loop.create_task(reader())
         first = True
@@ -793,9 +808,12 @@ class Holder:
                             raise OutboxReady from None
                         continue
                     raise HandOver from None
-                batch = [item]
-                while not queue.empty() and len(batch) < BATCH:
-                    batch.append(queue.get_nowait())
+                taken = [item]
+                while not queue.empty() and len(taken) < BATCH:
+                    taken.append(queue.get_nowait())
+                queued -= sum(size for _, size in taken)
+                room.set()
+                batch = [event for event, _ in taken]
                 events_only = [e for e in batch if isinstance(e, StreamEvent)]
                 end = next((e for e in batch if not isinstance(e, StreamEvent)), None)
                 if events_only:
@@ -907,6 +925,14 @@ class Holder:
             return
         if result.fenced:
             raise Fenced
+
+
+def _event_size(event: Any) -> int:
+    """About how many bytes an event holds (its JSON), for the stream queue's byte bound."""
+    try:
+        return len(json.dumps(getattr(event, "raw", None)))
+    except (TypeError, ValueError):
+        return 0
 
 
 def backoff(failures: int) -> float:

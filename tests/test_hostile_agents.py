@@ -1,26 +1,100 @@
-"""Watchers against misbehaving agents: every hostile loop ends bounded, visible and actionable.
+"""Issue 9's acceptance suite: misbehaving agents of our own, and what each one may cost us.
 
-Each test asserts the bound (log rows per task, requests to the agent) as well
-as the outcome. The agents are real servers on 127.0.0.1 (``tests.hostile_agents``
-and the a2a-sdk demo agent); the watchers run in a real Celery worker.
+Every hostile loop ends bounded, visible and actionable. Each test asserts the bound as
+well as the outcome, and the bounds are counts, never timings: log rows per task (per
+minute, under a hostile loop), requests to the agent (per minute), worker and web RSS
+after a huge artifact, database bytes per hostile task. The agents are real servers on
+127.0.0.1 (``tests/hostile_agents.py``, raw JSON-RPC; the a2a-sdk demo agent for the
+healthy side); the watchers run in a real Celery worker, so every test here goes agent ->
+worker -> ``record()`` -> the database. The suite runs on SQLite and on PostgreSQL.
+
+Each class of the issue, and the test that covers it end to end (``::name`` alone is in
+this file; the protocol-level tests of ``tests/test_hostile_protocol.py`` pin the exact
+error and the client's own bound for the same agents):
+
+wrong-id answers (and UNSPECIFIED states, garbage, streams that close at once)
+    ``::test_an_agent_answering_nonsense_is_parked_after_a_few_fruitless_turns`` (poll and
+    stream: a handful of requests and rows, then none once parked; watch again re-parks),
+    ``::test_a_stream_that_closes_cleanly_is_not_reopened_at_once``,
+    ``::test_an_agent_over_its_protocol_error_budget_has_its_tasks_parked``
+repeating page tokens
+    ``tests/test_imports.py::test_web_import_returns_at_once_and_the_worker_stops_on_a_repeated_token``
+    (two ListTasks, then the job fails naming the token; the web request returns at once),
+    ``tests/test_imports.py::test_page_cap_stops_ever_new_tokens``
+trickling responses
+    ``::test_a_trickling_agent_fails_at_the_deadline_and_is_parked`` (send and GetTask, or
+    the send's stream and SubscribeToTask: "no complete response after N s", found by
+    contextId, parked; every connection hung up on)
+never-ending responses
+    ``::test_a_never_ending_stream_of_keep_alives_costs_one_request_per_slice`` (no rows,
+    one stream per slice, never more than two open),
+    ``::test_a_flooding_stream_is_recorded_within_the_events_per_second_budget``
+deep nesting (10,000 nested arrays)
+    ``::test_a_deeply_nested_reply_is_a_precise_protocol_error`` (reply and SSE event:
+    "JSON nested deeper than 256 levels", never "the worker stopped while sending")
+lone surrogates and NUL, on both databases
+    ``::test_lone_surrogates_and_nul_are_stored_and_shown_escaped`` (status message,
+    artifact, metadata; the page shows U+FFFD and escaped markup),
+    ``tests/test_truth.py::test_any_string_an_agent_sends_is_stored`` (record level,
+    Hypothesis)
+huge artifacts
+    ``::test_a_huge_artifact_is_stored_once_in_bounded_worker_memory`` (30 and 90 MB: the
+    content once in the database, worker RSS under one bound for both),
+    ``::test_a_huge_artifact_over_a_smaller_byte_budget_is_cut_there`` (8 MB kept, one
+    budget entry, parked), ``::test_a_task_over_its_byte_budget_is_parked_with_one_entry``;
+    the web side: ``tests/test_artifact_pages.py::test_web_process_memory_stays_bounded``
+    (daphne's RSS) and
+    ``tests/test_artifact_pages.py::test_task_page_shows_a_bounded_preview_and_downloads_the_whole``
+a reply lost after the agent got the request, with no second remote task
+    ``::test_a_reply_lost_after_the_agent_got_the_request_is_found_by_context``,
+    ``::test_a_send_interrupted_by_a_crash_is_looked_up_not_repeated``
+blocking-mode cancel
+    ``::test_a_blocking_start_can_be_canceled``
+a forgotten task
+    ``::test_a_task_the_agent_forgot_is_gone_and_no_longer_watched``
+a worker SIGKILLed under ``up``
+    ``tests/test_up_command.py::test_up_restarts_a_killed_child_and_stays_quiet_while_idle``
+    (worker and Redis killed in turn, each restarted, the dashboard stays up)
+a way out of every phase
+    ``::test_every_watcher_state_has_a_timeout_and_a_way_out``,
+    ``::test_a_task_stuck_in_sending_can_be_abandoned``,
+    ``::test_cli_refresh_and_abandon_a_task_that_was_never_named``,
+    ``::test_an_answer_to_an_auth_required_task_is_sent_at_once``
+
+Throughout, a healthy task on a well-behaved agent completes correctly: every test of
+section 8 runs one on the demo agent in the same worker (``healthy_neighbour``) and
+checks it ends equal to the agent's GetTask, and
+``::test_healthy_tasks_complete_beside_every_hostile_agent_in_one_worker`` runs five
+healthy tasks (every start mode) beside seven hostile agents at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
+import psutil
 import pytest
 from django.contrib.auth import get_user_model
+from django.db import connection
+from django.db.models import QuerySet, Sum, TextField
+from django.db.models.functions import Cast, Length
 from django.test import Client
 from django.utils import timezone
 
-from tasks_app.models import Agent, RemoteTask, TaskEvent
+from tasks_app.models import Agent, ArtifactPart, ConversationMessage, RemoteTask, TaskEvent
 from tasks_app.services import tasks as task_services
 from tasks_app.services.agents import add_agent
 from tasks_app.watchers import TABLE, Event, next_status
-from tests.hostile_agents import HostileAgent, hostile_servers
-from tests.test_mirror import assert_converged, settled, wait_for
+from tests.agents import AgentHandle
+from tests.hostile_agents import BAD_TEXT, HostileAgent, hostile_servers, huge_chunk
+from tests.test_mirror import assert_converged, assert_log_is_gapless, settled, wait_for
 
 Status = RemoteTask.WatcherStatus
 FAST = {
@@ -376,3 +450,311 @@ def test_cli_refresh_and_abandon_a_task_that_was_never_named(hostile):
     assert kinds(task, "operator")[-1].raw["operator"]["reason"] == "not needed"
     with pytest.raises(CommandError, match="abandoned already"):
         call_command("tasks", "abandon", str(task.pk))
+
+
+# 8. End to end: deadlines, endless streams, deep JSON, unstorable text, huge artifacts ---------
+#
+# Agent -> a real Celery worker -> record() -> the database, with a healthy task of the demo
+# agent (a2a-sdk) running in the same worker all along: it must end equal to the agent's GetTask.
+
+DEADLINE = 1.5  # A2A_CALL_DEADLINE_SECONDS in these workers
+DEADLINES = {"A2A_CALL_DEADLINE_SECONDS": str(DEADLINE), "A2A_SEND_DEADLINE_SECONDS": str(DEADLINE)}
+MB = 1_000_000
+
+
+@contextlib.contextmanager
+def healthy_neighbour(agent: AgentHandle, text: str = "slow 6 0.05", mode: str = "stream") -> Iterator[RemoteTask]:
+    """A task on the well-behaved demo agent, started now; on exit it must have converged."""
+    demo = add_agent(agent.base_url, name=f"healthy {uuid.uuid4().hex[:6]}")
+    task = task_services.start_task(demo, text, mode=mode)
+    yield task
+    wait_for(lambda: settled(task), what="the healthy neighbour to end")
+    assert task.phase == "task" and task.state == "TASK_STATE_COMPLETED", task.send_error
+    assert_converged(task)
+
+
+def entry_text(row: TaskEvent) -> str:
+    """Everything a log row says, for matching a diagnosis wherever it is kept."""
+    return f"{row.note} {json.dumps(row.raw)}"
+
+
+def content_bytes(task: RemoteTask) -> int:
+    """Characters the database holds for a task's agent content: log rows, artifact parts, messages."""
+
+    def total(rows: QuerySet, column: str) -> int:
+        return rows.annotate(n=Length(Cast(column, TextField()))).aggregate(s=Sum("n"))["s"] or 0
+
+    return (
+        total(TaskEvent.objects.filter(task=task), "raw")
+        + total(ArtifactPart.objects.filter(artifact__task=task), "part")
+        + total(ConversationMessage.objects.filter(task=task), "message")
+    )
+
+
+def database_size() -> int:
+    """The database's size on disk: the SQLite file and its WAL, or PostgreSQL's own count."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_database_size(current_database())")
+            return int(cursor.fetchone()[0])
+    name = Path(connection.settings_dict["NAME"])
+    return sum(p.stat().st_size for p in (name, Path(f"{name}-wal")) if p.exists())
+
+
+class PeakRSS:
+    """The highest resident size of a process, sampled in a thread until stopped (bytes)."""
+
+    def __init__(self, pid: int) -> None:
+        self.process = psutil.Process(pid)
+        self.start = self.peak = self.process.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.05):
+            with contextlib.suppress(psutil.Error):
+                self.peak = max(self.peak, self.process.memory_info().rss)
+
+    def stop(self) -> int:
+        """Stop sampling; the peak growth over the start, in bytes."""
+        self._stop.set()
+        self._thread.join(5)
+        return self.peak - self.start
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_trickling_agent_fails_at_the_deadline_and_is_parked(hostile, agent, start_celery_worker, streaming):
+    """Issue 9, #5: a reply trickling a byte a second never ended; now each call ends at its deadline."""
+    worker = start_celery_worker(**FAST, **DEADLINES)
+    slow = hostile("trickle", trickle_interval=1.0)
+    with healthy_neighbour(agent):
+        task = task_services.start_task(
+            hostile_row(slow, streaming=streaming), "go", mode="stream" if streaming else "return-immediately"
+        )
+        wait_for(lambda: status_of(task) == Status.PARKED, what="the trickling task to be parked")
+    task.refresh_from_db()
+    diagnosis = f"no complete response after {DEADLINE:g} s"
+    # The send's reply never completed: the task is found by its contextId, not sent twice.
+    found = kinds(task, "system", "found-again")
+    assert len(found) == 1 and diagnosis in entry_text(found[0])
+    assert task.remote_id == next(iter(slow.tasks)) and len(slow.tasks) == 1
+    # Following it: every GetTask/SubscribeToTask ends at the deadline, then the task is parked.
+    assert diagnosis in task.watcher_note and "needs attention" in task.watcher_note
+    assert len(kinds(task, "system", "parked")) == 1
+    follow = "SubscribeToTask" if streaming else "GetTask"
+    assert slow.calls["SendStreamingMessage" if streaming else "SendMessage"] == 1
+    assert slow.calls["ListTasks"] == 1 and 1 <= slow.calls[follow] <= 4 + 1
+    assert task.last_seq <= 12
+    # Every trickled connection was hung up on: nothing is held open, and only a trickle was sent.
+    wait_for(lambda: slow.open_now == 0, timeout=5, what="the agent to see every connection closed")
+    assert slow.bytes_sent < 6 * 1024
+    html = page(task)
+    assert "Needs attention" in html and diagnosis in html
+    no_traceback(worker)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
+def test_a_never_ending_stream_of_keep_alives_costs_one_request_per_slice(hostile, agent, start_celery_worker):
+    """Keep-alives forever look like a quiet healthy task: held to the slice's end, no rows, no storm."""
+    slice_seconds = 2.0
+    worker = start_celery_worker(**FAST, WATCH_SLICE_SECONDS=str(slice_seconds))
+    pinger = hostile("keepalive", keepalive_interval=0.1)
+    with healthy_neighbour(agent):
+        task = task_services.start_task(hostile_row(pinger, streaming=True), "go", mode="stream")
+        wait_for(lambda: pinger.calls["SubscribeToTask"] >= 1, what="the first resubscription")
+        start, seq = time.monotonic(), RemoteTask.objects.get(pk=task.pk).last_seq
+        time.sleep(4 * slice_seconds)
+        window = time.monotonic() - start
+    task.refresh_from_db()
+    # Requests per minute: one stream per slice (the slice ends it; a continuation takes over).
+    assert pinger.calls_since(start, "SubscribeToTask") <= window / slice_seconds + 2
+    assert pinger.calls["SendStreamingMessage"] == 1 and pinger.calls["GetTask"] <= 1
+    # Rows per minute: none (keep-alives are not events), and never more than two streams open.
+    assert task.last_seq == seq <= 4
+    assert pinger.open_max <= 2
+    assert task.state == "TASK_STATE_WORKING" and task.watcher_status != Status.PARKED
+    no_traceback(worker)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_deeply_nested_reply_is_a_precise_protocol_error(hostile, agent, start_celery_worker, streaming):
+    """Issue 9, #4: 10,000 nested arrays were a RecursionError, "the worker stopped while sending"."""
+    worker = start_celery_worker(**FAST)
+    deep = hostile("deep")
+    with healthy_neighbour(agent):
+        task = task_services.start_task(
+            hostile_row(deep, streaming=streaming), "go", mode="stream" if streaming else "return-immediately"
+        )
+        wait_for(lambda: status_of(task) == Status.PARKED, what="the deep task to be parked")
+    task.refresh_from_db()
+    diagnosis = "JSON nested deeper than 256 levels"
+    found = kinds(task, "system", "found-again")  # the send's reply was unreadable: looked up
+    assert len(found) == 1 and diagnosis in entry_text(found[0])
+    errors = kinds(task, "protocol-error")
+    assert 1 <= len(errors) <= 4 + 1 and all(diagnosis in entry_text(row) for row in errors)
+    assert not any("stopped" in entry_text(row) for row in TaskEvent.objects.filter(task=task))
+    assert diagnosis in task.watcher_note and len(kinds(task, "system", "parked")) == 1
+    # Bounded requests and rows; the task is actionable from its page.
+    assert deep.calls["SendStreamingMessage" if streaming else "SendMessage"] == 1
+    assert deep.calls["ListTasks"] == 1 and deep.calls["SubscribeToTask" if streaming else "GetTask"] <= 4 + 1
+    assert task.last_seq <= 12 and len(deep.tasks) == 1
+    html = page(task)
+    for button in ('id="watch-again-button"', 'id="refresh-button"', 'id="abandon-confirm"', 'id="cancel-confirm"'):
+        assert button in html
+    no_traceback(worker)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
+@pytest.mark.parametrize("streaming", [False, True])
+def test_lone_surrogates_and_nul_are_stored_and_shown_escaped(hostile, agent, start_celery_worker, streaming):
+    """Issue 9, #3: a lone surrogate crashed record(); NUL is refused by PostgreSQL's jsonb.
+
+    Runs on whichever database the pass uses (the suite runs on SQLite and on PostgreSQL).
+    """
+    from django.core.management import call_command
+
+    worker = start_celery_worker(**FAST)
+    bad = hostile("badtext")
+    with healthy_neighbour(agent):
+        task = task_services.start_task(
+            hostile_row(bad, streaming=streaming), "go", mode="stream" if streaming else "return-immediately"
+        )
+        wait_for(lambda: settled(task), what="the task with unstorable text to end")
+    assert task.phase == "task" and task.state == "TASK_STATE_COMPLETED"
+    stored = BAD_TEXT.replace("\ud800", "\ufffd").replace("\x00", "\ufffd")
+    assert task.status_message["parts"][0]["text"] == "status " + stored
+    artifact = task.artifacts.get()
+    assert artifact.name == "name " + stored
+    assert artifact.parts.get().part == {"text": "artifact " + stored}
+    assert task.metadata == {"note": "metadata " + stored}
+    # The log says what was replaced; nothing failed; a few rows.
+    notes = " ".join(TaskEvent.objects.filter(task=task).values_list("note", flat=True))
+    assert "replaced by U+FFFD" in notes
+    assert not kinds(task, "protocol-error") and task.last_seq <= 6
+    # The page renders it, the markup escaped (never live), the replacement characters shown.
+    html = page(task)
+    assert "@lone\ufffd@nul\ufffd@" in html
+    assert "<script>alert(1)</script>" not in html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    out = io.StringIO()
+    call_command("tasks", "show", str(task.pk), "--json", stdout=out)
+    assert json.loads(out.getvalue())["snapshot"]["status"]["message"]["parts"][0]["text"] == "status " + stored
+    assert bad.calls["GetTask"] <= 1
+    no_traceback(worker)
+
+
+def _huge_task(hostile: Callable[..., HostileAgent], chunks: int) -> tuple[HostileAgent, RemoteTask]:
+    huge = hostile("huge", huge_chunks=chunks, huge_chunk_chars=MB)
+    return huge, task_services.start_task(hostile_row(huge, streaming=True), "go", mode="stream")
+
+
+# Worker memory a huge artifact may cost, whatever its size: a few MB of stream read ahead
+# (WATCH_MAX_EVENT_BYTES) and one batch being recorded, or the one GetTask of the whole task
+# at the end (its body is capped at 32 MiB). Before the stream queue was bounded in bytes,
+# the growth was 2.4 times the artifact (145 MB for 60 MB); since, about 90 MB at any size.
+WORKER_RSS_GROWTH = 150 * 2**20
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
+@pytest.mark.parametrize("chunks", [30, 90])
+def test_a_huge_artifact_is_stored_once_in_bounded_worker_memory(hostile, agent, start_celery_worker, chunks):
+    """Issue 9, #10 and #12: a 30 MB (and a 90 MB) artifact, streamed in 1 MB chunks, is stored once.
+
+    The budget is raised above both, so the whole artifact is kept: what is bounded is the
+    worker's memory (the same bound for 30 and 90 MB) and the database bytes (the content
+    once). The web side (the task page of a 30 MB artifact, daphne's memory) is
+    tests/test_artifact_pages.py::test_web_process_memory_stays_bounded.
+    """
+    worker = start_celery_worker(**FAST, BUDGET_TASK_BYTES=str(200 * MB))
+    disk = database_size()
+    rss = PeakRSS(worker.pid)
+    with healthy_neighbour(agent):
+        huge, task = _huge_task(hostile, chunks)
+        wait_for(lambda: settled(task) and task.settled_at is not None, timeout=120, what="the huge artifact to settle")
+    growth = rss.stop()
+    assert task.state == "TASK_STATE_COMPLETED" and task.watcher_status != Status.PARKED
+    content = chunks * MB
+    parts = ArtifactPart.objects.filter(artifact__task=task).order_by("index")
+    assert list(parts.values_list("index", flat=True)) == list(range(chunks))
+    for index in (0, chunks // 2, chunks - 1):  # the right bytes in the right place
+        assert parts.get(index=index).part == {"text": huge_chunk(index, MB)}
+    # Database bytes per hostile task: the content once (in the parts); the log keeps references.
+    assert content <= content_bytes(task) <= content + 512 * 1024
+    assert database_size() - disk <= 2.5 * content  # on disk, with SQLite's WAL
+    # Worker memory: the peak over the whole run (stream, fold, the GetTask at the end).
+    assert growth <= WORKER_RSS_GROWTH, f"worker RSS grew by {growth / 2**20:.0f} MB"
+    # Requests and rows: one stream, one GetTask to settle, a row per chunk.
+    assert huge.calls["SendStreamingMessage"] == 1 and huge.calls["GetTask"] <= 1
+    assert task.last_seq <= chunks + 6
+    assert len(page(task)) < 300_000  # a preview, not the artifact
+    no_traceback(worker)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
+def test_a_huge_artifact_over_a_smaller_byte_budget_is_cut_there(hostile, agent, start_celery_worker):
+    """BUDGET_TASK_BYTES at 8 MB against a 60 MB stream: 8 MB kept, one entry, parked, hung up on."""
+    budget = 8 * MB
+    worker = start_celery_worker(**FAST, BUDGET_TASK_BYTES=str(budget))
+    disk = database_size()
+    rss = PeakRSS(worker.pid)
+    with healthy_neighbour(agent):
+        huge, task = _huge_task(hostile, 60)
+        wait_for(lambda: status_of(task) == Status.PARKED, timeout=60, what="the task to be parked")
+    growth = rss.stop()
+    task.refresh_from_db()
+    assert task.stored_bytes <= budget + 1
+    assert len(kinds(task, "system", "budget-exceeded")) == 1 and not kinds(task, "system", "parked")
+    assert "budget" in task.watcher_note
+    # Database bytes per hostile task: within the budget (plus our own small rows).
+    assert content_bytes(task) <= budget + 256 * 1024
+    assert database_size() - disk <= 3 * budget
+    assert growth <= WORKER_RSS_GROWTH, f"worker RSS grew by {growth / 2**20:.0f} MB"
+    # The stream was closed: the agent pushed the budget, what was read ahead and what the
+    # sockets hold, not the 60 MB.
+    wait_for(lambda: huge.open_now == 0, timeout=10, what="the huge stream to be closed")
+    assert huge.bytes_sent <= budget + 32 * MB
+    assert huge.calls["SendStreamingMessage"] == 1 and task.last_seq <= 16
+    no_traceback(worker)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
+def test_healthy_tasks_complete_beside_every_hostile_agent_in_one_worker(hostile, agent, start_celery_worker):
+    """The noisy neighbour: one worker holds every kind of hostile task and healthy ones at once."""
+    worker = start_celery_worker(**FAST, **DEADLINES, BUDGET_TASK_EVENTS_PER_SECOND="300")
+    hostile_tasks = {
+        name: task_services.start_task(hostile_row(hostile(name, **options), streaming=True), "go", mode="stream")
+        for name, options in [
+            ("trickle", {}), ("keepalive", {}), ("deep", {}), ("badtext", {}),
+            ("flood", {"flood_events": 1500}), ("wrongid", {}), ("garbage", {}),
+        ]
+    }  # fmt: skip
+    demo = add_agent(agent.base_url, name="healthy demo")
+    healthy = [
+        task_services.start_task(demo, text, mode=mode)
+        for text, mode in [
+            ("slow 8 0.1", "stream"), ("slow 4 0.1", "return-immediately"), ("data", "blocking"),
+            ("quick", "stream"), ("auth 0.5", "stream"),
+        ]
+    ]  # fmt: skip
+    for task in healthy:
+        wait_for(lambda task=task: settled(task), timeout=60, what="every healthy task to end")
+        assert task.state == "TASK_STATE_COMPLETED", task.send_error
+        assert_converged(task)
+        assert_log_is_gapless(task)
+    for name in ("trickle", "deep", "wrongid", "garbage"):
+        wait_for(lambda name=name: status_of(hostile_tasks[name]) == Status.PARKED, what=f"{name} parked")
+    wait_for(lambda: settled(hostile_tasks["badtext"]), what="badtext to end")
+    for task in hostile_tasks.values():
+        task.refresh_from_db()
+        assert task.last_seq <= 1500 + 12, task  # bounded rows, even for the flood
+    no_traceback(worker)
