@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 from django.db import close_old_connections, connection
 
-from tasks_app import watchers
+from tasks_app import eventloop, relay, watchers
 from tasks_app.models import RemoteTask
 from tasks_app.outbound import client_for, http_client
 from tasks_app.services import tasks as task_services
@@ -66,7 +66,17 @@ def race(task_pk: int, question: int, label: str) -> tuple[list[str], list[str]]
     return won, refused
 
 
-def test_exactly_one_answer_reaches_the_agent(agent, monkeypatch):
+@pytest.fixture
+def in_process_holders() -> Iterator[None]:
+    """Holders on this process's shared loop; afterwards the loop and its relay are gone again."""
+    yield
+    if eventloop.running():
+        eventloop.submit(watchers.registry.shutdown()).result(timeout=15)
+        eventloop.stop()
+    relay.use_loop(None)  # later tests publish straight to the channel layer again
+
+
+def test_exactly_one_answer_reaches_the_agent(agent, monkeypatch, in_process_holders):
     acknowledged = threading.Event()
     resume = threading.Event()
     original_clear = task_services.clear_outbox
