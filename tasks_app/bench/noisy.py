@@ -204,6 +204,34 @@ def timed_run(s: Stack, agent: Any, cookie: str, load: tuple[int, int, float, fl
     return run
 
 
+def stall_context(got: Timed, agent_ids: list[int], since: float) -> str:
+    """What the neighbours' watchers and imports did around the slowest healthy sample (for the profile)."""
+    import datetime as dt
+
+    from tasks_app.models import ImportJob, TaskEvent
+
+    if not got.at:
+        return ""
+    arrived, latency = max(got.at, key=lambda pair: pair[1])
+    start = dt.datetime.fromtimestamp(arrived - latency - 2, dt.UTC)
+    end = dt.datetime.fromtimestamp(arrived, dt.UTC)
+    rows = (TaskEvent.objects.filter(task__agent_id__in=agent_ids, received_at__gte=start, received_at__lte=end)
+            .exclude(kind__in=("statusUpdate", "artifactUpdate")).order_by("received_at")
+            .values_list("received_at", "task__agent__name", "kind", "raw"))[:12]  # fmt: skip
+    seen = []
+    for at, name, kind, raw in rows:
+        detail = (raw.get("system") or {}).get("event", "") if isinstance(raw, dict) else ""
+        seen.append(f"+{at.timestamp() - since:.1f} s {name.removeprefix('Hostile ')} {kind} {detail}".rstrip())
+    jobs = ImportJob.objects.filter(agent_id__in=agent_ids, started_at__lte=end, finished_at__gte=start)
+    seen += [f"an import ran +{j.started_at.timestamp() - since:.1f} s to +{j.finished_at.timestamp() - since:.1f} s"
+             for j in jobs]  # fmt: skip
+    flooded = TaskEvent.objects.filter(task__agent_id__in=agent_ids, received_at__gte=start, received_at__lte=end,
+                                       kind__in=("statusUpdate", "artifactUpdate")).count()  # fmt: skip
+    return (f"The slowest sample ({ms(latency)}) was emitted +{arrived - latency - since:.1f} s after the neighbours "
+            f"started; in the 2 s before it until it arrived the neighbours' tasks logged {flooded} updates and: "
+            f"{'; '.join(seen) or 'nothing else'}.")
+
+
 def tap(run: Run) -> str:
     return f"{ms(pct(run.tap.latencies, 0.5))} / {ms(pct(run.tap.latencies, 0.99))}"
 
@@ -301,6 +329,8 @@ def p9(db: str, quick: bool) -> list[Row]:
         kinds = dict(TaskEvent.objects.filter(task__agent_id__in=ids, received_at__gte=marks["wall"], received_at__lt=wall_end)
                      .order_by().values("kind").annotate(n=Count("pk")).values_list("kind", "n"))  # fmt: skip
 
+        around = stall_context(middle.browsers, ids, marks["epoch"])
+
         for spy in marks["spies"]:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 spy.wait(30)
@@ -363,7 +393,7 @@ def p9(db: str, quick: bool) -> list[Row]:
                   f"{tap(middle)}, after {tap(last)}. Beside, at the browsers: {beside.slow(marks['epoch'])} "
                   f"(after the neighbours started); at the tap: {middle.tap.slow(marks['epoch'])}. Channel-layer "
                   f"group sends/s before / beside / after: {first.sends_per_second:.0f} / "
-                  f"{middle.sends_per_second:.0f} / {last.sends_per_second:.0f}. Load average (1 min) at the start "
+                  f"{middle.sends_per_second:.0f} / {last.sends_per_second:.0f}. {around} Load average (1 min) at the start "
                   f"and the end of the row: {load_start:.1f}, {os.getloadavg()[0]:.1f}."
                   + (f" Client errors: {(before.errors + beside.errors + after.errors)[:3]}"
                      if before.errors or beside.errors or after.errors else "")),
