@@ -80,6 +80,9 @@ BATCH = 500
 PARKED_RECHECK_SECONDS = 600
 # While a task waits for authorization, the outbox is checked this often (an answer goes at once).
 OUTBOX_CHECK_SECONDS = 1.0
+# A stream is read at most this far ahead of the recorder (one bigger event is still taken):
+# what a batch of big chunks costs in memory is bounded, whatever the artifact's size.
+STREAM_READ_AHEAD_BYTES = 4 * 1024 * 1024
 
 
 # The state table -------------------------------------------------------------------------------
@@ -760,15 +763,15 @@ class Holder:
         per event. While the task waits for authorization, the outbox is looked
         at every second so that an answer goes out at once.
 
-        The queue is bounded in bytes too (about ``WATCH_MAX_EVENT_BYTES`` read
-        ahead, or one event): bounded in events only, a stream of 1 MB chunks
-        was read up to 1,000 MB ahead of the recorder, so a worker's memory
-        grew with the artifact (2.4 times its size, measured).
+        The queue is bounded in bytes too (``STREAM_READ_AHEAD_BYTES``, or one
+        event of any size): bounded in events only, a stream of 1 MB chunks was
+        read up to 1,000 MB ahead of the recorder, so a worker's memory grew
+        with the artifact (2.4 times its size, measured).
         """
         queue: asyncio.Queue[tuple[Any, int]] = asyncio.Queue(maxsize=2 * BATCH)
         done = object()
         outcome = Outcome()
-        read_ahead = max(settings.WATCH_MAX_EVENT_BYTES, 1)
+        read_ahead = STREAM_READ_AHEAD_BYTES
         queued = 0  # bytes of events waiting in the queue
         room = asyncio.Event()  # set when the recorder took some
 
