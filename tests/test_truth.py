@@ -413,3 +413,42 @@ def test_a_big_artifact_in_a_snapshot_is_stored_once():
     assert log_chars < 5_000 and part_chars >= 300_000
     assert artifact_texts(task) == [big]
     assert_sound(task)
+
+
+def test_a_task_already_mirrored_by_another_row_is_not_adopted_twice():
+    """An import listed the task first; the send's reply then names the same task."""
+    agent = Agent.objects.create(name="dup", base_url="http://127.0.0.1:1/dup")
+    imported = RemoteTask.objects.create(agent=agent, remote_id=T, phase="task", mode="imported")
+    ours = RemoteTask.objects.create(agent=agent, title="ours")
+    result = record(ours, {"task": snapshot("TASK_STATE_WORKING")}, "send-response")
+    assert result.kinds == ["protocol-error"] and f"already mirrored as #{imported.pk}" in result.notes[0]
+    ours.refresh_from_db()
+    assert ours.remote_id == "" and imported.remote_id == T
+
+
+def test_our_start_entry_gives_the_task_its_context():
+    task = new_task()
+    message = {"messageId": "u-1", "role": "ROLE_USER", "contextId": "ours-1", "parts": [{"text": "hi"}]}
+    record(task, {"operator": {"action": "start", "message": message}}, "operator")
+    task.refresh_from_db()
+    assert task.context_id == "ours-1" and task.remote_id == ""
+    assert_sound(task)
+
+
+def test_an_import_that_lists_our_unanswered_send_records_into_our_row(monkeypatch):
+    from tasks_app.models import ImportJob
+    from tasks_app.services import imports
+
+    monkeypatch.setattr(imports, "dispatch", lambda pk: None)  # no watcher messages into the broker
+    task = new_task()
+    message = {"messageId": "u-1", "role": "ROLE_USER", "contextId": "ours-2", "parts": [{"text": "hi"}]}
+    record(task, {"operator": {"action": "start", "message": message}}, "operator")
+    job = ImportJob.objects.create(agent=task.agent)
+    listed = {**snapshot("TASK_STATE_WORKING"), "contextId": "ours-2", "history": [{**message, "taskId": T}]}
+    imports._record_page(job, [listed])
+    task.refresh_from_db()
+    assert (task.remote_id, job.created) == (T, 0)
+    assert RemoteTask.objects.filter(agent=task.agent).count() == 1
+    # The send's reply, recorded a moment later, is the same task: nothing new, no conflict.
+    assert record(task, {"task": listed}, "send-response").duplicate
+    assert_sound(task)

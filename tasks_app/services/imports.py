@@ -283,23 +283,46 @@ def _record_page(job: ImportJob, tasks: list) -> None:
         if not isinstance(remote, dict) or not isinstance(remote.get("id"), str) or not remote["id"]:
             continue
         job.seen += 1
-        task, created = RemoteTask.objects.get_or_create(
-            agent=agent,
-            remote_id=remote["id"],
-            defaults={
-                "mode": RemoteTask.Mode.IMPORTED,
-                "phase": RemoteTask.Phase.TASK,
-                "context_id": remote.get("contextId") if isinstance(remote.get("contextId"), str) else "",
-                "title": _title_of(remote),
-                "watch": RemoteTask.Watch.STREAM if agent.streaming else RemoteTask.Watch.POLL,
-            },
-        )
+        task, created = _ours_unnamed(agent, remote), False
+        if task is None:
+            task, created = RemoteTask.objects.get_or_create(
+                agent=agent,
+                remote_id=remote["id"],
+                defaults={
+                    "mode": RemoteTask.Mode.IMPORTED,
+                    "phase": RemoteTask.Phase.TASK,
+                    "context_id": remote.get("contextId") if isinstance(remote.get("contextId"), str) else "",
+                    "title": _title_of(remote),
+                    "watch": RemoteTask.Watch.STREAM if agent.streaming else RemoteTask.Watch.POLL,
+                },
+            )
         job.created += created
         if not record(task, {"task": remote}, "poll", actor_id=job.actor_id).duplicate:
             job.changed += 1
         task.refresh_from_db()
         if not task.is_terminal and task.state != "TASK_STATE_INPUT_REQUIRED":
             dispatch(task.pk)
+
+
+def _ours_unnamed(agent: Agent, remote: dict) -> RemoteTask | None:
+    """A task this dashboard started whose reply is not recorded yet (or was lost).
+
+    Its first message carried a contextId we chose (one per started task), so
+    a listed task in that context is that task: the import records into that
+    row rather than creating a second one for the same remote task. Anything
+    else (an id already mirrored, another client's task) is found by its id.
+    """
+    context = remote.get("contextId")
+    if not isinstance(context, str) or not context:
+        return None
+    if RemoteTask.objects.filter(agent=agent, remote_id=remote["id"]).exists():
+        return None
+    return (
+        RemoteTask.objects.filter(agent=agent, remote_id="", context_id=context)
+        .exclude(mode=RemoteTask.Mode.IMPORTED)
+        .order_by("pk")
+        .first()
+    )
 
 
 def _title_of(remote: dict) -> str:

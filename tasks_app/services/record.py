@@ -380,6 +380,7 @@ class _Fold:
         # Artifact digests as the entries folded so far leave them (None: removed), so
         # that a batch folds exactly as the same entries recorded one by one.
         self._pending: dict[str, str | None] = {}
+        self._holders: dict[str, int | None] = {}
         self.changes: dict[str, Any] = {}
         self.rows: _Rows = _Rows(self)
         self._artifacts: dict[str, Artifact] | None = None
@@ -481,7 +482,26 @@ class _Fold:
                 _Row(entry, "protocol-error", f"event for task {task_id!r}, expected {remote_id!r}", apply=False)
             )
             return True
+        if not remote_id:
+            holder = self._mirrored_as(task_id)
+            if holder is not None:
+                # Another row already mirrors that task (an import listed it first, say):
+                # adopting the id here would break the one-row-per-remote-task rule.
+                self.rows.append(
+                    _Row(entry, "protocol-error", f"task {task_id!r} is already mirrored as #{holder}", apply=False)
+                )
+                return True
         return False
+
+    def _mirrored_as(self, task_id: str) -> int | None:
+        if task_id not in self._holders:
+            self._holders[task_id] = (
+                RemoteTask.objects.filter(agent_id=self.task.agent_id, remote_id=task_id)
+                .exclude(pk=self.task.pk)
+                .values_list("pk", flat=True)
+                .first()
+            )
+        return self._holders[task_id]
 
     def _adopt(self, task_id: str, context_id: str | None) -> None:
         if not self.get("remote_id"):
@@ -654,6 +674,11 @@ class _Fold:
         if entry.payload.get("action") == "retry" and self.get("phase") == RemoteTask.Phase.FAILED:
             self.set(phase=RemoteTask.Phase.SENDING)
         message = entry.payload.get("message")
+        context = message.get("contextId") if isinstance(message, dict) else None
+        if entry.payload.get("action") == "start" and isinstance(context, str) and not self.get("context_id"):
+            # The context we chose is known from the start: an import that lists the task
+            # before its reply is recorded finds this row by it (services/imports.py).
+            self.set(context_id=context[:300])
         if isinstance(message, dict) and message.get("messageId"):
             row.messages = self.unknown_messages([message])  # type: ignore[attr-defined]
             self.remember_messages(row.messages)  # type: ignore[attr-defined]
