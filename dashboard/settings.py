@@ -231,7 +231,7 @@ WATCH_MAX_FRUITLESS_TURNS = int(os.environ.get("WATCH_MAX_FRUITLESS_TURNS", "8")
 
 # Budgets: what one agent may make us do (see docs/architecture.md, "Budgets").
 # Per task: events recorded per second, bytes of agent content stored in all.
-BUDGET_TASK_EVENTS_PER_SECOND = float(os.environ.get("BUDGET_TASK_EVENTS_PER_SECOND", "200"))
+BUDGET_TASK_EVENTS_PER_SECOND = float(os.environ.get("BUDGET_TASK_EVENTS_PER_SECOND", "50"))
 BUDGET_TASK_BYTES = int(os.environ.get("BUDGET_TASK_BYTES", str(64 * 1024 * 1024)))
 # Per agent: protocol errors per minute before its tasks are parked.
 BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE = int(
