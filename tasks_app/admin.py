@@ -29,7 +29,7 @@ class AgentAdmin(admin.ModelAdmin):
     formfield_overrides = {models.URLField: {"assume_scheme": "https"}}
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
+class ViewOnly:
     """View permission only: no add, change or delete, whoever asks."""
 
     def has_add_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
@@ -42,17 +42,12 @@ class ReadOnlyAdmin(admin.ModelAdmin):
         return False
 
 
-class ReadOnlyInline(admin.TabularInline):
+class ReadOnlyAdmin(ViewOnly, admin.ModelAdmin):
+    pass
+
+
+class ReadOnlyInline(ViewOnly, admin.TabularInline):
     extra = 0
-
-    def has_add_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
-        return False
-
-    def has_delete_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
-        return False
 
 
 @admin.register(RemoteTask)

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 from django.db import close_old_connections, connection
@@ -25,19 +24,11 @@ from tasks_app.models import RemoteTask
 from tasks_app.outbound import client_for, http_client
 from tasks_app.services import tasks as task_services
 from tasks_app.services.agents import add_agent
+from tests.test_mirror import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 ANSWERERS = 6
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def race(task_pk: int, question: int, label: str) -> tuple[list[str], list[str]]:
