@@ -1,4 +1,7 @@
-"""ASGI entry point: HTTP through Django, websockets through Channels consumers."""
+"""ASGI entry point: HTTP through Django, websockets through Channels consumers.
+
+Websockets pass the origin check of ``tasks_app.routing`` (scheme, host and port) first.
+"""
 
 import os
 
@@ -7,17 +10,13 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
 django_asgi_app = get_asgi_application()
 
-from channels.auth import AuthMiddlewareStack  # noqa: E402
-from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from channels.routing import ProtocolTypeRouter  # noqa: E402
 
-from tasks_app.routing import websocket_urlpatterns  # noqa: E402
+from tasks_app.routing import websocket_application  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
         "http": django_asgi_app,
-        "websocket": AllowedHostsOriginValidator(
-            AuthMiddlewareStack(URLRouter(websocket_urlpatterns))
-        ),
+        "websocket": websocket_application(),
     }
 )

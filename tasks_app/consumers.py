@@ -24,6 +24,8 @@ and answers ``{"type": "sync", "since": ISO}`` with the summaries changed since
 then and ``{"type": "version", "version": ISO}`` (see ``TaskListConsumer``).
 
 Both reject anonymous users (close code 4401) before accepting.
+A handshake from another origin never reaches them: ``tasks_app.routing`` closes it
+(4403) first.
 """
 
 from __future__ import annotations
