@@ -25,6 +25,8 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from tasks_app.runtime.files import create_private_once, ensure_private_file, narrow, private_dir
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 
@@ -46,12 +48,15 @@ DATA_DIR = Path(os.environ.get("DATA_DIR") or BASE_DIR / "var").resolve()
 
 
 def _local_secret_key() -> str:
-    """Generate the key once and keep it in the data folder, so sessions survive restarts."""
-    DATA_DIR.mkdir(parents=True, exist_ok=True)
+    """Generate the key once and keep it in the data folder, so sessions survive restarts.
+
+    Created owner-only from the first byte (``tasks_app/runtime/files.py``).
+    """
+    private_dir(DATA_DIR)
     path = DATA_DIR / "secret_key"
     if not path.exists():
-        path.write_text(secrets.token_urlsafe(50))
-        path.chmod(0o600)
+        create_private_once(path, secrets.token_urlsafe(50))
+    narrow(path)
     return path.read_text().strip()
 
 
@@ -114,7 +119,10 @@ TEMPLATES = [
 def _database() -> dict:
     url = os.environ.get("DATABASE_URL", "").strip()
     if not url:
-        DATA_DIR.mkdir(parents=True, exist_ok=True)
+        # Sessions, password hashes and credentials: the file (and so its WAL and
+        # shared-memory files, which SQLite creates with its mode) is owner-only.
+        private_dir(DATA_DIR)
+        ensure_private_file(DATA_DIR / "dashboard.sqlite3")
         url = f"sqlite:///{DATA_DIR / 'dashboard.sqlite3'}"
     try:
         config = dj_database_url.parse(url, conn_max_age=60, conn_health_checks=True)

@@ -140,3 +140,97 @@ def test_asgi_application_checks_origins():
     from tasks_app.routing import SiteOriginValidator
 
     assert isinstance(application.application_mapping["websocket"], SiteOriginValidator)
+
+
+# --- 2. private files in DATA_DIR -----------------------------------------------------------
+
+CLEAN_ENV_DROP = {
+    "REDIS_URL", "DATABASE_URL", "CELERY_BROKER_URL", "SECRET_KEY", "FIELD_ENCRYPTION_KEY",
+    "FIELD_ENCRYPTION_OLD_KEYS", "DASHBOARD_PRODUCTION", "DASHBOARD_TEST_DB_FILE", "DATA_DIR",
+}  # fmt: skip
+
+# Runs in a fresh process: the bootstrap of ``manage.py up`` (first admin), then a write
+# on an open connection, and the modes of every file while the WAL and shared memory exist.
+HOLD_OPEN = """
+import json, os, sys
+import django
+django.setup()
+from pathlib import Path
+from django.conf import settings
+from django.db import connection
+from tasks_app.runtime.admin import ensure_admin
+ensure_admin(Path(settings.DATA_DIR))
+with connection.cursor() as cursor:
+    cursor.execute("CREATE TABLE IF NOT EXISTS harden_probe (x integer)")
+    cursor.execute("INSERT INTO harden_probe VALUES (1)")
+data = Path(settings.DATA_DIR)
+print(json.dumps({p.name: p.stat().st_mode & 0o777 for p in data.iterdir()}))
+"""
+
+
+def clean_env(data_dir) -> dict[str, str]:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in CLEAN_ENV_DROP}
+    env.update(DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1", DJANGO_SETTINGS_MODULE="dashboard.settings")
+    return env
+
+
+def modes(folder) -> dict[str, int]:
+    return {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
+
+
+@pytest.mark.timeout(180)
+def test_fresh_data_dir_is_private(tmp_path):
+    """A permissive umask (022, the usual) still gives 0600 files in a 0700 folder."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.infra import REPO_ROOT
+
+    data_dir = tmp_path / "data"
+    run = {"cwd": REPO_ROOT, "env": clean_env(data_dir), "capture_output": True, "text": True,
+           "timeout": 150, "umask": 0o022}  # fmt: skip
+    migrate = subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], **run)
+    assert migrate.returncode == 0, migrate.stderr
+    assert data_dir.stat().st_mode & 0o777 == 0o700
+    after_migrate = modes(data_dir)
+    assert {"dashboard.sqlite3", "secret_key"} <= set(after_migrate)
+    assert after_migrate == dict.fromkeys(after_migrate, 0o600)
+
+    held = subprocess.run([sys.executable, "-c", HOLD_OPEN], **run)
+    assert held.returncode == 0, held.stderr
+    while_open = json.loads(held.stdout.strip().splitlines()[-1])
+    # The WAL and shared-memory files exist while a connection is open; they are private too.
+    assert {"dashboard.sqlite3", "dashboard.sqlite3-wal", "dashboard.sqlite3-shm",
+            "secret_key", "admin_password"} <= set(while_open)  # fmt: skip
+    assert while_open == dict.fromkeys(while_open, 0o600)
+    after = modes(data_dir)
+    assert after == dict.fromkeys(after, 0o600)
+
+
+def test_private_write_narrows_an_older_file(tmp_path):
+    """A file left world-readable by an older version never receives a secret as it is."""
+    from tasks_app.runtime.files import create_private_once, ensure_private_file, write_private
+
+    old = tmp_path / "admin_password"
+    old.write_text("old")
+    old.chmod(0o644)
+    write_private(old, "new secret\n")
+    assert (old.stat().st_mode & 0o777, old.read_text()) == (0o600, "new secret\n")
+
+    key = tmp_path / "secret_key"
+    assert create_private_once(key, "first")
+    assert not create_private_once(key, "second")
+    assert key.read_text() == "first" and key.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+    database = tmp_path / "db.sqlite3"
+    database.write_bytes(b"")
+    database.chmod(0o644)
+    (tmp_path / "db.sqlite3-wal").write_bytes(b"")
+    (tmp_path / "db.sqlite3-wal").chmod(0o664)
+    ensure_private_file(database)
+    assert database.stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "db.sqlite3-wal").stat().st_mode & 0o777 == 0o600

@@ -8,20 +8,13 @@ operator changes it: a password that no longer works is never shown.
 
 from __future__ import annotations
 
-import os
 import secrets
 from pathlib import Path
 
+from tasks_app.runtime.files import private_dir, write_private
+
 ADMIN_USERNAME = "admin"
 PASSWORD_FILE = "admin_password"
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Write a file readable by its owner only, from the first byte on."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text + "\n")
-    path.chmod(0o600)
 
 
 def ensure_admin(data_dir: Path) -> str:
@@ -37,8 +30,8 @@ def ensure_admin(data_dir: Path) -> str:
                 "create one with 'manage.py createsuperuser'."
             )
         password = secrets.token_urlsafe(12)
-        data_dir.mkdir(parents=True, exist_ok=True)
-        _write_private(path, password)
+        private_dir(data_dir)
+        write_private(path, password + "\n")
         user_model.objects.create_superuser(ADMIN_USERNAME, email="", password=password)
         return f"Log in as {ADMIN_USERNAME} / {password}"
 
