@@ -20,8 +20,10 @@ def run(*args: str) -> str:
     return out.getvalue()
 
 
-def test_agents_add_and_list(agent):
-    line = run("agents", "add", agent.base_url, "--name", "demo", "--token", "s3cret")
+def test_agents_add_and_list(agent, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    line = run("agents", "add", agent.base_url, "--name", "demo", "--token-file", str(token_file))
     assert "demo" in line and "JSONRPC" in line
     stored = Agent.objects.get(name="demo")
     assert stored.credentials_encrypted and "s3cret" not in stored.credentials_encrypted
@@ -30,6 +32,45 @@ def test_agents_add_and_list(agent):
     row = json.loads(listing.splitlines()[0])
     assert row["name"] == "demo" and row["streaming"] is True and row["credentials"] is True
     assert "s3cret" not in listing and "s3cret" not in run("agents", "list")
+
+
+def test_agents_add_api_key_from_stdin(agent):
+    out = StringIO()
+    call_command("agents", "add", agent.base_url, "--name", "keyed", "--api-key-file", "-",
+                 stdin=StringIO("k3y-from-stdin\n"), stdout=out)  # fmt: skip
+    stored = Agent.objects.get(name="keyed")
+    assert decrypt_json(stored.credentials_encrypted) == {"api_key": "k3y-from-stdin"}
+    assert "k3y-from-stdin" not in out.getvalue()
+
+
+@pytest.mark.parametrize(("flag", "file_flag"), [("--token", "--token-file"), ("--api-key", "--api-key-file")])
+def test_agents_add_refuses_a_secret_in_argv(flag, file_flag):
+    """A secret on the command line is in the process list: refused, pointing at the file option."""
+    with pytest.raises(CommandError) as refused:
+        run("agents", "add", "http://127.0.0.1:9/", flag, "hunter2")
+    message = str(refused.value)
+    assert f"{flag} is refused" in message and "process list" in message
+    assert f"{file_flag} PATH" in message and f"{file_flag} -" in message
+    assert "hunter2" not in message
+    assert not Agent.objects.exists()
+
+
+def test_agents_add_secret_file_problems_are_clear(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(CommandError, match=r"Cannot read --token-file .*nope: No such file"):
+        run("agents", "add", "http://127.0.0.1:9/", "--token-file", str(missing))
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(CommandError, match=r"--api-key-file: .*empty is empty"):
+        run("agents", "add", "http://127.0.0.1:9/", "--api-key-file", str(empty))
+    two = tmp_path / "two"
+    two.write_text("secret-one\nsecret-two\n")
+    with pytest.raises(CommandError, match="more than one line") as refused:
+        run("agents", "add", "http://127.0.0.1:9/", "--token-file", str(two))
+    assert "secret-one" not in str(refused.value)
+    with pytest.raises(CommandError, match="Only one of"):
+        run("agents", "add", "http://127.0.0.1:9/", "--token-file", "-", "--api-key-file", "-")
+    assert not Agent.objects.exists()
 
 
 def test_agents_add_unreachable_is_one_clear_error():

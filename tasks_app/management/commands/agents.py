@@ -1,32 +1,81 @@
-"""``manage.py agents add URL [--name NAME] [--token T | --api-key K]`` and ``agents list``."""
+"""``manage.py agents add URL [--name NAME] [--token-file PATH | --api-key-file PATH]`` and
+``agents list``.
+
+Secrets are read from a file (or standard input, ``-``), never taken from the command line:
+every argument of a running process is visible to every user of the machine (``ps``).
+``--token`` and ``--api-key`` still exist, so that argparse does not read them as
+abbreviations of the file options, only to refuse with a sentence naming those.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
-from typing import Any
+import sys
+from pathlib import Path
+from typing import Any, TextIO
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from tasks_app.models import Agent
 from tasks_app.services.agents import AgentError, add_agent
 
+MAX_SECRET_BYTES = 64 * 1024
+
+REFUSED = {
+    "token": ("--token", "--token-file"),
+    "api_key": ("--api-key", "--api-key-file"),
+}
+
+
+def read_secret(source: str, option: str, stdin: TextIO) -> str:
+    """The secret in file ``source`` (``-``: standard input), without its line end."""
+    if source == "-":
+        text = stdin.read(MAX_SECRET_BYTES + 1)
+    else:
+        try:
+            with Path(source).open(encoding="utf-8") as handle:
+                text = handle.read(MAX_SECRET_BYTES + 1)
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+            raise CommandError(f"Cannot read {option} {source}: {reason}.") from None
+    where = "standard input" if source == "-" else source
+    if len(text) > MAX_SECRET_BYTES:
+        raise CommandError(f"{option}: {where} holds more than {MAX_SECRET_BYTES} bytes; is it the right file?")
+    secret = text.strip()
+    if not secret:
+        raise CommandError(f"{option}: {where} is empty.")
+    if "\n" in secret:
+        raise CommandError(f"{option}: {where} holds more than one line; put only the secret in it.")
+    return secret
+
 
 class Command(BaseCommand):
     help = "Register and show A2A agents."
+    stealth_options = ("stdin",)
 
     def add_arguments(self, parser: CommandParser) -> None:
         sub = parser.add_subparsers(dest="action", required=True)
         add = sub.add_parser("add", help="fetch an agent's card and register it")
         add.add_argument("url", help="the agent's base URL or its card URL")
         add.add_argument("--name", default="")
-        add.add_argument("--token", default="", help="bearer token the agent requires")
-        add.add_argument("--api-key", default="", help="API key the agent requires")
+        add.add_argument(
+            "--token-file", default="", metavar="PATH",
+            help="file holding the bearer token the agent requires ('-': standard input)",
+        )  # fmt: skip
+        add.add_argument(
+            "--api-key-file", default="", metavar="PATH",
+            help="file holding the API key the agent requires ('-': standard input)",
+        )  # fmt: skip
+        # Refused (see the module docstring); defined so they are never taken as abbreviations.
+        add.add_argument("--token", default=None, help=argparse.SUPPRESS)
+        add.add_argument("--api-key", default=None, help=argparse.SUPPRESS)
         listing = sub.add_parser("list", help="show registered agents")
         listing.add_argument("--json", action="store_true")
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["action"] == "add":
-            credentials = {"token": options["token"], "api_key": options["api_key"]}
+            credentials = self._credentials(options)
             try:
                 agent = add_agent(options["url"], name=options["name"], credentials=credentials)
             except AgentError as exc:
@@ -35,6 +84,26 @@ class Command(BaseCommand):
             for problem in agent.card_problems:
                 self.stdout.write(f"  card problem: {problem}")
             return
+        self._list(options)
+
+    def _credentials(self, options: dict[str, Any]) -> dict[str, str]:
+        for key, (flag, file_flag) in REFUSED.items():
+            if options.get(key) is not None:
+                raise CommandError(
+                    f"{flag} is refused: a secret on the command line shows in the process list. "
+                    f"Put it in a file and pass {file_flag} PATH, or pipe it in with {file_flag} -."
+                )
+        if options["token_file"] == "-" and options["api_key_file"] == "-":
+            raise CommandError("Only one of --token-file and --api-key-file can read standard input.")
+        stdin = options.get("stdin") or sys.stdin
+        credentials: dict[str, str] = {}
+        for key, option in (("token", "--token-file"), ("api_key", "--api-key-file")):
+            source = options[key + "_file"]
+            if source:
+                credentials[key] = read_secret(source, option, stdin)
+        return credentials
+
+    def _list(self, options: dict[str, Any]) -> None:
         agents = Agent.objects.order_by("pk")
         if options["json"]:
             for agent in agents:
