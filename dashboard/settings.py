@@ -11,6 +11,7 @@ Environment variables:
                     for tools; ``manage.py up`` starts its own when unset)
     SECRET_KEY      required in production; generated into DATA_DIR otherwise
     FIELD_ENCRYPTION_KEY  key for stored agent credentials (derived from SECRET_KEY if unset)
+    FIELD_ENCRYPTION_OLD_KEYS  comma-separated keys (or SECRET_KEYs) used before, for rotation
     ALLOWED_HOSTS   comma-separated (default: localhost names)
     DEBUG           "1"/"true" to enable (default off)
     DASHBOARD_PRODUCTION  "1" to require real SECRET_KEY and ALLOWED_HOSTS
@@ -199,6 +200,9 @@ if PRODUCTION:
     CSRF_COOKIE_SECURE = True
 
 FIELD_ENCRYPTION_KEY = os.environ.get("FIELD_ENCRYPTION_KEY", "")
+# Keys used before (comma-separated Fernet keys or old SECRET_KEYs): stored credentials
+# still decrypt with them; `manage.py rotate_keys` re-encrypts with the current key.
+FIELD_ENCRYPTION_OLD_KEYS = env_list("FIELD_ENCRYPTION_OLD_KEYS", [])
 
 LOGGING = {
     "version": 1,

@@ -18,7 +18,8 @@ import httpx
 from django.conf import settings
 
 from tasks_app.a2a import A2AClient, Credentials, Interface
-from tasks_app.crypto import decrypt_json
+from tasks_app.a2a.errors import A2AError
+from tasks_app.crypto import SecretError, decrypt_json
 from tasks_app.models import Agent
 
 T = TypeVar("T")
@@ -39,8 +40,20 @@ async def http_client() -> AsyncIterator[httpx.AsyncClient]:
         await client.aclose()
 
 
+class CredentialsUnreadable(SecretError, A2AError):
+    """The agent's stored credentials cannot be decrypted (a rotated key not listed as old).
+
+    Also an ``A2AError``: every caller that turns a failed call to an agent into a clear
+    message (refresh, cancel, import, finding a lost send) says this sentence instead of
+    answering 500; the watcher parks the task on it (``watchers.Holder._hold``).
+    """
+
+
 def credentials_for(agent: Agent) -> Credentials | None:
-    data = decrypt_json(agent.credentials_encrypted)
+    try:
+        data = decrypt_json(agent.credentials_encrypted)
+    except SecretError as exc:
+        raise CredentialsUnreadable(str(exc)) from None
     if not data:
         return None
     return Credentials(

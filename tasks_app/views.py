@@ -28,6 +28,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_GET, require_POST
 
+from tasks_app import crypto
 from tasks_app.forms import (
     AgentAddForm,
     AnswerForm,
@@ -222,6 +223,7 @@ def agent_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "agent": agent,
         "card": _card_view(agent.card),
         "credentials_set": bool(agent.credentials_encrypted),
+        "credentials_unreadable": not crypto.readable(agent.credentials_encrypted),
         "credentials_form": CredentialsForm(),
         "counts": sorted(_state_counts(RemoteTask.objects.filter(agent=agent)).items()),
         "recent": RemoteTask.objects.filter(agent=agent).order_by("-updated_at", "-id")[:15],
@@ -240,6 +242,7 @@ def agent_credentials(request: HttpRequest, pk: int) -> HttpResponse:
             "agent": agent,
             "card": _card_view(agent.card),
             "credentials_set": bool(agent.credentials_encrypted),
+            "credentials_unreadable": not crypto.readable(agent.credentials_encrypted),
             "credentials_form": form,
             "counts": sorted(_state_counts(RemoteTask.objects.filter(agent=agent)).items()),
             "recent": RemoteTask.objects.filter(agent=agent).order_by("-updated_at", "-id")[:15],

@@ -435,16 +435,20 @@ class Holder:
         self.was_parked = task.watcher_status == Status.PARKED
         self.fruitless = task.fruitless_turns
         self.agent_id = task.agent_id
-        client = outbound.client_for(
-            task.agent,
-            self.http,
-            stream_idle_timeout=settings.WATCH_STREAM_IDLE_SECONDS,
-            # Keep-alives keep a quiet healthy stream open until the slice ends (a quiet
-            # task is not resubscribed every minute, which would turn its news into gaps);
-            # a stream that never completes an event is still cut at the slice's end.
-            stream_event_gap=settings.WATCH_SLICE_SECONDS,
-            max_event_bytes=settings.WATCH_MAX_EVENT_BYTES,
-        )
+        try:
+            client = outbound.client_for(
+                task.agent,
+                self.http,
+                stream_idle_timeout=settings.WATCH_STREAM_IDLE_SECONDS,
+                # Keep-alives keep a quiet healthy stream open until the slice ends (a quiet
+                # task is not resubscribed every minute, which would turn its news into gaps);
+                # a stream that never completes an event is still cut at the slice's end.
+                stream_event_gap=settings.WATCH_SLICE_SECONDS,
+                max_event_bytes=settings.WATCH_MAX_EVENT_BYTES,
+            )
+        except outbound.CredentialsUnreadable as exc:
+            # Only an operator can fix the key: park (one entry), no retry loop.
+            return await self._park(str(exc))
         self.streaming = task.agent.streaming and task.watch == RemoteTask.Watch.STREAM
         interval = settings.WATCH_POLL_MIN_SECONDS
         try:

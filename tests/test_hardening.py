@@ -234,3 +234,209 @@ def test_private_write_narrows_an_older_file(tmp_path):
     ensure_private_file(database)
     assert database.stat().st_mode & 0o777 == 0o600
     assert (tmp_path / "db.sqlite3-wal").stat().st_mode & 0o777 == 0o600
+
+
+# --- 4. key rotation and undecryptable credentials ------------------------------------------
+
+
+def fernet_key() -> str:
+    from cryptography.fernet import Fernet
+
+    return Fernet.generate_key().decode()
+
+
+def test_old_keys_decrypt_and_the_current_key_encrypts(settings):
+    from tasks_app.crypto import SecretError, decrypt_json, encrypt_json, on_current_key
+
+    old, new = fernet_key(), fernet_key()
+    settings.FIELD_ENCRYPTION_KEY, settings.FIELD_ENCRYPTION_OLD_KEYS = old, []
+    stored = encrypt_json({"token": "planted-secret-1"})
+    settings.FIELD_ENCRYPTION_KEY = new
+    with pytest.raises(SecretError, match="FIELD_ENCRYPTION_OLD_KEYS") as failed:
+        decrypt_json(stored)
+    assert "planted-secret-1" not in str(failed.value)
+    settings.FIELD_ENCRYPTION_OLD_KEYS = f"{fernet_key()}, {old}"  # the environment's form
+    assert decrypt_json(stored) == {"token": "planted-secret-1"}
+    fresh = encrypt_json({"token": "planted-secret-1"})
+    assert on_current_key(fresh) and not on_current_key(stored)
+
+
+def test_an_old_secret_key_can_be_listed(settings):
+    """With no FIELD_ENCRYPTION_KEY the key is derived from SECRET_KEY; the old SECRET_KEY opens it."""
+    from tasks_app.crypto import SecretError, decrypt_json, encrypt_json
+
+    settings.FIELD_ENCRYPTION_KEY, settings.FIELD_ENCRYPTION_OLD_KEYS = "", []
+    settings.SECRET_KEY = "old-secret-key-" + "x" * 40
+    stored = encrypt_json({"api_key": "planted-secret-2"})
+    settings.SECRET_KEY = "new-secret-key-" + "y" * 40
+    with pytest.raises(SecretError):
+        decrypt_json(stored)
+    settings.FIELD_ENCRYPTION_OLD_KEYS = ["old-secret-key-" + "x" * 40]
+    assert decrypt_json(stored) == {"api_key": "planted-secret-2"}
+
+
+@pytest.fixture
+def operator_client(django_user_model) -> Client:
+    user = django_user_model.objects.create_user(username="keys", password="pw-12345678")
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.mark.django_db
+def test_agent_page_after_a_key_rotation(settings, operator_client):
+    """A rotated key: the agent page answers 200 and says what to do; task actions say it too."""
+    from django.urls import reverse
+
+    from tasks_app.crypto import encrypt_json
+    from tasks_app.models import Agent, RemoteTask
+
+    old = fernet_key()
+    settings.FIELD_ENCRYPTION_KEY, settings.FIELD_ENCRYPTION_OLD_KEYS = old, []
+    agent = Agent.objects.create(
+        name="rotated", base_url="http://127.0.0.1:9/", interface_url="http://127.0.0.1:9/",
+        credentials_encrypted=encrypt_json({"token": "planted-secret-3"}),
+    )  # fmt: skip
+    task = RemoteTask.objects.create(agent=agent, title="t", phase="task", remote_id="r-1",
+                                     state="TASK_STATE_WORKING")  # fmt: skip
+    page = reverse("agent-detail", args=[agent.pk])
+    message = "cannot be decrypted with the current key; re-enter them or list the old key in FIELD_ENCRYPTION_OLD_KEYS"
+
+    answer = operator_client.get(page)
+    assert answer.status_code == 200 and message not in answer.content.decode()
+
+    settings.FIELD_ENCRYPTION_KEY = fernet_key()  # rotated, the old key not listed
+    answer = operator_client.get(page)
+    body = answer.content.decode()
+    assert answer.status_code == 200
+    assert message in body and "planted-secret-3" not in body
+    # An action that needs the credentials is a clear error, not a 500.
+    refreshed = operator_client.post(reverse("task-refresh", args=[task.pk]), follow=True)
+    assert refreshed.status_code == 200
+    assert message in refreshed.content.decode()
+
+    settings.FIELD_ENCRYPTION_OLD_KEYS = [old]
+    answer = operator_client.get(page)
+    assert answer.status_code == 200 and message not in answer.content.decode()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_rotate_keys_round_trip(settings):
+    from io import StringIO
+
+    from django.core.management import CommandError, call_command
+
+    from tasks_app.crypto import decrypt_json, encrypt_json
+    from tasks_app.models import Agent, OperatorAction
+
+    old, lost, new = fernet_key(), fernet_key(), fernet_key()
+    settings.FIELD_ENCRYPTION_OLD_KEYS = []
+    settings.FIELD_ENCRYPTION_KEY = old
+    on_old = Agent.objects.create(name="on-old", base_url="http://127.0.0.1:9/a",
+                                  credentials_encrypted=encrypt_json({"token": "planted-old"}))  # fmt: skip
+    settings.FIELD_ENCRYPTION_KEY = lost
+    on_lost = Agent.objects.create(name="on-lost", base_url="http://127.0.0.1:9/b",
+                                   credentials_encrypted=encrypt_json({"token": "planted-lost"}))  # fmt: skip
+    settings.FIELD_ENCRYPTION_KEY = new
+    on_new = Agent.objects.create(name="on-new", base_url="http://127.0.0.1:9/c",
+                                  credentials_encrypted=encrypt_json({"api_key": "planted-new"}))  # fmt: skip
+    Agent.objects.create(name="none", base_url="http://127.0.0.1:9/d")
+    before = {a.pk: a.credentials_encrypted for a in Agent.objects.all()}
+
+    settings.FIELD_ENCRYPTION_OLD_KEYS = [old]
+    out = StringIO()
+    with pytest.raises(CommandError, match="on-lost") as failed:
+        call_command("rotate_keys", stdout=out)
+    assert "FIELD_ENCRYPTION_OLD_KEYS" in str(failed.value)
+    assert "1 re-encrypted with the current key, 1 already on it, 1 unreadable." in out.getvalue()
+    assert "planted" not in out.getvalue() + str(failed.value)
+    after = {a.pk: a.credentials_encrypted for a in Agent.objects.all()}
+    assert after[on_old.pk] != before[on_old.pk]
+    assert after[on_new.pk] == before[on_new.pk]  # already current: not rewritten
+    assert after[on_lost.pk] == before[on_lost.pk]  # unreadable: left as it is
+    assert OperatorAction.objects.filter(action="rotate-key").count() == 1
+
+    # The old key can go now: everything readable is on the new key.
+    settings.FIELD_ENCRYPTION_OLD_KEYS = []
+    assert decrypt_json(Agent.objects.get(pk=on_old.pk).credentials_encrypted) == {"token": "planted-old"}
+    assert decrypt_json(Agent.objects.get(pk=on_new.pk).credentials_encrypted) == {"api_key": "planted-new"}
+    Agent.objects.filter(pk=on_lost.pk).update(credentials_encrypted="")
+    out = StringIO()
+    call_command("rotate_keys", stdout=out)
+    assert "0 re-encrypted with the current key, 2 already on it, 0 unreadable." in out.getvalue()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_rotate_keys_never_overwrites_credentials_saved_meanwhile(settings, monkeypatch):
+    """Compare-and-set: an operator's save between our read and our write wins."""
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    from tasks_app.crypto import decrypt_json, encrypt_json
+    from tasks_app.management.commands import rotate_keys
+    from tasks_app.models import Agent
+    from tasks_app.services.agents import set_credentials
+
+    old, new = fernet_key(), fernet_key()
+    settings.FIELD_ENCRYPTION_KEY, settings.FIELD_ENCRYPTION_OLD_KEYS = old, [old]
+    agent = Agent.objects.create(name="raced", base_url="http://127.0.0.1:9/",
+                                 credentials_encrypted=encrypt_json({"token": "planted-before"}))  # fmt: skip
+    settings.FIELD_ENCRYPTION_KEY = new
+    real_rotate = rotate_keys.rotate
+    calls: list[str] = []
+
+    def rotate_while_an_operator_saves(token: str) -> str:
+        calls.append(token)
+        if len(calls) == 1:
+            set_credentials(agent, {"token": "planted-after"})
+        return real_rotate(token)
+
+    monkeypatch.setattr(rotate_keys, "rotate", rotate_while_an_operator_saves)
+    out = StringIO()
+    call_command("rotate_keys", stdout=out)
+    assert len(calls) == 1  # the second read found the operator's value already current
+    assert "0 re-encrypted with the current key, 1 already on it" in out.getvalue()
+    settings.FIELD_ENCRYPTION_OLD_KEYS = []
+    assert decrypt_json(Agent.objects.get(pk=agent.pk).credentials_encrypted) == {"token": "planted-after"}
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_watcher_parks_once_on_undecryptable_credentials(settings, agent, start_celery_worker):
+    """A worker whose key cannot open the credentials parks the task with the sentence, once."""
+    from tasks_app.crypto import encrypt_json
+    from tasks_app.models import Agent, RemoteTask, TaskEvent
+    from tasks_app.services import tasks as task_services
+    from tests.test_mirror import wait_for
+
+    settings.FIELD_ENCRYPTION_KEY = fernet_key()
+    row = Agent.objects.create(
+        name="locked", base_url=agent.base_url, interface_url=agent.base_url, binding="JSONRPC",
+        credentials_encrypted=encrypt_json({"token": "planted-secret-4"}),
+    )  # fmt: skip
+    task = RemoteTask.objects.create(agent=row, title="t", phase="task", remote_id="r-locked",
+                                     state="TASK_STATE_WORKING", watch="poll")  # fmt: skip
+    worker = start_celery_worker(FIELD_ENCRYPTION_KEY=fernet_key(), FIELD_ENCRYPTION_OLD_KEYS="")
+    task_services.dispatch(task.pk)
+
+    def parked() -> bool:
+        task.refresh_from_db()
+        return task.watcher_status == "parked"
+
+    wait_for(parked, timeout=60, what="the task to be parked")
+    assert "FIELD_ENCRYPTION_OLD_KEYS" in task.watcher_note
+    entries = list(TaskEvent.objects.filter(task=task, kind="system").values_list("raw", flat=True))
+    parked_entries = [e for e in entries if "parked" in str(e)]
+    assert len(parked_entries) == 1 and "cannot be decrypted" in str(parked_entries[0])
+    # Parked with the long hold-off: further dispatches find the lease held; no second turn.
+    events_before = TaskEvent.objects.filter(task=task).count()
+    task_services.dispatch(task.pk)
+    task_services.dispatch(task.pk)
+    wait_for(lambda: worker.log_tail(400).count("held elsewhere") >= 2, what="the two dispatches")
+    assert TaskEvent.objects.filter(task=task).count() == events_before
+    task.refresh_from_db()
+    assert task.watcher_status == "parked"
+    log_text = worker.log_tail(400)
+    assert "Traceback" not in log_text and "planted-secret-4" not in log_text
