@@ -452,3 +452,18 @@ def test_an_import_that_lists_our_unanswered_send_records_into_our_row(monkeypat
     # The send's reply, recorded a moment later, is the same task: nothing new, no conflict.
     assert record(task, {"task": listed}, "send-response").duplicate
     assert_sound(task)
+
+
+def test_an_import_of_an_ended_task_settles_it(monkeypatch):
+    from tasks_app.models import ImportJob
+    from tasks_app.services import imports
+
+    monkeypatch.setattr(imports, "dispatch", lambda pk: None)
+    agent = Agent.objects.create(name="imp", base_url="http://127.0.0.1:1/imp")
+    job = ImportJob.objects.create(agent=agent)
+    listed = snapshot("TASK_STATE_COMPLETED", [{"artifactId": "r", "parts": [{"text": "done"}]}])
+    imports._record_page(job, [listed])
+    imports._record_page(job, [listed])  # listed again: nothing new
+    task = RemoteTask.objects.get(agent=agent, remote_id=T)
+    assert task.settled_at is not None and kinds(task) == ["task", "system"]
+    assert_sound(task)

@@ -28,7 +28,7 @@ from django.utils import timezone
 from tasks_app import outbound
 from tasks_app.a2a import A2AError
 from tasks_app.models import Agent, ImportJob, OperatorAction, RemoteTask
-from tasks_app.services.record import record
+from tasks_app.services.record import record, settle_if_ended
 from tasks_app.services.tasks import TaskActionError, dispatch
 
 log = logging.getLogger(__name__)
@@ -299,6 +299,7 @@ def _record_page(job: ImportJob, tasks: list) -> None:
         job.created += created
         if not record(task, {"task": remote}, "poll", actor_id=job.actor_id).duplicate:
             job.changed += 1
+        settle_if_ended(task, remote, note="reconciled with the agent's ListTasks")
         task.refresh_from_db()
         if not task.is_terminal and task.state != "TASK_STATE_INPUT_REQUIRED":
             dispatch(task.pk)

@@ -953,6 +953,17 @@ def settle(
     return record_many(task, objs, "poll", gap_check=True, fence=fence)
 
 
+def settle_if_ended(task: RemoteTask | int, snapshot: dict, *, note: str) -> None:
+    """Settle a task that ``snapshot`` (the agent's own Task: GetTask, CancelTask, ListTasks) ended.
+
+    Operator actions and imports read the agent's truth directly, so a task that
+    they find ended needs no watcher to settle it. Settling twice appends nothing.
+    """
+    task_pk = task if isinstance(task, int) else task.pk
+    if RemoteTask.objects.filter(pk=task_pk, state__in=TERMINAL_STATES, settled_at__isnull=True).exists():
+        settle(task_pk, snapshot, note=note)
+
+
 RELAY_RAW_LIMIT = 64 * 1024
 
 

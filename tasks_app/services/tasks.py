@@ -29,7 +29,7 @@ from tasks_app.a2a import (
 )
 from tasks_app.models import TERMINAL_STATES, Agent, OperatorAction, RemoteTask
 from tasks_app.services import agents as agent_services
-from tasks_app.services.record import record, task_summary
+from tasks_app.services.record import record, settle_if_ended, task_summary
 
 log = logging.getLogger(__name__)
 
@@ -316,6 +316,7 @@ def cancel_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = No
     agent_services.mark_reachable(agent.pk)
     _action(task, actor_id, "cancel", {"reason": reason}, "requested")
     record(task, {"task": result}, "operator", actor_id=actor_id)
+    settle_if_ended(task, result, note="reconciled with the agent's answer to CancelTask")
     task.refresh_from_db()
     if not task.is_terminal:
         dispatch(task.pk)  # make sure a watcher sees it through
@@ -346,6 +347,7 @@ def refresh_task(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask
         raise TaskActionError(f"Refresh failed: {exc}") from exc
     agent_services.mark_reachable(agent.pk)
     record(task, {"task": result}, "poll", actor_id=actor_id)
+    settle_if_ended(task, result, note="reconciled with the agent's GetTask (refresh)")
     if task.gone_at is not None:
         back = RemoteTask.objects.filter(pk=task.pk, gone_at__isnull=False, abandoned_at__isnull=True).update(
             gone_at=None, watcher_status=RemoteTask.WatcherStatus.IDLE, watcher_note="the agent knows it again",
