@@ -467,3 +467,12 @@ def test_an_import_of_an_ended_task_settles_it(monkeypatch):
     task = RemoteTask.objects.get(agent=agent, remote_id=T)
     assert task.settled_at is not None and kinds(task) == ["task", "system"]
     assert_sound(task)
+
+
+def test_a_recently_ended_unsettled_task_is_watched_once_more():
+    from tasks_app.services.tasks import watchable
+
+    task = completed_task()  # ended on the stream; its holder stopped before settling
+    assert RemoteTask.objects.filter(watchable(), pk=task.pk).exists()
+    settle(task, None, note="test")
+    assert not RemoteTask.objects.filter(watchable(), pk=task.pk).exists()

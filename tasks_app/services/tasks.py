@@ -438,6 +438,9 @@ def dispatch(task_pk: int) -> None:
         log.warning("could not dispatch a watcher for task %s: %s", task_pk, exc)
 
 
+SETTLE_WITHIN_SECONDS = 3600
+
+
 def watchable() -> Q:
     """Tasks a watcher should hold: something to send, or known and neither ended nor waiting.
 
@@ -448,6 +451,16 @@ def watchable() -> Q:
         | Q(phase=RemoteTask.Phase.TASK, outbox__isnull=False)
         | Q(phase=RemoteTask.Phase.TASK)
         & ~Q(state__in=[*TERMINAL_STATES, "TASK_STATE_INPUT_REQUIRED"])
+        & ~Q(watch=RemoteTask.Watch.NONE)
+        & Q(gone_at__isnull=True)
+        # Ended but not settled (its holder stopped in between): one more turn settles it.
+        # Only recent ones, so that tasks ended before settling existed are not all read again.
+        | Q(
+            phase=RemoteTask.Phase.TASK,
+            state__in=TERMINAL_STATES,
+            settled_at__isnull=True,
+            last_event_at__gte=timezone.now() - timedelta(seconds=SETTLE_WITHIN_SECONDS),
+        )
         & ~Q(watch=RemoteTask.Watch.NONE)
         & Q(gone_at__isnull=True)
     ) & Q(abandoned_at__isnull=True)
