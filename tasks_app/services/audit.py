@@ -90,7 +90,7 @@ def verify(task: RemoteTask | int) -> Verification:
 
 
 def verify_for_page(task: RemoteTask) -> Verification | None:
-    """The chain's state for a page, or None when the log is too long to check on every load."""
+    """The chain's state for a page, or None when the log is too large to check on every load."""
     if task.last_seq > VERIFY_ON_PAGE_MAX_ROWS or task.stored_bytes > VERIFY_ON_PAGE_MAX_BYTES:
         return None
     return verify(task)
