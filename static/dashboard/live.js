@@ -156,5 +156,26 @@
   }
   setInterval(tickTimes, 1000);
 
-  window.Live = { LiveSocket, throttle, atBottom, ago, tickTimes };
+  /* The task-list socket with re-sync by version (see TaskListConsumer): the
+   * newest updated_at known (the page's render time at first); after a
+   * (re)connect and when idle it asks for the tasks changed since then.
+   * onTask gets every task summary; version() says where the list stands. */
+  function taskListSocket(renderedAt, onTask) {
+    let version = Date.parse(renderedAt || "") || 0;
+    const newer = (iso) => { version = Math.max(version, Date.parse(iso || "") || 0); };
+    const sync = () => socket.send({ type: "sync", since: version ? new Date(version).toISOString() : null });
+    const socket = new LiveSocket("/ws/tasks/", {
+      onOpen: sync,
+      onIdle: sync,
+      onMessage: (msg) => {
+        if (msg.type === "version") newer(msg.version);
+        if (msg.type !== "task") return;
+        newer(msg.updated_at);
+        onTask(msg);
+      },
+    });
+    return { socket, version: () => version };
+  }
+
+  window.Live = { LiveSocket, taskListSocket, throttle, atBottom, ago, tickTimes };
 })();

@@ -14,20 +14,10 @@
     if (resp.ok) body.innerHTML = await resp.text();
   }, 1000);
   const seen = new Map(); // task pk -> what its last summary said
-  let version = Date.parse(body.dataset.version || "") || 0;
-  function newer(iso) { version = Math.max(version, Date.parse(iso || "") || 0); }
-  const sync = () => socket.send({ type: "sync", since: version ? new Date(version).toISOString() : null });
-  const socket = new Live.LiveSocket("/ws/tasks/", {
-    onOpen: sync,
-    onIdle: sync,
-    onMessage: (msg) => {
-      if (msg.type === "version") newer(msg.version);
-      if (msg.type !== "task") return;
-      newer(msg.updated_at);
-      const key = [msg.last_seq, msg.state, msg.phase, msg.watcher_status].join("|");
-      if (seen.get(msg.task) === key) return;
-      seen.set(msg.task, key);
-      redraw();
-    },
+  Live.taskListSocket(body.dataset.version, (msg) => {
+    const key = [msg.last_seq, msg.state, msg.phase, msg.watcher_status].join("|");
+    if (seen.get(msg.task) === key) return;
+    seen.set(msg.task, key);
+    redraw();
   });
 })();

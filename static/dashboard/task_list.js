@@ -96,23 +96,13 @@
   // Re-sync by version: the newest updated_at we know of (the render time at
   // first). After a (re)connect and when idle we ask for the tasks changed since
   // then (see TaskListConsumer); rows already up to date are left alone.
-  let version = Date.parse(tbody.dataset.version || "") || 0;
-  function newer(iso) { version = Math.max(version, Date.parse(iso || "") || 0); }
-  const sync = () => socket.send({ type: "sync", since: version ? new Date(version).toISOString() : null });
-  const socket = new Live.LiveSocket("/ws/tasks/", {
-    onOpen: sync,
-    onIdle: sync,
-    onMessage: (msg) => {
-      if (msg.type === "version") newer(msg.version);
-      if (msg.type !== "task") return;
-      newer(msg.updated_at);
-      const key = String(msg.task);
-      if ((queue.get(key) || {}).last_seq > msg.last_seq) return; // keep the newer one queued
-      queue.set(key, msg);
-      if (!frame) frame = requestAnimationFrame(flush);
-    },
+  const list = Live.taskListSocket(tbody.dataset.version, (msg) => {
+    const key = String(msg.task);
+    if ((queue.get(key) || {}).last_seq > msg.last_seq) return; // keep the newer one queued
+    queue.set(key, msg);
+    if (!frame) frame = requestAnimationFrame(flush);
   });
-  window.__taskList = { version: () => version };
+  window.__taskList = { version: list.version };
 
   // Filters apply as they change (and stay in the URL).
   const form = document.getElementById("task-filters");
