@@ -640,15 +640,22 @@ def _act(
     return _back_to_task(task)
 
 
+def _reason(request: HttpRequest) -> str | None:
+    """The optional reason a cancel or abandon form carries; None (and a message) when invalid."""
+    form = CancelForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, "The reason is too long.")
+        return None
+    return form.cleaned_data["reason"]
+
+
 @login_required
 @require_POST
 def task_cancel(request: HttpRequest, pk: int) -> HttpResponse:
     task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
-    form = CancelForm(request.POST)
-    if not form.is_valid():
-        messages.error(request, "The reason is too long.")
+    reason = _reason(request)
+    if reason is None:
         return _back_to_task(task)
-    reason = form.cleaned_data["reason"]
     return _act(
         request,
         task,
@@ -673,11 +680,9 @@ def task_refresh(request: HttpRequest, pk: int) -> HttpResponse:
 @require_POST
 def task_abandon(request: HttpRequest, pk: int) -> HttpResponse:
     task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
-    form = CancelForm(request.POST)
-    if not form.is_valid():
-        messages.error(request, "The reason is too long.")
+    reason = _reason(request)
+    if reason is None:
         return _back_to_task(task)
-    reason = form.cleaned_data["reason"]
     who = request.user.get_username()
     return _act(
         request,
