@@ -45,9 +45,49 @@ class BulkJSONField(models.JSONField):
         return "%s"
 
 
+class Project(models.Model):
+    """A team's agents, and so their tasks: people see and act only within their projects."""
+
+    name = models.CharField(max_length=100, unique=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Membership(models.Model):
+    """One person in one project, with one role (what each role may do: ``access.py``)."""
+
+    class Role(models.TextChoices):
+        VIEWER = "viewer"
+        OPERATOR = "operator"
+        AGENT_ADMIN = "agent-admin", "agent admin"
+        AUDITOR = "auditor"
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="memberships")
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships"
+    )
+    role = models.CharField(max_length=20, choices=Role.choices)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["project__name", "user__username"]
+        constraints = [
+            models.UniqueConstraint(fields=["project", "user"], name="one_role_per_project")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user} in {self.project}: {self.role}"
+
+
 class Agent(models.Model):
     """A remote A2A agent, with its card as last fetched."""
 
+    project = models.ForeignKey(Project, on_delete=models.PROTECT, related_name="agents")
     name = models.CharField(max_length=200)
     base_url = models.URLField(max_length=1000, unique=True)
     card_url = models.URLField(max_length=1000, blank=True)
@@ -63,6 +103,10 @@ class Agent(models.Model):
     push = models.BooleanField(default=False)
     # Fernet token of a JSON object; see tasks_app/crypto.py. Never rendered.
     credentials_encrypted = models.TextField(blank=True)
+    # Origins (scheme://host:port) the credentials may be sent to, fixed when they were
+    # saved; a card naming another origin waits in ``pending_origin`` for an agent admin.
+    credential_origins = models.JSONField(default=list, blank=True, db_default=[])
+    pending_origin = models.CharField(max_length=300, blank=True, default="", db_default="")
     reachable = models.BooleanField(null=True)
     last_error = models.TextField(blank=True)
     last_contact_at = models.DateTimeField(null=True, blank=True)
