@@ -58,6 +58,14 @@ class Project(models.Model):
         return self.name
 
 
+DEFAULT_PROJECT = "default"
+
+
+def default_project() -> int:
+    """The project agents go to when none is named (the run command's bootstrap makes it)."""
+    return Project.objects.get_or_create(name=DEFAULT_PROJECT)[0].pk
+
+
 class Membership(models.Model):
     """One person in one project, with one role (what each role may do: ``access.py``)."""
 
@@ -87,7 +95,9 @@ class Membership(models.Model):
 class Agent(models.Model):
     """A remote A2A agent, with its card as last fetched."""
 
-    project = models.ForeignKey(Project, on_delete=models.PROTECT, related_name="agents")
+    project = models.ForeignKey(
+        Project, on_delete=models.PROTECT, related_name="agents", default=default_project
+    )
     name = models.CharField(max_length=200)
     base_url = models.URLField(max_length=1000, unique=True)
     card_url = models.URLField(max_length=1000, blank=True)

@@ -13,6 +13,8 @@ import django.utils.timezone
 from django.conf import settings
 from django.db import migrations, models
 
+import tasks_app.models
+
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
@@ -129,6 +131,7 @@ class Migration(migrations.Migration):
             model_name="agent",
             name="project",
             field=models.ForeignKey(
+                default=tasks_app.models.default_project,
                 on_delete=django.db.models.deletion.PROTECT,
                 related_name="agents",
                 to="tasks_app.project",
