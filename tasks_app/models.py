@@ -420,3 +420,35 @@ class ImportJob(models.Model):
 
 def new_token() -> str:
     return uuid.uuid4().hex
+
+
+class PushConfig(models.Model):
+    """A push notification config this dashboard gave an agent for one task.
+
+    ``config_id`` is our own id: it is the config's ``id`` at the agent and the last part
+    of its webhook URL (one URL per config). Its secrets (the ``token`` and the
+    ``authentication`` credentials the agent presents to us) are random, single-purpose
+    and stored encrypted like agent credentials (``tasks_app/crypto.py``). A config whose
+    agent signs its notifications (a JWKS, from the card or set on the config) carries
+    ``jwks_url`` and the issuer expected in the tokens; unsigned notifications are refused.
+    """
+
+    task = models.ForeignKey(RemoteTask, on_delete=models.CASCADE, related_name="push_configs")
+    config_id = models.CharField(max_length=64, unique=True)
+    # Fernet token of {"token", "scheme", "credentials"}; never rendered.
+    secrets_encrypted = models.TextField(blank=True)
+    jwks_url = models.URLField(max_length=1000, blank=True)
+    jwt_issuer = models.CharField(max_length=1000, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    # When the agent took the config (the send that carried it, or CreateTaskPushNotificationConfig).
+    registered_at = models.DateTimeField(null=True, blank=True)
+    deleted_at = models.DateTimeField(null=True, blank=True)
+    deleted_note = models.CharField(max_length=500, blank=True)
+    last_received_at = models.DateTimeField(null=True, blank=True)
+    received = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        ordering = ["task", "created_at", "id"]
+
+    def __str__(self) -> str:
+        return f"push config {self.config_id} of task {self.task_id}"
