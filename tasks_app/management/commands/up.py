@@ -2,7 +2,8 @@
 
 Migrates the database, makes sure there is a login, starts Redis when ``REDIS_URL`` is unset,
 then the Celery worker, celery beat and daphne as child processes, waits until ``/healthz``
-says every part works and prints the URL. From then on it supervises: a child that dies on its
+says every part works (``{"ok": true}``; when it does not, the same checks run in this
+process name the failing parts) and prints the URL. From then on it supervises: a child that dies on its
 own (the worker, beat, daphne, the private Redis, the demo agent) is restarted after a backoff
 (1 s doubling to 30 s, reset once it has stayed up a minute), with one line saying which child
 died, how, and when it comes back. Only Ctrl-C (or SIGTERM) stops every child it started.
@@ -34,6 +35,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandParser
 from django.db import connection
 
+from tasks_app.health import run_checks
 from tasks_app.runtime.admin import ensure_admin
 from tasks_app.runtime.net import free_port, port_available, redact_url, wait_until
 from tasks_app.runtime.redis_server import (
@@ -341,7 +343,8 @@ class Runner:
             return 0, {"error": _first_line(exc)}
 
     def _wait_healthy(self) -> bool:
-        """Poll /healthz until 200; on timeout or a dead child, say what is wrong."""
+        """Poll /healthz until it answers ``{"ok": true}``; on timeout or a dead child, say
+        what is wrong."""
         deadline = time.monotonic() + HEALTH_TIMEOUT_SECONDS
         status, body = 0, {}
         while time.monotonic() < deadline:
@@ -352,16 +355,17 @@ class Runner:
                 self.say(f"{dead.name} {describe_exit(dead.returncode)} while starting; stopping.")
                 return False
             status, body = self._health()
-            if status == 200:
+            if status == 200 and isinstance(body, dict) and body.get("ok") is True:
                 return True
             self.stopping.wait(0.5)
-        checks = body.get("checks", {}) if isinstance(body, dict) else {}
-        failing = [
-            f"{name}: {result.get('status')}"
-            for name, result in checks.items()
-            if isinstance(result, dict) and result.get("status") != "ok"
-        ]
-        detail = "; ".join(failing) or body.get("error", f"HTTP {status}")
+        detail = body.get("error", f"HTTP {status}") if isinstance(body, dict) else f"HTTP {status}"
+        if status == 503:
+            # The public answer is only ok / not ok; the same checks run here, with the
+            # children's configuration, name what is failing.
+            failing = [
+                f"{name}: {result.message}" for name, result in run_checks().items() if not result.ok
+            ]
+            detail = "; ".join(failing) or detail
         self.say(
             f"The dashboard did not become healthy within {HEALTH_TIMEOUT_SECONDS:.0f} s "
             f"({detail}); stopping."
