@@ -148,6 +148,7 @@ class RemoteTask(models.Model):
         STREAM = "stream"
         RETURN_IMMEDIATELY = "return-immediately"
         BLOCKING = "blocking"
+        PUSH = "push"
         IMPORTED = "imported"
 
     class Watch(models.TextChoices):

@@ -32,4 +32,9 @@ class Migration(migrations.Migration):
                 'ordering': ['task', 'created_at', 'id'],
             },
         ),
+        migrations.AlterField(
+            model_name='remotetask',
+            name='mode',
+            field=models.CharField(choices=[('auto', 'Auto'), ('stream', 'Stream'), ('return-immediately', 'Return Immediately'), ('blocking', 'Blocking'), ('push', 'Push'), ('imported', 'Imported')], default='auto', max_length=30),
+        ),
     ]
