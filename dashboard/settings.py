@@ -263,3 +263,25 @@ IMPORT_DEADLINE_SECONDS = float(os.environ.get("IMPORT_DEADLINE_SECONDS", "600")
 
 # How much of an artifact the task page shows inline; the rest is a download.
 ARTIFACT_PREVIEW_BYTES = int(os.environ.get("ARTIFACT_PREVIEW_BYTES", str(64 * 1024)))
+
+# Push notifications (tasks_app/services/push.py, tasks_app/webhooks.py).
+# The dashboard's externally reachable base URL; without it push is not offered (agents
+# need somewhere to deliver). ``manage.py up --demo`` sets it to the local address.
+PUBLIC_URL = os.environ.get("PUBLIC_URL", "").strip().rstrip("/")
+# A webhook body larger than this is refused (413) before it is parsed.
+PUSH_MAX_BODY_BYTES = int(os.environ.get("PUSH_MAX_BODY_BYTES", str(1024 * 1024)))
+# Accepted notifications per config, and requests per source address, per second (429 past it).
+PUSH_RATE_PER_CONFIG = int(os.environ.get("PUSH_RATE_PER_CONFIG", "200"))
+PUSH_RATE_PER_SOURCE = int(os.environ.get("PUSH_RATE_PER_SOURCE", "5000"))
+# Refused requests (unknown config, bad credentials) per source address per minute: past it
+# that address gets 429 at once, before any lookup (a forger cannot make us work).
+PUSH_REFUSED_PER_SOURCE = int(os.environ.get("PUSH_REFUSED_PER_SOURCE", "60"))
+# A push-watched task that hears nothing this long is polled (backing off up to the max).
+PUSH_SILENCE_SECONDS = float(os.environ.get("PUSH_SILENCE_SECONDS", "120"))
+PUSH_POLL_MAX_SECONDS = float(os.environ.get("PUSH_POLL_MAX_SECONDS", "600"))
+# Signed notifications: clock skew allowed on iat/exp, and the longest token life taken.
+PUSH_JWT_SKEW_SECONDS = float(os.environ.get("PUSH_JWT_SKEW_SECONDS", "30"))
+PUSH_JWT_MAX_LIFETIME_SECONDS = float(os.environ.get("PUSH_JWT_MAX_LIFETIME_SECONDS", "300"))
+PUSH_JWKS_CACHE_SECONDS = float(os.environ.get("PUSH_JWKS_CACHE_SECONDS", "300"))
+# A delivery seen within this long (same config, same body) is a repeat: it appends nothing.
+PUSH_DEDUPE_SECONDS = int(os.environ.get("PUSH_DEDUPE_SECONDS", str(24 * 3600)))

@@ -1,4 +1,4 @@
-"""Celery tasks for jobs that are not watchers (today: importing an agent's tasks).
+"""Celery tasks for jobs that are not watchers: importing an agent's tasks, draining push notifications.
 
 Registered by ``dashboard/celery.py`` (autodiscovered like ``tasks_app.watchers``).
 The job itself is bounded (page cap, repeated-token guard, deadline, see
@@ -17,3 +17,11 @@ from tasks_app.services import imports
 def run_import(job_pk: int) -> str:
     """Run one import job to its end on this worker; returns its final status."""
     return str(imports.run_job(job_pk).status)
+
+
+@shared_task(name="tasks_app.jobs.drain_push", ignore_result=True)
+def drain_push() -> int:
+    """Record the push notifications the webhook queued (``tasks_app.services.push.drain``)."""
+    from tasks_app.services import push
+
+    return push.drain()

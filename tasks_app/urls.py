@@ -1,6 +1,6 @@
 from django.urls import path
 
-from . import views
+from . import views, webhooks
 
 urlpatterns = [
     path("", views.overview, name="overview"),
@@ -29,6 +29,15 @@ urlpatterns = [
     path("tasks/<int:pk>/answer/", views.task_answer, name="task-answer"),
     path("tasks/<int:pk>/events/", views.task_events, name="task-events"),
     path("tasks/<int:pk>/events/<int:seq>/", views.event_detail, name="event-detail"),
+    path("tasks/<int:pk>/push/", webhooks.push_configs, name="task-push-configs"),
+    path(
+        "tasks/<int:pk>/push/<str:config_id>/delete/",
+        webhooks.push_config_delete,
+        name="task-push-config-delete",
+    ),
+    path("tasks/<int:pk>/watch-mode/", webhooks.task_watch_mode, name="task-watch-mode"),
+    # Public: agents deliver push notifications here (authenticated per config).
+    path("push/<str:config_id>/", webhooks.receive, name="push-webhook"),
     path(
         "tasks/<int:pk>/artifacts/<int:artifact_pk>/download",
         views.artifact_download_all,

@@ -65,6 +65,7 @@ from tasks_app.a2a import (
 )
 from tasks_app.models import TERMINAL_STATES, RemoteTask, TaskEvent
 from tasks_app.services import agents as agent_services
+from tasks_app.services import push as push_services
 from tasks_app.services import record as record_services
 from tasks_app.services import tasks as task_services
 from tasks_app.services.record import Recorded, record, record_many
@@ -103,6 +104,9 @@ class Event(enum.StrEnum):
     RECHECK = "recheck fruitless"  # a parked task's one look after its hold-off found nothing
     OPERATOR_WATCH = "watch again"  # an operator asked to watch again, or a refresh found it
     ABANDON = "abandon"  # an operator gave the task up locally
+    AWAIT_PUSH = "await push"  # a push-watched task was sent or polled: nothing is held
+    PUSH_SILENT = "push silent"  # no notification for PUSH_SILENCE_SECONDS: poll (backing off)
+    PUSH_HEARD = "push heard"  # a notification was accepted (services/push.heard)
 
 
 # "streaming" or "polling", by how the task is watched.
@@ -132,6 +136,9 @@ def _active(**overrides: str) -> dict[Event, str]:
         Event.RECHECK: Status.PARKED,
         Event.OPERATOR_WATCH: Status.IDLE,
         Event.ABANDON: Status.ABANDONED,
+        Event.AWAIT_PUSH: Status.AWAITING_PUSH,
+        Event.PUSH_SILENT: Status.POLLING,
+        Event.PUSH_HEARD: Status.AWAITING_PUSH,
     }
     exits.update({Event[key]: value for key, value in overrides.items()})
     return exits
@@ -160,9 +167,12 @@ TABLE: dict[str, StateRule] = {
         _active(FOLLOW=Status.RECONNECTING),
     ),
     Status.AWAITING_PUSH: StateRule(
-        "reserved for push-only watching (not entered by this version)",
-        "as polling",
-        _active(),
+        "followed by push notifications: nobody holds a connection; each notification is "
+        "recorded, then checked with GetTask",
+        "PUSH_SILENCE_SECONDS without a notification: the reconciler hands the task to a "
+        "watcher, which polls it (push silent -> polling). An operator can switch to "
+        "streaming or polling, refresh, cancel or abandon at any time",
+        _active(SLICE_OVER=Status.AWAITING_PUSH),
     ),
     Status.LOST: StateRule(
         "the holder's worker stopped renewing its lease",
@@ -173,7 +183,11 @@ TABLE: dict[str, StateRule] = {
         "needs attention: fruitless turns, or a budget ran out (the note says which)",
         "PARKED_RECHECK_SECONDS, then one turn: news resumes watching, nothing parks it again "
         "silently. An operator can watch again, refresh, cancel or abandon at any time",
-        _active(FOLLOW=Status.PARKED, FRUITLESS=Status.PARKED, SLICE_OVER=Status.PARKED, LEASE_EXPIRED=Status.PARKED),
+        _active(
+            FOLLOW=Status.PARKED, FRUITLESS=Status.PARKED, SLICE_OVER=Status.PARKED,
+            LEASE_EXPIRED=Status.PARKED, AWAIT_PUSH=Status.PARKED, PUSH_SILENT=Status.PARKED,
+            PUSH_HEARD=Status.PARKED,
+        ),
     ),
     Status.GONE: StateRule(
         "the agent answered TaskNotFound for a task it had not finished",
@@ -237,6 +251,10 @@ def reconcile() -> int:
     )
     for pk in pks:
         watch.delay(pk)
+    try:
+        push_services.schedule_if_waiting()  # a drain whose scheduling was lost
+    except Exception:
+        log.exception("could not check the push queue")
     return len(pks)
 
 
@@ -472,6 +490,8 @@ class Holder:
                     return ended
                 if task.gone_at is not None:
                     return Turn(Status.GONE, "gone at the agent")
+                if task.watch == RemoteTask.Watch.PUSH:
+                    return await self._await_push(client)
                 self._check_slice()
                 try:
                     outcome = await self._follow_turn(client)
@@ -534,6 +554,37 @@ class Holder:
         result = await eventloop.db(record_services.settle, self.task_pk, snapshot, fence=self.token, note=note)
         if result.fenced:
             raise Fenced
+        await push_services.forget_configs(client, self.task_pk, "deleted when the task settled")
+
+    # -- push: nothing held; poll only when the notifications fall silent
+    async def _await_push(self, client: A2AClient) -> Turn:
+        """Release the task for PUSH_SILENCE_SECONDS, or poll it once if it has been silent that long.
+
+        Each accepted notification moves the hold-off forward (``push.heard``), so a
+        task whose agent keeps notifying is never polled. A silent one is polled, and
+        looked at again after half the silence so far (between WATCH_POLL_MIN_SECONDS
+        and PUSH_POLL_MAX_SECONDS): the longer the silence, the rarer the polls.
+        """
+        quiet = await eventloop.db(push_services.silence, self.task_pk)
+        limit = settings.PUSH_SILENCE_SECONDS
+        if quiet < limit:
+            return Turn(next_status(self.status, Event.AWAIT_PUSH), "awaiting push notifications", hold_off=limit - quiet)
+        await self._go(Event.PUSH_SILENT, f"no push notification for {quiet:.0f} s; polling")
+        outcome = await self._follow_turn(client)
+        turn = await self._judge(outcome)
+        if turn is not None:
+            return turn
+        task = await self._load()
+        if task is not None:
+            ended = await self._ended(task, client)
+            if ended is not None:
+                return ended
+        wait = min(max(quiet / 2, settings.WATCH_POLL_MIN_SECONDS), settings.PUSH_POLL_MAX_SECONDS)
+        return Turn(
+            self.status,
+            f"no push notification for {quiet:.0f} s: polling every {wait:.0f} s until one arrives",
+            hold_off=wait,
+        )
 
     # -- judging a turn: progress, quiet, or fruitless
     async def _judge(self, outcome: Outcome) -> Turn | None:
@@ -602,6 +653,11 @@ class Holder:
         if not await eventloop.db(task_services.mark_send_attempted, self.task_pk, self.token):
             raise Fenced  # the lease is no longer ours: someone else sends
         metadata = outbox.get("metadata") or None
+        push_config = None
+        if is_first and task.watch == RemoteTask.Watch.PUSH:
+            push_config = await eventloop.db(push_services.config_for_send, self.task_pk)
+            if push_config is None:
+                await self._push_refused("PUBLIC_URL is not set where the watcher runs")
         try:
             if self.streaming:
                 await self._go(Event.FOLLOW)
@@ -620,13 +676,19 @@ class Holder:
                 return None  # the loop checks how the stream ended
             # Blocking starts are sent as return-immediately and followed: the task is named
             # at once, so it can be canceled, and a long task never holds a request open.
-            reply = await client.send_message(message, return_immediately=True, metadata=metadata)
+            reply = await client.send_message(
+                message, return_immediately=True, metadata=metadata, push_config=push_config
+            )
             await eventloop.db(agent_services.mark_reachable, task.agent_id)
             await eventloop.db(task_services.clear_outbox, self.task_pk, message_id)
             result = await eventloop.db(record, self.task_pk, reply.raw, "send-response", fence=self.token)
             if result.fenced:
                 raise Fenced
             self.state = result.state
+            if push_config is not None and reply.kind == "task":
+                problem = await push_services.ensure_registered(client, self.task_pk, reply.task_id or "", push_config)
+                if problem:
+                    await self._push_refused(problem)
             return None
         except A2AError as exc:
             if isinstance(exc, ConnectError):
@@ -914,6 +976,15 @@ class Holder:
                 await asyncio.sleep(remaining)
         if self.loop.time() >= self.deadline:
             raise HandOver
+
+    async def _push_refused(self, reason: str) -> None:
+        """Push cannot follow this task: say so once and poll instead."""
+        await self._system("push-unavailable", f"{reason}; polling instead")
+        await eventloop.db(
+            lambda: RemoteTask.objects.filter(pk=self.task_pk, watch=RemoteTask.Watch.PUSH).update(
+                watch=RemoteTask.Watch.POLL
+            )
+        )
 
     async def _system(self, event: str, detail: str) -> None:
         result = await eventloop.db(

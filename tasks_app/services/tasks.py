@@ -44,18 +44,28 @@ class TaskActionError(Exception):
 
 
 def resolve_mode(agent: Agent, mode: str, *, from_browser: bool) -> str:
-    """``auto``: stream when the card allows and a person watches; else return at once and poll."""
+    """``auto``: stream when the card allows and a person watches; push for work nobody
+    watches (a command-line start) when the agent declares push and ``PUBLIC_URL`` is set;
+    else return at once and poll."""
+    from tasks_app.services.push import unavailable_reason
+
     if mode == Mode.AUTO:
-        return Mode.STREAM if agent.streaming and from_browser else Mode.RETURN_IMMEDIATELY
+        if agent.streaming and from_browser:
+            return Mode.STREAM
+        return Mode.PUSH if not from_browser and not unavailable_reason(agent) else Mode.RETURN_IMMEDIATELY
     if mode == Mode.STREAM and not agent.streaming:
         raise TaskActionError(f"{agent.name} does not declare streaming; choose another mode.")
-    if mode not in (Mode.STREAM, Mode.RETURN_IMMEDIATELY, Mode.BLOCKING):
+    if mode == Mode.PUSH and unavailable_reason(agent):
+        raise TaskActionError(unavailable_reason(agent))
+    if mode not in (Mode.STREAM, Mode.RETURN_IMMEDIATELY, Mode.BLOCKING, Mode.PUSH):
         raise TaskActionError(f"Unknown mode {mode!r}.")
     return mode
 
 
 def watch_for(agent: Agent, mode: str) -> str:
     return RemoteTask.Watch.STREAM if mode == Mode.STREAM and agent.streaming else RemoteTask.Watch.POLL
+    if mode == Mode.PUSH:
+        return RemoteTask.Watch.PUSH
 
 
 def start_task(
@@ -396,6 +406,39 @@ def abandon_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = N
     it stops quietly.
     """
     now = timezone.now()
+def switch_watch(task: RemoteTask, watch: str, *, actor_id: int | None = None) -> RemoteTask:
+    """An operator switches a task followed by push (or anything else) to streaming or polling.
+
+    The hold-off of "awaiting push" is lifted and a watcher dispatched at once; a running
+    holder notices the new way at its next turn. The push configs stay: a notification
+    that still arrives is recorded like any other.
+    """
+    require(actor_id, task.agent.project_id, Perm.OPERATE)
+    if watch not in (RemoteTask.Watch.STREAM, RemoteTask.Watch.POLL):
+        raise TaskActionError("Choose streaming or polling.")
+    if watch == RemoteTask.Watch.STREAM and not task.agent.streaming:
+        raise TaskActionError(f"{task.agent.name} does not declare streaming; choose polling.")
+    with transaction.atomic():
+        won = RemoteTask.objects.filter(
+            pk=task.pk, abandoned_at__isnull=True, gone_at__isnull=True
+        ).exclude(watch=watch).update(watch=watch)
+        if not won:
+            raise TaskActionError("This task is followed that way already, or is not watched any more.")
+        RemoteTask.objects.filter(pk=task.pk, lease_token="").exclude(
+            watcher_status=RemoteTask.WatcherStatus.PARKED
+        ).update(
+            lease_expires_at=None,
+            watcher_status=RemoteTask.WatcherStatus.IDLE,
+            watcher_note=f"switched to {watch} by an operator",
+            watcher_since=timezone.now(),
+        )
+        OperatorAction.objects.create(task=task, agent=task.agent, actor_id=actor_id, action="switch-watch", payload={"watch": watch})
+        record(task, {"operator": {"action": "switch-watch", "watch": watch}}, "operator", actor_id=actor_id)
+        transaction.on_commit(lambda: dispatch(task.pk))
+    task.refresh_from_db()
+    return task
+
+
     who = actor_name or "an operator"
     with transaction.atomic():
         won = RemoteTask.objects.filter(pk=task.pk, abandoned_at__isnull=True).update(
@@ -581,6 +624,7 @@ def _relay_watcher(task_pk: int) -> None:
         [
             (
                 relay.task_group(task_pk),
+    """Tell the task page and the lists how the task is watched now."""
                 {
                     "type": "task.watcher",
                     **summary,
@@ -626,3 +670,6 @@ def fail_send(task_pk: int, reason: str, *, retry_safe: bool = False, fence: str
                 "system",
                 fence=fence,
             )
+
+
+relay_watcher = _relay_watcher

@@ -1,0 +1,721 @@
+"""Push notifications: our configs, the webhook's checks, and the queue behind it.
+
+A push-watched task holds no connection: the agent POSTs each event to a URL of ours, one
+URL per config (``PUBLIC_URL/push/<config_id>/``). The webhook (``tasks_app/webhooks.py``)
+calls :func:`accept`, which does only what must happen before answering: cheap limits,
+the config lookup, constant-time credential checks, a signed token when the agent signs,
+the task check and a repeat check, then one push onto a Redis list. It answers 202 at
+once. :func:`drain` (a Celery job, ``tasks_app.jobs.drain_push``) takes the list in
+batches, records each task's notifications through ``record_many()`` on channel
+``push``, and then asks the agent for the task (``GetTask``): a notification is a hint,
+the agent's task is the truth. A task that ended is settled and its configs deleted.
+
+Why a Redis list and not a Celery message per notification: accepting must stay within
+a few milliseconds at a thousand notifications a second; one ``RPUSH`` costs about a
+tenth of a millisecond, a Celery publish several, and the drain records a batch of a
+task's notifications in one transaction.
+
+Silence: the watcher releases a push-watched task with a hold-off of
+``PUSH_SILENCE_SECONDS`` ("awaiting push"); every accepted notification moves the
+hold-off forward (:func:`heard`). When it runs out the reconciler hands the task to a
+watcher, which polls it once and comes back later, less often as the silence grows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import httpx
+import jwt
+import redis
+from django.conf import settings
+from django.db.models import F
+from django.utils import timezone
+
+from tasks_app import eventloop, outbound
+from tasks_app.a2a import A2AClient, A2AError, ProtocolError, safejson
+from tasks_app.crypto import SecretError, decrypt_json, encrypt_json
+from tasks_app.models import TERMINAL_STATES, Agent, PushConfig, RemoteTask
+from tasks_app.services.record import RecordError, record, record_many, settle_if_ended
+
+log = logging.getLogger(__name__)
+security_log = logging.getLogger("tasks_app.security")
+
+CONTENT_TYPES = ("application/a2a+json", "application/json")
+EVENT_KINDS = ("task", "message", "statusUpdate", "artifactUpdate")
+QUEUE_KEY = "push:queue"
+DRAIN_KEY = "push:drain"
+DRAIN_BATCH = 1000
+# The card extension by which an agent says it signs its notifications, and where its keys are.
+SIGNING_EXTENSION = "urn:a2a-dashboard:push-signing:v1"
+JWT_ALGORITHMS = ("RS256", "RS384", "RS512", "PS256", "ES256", "ES384", "EdDSA")
+JWKS_MAX_BYTES = 64 * 1024
+# An unknown key id makes us fetch the JWKS again, but not more often than this.
+JWKS_REFETCH_SECONDS = 30.0
+
+
+# Availability and our configs -------------------------------------------------------------
+
+
+def unavailable_reason(agent: Agent | None = None) -> str:
+    """Why push cannot be offered (empty when it can)."""
+    if not settings.PUBLIC_URL:
+        return (
+            "Push needs PUBLIC_URL, the dashboard's address that agents can reach "
+            "(manage.py up --demo sets it for the local demo)."
+        )
+    if agent is not None and not agent.push:
+        return f"{agent.name} does not declare push notifications."
+    return ""
+
+
+def webhook_url(config_id: str) -> str:
+    return f"{settings.PUBLIC_URL}/push/{config_id}/"
+
+
+def signing_of(agent: Agent) -> tuple[str, str]:
+    """The agent's JWKS URL and token issuer, when its card says it signs notifications."""
+    card = agent.card if isinstance(agent.card, dict) else {}
+    extensions = (card.get("capabilities") or {}).get("extensions") or []
+    for extension in extensions if isinstance(extensions, list) else []:
+        if isinstance(extension, dict) and extension.get("uri") == SIGNING_EXTENSION:
+            params = extension.get("params") if isinstance(extension.get("params"), dict) else {}
+            url = params.get("jwksUri")
+            if isinstance(url, str) and url.startswith(("https://", "http://")):
+                issuer = params.get("issuer") if isinstance(params.get("issuer"), str) else ""
+                return url[:1000], (issuer or agent.base_url)[:1000]
+    return "", ""
+
+
+def new_config(task: RemoteTask, *, jwks_url: str = "", jwt_issuer: str = "") -> PushConfig:
+    """A config with our own id and fresh single-purpose secrets.
+
+    An agent that signs (a JWKS from its card, or ``jwks_url``) gets no
+    ``authentication``: its ``Authorization`` header carries the signed token.
+    """
+    if not jwks_url:
+        jwks_url, jwt_issuer = signing_of(task.agent)
+    values = {"token": secrets.token_urlsafe(32)}
+    if not jwks_url:
+        values.update(scheme="Bearer", credentials=secrets.token_urlsafe(32))
+    return PushConfig.objects.create(
+        task=task,
+        config_id=uuid.uuid4().hex,
+        secrets_encrypted=encrypt_json(values),
+        jwks_url=jwks_url,
+        jwt_issuer=jwt_issuer or (task.agent.base_url if jwks_url else ""),
+    )
+
+
+def wire_config(config: PushConfig) -> dict[str, Any]:
+    """The config as the agent receives it (TaskPushNotificationConfig, without taskId)."""
+    values = decrypt_json(config.secrets_encrypted)
+    wire: dict[str, Any] = {"id": config.config_id, "url": webhook_url(config.config_id)}
+    if values.get("token"):
+        wire["token"] = values["token"]
+    if values.get("scheme"):
+        wire["authentication"] = {"scheme": values["scheme"], "credentials": values.get("credentials", "")}
+    return wire
+
+
+def config_for_send(task_pk: int) -> dict[str, Any] | None:
+    """The inline config for a task's first send (made once; None when push is not possible)."""
+    if not settings.PUBLIC_URL:
+        return None
+    task = RemoteTask.objects.select_related("agent").get(pk=task_pk)
+    config = task.push_configs.filter(deleted_at__isnull=True).first() or new_config(task)
+    return wire_config(config)
+
+
+def mark_registered(config_id: str) -> None:
+    PushConfig.objects.filter(config_id=config_id, registered_at__isnull=True).update(registered_at=timezone.now())
+
+
+async def ensure_registered(client: A2AClient, task_pk: int, remote_id: str, wire: dict[str, Any]) -> str:
+    """After a send that carried ``wire`` inline: make sure the agent holds it.
+
+    Returns an empty string when it does, else why push cannot be used. An agent
+    that ignored the inline config gets it again with CreateTaskPushNotificationConfig.
+    """
+    try:
+        await client.get_push_config(remote_id, wire["id"])
+    except A2AError:
+        try:
+            await client.create_push_config(
+                remote_id,
+                wire["url"],
+                config_id=wire["id"],
+                token=wire.get("token"),
+                auth_scheme=(wire.get("authentication") or {}).get("scheme"),
+                auth_credentials=(wire.get("authentication") or {}).get("credentials"),
+            )
+        except A2AError as exc:
+            return f"the agent did not take the push config: {exc}"
+    await eventloop.db(mark_registered, wire["id"])
+    return ""
+
+
+def silence(task_pk: int) -> float:
+    """Seconds since the task last heard a push notification (or since its config was made)."""
+    newest = None
+    for received, registered, created in PushConfig.objects.filter(task_id=task_pk).values_list(
+        "last_received_at", "registered_at", "created_at"
+    ):
+        moment = received or registered or created
+        newest = moment if newest is None or moment > newest else newest
+    if newest is None:
+        return float("inf")
+    return max(0.0, (timezone.now() - newest).total_seconds())
+
+
+def heard(task_pks: set[int]) -> None:
+    """Notifications arrived: the silence fallback waits again, the page says "awaiting push".
+
+    Only tasks nobody holds are touched (a holder's lease is its own business).
+    """
+    if not task_pks:
+        return
+    Status = RemoteTask.WatcherStatus
+    now = timezone.now()
+    changed = list(
+        RemoteTask.objects.filter(
+            pk__in=task_pks,
+            watch=RemoteTask.Watch.PUSH,
+            lease_token="",
+            watcher_status__in=[Status.AWAITING_PUSH, Status.POLLING, Status.IDLE, Status.LOST, Status.RECONNECTING],
+        )
+        .exclude(watcher_status=Status.AWAITING_PUSH)
+        .values_list("pk", flat=True)
+    )
+    RemoteTask.objects.filter(pk__in=task_pks, watch=RemoteTask.Watch.PUSH, lease_token="").filter(
+        watcher_status=Status.AWAITING_PUSH
+    ).update(lease_expires_at=now + timedelta(seconds=settings.PUSH_SILENCE_SECONDS))
+    if changed:
+        RemoteTask.objects.filter(pk__in=changed, lease_token="").update(
+            lease_expires_at=now + timedelta(seconds=settings.PUSH_SILENCE_SECONDS),
+            watcher_status=Status.AWAITING_PUSH,
+            watcher_note="push notifications arriving",
+            watcher_since=now,
+        )
+        from tasks_app.services.tasks import relay_watcher
+
+        for pk in changed:
+            relay_watcher(pk)
+
+
+async def forget_configs(client: A2AClient, task_pk: int, note: str) -> int:
+    """Delete the task's live configs at the agent and here (the task settled, or an operator asked)."""
+
+    def live() -> list[tuple[str, str]]:
+        return list(
+            PushConfig.objects.filter(task_id=task_pk, deleted_at__isnull=True).values_list(
+                "config_id", "task__remote_id"
+            )
+        )
+
+    deleted = 0
+    for config_id, remote_id in await eventloop.db(live):
+        if remote_id:
+            try:
+                await client.delete_push_config(remote_id, config_id)
+            except A2AError as exc:  # ours is deleted anyway: its deliveries get 404 from now on
+                log.info("deleting push config %s at the agent failed: %s", config_id, exc)
+        deleted += await eventloop.db(mark_deleted, config_id, note)
+    return deleted
+
+
+def mark_deleted(config_id: str, note: str) -> int:
+    return PushConfig.objects.filter(config_id=config_id, deleted_at__isnull=True).update(
+        deleted_at=timezone.now(), deleted_note=note[:500]
+    )
+
+
+# Redis ----------------------------------------------------------------------------------------
+
+_redis_lock = threading.Lock()
+_redis_clients: dict[str, redis.Redis] = {}
+
+
+def _redis() -> redis.Redis:
+    url = settings.REDIS_URL
+    client = _redis_clients.get(url)
+    if client is None:
+        with _redis_lock:
+            client = _redis_clients.get(url)
+            if client is None:
+                client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+                _redis_clients[url] = client
+    return client
+
+
+# Accepting one delivery -------------------------------------------------------------------------
+
+
+@dataclass
+class Verdict:
+    """The webhook's answer: an HTTP status and a short public reason (never a secret)."""
+
+    status: int
+    reason: str
+
+    @property
+    def accepted(self) -> bool:
+        return self.status < 300
+
+
+@dataclass
+class _Config:
+    pk: int
+    config_id: str
+    task_pk: int
+    remote_id: str
+    secrets: dict[str, str]
+    jwks_url: str
+    jwt_issuer: str
+
+
+def _lookup(config_id: str) -> _Config | None:
+    if len(config_id) > 64:
+        return None
+    row = (
+        PushConfig.objects.filter(config_id=config_id, deleted_at__isnull=True)
+        .values_list("pk", "task_id", "task__remote_id", "secrets_encrypted", "jwks_url", "jwt_issuer")
+        .first()
+    )
+    if row is None:
+        return None
+    pk, task_pk, remote_id, encrypted, jwks_url, issuer = row
+    try:
+        values = decrypt_json(encrypted)
+    except SecretError:
+        values = {}  # nothing can match: every delivery is refused (and logged)
+    return _Config(pk, config_id, task_pk, remote_id, values, jwks_url, issuer)
+
+
+def _same(given: str, expected: str) -> bool:
+    return hmac.compare_digest(given.encode("utf-8", "replace"), expected.encode("utf-8", "replace"))
+
+
+def _credentials_problem(config: _Config, authorization: str, token: str) -> str:
+    """Every credential presented must be right, and at least one configured one presented.
+
+    Agents differ in what they send (a2a-sdk sends both headers, older ones only
+    the token), and each secret alone is 256 random bits.
+    """
+    expected_token = config.secrets.get("token", "")
+    scheme, credentials = config.secrets.get("scheme", ""), config.secrets.get("credentials", "")
+    matched = False
+    if token:
+        if not expected_token or not _same(token, expected_token):
+            return "wrong notification token"
+        matched = True
+    if config.jwks_url:
+        if not matched:
+            return "missing notification token"
+        return ""  # the Authorization header carries the signed token, checked next
+    if authorization:
+        given_scheme, _, given = authorization.partition(" ")
+        if not scheme or not (_same(given_scheme.lower(), scheme.lower()) & _same(given.strip(), credentials)):
+            return "wrong Authorization credentials"
+        matched = True
+    return "" if matched else "no credentials"
+
+
+def _window(key: str, seconds: int) -> str:
+    return f"{key}:{int(time.time()) // seconds}"
+
+
+def _refuse(source: str, config_id: str, status: int, reason: str) -> Verdict:
+    """A refused delivery: counted against its source, and one security log line."""
+    if status in (401, 404):
+        key = _window(f"push:rf:{source}", 60)
+        pipe = _redis().pipeline(transaction=False)
+        pipe.incr(key)
+        pipe.expire(key, 120)
+        pipe.execute()
+    security_log.warning(
+        "push webhook refused: status=%s reason=%s config=%s source=%s",
+        status, reason, config_id[:64], source[:64],
+    )  # fmt: skip
+    return Verdict(status, reason)
+
+
+def accept(
+    config_id: str,
+    *,
+    body: bytes,
+    content_type: str,
+    authorization: str = "",
+    token: str = "",
+    source: str = "",
+) -> Verdict:
+    """Check one delivery and queue it; the verdict says what the webhook answers.
+
+    Order matters: the cheapest refusals come first, so a flood of forged requests
+    costs one Redis round trip each once its source is over the refusal limit; a
+    body is parsed only for a config whose credentials were right.
+    """
+    r = _redis()
+    per_source = _window(f"push:rs:{source}", 1)
+    refused = _window(f"push:rf:{source}", 60)
+    pipe = r.pipeline(transaction=False)
+    pipe.incr(per_source)
+    pipe.expire(per_source, 5)
+    pipe.get(refused)
+    source_count, _, refused_count = pipe.execute()
+    if int(refused_count or 0) >= settings.PUSH_REFUSED_PER_SOURCE:
+        return Verdict(429, "too many refused requests from this address")
+    if source_count > settings.PUSH_RATE_PER_SOURCE:
+        return Verdict(429, "too many requests from this address")
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media not in CONTENT_TYPES:
+        return Verdict(415, "expected application/a2a+json or application/json")
+    if len(body) > settings.PUSH_MAX_BODY_BYTES:
+        return Verdict(413, "body too large")
+    config = _lookup(config_id)
+    if config is None:
+        return _refuse(source, config_id, 404, "unknown or deleted push config")
+    problem = _credentials_problem(config, authorization, token)
+    if problem:
+        return _refuse(source, config_id, 401, problem)
+    per_config = _window(f"push:rc:{config.config_id}", 1)
+    pipe = r.pipeline(transaction=False)
+    pipe.incr(per_config)
+    pipe.expire(per_config, 5)
+    if pipe.execute()[0] > settings.PUSH_RATE_PER_CONFIG:
+        return Verdict(429, "too many notifications for this config")
+    try:
+        event = safejson.loads(body)
+    except ProtocolError:
+        return Verdict(400, "malformed JSON")
+    problem = _event_problem(event, config.remote_id)
+    if problem:
+        return Verdict(400, problem)
+    if config.jwks_url:
+        scheme, _, signed = authorization.partition(" ")
+        problem = verify_signed(config, signed.strip() if scheme.lower() == "bearer" else "", body)
+        if problem:
+            return _refuse(source, config_id, 401, problem)
+    digest = hashlib.sha256(body).hexdigest()
+    item = json.dumps({"c": config.pk, "t": config.task_pk, "e": event})
+    pipe = r.pipeline(transaction=False)
+    pipe.set(f"push:seen:{config.config_id}:{digest}", 1, nx=True, ex=settings.PUSH_DEDUPE_SECONDS)
+    pipe.set(DRAIN_KEY, 1, nx=True, ex=60)
+    fresh, schedule = pipe.execute()
+    if not fresh:
+        return Verdict(200, "already received")
+    r.rpush(QUEUE_KEY, item)
+    if schedule:
+        _schedule_drain()
+    return Verdict(202, "accepted")
+
+
+def _event_problem(event: Any, remote_id: str) -> str:
+    if not isinstance(event, dict):
+        return "expected a JSON object"
+    kinds = [key for key in event if key in EVENT_KINDS]
+    if len(kinds) != 1 or not isinstance(event[kinds[0]], dict):
+        return "expected exactly one of task, message, statusUpdate, artifactUpdate"
+    payload = event[kinds[0]]
+    task_id = payload.get("id") if kinds[0] == "task" else payload.get("taskId")
+    if kinds[0] == "message" and task_id is None:
+        return ""  # a message may name no task; record() decides
+    if not isinstance(task_id, str) or not task_id:
+        return "the notification names no task"
+    if remote_id and task_id != remote_id:
+        return "the notification is about another task than its config's"
+    return ""
+
+
+def _schedule_drain() -> None:
+    from tasks_app.jobs import drain_push
+
+    try:
+        drain_push.delay()
+    except Exception:  # the reconciler schedules it again within a tick
+        _redis().delete(DRAIN_KEY)
+        log.exception("could not schedule the push drain")
+
+
+def schedule_if_waiting() -> bool:
+    """Schedule a drain when notifications wait and none is scheduled (the reconciler's tick)."""
+    r = _redis()
+    if r.llen(QUEUE_KEY) and r.set(DRAIN_KEY, 1, nx=True, ex=60):
+        _schedule_drain()
+        return True
+    return False
+
+
+# Signed notifications -----------------------------------------------------------------------------
+
+_jwks_cache: OrderedDict[str, tuple[float, jwt.PyJWKSet]] = OrderedDict()
+_jwks_lock = threading.Lock()
+
+
+def _fetch_jwks(url: str) -> jwt.PyJWKSet:
+    """The key set at ``url``, through the outbound client (its guard, its limits)."""
+
+    async def get(http: httpx.AsyncClient) -> bytes:
+        async with http.stream("GET", url, timeout=10.0) as response:
+            response.raise_for_status()
+            data = b""
+            async for chunk in response.aiter_bytes():
+                data += chunk
+                if len(data) > JWKS_MAX_BYTES:
+                    raise ValueError("JWKS larger than 64 KB")
+            return data
+
+    data = outbound.run(get)
+    return jwt.PyJWKSet.from_dict(json.loads(data))
+
+
+def _keyset(url: str, *, fresh: bool = False) -> jwt.PyJWKSet:
+    now = time.monotonic()
+    with _jwks_lock:
+        cached = _jwks_cache.get(url)
+    if cached is not None:
+        age = now - cached[0]
+        if age < settings.PUSH_JWKS_CACHE_SECONDS and not (fresh and age > JWKS_REFETCH_SECONDS):
+            return cached[1]
+    keyset = _fetch_jwks(url)
+    with _jwks_lock:
+        _jwks_cache[url] = (now, keyset)
+        while len(_jwks_cache) > 256:
+            _jwks_cache.popitem(last=False)
+    return keyset
+
+
+def _key_for(url: str, kid: str | None) -> Any:
+    for fresh in (False, True):
+        keyset = _keyset(url, fresh=fresh)
+        for key in keyset.keys:
+            if kid is None or key.key_id == kid:
+                return key.key
+    return None
+
+
+def verify_signed(config: _Config, token: str, body: bytes) -> str:
+    """Check a notification's signed token; empty when good, else why not.
+
+    The token (a JWS from the agent's JWKS) must name us as audience (the config's
+    id) and the agent as issuer, be within its ``iat``/``exp`` (a small skew, and no
+    longer a life than ``PUSH_JWT_MAX_LIFETIME_SECONDS``), carry the sha256 of this
+    body (``request_body_sha256``), and its ``jti`` must be new: a replay is refused.
+    """
+    if not token:
+        return "unsigned notification for a config that requires a signature"
+    try:
+        header = jwt.get_unverified_header(token)
+        if header.get("alg") not in JWT_ALGORITHMS:
+            return "signature algorithm not allowed"
+        try:
+            key = _key_for(config.jwks_url, header.get("kid"))
+        except (httpx.HTTPError, ValueError, jwt.PyJWKError, A2AError) as exc:
+            return f"the agent's JWKS could not be read ({type(exc).__name__})"
+        if key is None:
+            return "signed with a key the agent's JWKS does not hold"
+        claims = jwt.decode(
+            token,
+            key,
+            algorithms=[header["alg"]],
+            audience=config.config_id,
+            issuer=config.jwt_issuer,
+            leeway=settings.PUSH_JWT_SKEW_SECONDS,
+            options={"require": ["iss", "aud", "iat", "exp", "jti"]},
+        )
+    except jwt.PyJWTError as exc:
+        return f"bad signed token: {type(exc).__name__}"
+    lifetime = float(claims["exp"]) - float(claims["iat"])
+    if lifetime > settings.PUSH_JWT_MAX_LIFETIME_SECONDS:
+        return "signed token lives too long"
+    if float(claims["iat"]) > time.time() + settings.PUSH_JWT_SKEW_SECONDS:
+        return "signed token issued in the future"
+    claimed = claims.get("request_body_sha256")
+    if not isinstance(claimed, str) or not _same(claimed, hashlib.sha256(body).hexdigest()):
+        return "signed token does not cover this body"
+    ttl = max(1, int(float(claims["exp"]) - time.time() + settings.PUSH_JWT_SKEW_SECONDS) + 1)
+    if not _redis().set(f"push:jti:{config.config_id}:{str(claims['jti'])[:200]}", 1, nx=True, ex=ttl):
+        return "replayed signed token (jti seen before)"
+    return ""
+
+
+# Draining the queue ------------------------------------------------------------------------------
+
+
+def drain(*, max_seconds: float = 50.0) -> int:
+    """Record what waits in the queue, batch by batch, then refresh the tasks it touched.
+
+    Runs on the worker's shared loop (its database thread, its HTTP client). The
+    drain flag is cleared when the queue is found empty, and the queue looked at
+    once more after that, so a notification pushed in between is never stranded.
+    """
+    return eventloop.submit(_drain(max_seconds)).result()
+
+
+async def _drain(max_seconds: float) -> int:
+    r = _redis()
+    total = 0
+    deadline = time.monotonic() + max_seconds
+    while time.monotonic() < deadline:
+        items = await asyncio.to_thread(r.lpop, QUEUE_KEY, DRAIN_BATCH)
+        if not items:
+            r.delete(DRAIN_KEY)
+            if r.llen(QUEUE_KEY) and r.set(DRAIN_KEY, 1, nx=True, ex=60):
+                continue
+            return total
+        total += len(items)
+        touched = await eventloop.db(record_batch, items)
+        await _refresh_all(touched)
+    # Out of time: the next drain goes on.
+    r.delete(DRAIN_KEY)
+    schedule_if_waiting()
+    return total
+
+
+def record_batch(items: list[bytes]) -> set[int]:
+    """Record queued notifications, each task's in one ``record_many`` call; returns the tasks."""
+    by_task: dict[int, list[tuple[int, Any]]] = {}
+    for item in items:
+        try:
+            data = json.loads(item)
+            by_task.setdefault(int(data["t"]), []).append((int(data["c"]), data["e"]))
+        except (ValueError, KeyError, TypeError):
+            log.warning("dropped an unreadable queued push notification")
+    configs = {pk for entries in by_task.values() for pk, _ in entries}
+    live = set(PushConfig.objects.filter(pk__in=configs, deleted_at__isnull=True).values_list("pk", flat=True))
+    now = timezone.now()
+    counts: dict[int, int] = {}
+    touched: set[int] = set()
+    for task_pk, entries in by_task.items():
+        objs = [obj for pk, obj in entries if pk in live]
+        if not objs:
+            continue
+        try:
+            record_many(task_pk, objs, "push")
+        except RecordError as exc:
+            log.warning("push notifications for task %s not recorded: %s", task_pk, exc)
+            continue
+        touched.add(task_pk)
+        for pk, _ in entries:
+            if pk in live:
+                counts[pk] = counts.get(pk, 0) + 1
+    for pk, count in counts.items():
+        PushConfig.objects.filter(pk=pk).update(last_received_at=now, received=F("received") + count)
+    heard(touched)
+    return touched
+
+
+_http: httpx.AsyncClient | None = None
+
+
+async def _refresh_all(task_pks: set[int]) -> None:
+    global _http
+    if not task_pks:
+        return
+    if _http is None:
+        _http = outbound.new_http_client()
+    await asyncio.gather(*(refresh_after_push(_http, pk) for pk in sorted(task_pks)))
+
+
+async def refresh_after_push(http: httpx.AsyncClient, task_pk: int) -> None:
+    """GetTask after a notification: recorded as a poll; an ended task is settled, its configs deleted."""
+    task = await eventloop.db(lambda: RemoteTask.objects.select_related("agent").filter(pk=task_pk).first())
+    if task is None or not task.remote_id or task.settled_at is not None or task.abandoned_at is not None:
+        return
+    try:
+        client = outbound.client_for(task.agent, http)
+        snapshot = await client.get_task(task.remote_id)
+    except A2AError as exc:
+        log.info("GetTask after a push notification for task %s failed: %s", task_pk, exc)
+        return
+    await eventloop.db(record, task_pk, {"task": snapshot}, "poll")
+    ended = (snapshot.get("status") or {}).get("state") in TERMINAL_STATES
+    if ended:
+        await eventloop.db(settle_if_ended, task_pk, snapshot, note="reconciled with GetTask after a push notification")
+        await forget_configs(client, task_pk, "deleted when the task settled")
+
+
+# The task page: the agent's list, deleting one -------------------------------------------------
+
+
+@dataclass
+class Listing:
+    """The task's configs as the agent lists them, matched with ours (no secret is kept)."""
+
+    configs: list[dict[str, Any]]
+    local: list[PushConfig]
+    problem: str = ""
+
+
+def list_at_agent(task: RemoteTask) -> Listing:
+    local = list(task.push_configs.order_by("created_at"))
+    if not task.remote_id:
+        return Listing([], local, "the agent has not named the task yet")
+    if not task.agent.push:
+        return Listing([], local, f"{task.agent.name} does not declare push notifications")
+    ours = {config.config_id: config for config in local}
+
+    async def call(http: httpx.AsyncClient) -> list[dict[str, Any]]:
+        client = outbound.client_for(task.agent, http)
+        found: list[dict[str, Any]] = []
+        token = ""
+        for _ in range(10):  # pages; an agent that pages forever is cut off here
+            page = await client.list_push_configs(task.remote_id, page_token=token or None)
+            found.extend(c for c in page["configs"] if isinstance(c, dict))
+            token = page.get("nextPageToken") or ""
+            if not token:
+                break
+        return found
+
+    try:
+        configs = outbound.run(call)
+    except A2AError as exc:
+        return Listing([], local, f"the agent's list could not be read: {exc}")
+    rows = [
+        {
+            "id": str(c.get("id", ""))[:200],
+            "url": str(c.get("url", ""))[:1000],
+            "ours": str(c.get("id", "")) in ours,
+        }
+        for c in configs
+    ]
+    return Listing(rows, local)
+
+
+def delete_config(task: RemoteTask, config_id: str, *, actor_id: int | None = None) -> None:
+    """Delete one config at the agent (and ours, if it is ours); the log says who did it."""
+    from tasks_app.access import Perm, require
+    from tasks_app.services.tasks import TaskActionError
+
+    require(actor_id, task.agent.project_id, Perm.OPERATE)
+    if not task.remote_id:
+        raise TaskActionError("The agent has not named this task yet.")
+
+    async def call(http: httpx.AsyncClient) -> None:
+        await outbound.client_for(task.agent, http).delete_push_config(task.remote_id, config_id)
+
+    try:
+        outbound.run(call)
+    except A2AError as exc:
+        raise TaskActionError(f"The agent did not delete the push config: {exc}") from None
+    PushConfig.objects.filter(task=task, config_id=config_id, deleted_at__isnull=True).update(
+        deleted_at=timezone.now(), deleted_note="deleted by an operator"
+    )
+    record(
+        task,
+        {"operator": {"action": "delete-push-config", "config": config_id[:200]}},
+        "operator",
+        actor_id=actor_id,
+    )

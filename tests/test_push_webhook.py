@@ -1,0 +1,238 @@
+"""The push webhook against bad input: each refusal, its status, and that nothing changed.
+
+In-process Django (the real view, middleware and URL) with the session's real Redis; the
+end-to-end path with a real agent delivering over loopback is in ``test_push_live.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+
+import pytest
+from django.test import Client
+
+from tasks_app.crypto import decrypt_json
+from tasks_app.models import Agent, PushConfig, RemoteTask, TaskEvent
+from tasks_app.services import push
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def _empty_queue(redis_url: str) -> None:
+    push._redis().delete(push.QUEUE_KEY, push.DRAIN_KEY)
+
+
+@pytest.fixture
+def task() -> RemoteTask:
+    agent = Agent.objects.create(name="pushy", base_url=f"http://127.0.0.1:1/{uuid.uuid4().hex}/", push=True)
+    return RemoteTask.objects.create(
+        agent=agent, title="t", remote_id="t-1", phase=RemoteTask.Phase.TASK,
+        state="TASK_STATE_SUBMITTED", watch=RemoteTask.Watch.PUSH,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def config(task: RemoteTask) -> PushConfig:
+    return push.new_config(task)
+
+
+def secrets_of(config: PushConfig) -> dict:
+    return decrypt_json(config.secrets_encrypted)
+
+
+def source() -> str:
+    """A fresh source address per call: the refusal counts of one test do not touch another."""
+    return f"10.{uuid.uuid4().int % 250}.{uuid.uuid4().int % 250}.{uuid.uuid4().int % 250}"
+
+
+def status_update(task_id: str = "t-1", state: str = "TASK_STATE_WORKING", ts: str = "2026-01-01T00:00:01Z") -> bytes:
+    return json.dumps(
+        {"statusUpdate": {"taskId": task_id, "contextId": "c", "status": {"state": state, "timestamp": ts}}}
+    ).encode()
+
+
+def deliver(
+    config_id: str,
+    body: bytes,
+    *,
+    token: str | None = None,
+    authorization: str | None = None,
+    content_type: str = "application/a2a+json",
+    addr: str = "",
+) -> tuple[int, dict]:
+    headers = {"REMOTE_ADDR": addr or source(), "CONTENT_TYPE": content_type}
+    if token is not None:
+        headers["HTTP_X_A2A_NOTIFICATION_TOKEN"] = token
+    if authorization is not None:
+        headers["HTTP_AUTHORIZATION"] = authorization
+    response = Client().post(f"/push/{config_id}/", data=body, content_type=content_type, **headers)
+    return response.status_code, response.json()
+
+
+def good(config: PushConfig, body: bytes, **kwargs: object) -> tuple[int, dict]:
+    values = secrets_of(config)
+    return deliver(
+        config.config_id,
+        body,
+        token=values["token"],
+        authorization=f"{values['scheme']} {values['credentials']}",
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def queued() -> int:
+    return int(push._redis().llen(push.QUEUE_KEY))
+
+
+def unchanged(task: RemoteTask) -> None:
+    """None of the refusals changes a task: no row, no snapshot change, nothing queued."""
+    fresh = RemoteTask.objects.get(pk=task.pk)
+    assert fresh.last_seq == task.last_seq
+    assert fresh.state == task.state
+    assert TaskEvent.objects.filter(task=task).count() == 0
+    assert queued() == 0
+
+
+def drain_here() -> set[int]:
+    """What the worker's drain records (without its GetTask, which needs an agent)."""
+    items = push._redis().lpop(push.QUEUE_KEY, 1000) or []
+    return push.record_batch(items)
+
+
+def test_a_genuine_notification_is_accepted_queued_and_recorded_on_push(task, config):
+    status, body = good(config, status_update())
+    assert (status, body) == (202, {"status": "accepted"})
+    assert queued() == 1
+    assert drain_here() == {task.pk}
+    event = TaskEvent.objects.get(task=task)
+    assert (event.channel, event.kind) == ("push", "statusUpdate")
+    config.refresh_from_db()
+    assert config.received == 1 and config.last_received_at is not None
+
+
+def test_both_content_types_are_accepted_and_others_refused(task, config):
+    assert good(config, status_update(ts="2026-01-01T00:00:02Z"), content_type="application/json")[0] == 202
+    assert good(config, status_update(ts="2026-01-01T00:00:03Z"), content_type="application/a2a+json; charset=utf-8")[0] == 202
+    push._redis().delete(push.QUEUE_KEY)
+    assert good(config, status_update(ts="2026-01-01T00:00:04Z"), content_type="text/plain")[0] == 415
+    unchanged(task)
+
+
+@pytest.mark.parametrize("which", ["none", "wrong token", "wrong credentials", "wrong scheme", "one wrong of two"])
+def test_missing_or_wrong_credentials_are_401_with_one_security_line_and_no_secret(task, config, which, caplog):
+    values = secrets_of(config)
+    right_auth = f"{values['scheme']} {values['credentials']}"
+    kwargs: dict = {
+        "none": {},
+        "wrong token": {"token": "x" * 43},
+        "wrong credentials": {"authorization": "Bearer " + "y" * 43},
+        "wrong scheme": {"authorization": "Basic " + values["credentials"]},
+        "one wrong of two": {"token": "x" * 43, "authorization": right_auth},
+    }[which]
+    with caplog.at_level(logging.WARNING, logger="tasks_app.security"):
+        status, body = deliver(config.config_id, status_update(), **kwargs)
+    assert status == 401 and "error" in body
+    lines = [r for r in caplog.records if r.name == "tasks_app.security"]
+    assert len(lines) == 1
+    text = lines[0].getMessage()
+    assert "refused" in text and config.config_id in text
+    assert values["token"] not in text and values["credentials"] not in text and "x" * 43 not in text
+    unchanged(task)
+
+
+def test_either_credential_alone_is_enough_when_right(task, config):
+    values = secrets_of(config)
+    assert deliver(config.config_id, status_update(ts="2026-01-01T00:00:05Z"), token=values["token"])[0] == 202
+    assert deliver(
+        config.config_id,
+        status_update(ts="2026-01-01T00:00:06Z"),
+        authorization=f"bearer {values['credentials']}",  # the scheme is case-insensitive
+    )[0] == 202
+
+
+def test_unknown_or_deleted_config_is_404(task, config):
+    assert good(config, status_update(), addr="10.9.9.9")[0] == 202
+    push._redis().delete(push.QUEUE_KEY)
+    status, _ = deliver(uuid.uuid4().hex, status_update(), token=secrets_of(config)["token"])
+    assert status == 404
+    push.mark_deleted(config.config_id, "test")
+    assert good(config, status_update(ts="2026-01-01T00:00:09Z"))[0] == 404
+    unchanged(task)
+
+
+def test_a_notification_about_another_task_is_400(task, config):
+    status, body = good(config, status_update(task_id="someone-else"))
+    assert status == 400 and "another task" in body["error"]
+    unchanged(task)
+
+
+def test_oversized_is_413_before_parsing(task, config, settings):
+    settings.PUSH_MAX_BODY_BYTES = 1000
+    big = json.dumps({"statusUpdate": {"taskId": "t-1", "pad": "x" * 2000}}).encode()
+    assert good(config, big)[0] == 413
+    unchanged(task)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"{not json", b"[1, 2]", b'{"foo": {}}', b'{"task": {"id": "t-1"}, "statusUpdate": {}}', b"[" * 5000, b""],
+    ids=["broken", "array", "no kind", "two kinds", "too deep", "empty"],
+)
+def test_malformed_bodies_are_400(task, config, body):
+    assert good(config, body)[0] == 400
+    unchanged(task)
+
+
+def test_get_is_405(config):
+    response = Client().get(f"/push/{config.config_id}/")
+    assert response.status_code == 405
+
+
+def test_a_flood_on_one_config_is_429_while_another_config_gets_through(task, config, settings):
+    settings.PUSH_RATE_PER_CONFIG = 5
+    other_task = RemoteTask.objects.create(
+        agent=task.agent, title="u", remote_id="t-2", phase=RemoteTask.Phase.TASK,
+        state="TASK_STATE_WORKING", watch=RemoteTask.Watch.PUSH,
+    )  # fmt: skip
+    other = push.new_config(other_task)
+    addr = source()
+    statuses = [good(config, status_update(ts=f"2026-01-01T00:01:{i:02d}Z"), addr=addr)[0] for i in range(30)]
+    assert statuses.count(429) >= 15  # at most 5 per second window pass, two windows at worst
+    assert set(statuses) <= {202, 429}
+    assert good(other, status_update(task_id="t-2"), addr=addr)[0] == 202
+
+
+def test_a_forging_source_is_cut_off_while_other_sources_get_through(task, config, settings):
+    settings.PUSH_REFUSED_PER_SOURCE = 5
+    forger = source()
+    statuses = [deliver(config.config_id, status_update(), token="forged", addr=forger)[0] for _ in range(12)]
+    assert statuses[:5] == [401] * 5
+    assert statuses[5:] == [429] * 7  # refused before any lookup
+    assert queued() == 0
+    assert good(config, status_update(), addr=source())[0] == 202
+
+
+def test_the_same_delivery_twice_appends_nothing(task, config):
+    body = status_update(ts="2026-01-01T00:02:00Z")
+    assert good(config, body)[0] == 202
+    assert good(config, body) == (200, {"status": "already received"})
+    assert queued() == 1
+    drain_here()
+    assert TaskEvent.objects.filter(task=task).count() == 1
+    # Even past the repeat check (another config of the task, the same event), record() appends nothing.
+    second = push.new_config(task)
+    assert good(second, body)[0] == 202
+    drain_here()
+    assert TaskEvent.objects.filter(task=task).count() == 1
+
+
+def test_a_delivery_before_the_agent_named_the_task_is_taken(task, config):
+    RemoteTask.objects.filter(pk=task.pk).update(remote_id="", phase=RemoteTask.Phase.SENDING, state="")
+    body = json.dumps({"task": {"id": "t-new", "contextId": "c", "status": {"state": "TASK_STATE_SUBMITTED"}}}).encode()
+    assert good(config, body)[0] == 202
+    drain_here()
+    task.refresh_from_db()
+    assert task.remote_id == "t-new"
