@@ -1,9 +1,55 @@
 """Shared fixtures: real infrastructure (``tests.infra``) and real A2A peers (``tests.agents``).
 
 See the docstrings of those modules for the fixture list; nothing in the suite is mocked.
+
+Network: the suite stays on loopback. The agents it talks to are on 127.0.0.1, so the outbound
+guard is told so explicitly (``OUTBOUND_ALLOW``, here and for every child process, which
+inherit this environment), and a connect hook (``tests/loopback_only``) refuses and records
+any connect off loopback, here and in every Python child; a test that caused one fails.
 """
 
 import importlib.util
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+HOOK_DIR = Path(__file__).resolve().parent / "loopback_only"
+LOOPBACK_ALLOW = "127.0.0.0/8,::1/128"
+
+# Before any child starts and before the settings are read: children inherit both.
+os.environ["OUTBOUND_ALLOW"] = LOOPBACK_ALLOW
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HOOK_DIR), os.environ.get("PYTHONPATH")]))
+os.environ.setdefault(
+    "LOOPBACK_ONLY_LOG", str(Path(tempfile.gettempdir()) / f"loopback-only-{os.getpid()}.log")
+)
+sys.path.insert(0, str(HOOK_DIR))
+import loopback_hook  # noqa: E402 - needs the folder on sys.path; the same module children load
+
+loopback_hook.install()
+settings.OUTBOUND_ALLOW = LOOPBACK_ALLOW.split(",")  # in case the settings were read already
+
+
+def _children_refused() -> list[str]:
+    try:
+        return Path(os.environ["LOOPBACK_ONLY_LOG"]).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return []
+
+
+@pytest.fixture(autouse=True)
+def _loopback_only() -> Iterator[None]:
+    """Fail the test if it (or a child process) tried to connect off loopback."""
+    mine, theirs = len(loopback_hook.refused), len(_children_refused())
+    yield
+    found = loopback_hook.refused[mine:] + _children_refused()[theirs:]
+    if found:
+        pytest.fail("connect(s) off loopback were attempted (and stopped): " + "; ".join(found), pytrace=False)
+
 
 pytest_plugins = ["tests.infra"]
 # The A2A peers are written separately; keep the suite importable while they are missing.

@@ -19,6 +19,7 @@ from .errors import (
     ConnectError,
     ConnectionDropped,
     DeadlineExceeded,
+    OutboundRefused,
     PayloadTooLarge,
     ProtocolError,
     RequestTimeout,
@@ -26,6 +27,7 @@ from .errors import (
     TransportError,
     from_http_error,
 )
+from .guard import refusal_in
 from .safejson import loads
 
 JSON_MEDIA_TYPES = ("application/json", "application/a2a+json", "application/problem+json")
@@ -42,6 +44,10 @@ def is_json_media(mt: str) -> bool:
 
 def map_transport_error(exc: httpx.HTTPError, where: str, *, streaming: bool = False) -> A2AError:
     """Translate an httpx exception into our hierarchy (keeps it as ``__cause__``)."""
+    refusal = refusal_in(exc)
+    if refusal is not None:  # never connected: the reason is all there is to say
+        shown = where if len(where) <= 120 else where[:119] + "…"  # keep the reason in view
+        return OutboundRefused(f"{shown}: {refusal}")
     detail = str(exc) or exc.__class__.__name__
     if isinstance(exc, httpx.ConnectTimeout):
         return ConnectError(f"{where}: connect timeout ({detail})")
@@ -106,8 +112,17 @@ async def read_bounded(response: httpx.Response, limit: int, where: str) -> byte
     return b"".join(chunks)
 
 
-def snippet_of(body: bytes | str, limit: int = 160) -> str:
-    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+SNIPPET_CHARS = 80
+
+
+def snippet_of(body: bytes | str, limit: int = SNIPPET_CHARS) -> str:
+    """The start of a body, for an error message: one line, printable characters only.
+
+    Short on purpose: a message is shown to people and stored; the body is someone
+    else's (control and bidi characters could disguise what the message says).
+    """
+    text = body[: limit * 8 + 256].decode("utf-8", "replace") if isinstance(body, bytes) else body[: limit * 8 + 256]
+    text = "".join(ch for ch in text if ch.isprintable() or ch.isspace())
     return " ".join(text.split())[:limit]
 
 

@@ -10,6 +10,7 @@ will plug in later.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
@@ -24,6 +25,7 @@ from ._http import (
     read_bounded,
 )
 from .errors import IncompatibleAgentError, ProtocolError
+from .guard import path_problem
 from .types import (
     A2A_VERSION,
     LEGACY_CARD_PATH,
@@ -36,6 +38,9 @@ from .types import (
 
 DEFAULT_CARD_MAX_BYTES = 1024 * 1024
 DEFAULT_CARD_DEADLINE = 30.0
+# A card may move (http to https, a new path); each hop is a new URL, checked like the first.
+MAX_CARD_REDIRECTS = 3
+REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 HTTP_SCHEMES = ("http", "https")
 HTTP_ONLY = "only http and https URLs are accepted"
 SCHEME_KINDS = (
@@ -59,17 +64,20 @@ def http_url_problem(url: str, *, relative_ok: bool = False) -> str | None:
     untrusted input and may name ``javascript:``, ``file:``, ``data:`` or a
     scheme-less ``host:port`` (which parses as a scheme). With
     ``relative_ok``, a path reference starting with ``/`` is accepted too: it
-    is resolved against the (http or https) card URL.
+    is resolved against the (http or https) card URL. A path with ``.`` or
+    ``..`` segments is refused (:func:`~tasks_app.a2a.guard.path_problem`):
+    ``/.well-known/../admin`` would fetch ``/admin``.
     """
     if relative_ok and url.startswith("/") and not url.startswith("//"):
-        return None
+        return path_problem(url.split("#", 1)[0].split("?", 1)[0])
     try:
         parts = urlsplit(url.strip())
+        host = parts.hostname
     except ValueError:
         return HTTP_ONLY
-    if parts.scheme.lower() not in HTTP_SCHEMES or not parts.hostname:
+    if parts.scheme.lower() not in HTTP_SCHEMES or not host:
         return HTTP_ONLY
-    return None
+    return path_problem(parts.path)
 
 
 def card_urls(base_or_card_url: str) -> list[str]:
@@ -99,6 +107,9 @@ async def fetch_card(
     here (call :func:`validate_card`): a broken card is still worth showing.
     ``timeout`` bounds each read; ``deadline`` the whole fetch (all candidate
     URLs), raising :class:`DeadlineExceeded`. Only http(s) URLs are fetched.
+    At most :data:`MAX_CARD_REDIRECTS` redirects are followed, each target
+    checked like the URL given (the client's transport checks the address of
+    every hop); the card's URL is then the last hop's.
     """
     problem = http_url_problem(base_or_card_url)
     if problem:
@@ -124,47 +135,114 @@ async def _fetch_card(
     headers: dict[str, str] | None,
 ) -> CardResult:
     candidates = card_urls(base_or_card_url)
-    last_404: str | None = None
     for url in candidates:
-        req_headers = {"Accept": "application/json", **(headers or {})}
+        result = await _fetch_candidate(
+            url,
+            http=http,
+            etag=etag,
+            timeout=timeout,
+            max_bytes=max_bytes,
+            headers=headers,
+            tried=candidates if url == candidates[-1] else None,
+        )
+        if result is not None:
+            return result
+    raise CardNotFoundError(f"no agent card found (last tried {candidates[-1]})")  # pragma: no cover
+
+
+async def _fetch_candidate(
+    url: str,
+    *,
+    http: httpx.AsyncClient,
+    etag: str | None,
+    timeout: float,
+    max_bytes: int,
+    headers: dict[str, str] | None,
+    tried: list[str] | None,
+) -> CardResult | None:
+    """GET one candidate URL, following redirects; None: not there (404), try the next.
+
+    ``tried`` is given for the last candidate: its 404 is the final answer.
+    """
+    hop = url
+    for _ in range(MAX_CARD_REDIRECTS + 1):
+        req_headers = {"Accept": "application/json"}
+        if _origin(hop) == _origin(url):  # the caller's headers may hold credentials
+            req_headers.update(headers or {})
         if etag:
             req_headers["If-None-Match"] = etag
-        where = f"GET {url}"
+        where = f"GET {hop}" if hop == url else f"GET {hop} (redirected from {url})"
         try:
-            async with http.stream("GET", url, headers=req_headers, timeout=timeout) as resp:
-                if resp.status_code == 304:
-                    return CardResult(
-                        url=url,
-                        card=None,
-                        etag=resp.headers.get("etag") or etag,
-                        not_modified=True,
-                        cache_control=resp.headers.get("cache-control"),
-                    )
-                body = await read_bounded(resp, max_bytes, where)
-                if resp.status_code in (404, 410) and url != candidates[-1]:
-                    last_404 = url
-                    continue
-                if resp.status_code in (404, 410):
-                    tried = ", ".join(candidates)
-                    raise CardNotFoundError(
-                        f"no agent card found (HTTP {resp.status_code}; tried {tried})", where=where
-                    )
-                if resp.status_code >= 400:
-                    raise error_for_status(resp, body, where)
-                card = decode_json(body, where, mt=media_type(resp))
-                if not isinstance(card, dict):
-                    raise ProtocolError(
-                        f"agent card must be a JSON object, got {type(card).__name__}", where=where
-                    )
-                return CardResult(
-                    url=url,
-                    card=card,
-                    etag=resp.headers.get("etag"),
-                    cache_control=resp.headers.get("cache-control"),
-                )
+            async with http.stream("GET", hop, headers=req_headers, timeout=timeout) as resp:
+                target = _redirect_target(resp, hop, where)
+                if target is None:
+                    return await _card_from(resp, hop, where, etag=etag, max_bytes=max_bytes, tried=tried)
         except httpx.HTTPError as exc:
             raise map_transport_error(exc, where) from exc
-    raise CardNotFoundError(f"no agent card found (last tried {last_404})")  # pragma: no cover
+        hop = target
+    raise ProtocolError(f"more than {MAX_CARD_REDIRECTS} redirects", where=f"GET {url}")
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    return parts.scheme.lower(), (parts.hostname or "").lower(), parts.port
+
+
+def _redirect_target(resp: httpx.Response, hop: str, where: str) -> str | None:
+    """Where a redirect points (checked like any card URL), or None for any other answer.
+
+    The redirect's body is never read: nothing of it can end up in a message.
+    """
+    if resp.status_code not in REDIRECT_STATUSES:
+        return None
+    location = resp.headers.get("location", "").strip()
+    if not location:
+        raise ProtocolError(f"HTTP {resp.status_code} redirect without a Location", where=where)
+    target = urljoin(hop, location)
+    problem = http_url_problem(target)
+    if problem:
+        raise ProtocolError(f"redirect not followed: {problem}", where=where)
+    if urlsplit(hop).scheme.lower() == "https" and urlsplit(target).scheme.lower() == "http":
+        raise ProtocolError("redirect from https to http not followed", where=where)
+    return target
+
+
+async def _card_from(
+    resp: httpx.Response,
+    url: str,
+    where: str,
+    *,
+    etag: str | None,
+    max_bytes: int,
+    tried: list[str] | None,
+) -> CardResult | None:
+    if resp.status_code == 304:
+        return CardResult(
+            url=url,
+            card=None,
+            etag=resp.headers.get("etag") or etag,
+            not_modified=True,
+            cache_control=resp.headers.get("cache-control"),
+        )
+    body = await read_bounded(resp, max_bytes, where)
+    if resp.status_code in (404, 410) and tried is None:
+        return None
+    if resp.status_code in (404, 410):
+        raise CardNotFoundError(
+            f"no agent card found (HTTP {resp.status_code}; tried {', '.join(tried or [url])})",
+            where=where,
+        )
+    if resp.status_code >= 400:
+        raise error_for_status(resp, body, where)
+    card = decode_json(body, where, mt=media_type(resp))
+    if not isinstance(card, dict):
+        raise ProtocolError(f"agent card must be a JSON object, got {type(card).__name__}", where=where)
+    return CardResult(
+        url=url,
+        card=card,
+        etag=resp.headers.get("etag"),
+        cache_control=resp.headers.get("cache-control"),
+    )
 
 
 # --------------------------------------------------------------------------- validation
@@ -443,14 +521,17 @@ def choose_interface(
     *,
     binding: str | None = None,
     card_url: str | None = None,
+    check_url: Callable[[str], str | None] | None = None,
 ) -> Interface:
     """The interface to use, per §8.3.2: first entry we can speak, in card order.
 
     ``binding`` restricts the choice to ``"JSONRPC"`` or ``"HTTP+JSON"``
     (CLI ``--binding``). A relative interface URL (``/path``) is resolved
     against ``card_url``. An interface whose URL is not http(s) is never
-    chosen. Raises :class:`IncompatibleAgentError` when nothing fits (saying
-    why URLs were refused, if any were).
+    chosen, nor one ``check_url`` finds a problem with (the dashboard passes
+    its outbound guard's check, so an interface at a refused address is
+    passed over, with the reason). Raises :class:`IncompatibleAgentError`
+    when nothing fits (saying why URLs were refused, if any were).
     """
     if is_v03_card(card):
         raise IncompatibleAgentError(
@@ -475,7 +556,7 @@ def choose_interface(
             continue
         if card_url and not http_url_problem(url, relative_ok=True):
             url = urljoin(card_url, url)
-        problem = http_url_problem(url)
+        problem = http_url_problem(url) or (check_url(url) if check_url else None)
         if problem:
             refused.append(f"supportedInterfaces[{i}].url: {problem}")
             continue

@@ -49,6 +49,15 @@ class ConnectError(TransportError):
     """The TCP/TLS connection could not be established."""
 
 
+class OutboundRefused(ConnectError):
+    """The outbound guard refused the address (SSRF): no connection was made.
+
+    A ``ConnectError`` (nothing reached the agent, so a send is safe to retry once the
+    address or ``OUTBOUND_ALLOW`` is fixed); the message names the rule that refused it
+    and never holds anything received - nothing was.
+    """
+
+
 class RequestTimeout(TransportError):
     """The agent did not answer within the configured time."""
 
@@ -378,7 +387,7 @@ def from_http_error(status: int, body: Any, *, text: str = "") -> A2AError:
             http_status=status,
             data=text[:500] or None,
         )
-    snippet = _one_line(text, 120) if text else ""
+    snippet = _one_line(text, 80) if text else ""
     message = f"HTTP {status}" + (f" with a non-A2A body: {snippet}" if snippet else "")
     if status in (502, 503, 504):
         return ServiceUnavailable(message, http_status=status)
