@@ -7,8 +7,9 @@ import json
 from typing import Any
 
 from django import forms
+from django.db.models import QuerySet
 
-from tasks_app.models import STATE_CHOICES, Agent, RemoteTask
+from tasks_app.models import STATE_CHOICES, Agent, Project, RemoteTask
 from tasks_app.rendering import safe_filename
 
 MAX_UPLOAD_BYTES = 10 * 1024 * 1024
@@ -18,6 +19,7 @@ MODE_CHOICES = [
     (RemoteTask.Mode.STREAM, "Stream"),
     (RemoteTask.Mode.RETURN_IMMEDIATELY, "Return immediately, then poll"),
     (RemoteTask.Mode.BLOCKING, "Blocking (wait for the answer)"),
+    (RemoteTask.Mode.PUSH, "Push (the agent calls back; nothing held open)"),
 ]
 
 
@@ -32,6 +34,22 @@ class AgentAddForm(forms.Form):
     name = forms.CharField(
         label="Display name", max_length=200, required=False, help_text="Optional; defaults to the card's name."
     )
+    project = forms.ModelChoiceField(queryset=Project.objects.none(), empty_label=None, required=False)
+
+    def __init__(self, *args: Any, projects: QuerySet[Project], **kwargs: Any) -> None:
+        """``projects``: where the person may add agents (``access.projects_for``)."""
+        super().__init__(*args, **kwargs)
+        self.fields["project"].queryset = projects
+
+    def clean_project(self) -> Project:
+        """The chosen project; may be left out when the person can add agents to only one."""
+        project = self.cleaned_data.get("project")
+        if project is None:
+            choices = list(self.fields["project"].queryset[:2])
+            if len(choices) != 1:
+                raise forms.ValidationError("Choose the project the agent belongs to.")
+            project = choices[0]
+        return project
 
 
 class CredentialsForm(forms.Form):
@@ -92,7 +110,7 @@ def parse_json_text(text: str) -> Any:
 
 
 class StartTaskForm(forms.Form):
-    agent = forms.ModelChoiceField(queryset=Agent.objects.all(), empty_label=None)
+    agent = forms.ModelChoiceField(queryset=Agent.objects.none(), empty_label=None)
     skill = forms.CharField(required=False, max_length=300, label="Skill (hint)")
     text = forms.CharField(
         required=False, label="Message", max_length=100_000,
@@ -109,6 +127,24 @@ class StartTaskForm(forms.Form):
     kept_file_name = forms.CharField(required=False, widget=forms.HiddenInput, max_length=200)
     kept_file_type = forms.CharField(required=False, widget=forms.HiddenInput, max_length=200)
     drop_kept_file = forms.BooleanField(required=False, label="Remove the kept file")
+
+    def __init__(self, *args: Any, agents: QuerySet[Agent], **kwargs: Any) -> None:
+        """``agents``: those the person may start tasks on (``access.readable_agents``)."""
+        super().__init__(*args, **kwargs)
+        self.fields["agent"].queryset = agents
+        self._offer_push()
+
+    def _offer_push(self) -> None:
+        """Push is offered only when agents can reach us (PUBLIC_URL); else the field says why."""
+        from tasks_app.services.push import unavailable_reason
+
+        reason = unavailable_reason()
+        field = self.fields["mode"]
+        if reason:
+            field.choices = [c for c in MODE_CHOICES if c[0] != RemoteTask.Mode.PUSH]
+            field.help_text = f"Push is not offered: {reason}"
+        else:
+            field.help_text = "Push: for long work on agents that declare push notifications."
 
     def clean_data(self) -> Any:
         text = (self.cleaned_data.get("data") or "").strip()
@@ -183,7 +219,7 @@ SORT_CHOICES = [
 
 
 class TaskFilterForm(forms.Form):
-    agent = forms.ModelChoiceField(queryset=Agent.objects.all(), required=False, empty_label="All agents")
+    agent = forms.ModelChoiceField(queryset=Agent.objects.none(), required=False, empty_label="All agents")
     state = forms.ChoiceField(
         required=False,
         choices=[("", "All states"), ("active", "active (not ended)"), *[(k, v) for k, v in STATE_CHOICES if k]],
@@ -191,3 +227,7 @@ class TaskFilterForm(forms.Form):
     context = forms.CharField(required=False, max_length=300, label="Context id")
     q = forms.CharField(required=False, max_length=300, label="Search", help_text="title or remote id")
     sort = forms.ChoiceField(required=False, choices=SORT_CHOICES, initial="-updated")
+
+    def __init__(self, *args: Any, agents: QuerySet[Agent], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["agent"].queryset = agents

@@ -19,6 +19,7 @@ from django.conf import settings
 
 from tasks_app.a2a import A2AClient, Credentials, Interface
 from tasks_app.a2a.errors import A2AError
+from tasks_app.a2a.origins import origin_of
 from tasks_app.crypto import SecretError, decrypt_json
 from tasks_app.models import Agent
 
@@ -40,7 +41,23 @@ async def http_client() -> AsyncIterator[httpx.AsyncClient]:
         await client.aclose()
 
 
-class CredentialsUnreadable(SecretError, A2AError):
+class CredentialsWithheld(A2AError):
+    """The agent's stored credentials may not be used now; only a person can change that.
+
+    Also an ``A2AError``: every caller that turns a failed call to an agent into a clear
+    message (refresh, cancel, import, finding a lost send) says this sentence instead of
+    answering 500; the watcher parks the task on it (``watchers.Holder._hold``).
+    """
+
+
+APPROVAL_NOTE = "Credentials withheld:"
+
+
+class NeedsApproval(CredentialsWithheld):
+    """The card moved the interface to an origin the credentials were not approved for."""
+
+
+class CredentialsUnreadable(SecretError, CredentialsWithheld):
     """The agent's stored credentials cannot be decrypted (a rotated key not listed as old).
 
     Also an ``A2AError``: every caller that turns a failed call to an agent into a clear
@@ -50,6 +67,14 @@ class CredentialsUnreadable(SecretError, A2AError):
 
 
 def credentials_for(agent: Agent) -> Credentials | None:
+    """The agent's credentials, only for the origin they were approved for (else NeedsApproval)."""
+    if agent.credentials_encrypted and origin_of(agent.interface_url) not in agent.credential_origins:
+        approved = ", ".join(agent.credential_origins) or "no origin"
+        raise NeedsApproval(
+            f"{APPROVAL_NOTE} the agent's card moved it to {origin_of(agent.interface_url) or agent.interface_url}; "
+            f"its credentials were approved for {approved}. An agent admin must approve the new origin "
+            "on the agent page."
+        )
     try:
         data = decrypt_json(agent.credentials_encrypted)
     except SecretError as exc:

@@ -9,6 +9,7 @@ urlpatterns = [
     path("agents/<int:pk>/", views.agent_detail, name="agent-detail"),
     path("agents/<int:pk>/credentials/", views.agent_credentials, name="agent-credentials"),
     path("agents/<int:pk>/refresh/", views.agent_refresh, name="agent-refresh"),
+    path("agents/<int:pk>/approve-origin/", views.agent_approve_origin, name="agent-approve-origin"),
     path("agents/<int:pk>/import/", views.agent_import, name="agent-import"),
     path("agents/<int:pk>/import/status/", views.agent_import_status, name="agent-import-status"),
     path(
@@ -28,7 +29,6 @@ urlpatterns = [
     path("tasks/<int:pk>/watch/", views.task_watch_again, name="task-watch-again"),
     path("tasks/<int:pk>/answer/", views.task_answer, name="task-answer"),
     path("tasks/<int:pk>/events/", views.task_events, name="task-events"),
-    path("tasks/<int:pk>/events/<int:seq>/", views.event_detail, name="event-detail"),
     path("tasks/<int:pk>/push/", webhooks.push_configs, name="task-push-configs"),
     path(
         "tasks/<int:pk>/push/<str:config_id>/delete/",
@@ -38,6 +38,7 @@ urlpatterns = [
     path("tasks/<int:pk>/watch-mode/", webhooks.task_watch_mode, name="task-watch-mode"),
     # Public: agents deliver push notifications here (authenticated per config).
     path("push/<str:config_id>/", webhooks.receive, name="push-webhook"),
+    path("tasks/<int:pk>/events/<int:seq>/", views.event_detail, name="event-detail"),
     path(
         "tasks/<int:pk>/artifacts/<int:artifact_pk>/download",
         views.artifact_download_all,

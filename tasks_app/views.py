@@ -28,7 +28,8 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_GET, require_POST
 
-from tasks_app import crypto
+from tasks_app import access, crypto
+from tasks_app.access import Perm, get_agent_for_user, get_task_for_user
 from tasks_app.forms import (
     AgentAddForm,
     AnswerForm,
@@ -86,11 +87,12 @@ def _state_counts(qs) -> dict:
 # Overview ----------------------------------------------------------------------------------
 
 
-def _overview_context() -> dict:
-    agents = list(Agent.objects.all())
+def _overview_context(user) -> dict:
+    agents = list(access.readable_agents(user))
+    tasks = access.readable_tasks(user)
     by_agent: dict[int, dict[str, int]] = {}
     totals: dict[str, int] = {}
-    for row in RemoteTask.objects.values("agent_id", "state").annotate(n=Count("id")).order_by():
+    for row in tasks.values("agent_id", "state").annotate(n=Count("id")).order_by():
         by_agent.setdefault(row["agent_id"], {})[row["state"]] = row["n"]
         totals[row["state"]] = totals.get(row["state"], 0) + row["n"]
     states = [s for s, _ in STATE_CHOICES if s and totals.get(s)]
@@ -108,7 +110,7 @@ def _overview_context() -> dict:
         )
     watchers = {
         row["watcher_status"]: row["n"]
-        for row in RemoteTask.objects.exclude(state__in=TERMINAL_STATES)
+        for row in tasks.exclude(state__in=TERMINAL_STATES)
         .values("watcher_status")
         .annotate(n=Count("id"))
         .order_by()
@@ -125,14 +127,14 @@ def _overview_context() -> dict:
             {"status": s, "count": watchers.get(s, 0)}
             for s in ("streaming", "reconnecting", "polling", "awaiting-push", "lost")
         ],
-        "recent": RemoteTask.objects.select_related("agent").order_by("-updated_at", "-id")[:12],
+        "recent": tasks.select_related("agent").order_by("-updated_at", "-id")[:12],
         "now": timezone.now(),
     }
 
 
 @login_required
 def overview(request: HttpRequest) -> HttpResponse:
-    context = _overview_context()
+    context = _overview_context(request.user)
     if request.GET.get("fragment"):
         return render(request, "tasks_app/_overview_body.html", context)
     return render(request, "tasks_app/overview.html", context)
@@ -145,9 +147,9 @@ def overview(request: HttpRequest) -> HttpResponse:
 def agent_list(request: HttpRequest) -> HttpResponse:
     counts: dict[int, int] = {
         row["agent_id"]: row["n"]
-        for row in RemoteTask.objects.values("agent_id").annotate(n=Count("id")).order_by()
+        for row in access.readable_tasks(request.user).values("agent_id").annotate(n=Count("id")).order_by()
     }
-    agents = list(Agent.objects.all())
+    agents = list(access.readable_agents(request.user).select_related("project"))
     for agent in agents:
         agent.task_count = counts.get(agent.pk, 0)
     return render(request, "tasks_app/agent_list.html", {"agents": agents})
@@ -155,15 +157,21 @@ def agent_list(request: HttpRequest) -> HttpResponse:
 
 @login_required
 def agent_add(request: HttpRequest) -> HttpResponse:
+    projects = access.projects_for(request.user, Perm.MANAGE_AGENTS)
+    if not projects.exists():
+        raise access.refuse(request.user, Perm.MANAGE_AGENTS, what=access.describe(request))
     preview = None
     if request.method == "POST":
-        form = AgentAddForm(request.POST)
+        form = AgentAddForm(request.POST, projects=projects)
         if form.is_valid():
             url = form.cleaned_data["url"]
             if request.POST.get("action") == "save":
                 try:
                     agent = agent_services.add_agent(
-                        url, name=form.cleaned_data["name"], actor_id=request.user.id
+                        url,
+                        name=form.cleaned_data["name"],
+                        project=form.cleaned_data["project"],
+                        actor_id=request.user.id,
                     )
                 except agent_services.AgentError as exc:
                     form.add_error("url", str(exc))
@@ -176,7 +184,7 @@ def agent_add(request: HttpRequest) -> HttpResponse:
                 except agent_services.AgentError as exc:
                     form.add_error("url", str(exc))
     else:
-        form = AgentAddForm(initial={"url": request.GET.get("url", "")})
+        form = AgentAddForm(initial={"url": request.GET.get("url", "")}, projects=projects)
     return render(request, "tasks_app/agent_add.html", {"form": form, "preview": preview})
 
 
@@ -216,37 +224,35 @@ def _card_view(card: dict) -> dict:
     }
 
 
-@login_required
-def agent_detail(request: HttpRequest, pk: int) -> HttpResponse:
-    agent = get_object_or_404(Agent, pk=pk)
-    context = {
+def _agent_context(request: HttpRequest, agent: Agent, **extra: object) -> dict:
+    return {
         "agent": agent,
         "card": _card_view(agent.card),
         "credentials_set": bool(agent.credentials_encrypted),
         "credentials_unreadable": not crypto.readable(agent.credentials_encrypted),
         "credentials_form": CredentialsForm(),
+        "approved_origins": agent.credential_origins,
         "counts": sorted(_state_counts(RemoteTask.objects.filter(agent=agent)).items()),
         "recent": RemoteTask.objects.filter(agent=agent).order_by("-updated_at", "-id")[:15],
         "import_job": import_services.latest_job(agent),
+        "can": access.can(request.user, agent.project_id),
+        **extra,
     }
-    return render(request, "tasks_app/agent_detail.html", context)
+
+
+@login_required
+def agent_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    agent = get_agent_for_user(request, pk)
+    return render(request, "tasks_app/agent_detail.html", _agent_context(request, agent))
 
 
 @login_required
 @require_POST
 def agent_credentials(request: HttpRequest, pk: int) -> HttpResponse:
-    agent = get_object_or_404(Agent, pk=pk)
+    agent = get_agent_for_user(request, pk, Perm.MANAGE_AGENTS)
     form = CredentialsForm(request.POST)
     if not form.is_valid():
-        context = {
-            "agent": agent,
-            "card": _card_view(agent.card),
-            "credentials_set": bool(agent.credentials_encrypted),
-            "credentials_unreadable": not crypto.readable(agent.credentials_encrypted),
-            "credentials_form": form,
-            "counts": sorted(_state_counts(RemoteTask.objects.filter(agent=agent)).items()),
-            "recent": RemoteTask.objects.filter(agent=agent).order_by("-updated_at", "-id")[:15],
-        }
+        context = _agent_context(request, agent, credentials_form=form)
         return render(request, "tasks_app/agent_detail.html", context, status=400)
     agent_services.set_credentials(agent, form.credentials(), actor_id=request.user.id)
     messages.success(
@@ -259,7 +265,7 @@ def agent_credentials(request: HttpRequest, pk: int) -> HttpResponse:
 @login_required
 @require_POST
 def agent_refresh(request: HttpRequest, pk: int) -> HttpResponse:
-    agent = get_object_or_404(Agent, pk=pk)
+    agent = get_agent_for_user(request, pk, Perm.MANAGE_AGENTS)
     try:
         agent_services.refresh_card(agent, actor_id=request.user.id)
     except agent_services.AgentError as exc:
@@ -273,7 +279,7 @@ def agent_refresh(request: HttpRequest, pk: int) -> HttpResponse:
 @require_POST
 def agent_import(request: HttpRequest, pk: int) -> HttpResponse:
     """Queue an import job and return at once; the agent page shows its progress."""
-    agent = get_object_or_404(Agent, pk=pk)
+    agent = get_agent_for_user(request, pk, Perm.OPERATE)
     try:
         job = import_services.start_import(agent, actor_id=request.user.id)
     except task_services.TaskActionError as exc:
@@ -287,20 +293,38 @@ def agent_import(request: HttpRequest, pk: int) -> HttpResponse:
 @require_GET
 def agent_import_status(request: HttpRequest, pk: int) -> HttpResponse:
     """The agent's newest import job as a fragment (the agent page polls it while it runs)."""
-    agent = get_object_or_404(Agent, pk=pk)
-    context = {"agent": agent, "import_job": import_services.latest_job(agent)}
+    agent = get_agent_for_user(request, pk)
+    context = {
+        "agent": agent,
+        "import_job": import_services.latest_job(agent),
+        "can": access.can(request.user, agent.project_id),
+    }
     return render(request, "tasks_app/_import_job.html", context)
 
 
 @login_required
 @require_POST
 def agent_import_cancel(request: HttpRequest, pk: int, job_pk: int) -> HttpResponse:
-    job = get_object_or_404(ImportJob, pk=job_pk, agent_id=pk)
+    agent = get_agent_for_user(request, pk, Perm.OPERATE)
+    job = get_object_or_404(ImportJob, pk=job_pk, agent=agent)
     if import_services.cancel_job(job, actor_id=request.user.id):
         messages.success(request, f"Import job {job.pk} canceled.")
     else:
         messages.error(request, f"Import job {job.pk} had already ended.")
     return redirect("agent-detail", pk=pk)
+
+
+@login_required
+@require_POST
+def agent_approve_origin(request: HttpRequest, pk: int) -> HttpResponse:
+    """Let the stored credentials go to the origin a refreshed card moved the agent to."""
+    agent = get_agent_for_user(request, pk, Perm.MANAGE_AGENTS)
+    origin = request.POST.get("origin", "")
+    if agent_services.approve_origin(agent, origin, actor_id=request.user.id):
+        messages.success(request, f"Credentials may now be sent to {origin}.")
+    else:
+        messages.error(request, "Nothing to approve: the agent's origin changed again or was approved already.")
+    return redirect("agent-detail", pk=agent.pk)
 
 
 # Task list (keyset pagination) ---------------------------------------------------------------
@@ -327,9 +351,9 @@ def _decode_cursor(cursor: str) -> tuple[datetime, int] | None:
         return None
 
 
-def filtered_tasks(data: dict) -> tuple:
-    """The filtered queryset (unordered) and the sort, from cleaned filter data."""
-    qs = RemoteTask.objects.all()
+def filtered_tasks(user, data: dict) -> tuple:
+    """The person's tasks, filtered (unordered), and the sort, from cleaned filter data."""
+    qs = access.readable_tasks(user)
     if data.get("agent"):
         qs = qs.filter(agent=data["agent"])
     state = data.get("state")
@@ -348,9 +372,10 @@ def filtered_tasks(data: dict) -> tuple:
 
 @login_required
 def task_list(request: HttpRequest) -> HttpResponse:
-    form = TaskFilterForm(request.GET or None)
+    readable_agents = access.readable_agents(request.user)
+    form = TaskFilterForm(request.GET or None, agents=readable_agents)
     data = form.cleaned_data if form.is_bound and form.is_valid() else {}
-    qs, (field, desc), sort = filtered_tasks(data)
+    qs, (field, desc), sort = filtered_tasks(request.user, data)
     cursor = _decode_cursor(request.GET.get("cursor", "")) if request.GET.get("cursor") else None
     page_qs = qs
     if cursor:
@@ -377,7 +402,7 @@ def task_list(request: HttpRequest) -> HttpResponse:
             {**base_params, "cursor": _encode_cursor(getattr(last, field), last.pk)}
         )
     first_url = "?" + urlencode(base_params) if cursor else ""
-    agents = {a.pk: a.name for a in Agent.objects.all()}
+    agents = {a.pk: a.name for a in readable_agents}
     context = {
         "form": form,
         "tasks": rows,
@@ -404,7 +429,7 @@ def task_list(request: HttpRequest) -> HttpResponse:
 @require_GET
 def task_row(request: HttpRequest, pk: int) -> HttpResponse:
     """One row of the task list (server-rendered, for live inserts)."""
-    task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
+    task = get_task_for_user(request, pk)
     return render(request, "tasks_app/_task_row.html", {"task": task})
 
 
@@ -430,9 +455,12 @@ def _skills_by_agent(agents) -> list[dict]:
 
 @login_required
 def task_new(request: HttpRequest) -> HttpResponse:
-    agents = list(Agent.objects.all())
+    operable = access.readable_agents(request.user, Perm.OPERATE)
+    agents = list(operable)
+    if not agents and not access.projects_for(request.user, Perm.OPERATE).exists():
+        raise access.refuse(request.user, Perm.OPERATE, what=access.describe(request))
     if request.method == "POST":
-        form = StartTaskForm(request.POST, request.FILES)
+        form = StartTaskForm(request.POST, request.FILES, agents=operable)
         if form.is_valid():
             data = form.cleaned_data
             metadata = {"skill": data["skill"]} if data.get("skill") else None
@@ -462,7 +490,7 @@ def task_new(request: HttpRequest) -> HttpResponse:
             initial["agent"] = request.GET["agent"]
         if request.GET.get("text"):
             initial["text"] = request.GET["text"]
-        form = StartTaskForm(initial=initial)
+        form = StartTaskForm(initial=initial, agents=operable)
         status = 200
     context = {"form": form, "agents": agents, "skills": _skills_by_agent(agents)}
     return render(request, "tasks_app/task_new.html", context, status=status)
@@ -527,17 +555,24 @@ def _status_html(task: RemoteTask):
     return message_html(task.status_message) if task.status_message else ""
 
 
-def _task_context(task: RemoteTask) -> dict:
+def _task_context(request: HttpRequest, task: RemoteTask) -> dict:
+    can = access.can(request.user, task.agent.project_id)
+    # Buttons a person may not use are not shown (the server refuses them anyway).
+    actions = {
+        **_watch_actions(task),
+        "can_answer": task.state in INTERRUPTED_STATES and task.abandoned_at is None,
+    }
     return {
         "task": task,
+        "can": can,
         "status_html": _status_html(task),
         "conversation": _conversation(task),
         "timeline": _timeline(task),
         "artifacts": artifact_blocks(task),
         "cancel_form": CancelForm(),
         "answer_form": AnswerForm(initial={"question": task.asked_seq}),
-        **_watch_actions(task),
-        "can_answer": task.state in INTERRUPTED_STATES and task.abandoned_at is None,
+        **{name: allowed and can["operate"] for name, allowed in actions.items()},
+        "waiting_for_answer": actions["can_answer"],
     }
 
 
@@ -562,10 +597,10 @@ def _watch_actions(task: RemoteTask) -> dict:
 
 @login_required
 def task_detail(request: HttpRequest, pk: int) -> HttpResponse:
-    task = get_object_or_404(RemoteTask.objects.select_related("agent", "started_by"), pk=pk)
+    task = get_task_for_user(request, pk, related=("started_by",))
     events = list(with_raw_preview(task.events).order_by("-seq")[:EVENTS_ON_TASK_PAGE])
     events.reverse()
-    context = _task_context(task)
+    context = _task_context(request, task)
     context.update(
         {
             "events": [{"e": e, "raw": raw_preview(e)} for e in events],
@@ -588,8 +623,8 @@ def _chain(request: HttpRequest, task: RemoteTask) -> audit.Verification | None:
 @require_GET
 def task_live(request: HttpRequest, pk: int) -> JsonResponse:
     """Server-rendered (sanitized) fragments of the task page, for live redraws."""
-    task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
-    context = _task_context(task)
+    task = get_task_for_user(request, pk)
+    context = _task_context(request, task)
     wanted = request.GET.getlist("artifact")
     artifacts = artifact_blocks(task, None if request.GET.get("all_artifacts") else wanted)
     return JsonResponse(
@@ -652,7 +687,7 @@ def _reason(request: HttpRequest) -> str | None:
 @login_required
 @require_POST
 def task_cancel(request: HttpRequest, pk: int) -> HttpResponse:
-    task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
+    task = get_task_for_user(request, pk, Perm.OPERATE)
     reason = _reason(request)
     if reason is None:
         return _back_to_task(task)
@@ -667,7 +702,7 @@ def task_cancel(request: HttpRequest, pk: int) -> HttpResponse:
 @login_required
 @require_POST
 def task_refresh(request: HttpRequest, pk: int) -> HttpResponse:
-    task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
+    task = get_task_for_user(request, pk, Perm.OPERATE)
     return _act(
         request,
         task,
@@ -679,7 +714,7 @@ def task_refresh(request: HttpRequest, pk: int) -> HttpResponse:
 @login_required
 @require_POST
 def task_abandon(request: HttpRequest, pk: int) -> HttpResponse:
-    task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
+    task = get_task_for_user(request, pk, Perm.OPERATE)
     reason = _reason(request)
     if reason is None:
         return _back_to_task(task)
@@ -695,7 +730,7 @@ def task_abandon(request: HttpRequest, pk: int) -> HttpResponse:
 @login_required
 @require_POST
 def task_watch_again(request: HttpRequest, pk: int) -> HttpResponse:
-    task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
+    task = get_task_for_user(request, pk, Perm.OPERATE)
     return _act(
         request, task, lambda: task_services.watch_again(task, actor_id=request.user.id), "Watching again."
     )
@@ -704,7 +739,7 @@ def task_watch_again(request: HttpRequest, pk: int) -> HttpResponse:
 @login_required
 @require_POST
 def task_retry(request: HttpRequest, pk: int) -> HttpResponse:
-    task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
+    task = get_task_for_user(request, pk, Perm.OPERATE)
     return _act(
         request,
         task,
@@ -716,7 +751,7 @@ def task_retry(request: HttpRequest, pk: int) -> HttpResponse:
 @login_required
 @require_POST
 def task_answer(request: HttpRequest, pk: int) -> HttpResponse:
-    task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
+    task = get_task_for_user(request, pk, Perm.OPERATE)
     form = AnswerForm(request.POST)
     if form.is_valid():
         try:
@@ -741,7 +776,7 @@ def task_answer(request: HttpRequest, pk: int) -> HttpResponse:
 def _render_task_with(request: HttpRequest, task: RemoteTask, **forms) -> HttpResponse:
     events = list(with_raw_preview(task.events).order_by("-seq")[:EVENTS_ON_TASK_PAGE])
     events.reverse()
-    context = _task_context(task)
+    context = _task_context(request, task)
     context.update(forms)
     context.update(
         {
@@ -758,7 +793,7 @@ def _render_task_with(request: HttpRequest, task: RemoteTask, **forms) -> HttpRe
 @require_GET
 def task_events(request: HttpRequest, pk: int) -> HttpResponse:
     """The whole log, a page at a time (by seq)."""
-    task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
+    task = get_task_for_user(request, pk)
     try:
         after = max(0, int(request.GET.get("after", "0")))
     except ValueError:
@@ -781,7 +816,7 @@ def task_events(request: HttpRequest, pk: int) -> HttpResponse:
 @login_required
 @require_GET
 def event_detail(request: HttpRequest, pk: int, seq: int) -> HttpResponse:
-    task = get_object_or_404(RemoteTask.objects.select_related("agent"), pk=pk)
+    task = get_task_for_user(request, pk)
     event = get_object_or_404(TaskEvent, task=task, seq=seq)
     if request.GET.get("format") == "json":
         return JsonResponse({"seq": event.seq, "raw": event.raw}, json_dumps_params={"indent": 2})
@@ -816,7 +851,8 @@ def _download_headers(response: HttpResponse | StreamingHttpResponse, name: str,
 @require_GET
 def artifact_download_all(request: HttpRequest, pk: int, artifact_pk: int) -> StreamingHttpResponse:
     """The whole artifact, streamed from the database in batches (memory stays bounded)."""
-    artifact = get_object_or_404(Artifact, pk=artifact_pk, task_id=pk)
+    task = get_task_for_user(request, pk)
+    artifact = get_object_or_404(Artifact, pk=artifact_pk, task=task)
     text = artifact_is_text(artifact.pk)
     chunks = (
         artifact_chunks_async(artifact.pk)
@@ -835,7 +871,8 @@ def artifact_download_all(request: HttpRequest, pk: int, artifact_pk: int) -> St
 @login_required
 @require_GET
 def artifact_download(request: HttpRequest, pk: int, artifact_pk: int, index: int) -> HttpResponse:
-    artifact = get_object_or_404(Artifact, pk=artifact_pk, task_id=pk)
+    task = get_task_for_user(request, pk)
+    artifact = get_object_or_404(Artifact, pk=artifact_pk, task=task)
     part = artifact.parts.filter(index=index).first()
     if part is None or not isinstance(part.part, dict):
         raise Http404("No such part.")
@@ -849,7 +886,8 @@ def artifact_download(request: HttpRequest, pk: int, artifact_pk: int, index: in
 @login_required
 @require_GET
 def message_download(request: HttpRequest, pk: int, message_pk: int, index: int) -> HttpResponse:
-    message = get_object_or_404(ConversationMessage, pk=message_pk, task_id=pk)
+    task = get_task_for_user(request, pk)
+    message = get_object_or_404(ConversationMessage, pk=message_pk, task=task)
     parts = message.message.get("parts") if isinstance(message.message, dict) else None
     if (
         not isinstance(parts, list)

@@ -464,8 +464,8 @@ class Holder:
                 stream_event_gap=settings.WATCH_SLICE_SECONDS,
                 max_event_bytes=settings.WATCH_MAX_EVENT_BYTES,
             )
-        except outbound.CredentialsUnreadable as exc:
-            # Only an operator can fix the key: park (one entry), no retry loop.
+        except outbound.CredentialsWithheld as exc:
+            # Only a person can fix the key or approve the origin: park (one entry), no retry loop.
             return await self._park(str(exc))
         self.streaming = task.agent.streaming and task.watch == RemoteTask.Watch.STREAM
         interval = settings.WATCH_POLL_MIN_SECONDS

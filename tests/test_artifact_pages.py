@@ -18,6 +18,7 @@ from django.urls import reverse
 
 from tasks_app.models import Agent, Artifact, RemoteTask
 from tasks_app.services.record import record, record_many
+from tests.people import member
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -75,7 +76,7 @@ def content() -> bytes:
 
 @pytest.fixture
 def operator(client, django_user_model):
-    user = django_user_model.objects.create_user(username="op", password="pw-12345678")
+    user = member(django_user_model.objects.create_user(username="op", password="pw-12345678"))
     client.force_login(user)
     return client
 

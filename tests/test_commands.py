@@ -39,7 +39,10 @@ def test_agents_add_api_key_from_stdin(agent):
     call_command("agents", "add", agent.base_url, "--name", "keyed", "--api-key-file", "-",
                  stdin=StringIO("k3y-from-stdin\n"), stdout=out)  # fmt: skip
     stored = Agent.objects.get(name="keyed")
-    assert decrypt_json(stored.credentials_encrypted) == {"api_key": "k3y-from-stdin"}
+    # The placement is pinned when saved (a later card cannot move the key).
+    assert decrypt_json(stored.credentials_encrypted) == {
+        "api_key": "k3y-from-stdin", "api_key_location": "header", "api_key_name": "X-API-Key"
+    }
     assert "k3y-from-stdin" not in out.getvalue()
 
 

@@ -25,6 +25,7 @@ from tasks_app.models import Agent, RemoteTask, TaskEvent
 from tasks_app.relay import task_group
 from tasks_app.routing import websocket_urlpatterns
 from tasks_app.services.record import record
+from tests.people import member
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(60)]
 
@@ -42,7 +43,7 @@ app = URLRouter(websocket_urlpatterns)
 
 @pytest.fixture
 def user(django_user_model):
-    return django_user_model.objects.create_user(username="ws", password="pw-12345678")
+    return member(django_user_model.objects.create_user(username="ws", password="pw-12345678"))
 
 
 @pytest.fixture

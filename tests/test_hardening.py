@@ -14,6 +14,7 @@ from channels.testing import WebsocketCommunicator
 from django.test import Client
 
 from tasks_app.routing import CLOSE_FORBIDDEN_ORIGIN, websocket_application
+from tests.people import member
 
 # --- 1. websocket origin: scheme, host and port -------------------------------------------
 
@@ -27,7 +28,7 @@ def private_layer(settings):
 
 @pytest.fixture
 def session_cookie(django_user_model) -> str:
-    user = django_user_model.objects.create_user(username="op", password="pw-12345678")
+    user = member(django_user_model.objects.create_user(username="op", password="pw-12345678"))
     client = Client()
     client.force_login(user)
     return client.cookies["sessionid"].value
@@ -277,7 +278,7 @@ def test_an_old_secret_key_can_be_listed(settings):
 
 @pytest.fixture
 def operator_client(django_user_model) -> Client:
-    user = django_user_model.objects.create_user(username="keys", password="pw-12345678")
+    user = member(django_user_model.objects.create_user(username="keys", password="pw-12345678"))
     client = Client()
     client.force_login(user)
     return client
@@ -295,7 +296,7 @@ def test_agent_page_after_a_key_rotation(settings, operator_client):
     settings.FIELD_ENCRYPTION_KEY, settings.FIELD_ENCRYPTION_OLD_KEYS = old, []
     agent = Agent.objects.create(
         name="rotated", base_url="http://127.0.0.1:9/", interface_url="http://127.0.0.1:9/",
-        credentials_encrypted=encrypt_json({"token": "planted-secret-3"}),
+        credentials_encrypted=encrypt_json({"token": "planted-secret-3"}), credential_origins=["http://127.0.0.1:9"],
     )  # fmt: skip
     task = RemoteTask.objects.create(agent=agent, title="t", phase="task", remote_id="r-1",
                                      state="TASK_STATE_WORKING")  # fmt: skip
@@ -406,6 +407,7 @@ def test_rotate_keys_never_overwrites_credentials_saved_meanwhile(settings, monk
 @pytest.mark.timeout(120)
 def test_watcher_parks_once_on_undecryptable_credentials(settings, agent, start_celery_worker):
     """A worker whose key cannot open the credentials parks the task with the sentence, once."""
+    from tasks_app.a2a.origins import origin_of
     from tasks_app.crypto import encrypt_json
     from tasks_app.models import Agent, RemoteTask, TaskEvent
     from tasks_app.services import tasks as task_services
@@ -414,7 +416,7 @@ def test_watcher_parks_once_on_undecryptable_credentials(settings, agent, start_
     settings.FIELD_ENCRYPTION_KEY = fernet_key()
     row = Agent.objects.create(
         name="locked", base_url=agent.base_url, interface_url=agent.base_url, binding="JSONRPC",
-        credentials_encrypted=encrypt_json({"token": "planted-secret-4"}),
+        credentials_encrypted=encrypt_json({"token": "planted-secret-4"}), credential_origins=[origin_of(agent.base_url)],
     )  # fmt: skip
     task = RemoteTask.objects.create(agent=row, title="t", phase="task", remote_id="r-locked",
                                      state="TASK_STATE_WORKING", watch="poll")  # fmt: skip

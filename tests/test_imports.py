@@ -23,6 +23,7 @@ from django.utils import timezone
 from tasks_app.models import Agent, ImportJob, OperatorAction, RemoteTask
 from tasks_app.services import imports
 from tasks_app.services.tasks import TaskActionError
+from tests.people import member
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -125,7 +126,7 @@ def listing_agent() -> Iterator[Callable[[Callable[[int], str]], ListingAgent]]:
 
 @pytest.fixture
 def operator(client, django_user_model):
-    user = django_user_model.objects.create_user(username="op", password="pw-12345678")
+    user = member(django_user_model.objects.create_user(username="op", password="pw-12345678"))
     client.force_login(user)
     return client
 

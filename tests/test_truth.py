@@ -24,6 +24,7 @@ from tasks_app.services.audit import replay, verify
 from tasks_app.services.chain import content_digest
 from tasks_app.services.record import record, record_many, settle
 from tasks_app.services.snapshot import task_document, task_view
+from tests.people import member
 
 pytestmark = pytest.mark.django_db
 
@@ -259,7 +260,7 @@ def test_audit_commands_pass_on_a_sound_log():
 
 
 def test_the_pages_say_whether_the_chain_verifies(client):
-    user = get_user_model().objects.create_user("auditor", password="pw-123456789")
+    user = member(get_user_model().objects.create_user("auditor", password="pw-123456789"))
     client.force_login(user)
     task = completed_task()
     assert "Hash chain verifies" in client.get(f"/tasks/{task.pk}/").content.decode()

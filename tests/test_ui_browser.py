@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from tests.agents import REPO_ROOT, free_port
+from tests.people import MEMBER_SOURCE
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -83,7 +84,8 @@ def stack(tmp_path_factory, redis_url) -> Iterator[Stack]:
     subprocess.run([py, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=REPO_ROOT, env=env, check=True)
     subprocess.run(
         [py, "-c", "import django; django.setup(); from django.contrib.auth.models import User; "
-         f"User.objects.create_user({USERNAME!r}, password={PASSWORD!r})"],
+         f"User.objects.create_user({USERNAME!r}, password={PASSWORD!r}); "
+         + MEMBER_SOURCE.format(username=USERNAME)],
         cwd=REPO_ROOT, env=env, check=True,
     )  # fmt: skip
     port = free_port()

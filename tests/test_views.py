@@ -17,6 +17,7 @@ from tasks_app.demo_agent import MARKDOWN_SAMPLE
 from tasks_app.models import Agent, OperatorAction, RemoteTask, TaskEvent
 from tasks_app.services import tasks as task_services
 from tasks_app.services.record import record
+from tests.people import member
 
 pytestmark = pytest.mark.django_db
 
@@ -31,7 +32,7 @@ def no_dispatch(monkeypatch):
 
 @pytest.fixture
 def user(django_user_model):
-    return django_user_model.objects.create_user(username="op", password="pw-12345678")
+    return member(django_user_model.objects.create_user(username="op", password="pw-12345678"))
 
 
 @pytest.fixture
@@ -479,7 +480,7 @@ def test_cancel_error_is_shown_plainly(client_in, rich_task, monkeypatch):
 
 def test_a_stale_answer_form_says_who_answered_and_keeps_the_text(client_in, rich_task, no_dispatch, django_user_model):
     """Two people saw the same question; the second one to send is told who won, and when."""
-    first = django_user_model.objects.create_user("grace", password="pw-123456789")
+    first = member(django_user_model.objects.create_user("grace", password="pw-123456789"))
     question = rich_task.asked_seq
     assert question == rich_task.last_seq  # the input-required status asked it
     task_services.answer_task(rich_task, "Grace", actor_id=first.pk, question_seq=question)

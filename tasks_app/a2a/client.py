@@ -94,17 +94,8 @@ class AuthPlan:
     query: dict[str, str] = field(default_factory=dict)
 
 
-def auth_plan(card: Mapping[str, Any] | None, credentials: Credentials | None) -> AuthPlan:
-    """Place credentials as the card's security schemes say.
-
-    A token goes into ``Authorization`` (``Bearer`` unless the card's HTTP
-    scheme names another, e.g. ``Basic``); an API key goes to the location and
-    name of the card's ``apiKeySecurityScheme`` (header, query or cookie).
-    """
-    plan = AuthPlan()
-    if credentials is None:
-        return plan
-    plan.headers.update(dict(credentials.headers))
+def _card_scheme(card: Mapping[str, Any] | None, kind: str) -> dict[str, Any] | None:
+    """The card's first scheme of ``kind``, those its security requirements name first."""
     schemes = (card or {}).get("securitySchemes") or {}
     schemes = schemes if isinstance(schemes, dict) else {}
     preferred: list[str] = []
@@ -112,25 +103,49 @@ def auth_plan(card: Mapping[str, Any] | None, credentials: Credentials | None) -
         if isinstance(req, dict) and isinstance(req.get("schemes"), dict):
             preferred.extend(req["schemes"])
     ordered = [n for n in preferred if n in schemes] + [n for n in schemes if n not in preferred]
+    for name in ordered:
+        scheme = schemes.get(name)
+        if isinstance(scheme, dict) and isinstance(scheme.get(kind), dict):
+            return scheme[kind]
+    return None
 
-    def first(kind: str) -> dict[str, Any] | None:
-        for name in ordered:
-            s = schemes.get(name)
-            if isinstance(s, dict) and isinstance(s.get(kind), dict):
-                return s[kind]
-        return None
 
+def api_key_placement(
+    card: Mapping[str, Any] | None, name: str | None = None, location: str | None = None
+) -> tuple[str, str]:
+    """(location, name) an API key goes to: the given ones, else the card's scheme, else a header.
+
+    Saved credentials pin this when they are saved, so that a later card cannot move
+    the key to another header, into the query or into a cookie.
+    """
+    api = _card_scheme(card, "apiKeySecurityScheme") or {}
+    return (
+        location or str(api.get("location") or "") or "header",
+        name or str(api.get("name") or "") or "X-API-Key",
+    )
+
+
+def auth_plan(card: Mapping[str, Any] | None, credentials: Credentials | None) -> AuthPlan:
+    """Place credentials as the card's security schemes say.
+
+    A token goes into ``Authorization`` (``Bearer`` unless the card's HTTP
+    scheme names another, e.g. ``Basic``); an API key goes where the credentials
+    pin it, else to the location and name of the card's ``apiKeySecurityScheme``
+    (header, query or cookie).
+    """
+    plan = AuthPlan()
+    if credentials is None:
+        return plan
+    plan.headers.update(dict(credentials.headers))
     if credentials.token:
-        http_scheme = first("httpAuthSecurityScheme")
+        http_scheme = _card_scheme(card, "httpAuthSecurityScheme")
         scheme = "Bearer"
         if http_scheme and isinstance(http_scheme.get("scheme"), str) and http_scheme["scheme"]:
             scheme = http_scheme["scheme"]
             scheme = "Bearer" if scheme.lower() == "bearer" else scheme
         plan.headers["Authorization"] = f"{scheme} {credentials.token}"
     if credentials.api_key:
-        api = first("apiKeySecurityScheme")
-        location = (api or {}).get("location") or credentials.api_key_location or "header"
-        name = (api or {}).get("name") or credentials.api_key_name or "X-API-Key"
+        location, name = api_key_placement(card, credentials.api_key_name, credentials.api_key_location)
         if location == "query":
             plan.query[name] = credentials.api_key
         elif location == "cookie":

@@ -18,8 +18,11 @@ from tasks_app.a2a import (
     fetch_card,
     validate_card,
 )
+from tasks_app.a2a.client import api_key_placement
+from tasks_app.a2a.origins import origin_of
+from tasks_app.access import Forbidden, Perm, require
 from tasks_app.crypto import encrypt_json
-from tasks_app.models import Agent, OperatorAction
+from tasks_app.models import Agent, OperatorAction, Project, RemoteTask
 
 
 class AgentError(Exception):
@@ -48,7 +51,15 @@ def _problem_text(problem: CardProblem | Any) -> str:
 
 
 def preview_card(url: str) -> CardPreview:
-    """Fetch and check a card without saving anything."""
+    """Fetch and check a card without saving anything.
+
+    The outbound guard speaks first: a card URL it refuses is not fetched, and an
+    interface at an address it refuses is not chosen (the problems say why), so
+    nothing refused is ever saved.
+    """
+    problem = outbound.url_problem(url)
+    if problem:
+        raise AgentError(f"Could not read an agent card at {url}: {problem}")
     try:
         result = outbound.run(
             lambda http: fetch_card(url, http=http, deadline=settings.A2A_CALL_DEADLINE_SECONDS)
@@ -58,8 +69,16 @@ def preview_card(url: str) -> CardPreview:
     card = result.card or {}
     preview = CardPreview(url=result.url, card=card, etag=result.etag or "")
     preview.problems = [_problem_text(p) for p in validate_card(card)]
+    refused: list[str] = []
+
+    def check_url(interface_url: str) -> str | None:
+        why = outbound.url_problem(interface_url)
+        if why:
+            refused.append(f"interface {interface_url}: {why}")
+        return why
+
     try:
-        iface = choose_interface(card, card_url=result.url)
+        iface = choose_interface(card, card_url=result.url, check_url=check_url)
     except IncompatibleAgentError as exc:
         preview.problems.append(str(exc))
     else:
@@ -69,6 +88,7 @@ def preview_card(url: str) -> CardPreview:
             "protocol_version": iface.protocol_version,
             "tenant": iface.tenant,
         }
+    preview.problems.extend(refused)  # in full (the sentence above may be cut short)
     return preview
 
 
@@ -83,6 +103,13 @@ def _apply_preview(agent: Agent, preview: CardPreview) -> None:
     agent.binding = preview.interface.get("binding", "")
     agent.protocol_version = preview.interface.get("protocol_version", "")
     agent.tenant = preview.interface.get("tenant", "")
+    # Credentials go only where they were approved: a card that moves the interface to
+    # another origin waits for an agent admin (outbound.credentials_for refuses meanwhile).
+    origin = origin_of(agent.interface_url)
+    if agent.credentials_encrypted and origin not in agent.credential_origins:
+        agent.pending_origin = origin
+    else:
+        agent.pending_origin = ""
     agent.streaming = capabilities.get("streaming") is True
     agent.push = capabilities.get("pushNotifications") is True
     agent.reachable = True
@@ -94,30 +121,66 @@ def add_agent(
     url: str,
     *,
     name: str = "",
+    project: Project | None = None,
     credentials: dict[str, str] | None = None,
     actor_id: int | None = None,
 ) -> Agent:
-    """Fetch the card at ``url``, check it, and store the agent (or update it if known)."""
+    """Fetch the card at ``url``, check it, and store a new agent in ``project`` (default: default).
+
+    A URL that is already registered is refused with the agent's name (if the person
+    may see it): re-adding must not silently rename or move an agent.
+    """
     url = url.strip()
+    project = project or Project.objects.get_or_create(name="default")[0]
+    require(actor_id, project.pk, Perm.MANAGE_AGENTS)
+    existing = Agent.objects.filter(base_url=url).first()
+    if existing is not None:
+        raise AgentError(_already_registered(existing, actor_id))
     preview = preview_card(url)
     if not preview.interface:
         raise AgentError(f"The agent at {url} offers no interface this dashboard speaks: {'; '.join(preview.problems)}")
-    base_url = url
+    agent = Agent(base_url=url, project=project)
+    _apply_preview(agent, preview)
+    agent.name = (name or preview.name or url)[:200]
+    if credentials:
+        _put_credentials(agent, credentials)
     with transaction.atomic():
-        agent = Agent.objects.filter(base_url=base_url).first() or Agent(base_url=base_url)
-        _apply_preview(agent, preview)
-        agent.name = (name or preview.name or base_url)[:200]
-        if credentials:
-            agent.credentials_encrypted = encrypt_json({k: v for k, v in credentials.items() if v})
+        if Agent.objects.filter(base_url=url).exists():  # added meanwhile by someone else
+            raise AgentError("This URL was registered a moment ago by someone else.")
         agent.save()
         OperatorAction.objects.create(
-            agent=agent, actor_id=actor_id, action="add-agent", payload={"url": url}
+            agent=agent, actor_id=actor_id, action="add-agent", payload={"url": url, "project": project.name}
         )
     return agent
 
 
+def _already_registered(existing: Agent, actor_id: int | None) -> str:
+    try:
+        require(actor_id, existing.project_id, Perm.READ)
+    except Forbidden:  # the person may not see it, so do not name it
+        return "This URL is already registered, in a project you cannot see."
+    return f"This URL is already registered as {existing.name!r} (project {existing.project.name})."
+
+
+def _put_credentials(agent: Agent, credentials: dict[str, str]) -> None:
+    """Encrypt ``credentials`` onto ``agent``, bound to its current interface's origin.
+
+    An API key's placement (header, query or cookie, and its name) is pinned now, from
+    the form or the current card, so that a later card cannot move it.
+    """
+    values = {k: v for k, v in credentials.items() if v}
+    if values.get("api_key"):
+        location, name = api_key_placement(agent.card, values.get("api_key_name"), values.get("api_key_location"))
+        values["api_key_location"], values["api_key_name"] = location, name
+    agent.credentials_encrypted = encrypt_json(values) if values else ""
+    origin = origin_of(agent.interface_url or agent.base_url)
+    agent.credential_origins = [origin] if values and origin else []
+    agent.pending_origin = ""
+
+
 def refresh_card(agent: Agent, *, actor_id: int | None = None) -> Agent:
     """Fetch the card again (revalidating with the ETag) and store what changed."""
+    require(actor_id, agent.project_id, Perm.MANAGE_AGENTS)
     try:
         result = outbound.run(
             lambda http: fetch_card(
@@ -144,13 +207,52 @@ def refresh_card(agent: Agent, *, actor_id: int | None = None) -> Agent:
 
 
 def set_credentials(agent: Agent, credentials: dict[str, str], *, actor_id: int | None = None) -> None:
-    """Store new credentials (encrypted). They are never shown back."""
+    """Store new credentials (encrypted), approved for the agent's current origin only.
+
+    They are never shown back. Empty ``credentials`` clear them.
+    """
+    require(actor_id, agent.project_id, Perm.MANAGE_AGENTS)
+    _put_credentials(agent, credentials)
     Agent.objects.filter(pk=agent.pk).update(
-        credentials_encrypted=encrypt_json({k: v for k, v in credentials.items() if v})
+        credentials_encrypted=agent.credentials_encrypted,
+        credential_origins=agent.credential_origins,
+        pending_origin="",
     )
     OperatorAction.objects.create(
-        agent=agent, actor_id=actor_id, action="set-credentials", payload={"fields": sorted(credentials)}
+        agent=agent,
+        actor_id=actor_id,
+        action="set-credentials" if agent.credentials_encrypted else "clear-credentials",
+        payload={"fields": sorted(credentials), "origins": agent.credential_origins},
     )
+
+
+def approve_origin(agent: Agent, origin: str, *, actor_id: int | None = None) -> bool:
+    """Let the credentials go to ``origin``, the one the card moved to; False if that is stale.
+
+    Compare-and-set on ``pending_origin``: two admins approving at once, or an approval
+    for an origin the card has since moved away from, change nothing. Tasks parked while
+    waiting are watched again.
+    """
+    require(actor_id, agent.project_id, Perm.MANAGE_AGENTS)
+    if not origin:
+        return False
+    approved = Agent.objects.filter(pk=agent.pk, pending_origin=origin).update(
+        credential_origins=[origin], pending_origin=""
+    )
+    if not approved:
+        return False
+    OperatorAction.objects.create(
+        agent=agent, actor_id=actor_id, action="approve-origin",
+        payload={"origin": origin, "before": agent.credential_origins},
+    )  # fmt: skip
+    from tasks_app.services import tasks as task_services
+
+    parked = RemoteTask.objects.filter(
+        agent=agent, watcher_status=RemoteTask.WatcherStatus.PARKED, watcher_note__startswith=outbound.APPROVAL_NOTE
+    )
+    for task in parked:
+        task_services.watch_again(task, actor_id=actor_id)
+    return True
 
 
 def mark_unreachable(agent_pk: int, error: str) -> None:

@@ -27,6 +27,7 @@ from django.utils import timezone
 
 from tasks_app import outbound
 from tasks_app.a2a import A2AError
+from tasks_app.access import Perm, require
 from tasks_app.models import Agent, ImportJob, OperatorAction, RemoteTask
 from tasks_app.services.record import record, settle_if_ended
 from tasks_app.services.tasks import TaskActionError, dispatch
@@ -93,6 +94,7 @@ def create_job(agent: Agent, *, actor_id: int | None = None) -> ImportJob:
 
 def start_import(agent: Agent, *, actor_id: int | None = None) -> ImportJob:
     """Create a job and hand it to a worker after commit; returns at once."""
+    require(actor_id, agent.project_id, Perm.OPERATE)
     job = create_job(agent, actor_id=actor_id)
     transaction.on_commit(lambda: _dispatch(job.pk))
     return job
@@ -110,6 +112,7 @@ def _dispatch(job_pk: int) -> None:
 
 def cancel_job(job: ImportJob, *, actor_id: int | None = None) -> bool:
     """Stop a queued or running job; the walk notices at its next page."""
+    require(actor_id, job.agent.project_id, Perm.OPERATE)
     done = ImportJob.objects.filter(pk=job.pk, status__in=ACTIVE).update(
         status=Status.CANCELED, finished_at=timezone.now(), error="Canceled by an operator."
     )

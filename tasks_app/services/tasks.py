@@ -27,6 +27,7 @@ from tasks_app.a2a import (
     TaskNotFoundError,
     user_message,
 )
+from tasks_app.access import Perm, require
 from tasks_app.models import TERMINAL_STATES, Agent, OperatorAction, RemoteTask
 from tasks_app.services import agents as agent_services
 from tasks_app.services.record import record, settle_if_ended, task_summary
@@ -63,9 +64,9 @@ def resolve_mode(agent: Agent, mode: str, *, from_browser: bool) -> str:
 
 
 def watch_for(agent: Agent, mode: str) -> str:
-    return RemoteTask.Watch.STREAM if mode == Mode.STREAM and agent.streaming else RemoteTask.Watch.POLL
     if mode == Mode.PUSH:
         return RemoteTask.Watch.PUSH
+    return RemoteTask.Watch.STREAM if mode == Mode.STREAM and agent.streaming else RemoteTask.Watch.POLL
 
 
 def start_task(
@@ -85,6 +86,7 @@ def start_task(
     ``messageId``: if the reply to the send is lost, ``ListTasks`` by that
     context finds the task the agent created, instead of a blind second send.
     """
+    require(actor_id, agent.project_id, Perm.OPERATE)
     if not (text or data is not None or files):
         raise TaskActionError("A message needs text, data or a file.")
     if not agent.interface_url:
@@ -127,6 +129,7 @@ def can_retry(task: RemoteTask) -> bool:
 
 def retry_send(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask:
     """Send the same message again (same ``messageId``, so the agent can drop a duplicate)."""
+    require(actor_id, task.agent.project_id, Perm.OPERATE)
     with transaction.atomic():
         won = RemoteTask.objects.filter(
             pk=task.pk,
@@ -174,6 +177,7 @@ def answer_task(
     agent's reply is recorded) reopens the question. A new question (the agent
     asks again) has a new seq.
     """
+    require(actor_id, task.agent.project_id, Perm.OPERATE)
     if task.state not in ("TASK_STATE_INPUT_REQUIRED", "TASK_STATE_AUTH_REQUIRED"):
         raise TaskActionError("This task is not waiting for an answer.")
     asked = task.asked_seq if question_seq is None else question_seq
@@ -305,6 +309,7 @@ def cancel_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = No
     A task not yet named to us (a send under way, or whose reply was lost) is
     first looked up by its contextId, so cancel works in every phase.
     """
+    require(actor_id, task.agent.project_id, Perm.OPERATE)
     task = _name_task(task, actor_id=actor_id)
     client_metadata = {"reason": reason} if reason else None
     agent = task.agent
@@ -339,6 +344,7 @@ def refresh_task(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask
     A task the agent had forgotten ("gone") that it knows again is watched
     again; one it still does not know stays gone, and the message says so.
     """
+    require(actor_id, task.agent.project_id, Perm.OPERATE)
     if not task.remote_id:
         task = _name_task(task, actor_id=actor_id)
         if not task.is_terminal:
@@ -373,6 +379,7 @@ def refresh_task(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask
 
 def watch_again(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask:
     """An operator asks for a parked (or lost) task to be watched again, from a clean slate."""
+    require(actor_id, task.agent.project_id, Perm.OPERATE)
     with transaction.atomic():
         won = RemoteTask.objects.filter(
             pk=task.pk,
@@ -399,13 +406,6 @@ def watch_again(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask:
     return task
 
 
-def abandon_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = None, actor_name: str = "") -> RemoteTask:
-    """Give a task up locally: a final local state, never watched again (the agent is not told).
-
-    Clearing the lease fences a running holder: its next write is refused and
-    it stops quietly.
-    """
-    now = timezone.now()
 def switch_watch(task: RemoteTask, watch: str, *, actor_id: int | None = None) -> RemoteTask:
     """An operator switches a task followed by push (or anything else) to streaming or polling.
 
@@ -439,6 +439,14 @@ def switch_watch(task: RemoteTask, watch: str, *, actor_id: int | None = None) -
     return task
 
 
+def abandon_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = None, actor_name: str = "") -> RemoteTask:
+    """Give a task up locally: a final local state, never watched again (the agent is not told).
+
+    Clearing the lease fences a running holder: its next write is refused and
+    it stops quietly.
+    """
+    require(actor_id, task.agent.project_id, Perm.OPERATE)
+    now = timezone.now()
     who = actor_name or "an operator"
     with transaction.atomic():
         won = RemoteTask.objects.filter(pk=task.pk, abandoned_at__isnull=True).update(
@@ -616,6 +624,7 @@ def mark_gone(task_pk: int, token: str | None, detail: str) -> bool:
 
 
 def _relay_watcher(task_pk: int) -> None:
+    """Tell the task page and the lists how the task is watched now."""
     task = RemoteTask.objects.filter(pk=task_pk).first()
     if task is None:
         return
@@ -624,7 +633,6 @@ def _relay_watcher(task_pk: int) -> None:
         [
             (
                 relay.task_group(task_pk),
-    """Tell the task page and the lists how the task is watched now."""
                 {
                     "type": "task.watcher",
                     **summary,

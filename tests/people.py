@@ -1,0 +1,22 @@
+"""People in tests: a user given one role in a project (the default one unless named)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tasks_app.models import DEFAULT_PROJECT, Membership, Project
+
+
+def member(user: Any, role: str = Membership.Role.AGENT_ADMIN, project: str = DEFAULT_PROJECT) -> Any:
+    """Make ``user`` a member of ``project`` with ``role``; returns the user."""
+    target = Project.objects.get_or_create(name=project)[0]
+    Membership.objects.update_or_create(project=target, user=user, defaults={"role": role})
+    return user
+
+
+# For a user made by a child process (``manage.py shell -c``): the same, as source text.
+MEMBER_SOURCE = (
+    "from tasks_app.models import Membership, Project; "
+    "Membership.objects.update_or_create(project=Project.objects.get_or_create(name='default')[0], "
+    "user=User.objects.get(username={username!r}), defaults={{'role': 'agent-admin'}})"
+)
