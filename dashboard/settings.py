@@ -13,6 +13,7 @@ Environment variables:
     FIELD_ENCRYPTION_KEY  key for stored agent credentials (derived from SECRET_KEY if unset)
     FIELD_ENCRYPTION_OLD_KEYS  comma-separated keys (or SECRET_KEYs) used before, for rotation
     ALLOWED_HOSTS   comma-separated (default: localhost names)
+    OUTBOUND_ALLOW  comma-separated CIDRs and host names fetches may reach besides public addresses
     DEBUG           "1"/"true" to enable (default off)
     DASHBOARD_PRODUCTION  "1" to require real SECRET_KEY and ALLOWED_HOSTS
 """
@@ -257,6 +258,11 @@ INLINE_CONTENT_BYTES = int(os.environ.get("INLINE_CONTENT_BYTES", str(64 * 1024)
 # Deadlines on whole outbound calls (not only per read): a trickling answer fails.
 A2A_CALL_DEADLINE_SECONDS = float(os.environ.get("A2A_CALL_DEADLINE_SECONDS", "60"))
 A2A_SEND_DEADLINE_SECONDS = float(os.environ.get("A2A_SEND_DEADLINE_SECONDS", "600"))
+
+# The outbound (SSRF) guard: non-public addresses every server-side fetch may reach, as
+# CIDRs and host names (comma-separated). Empty: public addresses only. Link-local and
+# cloud-metadata addresses are refused whatever it says. See tasks_app/a2a/guard.py.
+OUTBOUND_ALLOW = env_list("OUTBOUND_ALLOW", [])
 
 # Import (ListTasks) jobs: at most this many pages, and this long in all.
 IMPORT_MAX_PAGES = int(os.environ.get("IMPORT_MAX_PAGES", "200"))

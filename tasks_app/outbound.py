@@ -1,23 +1,35 @@
 """Every outbound request to an agent starts here.
 
 One place builds the HTTP clients and the A2A clients for stored agents, so the
-SSRF guard, proxy settings and limits (roadmap) have one home. httpx clients
-are costly to build (~33 ms of CPU for the SSL context) and bound to an event
-loop: the watcher loop keeps one for all its streams; one-off service calls
-build a short-lived one.
+SSRF guard and limits have one home. httpx clients are costly to build (~33 ms of
+CPU for the SSL context) and bound to an event loop: the watcher loop keeps one
+for all its streams; one-off service calls build a short-lived one.
+
+The SSRF guard (``tasks_app.a2a.guard``): every client built here connects only to
+addresses the policy allows, checked at connect time for every hop - public addresses,
+plus the networks and host names ``settings.OUTBOUND_ALLOW`` lists; link-local and
+cloud-metadata addresses never. :func:`url_problem` tells a person before anything is
+fetched or saved. Environment proxies are not used: through a proxy the guard would
+see the proxy's address instead of the one the request is for.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+import functools
+import os
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import TypeVar
+from urllib.parse import urlsplit
 
+import httpcore
 import httpx
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 
-from tasks_app.a2a import A2AClient, Credentials, Interface
+from tasks_app.a2a import A2AClient, Credentials, Interface, guard
 from tasks_app.a2a.errors import A2AError
 from tasks_app.a2a.origins import origin_of
 from tasks_app.crypto import SecretError, decrypt_json
@@ -28,8 +40,75 @@ T = TypeVar("T")
 LIMITS = httpx.Limits(max_connections=4000, max_keepalive_connections=200, keepalive_expiry=30)
 
 
+def _entries(value: str | Iterable[str]) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else value
+    return tuple(item.strip() for item in items if item.strip())
+
+
+@functools.lru_cache(maxsize=16)
+def _policy_of(entries: tuple[str, ...]) -> guard.Policy:
+    try:
+        return guard.Policy.from_entries(entries)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{guard.SETTING}: {exc}") from None
+
+
+def policy() -> guard.Policy:
+    """The guard's policy from ``settings.OUTBOUND_ALLOW`` (read on every connection)."""
+    return _policy_of(_entries(getattr(settings, guard.SETTING, ())))
+
+
 def new_http_client() -> httpx.AsyncClient:
-    return httpx.AsyncClient(limits=LIMITS, follow_redirects=False, timeout=30.0)
+    """An HTTP client whose every connection passes the outbound guard."""
+    return httpx.AsyncClient(
+        transport=guard.GuardedTransport(policy, limits=LIMITS), follow_redirects=False, timeout=30.0
+    )
+
+
+def url_problem(url: str, *, resolve: bool = True) -> str | None:
+    """Why ``url`` may not be fetched, or None; said before anything is fetched or saved.
+
+    Scheme, path and a literal address are judged as they are written; with ``resolve``
+    a host name is looked up and every address it has is checked (a name that does not
+    resolve is left to the fetch, which says so). The fetch checks again when it connects.
+    """
+    problem = guard.url_problem(url, policy())
+    if problem or not resolve:
+        return problem
+    parts = urlsplit(url.strip())
+    host = parts.hostname or ""
+    if guard.literal_ip(host) is not None:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, parts.port or 443, type=socket.SOCK_STREAM)
+    except (OSError, ValueError):
+        return None
+    addresses = [str(info[4][0]) for info in infos if info[0] in (socket.AF_INET, socket.AF_INET6)]
+    try:
+        guard.check_addresses(policy(), host, addresses)
+    except guard.GuardRefusal as exc:
+        return str(exc)
+    except httpcore.ConnectError:  # no address: the fetch will say so in its own words
+        return None
+    return None
+
+
+def with_loopback(value: str) -> str:
+    """``OUTBOUND_ALLOW`` (comma-separated) with the loopback networks added."""
+    entries = list(_entries(value))
+    return ",".join(entries + [net for net in guard.LOOPBACK if net not in entries])
+
+
+def allow_loopback() -> None:
+    """Let this process and the children it starts from now on reach loopback.
+
+    For commands that start their own agent on 127.0.0.1 (``up --demo``, ``bench``): the
+    operator asked for it by running them, so it is said explicitly here rather than in
+    a default that would let any card reach this machine's own ports.
+    """
+    os.environ[guard.SETTING] = with_loopback(os.environ.get(guard.SETTING, ""))
+    current = ",".join(_entries(getattr(settings, guard.SETTING, ())))
+    settings.OUTBOUND_ALLOW = list(_entries(with_loopback(current)))
 
 
 @asynccontextmanager
