@@ -175,6 +175,11 @@ class Runner:
             )
         if self.demo:
             _demo_preflight()
+            # The demo agent listens on 127.0.0.1, which the outbound guard refuses unless told:
+            # said here, for this run and its children only.
+            from tasks_app.outbound import allow_loopback
+
+            allow_loopback()
         self._check_database()
         redis_url = os.environ.get("REDIS_URL", "").strip()
         if redis_url:
