@@ -6,11 +6,13 @@ import json
 import subprocess
 import sys
 from io import StringIO
+from pathlib import Path
+from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
 
-from tests.agents import REPO_ROOT, AgentHandle
+from tests.agents import AGENT_TOKEN, REPO_ROOT, AgentHandle
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -101,3 +103,42 @@ def test_errors_exit_nonzero_with_one_line(agent: AgentHandle) -> None:
     assert len(err_lines) == 1 and "-32001" in err_lines[0] and "TASK_NOT_FOUND" in err_lines[0]
     with pytest.raises(CommandError, match="cannot connect"):
         run("get", "http://127.0.0.1:9", "x")
+
+
+def test_secrets_come_from_a_file_stdin_or_the_environment(
+    agent_token: AgentHandle, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("A2A_TOKEN", raising=False)
+    for flag, file_flag in (("--token", "--token-file"), ("--api-key", "--api-key-file")):
+        with pytest.raises(CommandError, match=f"{flag} is refused: .*{file_flag} PATH"):
+            run("send", agent_token.base_url, "quick", flag, AGENT_TOKEN)
+    with pytest.raises(CommandError, match="401"):
+        run("send", agent_token.base_url, "quick")
+
+    token_file = tmp_path / "token"
+    token_file.write_text(AGENT_TOKEN + "\n")
+    (by_file,) = run_json("send", agent_token.base_url, "quick", "--token-file", str(token_file))
+    assert by_file["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+
+    out = StringIO()
+    call_command(
+        "a2a", "send", agent_token.base_url, "quick", "--json", "--token-file", "-",
+        stdin=StringIO(AGENT_TOKEN), stdout=out,
+    )  # fmt: skip
+    assert json.loads(out.getvalue())["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+
+    monkeypatch.setenv("A2A_TOKEN", AGENT_TOKEN)
+    (by_env,) = run_json("send", agent_token.base_url, "quick")
+    assert by_env["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+
+    with pytest.raises(CommandError, match="Cannot read --token-file"):
+        run("send", agent_token.base_url, "quick", "--token-file", str(tmp_path / "missing"))
+
+
+def test_the_outbound_guard_applies(agent: AgentHandle, settings: Any) -> None:
+    """The CLI's client is the dashboard's: loopback only when OUTBOUND_ALLOW says so."""
+    with pytest.raises(CommandError, match=r"refused by the outbound guard: 169\.254\.169\.254 is link-local"):
+        run("card", "http://169.254.169.254/")
+    settings.OUTBOUND_ALLOW = []
+    with pytest.raises(CommandError, match=r"refused by the outbound guard: 127\.0\.0\.1 is loopback"):
+        run("card", agent.base_url)

@@ -1,8 +1,16 @@
 """``manage.py a2a``: talk A2A 1.0 to an agent from the shell.
 
-A thin face over :mod:`tasks_app.a2a`; it touches no database and no Django
-model, so it works before the dashboard is set up and against any agent.
+A thin face over :mod:`tasks_app.a2a`; it touches no database, so it works
+before the dashboard is set up and against any agent the outbound guard lets it
+reach (its HTTP client is ``tasks_app.outbound``'s, like the dashboard's: an
+agent on this machine or the private network needs ``OUTBOUND_ALLOW``).
 See ``docs/a2a-cli.md`` for examples.
+
+Secrets come from a file or standard input (``--token-file PATH``,
+``--api-key-file PATH``, ``-`` for stdin) or the environment (``A2A_TOKEN``,
+``A2A_API_KEY``), never from the command line, which every user of the machine
+can read (``ps``); ``--token`` and ``--api-key`` are refused with a sentence
+saying so.
 
 Subcommands: ``card``, ``send``, ``get``, ``list``, ``cancel``, ``subscribe``.
 ``URL`` is the agent's base URL (the card is discovered at
@@ -19,11 +27,13 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 from typing import Any
 
 import httpx
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from tasks_app import outbound
 from tasks_app.a2a import (
     A2AClient,
     A2AError,
@@ -34,6 +44,12 @@ from tasks_app.a2a import (
     message_text,
     user_message,
     validate_card,
+)
+from tasks_app.management.commands.agents import read_secret
+
+SECRETS = (  # (option key, refused flag, file flag, environment variable)
+    ("token", "--token", "--token-file", "A2A_TOKEN"),
+    ("api_key", "--api-key", "--api-key-file", "A2A_API_KEY"),
 )
 
 STATES = (
@@ -90,11 +106,16 @@ class Command(BaseCommand):
             help="force a binding (default: the card's first)",
         )
         common.add_argument(
-            "--token", default=os.environ.get("A2A_TOKEN"), help="bearer token (env A2A_TOKEN)"
-        )
+            "--token-file", default="", metavar="PATH",
+            help="file holding the bearer token ('-': standard input; or env A2A_TOKEN)",
+        )  # fmt: skip
         common.add_argument(
-            "--api-key", default=os.environ.get("A2A_API_KEY"), help="API key (env A2A_API_KEY)"
-        )
+            "--api-key-file", default="", metavar="PATH",
+            help="file holding the API key ('-': standard input; or env A2A_API_KEY)",
+        )  # fmt: skip
+        # Refused (see the module docstring); defined so they are never taken as abbreviations.
+        common.add_argument("--token", default=None, help=argparse.SUPPRESS)
+        common.add_argument("--api-key", default=None, help=argparse.SUPPRESS)
         common.add_argument("--api-key-name", help="API key name when the card declares none")
         common.add_argument("--api-key-location", choices=["header", "query", "cookie"])
         common.add_argument(
@@ -174,13 +195,34 @@ class Command(BaseCommand):
 
     # ------------------------------------------------------------------ actions
 
+    stealth_options = ("stdin",)
+
     def handle(self, *args: Any, **options: Any) -> None:
+        options.update(self._secrets(options))
         try:
             asyncio.run(self._run(options))
         except A2AError as exc:
             raise CommandError(str(exc), returncode=1) from exc
         except ValueError as exc:
             raise CommandError(str(exc), returncode=2) from exc
+
+    def _secrets(self, options: dict[str, Any]) -> dict[str, str | None]:
+        """The token and API key: from their files (or stdin), else from the environment."""
+        for key, flag, file_flag, env in SECRETS:
+            if options.get(key) is not None:
+                raise CommandError(
+                    f"{flag} is refused: a secret on the command line shows in the process list. "
+                    f"Put it in a file and pass {file_flag} PATH, pipe it in with {file_flag} -, "
+                    f"or set {env}."
+                )
+        if options.get("token_file") == "-" and options.get("api_key_file") == "-":
+            raise CommandError("Only one of --token-file and --api-key-file can read standard input.")
+        stdin = options.get("stdin") or sys.stdin
+        secrets: dict[str, str | None] = {}
+        for key, _flag, file_flag, env in SECRETS:
+            source = options.get(key + "_file") or ""
+            secrets[key] = read_secret(source, file_flag, stdin) if source else os.environ.get(env) or None
+        return secrets
 
     def _credentials(self, options: dict[str, Any]) -> Credentials | None:
         if not (options.get("token") or options.get("api_key")):
@@ -195,7 +237,9 @@ class Command(BaseCommand):
     async def _run(self, options: dict[str, Any]) -> None:
         action = options["action"]
         timeout = options.get("timeout")
-        async with httpx.AsyncClient(timeout=timeout or 30.0) as http:
+        http = outbound.new_http_client()  # the outbound guard applies here too
+        http.timeout = httpx.Timeout(timeout or 30.0)
+        async with http:
             if action == "card":
                 await self._card(options, http)
                 return
