@@ -35,7 +35,18 @@ Behaviour is chosen by the first word of the user's text:
                         artifact (raw bytes, ``hello.txt``)
 ``markdown``            a text/markdown artifact containing ``<script>`` and a
                         ``javascript:`` link (for sanitizer tests)
+``batch [N] [interval]`` long batch work meant to be followed by push: WORKING,
+                        then N steps (a "batch i/N" status and one artifact row
+                        each, every ``interval`` s; defaults 30 and 2 s), then
+                        COMPLETED. Every event goes to the task's push configs.
 =====================  =====================================================
+
+Push delivery: the SDK's sender posts each event to every push config of the task.
+With ``--sign-push`` the agent signs each notification instead: an ES256 JWT in
+``Authorization: Bearer`` (claims ``iss`` = its base URL, ``aud`` = the config id,
+``iat``/``exp``, ``jti`` and ``request_body_sha256`` of the exact body sent), with its
+public key at ``/.well-known/jwks.json``, announced in the card by the extension
+``urn:a2a-dashboard:push-signing:v1`` (params ``jwksUri``, ``issuer``).
 
 Options: ``--no-streaming`` / ``--no-push`` switch the capabilities off (the
 SDK then answers -32004 / -32003 itself); ``--token T`` requires
@@ -52,11 +63,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
+import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import jwt
 from a2a.helpers.proto_helpers import (
     new_data_part,
     new_raw_part,
@@ -75,15 +91,21 @@ from a2a.server.tasks import (
     TaskUpdater,
 )
 from a2a.types import a2a_pb2 as pb
+from a2a.utils.proto_utils import to_stream_response
+from cryptography.hazmat.primitives.asymmetric import ec
+from google.protobuf.json_format import MessageToDict
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
+from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 log = logging.getLogger("tasks_app.demo_agent")
 
 TASK_WORDS = frozenset(
-    {"quick", "slow", "ask", "auth", "fail", "reject", "long", "data", "markdown"}
+    {"quick", "slow", "ask", "auth", "fail", "reject", "long", "data", "markdown", "batch"}
 )
+# The card extension announcing signed push notifications (tasks_app/services/push.py reads it).
+SIGNING_EXTENSION = "urn:a2a-dashboard:push-signing:v1"
 MARKDOWN_SAMPLE = (
     "# Demo report\n\n"
     "Some **bold** text and a [safe link](https://example.org/).\n\n"
@@ -209,6 +231,22 @@ class DemoExecutor(AgentExecutor):
                 last_chunk=True,
             )
             await up.complete(say("Done."))
+        elif word == "batch":
+            n = max(1, int(_number(words, 1, 30)))
+            interval = _number(words, 2, 2.0)
+            art_id = f"{task.id}-rows"
+            await up.start_work(say(f"batch of {n} steps started"))
+            for i in range(1, n + 1):
+                await asyncio.sleep(interval)
+                await up.update_status(pb.TASK_STATE_WORKING, say(f"batch {i}/{n}"))
+                await up.add_artifact(
+                    [new_text_part(f"row {i}\n")],
+                    artifact_id=art_id,
+                    name="rows.txt",
+                    append=i > 1,
+                    last_chunk=i == n,
+                )
+            await up.complete(say(f"batch of {n} steps done"))
         elif word == "markdown":
             await up.add_artifact(
                 [new_text_part(MARKDOWN_SAMPLE, media_type="text/markdown")],
@@ -226,7 +264,12 @@ class DemoExecutor(AgentExecutor):
 
 
 def build_card(
-    base_url: str, *, streaming: bool = True, push: bool = True, token: str | None = None
+    base_url: str,
+    *,
+    streaming: bool = True,
+    push: bool = True,
+    token: str | None = None,
+    signed_push: bool = False,
 ) -> pb.AgentCard:
     base = base_url.rstrip("/")
     card = pb.AgentCard(
@@ -256,12 +299,18 @@ def build_card(
             pb.AgentSkill(
                 id="script",
                 name="Scripted behaviours",
-                description="hello, quick, slow, ask, auth, fail, reject, long, data, markdown",
+                description="hello, quick, slow, ask, auth, fail, reject, long, data, markdown, batch",
                 tags=["demo", "test"],
-                examples=["hello", "quick", "slow 5 0.2", "ask", "auth", "long 30", "data"],
+                examples=["hello", "quick", "slow 5 0.2", "ask", "auth", "long 30", "data", "batch 20 2"],
             )
         ],
     )
+    if signed_push:
+        extension = pb.AgentExtension(
+            uri=SIGNING_EXTENSION, description="Push notifications are signed (JWT, ES256)."
+        )
+        extension.params.update({"jwksUri": f"{base}/.well-known/jwks.json", "issuer": base})
+        card.capabilities.extensions.append(extension)
     if token:
         card.security_schemes["bearer"].CopyFrom(
             pb.SecurityScheme(
@@ -274,6 +323,45 @@ def build_card(
         req.schemes["bearer"].CopyFrom(pb.StringList())
         card.security_requirements.append(req)
     return card
+
+
+class SignedPushSender(BasePushNotificationSender):
+    """Posts each notification with a signed token (see the module docstring)."""
+
+    def __init__(self, http: httpx.AsyncClient, store: Any, *, issuer: str) -> None:
+        super().__init__(http, store)
+        self.issuer = issuer
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        self.kid = uuid.uuid4().hex[:16]
+
+    def jwks(self) -> dict[str, Any]:
+        public = json.loads(jwt.algorithms.ECAlgorithm.to_jwk(self.key.public_key()))
+        return {"keys": [{**public, "kid": self.kid, "use": "sig", "alg": "ES256"}]}
+
+    async def _dispatch_notification(
+        self, event: Any, push_info: pb.TaskPushNotificationConfig, task_id: str
+    ) -> bool:
+        body = json.dumps(MessageToDict(to_stream_response(event)), separators=(",", ":")).encode()
+        now = int(time.time())
+        claims = {
+            "iss": self.issuer,
+            "aud": push_info.id,
+            "iat": now,
+            "exp": now + 60,
+            "jti": uuid.uuid4().hex,
+            "request_body_sha256": hashlib.sha256(body).hexdigest(),
+        }
+        signed = jwt.encode(claims, self.key, algorithm="ES256", headers={"kid": self.kid})
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {signed}"}
+        if push_info.token:
+            headers["X-A2A-Notification-Token"] = push_info.token
+        try:
+            response = await self._client.post(push_info.url, content=body, headers=headers)
+            response.raise_for_status()
+        except Exception:
+            log.warning("signed push notification for task %s to %s failed", task_id, push_info.url)
+            return False
+        return True
 
 
 class _BearerGuard:
@@ -305,9 +393,10 @@ def build_app(
     step_delay: float = 0.2,
     auth_delay: float = 1.0,
     token: str | None = None,
+    signed_push: bool = False,
 ) -> ASGIApp:
     """The demo agent as an ASGI app; ``base_url`` is where it will be reachable."""
-    card = build_card(base_url, streaming=streaming, push=push, token=token)
+    card = build_card(base_url, streaming=streaming, push=push, token=token, signed_push=signed_push)
     extended = pb.AgentCard()
     extended.CopyFrom(card)
     extended.skills.append(
@@ -317,12 +406,19 @@ def build_app(
     )
     push_http = httpx.AsyncClient(timeout=10.0)
     push_store = InMemoryPushNotificationConfigStore() if push else None
+    sender: BasePushNotificationSender | None = None
+    if push_store is not None:
+        sender = (
+            SignedPushSender(push_http, push_store, issuer=base_url.rstrip("/"))
+            if signed_push
+            else BasePushNotificationSender(push_http, push_store)
+        )
     handler = DefaultRequestHandler(
         agent_executor=DemoExecutor(step_delay=step_delay, auth_delay=auth_delay),
         task_store=InMemoryTaskStore(),
         agent_card=card,
         push_config_store=push_store,
-        push_sender=BasePushNotificationSender(push_http, push_store) if push_store else None,
+        push_sender=sender,
         extended_agent_card=extended,
     )
 
@@ -337,6 +433,13 @@ def build_app(
 
     routes: list[Any] = []
     routes += create_agent_card_routes(card, cache_control="max-age=60")
+    if isinstance(sender, SignedPushSender):
+        keys = sender.jwks()
+
+        async def jwks(request: Any) -> JSONResponse:
+            return JSONResponse(keys)
+
+        routes.append(Route("/.well-known/jwks.json", jwks))
     routes += create_jsonrpc_routes(handler, "/jsonrpc")
     routes += create_rest_routes(handler, path_prefix="/rest")
     app: ASGIApp = Starlette(routes=routes, lifespan=lifespan)
@@ -357,6 +460,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--delay", type=float, default=0.2, help="default step interval (s)")
     parser.add_argument("--auth-delay", type=float, default=1.0, help="auth-required wait (s)")
     parser.add_argument("--token", default=None, help="require this bearer token")
+    parser.add_argument("--sign-push", action="store_true", help="sign push notifications (JWT)")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     base = args.public_url or f"http://{args.host}:{args.port}"
@@ -367,6 +471,7 @@ def main(argv: list[str] | None = None) -> None:
         step_delay=args.delay,
         auth_delay=args.auth_delay,
         token=args.token,
+        signed_push=args.sign_push,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
 

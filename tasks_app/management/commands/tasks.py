@@ -13,7 +13,7 @@ from tasks_app.services import imports
 from tasks_app.services import tasks as task_services
 from tasks_app.services.snapshot import task_document
 
-MODES = ["auto", "stream", "return-immediately", "blocking"]
+MODES = ["auto", "stream", "return-immediately", "blocking", "push"]
 
 
 def find_agent(ref: str) -> Agent:

@@ -265,6 +265,9 @@ class Runner:
             CELERY_QUEUE=settings.CELERY_TASK_DEFAULT_QUEUE,
             PYTHONUNBUFFERED="1",
         )
+        if self.demo and not env.get("PUBLIC_URL", "").strip():
+            # The demo agent delivers push notifications to the local address.
+            env["PUBLIC_URL"] = f"http://{_url_host(_probe_host(self.host))}:{self.port}"
         return env
 
     def _start_app(self, env: dict[str, str]) -> None:
