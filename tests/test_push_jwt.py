@@ -1,0 +1,194 @@
+"""Signed push notifications: the webhook verifies a JWT against the agent's JWKS.
+
+The JWKS is served over loopback by a small HTTP server (fetched through the outbound
+client and its guard); the test plays the agent and signs with keys it made. The
+end-to-end case with the demo agent signing is in ``test_push_live.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import jwt
+import pytest
+from cryptography.hazmat.primitives.asymmetric import ec
+from django.test import Client
+
+from tasks_app.models import Agent, PushConfig, RemoteTask, TaskEvent
+from tasks_app.services import push
+
+pytestmark = pytest.mark.django_db
+ISSUER = "http://agent.test"
+
+
+class Keys:
+    def __init__(self) -> None:
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        self.kid = uuid.uuid4().hex[:12]
+
+    def jwks(self) -> dict:
+        public = json.loads(jwt.algorithms.ECAlgorithm.to_jwk(self.key.public_key()))
+        return {"keys": [{**public, "kid": self.kid, "use": "sig", "alg": "ES256"}]}
+
+
+@pytest.fixture
+def keys() -> Keys:
+    return Keys()
+
+
+@pytest.fixture
+def jwks_url(keys: Keys) -> Iterator[str]:
+    body = json.dumps(keys.jwks()).encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/jwks.json"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(autouse=True)
+def _empty_queue(redis_url: str) -> None:
+    push._redis().delete(push.QUEUE_KEY, push.DRAIN_KEY)
+
+
+@pytest.fixture
+def config(jwks_url: str) -> PushConfig:
+    agent = Agent.objects.create(name="signer", base_url=f"http://127.0.0.1:1/{uuid.uuid4().hex}/", push=True)
+    task = RemoteTask.objects.create(
+        agent=agent, title="t", remote_id="t-1", phase=RemoteTask.Phase.TASK,
+        state="TASK_STATE_SUBMITTED", watch=RemoteTask.Watch.PUSH,
+    )  # fmt: skip
+    return push.new_config(task, jwks_url=jwks_url, jwt_issuer=ISSUER)
+
+
+def body_of(ts: str = "2026-01-01T00:00:01Z") -> bytes:
+    return json.dumps(
+        {"statusUpdate": {"taskId": "t-1", "contextId": "c", "status": {"state": "TASK_STATE_WORKING", "timestamp": ts}}}
+    ).encode()
+
+
+def sign(keys: Keys, config: PushConfig, body: bytes, **overrides: object) -> str:
+    now = int(time.time())
+    claims = {
+        "iss": ISSUER,
+        "aud": config.config_id,
+        "iat": now,
+        "exp": now + 60,
+        "jti": uuid.uuid4().hex,
+        "request_body_sha256": hashlib.sha256(body).hexdigest(),
+    }
+    claims.update(overrides)
+    claims = {k: v for k, v in claims.items() if v is not None}
+    return jwt.encode(claims, keys.key, algorithm="ES256", headers={"kid": keys.kid})
+
+
+def deliver(config: PushConfig, body: bytes, signed: str | None, *, token: str | None = None) -> int:
+    values = push.decrypt_json(config.secrets_encrypted)
+    headers = {
+        "REMOTE_ADDR": f"10.1.{uuid.uuid4().int % 250}.{uuid.uuid4().int % 250}",
+        "HTTP_X_A2A_NOTIFICATION_TOKEN": values["token"] if token is None else token,
+    }
+    if signed is not None:
+        headers["HTTP_AUTHORIZATION"] = f"Bearer {signed}"
+    response = Client().post(f"/push/{config.config_id}/", data=body, content_type="application/json", **headers)
+    return response.status_code
+
+
+def nothing_recorded(config: PushConfig) -> bool:
+    return push._redis().llen(push.QUEUE_KEY) == 0 and not TaskEvent.objects.filter(task_id=config.task_id).exists()
+
+
+def test_a_config_for_a_signing_agent_gives_it_no_authorization_credentials(config):
+    wire = push.wire_config(config)
+    assert "authentication" not in wire and wire["token"]
+
+
+def test_a_good_signature_is_accepted_and_recorded(keys, config):
+    body = body_of()
+    assert deliver(config, body, sign(keys, config, body)) == 202
+    push.record_batch(push._redis().lpop(push.QUEUE_KEY, 10))
+    assert TaskEvent.objects.get(task_id=config.task_id).channel == "push"
+
+
+def test_a_signature_by_another_key_is_refused(keys, config):
+    body = body_of()
+    impostor = Keys()
+    impostor.kid = keys.kid  # claims to be the agent's key
+    assert deliver(config, body, sign(impostor, config, body)) == 401
+    assert nothing_recorded(config)
+
+
+def test_an_unknown_key_id_is_refused(config):
+    body = body_of()
+    assert deliver(config, body, sign(Keys(), config, body)) == 401
+    assert nothing_recorded(config)
+
+
+def test_an_expired_token_is_refused(keys, config):
+    body = body_of()
+    old = int(time.time()) - 600
+    assert deliver(config, body, sign(keys, config, body, iat=old, exp=old + 60)) == 401
+    assert nothing_recorded(config)
+
+
+def test_a_replayed_token_is_refused(keys, config):
+    body = body_of()
+    signed = sign(keys, config, body)
+    assert deliver(config, body, signed) == 202
+    push._redis().delete(push.QUEUE_KEY)
+    assert deliver(config, body, signed) == 401  # same jti: refused before the repeat check
+    other = body_of("2026-01-01T00:00:02Z")
+    jti = jwt.decode(signed, options={"verify_signature": False})["jti"]
+    assert deliver(config, other, sign(keys, config, other, jti=jti)) == 401
+    assert push._redis().llen(push.QUEUE_KEY) == 0
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"aud": "someone-else"},
+        {"iss": "http://impostor.test"},
+        {"request_body_sha256": hashlib.sha256(b"other").hexdigest()},
+        {"request_body_sha256": None},
+        {"jti": None},
+        {"exp": int(time.time()) + 3600},  # lives longer than PUSH_JWT_MAX_LIFETIME_SECONDS
+        {"iat": int(time.time()) + 600, "exp": int(time.time()) + 660},  # issued in the future
+    ],
+    ids=["audience", "issuer", "body hash", "no body hash", "no jti", "too long", "future"],
+)
+def test_tokens_with_wrong_claims_are_refused(keys, config, overrides):
+    body = body_of()
+    assert deliver(config, body, sign(keys, config, body, **overrides)) == 401
+    assert nothing_recorded(config)
+
+
+def test_unsigned_and_unsafe_algorithms_are_refused(keys, config):
+    body = body_of()
+    assert deliver(config, body, None) == 401
+    unsigned = jwt.encode({"iss": ISSUER, "aud": config.config_id}, key=None, algorithm="none")
+    assert deliver(config, body, unsigned) == 401
+    hmac_signed = jwt.encode({"iss": ISSUER, "aud": config.config_id}, "guess" * 8, algorithm="HS256")
+    assert deliver(config, body, hmac_signed) == 401
+    assert deliver(config, body, sign(keys, config, body), token="wrong") == 401
+    assert nothing_recorded(config)
