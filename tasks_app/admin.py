@@ -15,17 +15,45 @@ from tasks_app.models import (
     Artifact,
     ArtifactPart,
     ConversationMessage,
+    Membership,
     OperatorAction,
+    Project,
     RemoteTask,
     TaskEvent,
 )
 
 
+class MembershipInline(admin.TabularInline):
+    model = Membership
+    extra = 1
+    autocomplete_fields = ("user",)
+
+
+@admin.register(Project)
+class ProjectAdmin(admin.ModelAdmin):
+    """Projects and who is in them with which role (also: ``manage.py members``)."""
+
+    list_display = ("name", "created_at")
+    search_fields = ("name",)
+    inlines = [MembershipInline]
+
+
+@admin.register(Membership)
+class MembershipAdmin(admin.ModelAdmin):
+    list_display = ("user", "project", "role", "created_at")
+    list_filter = ("role", "project")
+    search_fields = ("user__username", "project__name")
+    autocomplete_fields = ("user", "project")
+
+
 @admin.register(Agent)
 class AgentAdmin(admin.ModelAdmin):
-    list_display = ("name", "base_url", "binding", "streaming", "push", "reachable", "card_fetched_at")
+    list_display = ("name", "project", "base_url", "binding", "streaming", "push", "reachable", "card_fetched_at")
+    list_filter = ("project",)
     search_fields = ("name", "base_url")
-    exclude = ("credentials_encrypted",)
+    # Credentials and the origins they are approved for change only through the agent
+    # page (which re-binds them); the admin never shows or edits them.
+    exclude = ("credentials_encrypted", "credential_origins", "pending_origin")
     formfield_overrides = {models.URLField: {"assume_scheme": "https"}}
 
 

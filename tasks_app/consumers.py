@@ -37,6 +37,7 @@ from urllib.parse import parse_qs
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
+from tasks_app import access
 from tasks_app.models import RemoteTask, TaskEvent
 from tasks_app.relay import LIST_GROUP, task_group
 from tasks_app.services.record import task_summary
@@ -60,8 +61,17 @@ def event_message(event: TaskEvent) -> dict[str, Any]:
 
 
 @database_sync_to_async
-def _task_exists(pk: int) -> bool:
-    return RemoteTask.objects.filter(pk=pk).exists()
+def _task_readable(user: Any, pk: int) -> bool:
+    """The task exists and is in one of the person's projects (the per-user lookup's rule)."""
+    return access.readable_tasks(user).filter(pk=pk).exists()
+
+
+@database_sync_to_async
+def _readable_agent_ids(user: Any) -> set[int] | None:
+    """Agents whose tasks the person may read; None for every agent (superuser)."""
+    if access.projects_with(user, access.Perm.READ) is None:
+        return None
+    return set(access.readable_agents(user).values_list("pk", flat=True))
 
 
 @database_sync_to_async
@@ -84,7 +94,8 @@ class TaskConsumer(AsyncJsonWebsocketConsumer):
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return
         self.task_pk = int(self.scope["url_route"]["kwargs"]["task_id"])
-        if not await _task_exists(self.task_pk):
+        # Not found and not readable look the same: another project's tasks are not revealed.
+        if not await _task_readable(self.scope["user"], self.task_pk):
             await self.close(code=CLOSE_NOT_FOUND)
             return
         # Join first: whatever is appended from now on is queued for us.
@@ -195,14 +206,17 @@ def _parse_version(value: Any) -> datetime | None:
 
 
 @database_sync_to_async
-def _changed_since(since: datetime | None) -> tuple[list[dict[str, Any]], datetime | None]:
-    """Summaries of the tasks changed since ``since`` (with the overlap), newest first,
-    and the newest ``updated_at`` among them; one query on the ``updated_at`` index."""
+def _changed_since(
+    agent_ids: set[int] | None, since: datetime | None
+) -> tuple[list[dict[str, Any]], datetime | None]:
+    """Summaries of the readable tasks changed since ``since`` (with the overlap), newest
+    first, and the newest ``updated_at`` among them; one query on the ``updated_at`` index."""
+    tasks = RemoteTask.objects.all() if agent_ids is None else RemoteTask.objects.filter(agent_id__in=agent_ids)
     if since is None:
-        newest = RemoteTask.objects.order_by("-updated_at").values_list("updated_at", flat=True).first()
+        newest = tasks.order_by("-updated_at").values_list("updated_at", flat=True).first()
         return [], newest
     fields = ("agent", "remote_id", "context_id", "title", "phase", "state", "last_seq", "watcher_status", "updated_at")
-    changed = RemoteTask.objects.filter(updated_at__gte=since - LIST_OVERLAP).only(*fields)
+    changed = tasks.filter(updated_at__gte=since - LIST_OVERLAP).only(*fields)
     tasks = list(changed.order_by("-updated_at", "-pk")[:LIST_SYNC_LIMIT])
     return [task_summary(t) for t in tasks], (tasks[0].updated_at if tasks else None)
 
@@ -229,11 +243,17 @@ class TaskListConsumer(AsyncJsonWebsocketConsumer):
     """
 
     joined = False
+    # Agents whose tasks this person may read (None: all); an agent added later is looked
+    # up once when its first summary arrives.
+    agent_ids: set[int] | None = None
+    unreadable: set[int]
 
     async def connect(self) -> None:
         if not _authenticated(self.scope):
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return
+        self.agent_ids = await _readable_agent_ids(self.scope["user"])
+        self.unreadable = set()
         await self.channel_layer.group_add(LIST_GROUP, self.channel_name)
         self.joined = True
         await self.accept()
@@ -249,7 +269,7 @@ class TaskListConsumer(AsyncJsonWebsocketConsumer):
             since = _parse_version(content.get("since"))
             if since is not None:
                 since = min(since, datetime.now(UTC))  # a version from the future would hide changes
-            summaries, newest = await _changed_since(since)
+            summaries, newest = await _changed_since(self.agent_ids, since)
             for summary in summaries:
                 await self.send_json({**summary, "type": "task", "resync": True})
             version = max((v for v in (since, newest) if v is not None), default=None)
@@ -258,4 +278,19 @@ class TaskListConsumer(AsyncJsonWebsocketConsumer):
             await self.send_json({"type": "pong"})
 
     async def tasks_changed(self, message: dict[str, Any]) -> None:
-        await self.send_json({**message, "type": "task"})
+        if await self._may_read(message.get("agent")):
+            await self.send_json({**message, "type": "task"})
+
+    async def _may_read(self, agent_id: Any) -> bool:
+        """Only summaries of readable agents' tasks go out (lists never show more)."""
+        if self.agent_ids is None:
+            return True
+        if not isinstance(agent_id, int) or agent_id in self.unreadable:
+            return False
+        if agent_id not in self.agent_ids:
+            fresh = await _readable_agent_ids(self.scope["user"])
+            self.agent_ids = fresh if fresh is not None else self.agent_ids
+            if fresh is not None and agent_id not in fresh:
+                self.unreadable.add(agent_id)
+                return False
+        return True

@@ -18,7 +18,30 @@ PASSWORD_FILE = "admin_password"
 
 
 def ensure_admin(data_dir: Path) -> str:
-    """Make sure someone can log in; return the line to show the operator."""
+    """Make sure someone can log in; return the line to show the operator.
+
+    Also makes sure the project ``default`` exists with the admin as its agent admin
+    (agents added without a project go there).
+    """
+    line = _ensure_login(data_dir)
+    _ensure_default_project()
+    return line
+
+
+def _ensure_default_project() -> None:
+    from django.contrib.auth import get_user_model
+
+    from tasks_app.models import DEFAULT_PROJECT, Membership, Project
+
+    project = Project.objects.get_or_create(name=DEFAULT_PROJECT)[0]
+    admin = get_user_model().objects.filter(username=ADMIN_USERNAME, is_superuser=True).first()
+    if admin is not None:
+        Membership.objects.get_or_create(
+            project=project, user=admin, defaults={"role": Membership.Role.AGENT_ADMIN}
+        )
+
+
+def _ensure_login(data_dir: Path) -> str:
     from django.contrib.auth import get_user_model
 
     user_model = get_user_model()

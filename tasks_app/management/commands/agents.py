@@ -17,7 +17,7 @@ from typing import Any, TextIO
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from tasks_app.models import Agent
+from tasks_app.models import Agent, Project
 from tasks_app.services.agents import AgentError, add_agent
 
 MAX_SECRET_BYTES = 64 * 1024
@@ -59,6 +59,7 @@ class Command(BaseCommand):
         add = sub.add_parser("add", help="fetch an agent's card and register it")
         add.add_argument("url", help="the agent's base URL or its card URL")
         add.add_argument("--name", default="")
+        add.add_argument("--project", default="", help="the project it belongs to (default: default)")
         add.add_argument(
             "--token-file", default="", metavar="PATH",
             help="file holding the bearer token the agent requires ('-': standard input)",
@@ -77,7 +78,14 @@ class Command(BaseCommand):
         if options["action"] == "add":
             credentials = self._credentials(options)
             try:
-                agent = add_agent(options["url"], name=options["name"], credentials=credentials)
+                project = None
+                if options["project"]:
+                    project = Project.objects.filter(name=options["project"]).first()
+                    if project is None:
+                        raise CommandError(
+                            f"No project named {options['project']!r} ('manage.py members add' creates one)."
+                        )
+                agent = add_agent(options["url"], name=options["name"], project=project, credentials=credentials)
             except AgentError as exc:
                 raise CommandError(str(exc)) from exc
             self.stdout.write(f"{agent.pk}\t{agent.name}\t{agent.binding} {agent.interface_url}")
