@@ -15,11 +15,15 @@ Environment variables:
     ALLOWED_HOSTS   comma-separated (default: localhost names)
     OUTBOUND_ALLOW  comma-separated CIDRs and host names fetches may reach besides public addresses
     DEBUG           "1"/"true" to enable (default off)
-    DASHBOARD_PRODUCTION  "1" to require real SECRET_KEY and ALLOWED_HOSTS
+    DASHBOARD_PRODUCTION  "1" to require real SECRET_KEY and ALLOWED_HOSTS; secure cookies and HSTS
+    SECURE_HSTS_SECONDS  HSTS max-age in production (default one year)
+    SECURE_PROXY_SSL_HEADER  "HEADER,value" a TLS proxy sets, e.g. "X-Forwarded-Proto,https"
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import secrets
 from pathlib import Path
@@ -89,12 +93,15 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "tasks_app.middleware.ContentSecurityPolicyMiddleware",
     # Static files straight from the app folders: daphne serves none itself.
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    # After authentication: what a logged-in user gets is never cached (tasks_app/middleware.py).
+    "tasks_app.middleware.NoStoreForUsersMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
@@ -197,9 +204,56 @@ SESSION_COOKIE_HTTPONLY = True
 CSRF_COOKIE_HTTPONLY = False
 X_FRAME_OPTIONS = "DENY"
 SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+# Django's admin change list has one inline <style> block when the list has no actions (as on
+# the view-only models); it is allowed by its hash, not by 'unsafe-inline'. tests/test_headers.py
+# fails if a Django upgrade changes it.
+ADMIN_CHANGELIST_STYLE = "\n      #changelist table thead th:first-child {width: inherit}\n    "
+ADMIN_CHANGELIST_STYLE_HASH = (
+    f"'sha256-{base64.b64encode(hashlib.sha256(ADMIN_CHANGELIST_STYLE.encode()).digest()).decode()}'"
+)
+# Static: no page of ours has inline script or style (tasks_app/middleware.py). 'self' in
+# connect-src covers the site's own ws:/wss: (CSP 3; Chromium 71+, Firefox, Safari 16+).
+CONTENT_SECURITY_POLICY = {
+    "default-src": ["'self'"],
+    "script-src": ["'self'"],
+    "style-src": ["'self'", ADMIN_CHANGELIST_STYLE_HASH],
+    "img-src": ["'self'", "data:"],
+    "connect-src": ["'self'"],
+    "frame-ancestors": ["'none'"],
+    "base-uri": ["'none'"],
+    "form-action": ["'self'"],
+    "object-src": ["'none'"],
+}
+
+
+def _proxy_ssl_header() -> tuple[str, str] | None:
+    """``SECURE_PROXY_SSL_HEADER="X-Forwarded-Proto,https"`` -> ("HTTP_X_FORWARDED_PROTO", "https").
+
+    Only when set: Django then believes that header about the request's scheme, which is safe
+    only behind a proxy that always sets (or strips) it; without one any client could claim https.
+    """
+    value = os.environ.get("SECURE_PROXY_SSL_HEADER", "").strip()
+    if not value:
+        return None
+    name, _, expected = (part.strip() for part in value.partition(","))
+    if not name or not expected:
+        raise ImproperlyConfigured(
+            'SECURE_PROXY_SSL_HEADER must be "HEADER,value", e.g. "X-Forwarded-Proto,https".'
+        )
+    name = name.upper().replace("-", "_")
+    return (name if name.startswith("HTTP_") else f"HTTP_{name}", expected)
+
+
+SECURE_PROXY_SSL_HEADER = _proxy_ssl_header()
 if PRODUCTION:
     SESSION_COOKIE_SECURE = True
     CSRF_COOKIE_SECURE = True
+    # Browsers remember to use https only; the proxy in front terminates TLS (and usually
+    # redirects http), so the redirect here is off unless asked for.
+    SECURE_HSTS_SECONDS = int(os.environ.get("SECURE_HSTS_SECONDS", str(365 * 24 * 3600)))
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = env_flag("SECURE_HSTS_INCLUDE_SUBDOMAINS")
+    SECURE_SSL_REDIRECT = env_flag("SECURE_SSL_REDIRECT")
 
 FIELD_ENCRYPTION_KEY = os.environ.get("FIELD_ENCRYPTION_KEY", "")
 # Keys used before (comma-separated Fernet keys or old SECRET_KEYs): stored credentials

@@ -7,14 +7,21 @@ server that accepts connections and never answers, to stand for a hung dependenc
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
 import pytest
+from django.conf import settings as django_settings
 from django.test import Client
 
 from tasks_app import health
+from tests import pages
 
 # --- 1. /healthz ----------------------------------------------------------------------------
 
@@ -138,3 +145,228 @@ def test_a_check_that_ignores_its_timeout_is_cut_off_and_not_started_twice(
         in_flight.result(timeout=10)
     third = staff.get("/healthz").json()["checks"]
     assert third["stuck"] == {**third["stuck"], "ok": False, "message": "it hung (ConnectionRefusedError)"}
+
+
+# --- 2. headers -----------------------------------------------------------------------------
+
+POLICY = (
+    "default-src 'self'; script-src 'self'; style-src 'self' {admin_style}; img-src 'self' data:; "
+    "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'; "
+    "object-src 'none'"
+)
+INLINE_SCRIPT = re.compile(r"<script(?![^>]*\bsrc=)(?![^>]*type=\"application/json\")[^>]*>", re.I)
+INLINE_HANDLER = re.compile(r"<[^>]+\son[a-z]+\s*=", re.I)
+INLINE_STYLE = re.compile(r"<[^>]+\sstyle\s*=|<style", re.I)
+ADMIN_CHANGELIST_STYLE = django_settings.ADMIN_CHANGELIST_STYLE
+ADMIN_CHANGELIST_STYLE_HASH = django_settings.ADMIN_CHANGELIST_STYLE_HASH
+
+
+@pytest.fixture
+def superuser_client(django_user_model) -> Client:
+    user = django_user_model.objects.create_superuser("root", password="pw-12345678")
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def site(superuser_client, django_user_model) -> pages.Site:
+    return pages.build_site(django_user_model.objects.get(username="root"))
+
+
+def test_the_policy_is_the_one_asked_for(settings) -> None:
+    from tasks_app.middleware import serialize_policy
+
+    assert serialize_policy(settings.CONTENT_SECURITY_POLICY) == POLICY.format(
+        admin_style=ADMIN_CHANGELIST_STYLE_HASH
+    )
+
+
+@pytest.mark.django_db
+def test_every_page_has_the_policy_and_no_inline_code(superuser_client, site) -> None:
+    """What a superuser can GET: the header on each answer; pages free of inline script,
+    handlers and style (the admin's one style block excepted: it is allowed by its hash)."""
+    seen = 0
+    site_policy = POLICY.format(admin_style=ADMIN_CHANGELIST_STYLE_HASH)
+    for name, url in {**pages.app_urls(site), **pages.admin_urls()}.items():
+        answer = superuser_client.get(url)
+        policy = answer["Content-Security-Policy"]
+        if not answer["Content-Type"].startswith("text/html") or answer.streaming:
+            # Downloads bring their own, stricter policy; the rest get the site's.
+            assert policy in {site_policy, "default-src 'none'; sandbox"}, (name, policy)
+            continue
+        assert policy == site_policy, name
+        html = answer.content.decode()
+        seen += 1
+        assert not INLINE_SCRIPT.search(html), (name, INLINE_SCRIPT.search(html))
+        assert not INLINE_HANDLER.search(html), (name, INLINE_HANDLER.search(html))
+        if name.startswith("admin:"):
+            html = html.replace(f"<style>{ADMIN_CHANGELIST_STYLE}</style>", "")
+        assert not INLINE_STYLE.search(html), (name, INLINE_STYLE.search(html))
+    assert seen >= 20, seen
+    login = Client().get("/accounts/login/")
+    assert "Content-Security-Policy" in login and not INLINE_SCRIPT.search(login.content.decode())
+
+
+@pytest.mark.django_db
+def test_what_a_user_gets_is_not_stored(superuser_client, site) -> None:
+    """Pages, fragments, JSON and downloads for a logged-in user: no-store (or the view's own
+    no-store); static files keep their cache lifetime; the anonymous login page is never_cache."""
+    for name, url in pages.app_urls(site).items():
+        answer = superuser_client.get(url)
+        if answer.status_code == 405:
+            continue  # POST only: nothing to cache
+        assert "no-store" in answer["Cache-Control"], (name, answer.status_code, answer["Cache-Control"])
+    for url in pages.admin_urls().values():
+        assert "no-store" in superuser_client.get(url)["Cache-Control"], url
+    static = superuser_client.get("/static/dashboard/app.css")
+    assert static.status_code == 200 and "no-store" not in static.get("Cache-Control", "")
+    assert "no-store" in Client().get("/accounts/login/")["Cache-Control"]
+    # Django's own headers through SecurityMiddleware, on every answer.
+    answer = Client().get("/accounts/login/")
+    assert answer["X-Content-Type-Options"] == "nosniff"
+    assert answer["Referrer-Policy"] == "same-origin"
+    assert answer["X-Frame-Options"] == "DENY"
+    assert "Strict-Transport-Security" not in answer  # local (not production) runs
+
+
+PRODUCTION_PROBE = """
+import json, django
+django.setup()
+from django.conf import settings
+from django.test import Client
+plain = Client().get("/accounts/login/")
+tls = Client().get("/accounts/login/", secure=True)
+proxied = Client().get("/accounts/login/", headers={"X-Forwarded-Proto": "https"})
+print(json.dumps({
+    "proxy": settings.SECURE_PROXY_SSL_HEADER, "redirect": settings.SECURE_SSL_REDIRECT,
+    "cookies": [settings.SESSION_COOKIE_SECURE, settings.CSRF_COOKIE_SECURE],
+    "plain": plain.get("Strict-Transport-Security"), "tls": tls.get("Strict-Transport-Security"),
+    "proxied": proxied.get("Strict-Transport-Security"), "status": plain.status_code,
+}))
+"""
+
+
+def run_settings_probe(tmp_path, **env: str) -> subprocess.CompletedProcess[str]:
+    from tests.infra import REPO_ROOT
+
+    drop = {"DASHBOARD_PRODUCTION", "SECRET_KEY", "ALLOWED_HOSTS", "SECURE_PROXY_SSL_HEADER",
+            "SECURE_HSTS_SECONDS", "SECURE_SSL_REDIRECT", "DATABASE_URL", "DATA_DIR"}  # fmt: skip
+    full = {k: v for k, v in os.environ.items() if k not in drop}
+    full.update(DJANGO_SETTINGS_MODULE="dashboard.settings", DATA_DIR=str(tmp_path), **env)
+    return subprocess.run([sys.executable, "-c", PRODUCTION_PROBE], cwd=REPO_ROOT, env=full,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+PRODUCTION = {"DASHBOARD_PRODUCTION": "1", "SECRET_KEY": "k" * 50, "ALLOWED_HOSTS": "testserver"}
+
+
+def test_production_mode_sends_hsts_and_trusts_the_proxy_header_only_when_told(tmp_path) -> None:
+    year = 365 * 24 * 3600
+    bare = run_settings_probe(tmp_path, **PRODUCTION)
+    assert bare.returncode == 0, bare.stderr
+    seen = json.loads(bare.stdout.splitlines()[-1])
+    assert seen["proxy"] is None and seen["redirect"] is False and seen["cookies"] == [True, True]
+    assert seen["status"] == 200  # no redirect to https: the proxy in front does that
+    assert seen["plain"] is None and seen["tls"] == f"max-age={year}"
+    assert seen["proxied"] is None  # X-Forwarded-Proto is not believed without the setting
+
+    behind = run_settings_probe(tmp_path, **PRODUCTION, SECURE_HSTS_SECONDS="600",
+                                SECURE_PROXY_SSL_HEADER="X-Forwarded-Proto,https")  # fmt: skip
+    assert behind.returncode == 0, behind.stderr
+    seen = json.loads(behind.stdout.splitlines()[-1])
+    assert seen["proxy"] == ["HTTP_X_FORWARDED_PROTO", "https"]
+    assert seen["proxied"] == "max-age=600" and seen["plain"] is None
+
+    wrong = run_settings_probe(tmp_path, **PRODUCTION, SECURE_PROXY_SSL_HEADER="X-Forwarded-Proto")
+    assert wrong.returncode != 0 and 'SECURE_PROXY_SSL_HEADER must be "HEADER,value"' in wrong.stderr
+
+
+# --- 2b. the policy in a real browser -------------------------------------------------------
+
+CHROMIUM = "/usr/bin/chromium"
+# Collected in the page from its first script on (an init script is not subject to the policy).
+COLLECT_VIOLATIONS = """
+window.__csp = [];
+document.addEventListener("securitypolicyviolation", (e) => {
+  window.__csp.push(e.violatedDirective + " " + (e.blockedURI || "inline") + " " + e.sourceFile + ":" + e.lineNumber);
+});
+"""
+
+
+def html_pages(base_url: str, cookie: str, urls: dict[str, str]) -> dict[str, str]:
+    """The URLs that answer a full HTML page (not JSON, a fragment download or a 405)."""
+    import httpx
+
+    found = {}
+    with httpx.Client(base_url=base_url, cookies={"sessionid": cookie}, timeout=30) as client:
+        for name, url in urls.items():
+            answer = client.get(url)
+            html = answer.headers["content-type"].startswith("text/html")
+            if answer.status_code == 200 and html and "<html" in answer.text[:200]:
+                found[name] = url
+    return found
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.django_db(transaction=True)
+def test_no_page_reports_a_policy_violation_in_chromium(live_server_daphne, django_user_model) -> None:
+    from playwright import sync_api
+
+    root = django_user_model.objects.create_superuser("csp-root", password="pw-12345678")
+    site = pages.build_site(root)
+    client = Client()
+    client.force_login(root)
+    cookie = client.cookies["sessionid"].value
+    urls = html_pages(live_server_daphne, cookie, {**pages.app_urls(site), **pages.admin_urls()})
+    assert {"overview", "task-list", "task-detail", "agent-detail", "task-new",
+            "admin:index", "admin:tasks_app_taskevent_changelist"} <= set(urls), urls  # fmt: skip
+
+    with sync_api.sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox"])
+        context = chromium.new_context(base_url=live_server_daphne)
+        context.add_cookies([{"name": "sessionid", "value": cookie, "url": live_server_daphne}])
+        context.add_init_script(COLLECT_VIOLATIONS)
+        reported: dict[str, list[str]] = {}
+        page = context.new_page()
+        console: list[str] = []
+        page.on("console", lambda message: console.append(message.text))
+        try:
+            for name, url in urls.items():
+                console.clear()
+                answer = page.goto(url)
+                assert answer is not None and answer.status == 200, (name, url)
+                assert "default-src 'self'" in answer.headers["content-security-policy"]
+                if page.locator("#live-status").count():  # a live page: its socket must open
+                    page.wait_for_selector("#live-status[data-state=open]", timeout=10_000)
+                page.wait_for_timeout(150)
+                found = page.evaluate("window.__csp") + [
+                    text for text in console if "Content Security Policy" in text
+                ]
+                if found:
+                    reported[name] = found
+            # The listener does hear a violation: an inline script added by the page itself.
+            page.evaluate("""() => { const s = document.createElement("script");
+                s.textContent = "window.ran = 1"; document.body.append(s); }""")
+            page.wait_for_timeout(150)
+            assert page.evaluate("window.ran") is None
+            assert any(v.startswith("script-src") for v in page.evaluate("window.__csp"))
+
+            # The login page, as someone not logged in sees it, and logging in through it.
+            anonymous = chromium.new_context(base_url=live_server_daphne)
+            anonymous.add_init_script(COLLECT_VIOLATIONS)
+            login = anonymous.new_page()
+            login.goto("/accounts/login/")
+            login.wait_for_timeout(150)
+            if login.evaluate("window.__csp"):
+                reported["login"] = login.evaluate("window.__csp")
+            login.fill("#id_username", "csp-root")
+            login.fill("#id_password", "pw-12345678")
+            login.click("button[type=submit]")
+            login.wait_for_url(f"{live_server_daphne}/")
+            anonymous.close()
+        finally:
+            chromium.close()
+    assert reported == {}, reported
