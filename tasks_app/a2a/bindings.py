@@ -305,7 +305,10 @@ class JsonRpcBinding(BaseBinding):
 
 def _q(segment: str) -> str:
     # surrogatepass: an agent-chosen id with a lone surrogate must not crash us.
-    return quote(str(segment), safe="", errors="surrogatepass")
+    quoted = quote(str(segment), safe="", errors="surrogatepass")
+    # An id "." or ".." would be a dot segment, removed by URL normalisation (httpx does it):
+    # /tasks/.. would reach another path than the task's.
+    return quoted.replace(".", "%2E") if quoted in (".", "..") else quoted
 
 
 def _query_value(value: Any) -> str:

@@ -198,8 +198,12 @@ def _redirect_target(resp: httpx.Response, hop: str, where: str) -> str | None:
     location = resp.headers.get("location", "").strip()
     if not location:
         raise ProtocolError(f"HTTP {resp.status_code} redirect without a Location", where=where)
-    target = urljoin(hop, location)
-    problem = http_url_problem(target)
+    try:
+        target = urljoin(hop, location)
+        # urljoin removes dot segments itself: the Location is judged as the server wrote it.
+        problem = path_problem(urlsplit(location).path) or http_url_problem(target)
+    except ValueError:
+        raise ProtocolError("redirect to a URL that cannot be read", where=where) from None
     if problem:
         raise ProtocolError(f"redirect not followed: {problem}", where=where)
     if urlsplit(hop).scheme.lower() == "https" and urlsplit(target).scheme.lower() == "http":

@@ -177,7 +177,8 @@ class Policy:
         ip = _ip(address)
         named = bool(host) and literal_ip(host) is None
         subject = f"{host} resolves to {ip}, which" if named else str(ip)
-        candidates = [c for c in (ip, _embedded_v4(ip)) if c is not None]
+        # An address that reaches an IPv4 one (::ffff:10.0.0.1) is judged by what it reaches first.
+        candidates = [c for c in (_embedded_v4(ip), ip) if c is not None]
         for candidate in candidates:
             never = never_reason(candidate)
             if never:
