@@ -346,3 +346,7 @@ PUSH_JWT_MAX_LIFETIME_SECONDS = float(os.environ.get("PUSH_JWT_MAX_LIFETIME_SECO
 PUSH_JWKS_CACHE_SECONDS = float(os.environ.get("PUSH_JWKS_CACHE_SECONDS", "300"))
 # A delivery seen within this long (same config, same body) is a repeat: it appends nothing.
 PUSH_DEDUPE_SECONDS = int(os.environ.get("PUSH_DEDUPE_SECONDS", str(24 * 3600)))
+# The GetTask after notifications waits until the task's notifications pause this long
+# (a GetTask made at once is often ahead of notifications still in flight), at most the max.
+PUSH_REFRESH_DELAY_SECONDS = float(os.environ.get("PUSH_REFRESH_DELAY_SECONDS", "1"))
+PUSH_REFRESH_MAX_WAIT_SECONDS = float(os.environ.get("PUSH_REFRESH_MAX_WAIT_SECONDS", "10"))

@@ -92,6 +92,8 @@ def test_a_long_task_is_followed_to_completion_by_push_alone(agent, web, start_c
     assert agent_rows and {c for c, _ in agent_rows} == {"push"}, log
     assert not [c for c, _ in log if c in ("stream", "resubscribe")]
     assert "polling" not in seen_status and "streaming" not in seen_status
+    # The GetTask after notifications waits for a pause: not one per notification.
+    assert len([1 for c, k in log if (c, k) == ("poll", "task")]) <= 2, log
     assert "awaiting-push" in seen_status
     assert sum(1 for _, k in agent_rows if k == "artifactUpdate") == 6
     assert task.state == "TASK_STATE_COMPLETED"

@@ -577,15 +577,18 @@ async def _drain(max_seconds: float) -> int:
             return total
         total += len(items)
         touched = await eventloop.db(record_batch, items)
-        await _refresh_all(touched)
+        _want_refresh(touched)
     # Out of time: the next drain goes on.
     r.delete(DRAIN_KEY)
     schedule_if_waiting()
     return total
 
 
-def record_batch(items: list[bytes]) -> set[int]:
-    """Record queued notifications, each task's in one ``record_many`` call; returns the tasks."""
+def record_batch(items: list[bytes]) -> dict[int, str]:
+    """Record queued notifications, each task's in one ``record_many`` call.
+
+    Returns the tasks recorded, with the state each is in now.
+    """
     by_task: dict[int, list[tuple[int, Any]]] = {}
     for item in items:
         try:
@@ -597,36 +600,74 @@ def record_batch(items: list[bytes]) -> set[int]:
     live = set(PushConfig.objects.filter(pk__in=configs, deleted_at__isnull=True).values_list("pk", flat=True))
     now = timezone.now()
     counts: dict[int, int] = {}
-    touched: set[int] = set()
+    touched: dict[int, str] = {}
     for task_pk, entries in by_task.items():
         objs = [obj for pk, obj in entries if pk in live]
         if not objs:
             continue
         try:
-            record_many(task_pk, objs, "push")
+            result = record_many(task_pk, objs, "push")
         except RecordError as exc:
             log.warning("push notifications for task %s not recorded: %s", task_pk, exc)
             continue
-        touched.add(task_pk)
+        touched[task_pk] = result.state
         for pk, _ in entries:
             if pk in live:
                 counts[pk] = counts.get(pk, 0) + 1
     for pk, count in counts.items():
         PushConfig.objects.filter(pk=pk).update(last_received_at=now, received=F("received") + count)
-    heard(touched)
+    heard(set(touched))
     return touched
 
 
 _http: httpx.AsyncClient | None = None
+# Per task (on the worker's loop): when notifications were first and last heard since the
+# last GetTask, whether one said the task ended, and the coroutine that will refresh it.
+_heard: dict[int, list[float]] = {}
+_ended: set[int] = set()
+_refreshers: dict[int, asyncio.Task[None]] = {}
 
 
-async def _refresh_all(task_pks: set[int]) -> None:
+def _want_refresh(states: dict[int, str]) -> None:
+    """Ask for a GetTask of each task, once its notifications pause (debounced).
+
+    A GetTask made at once after each notification is often *ahead* of the
+    notifications still in flight (the agent's next chunk is in its task before its
+    push arrives): the late chunk then lands on a snapshot that already holds it.
+    So the refresh waits until the task has been quiet for PUSH_REFRESH_DELAY_SECONDS
+    (at most PUSH_REFRESH_MAX_WAIT_SECONDS after the first unrefreshed notification);
+    a task that ended is refreshed, and settled, at once.
+    """
+    loop = asyncio.get_running_loop()
+    now = loop.time()
+    for task_pk, state in states.items():
+        heard_at = _heard.setdefault(task_pk, [now, now])
+        heard_at[1] = now
+        if state in TERMINAL_STATES:
+            _ended.add(task_pk)
+        running = _refreshers.get(task_pk)
+        if running is None or running.done():
+            _refreshers[task_pk] = loop.create_task(_refresher(task_pk))
+
+
+async def _refresher(task_pk: int) -> None:
     global _http
-    if not task_pks:
-        return
+    loop = asyncio.get_running_loop()
+    while True:
+        first, last = _heard.get(task_pk, (loop.time(), loop.time()))
+        due = min(last + settings.PUSH_REFRESH_DELAY_SECONDS, first + settings.PUSH_REFRESH_MAX_WAIT_SECONDS)
+        wait = 0.0 if task_pk in _ended else due - loop.time()
+        if wait <= 0:
+            break
+        await asyncio.sleep(wait)
+    _heard.pop(task_pk, None)
+    _ended.discard(task_pk)
     if _http is None:
         _http = outbound.new_http_client()
-    await asyncio.gather(*(refresh_after_push(_http, pk) for pk in sorted(task_pks)))
+    try:
+        await refresh_after_push(_http, task_pk)
+    except Exception:  # one task's refresh must not stop the others
+        log.exception("GetTask after push notifications for task %s failed", task_pk)
 
 
 async def refresh_after_push(http: httpx.AsyncClient, task_pk: int) -> None:
