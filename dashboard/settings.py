@@ -18,6 +18,7 @@ Environment variables:
     DASHBOARD_PRODUCTION  "1" to require real SECRET_KEY and ALLOWED_HOSTS; secure cookies and HSTS
     SECURE_HSTS_SECONDS  HSTS max-age in production (default one year)
     SECURE_PROXY_SSL_HEADER  "HEADER,value" a TLS proxy sets, e.g. "X-Forwarded-Proto,https"
+    LOGIN_FAILURE_LIMIT / LOGIN_COOLOFF_MINUTES  login throttling per username and address (10 / 15)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import base64
 import hashlib
 import os
 import secrets
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -89,6 +91,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "channels",
     "tasks_app",
+    "axes",  # login throttling (see AXES_* below)
 ]
 
 MIDDLEWARE = [
@@ -104,6 +107,8 @@ MIDDLEWARE = [
     "tasks_app.middleware.NoStoreForUsersMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last: turns a locked-out login into the login page with a sentence (AXES_LOCKOUT_CALLABLE).
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "dashboard.urls"
@@ -184,6 +189,22 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
 ]
+# django-axes first: it refuses a locked-out username+address before the password is checked.
+# It needs the request, which Django's login views (site and admin) pass to authenticate().
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+# LOGIN_FAILURE_LIMIT failed logins for one username from one address lock that pair out for
+# LOGIN_COOLOFF_MINUTES; a good login before that resets the count. The address is REMOTE_ADDR:
+# behind a proxy run daphne with --proxy-headers so that it is the client's.
+AXES_FAILURE_LIMIT = int(os.environ.get("LOGIN_FAILURE_LIMIT", "10"))
+AXES_COOLOFF_TIME = timedelta(minutes=float(os.environ.get("LOGIN_COOLOFF_MINUTES", "15")))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_CALLABLE = "tasks_app.login_throttle.locked_out"
+AXES_VERBOSE = False  # no "AXES: BEGIN" line from every process; lockouts still log warnings
+AXES_ENABLE_ACCESS_FAILURE_LOG = True  # each failed login (name, address, time) for the admin
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "/accounts/login/"

@@ -31,6 +31,8 @@ from tasks_app.models import (
 from tasks_app.services.record import record
 from tests.people import member
 
+SITE_LOGIN_PASSWORD = "site-login-password-1"
+
 
 @dataclass
 class Site:
@@ -77,12 +79,25 @@ def build_site(user: Any, agent: Agent | None = None, *, text: str = "a *markdow
     OperatorAction.objects.create(task=task, agent=agent, actor=user, action="site-probe")
     Group.objects.get_or_create(name="site group")
     member(user)  # a project and a membership
+    _log_in_through_the_form()
     job = ImportJob.objects.create(agent=agent, actor=user, status=ImportJob.Status.DONE, pages=1)
     push = PushConfig.objects.create(task=task, config_id="site-push-config")
     message = ConversationMessage.objects.filter(task=task).order_by("seq").first()
     assert message is not None, "the recorded history made no conversation message"
     return Site(agent=agent, task=task, artifact=Artifact.objects.get(task=task),
                 message=message, import_job=job, push_config=push)  # fmt: skip
+
+
+def _log_in_through_the_form() -> None:
+    """A failed and a good login through the real form: the login records (django-axes)."""
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    get_user_model().objects.create_user("site-login", password=SITE_LOGIN_PASSWORD)
+    failed = Client().post("/accounts/login/", {"username": "site-stranger", "password": "wrong-password"})
+    assert failed.status_code == 200
+    good = Client().post("/accounts/login/", {"username": "site-login", "password": SITE_LOGIN_PASSWORD})
+    assert good.status_code == 302
 
 
 def _patterns(

@@ -442,3 +442,67 @@ def test_watcher_parks_once_on_undecryptable_credentials(settings, agent, start_
     assert task.watcher_status == "parked"
     log_text = worker.log_tail(400)
     assert "Traceback" not in log_text and "planted-secret-4" not in log_text
+
+
+# --- 5. login throttling (django-axes) ------------------------------------------------------
+
+LOGIN = "/accounts/login/"
+
+
+def try_login(address: str, username: str, password: str, path: str = LOGIN):
+    """One login through the real form view, from ``address`` (REMOTE_ADDR; no network)."""
+    client = Client(REMOTE_ADDR=address)
+    answer = client.post(path, {"username": username, "password": password})
+    return answer, client
+
+
+@pytest.mark.django_db
+def test_a_username_and_address_are_locked_out_after_the_limit(settings, django_user_model):
+    from datetime import timedelta
+
+    from axes.models import AccessAttempt
+    from django.utils import timezone
+
+    django_user_model.objects.create_user("alice", password="alice-password-1", is_staff=True)
+    django_user_model.objects.create_user("bob", password="bob-password-1")
+    limit = settings.AXES_FAILURE_LIMIT
+    assert limit == 10  # the default setting
+    for attempt in range(1, limit + 1):
+        answer, _ = try_login("127.0.0.2", "alice", f"wrong-{attempt}")
+        if attempt < limit:
+            assert answer.status_code == 200 and "Please enter a correct username" in answer.content.decode()
+    # The last failure already answers with the lockout page, in the site's style.
+    body = answer.content.decode()
+    assert answer.status_code == 429
+    assert "Too many failed logins for this username from your address; try again in 15 minutes." in body
+    assert 'id="lockout"' in body and 'value="alice"' in body and "no-store" in answer["Cache-Control"]
+
+    # The right password is refused too, here and in the admin's login; the session stays anonymous.
+    for path in (LOGIN, "/admin/login/"):
+        answer, client = try_login("127.0.0.2", "alice", "alice-password-1", path)
+        assert answer.status_code == 429, path
+        assert "Too many failed logins" in answer.content.decode()
+        assert "_auth_user_id" not in client.session
+
+    # Another user from that address, and the same user from another address, are unaffected.
+    answer, client = try_login("127.0.0.2", "bob", "bob-password-1")
+    assert answer.status_code == 302 and client.session["_auth_user_id"]
+    answer, client = try_login("127.0.0.3", "alice", "alice-password-1")
+    assert answer.status_code == 302 and client.session["_auth_user_id"]
+
+    # After the cool-off the pair may log in again (the attempts aged as time would age them).
+    AccessAttempt.objects.update(attempt_time=timezone.now() - timedelta(minutes=16))
+    answer, client = try_login("127.0.0.2", "alice", "alice-password-1")
+    assert answer.status_code == 302 and client.session["_auth_user_id"]
+
+
+@pytest.mark.django_db
+def test_a_good_login_resets_the_count(django_user_model, settings):
+    django_user_model.objects.create_user("carol", password="carol-password-1")
+    for _round in range(2):
+        for attempt in range(settings.AXES_FAILURE_LIMIT - 1):
+            answer, _ = try_login("127.0.0.4", "carol", f"typo-{attempt}")
+            assert answer.status_code == 200
+        answer, _ = try_login("127.0.0.4", "carol", "carol-password-1")
+        assert answer.status_code == 302
+
