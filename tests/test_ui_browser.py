@@ -56,6 +56,14 @@ class Stack:
     def state(self, task_pk: int) -> str:
         return self.query("SELECT state FROM tasks_app_remotetask WHERE id=?", task_pk)[0][0]
 
+    def settled_seqs(self, task_pk: int, timeout: float = 20) -> list[int]:
+        """The log once the task is settled: nothing is appended after that."""
+        deadline = time.monotonic() + timeout
+        while not self.query("SELECT settled_at FROM tasks_app_remotetask WHERE id=?", task_pk)[0][0]:
+            assert time.monotonic() < deadline, "the task was never settled"
+            time.sleep(0.1)
+        return self.seqs(task_pk)
+
 
 def _env(tmp: Path, redis_url: str) -> dict[str, str]:
     env = dict(os.environ)
@@ -239,7 +247,7 @@ def test_slow_task_grows_live_and_resumes_after_a_dropped_socket(page, stack, de
     assert len(set(lengths)) >= 4, lengths  # seen growing several times, live
     wait_state(page, "completed")
     # The page holds exactly the log: every seq once, in order.
-    db_seqs = stack.seqs(pk)
+    db_seqs = stack.settled_seqs(pk)
     page.wait_for_function(f"window.__taskPage.lastSeq >= {db_seqs[-1]}")
     page.wait_for_timeout(300)
     state = page.evaluate("({seqs: window.__taskPage.seqs, dup: window.__taskPage.duplicates, gaps: window.__taskPage.gaps})")
