@@ -165,3 +165,37 @@ def test_a_later_card_cannot_move_a_saved_api_key(django_user_model) -> None:
     moved_card = {"securitySchemes": {"k": {"apiKeySecurityScheme": {"location": "query", "name": "leak"}}}}
     plan = auth_plan(moved_card, credentials_for(agent))
     assert plan.headers.get("X-Team-Key") == "k-123" and plan.query == {}
+
+
+@pytest.mark.timeout(120)
+def test_a_watcher_parks_until_the_origin_is_approved(agent, start_celery_worker, django_user_model) -> None:
+    """Credentials withheld park the task once (no retry loop); approving watches it again."""
+    from tasks_app.crypto import encrypt_json
+    from tasks_app.models import RemoteTask, TaskEvent
+    from tasks_app.services import tasks as task_services
+    from tests.test_mirror import wait_for
+
+    admin = member(django_user_model.objects.create_user("admin-w", password="pw-12345678"), Membership.Role.AGENT_ADMIN)
+    row = Agent.objects.create(
+        name="moved", base_url=agent.base_url, interface_url=agent.base_url, binding="JSONRPC",
+        credentials_encrypted=encrypt_json({"token": "planted-secret-5"}),
+        credential_origins=["http://127.0.0.1:1"], pending_origin=origin_of(agent.base_url),
+    )  # fmt: skip
+    task = RemoteTask.objects.create(agent=row, title="t", phase="task", remote_id="r-moved",
+                                     state="TASK_STATE_WORKING", watch="poll")  # fmt: skip
+    worker = start_celery_worker()
+    task_services.dispatch(task.pk)
+
+    def status() -> str:
+        task.refresh_from_db()
+        return task.watcher_status
+
+    wait_for(lambda: status() == "parked", timeout=60, what="the task to be parked")
+    assert "approve the new origin" in task.watcher_note
+    parked = [e for e in TaskEvent.objects.filter(task=task, kind="system").values_list("raw", flat=True) if "parked" in str(e)]
+    assert len(parked) == 1
+
+    assert agent_services.approve_origin(row, origin_of(agent.base_url), actor_id=admin.pk)
+    wait_for(lambda: status() != "parked", timeout=60, what="the task to be watched again")
+    assert OperatorAction.objects.filter(task=task, action="watch", actor=admin).exists()
+    assert "planted-secret-5" not in worker.log_tail(400)

@@ -248,7 +248,7 @@ def approve_origin(agent: Agent, origin: str, *, actor_id: int | None = None) ->
     from tasks_app.services import tasks as task_services
 
     parked = RemoteTask.objects.filter(
-        agent=agent, watcher_status=RemoteTask.WatcherStatus.PARKED, watcher_note__startswith=outbound.APPROVAL_NOTE
+        agent=agent, watcher_status=RemoteTask.WatcherStatus.PARKED, watcher_note__contains=outbound.APPROVAL_NOTE
     )
     for task in parked:
         task_services.watch_again(task, actor_id=actor_id)
