@@ -186,5 +186,6 @@ def navigation(request: HttpRequest) -> dict[str, Any]:
         "nav_can": {
             "start": projects_with(user, Perm.OPERATE) != [],
             "add_agent": projects_with(user, Perm.MANAGE_AGENTS) != [],
+            "audit": projects_with(user, Perm.AUDIT) != [],
         }
     }

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from . import views, webhooks
+from . import views, views_audit, webhooks
 
 urlpatterns = [
     path("", views.overview, name="overview"),
@@ -29,6 +29,9 @@ urlpatterns = [
     path("tasks/<int:pk>/watch/", views.task_watch_again, name="task-watch-again"),
     path("tasks/<int:pk>/answer/", views.task_answer, name="task-answer"),
     path("tasks/<int:pk>/events/", views.task_events, name="task-events"),
+    path("tasks/<int:pk>/export/", views_audit.task_export, name="task-export"),
+    path("audit/", views_audit.audit_log, name="audit"),
+    path("audit/actions.csv", views_audit.audit_csv, name="audit-csv"),
     path("tasks/<int:pk>/push/", webhooks.push_configs, name="task-push-configs"),
     path(
         "tasks/<int:pk>/push/<str:config_id>/delete/",

@@ -1,0 +1,259 @@
+"""Exports, streamed in constant memory: a task's history (JSON, JSON Lines) and the action log (CSV).
+
+Every producer here is a generator of ``bytes`` that reads the database in keyset
+batches (by ``seq`` for a task's log, by ``(created_at, id)`` for the action log), so
+memory stays the size of one batch whatever the size of the log; the views hand them
+to ``StreamingHttpResponse`` (through :func:`as_async` under ASGI, where Django would
+otherwise read a sync iterator whole first), the commands write them to a file or
+stdout. The format is documented in docs/exports.md; each event carries its row hash,
+so an export can be verified offline (the chain is described in
+``tasks_app.services.chain``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import os
+import tempfile
+from collections.abc import AsyncIterator, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.db.models import QuerySet
+from django.utils import timezone
+
+from tasks_app.actionlog import after_cursor, sanitize
+from tasks_app.models import OperatorAction, RemoteTask, TaskEvent
+from tasks_app.services.chain import timestamp_text
+
+FORMAT = "a2a-dashboard/task-history"
+VERSION = 1
+# Rows per database read. A row's raw JSON is bounded by WATCH_MAX_EVENT_BYTES, and big
+# part contents are stored by reference, so a batch stays small.
+EVENT_BATCH = 200
+ACTION_BATCH = 500
+EVENT_FIELDS = (
+    "seq",
+    "received_at",
+    "channel",
+    "kind",
+    "state_after",
+    "note",
+    "actor_id",
+    "actor__username",
+    "raw",
+    "hash",
+)
+CSV_COLUMNS = ("id", "created_at", "person", "action", "project", "agent_id", "agent", "task_id", "task",
+               "outcome", "details")  # fmt: skip
+
+_ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
+
+
+def _iso(moment: Any) -> str | None:
+    return timestamp_text(moment) if moment else None
+
+
+def task_header(task: RemoteTask) -> dict[str, Any]:
+    """What the export says about the task itself (its events follow)."""
+    agent = task.agent
+    return {
+        "id": task.pk,
+        "remote_id": task.remote_id,
+        "context_id": task.context_id,
+        "title": task.title,
+        "agent": {"id": agent.pk, "name": agent.name, "base_url": agent.base_url},
+        "project": agent.project.name if agent.project_id else None,
+        "phase": task.phase,
+        "mode": task.mode,
+        "state": task.state,
+        "started_by": task.started_by.get_username()
+        if task.started_by_id and task.started_by
+        else None,
+        "created_at": _iso(task.created_at),
+        "updated_at": _iso(task.updated_at),
+        "settled_at": _iso(task.settled_at),
+        "last_seq": task.last_seq,
+        "last_hash": task.last_hash,
+    }
+
+
+def event_record(row: dict[str, Any]) -> dict[str, Any]:
+    """One exported event from a ``.values(*EVENT_FIELDS)`` row."""
+    return {
+        "seq": row["seq"],
+        "received_at": timestamp_text(row["received_at"]),
+        "channel": row["channel"],
+        "kind": row["kind"],
+        "state_after": row["state_after"],
+        "note": row["note"],
+        "actor": row["actor__username"],
+        "actor_id": row["actor_id"],
+        "raw": row["raw"],
+        "hash": row["hash"],
+    }
+
+
+def event_rows(task_pk: int, batch: int = EVENT_BATCH) -> Iterator[dict[str, Any]]:
+    """The task's log in seq order, one keyset batch at a time (never the whole log)."""
+    after = 0
+    while True:
+        rows = list(
+            TaskEvent.objects.filter(task_id=task_pk, seq__gt=after)
+            .order_by("seq")
+            .values(*EVENT_FIELDS)[:batch]
+        )
+        for row in rows:
+            yield event_record(row)
+        if len(rows) < batch:
+            return
+        after = rows[-1]["seq"]
+
+
+def _header(task: RemoteTask) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "exported_at": _iso(timezone.now()),
+        "task": task_header(task),
+    }
+
+
+def jsonl_chunks(task: RemoteTask, batch: int = EVENT_BATCH) -> Iterator[bytes]:
+    """JSON Lines: a first line describing the task, then one line per event, in seq order."""
+    yield (_ENCODER.encode(_header(task)) + "\n").encode("ascii")
+    lines: list[str] = []
+    for event in event_rows(task.pk, batch):
+        lines.append(_ENCODER.encode(event))
+        if len(lines) >= batch:
+            yield ("\n".join(lines) + "\n").encode("ascii")
+            lines.clear()
+    if lines:
+        yield ("\n".join(lines) + "\n").encode("ascii")
+
+
+def json_chunks(task: RemoteTask, batch: int = EVENT_BATCH) -> Iterator[bytes]:
+    """One JSON document, written as it is read: the header's keys, ``events``, then a count."""
+    head = _ENCODER.encode(_header(task))
+    yield (head[:-1] + ',"events":[\n').encode("ascii")
+    count, last_hash = 0, ""
+    lines: list[str] = []
+    for event in event_rows(task.pk, batch):
+        lines.append(("," if count else "") + _ENCODER.encode(event))
+        count += 1
+        last_hash = event["hash"]
+        if len(lines) >= batch:
+            yield ("\n".join(lines) + "\n").encode("ascii")
+            lines.clear()
+    if lines:
+        yield ("\n".join(lines) + "\n").encode("ascii")
+    yield (f'],"event_count":{count},"events_last_hash":{_ENCODER.encode(last_hash)}}}\n').encode(
+        "ascii"
+    )
+
+
+def task_chunks(task: RemoteTask, fmt: str) -> Iterator[bytes]:
+    return json_chunks(task) if fmt == "json" else jsonl_chunks(task)
+
+
+# The action log as CSV -----------------------------------------------------------------------
+
+
+def _cell(value: Any) -> str:
+    """A CSV cell that a spreadsheet will not run as a formula (agent names come from outside)."""
+    text = "" if value is None else str(value)
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
+
+
+def action_rows(
+    qs: QuerySet[OperatorAction], batch: int = ACTION_BATCH
+) -> Iterator[OperatorAction]:
+    """Rows newest first, a keyset batch at a time on (created_at, id)."""
+    cursor = None
+    base = qs.select_related("actor", "agent__project", "task").only(
+        "id", "created_at", "action", "payload", "outcome", "task_id", "agent_id", "actor_id",
+        "actor__username", "agent__name", "agent__project__name", "task__title", "task__remote_id",
+    )  # fmt: skip
+    while True:
+        rows = list(after_cursor(base, cursor)[:batch])
+        yield from rows
+        if len(rows) < batch:
+            return
+        cursor = (rows[-1].created_at, rows[-1].pk)
+
+
+def action_csv_row(row: OperatorAction) -> list[str]:
+    task = row.task if row.task_id else None
+    return [
+        _cell(v)
+        for v in (
+            row.pk,
+            timestamp_text(row.created_at),
+            row.actor.get_username() if row.actor_id and row.actor else "",
+            row.action,
+            row.agent.project.name if row.agent_id and row.agent else "",
+            row.agent_id or "",
+            row.agent.name if row.agent_id and row.agent else "",
+            row.task_id or "",
+            (task.title or task.remote_id) if task else "",
+            row.outcome,
+            json.dumps(
+                sanitize(row.payload if isinstance(row.payload, dict) else {"value": row.payload}),
+                ensure_ascii=False,
+                sort_keys=True,
+            ),
+        )
+    ]
+
+
+def csv_chunks(qs: QuerySet[OperatorAction], batch: int = ACTION_BATCH) -> Iterator[bytes]:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(CSV_COLUMNS)
+    for written, row in enumerate(action_rows(qs, batch), start=1):
+        writer.writerow(action_csv_row(row))
+        if written % batch == 0:
+            yield buffer.getvalue().encode("utf-8")
+            buffer.seek(0)
+            buffer.truncate()
+    yield buffer.getvalue().encode("utf-8")
+
+
+# Delivery ----------------------------------------------------------------------------------
+
+
+async def as_async(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """The chunks for an ASGI server, one database batch per thread hop (never read whole)."""
+    step = sync_to_async(lambda: next(chunks, None), thread_sensitive=True)
+    while (chunk := await step()) is not None:
+        yield chunk
+
+
+def write_atomically(path: Path, chunks: Iterable[bytes], mode: int = 0o600) -> int:
+    """Write ``chunks`` to ``path`` through a temporary file in the same folder, then rename.
+
+    A reader (or a crash) never sees half a file: it is either the old file or the whole
+    new one. The file is made with ``mode`` from the start (exports hold agent content).
+    Returns the bytes written.
+    """
+    path = Path(path)
+    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    written = 0
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as out:
+            for chunk in chunks:
+                out.write(chunk)
+                written += len(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
+    return written

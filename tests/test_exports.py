@@ -1,0 +1,179 @@
+"""Task history exports: every event of a 10,000-event task, verifiable offline; who may export.
+
+The offline check here is written from docs/exports.md with the standard library only
+(it does not import ``tasks_app.services.chain``), so it proves the format is enough.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import stat
+from datetime import UTC, datetime
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.test import AsyncClient, Client
+from django.urls import reverse
+
+from tasks_app.models import Agent, Membership, Project, RemoteTask
+from tasks_app.services import audit
+from tasks_app.services.record import record
+from tests.bulklog import bulk_log
+from tests.people import member
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def canonical(value) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def verify_offline(events: list[dict]) -> str:
+    """Recompute the chain as docs/exports.md says; returns the last hash (asserts on the way)."""
+    previous = ""
+    for expected_seq, event in enumerate(events, start=1):
+        assert event["seq"] == expected_seq
+        moment = datetime.fromisoformat(event["received_at"].replace("Z", "+00:00"))
+        assert moment.tzinfo is not None
+        form = {
+            "actor": event["actor_id"], "channel": event["channel"], "kind": event["kind"],
+            "note": event["note"], "raw_sha256": hashlib.sha256(canonical(event["raw"])).hexdigest(),
+            "received_at": moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+            "seq": event["seq"], "state": event["state_after"],
+        }  # fmt: skip
+        previous = hashlib.sha256(previous.encode("ascii") + canonical(form)).hexdigest()
+        assert previous == event["hash"], f"row {event['seq']} does not verify"
+    return previous
+
+
+@pytest.fixture
+def world(django_user_model) -> dict:
+    alpha = Project.objects.create(name="alpha")
+    Project.objects.create(name="beta")
+    agent = Agent.objects.create(project=alpha, name="alpha agent", base_url="http://127.0.0.1:9/alpha")
+    task = RemoteTask.objects.create(
+        agent=agent, remote_id="t-big", context_id="c-1", title="big", phase="task", state="TASK_STATE_WORKING"
+    )
+    people = {}
+    for name, role, project in (
+        ("auditor", Membership.Role.AUDITOR, "alpha"), ("viewer", Membership.Role.VIEWER, "alpha"),
+        ("operator", Membership.Role.OPERATOR, "alpha"), ("outsider", Membership.Role.AUDITOR, "beta"),
+    ):  # fmt: skip
+        user = member(django_user_model.objects.create_user(name, password="pw-12345678"), role, project)
+        people[name] = Client()
+        people[name].force_login(user)
+    return {"task": task, "agent": agent, "people": people, "auditor": people["auditor"]}
+
+
+def _body(response) -> bytes:
+    assert response.streaming, "exports are streamed"
+    return b"".join(response.streaming_content)
+
+
+def test_a_10000_event_task_exports_every_event_as_json_and_jsonl(world) -> None:
+    task = world["task"]
+    last = bulk_log(task, 10_000)
+    assert audit.verify(task.pk).ok  # the rows chain as record() chains them
+    url = reverse("task-export", args=[task.pk])
+
+    response = world["auditor"].get(url, {"format": "json"})
+    assert response.status_code == 200
+    assert response["Content-Type"].startswith("application/json")
+    assert "attachment" in response["Content-Disposition"]
+    document = json.loads(_body(response))
+    assert document["format"] == "a2a-dashboard/task-history" and document["version"] == 1
+    assert document["task"]["remote_id"] == "t-big" and document["task"]["last_seq"] == 10_000
+    assert document["event_count"] == 10_000 and len(document["events"]) == 10_000
+    assert [e["seq"] for e in document["events"]] == list(range(1, 10_001))
+    assert verify_offline(document["events"]) == last == document["events_last_hash"]
+    first = document["events"][0]
+    assert set(first) == {"seq", "received_at", "channel", "kind", "state_after", "note", "actor", "actor_id", "raw", "hash"}
+    assert first["raw"]["statusUpdate"]["metadata"]["p"] == 1 / 7
+
+    response = world["auditor"].get(url, {"format": "jsonl"})
+    assert response.status_code == 200 and response["Content-Type"].startswith("application/x-ndjson")
+    lines = _body(response).decode("ascii").splitlines()
+    assert len(lines) == 10_001  # the task, then one event per line
+    header = json.loads(lines[0])
+    assert header["task"]["id"] == task.pk and "seq" not in header
+    events = [json.loads(line) for line in lines[1:]]
+    assert events == document["events"]
+
+
+def test_events_recorded_by_the_service_export_with_their_actor_and_verify(world, django_user_model) -> None:
+    task = world["task"]
+    operator = django_user_model.objects.get(username="operator")
+    record(task, {"task": {"id": "t-big", "contextId": "c-1", "status": {"state": "TASK_STATE_WORKING"}}}, "poll")
+    record(task, {"operator": {"action": "refresh", "by": "operator"}}, "operator", actor_id=operator.pk)
+    record(task, {"statusUpdate": {"taskId": "t-big", "contextId": "c-1",
+                                   "status": {"state": "TASK_STATE_COMPLETED"}}}, "stream")  # fmt: skip
+    lines = _body(world["auditor"].get(reverse("task-export", args=[task.pk]), {"format": "jsonl"})).splitlines()
+    events = [json.loads(line) for line in lines[1:]]
+    assert len(events) == RemoteTask.objects.get(pk=task.pk).last_seq >= 2
+    assert any(e["actor"] == "operator" and e["actor_id"] == operator.pk for e in events)
+    assert events[-1]["state_after"] == "TASK_STATE_COMPLETED"
+    verify_offline(events)
+
+
+async def test_under_asgi_the_export_streams_from_an_async_iterator(world) -> None:
+    from asgiref.sync import sync_to_async
+
+    task = world["task"]
+    await sync_to_async(bulk_log)(task, 1200)
+    client = AsyncClient()
+    user = await sync_to_async(lambda: __import__("django.contrib.auth", fromlist=["get_user_model"])
+                               .get_user_model().objects.get(username="auditor"))()  # fmt: skip
+    await client.aforce_login(user)
+    response = await client.get(reverse("task-export", args=[task.pk]), {"format": "jsonl"})
+    assert response.status_code == 200 and response.is_async
+    chunks = [chunk async for chunk in response.streaming_content]
+    assert len(chunks) > 2  # read a batch at a time, not as one piece
+    lines = b"".join(chunks).splitlines()
+    assert len(lines) == 1201
+    verify_offline([json.loads(line) for line in lines[1:]])
+
+
+def test_who_may_export(world) -> None:
+    task = world["task"]
+    bulk_log(task, 3)
+    url = reverse("task-export", args=[task.pk])
+    assert world["people"]["auditor"].get(url).status_code == 200
+    for person in ("viewer", "operator"):  # may read the task, may not audit: 403 (and a refusal row)
+        assert world["people"][person].get(url).status_code == 403
+    assert task.actions.filter(action="forbidden").count() == 2
+    assert world["people"]["outsider"].get(url).status_code == 404  # an auditor of another project
+    assert world["people"]["auditor"].get(reverse("task-export", args=[task.pk + 1000])).status_code == 404
+    assert Client().get(url).status_code == 302  # to the login page
+    bad = world["people"]["auditor"].get(url, {"format": "xml"})
+    assert bad.status_code == 400 and b"json or jsonl" in bad.content
+
+
+def test_the_events_page_links_to_the_exports_for_auditors(world) -> None:
+    task = world["task"]
+    bulk_log(task, 3)
+    page = world["people"]["auditor"].get(reverse("task-events", args=[task.pk])).content.decode()
+    assert f"/tasks/{task.pk}/export/?format=jsonl" in page and f"/tasks/{task.pk}/export/?format=json" in page
+    page = world["people"]["viewer"].get(reverse("task-events", args=[task.pk])).content.decode()
+    assert 'id="export-links"' not in page
+
+
+def test_the_command_exports_to_stdout_and_to_a_private_file(world, tmp_path) -> None:
+    task = world["task"]
+    last = bulk_log(task, 2500)
+    out = io.StringIO()
+    call_command("audit", "export", str(task.pk), "--format", "jsonl", stdout=out)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2501 and verify_offline([json.loads(line) for line in lines[1:]]) == last
+
+    target = tmp_path / "history.json"
+    call_command("audit", "export", "t-big", "--format", "json", "--output", str(target), stderr=io.StringIO())
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o600
+    document = json.loads(target.read_text())
+    assert document["event_count"] == 2500 and verify_offline(document["events"]) == last
+    assert not [p for p in tmp_path.iterdir() if p.name != "history.json"]  # no temporary file left
+
+    with pytest.raises(CommandError, match="no task"):
+        call_command("audit", "export", "no-such-task", stdout=io.StringIO())
