@@ -185,6 +185,9 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("CELERY_QUEUE", "dashboard")
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
+# beat's schedule in the private data folder (not the working directory), owner-only
+# (dashboard.celery.PrivateScheduler); `--schedule` overrides it.
+CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},

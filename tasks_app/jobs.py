@@ -25,3 +25,18 @@ def drain_push() -> int:
     from tasks_app.services import push
 
     return push.drain()
+
+
+@shared_task(name="tasks_app.jobs.prune_settled", ignore_result=True)
+def prune_settled() -> str:
+    """Retention on the beat schedule: settled tasks older than RETENTION_DAYS (``tasks_app.retention``)."""
+    from pathlib import Path
+
+    from django.conf import settings
+
+    from tasks_app import retention
+
+    if not settings.RETENTION_DAYS:
+        return "retention is off"
+    export_to = Path(settings.RETENTION_EXPORT_DIR) if settings.RETENTION_EXPORT_DIR else None
+    return str(retention.prune(settings.RETENTION_DAYS, export_to=export_to))

@@ -506,3 +506,91 @@ def test_a_good_login_resets_the_count(django_user_model, settings):
         answer, _ = try_login("127.0.0.4", "carol", "carol-password-1")
         assert answer.status_code == 302
 
+
+
+# --- 2b. private files: beat's schedule and the private Redis -------------------------------
+
+
+def file_modes(folder) -> dict[str, int]:
+    return {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir() if p.is_file()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_beat_schedule_is_private_under_a_permissive_umask(tmp_path, child_env):
+    """A fresh schedule is 0600 from the first byte; one left 0644 by an older version is
+    narrowed before beat opens it. Beat runs as a process, as ``up`` and production run it."""
+    import shelve
+    import subprocess
+    import sys
+    import time
+
+    from tasks_app.runtime.net import wait_until
+    from tests.infra import REPO_ROOT
+
+    fresh, old = tmp_path / "fresh", tmp_path / "old"
+    old.mkdir(mode=0o755)
+    with shelve.open(str(old / "celerybeat-schedule")) as store:  # as an older beat left it
+        store["entries"] = {}
+    for path in old.iterdir():
+        path.chmod(0o644)
+
+    for folder in (fresh, old):
+        log = tmp_path / f"{folder.name}.log"
+        with open(log, "wb") as out:
+            beat = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "dashboard", "beat", "--loglevel", "INFO",
+                 "--schedule", str(folder / "celerybeat-schedule")],
+                cwd=REPO_ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT, umask=0o022,
+            )  # fmt: skip
+        try:
+            assert wait_until(lambda log=log: "beat: Starting" in log.read_text(), 60), log.read_text()
+            # A few ticks (RECONCILE_EVERY_SECONDS, 2 s) write to the store while it is open.
+            time.sleep(5)
+            assert beat.poll() is None, log.read_text()
+        finally:
+            beat.terminate()
+            beat.wait(timeout=30)
+        modes = file_modes(folder)
+        assert any(name.startswith("celerybeat-schedule") for name in modes), modes
+        assert modes == dict.fromkeys(modes, 0o600), modes
+    assert fresh.stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.timeout(60)
+def test_private_redis_keeps_its_folder_and_files_private(tmp_path):
+    """The folder is made (or narrowed to) 0700; what the server writes (a dump on SAVE) is 0600."""
+    import os
+
+    import redis
+
+    from tasks_app.runtime.net import free_port, wait_until
+    from tasks_app.runtime.redis_server import find_redis_server, start_private_redis
+    from tasks_app.runtime.supervisor import Supervisor
+
+    workdir = tmp_path / "redis"
+    workdir.mkdir(mode=0o755)
+    workdir.chmod(0o755)
+    port = free_port()
+    previous = os.umask(0o022)
+    try:
+        with Supervisor() as supervisor:
+            start_private_redis(supervisor, find_redis_server(), port, workdir)
+            client = redis.Redis(port=port, socket_timeout=2)
+            assert wait_until(lambda: _pings(client), 15)
+            client.set("k", "v")
+            client.save()  # the one way this server writes a file
+            client.close()
+    finally:
+        os.umask(previous)
+    assert workdir.stat().st_mode & 0o777 == 0o700
+    assert file_modes(workdir) == {"dump.rdb": 0o600}
+
+
+def _pings(client) -> bool:
+    import redis
+
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False

@@ -159,6 +159,16 @@ def test_up_runs_everything_and_leaves_nothing_behind(up_process) -> None:
     _gone, alive = psutil.wait_procs(descendants, timeout=5)
     assert not alive, f"left running: {alive}"
 
+    # Everything it left in DATA_DIR is its owner's alone: database, keys, beat's schedule,
+    # the private Redis's folder (the test process's umask is the usual 022).
+    found = {p.relative_to(data_dir).as_posix(): (p.is_dir(), stat.S_IMODE(p.stat().st_mode))
+             for p in [data_dir, *data_dir.rglob("*")]}  # fmt: skip
+    assert any(name.startswith("celerybeat-schedule") for name in found), found
+    assert found["redis"] == (True, 0o700), found
+    wide = {name: oct(mode) for name, (is_dir, mode) in found.items()
+            if mode != (0o700 if is_dir else 0o600)}  # fmt: skip
+    assert wide == {}, wide
+
 
 IDLE_SECONDS = 10
 # What one reconcile tick used to print: beat's "Sending due task", the worker's received/succeeded.

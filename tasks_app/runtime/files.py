@@ -1,10 +1,12 @@
 """Private files in the data folder: owner-only from the first byte.
 
 The data folder holds the SQLite database (sessions, password hashes, encrypted agent
-credentials), the generated secret key and the first admin password. A file written with
+credentials), the generated secret key, the first admin password, beat's schedule and the
+private Redis's working folder. A file written with
 the default umask and ``chmod``-ed afterwards is readable by anyone for a moment (and for
 good if the process dies in between), so files are *created* with mode 0600 by
-``os.open`` and the folder is created 0700. This module imports nothing from Django: the
+``os.open`` and the folder is created 0700. Files made by code that is not ours (beat's
+dbm schedule, Redis) are made under ``PRIVATE_UMASK`` instead. This module imports nothing from Django: the
 settings module uses it before Django is set up.
 """
 
@@ -16,6 +18,9 @@ from pathlib import Path
 
 FILE_MODE = 0o600
 DIR_MODE = 0o700
+# For processes whose every file is ours alone (beat's schedule, the private Redis): whatever
+# they create, however they create it, starts owner-only.
+PRIVATE_UMASK = 0o077
 
 
 def private_dir(path: Path) -> None:
@@ -72,6 +77,31 @@ def ensure_private_file(path: Path) -> None:
             narrow(existing)
     else:
         os.close(fd)
+
+
+def private_work_dir(path: Path) -> Path:
+    """``path`` as a folder only its owner can enter: created 0700, or narrowed if an older
+    version left it wider. For folders wholly ours (the private Redis's working folder)."""
+    private_dir(path)
+    try:
+        info = path.stat()
+        if info.st_uid == os.geteuid() and info.st_mode & 0o077:
+            path.chmod(DIR_MODE)
+    except OSError:
+        pass
+    return path
+
+
+def narrow_family(path: Path) -> None:
+    """Narrow ``path`` and its companions (``path.db``, ``path-wal``, ``path.dat`` ...): the
+    files a store named ``path`` may have made, whichever dbm or SQLite backend made them."""
+    try:
+        siblings = list(path.parent.iterdir())
+    except OSError:
+        return
+    for sibling in siblings:
+        if sibling.name.startswith(path.name) and sibling.is_file():
+            narrow(sibling)
 
 
 def narrow(path: Path) -> None:

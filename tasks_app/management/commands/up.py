@@ -42,7 +42,7 @@ from tasks_app.runtime.redis_server import (
     apply_redis_url,
     find_redis_server,
     ping_error,
-    redis_server_argv,
+    start_private_redis,
 )
 from tasks_app.runtime.supervisor import Backoff, Supervisor, describe_exit
 
@@ -233,15 +233,8 @@ class Runner:
             raise StartupError(str(exc)) from None
         port = free_port()
         workdir = Path(settings.DATA_DIR) / "redis"
-        workdir.mkdir(parents=True, exist_ok=True)
-        env = os.environ.copy()
-        child = self.supervisor.start(
-            "redis",
-            redis_server_argv(executable, port, workdir),
-            env=env,
-            cwd=workdir,
-            infrastructure=True,
-            restart=RESTART_BACKOFF,
+        child = start_private_redis(
+            self.supervisor, executable, port, workdir, restart=RESTART_BACKOFF
         )
         url = f"redis://127.0.0.1:{port}/0"
         ready = wait_until(
