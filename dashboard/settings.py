@@ -333,6 +333,13 @@ BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE = int(
 # reference (its digest and size) instead of a second copy.
 INLINE_CONTENT_BYTES = int(os.environ.get("INLINE_CONTENT_BYTES", str(64 * 1024)))
 
+# Retention (tasks_app/retention.py, manage.py prune): settled tasks older than this many
+# days are removed by a beat job every RETENTION_EVERY_SECONDS; unset or empty keeps every
+# task forever. With RETENTION_EXPORT_DIR each task is exported there first (JSON Lines).
+RETENTION_DAYS = float(os.environ.get("RETENTION_DAYS") or 0) or None
+RETENTION_EXPORT_DIR = os.environ.get("RETENTION_EXPORT_DIR", "").strip()
+RETENTION_EVERY_SECONDS = float(os.environ.get("RETENTION_EVERY_SECONDS", str(24 * 3600)))
+
 # Deadlines on whole outbound calls (not only per read): a trickling answer fails.
 A2A_CALL_DEADLINE_SECONDS = float(os.environ.get("A2A_CALL_DEADLINE_SECONDS", "60"))
 A2A_SEND_DEADLINE_SECONDS = float(os.environ.get("A2A_SEND_DEADLINE_SECONDS", "600"))

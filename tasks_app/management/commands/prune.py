@@ -1,0 +1,55 @@
+"""``manage.py prune --older-than DAYS [--export-to DIR] [--dry-run] [--batch N]``.
+
+Removes settled tasks older than DAYS (the rule and its guarantees: ``tasks_app.retention``),
+exporting each first as JSON Lines into DIR when asked (``DIR/task-<id>.jsonl``, mode
+0600). ``--older-than`` defaults to the ``RETENTION_DAYS`` setting. ``--dry-run`` only
+counts. Exits non-zero when an export failed (those tasks were kept).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from tasks_app import retention
+
+
+def _days(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise CommandError(f"--older-than takes a number of days, not {text!r}.") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise CommandError("--older-than must be a number of days more than 0.")
+    return value
+
+
+class Command(BaseCommand):
+    help = "Remove settled tasks older than a number of days (exported first with --export-to)."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--older-than", default="", metavar="DAYS", help="default: RETENTION_DAYS")
+        parser.add_argument("--export-to", default="", metavar="DIR", help="write each task here first (JSON Lines)")
+        parser.add_argument("--dry-run", action="store_true", help="count what would be removed, remove nothing")
+        parser.add_argument("--batch", type=int, default=retention.BATCH, help="tasks per transaction")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        text = options["older_than"] or (str(settings.RETENTION_DAYS) if settings.RETENTION_DAYS else "")
+        if not text:
+            raise CommandError("Say how old: --older-than DAYS (or set RETENTION_DAYS).")
+        days = _days(text)
+        if options["batch"] < 1:
+            raise CommandError("--batch must be at least 1.")
+        export_to = Path(options["export_to"]) if options["export_to"] else None
+        if export_to is not None and export_to.exists() and not export_to.is_dir():
+            raise CommandError(f"--export-to {export_to} is not a folder.")
+        say = self.stdout.write if options["verbosity"] > 1 else None
+        result = retention.prune(days, export_to=export_to, dry_run=options["dry_run"], batch=options["batch"], say=say)
+        self.stdout.write(str(result))
+        for failure in result.export_failures:
+            self.stderr.write(f"export failed: {failure}")
+        if result.export_failures:
+            raise CommandError(f"{len(result.export_failures)} task(s) could not be exported and were kept.")
