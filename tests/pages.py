@@ -142,17 +142,19 @@ def app_urls(site: Site) -> dict[str, str]:
     }
 
 
-def admin_urls() -> dict[str, str]:
+def admin_urls(per_model: int = 1) -> dict[str, str]:
     """The admin's index, each app's index, and for every registered model its list and the
-    change (or view) and history pages of one of its objects."""
+    change (or view) and history pages of its first ``per_model`` objects (at least one)."""
     urls = {"admin:index": reverse("admin:index")}
     for model in admin.site._registry:
         meta = model._meta
         urls[f"admin:{meta.app_label}"] = reverse("admin:app_list", args=[meta.app_label])
         base = f"admin:{meta.app_label}_{meta.model_name}"
         urls[f"{base}_changelist"] = reverse(f"{base}_changelist")
-        obj = model._default_manager.order_by("pk").first()
-        assert obj is not None, f"no {meta.label} to visit: make one in tests/pages.build_site"
-        urls[f"{base}_change"] = reverse(f"{base}_change", args=[obj.pk])
-        urls[f"{base}_history"] = reverse(f"{base}_history", args=[obj.pk])
+        objects = list(model._default_manager.order_by("pk")[:per_model])
+        assert objects, f"no {meta.label} to visit: make one in tests/pages.build_site"
+        for obj in objects:
+            suffix = "" if obj is objects[0] else f"[{obj.pk}]"
+            urls[f"{base}_change{suffix}"] = reverse(f"{base}_change", args=[obj.pk])
+            urls[f"{base}_history{suffix}"] = reverse(f"{base}_history", args=[obj.pk])
     return urls
