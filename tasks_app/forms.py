@@ -224,6 +224,10 @@ class TaskFilterForm(forms.Form):
         required=False,
         choices=[("", "All states"), ("active", "active (not ended)"), *[(k, v) for k, v in STATE_CHOICES if k]],
     )
+    phase = forms.ChoiceField(
+        required=False, label="Phase (no state)",
+        choices=[("", "any"), *[(p.value, p.label) for p in RemoteTask.Phase]],
+    )  # fmt: skip
     context = forms.CharField(required=False, max_length=300, label="Context id")
     q = forms.CharField(required=False, max_length=300, label="Search", help_text="title or remote id")
     sort = forms.ChoiceField(required=False, choices=SORT_CHOICES, initial="-updated")

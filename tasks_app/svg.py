@@ -41,6 +41,7 @@ def timeline_svg(
     events: Sequence[tuple[int, datetime, str]],
     *,
     now: datetime | None = None,
+    ended: bool | None = None,
 ) -> SafeString:
     """``events``: (seq, received_at, state_after) in seq order.
 
@@ -55,7 +56,7 @@ def timeline_svg(
     now = now or timezone.now()
     start = events[0][1]
     last_state = events[-1][2]
-    ended = last_state in TERMINAL_STATES
+    ended = ended or last_state in TERMINAL_STATES
     end = events[-1][1] if ended else max(now, events[-1][1])
     span = max((end - start).total_seconds(), 0.001)
     # An ended task's last state has no duration: it gets a fixed mark at the end.

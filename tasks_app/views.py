@@ -87,17 +87,31 @@ def _state_counts(qs) -> dict:
 # Overview ----------------------------------------------------------------------------------
 
 
+# Exchanges without a task state are counted by how far they got (phase), not as "unknown".
+PHASE_COLUMNS = {
+    RemoteTask.Phase.SENDING: "sending",
+    RemoteTask.Phase.FAILED: "send failed",
+    RemoteTask.Phase.MESSAGE: "message reply",
+    RemoteTask.Phase.TASK: "no state yet",
+}
+
+
+def _overview_column(state: str, phase: str) -> str:
+    return state or f"phase:{phase}"
+
+
 def _overview_context(user) -> dict:
     agents = list(access.readable_agents(user))
     tasks = access.readable_tasks(user)
     by_agent: dict[int, dict[str, int]] = {}
     totals: dict[str, int] = {}
-    for row in tasks.values("agent_id", "state").annotate(n=Count("id")).order_by():
-        by_agent.setdefault(row["agent_id"], {})[row["state"]] = row["n"]
-        totals[row["state"]] = totals.get(row["state"], 0) + row["n"]
-    states = [s for s, _ in STATE_CHOICES if s and totals.get(s)]
-    if totals.get(""):
-        states.insert(0, "")
+    for row in tasks.values("agent_id", "state", "phase").annotate(n=Count("id")).order_by():
+        column = _overview_column(row["state"], row["phase"])
+        counts = by_agent.setdefault(row["agent_id"], {})
+        counts[column] = counts.get(column, 0) + row["n"]
+        totals[column] = totals.get(column, 0) + row["n"]
+    states = [f"phase:{p}" for p in PHASE_COLUMNS if totals.get(f"phase:{p}")]
+    states += [s for s, _ in STATE_CHOICES if s and totals.get(s)]
     rows = []
     for agent in agents:
         counts = by_agent.get(agent.pk, {})
@@ -117,7 +131,7 @@ def _overview_context(user) -> dict:
     }
     return {
         "agents": agents,
-        "states": [{"key": s, "label": STATE_LABELS.get(s, s) or "unknown"} for s in states],
+        "states": [_column_head(s) for s in states],
         "rows": rows,
         "totals": [totals.get(s, 0) for s in states],
         "grand_total": sum(totals.values()),
@@ -130,6 +144,14 @@ def _overview_context(user) -> dict:
         "recent": tasks.select_related("agent").order_by("-updated_at", "-id")[:12],
         "now": timezone.now(),
     }
+
+
+def _column_head(column: str) -> dict[str, str]:
+    """Label and task-list query of an overview column (a state, or a phase without one)."""
+    if column.startswith("phase:"):
+        phase = column.removeprefix("phase:")
+        return {"key": column, "label": PHASE_COLUMNS.get(phase, phase), "query": urlencode({"phase": phase})}
+    return {"key": column, "label": STATE_LABELS.get(column, column), "query": urlencode({"state": column})}
 
 
 @login_required
@@ -361,6 +383,8 @@ def filtered_tasks(user, data: dict) -> tuple:
         qs = qs.exclude(state__in=TERMINAL_STATES)
     elif state:
         qs = qs.filter(state=state)
+    if data.get("phase"):
+        qs = qs.filter(phase=data["phase"], state="")
     if data.get("context"):
         qs = qs.filter(context_id=data["context"].strip())
     q = (data.get("q") or "").strip()
@@ -414,6 +438,7 @@ def task_list(request: HttpRequest) -> HttpResponse:
         "live_filters": {
             "agent": data["agent"].pk if data.get("agent") else None,
             "state": data.get("state") or "",
+            "phase": data.get("phase") or "",
             "context": data.get("context") or "",
             "q": data.get("q") or "",
             # New tasks are prepended only on the first page of the default order.
@@ -544,11 +569,16 @@ TIMELINE_TICKS = 400
 
 
 def _timeline(task: RemoteTask):
-    """The state changes (an indexed few) and evenly spaced ticks, never the whole log."""
+    """The state changes (an indexed few) and evenly spaced ticks, never the whole log.
+
+    An exchange that can no longer change (a plain message reply, a send that failed, an
+    abandoned task) ends at its last entry, like a task in a terminal state.
+    """
     step = max(1, task.last_seq // TIMELINE_TICKS)
     ticks = {*range(1, task.last_seq + 1, step), task.last_seq}
     rows = task.events.filter(Q(state_changed=True) | Q(seq__in=ticks)).order_by("seq")
-    return timeline_svg(list(rows.values_list("seq", "received_at", "state_after")))
+    over = task.phase in (RemoteTask.Phase.MESSAGE, RemoteTask.Phase.FAILED) or task.abandoned_at is not None
+    return timeline_svg(list(rows.values_list("seq", "received_at", "state_after")), ended=over or None)
 
 
 def _status_html(task: RemoteTask):

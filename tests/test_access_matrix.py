@@ -14,6 +14,7 @@ leaves this machine.
 
 from __future__ import annotations
 
+import base64
 import uuid
 from dataclasses import dataclass
 
@@ -148,9 +149,10 @@ def world(django_user_model) -> dict:
     )  # fmt: skip
     TaskEvent.objects.create(task=task, seq=1, channel="poll", kind="task", raw={"task": {"id": "t-alpha"}})
     artifact = Artifact.objects.create(task=task, artifact_id="a-1", name="out")
-    ArtifactPart.objects.create(artifact=artifact, index=0, part={"text": "alpha secret text"})
+    raw_part = {"raw": base64.b64encode(b"alpha bytes").decode(), "mediaType": "text/plain", "filename": "a.txt"}
+    ArtifactPart.objects.create(artifact=artifact, index=0, part=raw_part)
     message = ConversationMessage.objects.create(
-        task=task, message_id="m-1", role="ROLE_AGENT", message={"parts": [{"text": "which one?"}]}
+        task=task, message_id="m-1", role="ROLE_AGENT", message={"parts": [raw_part]}
     )
     job = ImportJob.objects.create(agent=agent, status=ImportJob.Status.DONE)
     people: dict[str, Client] = {"anonymous": Client()}

@@ -332,3 +332,36 @@ def test_task_list_is_live_and_filters(context, page, stack, demo_agent_pk):
     page.click("#theme-toggle")
     page.set_viewport_size({"width": 420, "height": 900})
     shot(page, "overview-narrow-dark")
+
+
+def test_a_polled_task_shows_its_artifacts_live(page, stack, demo_agent_pk):
+    """Return-immediately: the task is polled (snapshots, no artifactUpdate events), and its
+    artifact still appears and grows on the open page, and ends complete, with no reload."""
+    pk = start_task(page, "slow 6 0.5", mode="return-immediately")
+    page.evaluate("window.__sameDocument = true")
+    page.wait_for_selector("#artifacts article.artifact", timeout=30_000)
+    wait_state(page, "completed", timeout=30_000)
+    page.wait_for_function(
+        "document.querySelector('#artifacts article.artifact .artifact-body').textContent.includes('chunk 6')",
+        timeout=15_000,
+    )
+    assert page.evaluate("window.__sameDocument === true")  # never reloaded
+    assert page.query_selector("#artifacts .growing") is None  # not "receiving…" once ended
+    assert page.is_hidden("#no-artifacts")
+    assert stack.state(pk) == "TASK_STATE_COMPLETED"
+
+
+def test_long_unbreakable_text_never_widens_the_page(page, stack, demo_agent_pk):
+    """A 3,000-character word in the message, title and conversation wraps inside its box."""
+    page.set_viewport_size({"width": 1440, "height": 900})
+    word = "W" * 3000
+    pk = start_task(page, f"ask {word}")
+    wait_state(page, "input required")
+    page.fill("#id_text", word)  # echoed back by the agent in an artifact
+    page.click("#answer-form button[type=submit]")
+    wait_state(page, "completed")
+    widths = {}
+    for url in (f"/tasks/{pk}/", f"/tasks/{pk}/events/", f"/tasks/{pk}/events/1/", "/tasks/", "/"):
+        page.goto(url)
+        widths[url] = page.evaluate("document.documentElement.scrollWidth")
+    assert all(w <= 1440 for w in widths.values()), widths

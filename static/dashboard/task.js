@@ -20,6 +20,7 @@
   const convBox = document.getElementById("conversation");
   const artifactsBox = document.getElementById("artifacts");
   const MAX_ROWS = 2000;
+  const TERMINAL = ["TASK_STATE_COMPLETED", "TASK_STATE_FAILED", "TASK_STATE_CANCELED", "TASK_STATE_REJECTED"];
 
   const state = {
     lastSeq: parseInt(page.dataset.pageSeq || "0", 10),
@@ -196,10 +197,15 @@
     if (fresh && current && fresh.dataset.key === current.dataset.key) return; // keep what is typed
     box.innerHTML = html;
   }
+  // A snapshot (a polled agent's Task), a gap or the end can change any artifact without an
+  // artifactUpdate event: then every artifact block is redrawn from the server.
+  let allArtifacts = false;
   const refresh = Live.throttle(async function () {
     const params = new URLSearchParams();
     dirtyArtifacts.forEach((id) => params.append("artifact", id));
     dirtyArtifacts.clear();
+    if (allArtifacts) params.set("all_artifacts", "1");
+    allArtifacts = false;
     const resp = await fetch(liveUrl + "?" + params.toString(), { headers: { Accept: "application/json" }, credentials: "same-origin" });
     if (!resp.ok) return;
     const data = await resp.json();
@@ -229,6 +235,7 @@
     if (!frame) frame = requestAnimationFrame(flushRows);
     setBadge(ev.state);
     if (ev.kind === "artifactUpdate") applyArtifactEvent(ev);
+    else if (ev.kind === "task" || ev.kind === "gap" || TERMINAL.includes(ev.state)) allArtifacts = true;
     refresh();
   }
 

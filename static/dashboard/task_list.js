@@ -16,6 +16,7 @@
     if (filters.agent && String(s.agent) !== String(filters.agent)) return false;
     if (filters.state === "active" && TERMINAL.includes(s.state)) return false;
     if (filters.state && filters.state !== "active" && s.state !== filters.state) return false;
+    if (filters.phase && (s.state || s.phase !== filters.phase)) return false;
     if (filters.context && s.context_id !== filters.context) return false;
     if (filters.q) {
       const q = filters.q.toLowerCase();
