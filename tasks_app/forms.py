@@ -9,7 +9,7 @@ from typing import Any
 from django import forms
 from django.db.models import QuerySet
 
-from tasks_app.models import STATE_CHOICES, Agent, Project, RemoteTask
+from tasks_app.models import STATE_CHOICES, Agent, Channel, Project, RemoteTask, TaskEvent
 from tasks_app.rendering import safe_filename
 
 MAX_UPLOAD_BYTES = 10 * 1024 * 1024
@@ -235,3 +235,13 @@ class TaskFilterForm(forms.Form):
     def __init__(self, *args: Any, agents: QuerySet[Agent], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fields["agent"].queryset = agents
+
+
+class EventFilterForm(forms.Form):
+    """The event log page: which entries, and which view of them."""
+
+    VIEWS = [("full", "Full"), ("compact", "Compact"), ("raw", "Raw")]
+
+    kind = forms.ChoiceField(required=False, choices=[("", "all kinds"), *TaskEvent.Kind.choices])
+    channel = forms.ChoiceField(required=False, choices=[("", "all channels"), *Channel.choices])
+    view = forms.ChoiceField(required=False, choices=VIEWS)

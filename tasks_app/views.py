@@ -35,6 +35,7 @@ from tasks_app.forms import (
     AnswerForm,
     CancelForm,
     CredentialsForm,
+    EventFilterForm,
     StartTaskForm,
     TaskFilterForm,
 )
@@ -822,25 +823,65 @@ def _render_task_with(request: HttpRequest, task: RemoteTask, **forms) -> HttpRe
 @login_required
 @require_GET
 def task_events(request: HttpRequest, pk: int) -> HttpResponse:
-    """The whole log, a page at a time (by seq)."""
+    """The whole log, a page at a time (by seq): full, compact (by state and artifact) or raw.
+
+    Filters by kind and channel come in the URL; a value that is not one of them is
+    answered next to its filter and that filter is not applied.
+    """
     task = get_task_for_user(request, pk)
     try:
         after = max(0, int(request.GET.get("after", "0")))
     except ValueError:
         return HttpResponseBadRequest("after must be a number")
-    rows = list(with_raw_preview(task.events.filter(seq__gt=after)).order_by("seq")[: EVENTS_ON_PAGE + 1])
+    form = EventFilterForm(request.GET)
+    form.is_valid()
+    wanted = {k: v for k, v in form.cleaned_data.items() if v and k not in form.errors}
+    view = wanted.get("view", "full")
+    context: dict = {"task": task, "form": form, "view": view, "chain": _chain(request, task)}
+    if view == "compact":
+        context.update(_compact_history(task))
+        return render(request, "tasks_app/task_events.html", context)
+    entries = task.events.filter(seq__gt=after)
+    if wanted.get("kind"):
+        entries = entries.filter(kind=wanted["kind"])
+    if wanted.get("channel"):
+        entries = entries.filter(channel=wanted["channel"])
+    rows = list(with_raw_preview(entries).select_related("actor").order_by("seq")[: EVENTS_ON_PAGE + 1])
     has_next = len(rows) > EVENTS_ON_PAGE
     rows = rows[:EVENTS_ON_PAGE]
-    return render(
-        request,
-        "tasks_app/task_events.html",
+    params = {k: v for k, v in wanted.items() if k != "view" or v != "full"}
+    next_after = rows[-1].seq if has_next and rows else None
+    context.update(
         {
-            "task": task,
             "events": [{"e": e, "raw": raw_preview(e)} for e in rows],
-            "next_after": rows[-1].seq if has_next and rows else None,
-            "chain": _chain(request, task),
-        },
+            "next_url": "?" + urlencode({**params, "after": next_after}) if next_after else "",
+        }
     )
+    return render(request, "tasks_app/task_events.html", context)
+
+
+def _compact_history(task: RemoteTask) -> dict:
+    """The log grouped: runs of one state (from the indexed state changes) and the artifacts.
+
+    Never reads the whole log: the state runs come from the rows where the state changed,
+    the artifacts from the folded view (one row each, with the seq that last changed it).
+    """
+    changes = list(
+        task.events.filter(state_changed=True).order_by("seq").values_list("seq", "received_at", "state_after")[:1000]
+    )
+    runs = []
+    for i, (seq, at, state) in enumerate(changes):
+        following = changes[i + 1] if i + 1 < len(changes) else None
+        runs.append(
+            {
+                "state": state,
+                "from_seq": seq,
+                "to_seq": following[0] - 1 if following else task.last_seq,
+                "since": at,
+                "until": following[1] if following else task.last_event_at,
+            }
+        )
+    return {"runs": runs, "artifact_rows": list(task.artifacts.order_by("position"))}
 
 
 @login_required

@@ -177,5 +177,12 @@
     return { socket, version: () => version };
   }
 
-  window.Live = { LiveSocket, taskListSocket, throttle, atBottom, ago, tickTimes };
+  /* "2026-11-30 12:54:20.123 UTC" from the server's ISO time (always UTC, as the pages). */
+  function fullTime(iso) {
+    const d = new Date(iso || "");
+    if (isNaN(d)) return "";
+    return d.toISOString().replace("T", " ").slice(0, 23) + " UTC";
+  }
+
+  window.Live = { LiveSocket, taskListSocket, throttle, atBottom, ago, tickTimes, fullTime };
 })();

@@ -61,14 +61,21 @@
     tr.appendChild(td(ev.seq, "mono"));
     const when = td("", "small");
     const t = document.createElement("time");
+    t.className = "full-time";
     t.setAttribute("datetime", ev.received_at || "");
-    t.textContent = (ev.received_at || "").slice(11, 23);
+    t.textContent = Live.fullTime(ev.received_at);
     when.appendChild(t);
     tr.appendChild(when);
     tr.appendChild(td(ev.channel, "small"));
-    tr.appendChild(td(ev.kind));
+    const kind = td(ev.kind);
+    if (ev.note) {
+      const note = document.createElement("div");
+      note.className = "small note";
+      note.textContent = ev.note;
+      kind.appendChild(note);
+    }
+    tr.appendChild(kind);
     tr.appendChild(td(ev.state || "—", "small"));
-    tr.appendChild(td(ev.note, "small note"));
     const rawCell = document.createElement("td");
     const details = document.createElement("details");
     details.className = "raw";

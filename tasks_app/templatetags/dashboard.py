@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from django import template
+from django.utils import timezone
 from django.utils.html import format_html
 
 from tasks_app.models import STATE_CHOICES
@@ -53,3 +55,12 @@ def get_item(mapping: Any, key: Any) -> Any:
         return mapping.get(key)
     except AttributeError:
         return None
+
+
+@register.filter
+def full_time(value: datetime | None) -> str:
+    """Date, time to the millisecond and time zone: ``2026-11-30 12:54:20.123 UTC``."""
+    if value is None:
+        return ""
+    local = timezone.localtime(value)
+    return f"{local:%Y-%m-%d %H:%M:%S}.{local.microsecond // 1000:03d} {local.tzname()}"
