@@ -453,3 +453,88 @@ class PushConfig(models.Model):
 
     def __str__(self) -> str:
         return f"push config {self.config_id} of task {self.task_id}"
+
+
+class Alert(models.Model):
+    """Something a person should look at, opened and resolved by the rules in ``tasks_app/alerts.py``.
+
+    ``key`` names the condition and its subject (``silent-working:task:42``): at most one
+    unresolved row per key (a partial unique index), so two evaluators racing open it once.
+    ``since`` is when the condition began as far as the dashboard knows. A row whose
+    ``opened_at`` is empty is pending: the condition is seen but its threshold has not
+    passed yet (only the agent-unreachable rule needs this, the agent row keeps no time of
+    its own for it); pending rows are not shown, not delivered and deleted if the condition
+    ends first. ``agent`` is set on every alert about a task or an agent: who may see an
+    alert is who may read that agent's project.
+    """
+
+    class Rule(models.TextChoices):
+        SILENT_WORKING = "silent-working", "silent while working"
+        QUESTION_WAITING = "question-waiting", "question waiting"
+        AGENT_UNREACHABLE = "agent-unreachable", "agent unreachable"
+        SEND_FAILED = "send-failed", "send failed"
+        PARKED = "parked", "watcher parked the task"
+        TEST = "test", "test"
+
+    rule = models.CharField(max_length=30, choices=Rule.choices)
+    task = models.ForeignKey(
+        RemoteTask, null=True, blank=True, on_delete=models.CASCADE, related_name="alerts"
+    )
+    agent = models.ForeignKey(
+        Agent, null=True, blank=True, on_delete=models.CASCADE, related_name="alerts"
+    )
+    key = models.CharField(max_length=200)
+    message = models.CharField(max_length=500)
+    since = models.DateTimeField(default=timezone.now)
+    opened_at = models.DateTimeField(null=True, blank=True)
+    resolved_at = models.DateTimeField(null=True, blank=True)
+    last_seen_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-opened_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["key"], condition=Q(resolved_at__isnull=True), name="one_unresolved_alert_per_key"
+            )
+        ]
+        indexes = [
+            # The open alerts (pages, the live check): few rows, read often.
+            models.Index(fields=["-opened_at"], condition=Q(resolved_at__isnull=True), name="unresolved_alerts"),
+            models.Index(fields=["rule", "resolved_at"], name="alerts_by_rule"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.rule} {self.key}"
+
+
+class AlertDelivery(models.Model):
+    """One attempt to tell someone about an alert (or a test), with what came of it.
+
+    ``target`` is what may be shown: the e-mail addresses, or only the webhook's origin
+    (a webhook URL often carries its secret in the path or query).
+    """
+
+    class Channel(models.TextChoices):
+        EMAIL = "email", "e-mail"
+        WEBHOOK = "webhook"
+
+    class Outcome(models.TextChoices):
+        SENT = "sent"
+        FAILED = "failed"
+
+    alert = models.ForeignKey(Alert, on_delete=models.CASCADE, related_name="deliveries")
+    channel = models.CharField(max_length=20, choices=Channel.choices)
+    # "opened", "resolved" or "test": which news this delivery carried.
+    event = models.CharField(max_length=20)
+    target = models.CharField(max_length=500)
+    outcome = models.CharField(max_length=20, choices=Outcome.choices)
+    error = models.CharField(max_length=500, blank=True)
+    attempted_at = models.DateTimeField(default=timezone.now)
+    duration_ms = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-attempted_at", "-id"]
+        indexes = [models.Index(fields=["-attempted_at"], name="alert_deliveries_newest")]
+
+    def __str__(self) -> str:
+        return f"{self.channel} {self.event} of alert {self.alert_id}: {self.outcome}"
