@@ -4,11 +4,23 @@ The webhook has no login and no CSRF token: an agent is not a browser. It is
 authenticated per config instead (``tasks_app.services.push.accept``: the config's
 token and ``Authorization`` credentials in constant time, a signed token when the
 agent signs), and answers at once; recording happens in the worker.
+
+Two doors to the same ``accept()``: under ASGI (daphne, ``dashboard/asgi.py``)
+:class:`PushRoute` answers ``/push/<config_id>/`` before Django; the Django view
+:func:`receive` serves the same URL elsewhere (the test client, a WSGI server).
+Why the route: a sync Django view under ASGI runs on one thread at a time and pays
+for the whole middleware stack (sessions, CSRF, messages, axes: none apply to an
+agent); at a thousand deliveries a second that overhead was most of the cost.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
@@ -23,6 +35,12 @@ from tasks_app.services import push as push_services
 from tasks_app.services import tasks as task_services
 
 log = logging.getLogger(__name__)
+
+PUSH_PATH = re.compile(r"/push/([^/]+)/")
+# accept() blocks (Redis, a query on a cache miss, a JWKS fetch): it runs on these threads,
+# never on the server's event loop. A genuine delivery holds one for about a millisecond.
+PUSH_THREADS = 8
+Scope = dict[str, Any]
 
 
 def _source(request: HttpRequest) -> str:
@@ -101,3 +119,93 @@ def task_watch_mode(request: HttpRequest, pk: int) -> HttpResponse:
     else:
         messages.success(request, f"Now followed by {'streaming' if watch == 'stream' else 'polling'}.")
     return redirect("task-detail", pk=task.pk)
+
+
+class PushRoute:
+    """ASGI: ``/push/<config_id>/`` answered here, everything else handed to ``inner`` (Django).
+
+    Same checks, same answers as :func:`receive` (both call ``accept()``); the security
+    headers that matter for a JSON answer to a machine are set here, as Django's
+    middleware would.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.pool = ThreadPoolExecutor(max_workers=PUSH_THREADS, thread_name_prefix="push-webhook")
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            root = scope.get("root_path") or ""
+            match = PUSH_PATH.fullmatch(path[len(root) :] if root and path.startswith(root) else path)
+            if match is not None:
+                await self.handle(match.group(1), scope, receive, send)
+                return
+        await self.inner(scope, receive, send)
+
+    async def handle(self, config_id: str, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["method"] != "POST":
+            await _answer(send, 405, {"error": "POST a StreamResponse"}, [(b"allow", b"POST")])
+            return
+        headers: dict[bytes, bytes] = {}
+        for name, value in scope.get("headers") or []:
+            headers[name] = headers[name] + b"," + value if name in headers else value  # as Django joins them
+        limit = push_services.settings.PUSH_MAX_BODY_BYTES
+        try:
+            declared = int(headers.get(b"content-length") or 0)
+        except ValueError:
+            declared = 0
+        if declared > limit:
+            await _answer(send, 413, {"error": "body too large"})
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body") or b""
+            size += len(chunk)
+            if size > limit:
+                await _answer(send, 413, {"error": "body too large"})
+                return
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        client = scope.get("client")
+        try:
+            verdict = await asyncio.get_running_loop().run_in_executor(
+                self.pool,
+                _accept,
+                config_id,
+                b"".join(chunks),
+                headers.get(b"content-type", b"").decode("latin-1"),
+                headers.get(b"authorization", b"").decode("latin-1"),
+                headers.get(b"x-a2a-notification-token", b"").decode("latin-1"),
+                str(client[0]) if client else "unknown",
+            )
+        except Exception:  # Redis or the database unreachable: the agent retries later
+            log.exception("push webhook: a delivery could not be checked")
+            await _answer(send, 503, {"error": "try again later"}, [(b"retry-after", b"5")])
+            return
+        payload = {"status": verdict.reason} if verdict.accepted else {"error": verdict.reason}
+        await _answer(send, verdict.status, payload, [(b"retry-after", b"1")] if verdict.status == 429 else [])
+
+
+def _accept(config_id: str, body: bytes, content_type: str, authorization: str, token: str, source: str) -> Any:
+    return push_services.accept(
+        config_id, body=body, content_type=content_type, authorization=authorization, token=token, source=source
+    )
+
+
+async def _answer(send: Any, status: int, payload: dict[str, str], extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = json.dumps(payload).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"cache-control", b"no-store"),
+        (b"x-content-type-options", b"nosniff"),
+        (b"content-security-policy", b"default-src 'none'; frame-ancestors 'none'"),
+        *(extra or []),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,147 @@
+"""A small HTTP/1.1 load generator for P10: ``python -m tasks_app.bench.loadgen SPEC OUT``.
+
+Why not httpx: on this two-core machine the load generator shares the CPU with the
+server it measures, and httpx spends several hundred microseconds of Python per
+request (its models, its pool, its event hooks). This client writes a prepared
+request on a kept-alive connection and reads the status line, the headers and a
+``Content-Length`` (or chunked) body: a few tens of microseconds. It imports
+nothing of Django and runs in its own process, so the server's CPU is not its own.
+
+SPEC (JSON): ``port``, ``concurrency`` (connections in flight), ``rate`` (requests
+per second, open loop: request *i* is due at ``start + i / rate`` and its latency
+counts from then, so a server that falls behind is charged for the wait; 0 means
+closed loop, each connection sends its next request when the last is answered),
+``start`` (a ``time.time()`` to begin at, so two generators can overlap) and
+``requests``: ``[source address, method, path, {header: value}, body]``. A request
+goes out on a connection bound to its source address (any 127.0.0.0/8 address
+reaches 127.0.0.1 on Linux), so per-source limits see distinct senders.
+
+OUT (JSON): ``{"results": [[due offset, latency, status], ...], "started", "ended"}``,
+status 0 for a connection error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+
+class Connection:
+    """One kept-alive HTTP/1.1 connection from a given source address."""
+
+    def __init__(self, port: int, source: str) -> None:
+        self.port, self.source = port, source
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def request(self, data: bytes) -> int:
+        if self.writer is None:
+            local = (self.source, 0) if self.source and self.source != "127.0.0.1" else None
+            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port, local_addr=local)
+        assert self.reader is not None
+        self.writer.write(data)
+        line = await self.reader.readline()
+        if not line:
+            raise ConnectionError("closed by the server")
+        status = int(line.split()[1])
+        length, chunked, close = 0, False, False
+        while True:
+            header = await self.reader.readline()
+            if header in (b"\r\n", b""):
+                break
+            name, _, value = header.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"transfer-encoding" and b"chunked" in value.lower():
+                chunked = True
+            elif name == b"connection" and b"close" in value.lower():
+                close = True
+        if chunked:
+            while True:
+                size = int((await self.reader.readline()).split(b";")[0], 16)
+                await self.reader.readexactly(size + 2)
+                if size == 0:
+                    break
+        elif length:
+            await self.reader.readexactly(length)
+        if close:
+            self.close()
+        return status
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
+def prepare(method: str, path: str, headers: dict[str, str], body: str) -> bytes:
+    data = body.encode()
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", f"Content-Length: {len(data)}"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + data
+
+
+async def run(spec: dict[str, Any]) -> dict[str, Any]:
+    port, rate, concurrency = int(spec["port"]), float(spec.get("rate") or 0), int(spec["concurrency"])
+    requests = [(src, prepare(m, p, h, b)) for src, m, p, h, b in spec["requests"]]
+    results: list[list[float]] = [[0.0, 0.0, 0] for _ in requests]
+    idle: dict[str, list[Connection]] = {}
+    queue: asyncio.Queue[int | None] = asyncio.Queue()
+    start = max(float(spec.get("start") or 0), time.time())
+    await asyncio.sleep(start - time.time())
+    t0 = time.perf_counter()
+
+    async def one(i: int) -> None:
+        source, data = requests[i]
+        due = i / rate if rate else time.perf_counter() - t0
+        pool = idle.setdefault(source, [])
+        conn = pool.pop() if pool else Connection(port, source)
+        try:
+            status = await conn.request(data)
+        except (OSError, ConnectionError, ValueError, IndexError, asyncio.IncompleteReadError):
+            conn.close()
+            status = 0
+        results[i] = [due, time.perf_counter() - t0 - due, status]
+        if conn.writer is not None:
+            pool.append(conn)
+
+    async def worker() -> None:
+        while (i := await queue.get()) is not None:
+            await one(i)
+
+    workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
+    if rate:
+        for i in range(len(requests)):
+            wait = t0 + i / rate - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            queue.put_nowait(i)
+    else:
+        for i in range(len(requests)):
+            queue.put_nowait(i)
+    for _ in workers:
+        queue.put_nowait(None)
+    await asyncio.gather(*workers)
+    ended = time.time()
+    for pool in idle.values():
+        for conn in pool:
+            conn.close()
+    return {"results": results, "started": start, "ended": ended}
+
+
+def main(argv: list[str]) -> int:
+    spec_path, out_path = argv
+    with open(spec_path) as f:
+        spec = json.load(f)
+    out = asyncio.run(run(spec))
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
