@@ -423,9 +423,36 @@ def _deep_cursor(position: int) -> str:
 
 
 EXPORT_CANDIDATES = (
-    "/tasks/{pk}/export/", "/tasks/{pk}/export.jsonl", "/tasks/{pk}/events.jsonl",
+    "/tasks/{pk}/export/?format=json", "/tasks/{pk}/export.jsonl", "/tasks/{pk}/events.jsonl",
     "/tasks/{pk}/events/export/", "/tasks/{pk}/export",
 )
+# Pages measured when their URL exists (the inbox comes with its own work: it is measured as
+# soon as /inbox/ resolves, and named as not measured until then).
+HOOK_PAGES = {"inbox": "/inbox/"}
+
+
+def _bulk_actions(agents: list[Any], users: list[Any], n: int) -> None:
+    """``n`` operator actions spread over ``agents`` and ``users``; runs of 10 share a timestamp
+    (the audit page's keyset must step over ties)."""
+    from django.utils import timezone
+
+    from tasks_app.actionlog import KNOWN_ACTIONS
+    from tasks_app.models import OperatorAction
+
+    actions = list(KNOWN_ACTIONS)
+    now = timezone.now()
+    chunk = 5000
+    for start in range(0, n, chunk):
+        rows = [
+            OperatorAction(
+                agent=agents[i % len(agents)], actor=users[(i // 2) % len(users)], action=actions[i % len(actions)],
+                payload={"reason": f"bench {i}", "token": "never-shown"}, outcome="requested",
+                created_at=now - dt.timedelta(seconds=(n - i) // 10),
+            )
+            for i in range(start, min(n, start + chunk))
+        ]  # fmt: skip
+        with transaction.atomic():
+            OperatorAction.objects.bulk_create(rows, batch_size=1000)
 
 
 def _export_orm(task_pk: int) -> Iterator[bytes]:
@@ -463,6 +490,8 @@ def p5(db: str, quick: bool) -> list[Row]:
     n_tasks, n_history, n_export = (2_000, 500, 20_000) if quick else (100_000, 10_000, 100_000)
     repeat = 5 if quick else 20
     agent = make_agent("p5")
+    # The other project's agent: its actions are in the log but not the bench person's to see.
+    elsewhere = make_agent("p5-elsewhere")
     t0 = time.perf_counter()
     _bulk_tasks(agent, n_tasks)
     history = make_task(agent, "history")
@@ -476,7 +505,26 @@ def p5(db: str, quick: bool) -> list[Row]:
             cursor.execute("ANALYZE")
     seed = time.perf_counter() - t0
 
+    from tasks_app.actionlog import encode_cursor
+    from tasks_app.models import Membership, OperatorAction, Project
+
+    # An auditor of the agent's project: reads every page (the per-user lookup, as people
+    # with a role go through it) and may use the audit log and exports.
     user = get_user_model().objects.create_user("bench", password="bench-password-1")
+    other = get_user_model().objects.create_user("bench-op", password="bench-password-1")
+    elsewhere.project = Project.objects.create(name="p5-elsewhere")
+    elsewhere.save(update_fields=["project"])
+    Membership.objects.create(user=user, project_id=agent.project_id, role=Membership.Role.AUDITOR)
+    t1 = time.perf_counter()
+    _bulk_actions([agent, elsewhere], [user, other], n_tasks)
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("ANALYZE")
+    seed += time.perf_counter() - t1
+    mid = OperatorAction.objects.filter(agent=agent).order_by("-created_at", "-id").values_list("created_at", "pk")[
+        n_tasks // 4 : n_tasks // 4 + 1
+    ]  # fmt: skip
+    deep = "?cursor=" + encode_cursor(*mid[0]) if mid else ""
     client = Client()
     client.force_login(user)
     rows: list[Row] = []
@@ -488,6 +536,11 @@ def p5(db: str, quick: bool) -> list[Row]:
         f"task page, {n_history:,} events": f"/tasks/{history.pk}/",
         "task log, first page": f"/tasks/{history.pk}/events/",
         "task log, last page": f"/tasks/{history.pk}/events/?after={n_history - 50}",
+        f"audit log, first page ({n_tasks:,} actions)": "/audit/",
+        "audit log, deep page": "/audit/" + deep,
+        "audit log, person filter": "/audit/?person=bench-op",
+        "audit log, action + dates": "/audit/?action=cancel&since=2000-01-01&until=2999-12-31",
+        **HOOK_PAGES,
     }
     results: dict[str, Any] = {}
     missing = [url for url in pages.values() if not _resolves(url.split("?")[0])]
@@ -520,7 +573,10 @@ def p5(db: str, quick: bool) -> list[Row]:
         rows.append(Row("P5", "page server time p95", "not measured", "<= 100 ms per page", None, db=db,
                         note=f"the views do not exist yet: {', '.join(missing)} do not resolve."))
 
-    export_url = next((u.format(pk=export_task.pk) for u in EXPORT_CANDIDATES if _resolves(u.format(pk=export_task.pk))), "")
+    export_url = next(
+        (u.format(pk=export_task.pk) for u in EXPORT_CANDIDATES if _resolves(u.format(pk=export_task.pk).split("?")[0])),
+        "",
+    )
     if export_url:
         small_url = export_url.replace(f"/{export_task.pk}/", f"/{small_export.pk}/")
 
