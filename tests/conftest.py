@@ -56,3 +56,35 @@ pytest_plugins = ["tests.infra"]
 # The A2A peers are written separately; keep the suite importable while they are missing.
 if importlib.util.find_spec("tests.agents") is not None:
     pytest_plugins.append("tests.agents")
+
+
+# Fixtures that reach the pass's database (pytest-django's, and those built on them).
+DATABASE_FIXTURES = {
+    "db", "transactional_db", "django_db_reset_sequences", "django_db_serialized_rollback",
+    "live_server", "admin_user", "admin_client",
+}  # fmt: skip
+
+
+def uses_the_database(item: pytest.Item) -> bool:
+    """Whether a test reaches the database of the pass (SQLite or PostgreSQL)."""
+    if item.get_closest_marker("django_db") is not None:
+        return True
+    return bool(DATABASE_FIXTURES & set(getattr(item, "fixturenames", ())))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The PostgreSQL pass (``DASH_TEST_PASS=postgres``, set by ``./dash test``) runs only the
+    tests that reach the database: the others (protocol client, pages on a database of their
+    own, the run command) ran the same way in the SQLite pass. They are deselected, and the
+    count is printed, so nothing is silently skipped."""
+    if os.environ.get("DASH_TEST_PASS") != "postgres":
+        return
+    keep = [item for item in items if uses_the_database(item)]
+    dropped = [item for item in items if not uses_the_database(item)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+        sys.stderr.write(
+            f"dash test: PostgreSQL pass: {len(dropped)} tests that do not use the database deselected "
+            "(they ran in the SQLite pass)\n"
+        )
