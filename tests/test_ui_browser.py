@@ -78,7 +78,8 @@ def _env(tmp: Path, redis_url: str) -> dict[str, str]:
         WATCH_POLL_MIN_SECONDS="0.3",
         WATCH_POLL_MAX_SECONDS="2",
         PYTHONUNBUFFERED="1",
-        PYTHONPATH=str(REPO_ROOT),
+        # Prepended: the loopback-only hook's folder (tests/conftest.py) stays on the path.
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
     )
     env.pop("DASHBOARD_TEST_DB_FILE", None)
     return env

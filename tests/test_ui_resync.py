@@ -88,7 +88,8 @@ def server(tmp_path_factory, redis_url) -> Iterator[Server]:
         REDIS_URL=redis_url,
         ALLOWED_HOSTS="127.0.0.1,localhost",
         PYTHONUNBUFFERED="1",
-        PYTHONPATH=str(REPO_ROOT),
+        # Prepended: the loopback-only hook's folder (tests/conftest.py) stays on the path.
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
     )
     env.pop("DASHBOARD_TEST_DB_FILE", None)
     py = sys.executable

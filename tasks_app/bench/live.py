@@ -143,12 +143,15 @@ def register(stack_: Stack) -> tuple[Any, str]:
     from django.contrib.auth import get_user_model
     from django.test import Client
 
+    from tasks_app.models import Membership
     from tasks_app.services.agents import add_agent
 
     agent = add_agent(stack_.agent_url + "/")
     user = get_user_model().objects.filter(username="bench").first() or get_user_model().objects.create_user(
         "bench", password="bench-password-1"
     )
+    # A viewer of the agent's project: the browsers read through the per-user lookup.
+    Membership.objects.get_or_create(user=user, project_id=agent.project_id, defaults={"role": Membership.Role.VIEWER})
     client = Client()
     client.force_login(user)
     return agent, client.cookies["sessionid"].value
