@@ -46,6 +46,11 @@ def _beat_schedule() -> dict:
             "schedule": settings.RECONCILE_EVERY_SECONDS,
         },
     }
+    if settings.ALERT_EVERY_SECONDS > 0:  # alerts: each rule can be off (tasks_app/alerts.py)
+        schedule["evaluate-alerts"] = {
+            "task": "tasks_app.jobs.evaluate_alerts",
+            "schedule": settings.ALERT_EVERY_SECONDS,
+        }
     if settings.RETENTION_DAYS:  # retention is off unless a number of days is set
         schedule["prune-settled"] = {
             "task": "tasks_app.jobs.prune_settled",

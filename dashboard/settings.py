@@ -292,7 +292,7 @@ LOGGING = {
     "filters": {
         "routine_tasks": {
             "()": "tasks_app.runtime.logs.QuietRoutineTasks",
-            "tasks": ["tasks_app.watchers.reconcile"],
+            "tasks": ["tasks_app.watchers.reconcile", "tasks_app.jobs.evaluate_alerts"],
         }
     },
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
@@ -381,3 +381,44 @@ PUSH_DEDUPE_SECONDS = int(os.environ.get("PUSH_DEDUPE_SECONDS", str(24 * 3600)))
 # (a GetTask made at once is often ahead of notifications still in flight), at most the max.
 PUSH_REFRESH_DELAY_SECONDS = float(os.environ.get("PUSH_REFRESH_DELAY_SECONDS", "1"))
 PUSH_REFRESH_MAX_WAIT_SECONDS = float(os.environ.get("PUSH_REFRESH_MAX_WAIT_SECONDS", "10"))
+
+
+# Alerts (tasks_app/alerts.py): a beat job every ALERT_EVERY_SECONDS opens and resolves them.
+# A threshold of 0 (or "off") turns its rule off; ALERT_SEND_FAILED and ALERT_PARKED are on/off.
+def env_seconds(name: str, default: float) -> float | None:
+    value = os.environ.get(name, "").strip().lower()
+    if value in {"0", "off", "false", "no"}:
+        return None
+    return float(value) if value else default
+
+
+ALERT_EVERY_SECONDS = float(os.environ.get("ALERT_EVERY_SECONDS", "30"))
+ALERT_SILENT_WORKING_SECONDS = env_seconds("ALERT_SILENT_WORKING_SECONDS", 30 * 60)
+ALERT_QUESTION_WAITING_SECONDS = env_seconds("ALERT_QUESTION_WAITING_SECONDS", 60 * 60)
+ALERT_AGENT_UNREACHABLE_SECONDS = env_seconds("ALERT_AGENT_UNREACHABLE_SECONDS", 10 * 60)
+ALERT_SEND_FAILED = env_flag("ALERT_SEND_FAILED", True)
+ALERT_PARKED = env_flag("ALERT_PARKED", True)
+# At most this many subjects per rule per evaluation (each rule is one bounded query).
+ALERT_MAX_PER_RULE = int(os.environ.get("ALERT_MAX_PER_RULE", "500"))
+# Delivery, when set: one e-mail (Django's mail, EMAIL_* below) to these comma-separated
+# addresses, and/or one JSON POST to this URL (through the outbound guard: a webhook on a
+# private network needs OUTBOUND_ALLOW), each within the timeout. With the secret the body
+# is signed: X-Dashboard-Signature: sha256=<HMAC-SHA256 of the body, hex>.
+ALERT_EMAIL_TO = env_list("ALERT_EMAIL_TO", [])
+ALERT_EMAIL_FROM = os.environ.get("ALERT_EMAIL_FROM", "").strip()
+ALERT_WEBHOOK_URL = os.environ.get("ALERT_WEBHOOK_URL", "").strip()
+ALERT_WEBHOOK_SECRET = os.environ.get("ALERT_WEBHOOK_SECRET", "")
+ALERT_DELIVERY_TIMEOUT_SECONDS = float(os.environ.get("ALERT_DELIVERY_TIMEOUT_SECONDS", "10"))
+ALERT_NOTIFY_RESOLVED = env_flag("ALERT_NOTIFY_RESOLVED", True)
+# How often an open overview or inbox page asks whether its alerts changed.
+ALERT_REFRESH_SECONDS = float(os.environ.get("ALERT_REFRESH_SECONDS", "5"))
+
+# Django's e-mail, from the environment (used by alert delivery).
+EMAIL_BACKEND = os.environ.get("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend")
+EMAIL_HOST = os.environ.get("EMAIL_HOST", "localhost")
+EMAIL_PORT = int(os.environ.get("EMAIL_PORT", "25"))
+EMAIL_HOST_USER = os.environ.get("EMAIL_HOST_USER", "")
+EMAIL_HOST_PASSWORD = os.environ.get("EMAIL_HOST_PASSWORD", "")
+EMAIL_USE_TLS = env_flag("EMAIL_USE_TLS")
+EMAIL_USE_SSL = env_flag("EMAIL_USE_SSL")
+DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "a2a-dashboard@localhost")

@@ -40,3 +40,11 @@ def prune_settled() -> str:
         return "retention is off"
     export_to = Path(settings.RETENTION_EXPORT_DIR) if settings.RETENTION_EXPORT_DIR else None
     return str(retention.prune(settings.RETENTION_DAYS, export_to=export_to))
+
+
+@shared_task(name="tasks_app.jobs.evaluate_alerts", ignore_result=True)
+def evaluate_alerts() -> str:
+    """Open and resolve alerts, and deliver what changed (``tasks_app.alerts``); every ALERT_EVERY_SECONDS."""
+    from tasks_app import alerts
+
+    return str(alerts.evaluate())

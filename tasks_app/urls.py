@@ -1,6 +1,6 @@
 from django.urls import path
 
-from . import views, views_audit, webhooks
+from . import inbox, views, views_alerts, views_audit, webhooks
 
 urlpatterns = [
     path("", views.overview, name="overview"),
@@ -17,6 +17,9 @@ urlpatterns = [
         views.agent_import_cancel,
         name="agent-import-cancel",
     ),
+    path("inbox/", inbox.inbox, name="inbox"),
+    path("inbox/<int:pk>/row/", inbox.inbox_row, name="inbox-row"),
+    path("inbox/<int:pk>/answer/", inbox.inbox_answer, name="inbox-answer"),
     path("tasks/", views.task_list, name="task-list"),
     path("tasks/new", views.task_new, name="task-new"),
     path("tasks/<int:pk>/", views.task_detail, name="task-detail"),
@@ -32,6 +35,9 @@ urlpatterns = [
     path("tasks/<int:pk>/export/", views_audit.task_export, name="task-export"),
     path("audit/", views_audit.audit_log, name="audit"),
     path("audit/actions.csv", views_audit.audit_csv, name="audit-csv"),
+    path("alerts/", views_alerts.alert_list, name="alerts"),
+    path("alerts/live/", views_alerts.alerts_live, name="alerts-live"),
+    path("alerts/test/", views_alerts.alerts_test, name="alerts-test"),
     path("tasks/<int:pk>/push/", webhooks.push_configs, name="task-push-configs"),
     path(
         "tasks/<int:pk>/push/<str:config_id>/delete/",

@@ -104,6 +104,12 @@ RULES: dict[str, Rule] = {
     "audit": Rule("GET", Perm.AUDIT, 200),
     "audit-csv": Rule("GET", Perm.AUDIT, 200),
     "task-export": Rule("GET", Perm.AUDIT, 200),
+    # Alerts: everyone sees those of the projects they read; the live section answers 204
+    # when the version sent is current (here none is sent: 200). A test alert: staff and
+    # agent admins (no channel is configured in tests: it says so and goes back, 302).
+    "alerts": Rule("GET", LOGIN, 200),
+    "alerts-live": Rule("GET", LOGIN, 200),
+    "alerts-test": Rule("POST", M, 302),
 }
 ADMIN = "admin:index"  # the admin as a whole: staff only (checked on its index)
 
@@ -197,7 +203,7 @@ def expected(rule: Rule, person: str) -> set[int]:
 
 def name_is_not_about_an_object(rule: Rule) -> bool:
     # By identity: rules are values, and two routes may share one (audit and task-export do).
-    return any(rule is RULES[name] for name in ("agent-add", "task-new", "audit", "audit-csv"))
+    return any(rule is RULES[name] for name in ("agent-add", "task-new", "audit", "audit-csv", "alerts-test"))
 
 
 def test_every_route_has_a_rule() -> None:
