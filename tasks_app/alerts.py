@@ -53,7 +53,7 @@ import httpx
 from django.conf import settings
 from django.core.mail import EmailMessage, get_connection
 from django.db import IntegrityError, transaction
-from django.db.models import F, Q, QuerySet
+from django.db.models import Exists, F, OuterRef, Q, QuerySet
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.timesince import timesince
@@ -124,6 +124,13 @@ def _duration(seconds: float) -> str:
     return timesince(now - timedelta(seconds=seconds), now)
 
 
+def _not_alerted(rule: str, subject: str = "task") -> Exists:
+    """No unresolved alert of ``rule`` about the row (so a find reaches past the open ones)."""
+    return ~Exists(
+        Alert.objects.filter(rule=rule, resolved_at__isnull=True, **{f"{subject}_id": OuterRef("pk")})
+    )
+
+
 # Tasks the dashboard follows and nobody gave up on: only their silence means something.
 _LIVE_TASK = Q(abandoned_at__isnull=True, gone_at__isnull=True)
 _LIVE_ALERT_TASK = Q(task__abandoned_at__isnull=True, task__gone_at__isnull=True)
@@ -135,6 +142,7 @@ def _silent_working(threshold: float) -> RuleSpec:
             RemoteTask.objects.filter(
                 _LIVE_TASK, state=WORKING, updated_at__lt=now - timedelta(seconds=threshold)
             )
+            .filter(_not_alerted(Rule.SILENT_WORKING))
             .exclude(watch=RemoteTask.Watch.NONE)
             .order_by("updated_at")
             .values_list("pk", "agent_id", "updated_at", "title", "remote_id")[: _limit()]
@@ -168,6 +176,7 @@ def _question_waiting(threshold: float) -> RuleSpec:
                 updated_at__lt=now - timedelta(seconds=threshold),
                 answered_seq__lt=F("asked_seq"),
             )
+            .filter(_not_alerted(Rule.QUESTION_WAITING))
             .order_by("updated_at")
             .values_list("pk", "agent_id", "updated_at", "title", "remote_id", "state")[: _limit()]
         )
@@ -197,6 +206,7 @@ def _agent_unreachable(threshold: float) -> RuleSpec:
     def find(now: datetime) -> list[Found]:
         rows = (
             Agent.objects.filter(reachable=False)
+            .filter(_not_alerted(Rule.AGENT_UNREACHABLE, "agent"))
             .order_by("pk")
             .values_list("pk", "name")[: _limit()]
         )
@@ -220,6 +230,7 @@ def _send_failed() -> RuleSpec:
         # state "" first: the (state, updated_at) index holds them together.
         rows = (
             RemoteTask.objects.filter(_LIVE_TASK, state="", phase=RemoteTask.Phase.FAILED)
+            .filter(_not_alerted(Rule.SEND_FAILED))
             .order_by("updated_at")
             .values_list("pk", "agent_id", "updated_at", "title", "remote_id")[: _limit()]
         )
@@ -243,6 +254,7 @@ def _parked() -> RuleSpec:
         # No index on watcher_status: parked tasks are read in one bounded scan.
         rows = (
             RemoteTask.objects.filter(_LIVE_TASK, watcher_status=RemoteTask.WatcherStatus.PARKED)
+            .filter(_not_alerted(Rule.PARKED))
             .order_by("pk")
             .values_list(
                 "pk",
@@ -343,18 +355,10 @@ def _resolve(rule: str, ended: Q, now: datetime) -> list[Alert]:
 
 
 def _open(spec: RuleSpec, now: datetime) -> list[Alert]:
-    found = spec.find(now)
-    if not found:
-        return _open_due(spec, now) if spec.pending else []
-    keys = [f.key for f in found]
-    unresolved = Alert.objects.filter(key__in=keys, resolved_at__isnull=True)
-    known = set(unresolved.values_list("key", flat=True))
-    if known:
-        Alert.objects.filter(key__in=known, resolved_at__isnull=True).update(last_seen_at=now)
+    """Touch the alerts that still hold (what ``_resolve`` left), then open what is new."""
+    Alert.objects.filter(rule=spec.rule, resolved_at__isnull=True).update(last_seen_at=now)
     opened: list[Alert] = []
-    for item in found:
-        if item.key in known:
-            continue
+    for item in spec.find(now):  # only subjects with no unresolved alert of this rule
         try:
             with transaction.atomic():
                 alert = Alert.objects.create(

@@ -1,0 +1,552 @@
+"""Alerts: each rule opens and resolves; two evaluators at once open each alert once; delivery
+by e-mail (Django's in-memory backend) and to a webhook receiver of this test's own on
+loopback, each attempt recorded, failures recorded and the evaluation going on; the outbound
+guard refuses a webhook anywhere else (before any connection); what people see.
+
+Time: ``evaluate(now=...)`` is given a clock later than the rows' times instead of sleeping
+past a threshold; every row is written by the services the watchers and views use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from django.db import connection
+from django.test import Client
+from django.urls import reverse
+from django.utils import timezone
+
+from tasks_app import alerts, jobs
+from tasks_app.crypto import encrypt_json
+from tasks_app.models import (
+    Agent,
+    Alert,
+    AlertDelivery,
+    Membership,
+    OperatorAction,
+    Project,
+    RemoteTask,
+)
+from tasks_app.services import agents as agent_services
+from tasks_app.services import tasks as task_services
+from tasks_app.services.record import record
+from tests.people import member
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+HOUR = timedelta(hours=1)
+AGENT_TOKEN = "agent-bearer-token-never-in-an-alert"
+
+
+def snapshot(task_id: str, state: str, text: str | None = None) -> dict:
+    status: dict = {"state": state}
+    if text:
+        status["message"] = {"messageId": f"m-{text}", "role": "ROLE_AGENT", "parts": [{"text": text}]}
+    return {"task": {"id": task_id, "contextId": "c-1", "status": status}}
+
+
+def status(task_id: str, state: str, text: str) -> dict:
+    message = {"messageId": f"m-{text}", "role": "ROLE_AGENT", "parts": [{"text": text}]}
+    return {"statusUpdate": {"taskId": task_id, "contextId": "c-1", "status": {"state": state, "message": message}}}
+
+
+@pytest.fixture(autouse=True)
+def alert_settings(settings) -> None:
+    """Every rule on with known thresholds; no channel unless a test sets one."""
+    settings.ALERT_SILENT_WORKING_SECONDS = 60
+    settings.ALERT_QUESTION_WAITING_SECONDS = 120
+    settings.ALERT_AGENT_UNREACHABLE_SECONDS = 300
+    settings.ALERT_SEND_FAILED = True
+    settings.ALERT_PARKED = True
+    settings.ALERT_EMAIL_TO = []
+    settings.ALERT_WEBHOOK_URL = ""
+    settings.ALERT_WEBHOOK_SECRET = ""
+    settings.ALERT_DELIVERY_TIMEOUT_SECONDS = 2
+    settings.ALERT_NOTIFY_RESOLVED = True
+    settings.EMAIL_BACKEND = "django.core.mail.backends.locmem.EmailBackend"
+
+
+@pytest.fixture
+def agent(db) -> Agent:
+    project = Project.objects.get_or_create(name="alpha")[0]
+    return Agent.objects.create(
+        project=project,
+        name="alpha agent",
+        base_url="http://127.0.0.1:9/alpha",
+        interface_url="http://127.0.0.1:9/alpha/rpc",
+        binding="JSONRPC",
+        credentials_encrypted=encrypt_json({"token": AGENT_TOKEN}),
+        credential_origins=["http://127.0.0.1:9"],
+    )
+
+
+def working_task(agent: Agent, remote_id: str = "t-1", title: str = "nightly report") -> RemoteTask:
+    task = RemoteTask.objects.create(agent=agent, title=title, phase="task", watch="stream")
+    record(task, snapshot(remote_id, "TASK_STATE_WORKING", "starting"), "stream")
+    task.refresh_from_db()
+    return task
+
+
+def unresolved(key: str) -> list[Alert]:
+    return list(Alert.objects.filter(key=key, resolved_at__isnull=True))
+
+
+# -- each rule opens and resolves -------------------------------------------------------------
+
+
+def test_silent_working_opens_past_its_threshold_and_resolves_when_the_task_moves(agent):
+    task = working_task(agent)
+    key = f"silent-working:task:{task.pk}"
+    assert not alerts.evaluate(task.updated_at + timedelta(seconds=30)).opened  # not yet
+    result = alerts.evaluate(task.updated_at + timedelta(seconds=61))
+    assert [a.key for a in result.opened] == [key]
+    alert = unresolved(key)[0]
+    assert alert.opened_at is not None and alert.since == task.updated_at and alert.agent_id == agent.pk
+    assert "nightly report" in alert.message
+    # Evaluated again while still silent: the same alert, seen again, nothing new.
+    later = alerts.evaluate(task.updated_at + timedelta(seconds=90))
+    assert not later.opened and not later.resolved
+    assert unresolved(key)[0].last_seen_at > alert.last_seen_at
+    # The task moves: resolved, even by an evaluation whose clock says it is silent again.
+    record(task, status("t-1", "TASK_STATE_WORKING", "step 1"), "stream")
+    task.refresh_from_db()
+    result = alerts.evaluate(task.updated_at + timedelta(seconds=5))
+    assert [a.pk for a in result.resolved] == [alert.pk]
+    assert not unresolved(key)
+    # Silent again past the threshold: a new alert (the old one stays resolved, recorded).
+    result = alerts.evaluate(task.updated_at + timedelta(seconds=61))
+    assert [a.key for a in result.opened] == [key]
+    assert Alert.objects.filter(key=key).count() == 2
+
+
+def test_a_task_nobody_follows_or_that_was_abandoned_is_not_silent(agent):
+    task = working_task(agent)
+    RemoteTask.objects.filter(pk=task.pk).update(watch=RemoteTask.Watch.NONE)  # e.g. imported, not followed
+    assert not alerts.evaluate(task.updated_at + HOUR).opened
+    RemoteTask.objects.filter(pk=task.pk).update(watch=RemoteTask.Watch.STREAM)
+    assert len(alerts.evaluate(task.updated_at + HOUR).opened) == 1
+    task_services.abandon_task(task, reason="no longer needed")
+    result = alerts.evaluate(timezone.now() + HOUR)
+    assert len(result.resolved) == 1 and not result.opened
+
+
+def test_question_waiting_opens_and_resolves_when_the_agent_goes_on(agent):
+    task = RemoteTask.objects.create(agent=agent, title="needs a name", phase="task", watch="stream")
+    record(task, snapshot("t-q", "TASK_STATE_INPUT_REQUIRED", "What is your name?"), "stream")
+    task.refresh_from_db()
+    assert task.asked_seq > task.answered_seq
+    key = f"question-waiting:task:{task.pk}"
+    assert not alerts.evaluate(task.updated_at + timedelta(seconds=100)).opened
+    result = alerts.evaluate(task.updated_at + timedelta(seconds=121))
+    assert [a.key for a in result.opened] == [key]
+    assert "waited for an answer" in result.opened[0].message
+    record(task, status("t-q", "TASK_STATE_WORKING", "thanks"), "stream")
+    result = alerts.evaluate(timezone.now() + timedelta(seconds=1))
+    assert [a.key for a in result.resolved] == [key]
+
+
+def test_an_answered_question_is_not_waiting(agent, django_user_model):
+    task = RemoteTask.objects.create(agent=agent, title="q", phase="task", remote_id="", watch="stream")
+    record(task, snapshot("t-a", "TASK_STATE_INPUT_REQUIRED", "Which one?"), "stream")
+    task.refresh_from_db()
+    alerts.evaluate(task.updated_at + HOUR)
+    assert unresolved(f"question-waiting:task:{task.pk}")
+    task_services.answer_task(task, "the first")  # accepted: now it is the agent's turn
+    result = alerts.evaluate(timezone.now() + HOUR)
+    assert [a.rule for a in result.resolved] == ["question-waiting"]
+    assert not unresolved(f"question-waiting:task:{task.pk}")
+
+
+def test_agent_unreachable_opens_only_after_its_threshold_and_resolves_when_reachable(agent):
+    key = f"agent-unreachable:agent:{agent.pk}"
+    agent_services.mark_unreachable(agent.pk, "connection refused")
+    t0 = timezone.now()
+    assert not alerts.evaluate(t0).opened
+    pending = unresolved(key)[0]
+    assert pending.opened_at is None  # seen, not yet an alert: nobody is shown it
+    assert not alerts.open_alerts(None).exists() and not Alert.objects.filter(opened_at__isnull=False).exists()
+    assert not alerts.evaluate(t0 + timedelta(seconds=200)).opened
+    result = alerts.evaluate(t0 + timedelta(seconds=301))
+    assert [a.key for a in result.opened] == [key]
+    assert unresolved(key)[0].since == pending.since  # counted from the first sighting
+    agent_services.mark_reachable(agent.pk)
+    result = alerts.evaluate(t0 + timedelta(seconds=302))
+    assert [a.key for a in result.resolved] == [key]
+
+
+def test_an_agent_back_before_its_threshold_leaves_no_alert(agent):
+    agent_services.mark_unreachable(agent.pk, "timeout")
+    alerts.evaluate()
+    assert Alert.objects.count() == 1
+    agent_services.mark_reachable(agent.pk)
+    result = alerts.evaluate(timezone.now() + HOUR)
+    assert not result.opened and not result.resolved
+    assert Alert.objects.count() == 0  # the pending sighting is gone; it never was an alert
+
+
+def test_send_failed_opens_at_once_and_resolves_on_retry(agent):
+    task = RemoteTask.objects.create(agent=agent, title="send me", request={"message": {"messageId": "m-1"}})
+    task_services.fail_send(task.pk, "connection refused", retry_safe=True)
+    key = f"send-failed:task:{task.pk}"
+    result = alerts.evaluate()
+    assert [a.key for a in result.opened] == [key]
+    task.refresh_from_db()
+    task_services.retry_send(task)
+    result = alerts.evaluate()
+    assert [a.key for a in result.resolved] == [key]
+
+
+def test_parked_opens_at_once_and_resolves_when_watched_again(agent):
+    task = working_task(agent, "t-p")
+    token = task_services.acquire_lease(task.pk, "a watcher")
+    assert token
+    task_services.release_lease(
+        task.pk, token, status=RemoteTask.WatcherStatus.PARKED, note="needs attention: 8 fruitless turns", hold_off=600
+    )
+    key = f"parked:task:{task.pk}"
+    result = alerts.evaluate()
+    assert [a.key for a in result.opened] == [key]
+    assert "8 fruitless turns" in result.opened[0].message
+    task.refresh_from_db()
+    task_services.watch_again(task)
+    result = alerts.evaluate()
+    assert [a.key for a in result.resolved] == [key]
+
+
+def test_a_rule_turned_off_resolves_its_alerts_and_opens_none(agent, settings):
+    task = working_task(agent)
+    alerts.evaluate(task.updated_at + HOUR)
+    assert unresolved(f"silent-working:task:{task.pk}")
+    settings.ALERT_SILENT_WORKING_SECONDS = None
+    result = alerts.evaluate(task.updated_at + 2 * HOUR)
+    assert [a.rule for a in result.resolved] == ["silent-working"] and not result.opened
+
+
+def test_the_job_runs_the_evaluation_and_is_on_the_beat_schedule(agent, settings):
+    from dashboard.celery import _beat_schedule
+
+    task = working_task(agent)
+    RemoteTask.objects.filter(pk=task.pk).update(updated_at=timezone.now() - HOUR)  # silent for an hour
+    assert jobs.evaluate_alerts() == "1 opened, 0 resolved, 0 deliveries"
+    settings.ALERT_EVERY_SECONDS = 7
+    entry = _beat_schedule()["evaluate-alerts"]
+    assert entry == {"task": "tasks_app.jobs.evaluate_alerts", "schedule": 7}
+
+
+def test_each_rule_is_one_bounded_query(agent, settings, django_assert_max_num_queries):
+    settings.ALERT_MAX_PER_RULE = 3
+    for i in range(5):
+        working_task(agent, f"t-{i}", f"task {i}")
+    later = timezone.now() + HOUR
+    result = alerts.evaluate(later)
+    assert len(result.opened) == 3  # at most ALERT_MAX_PER_RULE per rule and evaluation
+    assert len(alerts.evaluate(later).opened) == 2  # the rest on the next one
+    # Nothing new: per rule one resolve query, one find query, one lookup and one touch.
+    with django_assert_max_num_queries(5 * 4 + 1):
+        assert not alerts.evaluate(later).opened
+
+
+# -- concurrency -----------------------------------------------------------------------------
+
+
+def _race(n: int, when) -> list[alerts.Evaluation]:
+    """Release ``n`` evaluations at once (threads, each with its own connection)."""
+    barrier = threading.Barrier(n)
+    results: list[alerts.Evaluation] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            barrier.wait(timeout=10)
+            results.append(alerts.evaluate(when))
+        except BaseException as exc:  # reported below: a thread's failure must fail the test
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors, errors
+    assert len(results) == n
+    return results
+
+
+def test_two_evaluators_at_once_open_and_resolve_each_alert_once(agent, settings, mailoutbox):
+    settings.ALERT_EMAIL_TO = ["ops@example.org"]
+    tasks = [working_task(agent, f"t-{i}", f"task {i}") for i in range(4)]
+    agent_services.mark_unreachable(agent.pk, "refused")
+    t0 = timezone.now()
+    assert not alerts.evaluate(t0).opened  # the agent's first sighting (pending); tasks not silent yet
+    results = _race(2, t0 + timedelta(seconds=301))
+    opened = [a.key for r in results for a in r.opened]
+    assert sorted(opened) == sorted(
+        [f"silent-working:task:{t.pk}" for t in tasks] + [f"agent-unreachable:agent:{agent.pk}"]
+    )  # each once, by one evaluator or the other
+    for key in opened:
+        assert len(unresolved(key)) == 1
+    # Each alert was delivered once (by the evaluator that opened it).
+    per_alert = [d.alert_id for d in AlertDelivery.objects.filter(event="opened")]
+    assert sorted(per_alert) == sorted(set(per_alert)) and len(per_alert) == len(opened)
+    assert sum(len(m.to) for m in mailoutbox) == sum(1 for r in results if r.opened)
+    # Both see the tasks move at once: each alert resolved once.
+    for task in tasks:
+        record(task, status(task.remote_id, "TASK_STATE_WORKING", "moved"), "stream")
+    agent_services.mark_reachable(agent.pk)
+    results = _race(2, timezone.now() + timedelta(seconds=1))
+    resolved = [a.key for r in results for a in r.resolved]
+    assert sorted(resolved) == sorted(opened)
+    assert not Alert.objects.filter(resolved_at__isnull=True).exists()
+
+
+# -- delivery --------------------------------------------------------------------------------
+
+
+class Receiver:
+    """A webhook receiver of this test's own on 127.0.0.1: records each request, answers ``status``."""
+
+    def __init__(self, status: int = 204, delay: float = 0.0) -> None:
+        self.status = status
+        self.delay = delay
+        self.requests: list[dict] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                receiver.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
+                if receiver.delay:
+                    time.sleep(receiver.delay)
+                self.send_response(receiver.status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, path: str = "/hooks/alerts") -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    yield r
+    r.close()
+
+
+def test_email_on_open_and_on_resolve_through_djangos_mail(agent, settings, mailoutbox):
+    settings.ALERT_EMAIL_TO = ["ops@example.org", "oncall@example.org"]
+    settings.ALERT_EMAIL_FROM = "dashboard@example.org"
+    settings.PUBLIC_URL = "https://dash.example.org"
+    task = working_task(agent)
+    result = alerts.evaluate(task.updated_at + HOUR)
+    assert len(mailoutbox) == 1
+    mail = mailoutbox[0]
+    assert mail.to == ["ops@example.org", "oncall@example.org"] and mail.from_email == "dashboard@example.org"
+    assert "1 alert opened" in mail.subject and "nightly report" in mail.subject
+    assert f"https://dash.example.org/tasks/{task.pk}/" in mail.body and "project alpha" in mail.body
+    assert AGENT_TOKEN not in mail.body + mail.subject
+    delivery = AlertDelivery.objects.get()
+    assert (delivery.alert_id, delivery.channel, delivery.event, delivery.outcome) == (
+        result.opened[0].pk, "email", "opened", "sent",
+    )  # fmt: skip
+    assert delivery.target == "ops@example.org, oncall@example.org"
+    record(task, status("t-1", "TASK_STATE_COMPLETED", "done"), "stream")
+    alerts.evaluate()
+    assert len(mailoutbox) == 2 and "1 resolved" in mailoutbox[1].subject
+    assert AlertDelivery.objects.filter(event="resolved", outcome="sent").count() == 1
+
+
+def test_webhook_gets_json_signed_and_without_secrets(agent, settings, receiver):
+    settings.ALERT_WEBHOOK_URL = receiver.url("/hooks/s3cr3t-path?token=webhook-token")
+    settings.ALERT_WEBHOOK_SECRET = "signing-secret"
+    task = working_task(agent)
+    alerts.evaluate(task.updated_at + HOUR)
+    assert len(receiver.requests) == 1
+    req = receiver.requests[0]
+    assert req["path"] == "/hooks/s3cr3t-path?token=webhook-token"
+    assert req["headers"]["Content-Type"] == "application/json"
+    expected = hmac.new(b"signing-secret", req["body"], hashlib.sha256).hexdigest()
+    assert req["headers"]["X-Dashboard-Signature"] == f"sha256={expected}"
+    body = json.loads(req["body"])
+    assert body["source"] == "a2a-dashboard" and body["more"] == 0
+    [item] = body["alerts"]
+    assert item["event"] == "opened" and item["rule"] == "silent-working"
+    assert item["task"]["id"] == task.pk and item["task"]["remote_id"] == "t-1"
+    assert item["agent"] == {"id": agent.pk, "name": "alpha agent", "url": None} and item["project"] == "alpha"
+    text = req["body"].decode()
+    for secret in (AGENT_TOKEN, "signing-secret", "webhook-token", agent.credentials_encrypted):
+        assert secret not in text
+    delivery = AlertDelivery.objects.get()
+    assert delivery.outcome == "sent" and delivery.channel == "webhook"
+    assert delivery.target == f"http://127.0.0.1:{receiver.port}"  # the origin only: the path is a secret
+
+
+def test_a_failing_webhook_is_recorded_and_the_evaluation_goes_on(agent, settings, mailoutbox, receiver):
+    settings.ALERT_EMAIL_TO = ["ops@example.org"]
+    settings.ALERT_WEBHOOK_URL = receiver.url()
+    receiver.status = 500
+    first = working_task(agent, "t-1", "first")
+    result = alerts.evaluate(first.updated_at + HOUR)
+    assert len(result.opened) == 1 and len(receiver.requests) == 1
+    by_channel = {d.channel: d for d in AlertDelivery.objects.all()}
+    assert by_channel["webhook"].outcome == "failed"
+    assert by_channel["webhook"].error == f"http://127.0.0.1:{receiver.port} answered HTTP 500"
+    assert by_channel["email"].outcome == "sent" and len(mailoutbox) == 1  # the other channel went out
+    # Nobody listening: a connection error, recorded; the next alert still opens.
+    receiver.close()
+    second = working_task(agent, "t-2", "second")
+    result = alerts.evaluate(second.updated_at + HOUR)
+    assert [a.task_id for a in result.opened] == [second.pk]
+    failed = AlertDelivery.objects.get(alert=result.opened[0], channel="webhook")
+    assert failed.outcome == "failed" and "ConnectError" in failed.error
+    assert "/hooks/alerts" not in failed.error
+
+
+def test_a_slow_webhook_is_given_up_within_the_timeout(agent, settings, receiver):
+    settings.ALERT_WEBHOOK_URL = receiver.url()
+    settings.ALERT_DELIVERY_TIMEOUT_SECONDS = 0.5
+    receiver.delay = 3
+    task = working_task(agent)
+    started = time.monotonic()
+    result = alerts.evaluate(task.updated_at + HOUR)
+    assert time.monotonic() - started < 2.5
+    assert len(result.opened) == 1
+    delivery = AlertDelivery.objects.get()
+    assert delivery.outcome == "failed" and "within 0.5 s" in delivery.error
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://10.255.255.1/hook", "http://169.254.169.254/latest/meta-data/", "http://[fd00::1]/hook"],
+)
+def test_the_outbound_guard_refuses_a_webhook_off_loopback(agent, settings, url):
+    """OUTBOUND_ALLOW is loopback in tests; anything else is refused before any connection
+    (the suite's connect hook would fail the test if one were attempted)."""
+    settings.ALERT_WEBHOOK_URL = url
+    task = working_task(agent)
+    result = alerts.evaluate(task.updated_at + HOUR)
+    assert len(result.opened) == 1
+    delivery = AlertDelivery.objects.get()
+    assert delivery.outcome == "failed" and delivery.error.startswith("refused by the outbound guard")
+
+
+def test_a_broken_mail_server_is_recorded(agent, settings):
+    settings.ALERT_EMAIL_TO = ["ops@example.org"]
+    settings.EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
+    settings.EMAIL_HOST = "127.0.0.1"
+    settings.EMAIL_PORT = Receiver().port  # an HTTP server: not SMTP
+    task = working_task(agent)
+    result = alerts.evaluate(task.updated_at + HOUR)
+    assert len(result.opened) == 1
+    delivery = AlertDelivery.objects.get()
+    assert delivery.channel == "email" and delivery.outcome == "failed" and delivery.error
+
+
+# -- what people see ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def people(django_user_model) -> dict[str, Client]:
+    clients = {}
+    for name, role, project in (
+        ("viewer", Membership.Role.VIEWER, "alpha"),
+        ("admin", Membership.Role.AGENT_ADMIN, "alpha"),
+        ("outsider", Membership.Role.AGENT_ADMIN, "beta"),
+    ):
+        user = member(django_user_model.objects.create_user(name, password="pw-12345678"), role, project)
+        clients[name] = Client()
+        clients[name].force_login(user)
+    return clients
+
+
+def test_open_alerts_show_on_the_overview_only_to_who_may_read_them(agent, people):
+    task = working_task(agent)
+    alerts.evaluate(task.updated_at + HOUR)
+    alert = Alert.objects.get()
+    page = people["viewer"].get(reverse("overview")).content.decode()
+    assert f'data-alert="{alert.pk}"' in page and f'href="/tasks/{task.pk}/"' in page
+    assert 'id="alerts"' in page and "alerts.js" in page
+    other = people["outsider"].get(reverse("overview")).content.decode()
+    assert f'data-alert="{alert.pk}"' not in other and "nightly report" not in other
+    assert 'id="alerts"' in other  # the (empty, hidden) section, so that one can appear live
+    listing = people["viewer"].get(reverse("alerts")).content.decode()
+    assert f'data-alert="{alert.pk}"' in listing and 'id="alert-test"' not in listing
+    assert f'data-alert="{alert.pk}"' not in people["outsider"].get(reverse("alerts")).content.decode()
+
+
+def test_the_live_section_answers_204_until_the_alerts_change(agent, people):
+    client = people["viewer"]
+    empty = client.get(reverse("alerts-live"))
+    assert empty.status_code == 200
+    version = alerts.current_version(None)
+    assert f'data-version="{version}"' in empty.content.decode()
+    assert client.get(reverse("alerts-live"), {"v": version}).status_code == 204
+    task = working_task(agent)
+    alerts.evaluate(task.updated_at + HOUR)
+    changed = client.get(reverse("alerts-live"), {"v": version})
+    assert changed.status_code == 200 and f'data-task="{task.pk}"' in changed.content.decode()
+    # The outsider's set did not change: nothing new for them.
+    assert people["outsider"].get(reverse("alerts-live"), {"v": version}).status_code == 204
+    assert f'data-task="{task.pk}"' not in people["outsider"].get(reverse("alerts-live")).content.decode()
+
+
+def test_send_a_test_alert_through_each_channel(agent, settings, mailoutbox, receiver, people):
+    settings.ALERT_EMAIL_TO = ["ops@example.org"]
+    settings.ALERT_WEBHOOK_URL = receiver.url()
+    response = people["admin"].post(reverse("alerts-test"), follow=True)
+    page = response.content.decode()
+    assert response.status_code == 200
+    assert "Test alert sent by e-mail to ops@example.org." in page
+    assert f"Test alert sent by Webhook to http://127.0.0.1:{receiver.port}." in page
+    assert len(mailoutbox) == 1 and mailoutbox[0].subject == "[A2A dashboard] Test alert"
+    assert json.loads(receiver.requests[0]["body"])["alerts"][0]["event"] == "test"
+    test_alert = Alert.objects.get(rule="test")
+    assert test_alert.resolved_at is not None  # never shown as open
+    assert set(test_alert.deliveries.values_list("channel", "outcome")) == {("email", "sent"), ("webhook", "sent")}
+    assert 'id="alert-deliveries"' in page
+    action = OperatorAction.objects.get(action="alert-test")
+    assert action.outcome == "email: sent; webhook: sent" and action.actor.username == "admin"
+    # A failing channel: its error is shown.
+    receiver.status = 503
+    page = people["admin"].post(reverse("alerts-test"), follow=True).content.decode()
+    assert "answered HTTP 503" in page
+
+
+def test_only_staff_and_agent_admins_may_send_a_test(agent, people, django_user_model, mailoutbox, settings):
+    settings.ALERT_EMAIL_TO = ["ops@example.org"]
+    assert people["viewer"].post(reverse("alerts-test")).status_code == 403
+    assert OperatorAction.objects.filter(action="forbidden").count() == 1
+    assert not mailoutbox and not Alert.objects.exists()
+    staff = django_user_model.objects.create_user("staff", password="pw-12345678", is_staff=True)
+    client = Client()
+    client.force_login(staff)
+    assert client.post(reverse("alerts-test")).status_code == 302
+    assert len(mailoutbox) == 1
+
+
+def test_no_channel_configured_says_so(agent, people):
+    page = people["admin"].post(reverse("alerts-test"), follow=True).content.decode()
+    assert "No channel is configured" in page
+    assert not AlertDelivery.objects.exists()
