@@ -120,8 +120,19 @@ def _task_name(title: str, remote_id: str, pk: int) -> str:
 
 
 def _duration(seconds: float) -> str:
+    """A duration in words; under a minute in seconds (timesince would say "0 minutes")."""
+    if seconds < 60:
+        whole = max(0, int(seconds))
+        return f"{whole} second{'' if whole == 1 else 's'}"
     now = timezone.now()
     return timesince(now - timedelta(seconds=seconds), now)
+
+
+def age(since: datetime | None, now: datetime | None = None) -> str:
+    """How long an alert's condition has lasted, in words."""
+    if since is None:
+        return ""
+    return _duration(((now or timezone.now()) - since).total_seconds())
 
 
 def _not_alerted(rule: str, subject: str = "task") -> Exists:

@@ -452,11 +452,12 @@ def test_the_outbound_guard_refuses_a_webhook_off_loopback(agent, settings, url)
     assert delivery.outcome == "failed" and delivery.error.startswith("refused by the outbound guard")
 
 
-def test_a_broken_mail_server_is_recorded(agent, settings):
+def test_a_broken_mail_server_is_recorded(agent, settings, receiver):
     settings.ALERT_EMAIL_TO = ["ops@example.org"]
+    settings.ALERT_DELIVERY_TIMEOUT_SECONDS = 0.5
     settings.EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
     settings.EMAIL_HOST = "127.0.0.1"
-    settings.EMAIL_PORT = Receiver().port  # an HTTP server: not SMTP
+    settings.EMAIL_PORT = receiver.port  # an HTTP server: it never greets like an SMTP server
     task = working_task(agent)
     result = alerts.evaluate(task.updated_at + HOUR)
     assert len(result.opened) == 1

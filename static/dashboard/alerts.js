@@ -14,10 +14,11 @@
   function ago(iso) {
     const s = Math.max(0, (Date.now() - Date.parse(iso)) / 1000);
     if (isNaN(s)) return "";
-    if (s < 60) return Math.floor(s) + " seconds";
-    if (s < 3600) return Math.floor(s / 60) + " minutes";
-    if (s < 86400) return Math.floor(s / 3600) + " hours";
-    return Math.floor(s / 86400) + " days";
+    const n = (v, unit) => v + " " + unit + (v === 1 ? "" : "s");
+    if (s < 60) return n(Math.floor(s), "second");
+    if (s < 3600) return n(Math.floor(s / 60), "minute");
+    if (s < 86400) return n(Math.floor(s / 3600), "hour");
+    return n(Math.floor(s / 86400), "day");
   }
 
   let busy = false;
@@ -34,6 +35,7 @@
       const fresh = tmp.querySelector("#alerts");
       const current = document.getElementById("alerts");
       if (fresh && current) current.replaceWith(fresh);
+      tick();
     } catch (e) {
       /* offline for a moment: the next check catches up */
     } finally {
@@ -51,6 +53,6 @@
   const first = document.getElementById("alerts");
   const every = Math.max(1000, parseInt((first && first.dataset.everyMs) || "5000", 10) || 5000);
   setInterval(check, every);
-  setInterval(tick, 15000);
+  setInterval(tick, 5000);
   document.addEventListener("visibilitychange", () => { if (!document.hidden) check(); });
 })();

@@ -6,6 +6,7 @@ they redraw from) shows the alerts by including the template, with no change to 
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from django import template
@@ -32,3 +33,9 @@ def open_alerts(context: template.Context) -> dict[str, Any]:
         "refresh_ms": int(settings.ALERT_REFRESH_SECONDS * 1000),
         "now": timezone.now(),
     }
+
+
+@register.filter
+def alert_age(since: datetime | None, now: datetime | None = None) -> str:
+    """``{{ alert.since|alert_age:now }}``: "12 seconds", "3 minutes", "2 hours, 5 minutes"."""
+    return alerts.age(since, now)
