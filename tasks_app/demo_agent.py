@@ -21,6 +21,11 @@ Behaviour is chosen by the first word of the user's text:
 ``ask``                 INPUT_REQUIRED with a question; a follow-up message
                         on the same task completes it with an artifact
                         echoing the answer
+``form``                INPUT_REQUIRED with a question carrying the JSON Schema
+                        of the answer (a data part, ``application/schema+json``:
+                        name, guests 1-10, date, meal); the answer's data part
+                        completes it with an artifact echoing the values (a
+                        text-only answer is echoed as text)
 ``auth [seconds]``      AUTH_REQUIRED with an explanation, then resumes *on
                         its own* (out-of-band model: the executor keeps
                         running) after ``seconds`` (default 1) -> WORKING ->
@@ -74,6 +79,7 @@ from typing import Any
 import httpx
 import jwt
 from a2a.helpers.proto_helpers import (
+    get_data_parts,
     new_data_part,
     new_raw_part,
     new_task_from_user_message,
@@ -102,8 +108,20 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 log = logging.getLogger("tasks_app.demo_agent")
 
 TASK_WORDS = frozenset(
-    {"quick", "slow", "ask", "auth", "fail", "reject", "long", "data", "markdown", "batch"}
+    {"quick", "slow", "ask", "form", "auth", "fail", "reject", "long", "data", "markdown", "batch"}
 )
+# The answer the ``form`` script asks for (docs/answers.md says which spellings are read).
+BOOKING_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "title": "Table booking",
+    "properties": {
+        "name": {"type": "string", "title": "Name", "description": "Who the table is for.", "minLength": 1},
+        "guests": {"type": "integer", "title": "Guests", "minimum": 1, "maximum": 10, "default": 2},
+        "date": {"type": "string", "format": "date", "title": "Date"},
+        "meal": {"type": "string", "title": "Meal", "enum": ["meat", "fish", "vegetarian"]},
+    },
+    "required": ["name", "guests", "date"],
+}
 # The card extension announcing signed push notifications (tasks_app/services/push.py reads it).
 SIGNING_EXTENSION = "urn:a2a-dashboard:push-signing:v1"
 MARKDOWN_SAMPLE = (
@@ -156,7 +174,9 @@ class DemoExecutor(AgentExecutor):
             return up.new_agent_message([new_text_part(msg)])
 
         if context.current_task is not None:  # a follow-up on an existing task
-            if word == "ask" or task.status.state == pb.TASK_STATE_INPUT_REQUIRED:
+            if word == "form":
+                await self._booked(up, context, text, say)
+            elif word == "ask" or task.status.state == pb.TASK_STATE_INPUT_REQUIRED:
                 await up.start_work(say("Thanks, working on it."))
                 await up.add_artifact(
                     [new_text_part(f"You answered: {text}")], name="answer", last_chunk=True
@@ -189,6 +209,16 @@ class DemoExecutor(AgentExecutor):
         elif word == "ask":
             await up.start_work()
             await up.requires_input(say("What is your name?"))
+        elif word == "form":
+            await up.start_work()
+            await up.requires_input(
+                up.new_agent_message(
+                    [
+                        new_text_part("Please fill in the booking form."),
+                        new_data_part(BOOKING_SCHEMA, "application/schema+json"),
+                    ]
+                )
+            )
         elif word == "auth":
             wait = _number(words, 1, self.auth_delay)
             await up.requires_auth(
@@ -255,6 +285,23 @@ class DemoExecutor(AgentExecutor):
             )
             await up.complete(say("Done."))
 
+    async def _booked(self, up: TaskUpdater, context: RequestContext, text: str, say: Any) -> None:
+        """The answer to ``form``: its data part's values, echoed (whole numbers as such)."""
+        found = get_data_parts(context.message.parts) if context.message is not None else []
+        answer = next((d for d in found if isinstance(d, dict)), None)
+        await up.start_work(say("Thanks, booking."))
+        if answer is None:
+            await up.add_artifact([new_text_part(f"You answered: {text}")], name="answer", last_chunk=True)
+        else:
+            values = {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in answer.items()}
+            lines = "\n".join(f"{k}: {v}" for k, v in values.items())
+            await up.add_artifact(
+                [new_text_part(f"Booked:\n{lines}\n"), new_data_part(values, "application/json")],
+                name="booking",
+                last_chunk=True,
+            )
+        await up.complete(say("Done."))
+
     async def cancel(self, context: RequestContext, event_queue: EventQueue) -> None:
         task = context.current_task
         if task is None or not context.task_id:
@@ -299,9 +346,9 @@ def build_card(
             pb.AgentSkill(
                 id="script",
                 name="Scripted behaviours",
-                description="hello, quick, slow, ask, auth, fail, reject, long, data, markdown, batch",
+                description="hello, quick, slow, ask, form, auth, fail, reject, long, data, markdown, batch",
                 tags=["demo", "test"],
-                examples=["hello", "quick", "slow 5 0.2", "ask", "auth", "long 30", "data", "batch 20 2"],
+                examples=["hello", "quick", "slow 5 0.2", "ask", "form", "auth", "long 30", "data", "batch 20 2"],
             )
         ],
     )

@@ -203,11 +203,56 @@ class CancelForm(forms.Form):
 
 
 class AnswerForm(forms.Form):
+    """A free answer: text, and optionally JSON data and a file (the question has no usable schema).
+
+    Schema-driven answers are ``tasks_app.answers.SchemaAnswerForm``; both give ``message_parts()``.
+    """
+
+    schema_driven = False
+    schema_note = ""  # why the agent's schema (if any) was not used, shown above the form
+
     text = forms.CharField(
-        label="Your answer", max_length=100_000, widget=forms.Textarea(attrs={"rows": 3})
+        label="Your answer", max_length=100_000, required=False, widget=forms.Textarea(attrs={"rows": 3})
     )
+    data = forms.CharField(
+        required=False, label="JSON data (optional)", max_length=1_000_000,
+        widget=forms.Textarea(attrs={"rows": 3, "placeholder": '{"key": "value"}', "spellcheck": "false"}),
+    )  # fmt: skip
+    file = forms.FileField(required=False, label="Attach a file (optional)")
     # The seq of the question the person saw: one answer per question (see answer_task).
     question = forms.IntegerField(min_value=0, widget=forms.HiddenInput)
+
+    def clean_data(self) -> Any:
+        text = (self.cleaned_data.get("data") or "").strip()
+        return parse_json_text(text) if text else None
+
+    def clean_file(self) -> Any:
+        upload = self.cleaned_data.get("file")
+        if upload and upload.size > MAX_UPLOAD_BYTES:
+            raise forms.ValidationError(f"The file is larger than {MAX_UPLOAD_BYTES // (1024 * 1024)} MB.")
+        return upload
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        upload = data.get("file")
+        data["file_part"] = (
+            {
+                "raw": base64.b64encode(upload.read()).decode(),
+                "filename": safe_filename(upload.name, "upload"),
+                "mediaType": (upload.content_type or "application/octet-stream")[:200],
+            }
+            if upload
+            else None
+        )
+        empty = not (data.get("text") or "").strip() and data.get("data") is None and upload is None
+        if empty and "data" not in self.errors and "file" not in self.errors:
+            self.add_error("text", "Write an answer, add JSON data or attach a file.")
+        return data
+
+    def message_parts(self) -> tuple[str, Any, tuple[dict, ...]]:
+        """(text, data, files) of the answer message."""
+        data = self.cleaned_data
+        return data.get("text") or "", data.get("data"), (data["file_part"],) if data.get("file_part") else ()
 
 
 SORT_CHOICES = [

@@ -28,11 +28,10 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_GET, require_POST
 
-from tasks_app import access, crypto
+from tasks_app import access, answers, crypto
 from tasks_app.access import Perm, get_agent_for_user, get_task_for_user
 from tasks_app.forms import (
     AgentAddForm,
-    AnswerForm,
     CancelForm,
     CredentialsForm,
     EventFilterForm,
@@ -601,7 +600,7 @@ def _task_context(request: HttpRequest, task: RemoteTask) -> dict:
         "timeline": _timeline(task),
         "artifacts": artifact_blocks(task),
         "cancel_form": CancelForm(),
-        "answer_form": AnswerForm(initial={"question": task.asked_seq}),
+        "answer_form": answers.answer_form(task),  # from the agent's answer schema, or free text
         **{name: allowed and can["operate"] for name, allowed in actions.items()},
         "waiting_for_answer": actions["can_answer"],
     }
@@ -783,23 +782,11 @@ def task_retry(request: HttpRequest, pk: int) -> HttpResponse:
 @require_POST
 def task_answer(request: HttpRequest, pk: int) -> HttpResponse:
     task = get_task_for_user(request, pk, Perm.OPERATE)
-    form = AnswerForm(request.POST)
-    if form.is_valid():
-        try:
-            task_services.answer_task(
-                task,
-                form.cleaned_data["text"],
-                actor_id=request.user.id,
-                question_seq=form.cleaned_data["question"],
-            )
-        except task_services.TaskActionError as exc:
-            # The text stays in the form; sending it again answers the question now shown.
-            form.data = form.data.copy()
-            form.data["question"] = str(RemoteTask.objects.filter(pk=task.pk).values_list("asked_seq", flat=True).first() or 0)
-            form.add_error("text", str(exc))
-        else:
-            messages.success(request, "Answer sent.")
-            return _back_to_task(task)
+    # Validated (against the agent's schema, when it sent one) and sent by tasks_app.answers.
+    sent, form = answers.submit(request, task, answers.answer_form(task, request.POST, request.FILES))
+    if sent:
+        messages.success(request, "Answer sent.")
+        return _back_to_task(task)
     # Re-render the page with the answer form and what was typed.
     return _render_task_with(request, task, answer_form=form)
 

@@ -104,6 +104,11 @@ RULES: dict[str, Rule] = {
     "audit": Rule("GET", Perm.AUDIT, 200),
     "audit-csv": Rule("GET", Perm.AUDIT, 200),
     "task-export": Rule("GET", Perm.AUDIT, 200),
+    # The inbox: everyone sees the waiting tasks of the projects they read; a row is a task
+    # (read); answering from it is operating (an empty form: refused next to the field, 400).
+    "inbox": Rule("GET", LOGIN, 200),
+    "inbox-row": Rule("GET", R, 200),
+    "inbox-answer": Rule("POST", OP, 400),
     # Alerts: everyone sees those of the projects they read; the live section answers 204
     # when the version sent is current (here none is sent: 200). A test alert: staff and
     # agent admins (no channel is configured in tests: it says so and goes back, 302).

@@ -164,10 +164,15 @@ def answer_task(
     text: str = "",
     *,
     data: Any = None,
+    files: tuple[dict, ...] = (),
     actor_id: int | None = None,
     question_seq: int | None = None,
 ) -> RemoteTask:
     """Answer an interrupted task: a new message with the same taskId and contextId.
+
+    The message carries a text part (when ``text``), a data part (``data``: for a
+    schema-driven answer, the object validated against the agent's schema; see
+    ``tasks_app.answers``) and file parts (``files``: Part dicts with ``raw``).
 
     Exactly one answer per question: ``question_seq`` is the seq of the row
     that asked (``asked_seq``, carried by the form the person saw; the current
@@ -181,7 +186,11 @@ def answer_task(
     if task.state not in ("TASK_STATE_INPUT_REQUIRED", "TASK_STATE_AUTH_REQUIRED"):
         raise TaskActionError("This task is not waiting for an answer.")
     asked = task.asked_seq if question_seq is None else question_seq
-    message = user_message(text or None, data=data, task_id=task.remote_id, context_id=task.context_id or None)
+    if not (text or data is not None or files):
+        raise TaskActionError("An answer needs text, data or a file.")
+    message = user_message(
+        text or None, data=data, files=files, task_id=task.remote_id, context_id=task.context_id or None
+    )
     with transaction.atomic():
         won = RemoteTask.objects.filter(
             pk=task.pk,

@@ -1,0 +1,175 @@
+"""The inbox: every task waiting on a person, oldest question first, with an answer form inline.
+
+A task waits on a person while its state is ``input-required`` or ``auth-required`` and it is
+neither abandoned nor settled; only the agents of the person's projects count
+(``access.readable_tasks``). A question that was answered but not yet taken up by the agent
+still counts (the state has not moved), shown with who answered and when, without a form;
+the browser can tell waiting from the task-list summaries alone (state and watcher status),
+so the live badge and the server agree.
+
+The navigation badge (``templatetags/inbox.py``) comes from ``waiting_ids``: one indexed query
+(the ``state`` index), at most ``COUNT_LIMIT`` + 1 ids; under the limit the ids go to the page
+so that the badge's script knows which tasks it already counted.
+
+The page is ordered by when the question was asked: the ``received_at`` of the log row that
+asked (``asked_seq``; one lookup on the (task, seq) unique index per waiting task), else the
+agent's status timestamp, else when the task was created; keyset paging on (asked, id).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from datetime import datetime
+from typing import Any
+from urllib.parse import urlencode
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.db.models import DateTimeField, OuterRef, Q, QuerySet, Subquery
+from django.db.models.functions import Coalesce
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import redirect, render
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+from django.views.decorators.http import require_GET, require_POST
+
+from tasks_app import access, answers
+from tasks_app.access import Perm, get_task_for_user
+from tasks_app.models import INTERRUPTED_STATES, RemoteTask, TaskEvent
+
+COUNT_LIMIT = 1000
+PAGE_SIZE = 25
+QUESTION_LINES = 4
+QUESTION_CHARS = 400
+
+
+def waiting(qs: QuerySet[RemoteTask]) -> QuerySet[RemoteTask]:
+    """The tasks of ``qs`` that wait on a person (the rule in the module docstring)."""
+    return qs.filter(state__in=INTERRUPTED_STATES, abandoned_at__isnull=True, settled_at__isnull=True)
+
+
+def waiting_ids(user: Any) -> list[int]:
+    """Ids of the person's waiting tasks, at most ``COUNT_LIMIT`` + 1 (more means "1000+")."""
+    return list(waiting(access.readable_tasks(user)).order_by().values_list("pk", flat=True)[: COUNT_LIMIT + 1])
+
+
+def with_asked_at(qs: QuerySet[RemoteTask]) -> QuerySet[RemoteTask]:
+    asked_row = TaskEvent.objects.filter(task_id=OuterRef("pk"), seq=OuterRef("asked_seq")).values("received_at")[:1]
+    return qs.annotate(
+        asked_at=Coalesce(
+            Subquery(asked_row, output_field=DateTimeField()), "status_timestamp", "created_at",
+            output_field=DateTimeField(),
+        )
+    )  # fmt: skip
+
+
+def question_lines(message: Any) -> str:
+    """The first lines of the question's text parts (plain text: the template escapes it)."""
+    if not isinstance(message, dict) or not isinstance(message.get("parts"), list):
+        return ""
+    lines: list[str] = []
+    for part in message["parts"]:
+        if isinstance(part, dict) and isinstance(part.get("text"), str):
+            lines += [line.strip() for line in part["text"].splitlines() if line.strip()]
+        if len(lines) >= QUESTION_LINES:
+            break
+    text = "\n".join(lines[:QUESTION_LINES])
+    more = len(lines) > QUESTION_LINES or len(text) > QUESTION_CHARS
+    return text[:QUESTION_CHARS] + ("…" if more else "")
+
+
+def _encode_cursor(value: datetime, pk: int) -> str:
+    return base64.urlsafe_b64encode(f"{value.isoformat()}|{pk}".encode()).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[datetime, int] | None:
+    try:
+        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        stamp, pk = text.rsplit("|", 1)
+        value = parse_datetime(stamp)
+        return (value, int(pk)) if value else None
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        return None
+
+
+def row_context(request: HttpRequest, task: RemoteTask, form: Any = None) -> dict[str, Any]:
+    """One waiting task as the inbox shows it (the form only for people who may operate)."""
+    can = access.can(request.user, task.agent.project_id)
+    is_waiting = task.state in INTERRUPTED_STATES and task.abandoned_at is None and task.settled_at is None
+    answered = bool(task.asked_seq) and task.answered_seq >= task.asked_seq and task.answered_at is not None
+    if form is None and can["operate"] and is_waiting and not answered:
+        form = answers.answer_form(task, prefix=f"t{task.pk}")
+    return {
+        "task": task,
+        "asked_at": getattr(task, "asked_at", None) or task.status_timestamp or task.created_at,
+        "question": question_lines(task.status_message),
+        "waiting": is_waiting,
+        "answered": answered,
+        "can": can,
+        "form": form if can["operate"] and is_waiting else None,
+        "answer_action": reverse("inbox-answer", args=[task.pk]),
+        "answer_form_id": f"answer-form-{task.pk}",
+    }
+
+
+def _page(request: HttpRequest, forms: dict[int, Any] | None = None, extra: RemoteTask | None = None) -> dict[str, Any]:
+    forms = forms or {}
+    qs = with_asked_at(waiting(access.readable_tasks(request.user))).select_related("agent", "answered_by")
+    cursor = _decode_cursor(request.GET.get("cursor", "")) if request.GET.get("cursor") else None
+    page_qs = qs
+    if cursor:
+        value, pk = cursor
+        page_qs = page_qs.filter(Q(asked_at__gt=value) | Q(asked_at=value, pk__gt=pk))
+    tasks = list(page_qs.order_by("asked_at", "pk")[: PAGE_SIZE + 1])
+    has_next = len(tasks) > PAGE_SIZE
+    tasks = tasks[:PAGE_SIZE]
+    if extra is not None and all(t.pk != extra.pk for t in tasks):
+        tasks.insert(0, extra)  # the task whose answer was refused, wherever it is in the list
+    ids = waiting_ids(request.user)
+    next_url = ""
+    if has_next and tasks:
+        last = tasks[-1]
+        next_url = "?" + urlencode({"cursor": _encode_cursor(last.asked_at, last.pk)})
+    return {
+        "rows": [row_context(request, t, forms.get(t.pk)) for t in tasks],
+        "count": min(len(ids), COUNT_LIMIT),
+        "count_capped": len(ids) > COUNT_LIMIT,
+        "count_limit": COUNT_LIMIT,
+        "next_url": next_url,
+        "first_url": reverse("inbox") if cursor else "",
+        # New waiting tasks are the newest questions: they belong on the last page.
+        "live_insert": not has_next,
+        "now": timezone.now(),
+    }
+
+
+@login_required
+@require_GET
+def inbox(request: HttpRequest) -> HttpResponse:
+    return render(request, "tasks_app/inbox.html", _page(request))
+
+
+@login_required
+@require_GET
+def inbox_row(request: HttpRequest, pk: int) -> HttpResponse:
+    """One task as an inbox row (server-rendered, for live inserts)."""
+    task = get_task_for_user(request, pk, related=("agent", "answered_by"))
+    task = with_asked_at(RemoteTask.objects.filter(pk=task.pk)).select_related("agent", "answered_by").get()
+    return render(request, "tasks_app/_inbox_row.html", {"row": row_context(request, task)})
+
+
+@login_required
+@require_POST
+def inbox_answer(request: HttpRequest, pk: int) -> HttpResponse:
+    """Answer from the inbox: back to the inbox when sent, else the inbox with the errors."""
+    task = get_task_for_user(request, pk, Perm.OPERATE, related=("agent", "answered_by"))
+    form = answers.answer_form(task, request.POST, request.FILES, prefix=f"t{task.pk}")
+    sent, form = answers.submit(request, task, form)
+    if sent:
+        messages.success(request, f"Answer sent: {task.title or task}.")
+        return redirect("inbox")
+    task = with_asked_at(RemoteTask.objects.filter(pk=task.pk)).select_related("agent", "answered_by").get()
+    context = _page(request, {task.pk: form}, extra=task)
+    return render(request, "tasks_app/inbox.html", context, status=400)
