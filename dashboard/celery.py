@@ -6,6 +6,7 @@ from typing import Any
 
 from celery import Celery
 from celery.beat import PersistentScheduler
+from celery.signals import setup_logging
 
 from tasks_app.runtime.files import PRIVATE_UMASK, narrow_family, private_dir
 
@@ -27,6 +28,17 @@ class PrivateScheduler(PersistentScheduler):
         private_dir(path.parent)
         narrow_family(path)
         return super()._open_schedule()
+
+
+@setup_logging.connect
+def _django_logging(**_: Any) -> None:
+    """Workers and beat log through Django's ``LOGGING`` (one format, LOG_FORMAT=json included),
+    instead of Celery's own root handler."""
+    import logging.config
+
+    from django.conf import settings
+
+    logging.config.dictConfig(settings.LOGGING)
 
 
 app = Celery("dashboard")

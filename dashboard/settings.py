@@ -34,6 +34,7 @@ import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
 from tasks_app.runtime.files import create_private_once, ensure_private_file, narrow, private_dir
+from tasks_app.runtime.logs import FORMATS, formatter_config
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -284,18 +285,26 @@ FIELD_ENCRYPTION_KEY = os.environ.get("FIELD_ENCRYPTION_KEY", "")
 # still decrypt with them; `manage.py rotate_keys` re-encrypts with the current key.
 FIELD_ENCRYPTION_OLD_KEYS = env_list("FIELD_ENCRYPTION_OLD_KEYS", [])
 
+# LOG_FORMAT: "text" (default, one line per record) or "json" (one object per line, with
+# task_id and agent_id where the code works for one; tasks_app/runtime/logs.py).
+LOG_FORMAT = os.environ.get("LOG_FORMAT", "text").strip().lower() or "text"
+if LOG_FORMAT not in FORMATS:
+    raise ImproperlyConfigured(f"LOG_FORMAT must be one of {', '.join(FORMATS)}, not {LOG_FORMAT!r}.")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "formatters": {"plain": formatter_config(LOG_FORMAT)},
     # The reconcile tick (every RECONCILE_EVERY_SECONDS) logs nothing at INFO; its warnings do.
     "filters": {
+        "context_ids": {"()": "tasks_app.runtime.logs.ContextIds"},
         "routine_tasks": {
             "()": "tasks_app.runtime.logs.QuietRoutineTasks",
             "tasks": ["tasks_app.watchers.reconcile", "tasks_app.jobs.evaluate_alerts"],
         }
     },
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": "plain", "filters": ["context_ids"]}
+    },
     "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
     "loggers": {
         "httpx": {"level": "WARNING"},

@@ -64,6 +64,7 @@ from tasks_app.a2a import (
     UnsupportedOperationError,
 )
 from tasks_app.models import TERMINAL_STATES, RemoteTask, TaskEvent
+from tasks_app.runtime import logs
 from tasks_app.services import agents as agent_services
 from tasks_app.services import push as push_services
 from tasks_app.services import record as record_services
@@ -413,6 +414,7 @@ class Holder:
 
     # -- the outline
     async def run(self) -> None:
+        logs.bind(task=self.task_pk)  # this holder's own context: its log lines name the task
         try:
             turn = await self._hold()
         except asyncio.CancelledError:
@@ -426,6 +428,7 @@ class Holder:
             log.exception("watcher of task %s failed", self.task_pk)
             await self._note_problem(f"watcher error: {type(exc).__name__}: {exc}")
             turn = Turn(Status.LOST, f"watcher error: {exc}", hold_off=30)
+        log.debug("turn ended: %s (%s)", turn.status, turn.note)
         released = await eventloop.db(
             task_services.release_lease,
             self.task_pk,
@@ -453,6 +456,7 @@ class Holder:
         self.was_parked = task.watcher_status == Status.PARKED
         self.fruitless = task.fruitless_turns
         self.agent_id = task.agent_id
+        logs.bind(agent=task.agent_id)
         try:
             client = outbound.client_for(
                 task.agent,

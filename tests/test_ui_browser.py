@@ -249,7 +249,7 @@ def test_slow_task_grows_live_and_resumes_after_a_dropped_socket(page, stack, de
     wait_state(page, "completed")
     # The page holds exactly the log: every seq once, in order.
     db_seqs = stack.settled_seqs(pk)
-    page.wait_for_function(f"window.__taskPage.lastSeq >= {db_seqs[-1]}")
+    page.wait_for_function(f"() => window.__taskPage.lastSeq >= {db_seqs[-1]}")
     page.wait_for_timeout(300)
     state = page.evaluate("({seqs: window.__taskPage.seqs, dup: window.__taskPage.duplicates, gaps: window.__taskPage.gaps})")
     rows = [int(s) for s in page.eval_on_selector_all("#event-rows tr[data-seq]", "rs => rs.map(r => r.dataset.seq)")]
@@ -284,7 +284,7 @@ def test_ask_then_answer(page, stack, demo_agent_pk):
     page.fill("#answer-form textarea", "Ada")
     page.click("#answer-form button[type=submit]")
     wait_state(page, "completed")
-    page.wait_for_function("document.getElementById('artifacts').textContent.includes('You answered: Ada')")
+    page.wait_for_function("() => document.getElementById('artifacts').textContent.includes('You answered: Ada')")
     assert stack.state(pk) == "TASK_STATE_COMPLETED"
 
 
@@ -343,7 +343,7 @@ def test_a_polled_task_shows_its_artifacts_live(page, stack, demo_agent_pk):
     page.wait_for_selector("#artifacts article.artifact", timeout=30_000)
     wait_state(page, "completed", timeout=30_000)
     page.wait_for_function(
-        "document.querySelector('#artifacts article.artifact .artifact-body').textContent.includes('chunk 6')",
+        "() => document.querySelector('#artifacts article.artifact .artifact-body').textContent.includes('chunk 6')",
         timeout=15_000,
     )
     assert page.evaluate("window.__sameDocument === true")  # never reloaded

@@ -165,7 +165,7 @@ def test_a_final_state_whose_relay_was_lost_reaches_the_task_page_and_the_list(c
     task_page = context.new_page()
     task_page.goto(f"/tasks/{pk}/")
     task_page.wait_for_selector("#state-badge .badge:text-is('working')")
-    task_page.wait_for_function("window.__taskPage.synced && window.__taskPage.lastSeq === 1")
+    task_page.wait_for_function("() => window.__taskPage.synced && window.__taskPage.lastSeq === 1")
     list_page = context.new_page()
     list_page.goto("/tasks/")
     list_page.wait_for_selector(f"#task-row-{pk} .badge:text-is('working')")
@@ -190,7 +190,7 @@ def test_a_final_state_whose_relay_was_lost_reaches_the_task_page_and_the_list(c
     task_page.wait_for_selector("#event-rows tr[data-seq='2']")
     rows = task_page.eval_on_selector_all("#event-rows tr[data-seq]", "rs => rs.map(r => r.dataset.seq)")
     assert rows == ["1", "2"]
-    task_page.wait_for_function("document.getElementById('task-status').textContent.includes('all done, relay lost')")
+    task_page.wait_for_function("() => document.getElementById('task-status').textContent.includes('all done, relay lost')")
     syncs = task_page.evaluate("window.__sent.filter(m => m.type === 'sync')")
     assert syncs and all(m["after"] in (1, 2) for m in syncs)
     list_syncs = list_page.evaluate("window.__sent.filter(m => m.type === 'sync')")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
+from contextvars import ContextVar
 
 
 class QuietRoutineTasks(logging.Filter):
@@ -37,3 +38,48 @@ class QuietRoutineTasks(logging.Filter):
         if isinstance(args, tuple):
             return any(isinstance(arg, str) and arg in self.tasks for arg in args)
         return False
+
+
+# The task and agent a piece of code works for, in its own context (each watcher holder is
+# an asyncio task with a copy of the context, so holders never see each other's ids).
+_task_id: ContextVar[int | None] = ContextVar("log_task_id", default=None)
+_agent_id: ContextVar[int | None] = ContextVar("log_agent_id", default=None)
+
+
+def bind(*, task: int | None = None, agent: int | None = None) -> None:
+    """Name the task and/or agent the current context works for; its log lines carry them."""
+    if task is not None:
+        _task_id.set(task)
+    if agent is not None:
+        _agent_id.set(agent)
+
+
+class ContextIds(logging.Filter):
+    """Add ``task_id`` and ``agent_id`` to records made where they were bound (see ``bind``).
+
+    Ids given explicitly (``extra={"task_id": ...}``) are kept. The JSON format writes them
+    as fields; the text format ignores them.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for name, var in (("task_id", _task_id), ("agent_id", _agent_id)):
+            if getattr(record, name, None) is None:
+                value = var.get()
+                if value is not None:
+                    setattr(record, name, value)
+        return True
+
+
+FORMATS = ("text", "json")
+
+
+def formatter_config(log_format: str) -> dict[str, object]:
+    """``LOGGING["formatters"]`` entry for ``LOG_FORMAT`` (text: one line; json: one object)."""
+    if log_format == "json":
+        return {
+            "()": "pythonjsonlogger.json.JsonFormatter",
+            "fmt": "%(asctime)s %(levelname)s %(name)s %(message)s",
+            "rename_fields": {"asctime": "time", "levelname": "level", "name": "logger"},
+            "timestamp": False,
+        }
+    return {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}
