@@ -389,6 +389,13 @@ class OperatorAction(models.Model):
 
     class Meta:
         ordering = ["-created_at"]
+        # The action log pages by (created_at, id), whole or filtered by one of these.
+        indexes = [
+            models.Index(fields=["created_at", "id"], name="action_log_order"),
+            models.Index(fields=["actor", "created_at", "id"], name="action_log_by_actor"),
+            models.Index(fields=["action", "created_at", "id"], name="action_log_by_action"),
+            models.Index(fields=["agent", "created_at", "id"], name="action_log_by_agent"),
+        ]
 
 
 class ImportJob(models.Model):
