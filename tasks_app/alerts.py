@@ -77,6 +77,8 @@ WORKING = "TASK_STATE_WORKING"
 SHOWN = 20
 # The most alerts one e-mail or webhook body lists (the rest are counted).
 LISTED = 100
+# The most open alerts a page counts (and its live version covers).
+COUNTED = 1000
 
 
 # -- the rules -------------------------------------------------------------------------------
@@ -115,7 +117,7 @@ def _limit() -> int:
 
 
 def _task_name(title: str, remote_id: str, pk: int) -> str:
-    name = title or remote_id or f"#{pk}"
+    name = " ".join((title or remote_id or f"#{pk}").split())  # one line: it goes into subjects
     return name if len(name) <= 80 else name[:79] + "…"
 
 
@@ -431,7 +433,7 @@ def version(alerts: Iterable[Alert] | Iterable[int]) -> str:
 
 
 def current_version(user: Any) -> str:
-    return version(list(open_alerts(user).values_list("pk", flat=True)[:1000]))
+    return version(list(open_alerts(user).values_list("pk", flat=True)[:COUNTED]))
 
 
 def may_test(user: Any) -> bool:
@@ -563,7 +565,8 @@ def _subject(described: list[dict[str, Any]]) -> str:
     if resolved:
         parts.append(f"{len(resolved)} resolved")
     first = (opened or resolved)[0]["message"]
-    return f"[A2A dashboard] {', '.join(parts)}: {first}"[:200]
+    # One line whatever a message holds (a newline in a header is refused by Django's mail).
+    return " ".join(f"[A2A dashboard] {', '.join(parts)}: {first}".split())[:200]
 
 
 def _email_body(described: list[dict[str, Any]]) -> str:

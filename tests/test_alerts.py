@@ -378,6 +378,16 @@ def test_email_on_open_and_on_resolve_through_djangos_mail(agent, settings, mail
     assert AlertDelivery.objects.filter(event="resolved", outcome="sent").count() == 1
 
 
+def test_a_title_with_line_breaks_still_makes_a_one_line_subject(agent, settings, mailoutbox):
+    settings.ALERT_EMAIL_TO = ["ops@example.org"]
+    task = working_task(agent, "t-nl", "first line\r\nBcc: someone@example.org")
+    alerts.evaluate(task.updated_at + HOUR)
+    assert AlertDelivery.objects.get().outcome == "sent"
+    [mail] = mailoutbox
+    assert "\n" not in mail.subject and "\r" not in mail.subject and mail.bcc == []
+    assert "first line Bcc: someone@example.org" in mail.subject
+
+
 def test_webhook_gets_json_signed_and_without_secrets(agent, settings, receiver):
     settings.ALERT_WEBHOOK_URL = receiver.url("/hooks/s3cr3t-path?token=webhook-token")
     settings.ALERT_WEBHOOK_SECRET = "signing-secret"

@@ -23,11 +23,12 @@ def open_alerts(context: template.Context) -> dict[str, Any]:
     request = context.get("request")
     user = getattr(request, "user", None) or context.get("user")
     qs = alerts.open_alerts(user)
-    pks = list(qs.values_list("pk", flat=True)[:1000])
+    pks = list(qs.values_list("pk", flat=True)[: alerts.COUNTED])
     items = list(qs.select_related("task", "agent")[: alerts.SHOWN]) if pks else []
     return {
         "items": items,
         "count": len(pks),
+        "capped": len(pks) >= alerts.COUNTED,
         "more": max(0, len(pks) - len(items)),
         "version": alerts.version(pks),
         "refresh_ms": int(settings.ALERT_REFRESH_SECONDS * 1000),
