@@ -412,3 +412,69 @@ def test_admin_password_is_shown_again_only_while_it_works(tmp_path: Path) -> No
     again = ensure_admin(tmp_path)
     assert password not in again
     assert "Log in as admin" not in again
+
+
+# --- one role per process (up --only) --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "extra", "expected"),
+    [
+        (["--only", "web,cache"], {"REDIS_URL": "redis://127.0.0.1:1/0"}, "Error: Unknown role cache for --only; the roles are web, worker, beat."),
+        (["--only", "worker"], {}, "Error: --only needs REDIS_URL: parts on different machines must share one Redis"),
+        (["--only", "web", "--demo"], {"REDIS_URL": "redis://127.0.0.1:1/0"}, "Error: --demo starts every part on this machine; leave out --only."),
+    ],
+)  # fmt: skip
+def test_only_with_a_bad_role_or_setting_is_one_sentence(tmp_path: Path, args, extra, expected) -> None:
+    result = run_up(["--port", str(free_port()), *args], up_env(tmp_path, **extra))
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_web_and_worker_on_their_own_processes_work_together(tmp_path: Path, redis_url: str) -> None:
+    """``up --only web`` and ``up --only worker,beat`` (as on two machines, with their own data
+    folders) share one database and one Redis: the web part is healthy only when a worker
+    answers its ping, and each stops cleanly on SIGINT."""
+    shared = {
+        "REDIS_URL": redis_url,
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'shared.sqlite3'}",
+        "CELERY_QUEUE": f"only-{free_port()}",
+        "SECRET_KEY": "s" * 50,
+    }
+    port = free_port()
+    processes = []
+    for name, args in (("web", ["--only", "web"]), ("parts", ["--only", "worker", "--only", "beat"])):
+        env = up_env(tmp_path / name, **shared)
+        processes.append(subprocess.Popen(
+            [sys.executable, "manage.py", "up", "--port", str(port), *args],
+            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))  # fmt: skip
+    web, parts = processes
+    web_lines, part_lines = Lines(web.stdout), Lines(parts.stdout)
+    try:
+        assert part_lines.wait_for(re.compile(r"Running worker and beat"), timeout=60), part_lines.seen
+        match = web_lines.wait_for(URL_LINE, timeout=90)
+        assert match, "\n".join(web_lines.seen)
+        health = httpx.get(match.group(1).rstrip("/") + "/healthz", timeout=10)
+        assert health.status_code == 200 and health.json() == {"ok": True}
+        names = {p.name() for p in psutil.Process(parts.pid).children(recursive=True)}
+        cmdlines = " ".join(" ".join(p.cmdline()) for p in psutil.Process(parts.pid).children(recursive=True))
+        assert "daphne" not in cmdlines and "worker" in cmdlines and "beat" in cmdlines, names
+        assert "Log in as" not in "\n".join(part_lines.seen)  # only the web part makes the login
+        for process in processes:
+            descendants = psutil.Process(process.pid).children(recursive=True)
+            process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=30) == 0
+            _gone, alive = psutil.wait_procs(descendants, timeout=10)
+            assert not alive, alive
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                for child in psutil.Process(process.pid).children(recursive=True):
+                    child.kill()
+                process.kill()
+                process.wait(timeout=10)

@@ -47,11 +47,24 @@ from tasks_app.runtime.redis_server import (
 from tasks_app.runtime.supervisor import Backoff, Supervisor, describe_exit
 
 HEALTH_TIMEOUT_SECONDS = 60.0
+STARTED_AFTER_SECONDS = 5.0  # a part without web that stays up this long has started
 STOP_TIMEOUT_SECONDS = 10.0
 SUPERVISE_EVERY_SECONDS = 0.5
 # A dead child comes back after 1 s, 2 s, 4 s ... at most 30 s; a minute up resets the delay.
 RESTART_BACKOFF = Backoff(first=1.0, maximum=30.0, stable_after=60.0)
 DEMO_AGENT_MODULE = "tasks_app.demo_agent"
+ROLES = ("web", "worker", "beat")
+
+
+def parse_roles(values: list[str] | None) -> tuple[str, ...]:
+    """``--only web --only worker`` or ``--only web,worker`` -> the roles, in a fixed order."""
+    if not values:
+        return ROLES
+    wanted = {part.strip() for value in values for part in value.split(",") if part.strip()}
+    unknown = sorted(wanted - set(ROLES))
+    if unknown:
+        raise StartupError(f"Unknown role {', '.join(unknown)} for --only; the roles are {', '.join(ROLES)}.")
+    return tuple(role for role in ROLES if role in wanted)
 
 
 class StartupError(Exception):
@@ -121,12 +134,24 @@ class Command(BaseCommand):
         parser.add_argument(
             "--demo", action="store_true", help="also start and register the demo A2A agent"
         )
+        parser.add_argument(
+            "--only",
+            action="append",
+            metavar="ROLE",
+            help="run only these parts (web, worker, beat; repeat or comma-separate) against the "
+            "configured DATABASE_URL and REDIS_URL, for a deployment spread over machines",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         # Children's lines and ours must reach a pipe (or a test) as soon as they are written.
         if hasattr(sys.stdout, "reconfigure"):
             sys.stdout.reconfigure(line_buffering=True)
-        runner = Runner(host=options["host"], port=options["port"], demo=options["demo"])
+        try:
+            roles = parse_roles(options.get("only"))
+        except StartupError as exc:
+            sys.stderr.write(f"Error: {exc}\n")
+            raise SystemExit(1) from None
+        runner = Runner(host=options["host"], port=options["port"], demo=options["demo"], roles=roles)
         try:
             code = runner.run()
         except StartupError as exc:
@@ -144,10 +169,12 @@ class Command(BaseCommand):
 class Runner:
     """One run of ``up``: the children it started and how to stop them."""
 
-    def __init__(self, *, host: str, port: int, demo: bool) -> None:
+    def __init__(self, *, host: str, port: int, demo: bool, roles: tuple[str, ...] = ROLES) -> None:
         self.host = host
         self.port = port
         self.demo = demo
+        self.roles = roles
+        self.partial = roles != ROLES
         self.supervisor = Supervisor(output=sys.stdout)
         self.stopping = threading.Event()
         self.stop_signal: str | None = None
@@ -168,8 +195,18 @@ class Runner:
     # -- the run -----------------------------------------------------------------------
 
     def run(self) -> int:
+        """1. Check what the roles need (port, database, Redis); 2. migrate and make the first
+        login (when serving web); 3. start the roles' processes; 4. wait until healthy (web) or
+        started; 5. supervise until a signal."""
         self._install_signal_handlers()
-        if not port_available(self.host, self.port):
+        if self.partial and self.demo:
+            raise StartupError("--demo starts every part on this machine; leave out --only.")
+        if self.partial and not os.environ.get("REDIS_URL", "").strip():
+            raise StartupError(
+                "--only needs REDIS_URL: parts on different machines must share one Redis "
+                "(and one database, DATABASE_URL)."
+            )
+        if "web" in self.roles and not port_available(self.host, self.port):
             raise StartupError(
                 f"Port {self.port} on {self.host} is already in use; pass --port to use another one."
             )
@@ -191,8 +228,11 @@ class Runner:
         if self.stopping.is_set():
             return 0
 
-        call_command("migrate", interactive=False, verbosity=0)
-        login_line = ensure_admin(Path(settings.DATA_DIR))
+        login_line = ""
+        if "web" in self.roles:
+            # The web part migrates and makes the first login; workers and beat expect both.
+            call_command("migrate", interactive=False, verbosity=0)
+            login_line = ensure_admin(Path(settings.DATA_DIR))
         # Child processes open their own connections; ours is not needed while we wait.
         connection.close()
 
@@ -204,6 +244,11 @@ class Runner:
         self._start_app(env)
         demo_url = self._start_demo(env) if self.demo else None
 
+        if "web" not in self.roles:
+            if not self._wait_started():
+                return self._shutdown(1) if not self.stopping.is_set() else self._shutdown(0)
+            self.say(f"Running {' and '.join(self.roles)} (Ctrl-C to stop)")
+            return self._supervise()
         if not self._wait_healthy():
             return self._shutdown(1) if not self.stopping.is_set() else self._shutdown(0)
 
@@ -212,8 +257,22 @@ class Runner:
 
         url = f"http://{_url_host(self.host)}:{self.port}/"
         self.say(login_line)
-        self.say(f"Dashboard running at {url} (Ctrl-C to stop)")
+        extra = f" with {' and '.join(r for r in self.roles if r != 'web')}" if self.partial and len(self.roles) > 1 else ""
+        self.say(f"Dashboard running at {url}{extra} (Ctrl-C to stop)")
         return self._supervise()
+
+    def _wait_started(self) -> bool:
+        """Without web there is no /healthz here: the parts must stay up for a few seconds."""
+        deadline = time.monotonic() + STARTED_AFTER_SECONDS
+        while time.monotonic() < deadline:
+            if self.stopping.is_set():
+                return False
+            dead = self.supervisor.first_exited()
+            if dead is not None:
+                self.say(f"{dead.name} {describe_exit(dead.returncode)} while starting; stopping.")
+                return False
+            self.stopping.wait(0.5)
+        return True
 
     def _check_database(self) -> None:
         if connection.vendor == "postgresql":
@@ -268,31 +327,34 @@ class Runner:
         data_dir = Path(settings.DATA_DIR)
         cwd = settings.BASE_DIR
         queue = settings.CELERY_TASK_DEFAULT_QUEUE
-        self.supervisor.start(
-            "worker",
-            [python, "-m", "celery", "-A", "dashboard", "worker",
-             "--pool", "threads", "--concurrency", "8", "-Q", queue,
-             "--loglevel", "INFO", "-n", f"dashboard-{os.getpid()}@%h"],
-            env=env,
-            cwd=cwd,
-            restart=RESTART_BACKOFF,
-        )  # fmt: skip
-        self.supervisor.start(
-            "beat",
-            [python, "-m", "celery", "-A", "dashboard", "beat",
-             "--schedule", str(data_dir / "celerybeat-schedule"), "--loglevel", "INFO"],
-            env=env,
-            cwd=cwd,
-            restart=RESTART_BACKOFF,
-        )  # fmt: skip
-        self.supervisor.start(
-            "web",
-            [python, "-m", "daphne", "-b", self.host, "-p", str(self.port),
-             "dashboard.asgi:application"],
-            env=env,
-            cwd=cwd,
-            restart=RESTART_BACKOFF,
-        )  # fmt: skip
+        if "worker" in self.roles:
+            self.supervisor.start(
+                "worker",
+                [python, "-m", "celery", "-A", "dashboard", "worker",
+                 "--pool", "threads", "--concurrency", "8", "-Q", queue,
+                 "--loglevel", "INFO", "-n", f"dashboard-{os.getpid()}@%h"],
+                env=env,
+                cwd=cwd,
+                restart=RESTART_BACKOFF,
+            )  # fmt: skip
+        if "beat" in self.roles:
+            self.supervisor.start(
+                "beat",
+                [python, "-m", "celery", "-A", "dashboard", "beat",
+                 "--schedule", str(data_dir / "celerybeat-schedule"), "--loglevel", "INFO"],
+                env=env,
+                cwd=cwd,
+                restart=RESTART_BACKOFF,
+            )  # fmt: skip
+        if "web" in self.roles:
+            self.supervisor.start(
+                "web",
+                [python, "-m", "daphne", "-b", self.host, "-p", str(self.port),
+                 "dashboard.asgi:application"],
+                env=env,
+                cwd=cwd,
+                restart=RESTART_BACKOFF,
+            )  # fmt: skip
 
     def _start_demo(self, env: dict[str, str]) -> str:
         # Prefer the port after the web port so the registered URL stays the same across runs.
