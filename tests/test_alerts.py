@@ -502,6 +502,9 @@ def test_open_alerts_show_on_the_overview_only_to_who_may_read_them(agent, peopl
     other = people["outsider"].get(reverse("overview")).content.decode()
     assert f'data-alert="{alert.pk}"' not in other and "nightly report" not in other
     assert 'id="alerts"' in other  # the (empty, hidden) section, so that one can appear live
+    inbox = people["viewer"].get(reverse("inbox")).content.decode()
+    assert f'data-alert="{alert.pk}"' in inbox  # the inbox includes the same section
+    assert f'data-alert="{alert.pk}"' not in people["outsider"].get(reverse("inbox")).content.decode()
     listing = people["viewer"].get(reverse("alerts")).content.decode()
     assert f'data-alert="{alert.pk}"' in listing and 'id="alert-test"' not in listing
     assert f'data-alert="{alert.pk}"' not in people["outsider"].get(reverse("alerts")).content.decode()
