@@ -214,6 +214,24 @@ def _check_enum(values: Any) -> list:
     return values
 
 
+def _ordered(properties: dict) -> list[tuple[str, Any]]:
+    """Properties in the order to ask for them: by ``propertyOrder`` where given, else as sent.
+
+    Agents built on protobuf (``google.protobuf.Struct``) lose the order of an object's keys
+    on the way, so the order can be said per property (the convention of json-editor);
+    properties without it come after, in the order received.
+    """
+
+    def key(entry: tuple[int, tuple[str, Any]]) -> tuple[int, float, int]:
+        index, (_, sub) = entry
+        order = sub.get("propertyOrder") if isinstance(sub, dict) else None
+        if isinstance(order, int | float) and not isinstance(order, bool):
+            return (0, float(order), index)
+        return (1, 0.0, index)
+
+    return [item for _, item in sorted(enumerate(properties.items()), key=key)]
+
+
 class _Builder:
     def __init__(self) -> None:
         self.count = 0
@@ -228,7 +246,7 @@ class _Builder:
             raise Unusable("an object has no properties to fill in")
         wanted = schema.get("required") if isinstance(schema.get("required"), list) else []
         children: list[Input | Group] = []
-        for index, (key, sub) in enumerate(properties.items()):
+        for index, (key, sub) in enumerate(_ordered(properties)):
             if len(key) > MAX_NAME_CHARS:
                 raise Unusable(f"a property name is longer than {MAX_NAME_CHARS} characters")
             if not isinstance(sub, dict):

@@ -115,10 +115,11 @@ BOOKING_SCHEMA: dict[str, Any] = {
     "type": "object",
     "title": "Table booking",
     "properties": {
-        "name": {"type": "string", "title": "Name", "description": "Who the table is for.", "minLength": 1},
-        "guests": {"type": "integer", "title": "Guests", "minimum": 1, "maximum": 10, "default": 2},
-        "date": {"type": "string", "format": "date", "title": "Date"},
-        "meal": {"type": "string", "title": "Meal", "enum": ["meat", "fish", "vegetarian"]},
+        # propertyOrder: the order survives protobuf's Struct, which keeps no key order.
+        "name": {"type": "string", "title": "Name", "description": "Who the table is for.", "minLength": 1, "propertyOrder": 1},
+        "guests": {"type": "integer", "title": "Guests", "minimum": 1, "maximum": 10, "default": 2, "propertyOrder": 2},
+        "date": {"type": "string", "format": "date", "title": "Date", "propertyOrder": 3},
+        "meal": {"type": "string", "title": "Meal", "enum": ["meat", "fish", "vegetarian"], "propertyOrder": 4},
     },
     "required": ["name", "guests", "date"],
 }

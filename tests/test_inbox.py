@@ -147,6 +147,15 @@ def test_the_booking_schema_becomes_fields_of_the_right_kinds() -> None:
     assert layout[6]["group"].label == "address" and len(layout[6]["items"]) == 2
 
 
+def test_fields_follow_property_order_where_given() -> None:
+    schema = {"type": "object", "properties": {
+        "c": {"type": "string"}, "b": {"type": "string", "propertyOrder": 2},
+        "a": {"type": "string", "propertyOrder": 1}, "d": {"type": "string"},
+    }}  # fmt: skip
+    spec = answers.read_question(schema)
+    assert [item.path[0] for item in spec.inputs()] == ["a", "b", "c", "d"]
+
+
 def test_a_valid_booking_is_the_object_and_a_summary() -> None:
     by_path = names(booking_form())
     post = {

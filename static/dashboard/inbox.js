@@ -29,6 +29,8 @@
     if (countEl && !InboxBadge.capped) {
       countEl.textContent = String(InboxBadge.count());
       countEl.dataset.count = String(InboxBadge.count());
+      const noun = document.getElementById("inbox-noun");
+      if (noun) noun.textContent = InboxBadge.count() === 1 ? "task" : "tasks";
     }
   }
 

@@ -51,6 +51,7 @@
      that leaves the page's own "live:" status line to the page's own socket. */
   class QuietSocket extends Live.LiveSocket {
     status(state, text) {
+      el.dataset.socket = state; // "open" once connected (tests wait for it)
       statusListeners.forEach((fn) => fn(state, text));
     }
   }

@@ -1,0 +1,146 @@
+"""The inbox and schema-driven answers in headless Chromium, against the real stack.
+
+The stack of tests/test_ui_browser.py (a live daphne server, a real Celery worker, the demo
+A2A agent as the real peer; its fixtures and helpers are reused here, on a stack of this
+module's own). What the agent received is asked of the agent itself (GetTask over JSON-RPC).
+"""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from tests import test_ui_browser as ui
+from tests.test_ui_browser import shot, start_task, wait_state
+
+# The browser stack's fixtures (module scope: this module gets a stack of its own).
+stack, browser, context, page, demo_agent_pk = ui.stack, ui.browser, ui.context, ui.page, ui.demo_agent_pk
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def agent_history(agent, remote_id: str) -> list[dict]:
+    """The task's history as the agent holds it (GetTask, JSON-RPC)."""
+    response = httpx.post(
+        f"{agent.base_url}/jsonrpc",
+        json={"jsonrpc": "2.0", "id": 1, "method": "GetTask", "params": {"id": remote_id, "historyLength": 100}},
+        headers={"A2A-Version": "1.0"},
+        timeout=10,
+    )
+    response.raise_for_status()
+    return response.json()["result"].get("history", [])
+
+
+def user_messages(agent, remote_id: str) -> list[dict]:
+    return [m for m in agent_history(agent, remote_id) if m.get("role") == "ROLE_USER"]
+
+
+def badge_count(page) -> int:
+    return int(page.get_attribute("#inbox-badge", "data-count"))
+
+
+def wait_badge_socket(page) -> None:
+    # (Waits poll with selectors: a polled predicate string is an eval, which the CSP refuses.)
+    page.wait_for_selector("#inbox-badge[data-socket=open]", state="attached")
+
+
+def test_the_badge_changes_live_on_another_page_when_an_agent_asks(context, page, stack, demo_agent_pk):
+    page.goto("/agents/")
+    wait_badge_socket(page)
+    before = badge_count(page)
+    page.evaluate("window.__sameDocument = true")
+    other = context.new_page()
+    try:
+        pk = start_task(other, "ask")
+        wait_state(other, "input required")
+        # The open page, on another URL, counts the question without a reload.
+        page.wait_for_selector(f"#inbox-badge[data-count='{before + 1}']", state="attached")
+        assert page.is_visible("#inbox-badge") and page.inner_text("#inbox-badge") == str(before + 1)
+        assert page.evaluate("window.__sameDocument === true")
+        shot(page, "inbox-badge")
+        # Answered (on the other page): the count goes back down, still without a reload.
+        other.fill("#id_text", "Ada")
+        other.click("#answer-form button[type=submit]")
+        wait_state(other, "completed")
+        page.wait_for_selector(f"#inbox-badge[data-count='{before}']", state="attached")
+        assert page.evaluate("window.__sameDocument === true")
+        assert stack.state(pk) == "TASK_STATE_COMPLETED"
+    finally:
+        other.close()
+
+
+def test_a_schema_question_becomes_a_form_that_refuses_an_invalid_answer(page, stack, demo_agent_pk, agent):
+    pk = start_task(page, "form")
+    wait_state(page, "input required")
+    page.wait_for_selector("#answer-form.schema-answer")
+    # The schema's fields, with their types: text, number (1-10), date, an enum as radios.
+    assert page.get_attribute("#id_a_0", "type") == "text"
+    assert page.get_attribute("#id_a_1", "type") == "number" and page.get_attribute("#id_a_1", "max") == "10"
+    assert page.input_value("#id_a_1") == "2"  # the schema's default
+    assert page.get_attribute("#id_a_2", "type") == "date"
+    assert page.locator("input[name=a_3][type=radio]").count() == 4  # none, meat, fish, vegetarian
+    assert "Who the table is for." in page.inner_text("#answer-form")
+    shot(page, "answer-schema-form")
+    remote_id = stack.query("SELECT remote_id FROM tasks_app_remotetask WHERE id=?", pk)[0][0]
+    assert len(user_messages(agent, remote_id)) == 1  # the message that started it
+
+    page.fill("#id_a_0", "Ada")
+    page.fill("#id_a_1", "42")
+    page.fill("#id_a_2", "2030-05-01")
+    page.check("input[name=a_3][value='\"fish\"']")
+    page.click("#answer-form button[type=submit]")
+    # Refused next to its field; what was typed is still there; nothing went to the agent.
+    error = page.wait_for_selector(".field.has-error[data-field=a_1] .errors")
+    assert error.inner_text().strip() == "At most 10."
+    assert page.locator(".has-error").count() == 1
+    assert page.input_value("#id_a_0") == "Ada" and page.input_value("#id_a_2") == "2030-05-01"
+    assert page.is_checked("input[name=a_3][value='\"fish\"']")
+    shot(page, "answer-schema-refused")
+    assert stack.query("SELECT answered_seq, outbox FROM tasks_app_remotetask WHERE id=?", pk)[0] == (0, None)
+    assert len(user_messages(agent, remote_id)) == 1
+    assert stack.state(pk) == "TASK_STATE_INPUT_REQUIRED"
+
+    # A valid answer is sent, and the task resumes on the open page.
+    page.fill("#id_a_1", "3")
+    page.click("#answer-form button[type=submit]")
+    page.wait_for_url(re.compile(rf"/tasks/{pk}/$"))
+    wait_state(page, "completed")
+    page.wait_for_selector("#artifacts :text('guests: 3')")
+    booked = page.inner_text("#artifacts")
+    assert "name: Ada" in booked and "date: 2030-05-01" in booked and "meal: fish" in booked
+    sent = user_messages(agent, remote_id)[-1]
+    assert sent["parts"][1]["data"] == {"name": "Ada", "guests": 3, "date": "2030-05-01", "meal": "fish"}
+    assert sent["parts"][0]["text"].startswith("Answer: Name: Ada; Guests: 3")
+    # The sent answer, read-only, with who and when.
+    record = page.inner_text("#answer-record")
+    assert "Answered by operator at " in record and "Ada" in record
+    shot(page, "answer-schema-sent")
+
+
+def test_the_inbox_page_is_live_and_answers_inline(context, page, stack, demo_agent_pk):
+    page.goto("/inbox/")
+    wait_badge_socket(page)
+    page.wait_for_selector("#inbox-live[data-state=open]")
+    page.evaluate("window.__sameDocument = true")
+    other = context.new_page()
+    try:
+        pk = start_task(other, "form")
+        wait_state(other, "input required")
+    finally:
+        other.close()
+    # The new question appears without a reload, with its generated form.
+    row = page.wait_for_selector(f"#inbox-item-{pk}")
+    assert "Please fill in the booking form." in row.inner_text()
+    page.wait_for_selector(f"#answer-form-{pk}.schema-answer")
+    assert page.evaluate("window.__sameDocument === true")
+    shot(page, "inbox")
+    page.fill(f"#id_t{pk}-a_0", "Grace")
+    page.fill(f"#id_t{pk}-a_2", "2031-01-02")
+    page.click(f"#answer-form-{pk} button[type=submit]")
+    page.wait_for_url(re.compile(r"/inbox/$"))
+    assert "Answer sent" in page.inner_text(".flash")
+    # Once the agent takes the answer up, the row goes (live, on the inbox page it came back to).
+    page.wait_for_selector(f"#inbox-item-{pk}", state="detached", timeout=20_000)
+    assert stack.state(pk) == "TASK_STATE_COMPLETED"
