@@ -15,11 +15,9 @@ agent); at a thousand deliveries a second that overhead was most of the cost.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from django.contrib import messages
@@ -37,9 +35,6 @@ from tasks_app.services import tasks as task_services
 log = logging.getLogger(__name__)
 
 PUSH_PATH = re.compile(r"/push/([^/]+)/")
-# accept() blocks (Redis, a query on a cache miss, a JWKS fetch): it runs on these threads,
-# never on the server's event loop. A genuine delivery holds one for about a millisecond.
-PUSH_THREADS = 8
 Scope = dict[str, Any]
 
 
@@ -124,14 +119,14 @@ def task_watch_mode(request: HttpRequest, pk: int) -> HttpResponse:
 class PushRoute:
     """ASGI: ``/push/<config_id>/`` answered here, everything else handed to ``inner`` (Django).
 
-    Same checks, same answers as :func:`receive` (both call ``accept()``); the security
-    headers that matter for a JSON answer to a machine are set here, as Django's
-    middleware would.
+    Same checks, same answers as :func:`receive` (``accept_async()`` is ``accept()``
+    for an event loop: the same flow of checks, with the Redis work of concurrent
+    deliveries batched into one round trip); the security headers that matter for a
+    JSON answer to a machine are set here, as Django's middleware would.
     """
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.pool = ThreadPoolExecutor(max_workers=PUSH_THREADS, thread_name_prefix="push-webhook")
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
@@ -173,15 +168,13 @@ class PushRoute:
                 break
         client = scope.get("client")
         try:
-            verdict = await asyncio.get_running_loop().run_in_executor(
-                self.pool,
-                _accept,
+            verdict = await push_services.accept_async(
                 config_id,
-                b"".join(chunks),
-                headers.get(b"content-type", b"").decode("latin-1"),
-                headers.get(b"authorization", b"").decode("latin-1"),
-                headers.get(b"x-a2a-notification-token", b"").decode("latin-1"),
-                str(client[0]) if client else "unknown",
+                body=b"".join(chunks),
+                content_type=headers.get(b"content-type", b"").decode("latin-1"),
+                authorization=headers.get(b"authorization", b"").decode("latin-1"),
+                token=headers.get(b"x-a2a-notification-token", b"").decode("latin-1"),
+                source=str(client[0]) if client else "unknown",
             )
         except Exception:  # Redis or the database unreachable: the agent retries later
             log.exception("push webhook: a delivery could not be checked")
@@ -189,12 +182,6 @@ class PushRoute:
             return
         payload = {"status": verdict.reason} if verdict.accepted else {"error": verdict.reason}
         await _answer(send, verdict.status, payload, [(b"retry-after", b"1")] if verdict.status == 429 else [])
-
-
-def _accept(config_id: str, body: bytes, content_type: str, authorization: str, token: str, source: str) -> Any:
-    return push_services.accept(
-        config_id, body=body, content_type=content_type, authorization=authorization, token=token, source=source
-    )
 
 
 async def _answer(send: Any, status: int, payload: dict[str, str], extra: list[tuple[bytes, bytes]] | None = None) -> None:

@@ -104,7 +104,9 @@ class Stack:
         argv = [sys.executable, "-m", "celery", "-A", "dashboard", "worker", "--pool", "threads",
                 "--concurrency", "8", "-Q", self.env["CELERY_QUEUE"], "-n", f"{name}-{os.getpid()}@%h",
                 "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info"]  # fmt: skip
-        proc = self.procs.start(name, argv, self.env)
+        # The worker logs through Django's LOGGING (dashboard/celery.py), so "-l info" no longer
+        # sets its level: LOG_LEVEL does, and the " ready." line waited for below is INFO.
+        proc = self.procs.start(name, argv, dict(self.env, LOG_LEVEL="INFO"))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if not proc.alive():

@@ -14,7 +14,8 @@ closed loop, each connection sends its next request when the last is answered),
 ``start`` (a ``time.time()`` to begin at, so two generators can overlap) and
 ``requests``: ``[source address, method, path, {header: value}, body]``. A request
 goes out on a connection bound to its source address (any 127.0.0.0/8 address
-reaches 127.0.0.1 on Linux), so per-source limits see distinct senders.
+reaches 127.0.0.1 on Linux), so per-source limits see distinct senders; the
+connections are opened before ``start``.
 
 OUT (JSON): ``{"results": [[due offset, latency, status], ...], "started", "ended"}``,
 status 0 for a connection error.
@@ -37,11 +38,14 @@ class Connection:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
+    async def connect(self) -> None:
+        local = (self.source, 0) if self.source and self.source != "127.0.0.1" else None
+        self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port, local_addr=local)
+
     async def request(self, data: bytes) -> int:
         if self.writer is None:
-            local = (self.source, 0) if self.source and self.source != "127.0.0.1" else None
-            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port, local_addr=local)
-        assert self.reader is not None
+            await self.connect()
+        assert self.reader is not None and self.writer is not None
         self.writer.write(data)
         line = await self.reader.readline()
         if not line:
@@ -91,6 +95,19 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
     results: list[list[float]] = [[0.0, 0.0, 0] for _ in requests]
     idle: dict[str, list[Connection]] = {}
     queue: asyncio.Queue[int | None] = asyncio.Queue()
+    # Connections are opened before the clock starts, one after another, as an agent's pool
+    # would hold them: a burst of hundreds of connects overflows the server's listen backlog
+    # (Twisted's default is 50) and the overflow waits a SYN retry (a second), which would
+    # measure the burst, not the webhook.
+    per_source: dict[str, int] = {}
+    for source, _ in requests:
+        per_source[source] = per_source.get(source, 0) + 1
+    share = max(1, concurrency // len(per_source)) if per_source else 0
+    for source, count in per_source.items():
+        for _ in range(min(share, count)):
+            conn = Connection(port, source)
+            await conn.connect()
+            idle.setdefault(source, []).append(conn)
     start = max(float(spec.get("start") or 0), time.time())
     await asyncio.sleep(start - time.time())
     t0 = time.perf_counter()

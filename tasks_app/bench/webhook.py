@@ -180,6 +180,11 @@ def load(s: Stack, name: str, requests: list[list[Any]], rate: float, concurrenc
             raise RuntimeError(f"load generator {name} exited with {code}: {proc.log_tail()}")
         with open(out_path) as f:
             out = json.load(f)
+        keep = os.environ.get("BENCH_P10_DUMP")  # a folder: keep each phase's raw results there
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            with open(os.path.join(keep, f"{name}.json"), "w") as f:
+                json.dump(out, f)
         return Phase(name, out["results"], (out["started"], out["ended"]))
 
     return wait

@@ -32,7 +32,10 @@ import secrets
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict
+from collections.abc import Generator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -40,6 +43,7 @@ from typing import Any
 import httpx
 import jwt
 import redis
+import redis.asyncio
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection
 from django.db.models import F
@@ -58,7 +62,10 @@ CONTENT_TYPES = ("application/a2a+json", "application/json")
 EVENT_KINDS = ("task", "message", "statusUpdate", "artifactUpdate")
 QUEUE_KEY = "push:queue"
 DRAIN_KEY = "push:drain"
-DRAIN_BATCH = 1000
+# Notifications taken from the queue at once. Each task's share is one record_many()
+# transaction, whose fixed cost (read the task, commit, relay) dominates at a few
+# notifications: a drain that fell behind takes bigger batches and catches up.
+DRAIN_BATCH = 5000
 # The webhook's per-process cache of configs (see _lookup): how long a config found is
 # trusted, and how long "no such config" is. A deletion through this module is honoured at
 # once (a Redis marker, DELETED_PREFIX, lives longer than any cache entry); a config row
@@ -293,6 +300,7 @@ class Verdict:
 
     status: int
     reason: str
+    schedule_drain: bool = False  # the first delivery since the last drain: one is to be scheduled
 
     @property
     def accepted(self) -> bool:
@@ -311,6 +319,14 @@ class _Config:
 
 
 _config_cache: dict[str, tuple[float, _Config | None]] = {}
+
+
+def _cached(config_id: str) -> tuple[bool, _Config | None]:
+    """(found in the cache, the config or None for "no such config"); (False, None) when not cached."""
+    cached = _config_cache.get(config_id)
+    if cached is not None and cached[0] > time.monotonic():
+        return True, cached[1]
+    return False, None
 
 
 def _lookup(config_id: str) -> _Config | None:
@@ -398,53 +414,139 @@ def _window(key: str, seconds: int) -> str:
     return f"{key}:{int(time.time()) // seconds}"
 
 
-# The webhook's Redis work is two scripts, one round trip each (a round trip cost about as
-# much as the checks themselves). SOURCE_SCRIPT counts the request against its address and
-# says whether the address is over its limits (0 fine, 1 over the request rate, 2 over the
-# refusals); QUEUE_SCRIPT does what an authenticated delivery needs: the deletion marker,
-# the per-config rate, the repeat check, the push onto the queue and the drain flag
-# (404, 429, 200 repeat, 202 queued, 203 queued and a drain is to be scheduled).
-SOURCE_SCRIPT = """
-local n = redis.call('INCR', KEYS[1])
-if n == 1 then redis.call('EXPIRE', KEYS[1], 5) end
-if tonumber(redis.call('GET', KEYS[2]) or '0') >= tonumber(ARGV[2]) then return 2 end
-if n > tonumber(ARGV[1]) then return 1 end
+# The webhook's Redis work is done by scripts, each one round trip. A genuine delivery
+# whose config is cached needs one: QUEUE_SCRIPT counts it against its source address
+# (unless SOURCE_SCRIPT did already), then checks the deletion marker and the per-config
+# rate, does the repeat check, pushes it onto the queue and sets the drain flag. It
+# answers 4292 (the address is over its refusals), 4291 (over its request rate), 404
+# (deleted), 429 (the config over its rate), 200 (a repeat), 202 (queued) or 203 (queued,
+# and a drain is to be scheduled). SOURCE_SCRIPT counts the request before a query (a
+# config not cached): an address cut off costs no query. REFUSE_SCRIPT counts a refusal.
+_SOURCE_CHECK = """
+if ARGV[3] == '0' then
+  local n = redis.call('INCR', KEYS[1])
+  if n == 1 then redis.call('EXPIRE', KEYS[1], 5) end
+  if tonumber(redis.call('GET', KEYS[2]) or '0') >= tonumber(ARGV[2]) then return 4292 end
+  if n > tonumber(ARGV[1]) then return 4291 end
+end
+"""
+SCRIPTS = {
+    "source": _SOURCE_CHECK + "return 0\n",
+    "refuse": _SOURCE_CHECK + """
+local r = redis.call('INCR', KEYS[2])
+if r == 1 then redis.call('EXPIRE', KEYS[2], 120) end
 return 0
-"""
-QUEUE_SCRIPT = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 404 end
-local n = redis.call('INCR', KEYS[2])
-if n == 1 then redis.call('EXPIRE', KEYS[2], 5) end
-if n > tonumber(ARGV[1]) then return 429 end
-if not redis.call('SET', KEYS[3], 1, 'NX', 'EX', ARGV[2]) then return 200 end
-redis.call('RPUSH', KEYS[4], ARGV[3])
-if redis.call('SET', KEYS[5], 1, 'NX', 'EX', 60) then return 203 end
+""",
+    "queue": _SOURCE_CHECK + """
+if redis.call('EXISTS', KEYS[3]) == 1 then return 404 end
+local c = redis.call('INCR', KEYS[4])
+if c == 1 then redis.call('EXPIRE', KEYS[4], 5) end
+if c > tonumber(ARGV[4]) then return 429 end
+if not redis.call('SET', KEYS[5], 1, 'NX', 'EX', ARGV[5]) then return 200 end
+redis.call('RPUSH', KEYS[6], ARGV[6])
+if redis.call('SET', KEYS[7], 1, 'NX', 'EX', 60) then return 203 end
 return 202
-"""
-_scripts: dict[int, tuple[Any, Any]] = {}
+""",
+}
+SHAS = {name: hashlib.sha1(text.encode()).hexdigest() for name, text in SCRIPTS.items()}
+OVER_LIMIT = {
+    4291: Verdict(429, "too many requests from this address"),
+    4292: Verdict(429, "too many refused requests from this address"),
+}
+_registered: dict[tuple[int, str], Any] = {}
 
 
-def _script_pair(r: redis.Redis) -> tuple[Any, Any]:
-    """The two scripts registered on ``r`` (EVALSHA, loaded again if the server forgot them)."""
-    pair = _scripts.get(id(r))
-    if pair is None:
-        pair = _scripts[id(r)] = (r.register_script(SOURCE_SCRIPT), r.register_script(QUEUE_SCRIPT))
-    return pair
+def _script(r: redis.Redis, name: str) -> Any:
+    """A script registered on ``r`` (EVALSHA, loaded again if the server forgot it)."""
+    key = (id(r), name)
+    if key not in _registered:
+        _registered[key] = r.register_script(SCRIPTS[name])
+    return _registered[key]
 
 
-def _refuse(source: str, config_id: str, status: int, reason: str) -> Verdict:
-    """A refused delivery: counted against its source, and one security log line."""
-    if status in (401, 404):
-        key = _window(f"push:rf:{source}", 60)
-        pipe = _redis().pipeline(transaction=False)
-        pipe.incr(key)
-        pipe.expire(key, 120)
-        pipe.execute()
+# What the checks ask their driver for: ("script", name, keys, args), ("lookup", config_id)
+# or ("verify", config, signed token, body). One flow of checks, two drivers: accept()
+# does each at once (the Django view, tests), accept_async() batches the scripts of
+# concurrent deliveries into one round trip and sends the rest to threads (the ASGI route).
+Op = tuple[Any, ...]
+Flow = Generator[Op, Any, Verdict]
+
+
+def _decide(config_id: str, body: bytes, content_type: str, authorization: str, token: str, source: str) -> Flow:
+    """The webhook's checks, cheapest refusal first; a body is parsed only after good credentials."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media not in CONTENT_TYPES:
+        return Verdict(415, "expected application/a2a+json or application/json")
+    if len(body) > settings.PUSH_MAX_BODY_BYTES:
+        return Verdict(413, "body too large")
+    by_source = [_window(f"push:rs:{source}", 1), _window(f"push:rf:{source}", 60)]
+    limits = [settings.PUSH_RATE_PER_SOURCE, settings.PUSH_REFUSED_PER_SOURCE]
+    hit, config = _cached(config_id)
+    counted = 0
+    if not hit:
+        over = yield ("script", "source", by_source, [*limits, 0])
+        if over:
+            return OVER_LIMIT[over]
+        counted = 1
+        config = yield ("lookup", config_id)
+    if config is None:
+        return (yield from _refused(by_source, [*limits, counted], source, config_id, 404, "unknown or deleted push config"))
+    problem = _credentials_problem(config, authorization, token)
+    if problem:
+        return (yield from _refused(by_source, [*limits, counted], source, config_id, 401, problem))
+    try:
+        event = safejson.loads(body)
+    except ProtocolError:
+        return Verdict(400, "malformed JSON")
+    problem = _event_problem(event, config.remote_id)
+    if problem:
+        return Verdict(400, problem)
+    if config.jwks_url:
+        scheme, _, signed = authorization.partition(" ")
+        problem = yield ("verify", config, signed.strip() if scheme.lower() == "bearer" else "", body)
+        if problem:
+            return (yield from _refused(by_source, [*limits, counted], source, config_id, 401, problem))
+    digest = hashlib.sha256(body).hexdigest()
+    item = json.dumps({"c": config.pk, "t": config.task_pk, "e": event})
+    keys = [*by_source, f"{DELETED_PREFIX}{config.config_id}", _window(f"push:rc:{config.config_id}", 1),
+            f"push:seen:{config.config_id}:{digest}", QUEUE_KEY, DRAIN_KEY]  # fmt: skip
+    outcome = yield ("script", "queue", keys, [*limits, counted, settings.PUSH_RATE_PER_CONFIG,
+                                               settings.PUSH_DEDUPE_SECONDS, item])  # fmt: skip
+    if outcome in OVER_LIMIT:
+        return OVER_LIMIT[outcome]
+    if outcome == 404:
+        _config_cache.pop(config.config_id, None)
+        return (yield from _refused(by_source, [*limits, 1], source, config_id, 404, "unknown or deleted push config"))
+    if outcome == 429:
+        return Verdict(429, "too many notifications for this config")
+    if outcome == 200:
+        return Verdict(200, "already received")
+    return Verdict(202, "accepted", schedule_drain=outcome == 203)
+
+
+def _refused(keys: list[str], args: list[int], source: str, config_id: str, status: int, reason: str) -> Flow:
+    """A refused delivery: counted against its source, and one security log line.
+
+    A source already over its refusals gets 429 instead, with no line (a forger
+    cannot fill the log).
+    """
+    over = yield ("script", "refuse", keys, args)
+    if over:
+        return OVER_LIMIT[over]
     security_log.warning(
         "push webhook refused: status=%s reason=%s config=%s source=%s",
         status, reason, config_id[:64], source[:64],
     )  # fmt: skip
     return Verdict(status, reason)
+
+
+def _do(op: Op) -> Any:
+    """Carry out one step of the checks, blocking."""
+    if op[0] == "script":
+        return _script(_redis(), op[1])(keys=op[2], args=op[3])
+    if op[0] == "lookup":
+        return _lookup(op[1])
+    return verify_signed(op[1], op[2], op[3])
 
 
 def accept(
@@ -461,65 +563,118 @@ def accept(
     Order matters: the cheapest refusals come first, so a flood of forged requests
     costs one Redis round trip each once its source is over the refusal limit; a
     body is parsed only for a config whose credentials were right. A genuine
-    delivery costs two round trips and, once its config is cached, no query.
-    Blocking (Redis, a query on a cache miss, a JWKS fetch): the ASGI route runs
-    it on its own threads (``tasks_app.webhooks.PushRoute``).
+    delivery whose config is cached costs one round trip and no query.
     """
-    r = _redis()
-    by_source, queue = _script_pair(r)
-    over = by_source(
-        keys=[_window(f"push:rs:{source}", 1), _window(f"push:rf:{source}", 60)],
-        args=[settings.PUSH_RATE_PER_SOURCE, settings.PUSH_REFUSED_PER_SOURCE],
-    )
-    if over == 2:
-        return Verdict(429, "too many refused requests from this address")
-    if over:
-        return Verdict(429, "too many requests from this address")
-    media = content_type.split(";", 1)[0].strip().lower()
-    if media not in CONTENT_TYPES:
-        return Verdict(415, "expected application/a2a+json or application/json")
-    if len(body) > settings.PUSH_MAX_BODY_BYTES:
-        return Verdict(413, "body too large")
-    config = _lookup(config_id)
-    if config is None:
-        return _refuse(source, config_id, 404, "unknown or deleted push config")
-    problem = _credentials_problem(config, authorization, token)
-    if problem:
-        return _refuse(source, config_id, 401, problem)
+    flow = _decide(config_id, body, content_type, authorization, token, source)
+    result: Any = None
     try:
-        event = safejson.loads(body)
-    except ProtocolError:
-        return Verdict(400, "malformed JSON")
-    problem = _event_problem(event, config.remote_id)
-    if problem:
-        return Verdict(400, problem)
-    if config.jwks_url:
-        scheme, _, signed = authorization.partition(" ")
-        problem = verify_signed(config, signed.strip() if scheme.lower() == "bearer" else "", body)
-        if problem:
-            return _refuse(source, config_id, 401, problem)
-    digest = hashlib.sha256(body).hexdigest()
-    item = json.dumps({"c": config.pk, "t": config.task_pk, "e": event})
-    outcome = queue(
-        keys=[
-            f"{DELETED_PREFIX}{config.config_id}",
-            _window(f"push:rc:{config.config_id}", 1),
-            f"push:seen:{config.config_id}:{digest}",
-            QUEUE_KEY,
-            DRAIN_KEY,
-        ],
-        args=[settings.PUSH_RATE_PER_CONFIG, settings.PUSH_DEDUPE_SECONDS, item],
-    )
-    if outcome == 404:
-        _config_cache.pop(config.config_id, None)
-        return _refuse(source, config_id, 404, "unknown or deleted push config")
-    if outcome == 429:
-        return Verdict(429, "too many notifications for this config")
-    if outcome == 200:
-        return Verdict(200, "already received")
-    if outcome == 203:
+        while True:
+            result = _do(flow.send(result))
+    except StopIteration as done:
+        verdict: Verdict = done.value
+    if verdict.schedule_drain:
         _schedule_drain()
-    return Verdict(202, "accepted")
+    return verdict
+
+
+async def accept_async(
+    config_id: str,
+    *,
+    body: bytes,
+    content_type: str,
+    authorization: str = "",
+    token: str = "",
+    source: str = "",
+) -> Verdict:
+    """:func:`accept` for an event loop: the same checks, nothing blocking on the loop.
+
+    Scripts go through the loop's :class:`_Batcher`; a query, a signature check (it may
+    fetch a JWKS) and scheduling the drain run on a few threads of their own.
+    """
+    loop = asyncio.get_running_loop()
+    batcher = _batchers.get(loop)
+    if batcher is None:
+        batcher = _batchers[loop] = _Batcher()
+    flow = _decide(config_id, body, content_type, authorization, token, source)
+    result: Any = None
+    try:
+        while True:
+            op = flow.send(result)
+            if op[0] == "script":
+                result = await batcher.call(op[1], op[2], op[3])
+            else:
+                result = await loop.run_in_executor(_blocking(), _do, op)
+    except StopIteration as done:
+        verdict: Verdict = done.value
+    if verdict.schedule_drain:
+        loop.run_in_executor(_blocking(), _schedule_drain)
+    return verdict
+
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _blocking() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="push-webhook")
+    return _pool
+
+
+class _Batcher:
+    """The scripts of concurrent deliveries, sent together: one round trip for all that wait.
+
+    Why: on a busy machine a round trip to Redis lasts as long as it takes to get
+    redis-server and then this process scheduled again (milliseconds, not the
+    tenth of a millisecond of an idle machine); one round trip per delivery made
+    the time per delivery, not the CPU, the limit. Whatever waits while a round
+    trip is under way goes in the next one, so the batches grow with the load.
+    """
+
+    def __init__(self) -> None:
+        self.client = redis.asyncio.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5)
+        self.pending: list[tuple[str, list[Any], list[Any], asyncio.Future[Any]]] = []
+        self.sender: asyncio.Task[None] | None = None
+
+    async def call(self, name: str, keys: list[Any], args: list[Any]) -> Any:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.pending.append((name, keys, args, future))
+        if self.sender is None:
+            self.sender = asyncio.get_running_loop().create_task(self._send())
+        return await future
+
+    async def _send(self) -> None:
+        try:
+            while self.pending:
+                batch, self.pending = self.pending, []
+                try:
+                    results = await self._round_trip(batch)
+                except Exception as exc:  # Redis unreachable: each delivery gets the error (503)
+                    results = [exc] * len(batch)
+                for (*_, future), result in zip(batch, results, strict=True):
+                    if future.done():  # the delivery's connection went away meanwhile
+                        continue
+                    if isinstance(result, Exception):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+        finally:
+            self.sender = None
+
+    async def _round_trip(self, batch: list[tuple[str, list[Any], list[Any], Any]]) -> list[Any]:
+        for attempt in (1, 2):
+            pipe = self.client.pipeline(transaction=False)
+            for name, keys, args, _ in batch:
+                pipe.evalsha(SHAS[name], len(keys), *keys, *args)
+            results = await pipe.execute(raise_on_error=False)
+            if attempt == 2 or not any(isinstance(r, redis.exceptions.NoScriptError) for r in results):
+                return list(results)
+            for text in SCRIPTS.values():  # a new or restarted Redis: load them, then once more
+                await self.client.script_load(text)
+        raise AssertionError("unreachable")
+
+
+_batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Batcher] = weakref.WeakKeyDictionary()
 
 
 def _event_problem(event: Any, remote_id: str) -> str:
@@ -714,8 +869,11 @@ def record_batch(items: list[bytes]) -> dict[int, str]:
         for pk, _ in entries:
             if pk in live:
                 counts[pk] = counts.get(pk, 0) + 1
+    by_count: dict[int, list[int]] = {}
     for pk, count in counts.items():
-        PushConfig.objects.filter(pk=pk).update(last_received_at=now, received=F("received") + count)
+        by_count.setdefault(count, []).append(pk)
+    for count, pks in by_count.items():  # one statement per distinct count, not one per config
+        PushConfig.objects.filter(pk__in=pks).update(last_received_at=now, received=F("received") + count)
     heard(set(touched))
     return touched
 
