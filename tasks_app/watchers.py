@@ -39,14 +39,16 @@ import logging
 import os
 import random
 import socket
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from celery import shared_task
-from celery.signals import worker_shutting_down
+from celery.signals import worker_ready, worker_shutting_down
 from django.conf import settings
+from django.db import connection
 from django.db.models import Q
 from django.utils import timezone
 
@@ -64,7 +66,7 @@ from tasks_app.a2a import (
     UnsupportedOperationError,
 )
 from tasks_app.models import TERMINAL_STATES, RemoteTask, TaskEvent
-from tasks_app.runtime import logs
+from tasks_app.runtime import logs, shared_redis
 from tasks_app.services import agents as agent_services
 from tasks_app.services import push as push_services
 from tasks_app.services import record as record_services
@@ -231,10 +233,33 @@ def watch(task_pk: int) -> str:
 
 @shared_task(name="tasks_app.watchers.reconcile", ignore_result=True)
 def reconcile() -> int:
-    """Dispatch a watcher for every watchable task that nobody holds (lease missing or expired).
+    """Beat's tick (see ``reconcile_once``): quiet, it runs every few seconds."""
+    return reconcile_once()
 
-    Quiet on purpose: it runs every few seconds, so it logs nothing unless something is wrong.
+
+def reconcile_once() -> int:
+    """Run the reconcile tick unless another process ran it within this period.
+
+    Beat sends the tick, and every worker also runs it on a timer of its own
+    (``_ReconcileTimer``), so recovery needs no single beat: with two beats, or none, the
+    cluster still ticks about once per ``RECONCILE_EVERY_SECONDS``. The period is claimed
+    with one Redis ``SET NX PX`` (per queue, so separate deployments on one Redis do not
+    share it); whoever claims it runs the tick, the others return 0. If Redis cannot be
+    reached the tick runs anyway: dispatching twice is harmless (the lease is taken by
+    compare-and-set), not dispatching is not.
     """
+    period_ms = max(100, int(settings.RECONCILE_EVERY_SECONDS * 900))
+    key = f"dashboard:reconcile:{settings.CELERY_TASK_DEFAULT_QUEUE}"
+    try:
+        claimed = shared_redis.client(settings.REDIS_URL).set(key, OWNER, nx=True, px=period_ms)
+    except Exception as exc:  # Redis down: tick anyway (see above)
+        log.warning("reconcile: could not claim the period (%s); ticking anyway", type(exc).__name__)
+        claimed = True
+    return _reconcile() if claimed else 0
+
+
+def _reconcile() -> int:
+    """Dispatch a watcher for every watchable task that nobody holds (lease missing or expired)."""
     now = timezone.now()
     expired = Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=now)
     RemoteTask.objects.filter(expired, ~Q(lease_token="")).exclude(
@@ -337,8 +362,40 @@ class Registry:
 registry = Registry()
 
 
+class _ReconcileTimer:
+    """Each worker ticks the reconciler on its own timer (claimed per period in Redis), so
+    stream recovery goes on when beat is down or runs twice."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.thread is None and settings.RECONCILE_IN_WORKERS:
+            self.thread = threading.Thread(target=self._run, name="reconcile-timer", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(settings.RECONCILE_EVERY_SECONDS * random.uniform(1.0, 1.5)):
+            try:
+                reconcile_once()
+            except Exception:  # the next period tries again; the worker goes on
+                log.exception("reconcile tick failed")
+            finally:
+                connection.close()  # this thread's connection: not kept between ticks
+
+
+reconcile_timer = _ReconcileTimer()
+
+
+@worker_ready.connect
+def _on_worker_ready(**_: Any) -> None:
+    reconcile_timer.start()
+
+
 @worker_shutting_down.connect
 def _on_worker_shutdown(**_: Any) -> None:
+    reconcile_timer.stop.set()
     if not eventloop.running():
         return
     try:

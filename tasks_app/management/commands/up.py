@@ -135,6 +135,12 @@ class Command(BaseCommand):
             "--demo", action="store_true", help="also start and register the demo A2A agent"
         )
         parser.add_argument(
+            "--proxy-headers",
+            action="store_true",
+            help="behind a reverse proxy: take the client's address from X-Forwarded-For "
+            "(login throttling and webhook limits count per address)",
+        )
+        parser.add_argument(
             "--only",
             action="append",
             metavar="ROLE",
@@ -151,7 +157,13 @@ class Command(BaseCommand):
         except StartupError as exc:
             sys.stderr.write(f"Error: {exc}\n")
             raise SystemExit(1) from None
-        runner = Runner(host=options["host"], port=options["port"], demo=options["demo"], roles=roles)
+        runner = Runner(
+            host=options["host"],
+            port=options["port"],
+            demo=options["demo"],
+            roles=roles,
+            proxy_headers=options["proxy_headers"],
+        )
         try:
             code = runner.run()
         except StartupError as exc:
@@ -169,12 +181,15 @@ class Command(BaseCommand):
 class Runner:
     """One run of ``up``: the children it started and how to stop them."""
 
-    def __init__(self, *, host: str, port: int, demo: bool, roles: tuple[str, ...] = ROLES) -> None:
+    def __init__(
+        self, *, host: str, port: int, demo: bool, roles: tuple[str, ...] = ROLES, proxy_headers: bool = False
+    ) -> None:
         self.host = host
         self.port = port
         self.demo = demo
         self.roles = roles
         self.partial = roles != ROLES
+        self.proxy_headers = proxy_headers
         self.supervisor = Supervisor(output=sys.stdout)
         self.stopping = threading.Event()
         self.stop_signal: str | None = None
@@ -350,7 +365,7 @@ class Runner:
             self.supervisor.start(
                 "web",
                 [python, "-m", "daphne", "-b", self.host, "-p", str(self.port),
-                 "dashboard.asgi:application"],
+                 *(["--proxy-headers"] if self.proxy_headers else []), "dashboard.asgi:application"],
                 env=env,
                 cwd=cwd,
                 restart=RESTART_BACKOFF,
