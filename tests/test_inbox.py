@@ -546,3 +546,27 @@ def test_the_badge_is_on_every_page_from_one_bounded_query(people, alpha, no_dis
     monkeypatch.setattr(inbox_tags, "COUNT_LIMIT", 2)
     page = client.get(reverse("overview")).content.decode()
     assert 'data-capped="1"' in page and ">2+</span>" in page and 'data-waiting=""' in page
+
+
+@pytest.mark.slow
+@pytest.mark.django_db
+def test_the_inbox_pages_through_100k_tasks_with_a_capped_count(people, alpha, no_dispatch):
+    """25,000 of 100,000 tasks wait: keyset pages in order, a bounded count, the badge at "1000+"."""
+    from tests.test_views import BULK_TASKS_SQL
+
+    other = Agent.objects.create(project=alpha.project, name="other", base_url="http://127.0.0.1:8/")
+    with connection.cursor() as cursor:
+        cursor.execute(BULK_TASKS_SQL[connection.vendor], [alpha.pk, other.pk])
+        if connection.vendor == "sqlite":
+            # Whole seconds as Django writes them (no ".000000"), so that SQLite's text
+            # comparison of the keyset cursor meets equal values as equal.
+            cursor.execute("UPDATE tasks_app_remotetask SET created_at = substr(created_at, 1, 19) WHERE created_at LIKE '%.000000'")
+    client = people[Membership.Role.OPERATOR]
+    page = client.get(reverse("inbox")).content.decode()
+    assert "More than 1000" in page and ">1000+</span>" in page and 'data-waiting=""' in page
+    first = re.findall(r">bulk (\d+)</a>", page)
+    # The oldest question first (these have no asking row: by when they were created).
+    assert first[:3] == ["99999", "99995", "99991"] and len(first) == inbox.PAGE_SIZE
+    next_url = re.search(r'href="(\?cursor=[^"]+)" id="next-page"', page).group(1)
+    second = re.findall(r">bulk (\d+)</a>", client.get(reverse("inbox") + next_url).content.decode())
+    assert int(second[0]) == int(first[-1]) - 4
