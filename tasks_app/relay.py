@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 
+from tasks_app import metrics
+
 log = logging.getLogger(__name__)
 
 LIST_GROUP = "tasks"
@@ -74,6 +76,17 @@ class _LoopRelay:
                 await layer.group_send(group, message)  # type: ignore[attr-defined]
             except Exception:  # a relay failure must not stop later messages
                 log.exception("relay to %s failed", group)
+            else:
+                _observe(message)
+
+
+def _observe(message: dict) -> None:
+    """Relay latency (commit to send) of each entry a sent message carried."""
+    if message.get("type") == "task.event":
+        metrics.observe_relay_latency(message.get("received_at"))
+    elif message.get("type") == "task.events":
+        for event in message.get("events", ()):
+            metrics.observe_relay_latency(event.get("received_at"))
 
 
 def pack(messages: list[dict]) -> list[dict]:
@@ -128,6 +141,7 @@ def publish(messages: Iterable[Message]) -> None:
         for group, messages in by_group.items():
             for message in pack(messages):
                 await layer.group_send(group, message)
+                _observe(message)
 
     try:
         async_to_sync(send_all)()

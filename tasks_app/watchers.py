@@ -52,7 +52,7 @@ from django.db import connection
 from django.db.models import Q
 from django.utils import timezone
 
-from tasks_app import eventloop, outbound
+from tasks_app import eventloop, metrics, outbound
 from tasks_app.a2a import (
     A2AClient,
     A2AError,
@@ -262,13 +262,14 @@ def _reconcile() -> int:
     """Dispatch a watcher for every watchable task that nobody holds (lease missing or expired)."""
     now = timezone.now()
     expired = Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=now)
-    RemoteTask.objects.filter(expired, ~Q(lease_token="")).exclude(
+    taken_over = RemoteTask.objects.filter(expired, ~Q(lease_token="")).exclude(
         watcher_status__in=[Status.IDLE, Status.LOST, Status.PARKED, Status.GONE, Status.ABANDONED]
     ).update(
         watcher_status=next_status(Status.STREAMING, Event.LEASE_EXPIRED),  # "lost"
         watcher_note="its watcher stopped answering; taking over",
         watcher_since=now,
     )
+    metrics.count("lease_takeovers", taken_over)
     pks = list(
         RemoteTask.objects.filter(task_services.watchable())
         .filter(expired)

@@ -35,7 +35,7 @@ from django.db.models import Max
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from tasks_app import relay
+from tasks_app import metrics, relay
 from tasks_app.a2a import normalize, safejson
 from tasks_app.a2a.states import transition_problem
 from tasks_app.models import (
@@ -924,6 +924,7 @@ def _record_once(
         fold.write_rows(events, now)
         messages = _relay_messages(current, events)
         transaction.on_commit(lambda: relay.publish(messages))
+        transaction.on_commit(lambda: _count(current.agent_id, channel, events))
         return Recorded(
             seqs=[e.seq for e in events],
             state=current.state,
@@ -931,6 +932,12 @@ def _record_once(
             kinds=[e.kind for e in events],
             over_budget=fold.over_budget,
         )
+
+
+def _count(agent_id: int, channel: str, events: list[TaskEvent]) -> None:
+    """Metrics, after commit: entries appended, and the protocol errors among them."""
+    metrics.count("events_recorded", len(events), channel=channel)
+    metrics.count("protocol_errors", sum(e.kind == TaskEvent.Kind.PROTOCOL_ERROR for e in events), agent=agent_id)
 
 
 def settle(

@@ -19,7 +19,7 @@ from django.db import transaction
 from django.db.models import Case, F, Q, Value, When
 from django.utils import timezone
 
-from tasks_app import outbound, relay
+from tasks_app import metrics, outbound, relay
 from tasks_app.a2a import (
     A2AClient,
     A2AError,
@@ -687,6 +687,7 @@ def fail_send(task_pk: int, reason: str, *, retry_safe: bool = False, fence: str
                 "system",
                 fence=fence,
             )
+            transaction.on_commit(lambda: metrics.count("send_failures"))
 
 
 relay_watcher = _relay_watcher

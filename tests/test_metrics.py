@@ -1,0 +1,69 @@
+"""``/metrics``: staff or the token only, and counters that move while the system works
+(counted by the worker's processes, summed in Redis, read by the web process)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from django.test import Client
+
+from tasks_app.services import tasks as task_services
+from tasks_app.services.agents import add_agent
+from tests.people import member
+from tests.test_mirror import wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def sample(text: str, name: str, labels: str = "") -> float:
+    """The value of one sample in the exposition text (0 when absent)."""
+    pattern = re.escape(name) + (re.escape("{" + labels + "}") if labels else r"(?:\{\})?") + r" ([0-9.e+-]+)"
+    found = re.search(r"^" + pattern + r"$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_only_staff_or_the_token_may_read_metrics(settings, django_user_model) -> None:
+    settings.METRICS_TOKEN = "metrics-token-123"
+    assert Client().get("/metrics").status_code == 403
+    assert Client().get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 403
+    viewer = Client()
+    viewer.force_login(member(django_user_model.objects.create_user("v", password="pw-12345678"), "agent-admin"))
+    assert viewer.get("/metrics").status_code == 403  # a role in a project is not staff
+    answer = Client().get("/metrics", headers={"Authorization": "Bearer metrics-token-123"})
+    assert answer.status_code == 200 and "dashboard_tasks" in answer.content.decode()
+    staff = Client()
+    staff.force_login(django_user_model.objects.create_user("s", password="pw-12345678", is_staff=True))
+    assert staff.get("/metrics").status_code == 200
+    settings.METRICS_TOKEN = ""
+    assert Client().get("/metrics", headers={"Authorization": "Bearer "}).status_code == 403  # no token set
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_counters_move_while_a_worker_follows_a_task(agent, start_celery_worker, django_user_model) -> None:
+    staff = Client()
+    staff.force_login(django_user_model.objects.create_user("ops", password="pw-12345678", is_staff=True))
+    before = staff.get("/metrics").content.decode()
+    start_celery_worker()
+    demo = add_agent(agent.base_url, name="metrics demo")
+    task = task_services.start_task(demo, "slow 5 0.1", mode="stream")
+    wait_for(lambda: task_services.RemoteTask.objects.get(pk=task.pk).settled_at is not None, what="the task to settle")
+
+    def scraped() -> str:
+        return staff.get("/metrics").content.decode()
+
+    def moved() -> bool:
+        text = scraped()
+        return (
+            sample(text, "dashboard_events_recorded_total", 'channel="stream"')
+            > sample(before, "dashboard_events_recorded_total", 'channel="stream"')
+            and sample(text, "dashboard_relay_latency_seconds_count")
+            > sample(before, "dashboard_relay_latency_seconds_count")
+        )
+
+    wait_for(moved, timeout=15, what="the worker's counts to reach /metrics")  # flushed each second
+    text = scraped()
+    assert sample(text, "dashboard_tasks", 'state="TASK_STATE_COMPLETED"') >= 1
+    assert "dashboard_held_tasks" in text and "dashboard_watchers" in text
+    assert "# TYPE dashboard_relay_latency_seconds histogram" in text
