@@ -374,7 +374,8 @@ def make_field(item: Input) -> forms.Field:
     common: dict[str, Any] = {
         "label": item.label,
         "help_text": item.help,
-        "required": item.needed and item.kind not in ("boolean", "choices", "lines"),
+        # Left empty, a nullable value is sent as null: the form need not insist.
+        "required": item.needed and not item.nullable and item.kind not in ("boolean", "choices", "lines"),
     }
     default = s.get("default")
     if item.kind == "enum":
@@ -476,11 +477,13 @@ class SchemaAnswerForm(forms.Form):
             lines = [line.strip() for line in (value or "").replace("\r", "").split("\n") if line.strip()]
             if len(lines) > MAX_ARRAY_ITEMS:
                 raise forms.ValidationError(f"At most {MAX_ARRAY_ITEMS} lines.")
-            try:
-                values = [_line_value(line, item_type) for line in lines]
-            except ValueError as exc:
-                hint = {"integer": "a whole number", "number": "a number", "boolean": "true or false"}[item_type]
-                raise forms.ValidationError(f"Each line must be {hint}; {str(exc)[:60]!r} is not.") from exc
+            values = []
+            for line in lines:
+                try:
+                    values.append(_line_value(line, item_type))
+                except ValueError as exc:
+                    hint = {"integer": "a whole number", "number": "a number", "boolean": "true or false"}[item_type]
+                    raise forms.ValidationError(f"Each line must be {hint}; {line[:60]!r} is not.") from exc
             return bool(values) or item.needed, values
         if value in (None, ""):
             return (True, None) if item.nullable and item.needed else (False, None)

@@ -174,6 +174,29 @@ def test_a_valid_booking_is_the_object_and_a_summary() -> None:
     assert text.startswith("Answer: Your name: Ada; guests: 4; date: 2030-05-01; meal: fish")
 
 
+def test_date_times_nullable_values_and_checkbox_lists() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "at": {"type": "string", "format": "date-time"},
+            "note": {"type": ["string", "null"]},
+            "rooms": {"type": "array", "items": {"enum": ["red", "blue", 3]}},
+            "counts": {"type": "array", "items": {"type": "integer"}},
+        },
+        "required": ["at", "note"],
+    }
+    spec = answers.read_question(schema)
+    form = answers.SchemaAnswerForm(spec)
+    assert 'type="datetime-local"' in str(form["a_0"]) and 'type="checkbox"' in str(form["a_2"])
+    post = _querydict({"question": "1", "a_0": "2030-05-01T10:30", "a_1": "", "a_2": ['"blue"', "3"], "a_3": "1\n 2 \n"})
+    form = answers.SchemaAnswerForm(spec, post)
+    assert form.is_valid(), form.errors
+    # Read in the dashboard's time zone (UTC here) and sent with its offset.
+    assert form.answer() == {"at": "2030-05-01T10:30:00+00:00", "note": None, "rooms": ["blue", 3], "counts": [1, 2]}
+    bad = answers.SchemaAnswerForm(spec, _querydict({"question": "1", "a_0": "2030-05-01T10:30", "a_3": "1\ntwo"}))
+    assert not bad.is_valid() and "Each line must be a whole number; 'two' is not." in bad.errors["a_3"][0]
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
@@ -255,6 +278,10 @@ def _scalar(draw: Any) -> tuple[dict, Any, bool]:
         schema["description"] = draw(st.text(_chars, max_size=60))
     # Booleans are always sent (a checkbox has no "absent"); others may be left out when optional.
     required = kind == "boolean" or draw(st.booleans())
+    if kind in ("string", "integer", "number") and draw(st.booleans()):
+        schema["type"] = [schema["type"], "null"]  # nullable: left empty, a required one is null
+        if required and draw(st.booleans()):
+            value = None
     return schema, value, required
 
 
@@ -290,7 +317,7 @@ def post_for(form: answers.SchemaAnswerForm, answer: dict) -> dict[str, Any]:
         for key in item.path:
             value = value.get(key, None) if isinstance(value, dict) else None
         if value is None:
-            continue
+            continue  # absent, or null: left empty
         if item.kind == "boolean":
             if value:
                 post[name] = "on"
