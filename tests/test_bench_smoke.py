@@ -72,3 +72,16 @@ def test_noisy_neighbour_row_measures_both_sides(quick_rows: list) -> None:
     assert bounds.extra["hostile_tasks"] == 10
     assert all(count >= 1 for count in bounds.extra["requests"].values()), bounds.extra["requests"]
     assert bounds.extra["rows_per_minute"] > 0 and bounds.extra["window"] > 0
+
+
+def test_webhook_ingest_row_records_every_accepted_notification(quick_rows: list) -> None:
+    ingest, beside = by_row(quick_rows, "P10")
+    # Every genuine notification was accepted, and every accepted one is a log row on channel push.
+    assert ingest.extra["accepted"] == ingest.extra["sent"] > 0
+    assert ingest.extra["rows"] == ingest.extra["expected"] > 0
+    assert ingest.extra["accepted_rate"] > 0 and ingest.extra["floor_rate"] > 0
+    assert not math.isnan(ingest.extra["p99"]) and not math.isnan(ingest.extra["floor_p99"])
+    # Beside the forgeries: every genuine one still accepted, and no forgery accepted.
+    assert beside.extra["accepted"] == beside.extra["sent"] > 0
+    assert set(beside.extra["forged"]) <= {"401", "404", "429"}, beside.extra["forged"]
+    assert beside.extra["refused_lines"] > 0
