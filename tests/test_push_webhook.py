@@ -236,3 +236,44 @@ def test_a_delivery_before_the_agent_named_the_task_is_taken(task, config):
     drain_here()
     task.refresh_from_db()
     assert task.remote_id == "t-new"
+
+
+def fernet_key() -> str:
+    from cryptography.fernet import Fernet
+
+    return Fernet.generate_key().decode()
+
+
+def test_rotate_keys_re_encrypts_push_config_secrets_and_deliveries_still_pass(task, settings):
+    """``manage.py rotate_keys`` moves push configs' secrets onto the new key too; the agent's
+    token and credentials stay the same, so its deliveries are still accepted afterwards."""
+    from io import StringIO
+
+    from django.core.management import CommandError, call_command
+
+    old, lost, new = fernet_key(), fernet_key(), fernet_key()
+    settings.FIELD_ENCRYPTION_KEY, settings.FIELD_ENCRYPTION_OLD_KEYS = old, []
+    on_old = push.new_config(task)
+    values = secrets_of(on_old)
+    settings.FIELD_ENCRYPTION_KEY = lost
+    on_lost = push.new_config(task)
+    settings.FIELD_ENCRYPTION_KEY, settings.FIELD_ENCRYPTION_OLD_KEYS = new, [old]
+    on_new = push.new_config(task)
+    before = {c.pk: c.secrets_encrypted for c in PushConfig.objects.all()}
+
+    out = StringIO()
+    with pytest.raises(CommandError, match=on_lost.config_id) as failed:
+        call_command("rotate_keys", stdout=out)
+    assert "Push configs: 1 re-encrypted, 1 already on the current key, 1 unreadable." in out.getvalue()
+    text = out.getvalue() + str(failed.value)
+    assert values["token"] not in text and values["credentials"] not in text
+    after = {c.pk: c.secrets_encrypted for c in PushConfig.objects.all()}
+    assert after[on_old.pk] != before[on_old.pk]
+    assert after[on_new.pk] == before[on_new.pk] and after[on_lost.pk] == before[on_lost.pk]
+
+    # The old key can go: the rotated config opens with the new key alone, with the same secrets.
+    settings.FIELD_ENCRYPTION_OLD_KEYS = []
+    on_old.refresh_from_db()
+    assert secrets_of(on_old) == values
+    push._config_cache.clear()  # a fresh process: the config is read (and decrypted) again
+    assert good(on_old, status_update(ts="2026-01-01T00:03:00Z"))[0] == 202
