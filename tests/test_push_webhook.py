@@ -277,3 +277,19 @@ def test_rotate_keys_re_encrypts_push_config_secrets_and_deliveries_still_pass(t
     assert secrets_of(on_old) == values
     push._config_cache.clear()  # a fresh process: the config is read (and decrypted) again
     assert good(on_old, status_update(ts="2026-01-01T00:03:00Z"))[0] == 202
+
+
+def test_starting_in_push_mode_on_an_agent_without_push_says_so_under_the_mode_field(client, django_user_model, settings):
+    from django.urls import reverse
+
+    from tests.people import member
+
+    settings.PUBLIC_URL = "http://127.0.0.1:8000"  # push is offered by the form
+    client.force_login(member(django_user_model.objects.create_user(username="pusher", password="pw-12345678")))
+    url = f"http://127.0.0.1:1/{uuid.uuid4().hex}/"
+    agent = Agent.objects.create(name="no-push", base_url=url, interface_url=url, push=False)
+    response = client.post(reverse("task-new"), {"agent": agent.pk, "text": "hello", "mode": "push"})
+    assert response.status_code == 400
+    errors = response.context["form"].errors
+    assert errors.get("mode") == ["no-push does not declare push notifications: choose another mode."], errors
+    assert not RemoteTask.objects.filter(agent=agent).exists()

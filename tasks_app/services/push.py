@@ -95,14 +95,17 @@ JWKS_REFETCH_SECONDS = 30.0
 
 
 def unavailable_reason(agent: Agent | None = None) -> str:
-    """Why push cannot be offered (empty when it can)."""
+    """Why push cannot be offered (empty when it can).
+
+    The sentence names the mode: the start form shows an error that does under its mode field.
+    """
     if not settings.PUBLIC_URL:
         return (
-            "Push needs PUBLIC_URL, the dashboard's address that agents can reach "
+            "The push mode needs PUBLIC_URL, the dashboard's address that agents can reach "
             "(manage.py up --demo sets it for the local demo)."
         )
     if agent is not None and not agent.push:
-        return f"{agent.name} does not declare push notifications."
+        return f"{agent.name} does not declare push notifications: choose another mode."
     return ""
 
 
