@@ -11,9 +11,9 @@ The navigation badge (``templatetags/inbox.py``) comes from ``waiting_ids``: one
 (the ``state`` index), at most ``COUNT_LIMIT`` + 1 ids; under the limit the ids go to the page
 so that the badge's script knows which tasks it already counted.
 
-The page is ordered by when the question was asked: the ``received_at`` of the log row that
-asked (``asked_seq``; one lookup on the (task, seq) unique index per waiting task), else the
-agent's status timestamp, else when the task was created; keyset paging on (asked, id).
+The page is ordered by when the question was asked (``RemoteTask.asked_at``, stored by
+``record()`` with the row that asked; the partial index ``inbox_order`` holds the waiting
+tasks in that order), keyset paging on (asked_at, id).
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from urllib.parse import urlencode
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.db.models import DateTimeField, OuterRef, Q, QuerySet, Subquery
-from django.db.models.functions import Coalesce
+from django.db.models import Q, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
@@ -37,7 +36,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from tasks_app import access, answers
 from tasks_app.access import Perm, get_task_for_user
-from tasks_app.models import INTERRUPTED_STATES, RemoteTask, TaskEvent
+from tasks_app.models import INTERRUPTED_STATES, RemoteTask
 
 COUNT_LIMIT = 1000
 PAGE_SIZE = 20
@@ -53,19 +52,6 @@ def waiting(qs: QuerySet[RemoteTask]) -> QuerySet[RemoteTask]:
 def waiting_ids(user: Any) -> list[int]:
     """Ids of the person's waiting tasks, at most ``COUNT_LIMIT`` + 1 (more means "1000+")."""
     return list(waiting(access.readable_tasks(user)).order_by().values_list("pk", flat=True)[: COUNT_LIMIT + 1])
-
-
-def with_asked_at(qs: QuerySet[RemoteTask]) -> QuerySet[RemoteTask]:
-    # order_by(): without it the log's default ordering joins the task table in every lookup.
-    asked_row = (
-        TaskEvent.objects.filter(task_id=OuterRef("pk"), seq=OuterRef("asked_seq")).order_by().values("received_at")[:1]
-    )
-    return qs.annotate(
-        asked_at=Coalesce(
-            Subquery(asked_row, output_field=DateTimeField()), "status_timestamp", "created_at",
-            output_field=DateTimeField(),
-        )
-    )  # fmt: skip
 
 
 def question_lines(message: Any) -> str:
@@ -106,7 +92,7 @@ def row_context(request: HttpRequest, task: RemoteTask, form: Any = None) -> dic
         form = answers.answer_form(task, prefix=f"t{task.pk}")
     return {
         "task": task,
-        "asked_at": getattr(task, "asked_at", None) or task.status_timestamp or task.created_at,
+        "asked_at": task.asked_at or task.status_timestamp or task.created_at,
         "question": question_lines(task.status_message),
         "waiting": is_waiting,
         "answered": answered,
@@ -119,27 +105,24 @@ def row_context(request: HttpRequest, task: RemoteTask, form: Any = None) -> dic
 
 def _page(request: HttpRequest, forms: dict[int, Any] | None = None, extra: RemoteTask | None = None) -> dict[str, Any]:
     forms = forms or {}
-    qs = with_asked_at(waiting(access.readable_tasks(request.user)))
+    # ``asked_at`` is stored when the question is recorded; the partial index ``inbox_order``
+    # holds exactly the waiting tasks in this order, so a page costs its own rows.
+    qs = waiting(access.readable_tasks(request.user))
     cursor = _decode_cursor(request.GET.get("cursor", "")) if request.GET.get("cursor") else None
     if cursor:
         value, pk = cursor
         qs = qs.filter(Q(asked_at__gt=value) | Q(asked_at=value, pk__gt=pk))
-    # The order is found on two narrow columns, then the page's rows are read whole: sorting
-    # thousands of whole rows (JSON columns and all) costs several times more.
-    keys = list(qs.order_by("asked_at", "pk").values_list("pk", "asked_at")[: PAGE_SIZE + 1])
+    # The order is found on two narrow columns, then the page's rows are read whole.
+    keys = list(qs.order_by("asked_at", "pk").values_list("pk", flat=True)[: PAGE_SIZE + 1])
     has_next = len(keys) > PAGE_SIZE
     keys = keys[:PAGE_SIZE]
-    rows = RemoteTask.objects.select_related("agent", "answered_by").in_bulk([pk for pk, _ in keys])
-    tasks = []
-    for pk, asked_at in keys:
-        if pk in rows:
-            rows[pk].asked_at = asked_at
-            tasks.append(rows[pk])
+    rows = RemoteTask.objects.select_related("agent", "answered_by").in_bulk(keys)
+    tasks = [rows[pk] for pk in keys if pk in rows]
     if extra is not None and all(t.pk != extra.pk for t in tasks):
         tasks.insert(0, extra)  # the task whose answer was refused, wherever it is in the list
     ids = waiting_ids(request.user)
     next_url = ""
-    if has_next and tasks:
+    if has_next and tasks and tasks[-1].asked_at is not None:
         last = tasks[-1]
         next_url = "?" + urlencode({"cursor": _encode_cursor(last.asked_at, last.pk)})
     return {
@@ -166,7 +149,6 @@ def inbox(request: HttpRequest) -> HttpResponse:
 def inbox_row(request: HttpRequest, pk: int) -> HttpResponse:
     """One task as an inbox row (server-rendered, for live inserts)."""
     task = get_task_for_user(request, pk, related=("agent", "answered_by"))
-    task = with_asked_at(RemoteTask.objects.filter(pk=task.pk)).select_related("agent", "answered_by").get()
     return render(request, "tasks_app/_inbox_row.html", {"row": row_context(request, task)})
 
 
@@ -180,6 +162,6 @@ def inbox_answer(request: HttpRequest, pk: int) -> HttpResponse:
     if sent:
         messages.success(request, f"Answer sent: {task.title or task}.")
         return redirect("inbox")
-    task = with_asked_at(RemoteTask.objects.filter(pk=task.pk)).select_related("agent", "answered_by").get()
+    task = RemoteTask.objects.select_related("agent", "answered_by").get(pk=task.pk)
     context = _page(request, {task.pk: form}, extra=task)
     return render(request, "tasks_app/inbox.html", context, status=400)

@@ -208,6 +208,8 @@ class RemoteTask(models.Model):
     # The seq of the row that asked the current question (input/auth-required), and the
     # question an answer was accepted for: one answer per question, by compare-and-set.
     asked_seq = models.PositiveIntegerField(default=0, db_default=0)
+    # When that row was appended: the inbox lists the oldest question first (indexed below).
+    asked_at = models.DateTimeField(null=True, blank=True)
     answered_seq = models.PositiveIntegerField(default=0, db_default=0)
     answered_by = models.ForeignKey(
         settings.AUTH_USER_MODEL,
@@ -240,6 +242,12 @@ class RemoteTask(models.Model):
         indexes = [
             models.Index(fields=["agent", "state", "-updated_at"]),
             models.Index(fields=["state", "-updated_at"]),
+            # The inbox: waiting tasks, oldest question first (a partial index: only those).
+            models.Index(
+                fields=["asked_at", "id"],
+                name="inbox_order",
+                condition=Q(state__in=INTERRUPTED_STATES, abandoned_at__isnull=True, settled_at__isnull=True),
+            ),
         ]
 
     def __str__(self) -> str:

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
 from tasks_app import answers, inbox
-from tasks_app.models import Agent, Membership, Project, RemoteTask, TaskEvent
+from tasks_app.models import INTERRUPTED_STATES, Agent, Membership, Project, RemoteTask, TaskEvent
 from tasks_app.services import tasks as task_services
 from tasks_app.services.record import record
 from tests.people import member
@@ -473,7 +473,9 @@ def test_the_inbox_lists_waiting_tasks_oldest_first_for_the_projects_one_reads(p
     task_services.abandon_task(gone)
     done = RemoteTask.objects.create(agent=alpha, title="done", state="TASK_STATE_COMPLETED")
     # Asked earlier than it was created: ordered by the asking row's time.
-    TaskEvent.objects.filter(task=second, seq=second.asked_seq).update(received_at=timezone.now() - timedelta(hours=2))
+    earlier = timezone.now() - timedelta(hours=2)
+    TaskEvent.objects.filter(task=second, seq=second.asked_seq).update(received_at=earlier)
+    RemoteTask.objects.filter(pk=second.pk).update(asked_at=earlier)  # as record() stores it
     page = people[Membership.Role.OPERATOR].get(reverse("inbox")).content.decode()
     order = re.findall(r'id="inbox-item-(\d+)"', page)
     assert order == [str(second.pk), str(first.pk)]
@@ -588,11 +590,15 @@ def test_the_inbox_pages_through_100k_tasks_with_a_capped_count(people, alpha, n
             # Whole seconds as Django writes them (no ".000000"), so that SQLite's text
             # comparison of the keyset cursor meets equal values as equal.
             cursor.execute("UPDATE tasks_app_remotetask SET created_at = substr(created_at, 1, 19) WHERE created_at LIKE '%.000000'")
+        # record() stores when a question was asked; these rows were asked when they were made.
+        cursor.execute(
+            "UPDATE tasks_app_remotetask SET asked_at = created_at WHERE state IN (%s, %s)", list(INTERRUPTED_STATES)
+        )
     client = people[Membership.Role.OPERATOR]
     page = client.get(reverse("inbox")).content.decode()
     assert "More than 1000" in page and ">1000+</span>" in page and 'data-waiting=""' in page
     first = re.findall(r">bulk (\d+)</a>", page)
-    # The oldest question first (these have no asking row: by when they were created).
+    # The oldest question first.
     assert first[:3] == ["99999", "99995", "99991"] and len(first) == inbox.PAGE_SIZE
     next_url = re.search(r'href="(\?cursor=[^"]+)" id="next-page"', page).group(1)
     second = re.findall(r">bulk (\d+)</a>", client.get(reverse("inbox") + next_url).content.decode())

@@ -332,7 +332,7 @@ def p4(db: str, quick: bool) -> list[Row]:
 def _bulk_tasks(agent: Any, n: int) -> None:
     from django.utils import timezone
 
-    from tasks_app.models import RemoteTask
+    from tasks_app.models import INTERRUPTED_STATES, RemoteTask
 
     states = ["TASK_STATE_WORKING", "TASK_STATE_COMPLETED", "TASK_STATE_FAILED", "TASK_STATE_INPUT_REQUIRED",
               "TASK_STATE_COMPLETED", "TASK_STATE_CANCELED"]
@@ -344,6 +344,8 @@ def _bulk_tasks(agent: Any, n: int) -> None:
                 agent=agent, remote_id=f"bulk-{i}", context_id=f"ctx-{i % 997}", title=f"bulk task {i}",
                 phase=RemoteTask.Phase.TASK, state=states[i % len(states)],
                 created_at=now - dt.timedelta(seconds=n - i), updated_at=now - dt.timedelta(seconds=n - i),
+                # record() stores when a question was asked; these were asked when made.
+                asked_at=now - dt.timedelta(seconds=n - i) if states[i % len(states)] in INTERRUPTED_STATES else None,
                 last_seq=1,
             )
             for i in range(start, min(n, start + chunk))

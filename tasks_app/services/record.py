@@ -721,7 +721,7 @@ class _Fold:
             events.append(event)
             previous_state = row.state_after
             if row.apply and row.asks:
-                self.set(asked_seq=seq)
+                self.set(asked_seq=seq, asked_at=now)
         return events
 
     def write_rows(self, events: list[TaskEvent], now: datetime) -> None:
