@@ -73,6 +73,10 @@ DRAIN_BATCH = 5000
 # quiet queue is taken at once (a lone push task is not delayed).
 DRAIN_GATHER_FROM = 100
 DRAIN_GATHER_SECONDS = 0.5
+# Where the database takes concurrent writers (PostgreSQL), a batch's tasks are recorded in
+# this many groups at once: each task's transaction waits on its commit, and the commits of
+# four groups overlap (SQLite takes one writer at a time: one group there).
+DRAIN_PARALLEL = 4
 # The webhook's per-process cache of configs (see _lookup): how long a config found is
 # trusted, and how long "no such config" is. A deletion through this module is honoured at
 # once (a Redis marker, DELETED_PREFIX, lives longer than any cache entry); a config row
@@ -842,7 +846,10 @@ async def _drain(max_seconds: float) -> int:
                 continue
             return total
         total += len(items)
-        touched = await eventloop.db(record_batch, items)
+        groups = _by_task(items, DRAIN_PARALLEL if eventloop.db_threads() > 1 else 1)
+        touched: dict[int, str] = {}
+        for recorded in await asyncio.gather(*(eventloop.db(record_batch, group) for group in groups)):
+            touched.update(recorded)
         _want_refresh(touched)
         if DRAIN_GATHER_FROM <= len(items) < DRAIN_BATCH:
             await asyncio.sleep(DRAIN_GATHER_SECONDS)  # busy: let the next batch gather
@@ -850,6 +857,20 @@ async def _drain(max_seconds: float) -> int:
     r.delete(DRAIN_KEY)
     schedule_if_waiting()
     return total
+
+
+def _by_task(items: list[bytes], parts: int) -> list[list[bytes]]:
+    """``items`` in at most ``parts`` groups, each task's notifications in one group (in order)."""
+    if parts <= 1:
+        return [items]
+    groups: list[list[bytes]] = [[] for _ in range(parts)]
+    for item in items:
+        try:
+            task_pk = int(json.loads(item)["t"])
+        except (ValueError, KeyError, TypeError):
+            task_pk = 0  # unreadable: record_batch says so
+        groups[task_pk % parts].append(item)
+    return [group for group in groups if group]
 
 
 def record_batch(items: list[bytes]) -> dict[int, str]:
