@@ -627,12 +627,16 @@ async def accept_async(
 
 
 _pool: ThreadPoolExecutor | None = None
+# Few threads: each one busy in Python takes the GIL from the server's event loop, which
+# every other delivery waits on; lookups (configs not cached, i.e. mostly unknown ids sent
+# by forgers) then queue here instead of slowing every genuine delivery.
+BLOCKING_THREADS = 4
 
 
 def _blocking() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="push-webhook")
+        _pool = ThreadPoolExecutor(max_workers=BLOCKING_THREADS, thread_name_prefix="push-webhook")
     return _pool
 
 
