@@ -13,5 +13,8 @@ Modules:
 * :mod:`.inproc` - rows measured in-process against the database (P3, P4, P5);
 * :mod:`.live` - rows measured end to end with daphne, a Celery worker and the agent
   (P1, P6, P7, P2);
+* :mod:`.noisy` - P9, healthy streams beside misbehaving agents (:mod:`.hostile`);
+* :mod:`.webhook` - P10, push webhook ingest alone and beside forgeries, with its load
+  generator :mod:`.loadgen` (a separate process);
 * :mod:`.child` - the entry point of the child process.
 """

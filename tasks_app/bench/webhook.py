@@ -319,7 +319,7 @@ def p10(db: str, quick: bool) -> list[Row]:
             floor=f"same route, 405 before any work: {floor_rate:,.0f}/s, p99 {ms(f99)} at {rate:,.0f}/s",
             ratio=f"{cap_rate / floor_rate:.2f}x the rate, p99 {a99 / f99:.1f}x" if floor_rate and f99 else "",
             db=db,
-            note=(f"daphne serving dashboard.asgi (the /push/ route before Django, accept() on its threads), one "
+            note=(f"daphne serving dashboard.asgi (the /push/ route before Django: accept_async, the Redis scripts of concurrent deliveries in one round trip), one "
                   f"Celery worker draining (threads pool), load from tasks_app/bench/loadgen.py in its own process "
                   f"(kept-alive HTTP/1.1 over loopback). Accepted/s and recorded/s: {capacity_n:,} notifications as "
                   f"fast as {CONCURRENCY} connections go, recorded/s counted until the last was a log row "
