@@ -97,7 +97,7 @@ def run(coro: Any) -> Any:
         finally:
             batcher = push._batchers.get(asyncio.get_running_loop())
             if batcher is not None:
-                await batcher.client.aclose()
+                await batcher.aclose()
 
     return asyncio.run(main())
 
