@@ -88,12 +88,20 @@ from django.db.models.functions import Cast, Length
 from django.test import Client
 from django.utils import timezone
 
-from tasks_app.models import Agent, ArtifactPart, ConversationMessage, RemoteTask, TaskEvent
+from tasks_app.models import (
+    Agent,
+    ArtifactPart,
+    ConversationMessage,
+    Membership,
+    RemoteTask,
+    TaskEvent,
+)
 from tasks_app.services import tasks as task_services
 from tasks_app.services.agents import add_agent
 from tasks_app.watchers import TABLE, Event, next_status
 from tests.agents import AgentHandle
 from tests.hostile_agents import BAD_TEXT, HostileAgent, hostile_servers, huge_chunk
+from tests.people import member
 from tests.test_mirror import assert_converged, assert_log_is_gapless, settled, wait_for
 
 Status = RemoteTask.WatcherStatus
@@ -137,6 +145,7 @@ def status_of(task: RemoteTask) -> str:
 
 def page(task: RemoteTask) -> str:
     user, _ = get_user_model().objects.get_or_create(username="watch-operator")
+    member(user, Membership.Role.OPERATOR)
     client = Client()
     client.force_login(user)
     return client.get(f"/tasks/{task.pk}/").content.decode()
