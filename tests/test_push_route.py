@@ -185,3 +185,30 @@ def test_other_paths_are_django_s(config):
     # Django's answer: its 404, with the Content-Security-Policy its middleware sets on every answer.
     assert status == 404 and "content-security-policy" in headers, headers
     assert headers["content-security-policy"] != "default-src 'none'; frame-ancestors 'none'"
+
+
+def test_a_config_past_its_cache_time_is_used_and_read_again_and_a_removed_row_is_then_refused(config):
+    """A genuine delivery never waits on the database for a config it had; a row removed behind
+    the cache's back (no marker: its task deleted) is refused once the background read saw it go,
+    and the delivery taken meanwhile is not recorded (the drain checks the config again)."""
+    path, good = f"/push/{config.config_id}/", credentials(config)
+    assert run(call(path, update(10), good))[0] == 202
+    push._config_cache[config.config_id] = (push.time.monotonic() - 1, push._config_cache[config.config_id][1])
+    RemoteTask.objects.filter(pk=config.task_id).update(remote_id="r-1")  # unchanged: the row is still there
+    PushConfig.objects.filter(pk=config.pk).delete()  # gone behind the cache's back, no marker
+
+    async def deliver_then_wait_for_the_read() -> int:
+        status = (await call(path, update(11), good))[0]
+        for _ in range(100):  # the background read
+            if push._config_cache[config.config_id][1] is None:
+                break
+            await asyncio.sleep(0.05)
+        return status
+
+    assert run(deliver_then_wait_for_the_read()) == 202  # taken with what was cached
+    assert push._config_cache[config.config_id][1] is None
+    assert run(call(path, update(12), good))[0] == 404
+    items = push._redis().lpop(push.QUEUE_KEY, 10)
+    assert len(items) == 2
+    push.record_batch(items)
+    assert TaskEvent.objects.filter(task_id=config.task_id).count() == 0

@@ -80,13 +80,17 @@ DRAIN_PARALLEL = 4
 # The webhook's per-process cache of configs (see _lookup): how long a config found is
 # trusted, and how long "no such config" is. A deletion through this module is honoured at
 # once (a Redis marker, DELETED_PREFIX, lives longer than any cache entry); a config row
-# removed otherwise (its task deleted) is refused within CONFIG_CACHE_SECONDS, and nothing
-# queued for it meanwhile is recorded (the drain checks the config again).
+# removed otherwise (its task deleted) is refused once the cache reads it again (within
+# CONFIG_CACHE_SECONDS of its last read, plus that read), and nothing queued for it
+# meanwhile is recorded (the drain checks the config again).
 CONFIG_CACHE_SECONDS = 10.0
+# Past its time, a config found earlier is still used for this long while it is read again
+# in the background (see _cached); a row removed behind our back is refused after that read.
+STALE_SECONDS = 60.0
 MISSING_CACHE_SECONDS = 1.0
 CONFIG_CACHE_SIZE = 20_000
 DELETED_PREFIX = "push:deleted:"
-DELETED_MARK_SECONDS = int(3 * CONFIG_CACHE_SECONDS)
+DELETED_MARK_SECONDS = int(CONFIG_CACHE_SECONDS + STALE_SECONDS + 30)  # outlives any entry, stale or not
 # The card extension by which an agent says it signs its notifications, and where its keys are.
 SIGNING_EXTENSION = "urn:a2a-dashboard:push-signing:v1"
 JWT_ALGORITHMS = ("RS256", "RS384", "RS512", "PS256", "ES256", "ES384", "EdDSA")
@@ -335,16 +339,29 @@ class _Config:
 _config_cache: dict[str, tuple[float, _Config | None]] = {}
 
 
-def _cached(config_id: str) -> tuple[bool, _Config | None]:
-    """(found in the cache, the config or None for "no such config"); (False, None) when not cached."""
+def _cached(config_id: str) -> tuple[bool, _Config | None, bool]:
+    """(found in the cache, the config or None for "no such config", to be read again).
+
+    A config found earlier whose time ran out is still used, and read again in the
+    background (``refresh``; once: its entry gets a few seconds meanwhile): a genuine
+    delivery never waits on the database behind other lookups (forgers' unknown ids).
+    Safe because a deletion through this module is checked in Redis with every delivery,
+    and the drain records nothing for a config that is gone.
+    """
     cached = _config_cache.get(config_id)
-    if cached is not None and cached[0] > time.monotonic():
-        return True, cached[1]
-    return False, None
+    if cached is None:
+        return False, None, False
+    now = time.monotonic()
+    if cached[0] > now:
+        return True, cached[1], False
+    if cached[1] is not None and cached[1].remote_id and now - cached[0] < STALE_SECONDS:
+        _config_cache[config_id] = (now + 5.0, cached[1])
+        return True, cached[1], True
+    return False, None, False
 
 
-def _lookup(config_id: str) -> _Config | None:
-    """The live config ``config_id``, from the per-process cache or one query.
+def _lookup(config_id: str, *, fresh: bool = False) -> _Config | None:
+    """The live config ``config_id``, from the per-process cache (unless ``fresh``) or one query.
 
     Why a cache: the lookup was 40% of an accepted delivery (the ORM building a join
     each time); a config changes only by being deleted, which :func:`forget_cached`
@@ -355,7 +372,7 @@ def _lookup(config_id: str) -> _Config | None:
         return None
     now = time.monotonic()
     cached = _config_cache.get(config_id)
-    if cached is not None and cached[0] > now:
+    if cached is not None and cached[0] > now and not fresh:
         return cached[1]
     config = _load(config_id)
     ttl = CONFIG_CACHE_SECONDS if config is not None and config.remote_id else MISSING_CACHE_SECONDS
@@ -496,7 +513,9 @@ def _decide(config_id: str, body: bytes, content_type: str, authorization: str, 
         return Verdict(413, "body too large")
     by_source = [_window(f"push:rs:{source}", 1), _window(f"push:rf:{source}", 60)]
     limits = [settings.PUSH_RATE_PER_SOURCE, settings.PUSH_REFUSED_PER_SOURCE]
-    hit, config = _cached(config_id)
+    hit, config, refresh = _cached(config_id)
+    if refresh:
+        yield ("refresh", config_id)
     counted = 0
     if not hit:
         over = yield ("script", "source", by_source, [*limits, 0])
@@ -559,8 +578,8 @@ def _do(op: Op) -> Any:
     """Carry out one step of the checks, blocking."""
     if op[0] == "script":
         return _script(_redis(), op[1])(keys=op[2], args=op[3])
-    if op[0] == "lookup":
-        return _lookup(op[1])
+    if op[0] in ("lookup", "refresh"):
+        return _lookup(op[1], fresh=op[0] == "refresh")
     return verify_signed(op[1], op[2], op[3])
 
 
@@ -617,6 +636,9 @@ async def accept_async(
             op = flow.send(result)
             if op[0] == "script":
                 result = await batcher.call(op[1], op[2], op[3])
+            elif op[0] == "refresh":  # in the background: this delivery goes on with what is cached
+                loop.run_in_executor(_blocking(), _do, op)
+                result = None
             else:
                 result = await loop.run_in_executor(_blocking(), _do, op)
     except StopIteration as done:
