@@ -212,3 +212,28 @@ def test_a_config_past_its_cache_time_is_used_and_read_again_and_a_removed_row_i
     assert len(items) == 2
     push.record_batch(items)
     assert TaskEvent.objects.filter(task_id=config.task_id).count() == 0
+
+
+def test_an_id_nobody_was_given_is_refused_without_a_lookup(config):
+    good = credentials(config)
+    push._fill_known()
+    made_up = uuid.uuid4().hex
+    assert run(call(f"/push/{made_up}/", update(20), good))[0] == 404
+    assert made_up not in push._config_cache  # refused by the Redis script: no query was made
+    assert run(call(f"/push/{config.config_id}/", update(21), good))[0] == 202
+
+
+def test_a_config_row_made_another_way_is_found_by_the_next_fill(config):
+    from tasks_app.crypto import encrypt_json
+
+    restored = PushConfig.objects.create(  # e.g. from a backup: never announced to Redis
+        task_id=config.task_id, config_id=uuid.uuid4().hex,
+        secrets_encrypted=encrypt_json({"token": "t" * 43, "scheme": "Bearer", "credentials": "c" * 43}),
+    )  # fmt: skip
+    push._fill_known()
+    push._redis().srem(push.KNOWN_KEY, restored.config_id)
+    headers = {"x-a2a-notification-token": "t" * 43}
+    assert run(call(f"/push/{restored.config_id}/", update(22), headers))[0] == 404
+    push._redis().delete(push.KNOWN_READY)  # its time ran out: the next miss fills the set again
+    push._config_cache.clear()
+    assert run(call(f"/push/{restored.config_id}/", update(23), headers))[0] == 202

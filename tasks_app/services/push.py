@@ -90,6 +90,13 @@ STALE_SECONDS = 60.0
 MISSING_CACHE_SECONDS = 1.0
 CONFIG_CACHE_SIZE = 20_000
 DELETED_PREFIX = "push:deleted:"
+# The ids of live configs, so an id nobody was given is refused by the Redis script that
+# counts the request, with no query and no thread (forgers send made-up ids). The set is
+# filled from the database when KNOWN_READY is missing, which lives KNOWN_READY_SECONDS:
+# a config row made some other way (a restored backup) is found by the next fill.
+KNOWN_KEY = "push:configs"
+KNOWN_READY = "push:configs:ready"
+KNOWN_READY_SECONDS = 300
 DELETED_MARK_SECONDS = int(CONFIG_CACHE_SECONDS + STALE_SECONDS + 30)  # outlives any entry, stale or not
 # The card extension by which an agent says it signs its notifications, and where its keys are.
 SIGNING_EXTENSION = "urn:a2a-dashboard:push-signing:v1"
@@ -146,13 +153,15 @@ def new_config(task: RemoteTask, *, jwks_url: str = "", jwt_issuer: str = "") ->
     values = {"token": secrets.token_urlsafe(32)}
     if not jwks_url:
         values.update(scheme="Bearer", credentials=secrets.token_urlsafe(32))
-    return PushConfig.objects.create(
+    config = PushConfig.objects.create(
         task=task,
         config_id=uuid.uuid4().hex,
         secrets_encrypted=encrypt_json(values),
         jwks_url=jwks_url,
         jwt_issuer=jwt_issuer or (task.agent.base_url if jwks_url else ""),
     )
+    _redis().sadd(KNOWN_KEY, config.config_id)
+    return config
 
 
 def wire_config(config: PushConfig) -> dict[str, Any]:
@@ -288,7 +297,34 @@ def forget_cached(config_id: str) -> None:
     made here is honoured at once everywhere, cache or not.
     """
     _config_cache.pop(config_id, None)
-    _redis().set(f"{DELETED_PREFIX}{config_id}", 1, ex=DELETED_MARK_SECONDS)
+    pipe = _redis().pipeline(transaction=False)
+    pipe.set(f"{DELETED_PREFIX}{config_id}", 1, ex=DELETED_MARK_SECONDS)
+    pipe.srem(KNOWN_KEY, config_id)
+    pipe.execute()
+
+
+_fill_lock = threading.Lock()
+_filled_at = -1e9
+
+
+def _fill_known() -> int:
+    """Put every live config's id in the set of known ids (see KNOWN_KEY); returns how many.
+
+    Deliveries that find the set due wait for one fill (the others that came meanwhile
+    do not read the table again).
+    """
+    global _filled_at
+    with _fill_lock:
+        if time.monotonic() - _filled_at < 5.0 and _redis().exists(KNOWN_READY):
+            return 0
+        ids = list(PushConfig.objects.filter(deleted_at__isnull=True).values_list("config_id", flat=True))
+        pipe = _redis().pipeline(transaction=False)
+        for start in range(0, len(ids), 1000):
+            pipe.sadd(KNOWN_KEY, *ids[start : start + 1000])
+        pipe.set(KNOWN_READY, 1, ex=KNOWN_READY_SECONDS)
+        pipe.execute()
+        _filled_at = time.monotonic()
+        return len(ids)
 
 
 # Redis ----------------------------------------------------------------------------------------
@@ -463,7 +499,11 @@ if ARGV[3] == '0' then
 end
 """
 SCRIPTS = {
-    "source": _SOURCE_CHECK + "return 0\n",
+    "source": _SOURCE_CHECK + """
+if redis.call('EXISTS', KEYS[4]) == 0 then return 5 end
+if redis.call('SISMEMBER', KEYS[3], ARGV[4]) == 0 then return 404 end
+return 0
+""",
     "refuse": _SOURCE_CHECK + """
 local r = redis.call('INCR', KEYS[2])
 if r == 1 then redis.call('EXPIRE', KEYS[2], 120) end
@@ -518,11 +558,13 @@ def _decide(config_id: str, body: bytes, content_type: str, authorization: str, 
         yield ("refresh", config_id)
     counted = 0
     if not hit:
-        over = yield ("script", "source", by_source, [*limits, 0])
-        if over:
-            return OVER_LIMIT[over]
+        known = yield ("script", "source", [*by_source, KNOWN_KEY, KNOWN_READY], [*limits, 0, config_id])
+        if known in OVER_LIMIT:
+            return OVER_LIMIT[known]
         counted = 1
-        config = yield ("lookup", config_id)
+        if known == 5:  # the set of known ids is to be filled (first use, or its time ran out)
+            yield ("fill",)
+        config = None if known == 404 else (yield ("lookup", config_id))
     if config is None:
         return (yield from _refused(by_source, [*limits, counted], source, config_id, 404, "unknown or deleted push config"))
     problem = _credentials_problem(config, authorization, token)
@@ -580,6 +622,8 @@ def _do(op: Op) -> Any:
         return _script(_redis(), op[1])(keys=op[2], args=op[3])
     if op[0] in ("lookup", "refresh"):
         return _lookup(op[1], fresh=op[0] == "refresh")
+    if op[0] == "fill":
+        return _fill_known()
     return verify_signed(op[1], op[2], op[3])
 
 
