@@ -69,6 +69,12 @@ class Phase:
     name: str
     results: list[list[float]]  # [due offset, latency, status]
     wall: tuple[float, float]  # time.time() at its start and end
+    cpu: float = 0.0  # the load generator's own CPU seconds
+
+    def client_share(self) -> float:
+        """The generator's CPU over its run, in % of one core."""
+        span = self.wall[1] - self.wall[0]
+        return 100 * self.cpu / span if span > 0 else float("nan")
 
     def latencies(self, status: int | None = None) -> list[float]:
         return [lat for _, lat, st in self.results if status is None or st == status]
@@ -189,7 +195,7 @@ def load(s: Stack, name: str, requests: list[list[Any]], rate: float, concurrenc
             os.makedirs(keep, exist_ok=True)
             with open(os.path.join(keep, f"{name}.json"), "w") as f:
                 json.dump(out, f)
-        return Phase(name, out["results"], (out["started"], out["ended"]))
+        return Phase(name, out["results"], (out["started"], out["ended"]), float(out.get("cpu") or 0.0))
 
     return wait
 
@@ -307,7 +313,9 @@ def p10(db: str, quick: bool) -> list[Row]:
     ok_beside = beside.count(202) == len(beside.results) and ratio <= 2.0 and every_recorded
     scale = f"{configs_n} configs, {n:,} per phase offered at {rate:,.0f}/s"
     cpu = (f"CPU (one core = 100%) daphne / worker: alone {cpu_alone[0]:.0f}% / {cpu_alone[1]:.0f}%, beside the "
-           f"forgeries {cpu_beside[0]:.0f}% / {cpu_beside[1]:.0f}%")  # fmt: skip
+           f"forgeries {cpu_beside[0]:.0f}% / {cpu_beside[1]:.0f}%; the load generators (their own CPU, start-up "
+           f"included): alone {alone1.client_share():.0f}%, beside {beside.client_share():.0f}% (genuine) + "
+           f"{forgeries.client_share():.0f}% (forged)")  # fmt: skip
     return [
         Row(
             "P10", f"webhook ingest: genuine notifications accepted and recorded ({scale})",
