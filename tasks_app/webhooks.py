@@ -27,6 +27,7 @@ from django.shortcuts import redirect, render
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
+from tasks_app import metrics
 from tasks_app.access import Perm, get_task_for_user
 from tasks_app.models import RemoteTask
 from tasks_app.services import push as push_services
@@ -54,6 +55,7 @@ def receive(request: HttpRequest, config_id: str) -> HttpResponse:
     except ValueError:
         declared = 0
     if declared > limit:
+        metrics.count("webhook_rejections", status=413)
         return JsonResponse({"error": "body too large"}, status=413)
     body = request.read(limit + 1)
     verdict = push_services.accept(
@@ -66,6 +68,8 @@ def receive(request: HttpRequest, config_id: str) -> HttpResponse:
     )
     payload = {"status": verdict.reason} if verdict.accepted else {"error": verdict.reason}
     headers = {"Retry-After": "1"} if verdict.status == 429 else None
+    if verdict.status >= 400:
+        metrics.count("webhook_rejections", status=verdict.status)
     return JsonResponse(payload, status=verdict.status, headers=headers)
 
 
@@ -185,6 +189,8 @@ class PushRoute:
 
 
 async def _answer(send: Any, status: int, payload: dict[str, str], extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    if status >= 400:
+        metrics.count("webhook_rejections", status=status)  # a dict update; Redis gets it later
     body = json.dumps(payload).encode()
     headers = [
         (b"content-type", b"application/json"),

@@ -67,3 +67,17 @@ def test_counters_move_while_a_worker_follows_a_task(agent, start_celery_worker,
     assert sample(text, "dashboard_tasks", 'state="TASK_STATE_COMPLETED"') >= 1
     assert "dashboard_held_tasks" in text and "dashboard_watchers" in text
     assert "# TYPE dashboard_relay_latency_seconds histogram" in text
+
+
+def test_webhook_refusals_are_counted(settings, django_user_model) -> None:
+    """A delivery for a config that does not exist is a 404, and /metrics counts it."""
+    from tasks_app import metrics
+
+    staff = Client()
+    staff.force_login(django_user_model.objects.create_user("ops2", password="pw-12345678", is_staff=True))
+    before = sample(staff.get("/metrics").content.decode(), "dashboard_webhook_rejections_total", 'status="404"')
+    answer = Client().post("/push/no-such-config/", "{}", content_type="application/json")
+    assert answer.status_code == 404
+    metrics.flush()
+    after = sample(staff.get("/metrics").content.decode(), "dashboard_webhook_rejections_total", 'status="404"')
+    assert after == before + 1
