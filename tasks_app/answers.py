@@ -214,20 +214,27 @@ def _check_enum(values: Any) -> list:
     return values
 
 
-def _ordered(properties: dict) -> list[tuple[str, Any]]:
-    """Properties in the order to ask for them: by ``propertyOrder`` where given, else as sent.
+def _ordered(properties: dict, required: list) -> list[tuple[str, Any]]:
+    """Properties in the order to ask for them, the same wherever the question was stored:
 
-    Agents built on protobuf (``google.protobuf.Struct``) lose the order of an object's keys
-    on the way, so the order can be said per property (the convention of json-editor);
-    properties without it come after, in the order received.
+    1. by ``propertyOrder`` where given (the convention of json-editor);
+    2. then the required properties, in the order ``required`` lists them;
+    3. then the rest, in the order received.
+
+    An object's key order does not survive everywhere (protobuf's ``Struct`` on the agent's
+    side, PostgreSQL's ``jsonb`` on ours), while an array's order does: so what the agent
+    insists on comes first, in its order.
     """
+    position = {name: i for i, name in enumerate(required) if isinstance(name, str)}
 
     def key(entry: tuple[int, tuple[str, Any]]) -> tuple[int, float, int]:
-        index, (_, sub) = entry
+        index, (name, sub) = entry
         order = sub.get("propertyOrder") if isinstance(sub, dict) else None
         if isinstance(order, int | float) and not isinstance(order, bool):
             return (0, float(order), index)
-        return (1, 0.0, index)
+        if name in position:
+            return (1, float(position[name]), index)
+        return (2, 0.0, index)
 
     return [item for _, item in sorted(enumerate(properties.items()), key=key)]
 
@@ -246,7 +253,7 @@ class _Builder:
             raise Unusable("an object has no properties to fill in")
         wanted = schema.get("required") if isinstance(schema.get("required"), list) else []
         children: list[Input | Group] = []
-        for index, (key, sub) in enumerate(_ordered(properties)):
+        for index, (key, sub) in enumerate(_ordered(properties, wanted)):
             if len(key) > MAX_NAME_CHARS:
                 raise Unusable(f"a property name is longer than {MAX_NAME_CHARS} characters")
             if not isinstance(sub, dict):
