@@ -63,6 +63,11 @@ def _beat_schedule() -> dict:
             "task": "tasks_app.jobs.evaluate_alerts",
             "schedule": settings.ALERT_EVERY_SECONDS,
         }
+    if settings.DATABASES["default"]["ENGINE"].endswith("sqlite3"):  # its planner's statistics
+        schedule["refresh-sqlite-stats"] = {
+            "task": "tasks_app.jobs.refresh_sqlite_stats",
+            "schedule": settings.SQLITE_ANALYZE_EVERY_SECONDS,
+        }
     if settings.RETENTION_DAYS:  # retention is off unless a number of days is set
         schedule["prune-settled"] = {
             "task": "tasks_app.jobs.prune_settled",

@@ -323,6 +323,8 @@ WATCH_SLICE_SECONDS = float(os.environ.get("WATCH_SLICE_SECONDS", "300"))
 WATCH_POLL_MIN_SECONDS = float(os.environ.get("WATCH_POLL_MIN_SECONDS", "1"))
 WATCH_POLL_MAX_SECONDS = float(os.environ.get("WATCH_POLL_MAX_SECONDS", "30"))
 RECONCILE_EVERY_SECONDS = float(os.environ.get("RECONCILE_EVERY_SECONDS", "2"))
+# SQLite: how often beat refreshes the query planner's statistics (tasks_app/runtime/sqlite_stats.py).
+SQLITE_ANALYZE_EVERY_SECONDS = float(os.environ.get("SQLITE_ANALYZE_EVERY_SECONDS", "3600"))
 # /metrics answers a staff login, or this bearer token (for Prometheus); unset: staff only.
 METRICS_TOKEN = os.environ.get("METRICS_TOKEN", "").strip()
 # Workers also tick the reconciler (claimed once per period in Redis), so beat is no single point.

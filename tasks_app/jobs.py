@@ -48,3 +48,11 @@ def evaluate_alerts() -> str:
     from tasks_app import alerts
 
     return str(alerts.evaluate())
+
+
+@shared_task(name="tasks_app.jobs.refresh_sqlite_stats", ignore_result=True)
+def refresh_sqlite_stats() -> bool:
+    """The query planner's statistics on SQLite (see tasks_app/runtime/sqlite_stats.py)."""
+    from tasks_app.runtime import sqlite_stats
+
+    return sqlite_stats.refresh()

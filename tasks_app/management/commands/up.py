@@ -36,6 +36,7 @@ from django.core.management.base import BaseCommand, CommandParser
 from django.db import connection
 
 from tasks_app.health import run_checks
+from tasks_app.runtime import sqlite_stats
 from tasks_app.runtime.admin import ensure_admin
 from tasks_app.runtime.net import free_port, port_available, redact_url, wait_until
 from tasks_app.runtime.redis_server import (
@@ -247,6 +248,7 @@ class Runner:
         if "web" in self.roles:
             # The web part migrates and makes the first login; workers and beat expect both.
             call_command("migrate", interactive=False, verbosity=0)
+            sqlite_stats.refresh()  # the planner's statistics (beat refreshes them hourly)
             login_line = ensure_admin(Path(settings.DATA_DIR))
         # Child processes open their own connections; ours is not needed while we wait.
         connection.close()
