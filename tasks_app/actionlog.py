@@ -11,8 +11,6 @@ decided once, in :func:`visible_actions`:
 
 from __future__ import annotations
 
-import base64
-import binascii
 import re
 from dataclasses import dataclass
 from datetime import datetime, time, timedelta
@@ -24,7 +22,7 @@ from django.db.models import Q, QuerySet
 from django.utils import timezone
 from django.utils.dateparse import parse_date, parse_datetime
 
-from tasks_app import access
+from tasks_app import access, cursors
 from tasks_app.access import Perm
 from tasks_app.models import Agent, OperatorAction, Project
 
@@ -254,18 +252,6 @@ def apply_filters(qs: QuerySet[OperatorAction], data: dict[str, Any]) -> QuerySe
 # Keyset paging, newest first: the cursor is the last row's (created_at, id) -----------------
 
 
-def encode_cursor(moment: datetime, pk: int) -> str:
-    return base64.urlsafe_b64encode(f"{moment.isoformat()}|{pk}".encode()).decode().rstrip("=")
-
-
-def decode_cursor(cursor: str) -> tuple[datetime, int] | None:
-    try:
-        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
-        stamp, pk = text.rsplit("|", 1)
-        moment = parse_datetime(stamp)
-        return (moment, int(pk)) if moment and timezone.is_aware(moment) else None
-    except (ValueError, binascii.Error, UnicodeDecodeError):
-        return None
 
 
 def after_cursor(
@@ -296,4 +282,4 @@ def page(
     )  # fmt: skip
     has_next = len(rows) > size
     rows = rows[:size]
-    return Page(rows, encode_cursor(rows[-1].created_at, rows[-1].pk) if has_next and rows else "")
+    return Page(rows, cursors.encode(rows[-1].created_at, rows[-1].pk) if has_next and rows else "")

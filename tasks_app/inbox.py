@@ -18,9 +18,6 @@ tasks in that order), keyset paging on (asked_at, id).
 
 from __future__ import annotations
 
-import base64
-import binascii
-from datetime import datetime
 from typing import Any
 from urllib.parse import urlencode
 
@@ -31,10 +28,9 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.utils import timezone
-from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_GET, require_POST
 
-from tasks_app import access, answers
+from tasks_app import access, answers, cursors
 from tasks_app.access import Perm, get_task_for_user
 from tasks_app.models import INTERRUPTED_STATES, RemoteTask
 
@@ -69,18 +65,6 @@ def question_lines(message: Any) -> str:
     return text[:QUESTION_CHARS] + ("…" if more else "")
 
 
-def _encode_cursor(value: datetime, pk: int) -> str:
-    return base64.urlsafe_b64encode(f"{value.isoformat()}|{pk}".encode()).decode().rstrip("=")
-
-
-def _decode_cursor(cursor: str) -> tuple[datetime, int] | None:
-    try:
-        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
-        stamp, pk = text.rsplit("|", 1)
-        value = parse_datetime(stamp)
-        return (value, int(pk)) if value else None
-    except (ValueError, binascii.Error, UnicodeDecodeError):
-        return None
 
 
 def row_context(request: HttpRequest, task: RemoteTask, form: Any = None) -> dict[str, Any]:
@@ -108,7 +92,7 @@ def _page(request: HttpRequest, forms: dict[int, Any] | None = None, extra: Remo
     # ``asked_at`` is stored when the question is recorded; the partial index ``inbox_order``
     # holds exactly the waiting tasks in this order, so a page costs its own rows.
     qs = waiting(access.readable_tasks(request.user))
-    cursor = _decode_cursor(request.GET.get("cursor", "")) if request.GET.get("cursor") else None
+    cursor = cursors.decode(request.GET.get("cursor", "")) if request.GET.get("cursor") else None
     if cursor:
         value, pk = cursor
         qs = qs.filter(Q(asked_at__gt=value) | Q(asked_at=value, pk__gt=pk))
@@ -124,7 +108,7 @@ def _page(request: HttpRequest, forms: dict[int, Any] | None = None, extra: Remo
     next_url = ""
     if has_next and tasks and tasks[-1].asked_at is not None:
         last = tasks[-1]
-        next_url = "?" + urlencode({"cursor": _encode_cursor(last.asked_at, last.pk)})
+        next_url = "?" + urlencode({"cursor": cursors.encode(last.asked_at, last.pk)})
     return {
         "rows": [row_context(request, t, forms.get(t.pk)) for t in tasks],
         "count": min(len(ids), COUNT_LIMIT),

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import base64
-import binascii
 from collections.abc import Callable
-from datetime import datetime
 from urllib.parse import urlencode
 
 from django.contrib import messages
@@ -25,10 +22,9 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
-from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_GET, require_POST
 
-from tasks_app import access, answers, crypto
+from tasks_app import access, answers, crypto, cursors
 from tasks_app.access import Perm, get_agent_for_user, get_task_for_user
 from tasks_app.forms import (
     AgentAddForm,
@@ -359,18 +355,6 @@ SORTS = {
 }
 
 
-def _encode_cursor(value: datetime, pk: int) -> str:
-    return base64.urlsafe_b64encode(f"{value.isoformat()}|{pk}".encode()).decode().rstrip("=")
-
-
-def _decode_cursor(cursor: str) -> tuple[datetime, int] | None:
-    try:
-        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
-        stamp, pk = text.rsplit("|", 1)
-        value = parse_datetime(stamp)
-        return (value, int(pk)) if value else None
-    except (ValueError, binascii.Error, UnicodeDecodeError):
-        return None
 
 
 def filtered_tasks(user, data: dict) -> tuple:
@@ -400,7 +384,7 @@ def task_list(request: HttpRequest) -> HttpResponse:
     form = TaskFilterForm(request.GET or None, agents=readable_agents)
     data = form.cleaned_data if form.is_bound and form.is_valid() else {}
     qs, (field, desc), sort = filtered_tasks(request.user, data)
-    cursor = _decode_cursor(request.GET.get("cursor", "")) if request.GET.get("cursor") else None
+    cursor = cursors.decode(request.GET.get("cursor", "")) if request.GET.get("cursor") else None
     page_qs = qs
     if cursor:
         value, pk = cursor
@@ -423,7 +407,7 @@ def task_list(request: HttpRequest) -> HttpResponse:
     if has_next and rows:
         last = rows[-1]
         next_url = "?" + urlencode(
-            {**base_params, "cursor": _encode_cursor(getattr(last, field), last.pk)}
+            {**base_params, "cursor": cursors.encode(getattr(last, field), last.pk)}
         )
     first_url = "?" + urlencode(base_params) if cursor else ""
     agents = {a.pk: a.name for a in readable_agents}

@@ -21,7 +21,7 @@ from django.shortcuts import render
 from django.utils import timezone
 from django.views.decorators.http import require_GET
 
-from tasks_app import access, actionlog, exports
+from tasks_app import access, actionlog, cursors, exports
 from tasks_app.access import Perm, get_task_for_user
 
 TASK_FORMATS = {
@@ -57,7 +57,7 @@ def audit_log(request: HttpRequest) -> HttpResponse:
     form = actionlog.ActionFilterForm(request.GET or None, user=request.user)
     filters = {k: request.GET[k] for k in FILTER_KEYS if request.GET.get(k)}
     cursor_text = request.GET.get("cursor", "")
-    cursor = actionlog.decode_cursor(cursor_text) if cursor_text else None
+    cursor = cursors.decode(cursor_text) if cursor_text else None
     cursor_broken = bool(cursor_text) and cursor is None
     valid = not form.is_bound or form.is_valid()
     rows: list = []

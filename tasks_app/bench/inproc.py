@@ -416,12 +416,12 @@ def _deep_cursor(position: int) -> str:
     from tasks_app.models import RemoteTask
 
     try:
-        from tasks_app.views import _encode_cursor
+        from tasks_app import cursors
     except ImportError:
         return ""
     row = RemoteTask.objects.order_by("-updated_at", "-pk").values_list("updated_at", "pk")[position : position + 1]
     found = list(row)
-    return "?cursor=" + _encode_cursor(found[0][0], found[0][1]) if found else ""
+    return "?cursor=" + cursors.encode(found[0][0], found[0][1]) if found else ""
 
 
 EXPORT_CANDIDATES = (
@@ -509,7 +509,7 @@ def p5(db: str, quick: bool) -> list[Row]:
             cursor.execute("ANALYZE")
     seed = time.perf_counter() - t0
 
-    from tasks_app.actionlog import encode_cursor
+    from tasks_app import cursors
     from tasks_app.models import Membership, OperatorAction, Project
 
     # An auditor of the agent's project: reads every page (the per-user lookup, as people
@@ -530,7 +530,7 @@ def p5(db: str, quick: bool) -> list[Row]:
     mid = OperatorAction.objects.filter(agent=agent).order_by("-created_at", "-id").values_list("created_at", "pk")[
         n_tasks // 4 : n_tasks // 4 + 1
     ]  # fmt: skip
-    deep = "?cursor=" + encode_cursor(*mid[0]) if mid else ""
+    deep = "?cursor=" + cursors.encode(*mid[0]) if mid else ""
     client = Client()
     client.force_login(user)
     rows: list[Row] = []

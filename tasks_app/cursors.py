@@ -1,0 +1,30 @@
+"""Keyset-paging cursors: (a timestamp, an id) as an opaque URL-safe token.
+
+The task list, the inbox and the operator-action log page by (time, id): a page starts
+after the last row of the one before, so paging costs the page, never an OFFSET. A cursor
+that does not decode (edited by hand, cut short) is None: the caller shows the first page.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from datetime import datetime
+
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+
+
+def encode(moment: datetime, pk: int) -> str:
+    return base64.urlsafe_b64encode(f"{moment.isoformat()}|{pk}".encode()).decode().rstrip("=")
+
+
+def decode(cursor: str) -> tuple[datetime, int] | None:
+    """(moment, pk), or None for anything that is not a cursor this module wrote."""
+    try:
+        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        stamp, pk = text.rsplit("|", 1)
+        moment = parse_datetime(stamp)
+        return (moment, int(pk)) if moment and timezone.is_aware(moment) else None
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        return None
