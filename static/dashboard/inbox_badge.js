@@ -47,27 +47,15 @@
     listeners.forEach((fn) => { try { fn(s, now); } catch (e) { console.warn(e); } });
   }
 
-  /* The list socket's protocol (re-sync by version, as Live.taskListSocket does), on a socket
-     that leaves the page's own "live:" status line to the page's own socket. */
+  /* The list socket (Live.taskListSocket: re-sync by version) on a socket that leaves the
+     page's own "live:" status line to the page's own socket. */
   class QuietSocket extends Live.LiveSocket {
     status(state, text) {
       el.dataset.socket = state; // "open" once connected (tests wait for it)
       statusListeners.forEach((fn) => fn(state, text));
     }
   }
-  let version = Date.parse(el.dataset.renderedAt || "") || 0;
-  const newer = (iso) => { version = Math.max(version, Date.parse(iso || "") || 0); };
-  const sync = () => socket.send({ type: "sync", since: version ? new Date(version).toISOString() : null });
-  const socket = new QuietSocket("/ws/tasks/", {
-    onOpen: sync,
-    onIdle: sync,
-    onMessage: (msg) => {
-      if (msg.type === "version") newer(msg.version);
-      if (msg.type !== "task") return;
-      newer(msg.updated_at);
-      onTask(msg);
-    },
-  });
+  const { socket } = Live.taskListSocket(el.dataset.renderedAt, onTask, QuietSocket);
 
   window.InboxBadge = {
     subscribe: (fn) => listeners.push(fn),

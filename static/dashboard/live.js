@@ -159,12 +159,13 @@
   /* The task-list socket with re-sync by version (see TaskListConsumer): the
    * newest updated_at known (the page's render time at first); after a
    * (re)connect and when idle it asks for the tasks changed since then.
-   * onTask gets every task summary; version() says where the list stands. */
-  function taskListSocket(renderedAt, onTask) {
+   * onTask gets every task summary; version() says where the list stands. SocketClass:
+   * a LiveSocket subclass, e.g. one that reports its status elsewhere (the inbox badge). */
+  function taskListSocket(renderedAt, onTask, SocketClass = LiveSocket) {
     let version = Date.parse(renderedAt || "") || 0;
     const newer = (iso) => { version = Math.max(version, Date.parse(iso || "") || 0); };
     const sync = () => socket.send({ type: "sync", since: version ? new Date(version).toISOString() : null });
-    const socket = new LiveSocket("/ws/tasks/", {
+    const socket = new SocketClass("/ws/tasks/", {
       onOpen: sync,
       onIdle: sync,
       onMessage: (msg) => {
