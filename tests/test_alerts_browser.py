@@ -10,22 +10,15 @@ evaluated every second by beat, and the page checks its alerts every second.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import sqlite3
-import subprocess
-import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.agents import REPO_ROOT, free_port
-from tests.people import MEMBER_SOURCE
+from tests.agents import REPO_ROOT
+from tests.ui_stack import Stack, running_stack
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -38,88 +31,13 @@ assert Path(CHROMIUM).exists(), f"Chromium is not installed at {CHROMIUM} (apt-g
 from playwright import sync_api  # noqa: E402
 
 
-class Stack:
-    def __init__(self, base_url: str, db_path: Path, logs: Path) -> None:
-        self.base_url = base_url
-        self.db_path = db_path
-        self.logs = logs
-
-    def query(self, sql: str, *params: object) -> list[tuple]:
-        with contextlib.closing(sqlite3.connect(self.db_path, timeout=20)) as conn:
-            return conn.execute(sql, params).fetchall()
-
-
-def _env(tmp: Path, redis_url: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        DJANGO_SETTINGS_MODULE="dashboard.settings",
-        DATABASE_URL=f"sqlite:///{tmp / 'alerts.sqlite3'}",
-        DATA_DIR=str(tmp),
-        REDIS_URL=redis_url,  # the session's own Redis database (tests.infra)
-        CELERY_QUEUE=f"alertstest-{uuid.uuid4().hex[:8]}",
-        ALLOWED_HOSTS="127.0.0.1,localhost",
-        WATCH_LEASE_SECONDS="10",
-        ALERT_SILENT_WORKING_SECONDS=str(SILENT_SECONDS),
-        ALERT_EVERY_SECONDS="1",
-        ALERT_REFRESH_SECONDS="1",
-        PYTHONUNBUFFERED="1",
-        # Prepended: the loopback-only hook's folder (tests/conftest.py) stays on the path.
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-    )
-    env.pop("DASHBOARD_TEST_DB_FILE", None)
-    return env
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, redis_url) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("alerts-ui")
-    env = _env(tmp, redis_url)
-    py = sys.executable
-    subprocess.run([py, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=REPO_ROOT, env=env, check=True)
-    subprocess.run(
-        [py, "-c", "import django; django.setup(); from django.contrib.auth.models import User; "
-         f"User.objects.create_user({USERNAME!r}, password={PASSWORD!r}); "
-         + MEMBER_SOURCE.format(username=USERNAME)],
-        cwd=REPO_ROOT, env=env, check=True,
-    )  # fmt: skip
-    port = free_port()
-    logs = tmp / "logs"
-    logs.mkdir()
-    procs: list[subprocess.Popen] = []
-
-    def start(name: str, cmd: list[str]) -> None:
-        out = open(logs / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
-        procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
-        out.close()
-
-    start("worker", [py, "-m", "celery", "-A", "dashboard", "worker", "--pool", "threads",
-                     "--concurrency", "8", "-Q", env["CELERY_QUEUE"], "--loglevel", "INFO",
-                     "-n", f"alerts-{uuid.uuid4().hex[:6]}@%h"])  # fmt: skip
-    start("beat", [py, "-m", "celery", "-A", "dashboard", "beat", "--loglevel", "INFO",
-                   "--schedule", str(tmp / "beat-schedule")])  # fmt: skip
-    start("web", [py, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "dashboard.asgi:application"])
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(base + "/accounts/login/", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, (logs / "web.log").read_text()[-3000:]
-        assert all(p.poll() is None for p in procs), "a server process died"
-        time.sleep(0.1)
-    try:
-        yield Stack(base, tmp / "alerts.sqlite3", logs)
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with running_stack(
+        tmp_path_factory.mktemp("alerts-ui"), redis_url, name="alerts", username=USERNAME, password=PASSWORD,
+        beat=True, ALERT_SILENT_WORKING_SECONDS=str(SILENT_SECONDS), ALERT_EVERY_SECONDS="1", ALERT_REFRESH_SECONDS="1",
+    ) as running:  # fmt: skip
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -11,22 +11,15 @@ Screenshots of the main pages go to ``test-artifacts/screenshots/``.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import sqlite3
-import subprocess
-import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.agents import REPO_ROOT, free_port
-from tests.people import MEMBER_SOURCE
+from tests.agents import REPO_ROOT
+from tests.ui_stack import Stack, running_stack
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -39,100 +32,13 @@ assert Path(CHROMIUM).exists(), f"Chromium is not installed at {CHROMIUM} (apt-g
 from playwright import sync_api  # noqa: E402
 
 
-class Stack:
-    def __init__(self, base_url: str, db_path: Path, procs: list[subprocess.Popen], logs: Path) -> None:
-        self.base_url = base_url
-        self.db_path = db_path
-        self.procs = procs
-        self.logs = logs
-
-    def query(self, sql: str, *params: object) -> list[tuple]:
-        with contextlib.closing(sqlite3.connect(self.db_path, timeout=20)) as conn:
-            return conn.execute(sql, params).fetchall()
-
-    def seqs(self, task_pk: int) -> list[int]:
-        return [r[0] for r in self.query("SELECT seq FROM tasks_app_taskevent WHERE task_id=? ORDER BY seq", task_pk)]
-
-    def state(self, task_pk: int) -> str:
-        return self.query("SELECT state FROM tasks_app_remotetask WHERE id=?", task_pk)[0][0]
-
-    def settled_seqs(self, task_pk: int, timeout: float = 20) -> list[int]:
-        """The log once the task is settled: nothing is appended after that."""
-        deadline = time.monotonic() + timeout
-        while not self.query("SELECT settled_at FROM tasks_app_remotetask WHERE id=?", task_pk)[0][0]:
-            assert time.monotonic() < deadline, "the task was never settled"
-            time.sleep(0.1)
-        return self.seqs(task_pk)
-
-
-def _env(tmp: Path, redis_url: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        DJANGO_SETTINGS_MODULE="dashboard.settings",
-        DATABASE_URL=f"sqlite:///{tmp / 'ui.sqlite3'}",
-        DATA_DIR=str(tmp),
-        REDIS_URL=redis_url,  # the session's own Redis database (tests.infra)
-        CELERY_QUEUE=f"uitest-{uuid.uuid4().hex[:8]}",
-        ALLOWED_HOSTS="127.0.0.1,localhost",
-        WATCH_LEASE_SECONDS="10",
-        WATCH_POLL_MIN_SECONDS="0.3",
-        WATCH_POLL_MAX_SECONDS="2",
-        PYTHONUNBUFFERED="1",
-        # Prepended: the loopback-only hook's folder (tests/conftest.py) stays on the path.
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-    )
-    env.pop("DASHBOARD_TEST_DB_FILE", None)
-    return env
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, redis_url) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("ui")
-    env = _env(tmp, redis_url)
-    py = sys.executable
-    subprocess.run([py, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=REPO_ROOT, env=env, check=True)
-    subprocess.run(
-        [py, "-c", "import django; django.setup(); from django.contrib.auth.models import User; "
-         f"User.objects.create_user({USERNAME!r}, password={PASSWORD!r}); "
-         + MEMBER_SOURCE.format(username=USERNAME)],
-        cwd=REPO_ROOT, env=env, check=True,
-    )  # fmt: skip
-    port = free_port()
-    logs = tmp / "logs"
-    logs.mkdir()
-    procs: list[subprocess.Popen] = []
-
-    def start(name: str, cmd: list[str]) -> None:
-        out = open(logs / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
-        procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
-        out.close()
-
-    start("worker", [py, "-m", "celery", "-A", "dashboard", "worker", "--pool", "threads",
-                     "--concurrency", "8", "-Q", env["CELERY_QUEUE"], "--loglevel", "INFO",
-                     "-n", f"ui-{uuid.uuid4().hex[:6]}@%h"])  # fmt: skip
-    start("web", [py, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "dashboard.asgi:application"])
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(base + "/accounts/login/", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, (logs / "web.log").read_text()[-3000:]
-        assert all(p.poll() is None for p in procs), "a server process died"
-        time.sleep(0.1)
-    try:
-        yield Stack(base, tmp / "ui.sqlite3", procs, logs)
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with running_stack(
+        tmp_path_factory.mktemp("ui"), redis_url, name="ui", username=USERNAME, password=PASSWORD,
+        WATCH_POLL_MIN_SECONDS="0.3", WATCH_POLL_MAX_SECONDS="2",
+    ) as running:  # fmt: skip
+        yield running
 
 
 @pytest.fixture(scope="module")
