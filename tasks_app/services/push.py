@@ -54,6 +54,7 @@ from tasks_app import eventloop, outbound
 from tasks_app.a2a import A2AClient, A2AError, ProtocolError, safejson
 from tasks_app.crypto import SecretError, decrypt_json, encrypt_json
 from tasks_app.models import TERMINAL_STATES, Agent, PushConfig, RemoteTask
+from tasks_app.runtime import shared_redis
 from tasks_app.services.record import RecordError, record, record_many, settle_if_ended
 
 log = logging.getLogger(__name__)
@@ -329,20 +330,9 @@ def _fill_known() -> int:
 
 # Redis ----------------------------------------------------------------------------------------
 
-_redis_lock = threading.Lock()
-_redis_clients: dict[str, redis.Redis] = {}
-
 
 def _redis() -> redis.Redis:
-    url = settings.REDIS_URL
-    client = _redis_clients.get(url)
-    if client is None:
-        with _redis_lock:
-            client = _redis_clients.get(url)
-            if client is None:
-                client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
-                _redis_clients[url] = client
-    return client
+    return shared_redis.client(settings.REDIS_URL)
 
 
 # Accepting one delivery -------------------------------------------------------------------------
