@@ -156,7 +156,9 @@ def _database() -> dict:
         }
         # Tests run real workers and servers in other processes: the test
         # database must be a file they can open, not SQLite's in-memory one.
-        test_name = os.environ.get("DASHBOARD_TEST_DB_FILE") or str(DATA_DIR / "test_dashboard.sqlite3")
+        test_name = os.environ.get("DASHBOARD_TEST_DB_FILE") or str(
+            DATA_DIR / "test_dashboard.sqlite3"
+        )
         config["TEST"] = {"NAME": test_name}
     return config
 
@@ -234,9 +236,7 @@ SECURE_REFERRER_POLICY = "same-origin"
 # the view-only models); it is allowed by its hash, not by 'unsafe-inline'. tests/test_headers.py
 # fails if a Django upgrade changes it.
 ADMIN_CHANGELIST_STYLE = "\n      #changelist table thead th:first-child {width: inherit}\n    "
-ADMIN_CHANGELIST_STYLE_HASH = (
-    f"'sha256-{base64.b64encode(hashlib.sha256(ADMIN_CHANGELIST_STYLE.encode()).digest()).decode()}'"
-)
+ADMIN_CHANGELIST_STYLE_HASH = f"'sha256-{base64.b64encode(hashlib.sha256(ADMIN_CHANGELIST_STYLE.encode()).digest()).decode()}'"
 # Static: no page of ours has inline script or style (tasks_app/middleware.py). 'self' in
 # connect-src covers the site's own ws:/wss: (CSP 3; Chromium 71+, Firefox, Safari 16+).
 CONTENT_SECURITY_POLICY = {
@@ -289,7 +289,9 @@ FIELD_ENCRYPTION_OLD_KEYS = env_list("FIELD_ENCRYPTION_OLD_KEYS", [])
 # task_id and agent_id where the code works for one; tasks_app/runtime/logs.py).
 LOG_FORMAT = os.environ.get("LOG_FORMAT", "text").strip().lower() or "text"
 if LOG_FORMAT not in FORMATS:
-    raise ImproperlyConfigured(f"LOG_FORMAT must be one of {', '.join(FORMATS)}, not {LOG_FORMAT!r}.")
+    raise ImproperlyConfigured(
+        f"LOG_FORMAT must be one of {', '.join(FORMATS)}, not {LOG_FORMAT!r}."
+    )
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
@@ -300,10 +302,14 @@ LOGGING = {
         "routine_tasks": {
             "()": "tasks_app.runtime.logs.QuietRoutineTasks",
             "tasks": ["tasks_app.watchers.reconcile", "tasks_app.jobs.evaluate_alerts"],
-        }
+        },
     },
     "handlers": {
-        "console": {"class": "logging.StreamHandler", "formatter": "plain", "filters": ["context_ids"]}
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": "plain",
+            "filters": ["context_ids"],
+        }
     },
     "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
     "loggers": {
@@ -328,7 +334,11 @@ SQLITE_ANALYZE_EVERY_SECONDS = float(os.environ.get("SQLITE_ANALYZE_EVERY_SECOND
 # /metrics answers a staff login, or this bearer token (for Prometheus); unset: staff only.
 METRICS_TOKEN = os.environ.get("METRICS_TOKEN", "").strip()
 # Workers also tick the reconciler (claimed once per period in Redis), so beat is no single point.
-RECONCILE_IN_WORKERS = os.environ.get("RECONCILE_IN_WORKERS", "1").strip().lower() not in ("0", "false", "no")
+RECONCILE_IN_WORKERS = os.environ.get("RECONCILE_IN_WORKERS", "1").strip().lower() not in (
+    "0",
+    "false",
+    "no",
+)
 WATCH_STREAM_IDLE_SECONDS = float(os.environ.get("WATCH_STREAM_IDLE_SECONDS", "60"))
 WATCH_BACKOFF_BASE_SECONDS = float(os.environ.get("WATCH_BACKOFF_BASE_SECONDS", "0.5"))
 WATCH_BACKOFF_MAX_SECONDS = float(os.environ.get("WATCH_BACKOFF_MAX_SECONDS", "30"))

@@ -91,7 +91,9 @@ def projects_with(user: Any, perm: Perm) -> list[int] | None:
         return []
     if user.is_superuser:
         return None
-    return sorted(pid for pid, role in _roles(user).items() if perm in ROLE_PERMISSIONS.get(role, ()))
+    return sorted(
+        pid for pid, role in _roles(user).items() if perm in ROLE_PERMISSIONS.get(role, ())
+    )
 
 
 def projects_for(user: Any, perm: Perm) -> QuerySet[Project]:
@@ -112,13 +114,32 @@ def readable_tasks(user: Any, perm: Perm = Perm.READ) -> QuerySet[RemoteTask]:
     qs = RemoteTask.objects.all()
     if ids is None:
         return qs
-    return qs.filter(agent_id__in=list(Agent.objects.filter(project_id__in=ids).values_list("pk", flat=True)))
+    return qs.filter(
+        agent_id__in=list(Agent.objects.filter(project_id__in=ids).values_list("pk", flat=True))
+    )
 
 
-def refuse(user: Any, perm: Perm, *, agent: Agent | None = None, task: RemoteTask | None = None, what: str = "") -> Forbidden:
+def refuse(
+    user: Any,
+    perm: Perm,
+    *,
+    agent: Agent | None = None,
+    task: RemoteTask | None = None,
+    what: str = "",
+) -> Forbidden:
     """Record a refused action (an operator-action row and a security log line); the error to raise."""
-    project_id = agent.project_id if agent is not None else task.agent.project_id if task is not None else None
-    role = _roles(user).get(project_id, "none") if user is not None and user.is_authenticated else "anonymous"
+    project_id = (
+        agent.project_id
+        if agent is not None
+        else task.agent.project_id
+        if task is not None
+        else None
+    )
+    role = (
+        _roles(user).get(project_id, "none")
+        if user is not None and user.is_authenticated
+        else "anonymous"
+    )
     outcome = f"refused: role {role} may not {perm.value}"
     OperatorAction.objects.create(
         task=task,
@@ -128,7 +149,13 @@ def refuse(user: Any, perm: Perm, *, agent: Agent | None = None, task: RemoteTas
         payload={"wanted": what or perm.value},
         outcome=outcome,
     )
-    log.warning("forbidden: user=%s project=%s wanted=%s (%s)", getattr(user, "pk", None), project_id, what or perm.value, outcome)
+    log.warning(
+        "forbidden: user=%s project=%s wanted=%s (%s)",
+        getattr(user, "pk", None),
+        project_id,
+        what or perm.value,
+        outcome,
+    )
     return Forbidden(f"Your role in this project does not allow this ({perm.value}).")
 
 
@@ -148,7 +175,9 @@ def get_agent_for_user(request: HttpRequest, pk: int, perm: Perm = Perm.READ) ->
     return agent
 
 
-def get_task_for_user(request: HttpRequest, pk: int, perm: Perm = Perm.READ, *, related: tuple[str, ...] = ("agent",)) -> RemoteTask:
+def get_task_for_user(
+    request: HttpRequest, pk: int, perm: Perm = Perm.READ, *, related: tuple[str, ...] = ("agent",)
+) -> RemoteTask:
     """The task, if the person may read it (else 404) and has ``perm`` on it (else 403)."""
     task = RemoteTask.objects.select_related(*{"agent", *related}).filter(pk=pk).first()
     if task is None or not has_perm(request.user, task.agent.project_id, Perm.READ):

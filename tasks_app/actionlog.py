@@ -252,8 +252,6 @@ def apply_filters(qs: QuerySet[OperatorAction], data: dict[str, Any]) -> QuerySe
 # Keyset paging, newest first: the cursor is the last row's (created_at, id) -----------------
 
 
-
-
 def after_cursor(
     qs: QuerySet[OperatorAction], cursor: tuple[datetime, int] | None
 ) -> QuerySet[OperatorAction]:

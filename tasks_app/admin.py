@@ -48,7 +48,16 @@ class MembershipAdmin(admin.ModelAdmin):
 
 @admin.register(Agent)
 class AgentAdmin(admin.ModelAdmin):
-    list_display = ("name", "project", "base_url", "binding", "streaming", "push", "reachable", "card_fetched_at")
+    list_display = (
+        "name",
+        "project",
+        "base_url",
+        "binding",
+        "streaming",
+        "push",
+        "reachable",
+        "card_fetched_at",
+    )
     list_filter = ("project",)
     search_fields = ("name", "base_url")
     # Credentials and the origins they are approved for change only through the agent
@@ -80,7 +89,16 @@ class ReadOnlyInline(ViewOnly, admin.TabularInline):
 
 @admin.register(RemoteTask)
 class RemoteTaskAdmin(ReadOnlyAdmin):
-    list_display = ("pk", "agent", "remote_id", "title", "phase", "state", "watcher_status", "updated_at")
+    list_display = (
+        "pk",
+        "agent",
+        "remote_id",
+        "title",
+        "phase",
+        "state",
+        "watcher_status",
+        "updated_at",
+    )
     list_filter = ("state", "phase", "watcher_status", "agent")
     search_fields = ("remote_id", "title", "context_id")
     raw_id_fields = ("agent", "started_by")

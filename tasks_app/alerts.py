@@ -140,7 +140,9 @@ def age(since: datetime | None, now: datetime | None = None) -> str:
 def _not_alerted(rule: str, subject: str = "task") -> Exists:
     """No unresolved alert of ``rule`` about the row (so a find reaches past the open ones)."""
     return ~Exists(
-        Alert.objects.filter(rule=rule, resolved_at__isnull=True, **{f"{subject}_id": OuterRef("pk")})
+        Alert.objects.filter(
+            rule=rule, resolved_at__isnull=True, **{f"{subject}_id": OuterRef("pk")}
+        )
     )
 
 

@@ -169,8 +169,12 @@ def _walk_bounds(schema: Any) -> None:
                 if key in node:
                     raise Unusable(f"it uses {key} (references are not followed)")
             pattern = node.get("pattern")
-            if isinstance(pattern, str) and (len(pattern) > MAX_PATTERN_CHARS or _QUANTIFIED_GROUP.search(pattern)):
-                raise Unusable("a pattern is too long or repeats a group (it could take too long to check)")
+            if isinstance(pattern, str) and (
+                len(pattern) > MAX_PATTERN_CHARS or _QUANTIFIED_GROUP.search(pattern)
+            ):
+                raise Unusable(
+                    "a pattern is too long or repeats a group (it could take too long to check)"
+                )
             if isinstance(node.get("patternProperties"), dict):
                 raise Unusable("it uses patternProperties")
             stack.extend((value, depth + 1) for value in node.values())
@@ -198,7 +202,11 @@ def _types(schema: dict) -> tuple[str | None, bool]:
 
 
 def _text(value: Any, limit: int) -> str:
-    return str(value)[:limit] if isinstance(value, str | int | float) and not isinstance(value, bool) else ""
+    return (
+        str(value)[:limit]
+        if isinstance(value, str | int | float) and not isinstance(value, bool)
+        else ""
+    )
 
 
 def _check_enum(values: Any) -> list:
@@ -244,7 +252,14 @@ class _Builder:
         self.count = 0
 
     def group(
-        self, schema: dict, path: tuple[str, ...], name: str, label: str, required: bool, depth: int, needed: bool = True
+        self,
+        schema: dict,
+        path: tuple[str, ...],
+        name: str,
+        label: str,
+        required: bool,
+        depth: int,
+        needed: bool = True,
     ) -> Group:
         if depth > MAX_DEPTH:
             raise Unusable(f"objects are nested more than {MAX_DEPTH} levels deep")
@@ -258,16 +273,34 @@ class _Builder:
                 raise Unusable(f"a property name is longer than {MAX_NAME_CHARS} characters")
             if not isinstance(sub, dict):
                 raise Unusable(f"property {key[:40]!r} is not described by an object")
-            children.append(self.item(sub, (*path, key), f"{name}_{index}", key in wanted, depth, needed))
-        return Group(name, path, label, _text(schema.get("description"), HELP_CHARS), required, tuple(children), needed)
+            children.append(
+                self.item(sub, (*path, key), f"{name}_{index}", key in wanted, depth, needed)
+            )
+        return Group(
+            name,
+            path,
+            label,
+            _text(schema.get("description"), HELP_CHARS),
+            required,
+            tuple(children),
+            needed,
+        )
 
     def item(
-        self, schema: dict, path: tuple[str, ...], name: str, required: bool, depth: int, parent_needed: bool
+        self,
+        schema: dict,
+        path: tuple[str, ...],
+        name: str,
+        required: bool,
+        depth: int,
+        parent_needed: bool,
     ) -> Input | Group:
         kind, nullable = _types(schema)
         label = _text(schema.get("title"), LABEL_CHARS) or path[-1][:LABEL_CHARS]
         if kind == "object":
-            return self.group(schema, path, name, label, required, depth + 1, required and parent_needed)
+            return self.group(
+                schema, path, name, label, required, depth + 1, required and parent_needed
+            )
         self.count += 1
         if self.count > MAX_FIELDS:
             raise Unusable(f"it asks for more than {MAX_FIELDS} fields")
@@ -281,7 +314,17 @@ class _Builder:
             kind = schema["format"]
         elif kind not in SCALARS:
             raise Unusable(f"property {path[-1][:40]!r} has no type the form can ask for")
-        return Input(name, path, kind, label, help_text, required, nullable, schema, required and parent_needed)
+        return Input(
+            name,
+            path,
+            kind,
+            label,
+            help_text,
+            required,
+            nullable,
+            schema,
+            required and parent_needed,
+        )
 
     def array(self, schema: dict, path: tuple[str, ...]) -> str:
         items = schema.get("items")
@@ -292,7 +335,9 @@ class _Builder:
             return "choices"
         kind, _ = _types(items)
         if kind not in SCALARS:
-            raise Unusable(f"array {path[-1][:40]!r} holds objects or arrays (only lists of values are asked for)")
+            raise Unusable(
+                f"array {path[-1][:40]!r} holds objects or arrays (only lists of values are asked for)"
+            )
         return "lines"
 
 
@@ -305,7 +350,9 @@ def read_question(schema: Any) -> Question:
     except (TypeError, ValueError, RecursionError):
         return Question(note="The agent's answer schema is not valid JSON.")
     if size > MAX_SCHEMA_BYTES:
-        return Question(note=f"The agent's answer schema is larger than {MAX_SCHEMA_BYTES // 1000} KB.")
+        return Question(
+            note=f"The agent's answer schema is larger than {MAX_SCHEMA_BYTES // 1000} KB."
+        )
     try:
         if not isinstance(schema, dict):
             raise Unusable("it is not an object")
@@ -368,7 +415,12 @@ def _num(value: Any) -> Any:
 def _attrs(schema: dict) -> dict[str, Any]:
     """Hints the browser can act on; the server checks the schema anyway."""
     attrs: dict[str, Any] = {}
-    for keyword, attr in (("minimum", "min"), ("maximum", "max"), ("minLength", "minlength"), ("maxLength", "maxlength")):
+    for keyword, attr in (
+        ("minimum", "min"),
+        ("maximum", "max"),
+        ("minLength", "minlength"),
+        ("maxLength", "maxlength"),
+    ):
         value = schema.get(keyword)
         if isinstance(value, int | float) and not isinstance(value, bool):
             attrs[attr] = _num(value)
@@ -382,7 +434,9 @@ def make_field(item: Input) -> forms.Field:
         "label": item.label,
         "help_text": item.help,
         # Left empty, a nullable value is sent as null: the form need not insist.
-        "required": item.needed and not item.nullable and item.kind not in ("boolean", "choices", "lines"),
+        "required": item.needed
+        and not item.nullable
+        and item.kind not in ("boolean", "choices", "lines"),
     }
     default = s.get("default")
     if item.kind == "enum":
@@ -403,7 +457,11 @@ def make_field(item: Input) -> forms.Field:
     elif item.kind == "number":
         f = forms.FloatField(widget=forms.NumberInput(attrs={**_attrs(s), "step": "any"}), **common)
     elif item.kind == "date":
-        f = forms.DateField(widget=forms.DateInput(attrs={"type": "date"}, format="%Y-%m-%d"), input_formats=["%Y-%m-%d"], **common)
+        f = forms.DateField(
+            widget=forms.DateInput(attrs={"type": "date"}, format="%Y-%m-%d"),
+            input_formats=["%Y-%m-%d"],
+            **common,
+        )
     elif item.kind == "date-time":
         f = forms.DateTimeField(
             widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M"),
@@ -411,22 +469,37 @@ def make_field(item: Input) -> forms.Field:
             **common,
         )
     elif item.kind == "choices":
-        f = forms.MultipleChoiceField(choices=_choices(s["items"]["enum"]), widget=forms.CheckboxSelectMultiple, **common)
+        f = forms.MultipleChoiceField(
+            choices=_choices(s["items"]["enum"]), widget=forms.CheckboxSelectMultiple, **common
+        )
         if isinstance(default, list):
             f.initial = [json.dumps(v) for v in default]
         return f
     elif item.kind == "lines":
         item_type = _types(s["items"])[0]
-        hint = {"string": "text", "number": "number", "integer": "whole number", "boolean": "true or false"}[item_type]
+        hint = {
+            "string": "text",
+            "number": "number",
+            "integer": "whole number",
+            "boolean": "true or false",
+        }[item_type]
         common["help_text"] = " ".join(filter(None, [item.help, f"One {hint} per line."]))
-        f = forms.CharField(widget=forms.Textarea(attrs={"rows": 3}), max_length=MAX_TEXT, strip=False, **common)
+        f = forms.CharField(
+            widget=forms.Textarea(attrs={"rows": 3}), max_length=MAX_TEXT, strip=False, **common
+        )
         if isinstance(default, list):
             f.initial = "\n".join(json.dumps(v) if not isinstance(v, str) else v for v in default)
         return f
     else:  # string
-        widget = forms.EmailInput() if s.get("format") == "email" else forms.TextInput(attrs=_attrs(s))
+        widget = (
+            forms.EmailInput() if s.get("format") == "email" else forms.TextInput(attrs=_attrs(s))
+        )
         limit = _num(s.get("maxLength"))
-        limit = min(limit, MAX_TEXT) if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else MAX_TEXT
+        limit = (
+            min(limit, MAX_TEXT)
+            if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0
+            else MAX_TEXT
+        )
         widget.attrs["maxlength"] = limit
         f = forms.CharField(widget=widget, max_length=limit, strip=False, **common)
     if default is not None and not isinstance(default, dict | list):
@@ -481,7 +554,9 @@ class SchemaAnswerForm(forms.Form):
             return bool(values) or item.needed, values
         if item.kind == "lines":
             item_type = _types(item.schema["items"])[0]
-            lines = [line.strip() for line in (value or "").replace("\r", "").split("\n") if line.strip()]
+            lines = [
+                line.strip() for line in (value or "").replace("\r", "").split("\n") if line.strip()
+            ]
             if len(lines) > MAX_ARRAY_ITEMS:
                 raise forms.ValidationError(f"At most {MAX_ARRAY_ITEMS} lines.")
             values = []
@@ -489,8 +564,14 @@ class SchemaAnswerForm(forms.Form):
                 try:
                     values.append(_line_value(line, item_type))
                 except ValueError as exc:
-                    hint = {"integer": "a whole number", "number": "a number", "boolean": "true or false"}[item_type]
-                    raise forms.ValidationError(f"Each line must be {hint}; {line[:60]!r} is not.") from exc
+                    hint = {
+                        "integer": "a whole number",
+                        "number": "a number",
+                        "boolean": "true or false",
+                    }[item_type]
+                    raise forms.ValidationError(
+                        f"Each line must be {hint}; {line[:60]!r} is not."
+                    ) from exc
             return bool(values) or item.needed, values
         if value in (None, ""):
             return (True, None) if item.nullable and item.needed else (False, None)
@@ -532,7 +613,9 @@ class SchemaAnswerForm(forms.Form):
             return data
         cls = validator_for(self.spec.schema, default=Draft202012Validator)
         validator = cls(self.spec.schema, format_checker=cls.FORMAT_CHECKER)
-        errors = sorted(validator.iter_errors(answer), key=lambda e: list(map(str, e.absolute_path)))
+        errors = sorted(
+            validator.iter_errors(answer), key=lambda e: list(map(str, e.absolute_path))
+        )
         for error in errors[:50]:
             self._place(error, answer)
         if not errors:
@@ -546,12 +629,16 @@ class SchemaAnswerForm(forms.Form):
             target = answer
             for key in path:
                 target = target.get(key, {}) if isinstance(target, dict) else {}
-            missing = [k for k in error.validator_value if isinstance(target, dict) and k not in target]
+            missing = [
+                k for k in error.validator_value if isinstance(target, dict) and k not in target
+            ]
             if missing:
                 path = (*path, str(missing[0]))
         best: Input | None = None
         for item in self.inputs.values():
-            if path[: len(item.path)] == item.path and (best is None or len(item.path) > len(best.path)):
+            if path[: len(item.path)] == item.path and (
+                best is None or len(item.path) > len(best.path)
+            ):
                 best = item
         message = friendly(error)
         if best is not None and best.name not in self.errors:
@@ -607,7 +694,13 @@ def friendly(error: Any) -> str:
     """A schema error in plain words (the library's own message otherwise, shortened)."""
     v, value = error.validator, error.validator_value
     if v == "type":
-        names = [value] if isinstance(value, str) else [str(t) for t in value] if isinstance(value, list) else []
+        names = (
+            [value]
+            if isinstance(value, str)
+            else [str(t) for t in value]
+            if isinstance(value, list)
+            else []
+        )
         return f"Enter a {' or '.join(names) or 'value of the right type'}."
     if v == "minLength" and value == 1:
         return "This field is required."
@@ -646,7 +739,9 @@ def _scalar(value: Any) -> str:
 # The free-text form, and the one way both are sent ------------------------------------------
 
 
-def answer_form(task: RemoteTask, data: Any = None, files: Any = None, *, prefix: str | None = None) -> forms.Form:
+def answer_form(
+    task: RemoteTask, data: Any = None, files: Any = None, *, prefix: str | None = None
+) -> forms.Form:
     """The form for the task's current question: generated from its schema, or free text.
 
     ``prefix`` keeps field names and ids apart when several forms share a page (the inbox).
@@ -678,7 +773,12 @@ def submit(request: HttpRequest, task: RemoteTask, form: forms.Form) -> tuple[bo
     text, data, files = form.message_parts()
     try:
         task_services.answer_task(
-            task, text, data=data, files=files, actor_id=request.user.id, question_seq=form.cleaned_data["question"]
+            task,
+            text,
+            data=data,
+            files=files,
+            actor_id=request.user.id,
+            question_seq=form.cleaned_data["question"],
         )
     except task_services.TaskActionError as exc:
         # What was typed stays; sending it again answers the question now shown.

@@ -181,7 +181,10 @@ class TaskConsumer(AsyncJsonWebsocketConsumer):
         if seq > self.last_sent + 1 or "raw" not in message:
             await self._send_from_log(upto=seq)
             return
-        out = {key: message.get(key) for key in ("task", "seq", "kind", "channel", "state", "note", "received_at", "raw")}
+        out = {
+            key: message.get(key)
+            for key in ("task", "seq", "kind", "channel", "state", "note", "received_at", "raw")
+        }
         out["type"] = "event"
         await self.send_json(out)
         self.last_sent = seq
@@ -211,11 +214,25 @@ def _changed_since(
 ) -> tuple[list[dict[str, Any]], datetime | None]:
     """Summaries of the readable tasks changed since ``since`` (with the overlap), newest
     first, and the newest ``updated_at`` among them; one query on the ``updated_at`` index."""
-    tasks = RemoteTask.objects.all() if agent_ids is None else RemoteTask.objects.filter(agent_id__in=agent_ids)
+    tasks = (
+        RemoteTask.objects.all()
+        if agent_ids is None
+        else RemoteTask.objects.filter(agent_id__in=agent_ids)
+    )
     if since is None:
         newest = tasks.order_by("-updated_at").values_list("updated_at", flat=True).first()
         return [], newest
-    fields = ("agent", "remote_id", "context_id", "title", "phase", "state", "last_seq", "watcher_status", "updated_at")
+    fields = (
+        "agent",
+        "remote_id",
+        "context_id",
+        "title",
+        "phase",
+        "state",
+        "last_seq",
+        "watcher_status",
+        "updated_at",
+    )
     changed = tasks.filter(updated_at__gte=since - LIST_OVERLAP).only(*fields)
     tasks = list(changed.order_by("-updated_at", "-pk")[:LIST_SYNC_LIMIT])
     return [task_summary(t) for t in tasks], (tasks[0].updated_at if tasks else None)
@@ -268,12 +285,16 @@ class TaskListConsumer(AsyncJsonWebsocketConsumer):
         if content.get("type") == "sync":
             since = _parse_version(content.get("since"))
             if since is not None:
-                since = min(since, datetime.now(UTC))  # a version from the future would hide changes
+                since = min(
+                    since, datetime.now(UTC)
+                )  # a version from the future would hide changes
             summaries, newest = await _changed_since(self.agent_ids, since)
             for summary in summaries:
                 await self.send_json({**summary, "type": "task", "resync": True})
             version = max((v for v in (since, newest) if v is not None), default=None)
-            await self.send_json({"type": "version", "version": version.isoformat() if version else None})
+            await self.send_json(
+                {"type": "version", "version": version.isoformat() if version else None}
+            )
         elif content.get("type") == "ping":
             await self.send_json({"type": "pong"})
 

@@ -116,10 +116,28 @@ BOOKING_SCHEMA: dict[str, Any] = {
     "title": "Table booking",
     "properties": {
         # propertyOrder: the order survives protobuf's Struct, which keeps no key order.
-        "name": {"type": "string", "title": "Name", "description": "Who the table is for.", "minLength": 1, "propertyOrder": 1},
-        "guests": {"type": "integer", "title": "Guests", "minimum": 1, "maximum": 10, "default": 2, "propertyOrder": 2},
+        "name": {
+            "type": "string",
+            "title": "Name",
+            "description": "Who the table is for.",
+            "minLength": 1,
+            "propertyOrder": 1,
+        },
+        "guests": {
+            "type": "integer",
+            "title": "Guests",
+            "minimum": 1,
+            "maximum": 10,
+            "default": 2,
+            "propertyOrder": 2,
+        },
         "date": {"type": "string", "format": "date", "title": "Date", "propertyOrder": 3},
-        "meal": {"type": "string", "title": "Meal", "enum": ["meat", "fish", "vegetarian"], "propertyOrder": 4},
+        "meal": {
+            "type": "string",
+            "title": "Meal",
+            "enum": ["meat", "fish", "vegetarian"],
+            "propertyOrder": 4,
+        },
     },
     "required": ["name", "guests", "date"],
 }
@@ -292,9 +310,14 @@ class DemoExecutor(AgentExecutor):
         answer = next((d for d in found if isinstance(d, dict)), None)
         await up.start_work(say("Thanks, booking."))
         if answer is None:
-            await up.add_artifact([new_text_part(f"You answered: {text}")], name="answer", last_chunk=True)
+            await up.add_artifact(
+                [new_text_part(f"You answered: {text}")], name="answer", last_chunk=True
+            )
         else:
-            values = {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in answer.items()}
+            values = {
+                k: int(v) if isinstance(v, float) and v.is_integer() else v
+                for k, v in answer.items()
+            }
             lines = "\n".join(f"{k}: {v}" for k, v in values.items())
             await up.add_artifact(
                 [new_text_part(f"Booked:\n{lines}\n"), new_data_part(values, "application/json")],
@@ -349,7 +372,17 @@ def build_card(
                 name="Scripted behaviours",
                 description="hello, quick, slow, ask, form, auth, fail, reject, long, data, markdown, batch",
                 tags=["demo", "test"],
-                examples=["hello", "quick", "slow 5 0.2", "ask", "form", "auth", "long 30", "data", "batch 20 2"],
+                examples=[
+                    "hello",
+                    "quick",
+                    "slow 5 0.2",
+                    "ask",
+                    "form",
+                    "auth",
+                    "long 30",
+                    "data",
+                    "batch 20 2",
+                ],
             )
         ],
     )
@@ -444,7 +477,9 @@ def build_app(
     signed_push: bool = False,
 ) -> ASGIApp:
     """The demo agent as an ASGI app; ``base_url`` is where it will be reachable."""
-    card = build_card(base_url, streaming=streaming, push=push, token=token, signed_push=signed_push)
+    card = build_card(
+        base_url, streaming=streaming, push=push, token=token, signed_push=signed_push
+    )
     extended = pb.AgentCard()
     extended.CopyFrom(card)
     extended.skills.append(

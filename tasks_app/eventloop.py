@@ -25,7 +25,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-
 def db_threads() -> int:
     """Threads for database work. SQLite takes one writer at a time: more threads
     would only wait on its lock (and its busy handler sleeps), so one does it all."""
@@ -60,12 +59,18 @@ def get_loop() -> asyncio.AbstractEventLoop:
     """The process's shared loop, started on first use in a daemon thread."""
     global _loop, _thread, _db_pool, _lease_pool
     with _lock:
-        if _loop is None or (not _loop.is_running() and _thread is not None and not _thread.is_alive()):
+        if _loop is None or (
+            not _loop.is_running() and _thread is not None and not _thread.is_alive()
+        ):
             loop = asyncio.new_event_loop()
             ready = threading.Event()
-            _db_pool = concurrent.futures.ThreadPoolExecutor(db_threads(), thread_name_prefix="watch-db")
+            _db_pool = concurrent.futures.ThreadPoolExecutor(
+                db_threads(), thread_name_prefix="watch-db"
+            )
             _lease_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="watch-lease")
-            _thread = threading.Thread(target=_run, args=(loop, ready), name="watch-loop", daemon=True)
+            _thread = threading.Thread(
+                target=_run, args=(loop, ready), name="watch-loop", daemon=True
+            )
             _thread.start()
             ready.wait(10)
             _loop = loop
@@ -88,7 +93,9 @@ async def db_lease(func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return await _run_on(_lease_pool, func, *args, **kwargs)
 
 
-async def _run_on(pool: concurrent.futures.Executor, func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+async def _run_on(
+    pool: concurrent.futures.Executor, func: Callable[..., T], *args: Any, **kwargs: Any
+) -> T:
     def call() -> T:
         close_old_connections()
         return func(*args, **kwargs)

@@ -29,12 +29,19 @@ class AgentAddForm(forms.Form):
         max_length=1000,
         assume_scheme="https",
         help_text="The agent's base URL or the URL of its card (…/.well-known/agent-card.json).",
-        widget=forms.URLInput(attrs={"autofocus": True, "placeholder": "https://agent.example.org"}),
+        widget=forms.URLInput(
+            attrs={"autofocus": True, "placeholder": "https://agent.example.org"}
+        ),
     )
     name = forms.CharField(
-        label="Display name", max_length=200, required=False, help_text="Optional; defaults to the card's name."
+        label="Display name",
+        max_length=200,
+        required=False,
+        help_text="Optional; defaults to the card's name.",
     )
-    project = forms.ModelChoiceField(queryset=Project.objects.none(), empty_label=None, required=False)
+    project = forms.ModelChoiceField(
+        queryset=Project.objects.none(), empty_label=None, required=False
+    )
 
     def __init__(self, *args: Any, projects: QuerySet[Project], **kwargs: Any) -> None:
         """``projects``: where the person may add agents (``access.projects_for``)."""
@@ -155,7 +162,9 @@ class StartTaskForm(forms.Form):
     def clean_file(self) -> Any:
         upload = self.cleaned_data.get("file")
         if upload and upload.size > MAX_UPLOAD_BYTES:
-            raise forms.ValidationError(f"The file is larger than {MAX_UPLOAD_BYTES // (1024 * 1024)} MB.")
+            raise forms.ValidationError(
+                f"The file is larger than {MAX_UPLOAD_BYTES // (1024 * 1024)} MB."
+            )
         return upload
 
     def clean(self) -> dict[str, Any]:
@@ -212,7 +221,10 @@ class AnswerForm(forms.Form):
     schema_note = ""  # why the agent's schema (if any) was not used, shown above the form
 
     text = forms.CharField(
-        label="Your answer", max_length=100_000, required=False, widget=forms.Textarea(attrs={"rows": 3})
+        label="Your answer",
+        max_length=100_000,
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 3}),
     )
     data = forms.CharField(
         required=False, label="JSON data (optional)", max_length=1_000_000,
@@ -229,7 +241,9 @@ class AnswerForm(forms.Form):
     def clean_file(self) -> Any:
         upload = self.cleaned_data.get("file")
         if upload and upload.size > MAX_UPLOAD_BYTES:
-            raise forms.ValidationError(f"The file is larger than {MAX_UPLOAD_BYTES // (1024 * 1024)} MB.")
+            raise forms.ValidationError(
+                f"The file is larger than {MAX_UPLOAD_BYTES // (1024 * 1024)} MB."
+            )
         return upload
 
     def clean(self) -> dict[str, Any]:
@@ -252,7 +266,11 @@ class AnswerForm(forms.Form):
     def message_parts(self) -> tuple[str, Any, tuple[dict, ...]]:
         """(text, data, files) of the answer message."""
         data = self.cleaned_data
-        return data.get("text") or "", data.get("data"), (data["file_part"],) if data.get("file_part") else ()
+        return (
+            data.get("text") or "",
+            data.get("data"),
+            (data["file_part"],) if data.get("file_part") else (),
+        )
 
 
 SORT_CHOICES = [
@@ -264,17 +282,25 @@ SORT_CHOICES = [
 
 
 class TaskFilterForm(forms.Form):
-    agent = forms.ModelChoiceField(queryset=Agent.objects.none(), required=False, empty_label="All agents")
+    agent = forms.ModelChoiceField(
+        queryset=Agent.objects.none(), required=False, empty_label="All agents"
+    )
     state = forms.ChoiceField(
         required=False,
-        choices=[("", "All states"), ("active", "active (not ended)"), *[(k, v) for k, v in STATE_CHOICES if k]],
+        choices=[
+            ("", "All states"),
+            ("active", "active (not ended)"),
+            *[(k, v) for k, v in STATE_CHOICES if k],
+        ],
     )
     phase = forms.ChoiceField(
         required=False, label="Phase (no state)",
         choices=[("", "any"), *[(p.value, p.label) for p in RemoteTask.Phase]],
     )  # fmt: skip
     context = forms.CharField(required=False, max_length=300, label="Context id")
-    q = forms.CharField(required=False, max_length=300, label="Search", help_text="title or remote id")
+    q = forms.CharField(
+        required=False, max_length=300, label="Search", help_text="title or remote id"
+    )
     sort = forms.ChoiceField(required=False, choices=SORT_CHOICES, initial="-updated")
 
     def __init__(self, *args: Any, agents: QuerySet[Agent], **kwargs: Any) -> None:

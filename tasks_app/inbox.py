@@ -42,12 +42,18 @@ QUESTION_CHARS = 400
 
 def waiting(qs: QuerySet[RemoteTask]) -> QuerySet[RemoteTask]:
     """The tasks of ``qs`` that wait on a person (the rule in the module docstring)."""
-    return qs.filter(state__in=INTERRUPTED_STATES, abandoned_at__isnull=True, settled_at__isnull=True)
+    return qs.filter(
+        state__in=INTERRUPTED_STATES, abandoned_at__isnull=True, settled_at__isnull=True
+    )
 
 
 def waiting_ids(user: Any) -> list[int]:
     """Ids of the person's waiting tasks, at most ``COUNT_LIMIT`` + 1 (more means "1000+")."""
-    return list(waiting(access.readable_tasks(user)).order_by().values_list("pk", flat=True)[: COUNT_LIMIT + 1])
+    return list(
+        waiting(access.readable_tasks(user))
+        .order_by()
+        .values_list("pk", flat=True)[: COUNT_LIMIT + 1]
+    )
 
 
 def question_lines(message: Any) -> str:
@@ -65,13 +71,17 @@ def question_lines(message: Any) -> str:
     return text[:QUESTION_CHARS] + ("…" if more else "")
 
 
-
-
 def row_context(request: HttpRequest, task: RemoteTask, form: Any = None) -> dict[str, Any]:
     """One waiting task as the inbox shows it (the form only for people who may operate)."""
     can = access.can(request.user, task.agent.project_id)
-    is_waiting = task.state in INTERRUPTED_STATES and task.abandoned_at is None and task.settled_at is None
-    answered = bool(task.asked_seq) and task.answered_seq >= task.asked_seq and task.answered_at is not None
+    is_waiting = (
+        task.state in INTERRUPTED_STATES and task.abandoned_at is None and task.settled_at is None
+    )
+    answered = (
+        bool(task.asked_seq)
+        and task.answered_seq >= task.asked_seq
+        and task.answered_at is not None
+    )
     if form is None and can["operate"] and is_waiting and not answered:
         form = answers.answer_form(task, prefix=f"t{task.pk}")
     return {
@@ -87,7 +97,9 @@ def row_context(request: HttpRequest, task: RemoteTask, form: Any = None) -> dic
     }
 
 
-def _page(request: HttpRequest, forms: dict[int, Any] | None = None, extra: RemoteTask | None = None) -> dict[str, Any]:
+def _page(
+    request: HttpRequest, forms: dict[int, Any] | None = None, extra: RemoteTask | None = None
+) -> dict[str, Any]:
     forms = forms or {}
     # ``asked_at`` is stored when the question is recorded; the partial index ``inbox_order``
     # holds exactly the waiting tasks in this order, so a page costs its own rows.

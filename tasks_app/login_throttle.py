@@ -23,7 +23,11 @@ STATUS = 429
 def lockout_message(request: HttpRequest | None = None) -> str:
     cool_off = get_cool_off(request)
     minutes = max(1, round(cool_off.total_seconds() / 60)) if cool_off else 0
-    wait = f"try again in {minutes} minute{'s' if minutes != 1 else ''}" if minutes else "ask an administrator"
+    wait = (
+        f"try again in {minutes} minute{'s' if minutes != 1 else ''}"
+        if minutes
+        else "ask an administrator"
+    )
     return f"Too many failed logins for this username from your address; {wait}."
 
 

@@ -40,7 +40,10 @@ log = logging.getLogger(__name__)
 
 COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "events_recorded": ("Log entries appended, by the channel that brought them", ("channel",)),
-    "protocol_errors": ("protocol-error entries (an agent broke the protocol), by agent id", ("agent",)),
+    "protocol_errors": (
+        "protocol-error entries (an agent broke the protocol), by agent id",
+        ("agent",),
+    ),
     "send_failures": ("Sends that failed before the agent named a task", ()),
     "webhook_rejections": ("Push deliveries refused by the webhook, by HTTP status", ("status",)),
     "lease_takeovers": ("Leases found expired by the reconciler (a worker stopped renewing)", ()),
@@ -68,7 +71,9 @@ class _Pending:
             bucket = self.values.setdefault(name, {})
             bucket[field] = bucket.get(field, 0.0) + amount
             if self.flusher is None:
-                self.flusher = threading.Thread(target=self._flush_forever, name="metrics-flush", daemon=True)
+                self.flusher = threading.Thread(
+                    target=self._flush_forever, name="metrics-flush", daemon=True
+                )
                 self.flusher.start()
 
     def take(self) -> dict[str, dict[str, float]]:
@@ -142,7 +147,9 @@ class DeploymentCollector(Collector):
             for field, value in (r.hgetall(_key(name)) or {}).items():
                 family.add_metric(json.loads(field), float(value))
             yield family
-        buckets = {k.decode(): float(v) for k, v in (r.hgetall(_key("relay_latency_bucket")) or {}).items()}
+        buckets = {
+            k.decode(): float(v) for k, v in (r.hgetall(_key("relay_latency_bucket")) or {}).items()
+        }
         total = sum(float(v) for v in (r.hgetall(_key("relay_latency_sum")) or {}).values())
         cumulative, points = 0.0, []
         for bound in [*(str(b) for b in LATENCY_BUCKETS), "+Inf"]:
@@ -157,16 +164,22 @@ class DeploymentCollector(Collector):
         yield from self._gauges()
 
     def _gauges(self) -> Iterator[object]:
-        states = GaugeMetricFamily(PREFIX + "tasks", "Mirrored tasks by state (phase when none)", labels=["state"])
+        states = GaugeMetricFamily(
+            PREFIX + "tasks", "Mirrored tasks by state (phase when none)", labels=["state"]
+        )
         for row in RemoteTask.objects.values("state", "phase").annotate(n=Count("id")).order_by():
             states.add_metric([row["state"] or f"phase:{row['phase']}"], row["n"])
         yield states
-        watchers = GaugeMetricFamily(PREFIX + "watchers", "Unfinished tasks by watcher status", labels=["status"])
+        watchers = GaugeMetricFamily(
+            PREFIX + "watchers", "Unfinished tasks by watcher status", labels=["status"]
+        )
         active = RemoteTask.objects.exclude(state__in=TERMINAL_STATES)
         for row in active.values("watcher_status").annotate(n=Count("id")).order_by():
             watchers.add_metric([row["watcher_status"]], row["n"])
         yield watchers
-        held = GaugeMetricFamily(PREFIX + "held_tasks", "Tasks whose lease a worker holds now", labels=["worker"])
+        held = GaugeMetricFamily(
+            PREFIX + "held_tasks", "Tasks whose lease a worker holds now", labels=["worker"]
+        )
         live = RemoteTask.objects.filter(~Q(lease_token=""), lease_expires_at__gt=timezone.now())
         for row in live.values("lease_owner").annotate(n=Count("id")).order_by():
             held.add_metric([row["lease_owner"]], row["n"])
@@ -185,7 +198,13 @@ def _allowed(request: HttpRequest) -> bool:
 def metrics_view(request: HttpRequest) -> HttpResponse:
     """``/metrics``: staff or ``Authorization: Bearer METRICS_TOKEN``; anyone else 403."""
     if not _allowed(request):
-        return HttpResponse("Forbidden: a staff login or the metrics token is needed.\n", status=403, content_type="text/plain")
+        return HttpResponse(
+            "Forbidden: a staff login or the metrics token is needed.\n",
+            status=403,
+            content_type="text/plain",
+        )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DeploymentCollector())
-    return HttpResponse(generate_latest(registry), content_type="text/plain; version=0.0.4; charset=utf-8")
+    return HttpResponse(
+        generate_latest(registry), content_type="text/plain; version=0.0.4; charset=utf-8"
+    )

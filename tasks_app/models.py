@@ -246,7 +246,9 @@ class RemoteTask(models.Model):
             models.Index(
                 fields=["asked_at", "id"],
                 name="inbox_order",
-                condition=Q(state__in=INTERRUPTED_STATES, abandoned_at__isnull=True, settled_at__isnull=True),
+                condition=Q(
+                    state__in=INTERRUPTED_STATES, abandoned_at__isnull=True, settled_at__isnull=True
+                ),
             ),
         ]
 
@@ -310,9 +312,7 @@ class TaskEvent(models.Model):
 
     class Meta:
         ordering = ["task", "seq"]
-        constraints = [
-            models.UniqueConstraint(fields=["task", "seq"], name="unique_seq_per_task")
-        ]
+        constraints = [models.UniqueConstraint(fields=["task", "seq"], name="unique_seq_per_task")]
         indexes = [
             models.Index(
                 fields=["task", "seq"], condition=Q(state_changed=True), name="state_changes"
@@ -509,12 +509,18 @@ class Alert(models.Model):
         ordering = ["-opened_at", "-id"]
         constraints = [
             models.UniqueConstraint(
-                fields=["key"], condition=Q(resolved_at__isnull=True), name="one_unresolved_alert_per_key"
+                fields=["key"],
+                condition=Q(resolved_at__isnull=True),
+                name="one_unresolved_alert_per_key",
             )
         ]
         indexes = [
             # The open alerts (pages, the live check): few rows, read often.
-            models.Index(fields=["-opened_at"], condition=Q(resolved_at__isnull=True), name="unresolved_alerts"),
+            models.Index(
+                fields=["-opened_at"],
+                condition=Q(resolved_at__isnull=True),
+                name="unresolved_alerts",
+            ),
             models.Index(fields=["rule", "resolved_at"], name="alerts_by_rule"),
         ]
 

@@ -61,7 +61,9 @@ def policy() -> guard.Policy:
 def new_http_client() -> httpx.AsyncClient:
     """An HTTP client whose every connection passes the outbound guard."""
     return httpx.AsyncClient(
-        transport=guard.GuardedTransport(policy, limits=LIMITS), follow_redirects=False, timeout=30.0
+        transport=guard.GuardedTransport(policy, limits=LIMITS),
+        follow_redirects=False,
+        timeout=30.0,
     )
 
 
@@ -147,7 +149,10 @@ class CredentialsUnreadable(SecretError, CredentialsWithheld):
 
 def credentials_for(agent: Agent) -> Credentials | None:
     """The agent's credentials, only for the origin they were approved for (else NeedsApproval)."""
-    if agent.credentials_encrypted and origin_of(agent.interface_url) not in agent.credential_origins:
+    if (
+        agent.credentials_encrypted
+        and origin_of(agent.interface_url) not in agent.credential_origins
+    ):
         approved = ", ".join(agent.credential_origins) or "no origin"
         raise NeedsApproval(
             f"{APPROVAL_NOTE} the agent's card moved it to {origin_of(agent.interface_url) or agent.interface_url}; "

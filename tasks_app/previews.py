@@ -61,13 +61,15 @@ def _part_rows(artifact_pk: int, after: int, limit: int, head_chars: int) -> Que
             media=KT("part__mediaType"),
             raw_len=Length(KT("part__raw")),
         )
-        .values_list("pk", "index", "seq", "text_len", "text_head", "size", "filename", "media", "raw_len")[
-            :limit
-        ]
+        .values_list(
+            "pk", "index", "seq", "text_len", "text_head", "size", "filename", "media", "raw_len"
+        )[:limit]
     )
 
 
-def _placeholder(index: int, kind: str, filename: Any, media: Any, size: int, url: str) -> SafeString:
+def _placeholder(
+    index: int, kind: str, filename: Any, media: Any, size: int, url: str
+) -> SafeString:
     name = safe_filename(filename, f"part-{index}")
     what = "file" if kind == "raw" else "JSON data"
     return format_html(
@@ -132,7 +134,9 @@ def artifact_preview(artifact: Artifact, download_url: Callable[[int], str]) -> 
                 close_run()
                 kind = "raw" if raw_len is not None else "data"
                 shown = (raw_len * 3) // 4 if raw_len is not None else size
-                pieces.append(_placeholder(index, kind, filename, media, shown, download_url(index)))
+                pieces.append(
+                    _placeholder(index, kind, filename, media, shown, download_url(index))
+                )
                 used += PLACEHOLDER_BYTES
             if used >= budget:
                 truncated = True
@@ -152,7 +156,9 @@ def artifact_preview(artifact: Artifact, download_url: Callable[[int], str]) -> 
     if truncated:
         # Only now is the whole artifact measured, in the database (text counted in characters).
         totals = ArtifactPart.objects.filter(artifact_id=artifact.pk).aggregate(
-            size=Sum(Coalesce(Length(KT("part__text")), Length(Cast("part", TextField())), Value(0))),
+            size=Sum(
+                Coalesce(Length(KT("part__text")), Length(Cast("part", TextField())), Value(0))
+            ),
             seq=Max("seq"),
         )
         total = max(int(totals["size"] or 0), used)
@@ -224,7 +230,11 @@ def artifact_chunks(artifact_pk: int) -> Iterator[bytes]:
         for pk, index, text_len, head in rows:
             after = index
             if text_len is None:
-                batch.append(_other_part_bytes(ArtifactPart.objects.values_list("part", flat=True).get(pk=pk)))
+                batch.append(
+                    _other_part_bytes(
+                        ArtifactPart.objects.values_list("part", flat=True).get(pk=pk)
+                    )
+                )
                 continue
             batch.append((head or "").encode("utf-8", "replace"))
             if text_len > DOWNLOAD_HEAD_CHARS:

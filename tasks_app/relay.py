@@ -67,7 +67,9 @@ class _LoopRelay:
                     by_group.setdefault(group, []).append(message)
             if summaries:
                 by_group[LIST_GROUP] = [*by_group.get(LIST_GROUP, []), *summaries.values()]
-            await asyncio.gather(*(self._send(layer, group, items) for group, items in by_group.items()))
+            await asyncio.gather(
+                *(self._send(layer, group, items) for group, items in by_group.items())
+            )
 
     @staticmethod
     async def _send(layer: object, group: str, messages: list[dict]) -> None:

@@ -122,7 +122,11 @@ def safe_http_url(url: Any) -> str | None:
         parts = urlsplit(url)
     except ValueError:
         return None
-    if parts.scheme.lower() in ("http", "https") and parts.netloc and not any(c in url for c in "\r\n\t"):
+    if (
+        parts.scheme.lower() in ("http", "https")
+        and parts.netloc
+        and not any(c in url for c in "\r\n\t")
+    ):
         return url
     return None
 
@@ -138,7 +142,9 @@ def safe_filename(name: Any, default: str = "download") -> str:
 
 
 def download_content_type(media_type: Any) -> str:
-    media = (media_type or "").split(";", 1)[0].strip().lower() if isinstance(media_type, str) else ""
+    media = (
+        (media_type or "").split(";", 1)[0].strip().lower() if isinstance(media_type, str) else ""
+    )
     return media if media in SAFE_DOWNLOAD_TYPES else "application/octet-stream"
 
 
@@ -218,7 +224,14 @@ def parts_html(
                     )
                 )
             else:
-                out.append(format_html('<p class="file">File {} <span class="muted">({}, {})</span></p>', name, media, size))
+                out.append(
+                    format_html(
+                        '<p class="file">File {} <span class="muted">({}, {})</span></p>',
+                        name,
+                        media,
+                        size,
+                    )
+                )
         elif kind == "url":
             url = safe_http_url(part.get("url"))
             label = safe_filename(part.get("filename"), "") or str(part.get("url"))[:200]

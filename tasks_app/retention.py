@@ -107,7 +107,12 @@ def prune(
     after = 0
     while True:
         # Keyset over ids: each batch is read fresh, so memory is one batch of ids.
-        pks = list(due(older_than_days, now).filter(pk__gt=after).order_by("pk").values_list("pk", flat=True)[:batch])
+        pks = list(
+            due(older_than_days, now)
+            .filter(pk__gt=after)
+            .order_by("pk")
+            .values_list("pk", flat=True)[:batch]
+        )
         if not pks:
             break
         after = pks[-1]
@@ -119,8 +124,12 @@ def prune(
         if export_to is not None:
             for pk in pks:
                 try:
-                    task = RemoteTask.objects.select_related("agent__project", "started_by").get(pk=pk)
-                    exports.write_atomically(export_to / f"task-{pk}.jsonl", exports.jsonl_chunks(task))
+                    task = RemoteTask.objects.select_related("agent__project", "started_by").get(
+                        pk=pk
+                    )
+                    exports.write_atomically(
+                        export_to / f"task-{pk}.jsonl", exports.jsonl_chunks(task)
+                    )
                     result.exported += 1
                 except Exception as exc:  # one unwritable task must not stop the run; it is kept
                     keep.add(pk)
@@ -155,7 +164,10 @@ def _remove(older_than_days: float, now: datetime, pks: list[int], result: Prune
         return 0
     with transaction.atomic():
         still = list(
-            due(older_than_days, now).select_for_update().filter(pk__in=pks).values_list("pk", flat=True)
+            due(older_than_days, now)
+            .select_for_update()
+            .filter(pk__in=pks)
+            .values_list("pk", flat=True)
         )
         if not still:
             return 0

@@ -9,7 +9,9 @@ urlpatterns = [
     path("agents/<int:pk>/", views.agent_detail, name="agent-detail"),
     path("agents/<int:pk>/credentials/", views.agent_credentials, name="agent-credentials"),
     path("agents/<int:pk>/refresh/", views.agent_refresh, name="agent-refresh"),
-    path("agents/<int:pk>/approve-origin/", views.agent_approve_origin, name="agent-approve-origin"),
+    path(
+        "agents/<int:pk>/approve-origin/", views.agent_approve_origin, name="agent-approve-origin"
+    ),
     path("agents/<int:pk>/import/", views.agent_import, name="agent-import"),
     path("agents/<int:pk>/import/status/", views.agent_import_status, name="agent-import-status"),
     path(

@@ -146,8 +146,16 @@ def _column_head(column: str) -> dict[str, str]:
     """Label and task-list query of an overview column (a state, or a phase without one)."""
     if column.startswith("phase:"):
         phase = column.removeprefix("phase:")
-        return {"key": column, "label": PHASE_COLUMNS.get(phase, phase), "query": urlencode({"phase": phase})}
-    return {"key": column, "label": STATE_LABELS.get(column, column), "query": urlencode({"state": column})}
+        return {
+            "key": column,
+            "label": PHASE_COLUMNS.get(phase, phase),
+            "query": urlencode({"phase": phase}),
+        }
+    return {
+        "key": column,
+        "label": STATE_LABELS.get(column, column),
+        "query": urlencode({"state": column}),
+    }
 
 
 @login_required
@@ -165,7 +173,10 @@ def overview(request: HttpRequest) -> HttpResponse:
 def agent_list(request: HttpRequest) -> HttpResponse:
     counts: dict[int, int] = {
         row["agent_id"]: row["n"]
-        for row in access.readable_tasks(request.user).values("agent_id").annotate(n=Count("id")).order_by()
+        for row in access.readable_tasks(request.user)
+        .values("agent_id")
+        .annotate(n=Count("id"))
+        .order_by()
     }
     agents = list(access.readable_agents(request.user).select_related("project"))
     for agent in agents:
@@ -341,7 +352,9 @@ def agent_approve_origin(request: HttpRequest, pk: int) -> HttpResponse:
     if agent_services.approve_origin(agent, origin, actor_id=request.user.id):
         messages.success(request, f"Credentials may now be sent to {origin}.")
     else:
-        messages.error(request, "Nothing to approve: the agent's origin changed again or was approved already.")
+        messages.error(
+            request, "Nothing to approve: the agent's origin changed again or was approved already."
+        )
     return redirect("agent-detail", pk=agent.pk)
 
 
@@ -353,8 +366,6 @@ SORTS = {
     "-created": ("created_at", True),
     "created": ("created_at", False),
 }
-
-
 
 
 def filtered_tasks(user, data: dict) -> tuple:
@@ -561,8 +572,13 @@ def _timeline(task: RemoteTask):
     step = max(1, task.last_seq // TIMELINE_TICKS)
     ticks = {*range(1, task.last_seq + 1, step), task.last_seq}
     rows = task.events.filter(Q(state_changed=True) | Q(seq__in=ticks)).order_by("seq")
-    over = task.phase in (RemoteTask.Phase.MESSAGE, RemoteTask.Phase.FAILED) or task.abandoned_at is not None
-    return timeline_svg(list(rows.values_list("seq", "received_at", "state_after")), ended=over or None)
+    over = (
+        task.phase in (RemoteTask.Phase.MESSAGE, RemoteTask.Phase.FAILED)
+        or task.abandoned_at is not None
+    )
+    return timeline_svg(
+        list(rows.values_list("seq", "received_at", "state_after")), ended=over or None
+    )
 
 
 def _status_html(task: RemoteTask):
@@ -593,11 +609,15 @@ def _task_context(request: HttpRequest, task: RemoteTask) -> dict:
 def _watch_actions(task: RemoteTask) -> dict:
     """Every phase has a way out: refresh and abandon for anything unfinished, cancel once named."""
     unfinished = not task.is_terminal and task.phase != RemoteTask.Phase.MESSAGE
-    lookup = task.phase in (RemoteTask.Phase.SENDING, RemoteTask.Phase.FAILED) and not task.remote_id
+    lookup = (
+        task.phase in (RemoteTask.Phase.SENDING, RemoteTask.Phase.FAILED) and not task.remote_id
+    )
     open_ = task.abandoned_at is None
     return {
         # A task not named yet is looked up by its contextId first (services.tasks._name_task).
-        "can_cancel": open_ and unfinished and (bool(task.remote_id) or task.phase == RemoteTask.Phase.SENDING),
+        "can_cancel": open_
+        and unfinished
+        and (bool(task.remote_id) or task.phase == RemoteTask.Phase.SENDING),
         "can_retry": task_services.can_retry(task),
         "can_refresh": bool(task.remote_id) or (open_ and lookup),
         "can_abandon": open_ and unfinished,
@@ -736,7 +756,9 @@ def task_abandon(request: HttpRequest, pk: int) -> HttpResponse:
     return _act(
         request,
         task,
-        lambda: task_services.abandon_task(task, reason=reason, actor_id=request.user.id, actor_name=who),
+        lambda: task_services.abandon_task(
+            task, reason=reason, actor_id=request.user.id, actor_name=who
+        ),
         "Abandoned: this task is no longer watched.",
     )
 
@@ -746,7 +768,10 @@ def task_abandon(request: HttpRequest, pk: int) -> HttpResponse:
 def task_watch_again(request: HttpRequest, pk: int) -> HttpResponse:
     task = get_task_for_user(request, pk, Perm.OPERATE)
     return _act(
-        request, task, lambda: task_services.watch_again(task, actor_id=request.user.id), "Watching again."
+        request,
+        task,
+        lambda: task_services.watch_again(task, actor_id=request.user.id),
+        "Watching again.",
     )
 
 
@@ -767,7 +792,9 @@ def task_retry(request: HttpRequest, pk: int) -> HttpResponse:
 def task_answer(request: HttpRequest, pk: int) -> HttpResponse:
     task = get_task_for_user(request, pk, Perm.OPERATE)
     # Validated (against the agent's schema, when it sent one) and sent by tasks_app.answers.
-    sent, form = answers.submit(request, task, answers.answer_form(task, request.POST, request.FILES))
+    sent, form = answers.submit(
+        request, task, answers.answer_form(task, request.POST, request.FILES)
+    )
     if sent:
         messages.success(request, "Answer sent.")
         return _back_to_task(task)
@@ -817,7 +844,9 @@ def task_events(request: HttpRequest, pk: int) -> HttpResponse:
         entries = entries.filter(kind=wanted["kind"])
     if wanted.get("channel"):
         entries = entries.filter(channel=wanted["channel"])
-    rows = list(with_raw_preview(entries).select_related("actor").order_by("seq")[: EVENTS_ON_PAGE + 1])
+    rows = list(
+        with_raw_preview(entries).select_related("actor").order_by("seq")[: EVENTS_ON_PAGE + 1]
+    )
     has_next = len(rows) > EVENTS_ON_PAGE
     rows = rows[:EVENTS_ON_PAGE]
     params = {k: v for k, v in wanted.items() if k != "view" or v != "full"}
@@ -838,7 +867,9 @@ def _compact_history(task: RemoteTask) -> dict:
     the artifacts from the folded view (one row each, with the seq that last changed it).
     """
     changes = list(
-        task.events.filter(state_changed=True).order_by("seq").values_list("seq", "received_at", "state_after")[:1000]
+        task.events.filter(state_changed=True)
+        .order_by("seq")
+        .values_list("seq", "received_at", "state_after")[:1000]
     )
     runs = []
     for i, (seq, at, state) in enumerate(changes):
@@ -880,7 +911,9 @@ def _attachment(part: dict, default_name: str) -> HttpResponse:
     return response
 
 
-def _download_headers(response: HttpResponse | StreamingHttpResponse, name: str, default_name: str) -> None:
+def _download_headers(
+    response: HttpResponse | StreamingHttpResponse, name: str, default_name: str
+) -> None:
     """An attachment that the browser never renders or sniffs (agent content)."""
     ascii_name = name.encode("ascii", "ignore").decode() or default_name
     response["Content-Disposition"] = f'attachment; filename="{ascii_name}"'
@@ -919,8 +952,13 @@ def artifact_download(request: HttpRequest, pk: int, artifact_pk: int, index: in
     if part is None or not isinstance(part.part, dict):
         raise Http404("No such part.")
     if "data" in part.part and "raw" not in part.part:  # a data part too big for the page
-        response = HttpResponse(pretty_json(part.part["data"]).encode("utf-8", "replace"), content_type="application/json")
-        _download_headers(response, f"artifact-{artifact.pk}-{index}.json", f"artifact-{artifact.pk}-{index}")
+        response = HttpResponse(
+            pretty_json(part.part["data"]).encode("utf-8", "replace"),
+            content_type="application/json",
+        )
+        _download_headers(
+            response, f"artifact-{artifact.pk}-{index}.json", f"artifact-{artifact.pk}-{index}"
+        )
         return response
     return _attachment(part.part, f"artifact-{artifact.pk}-{index}")
 

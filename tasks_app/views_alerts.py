@@ -38,12 +38,16 @@ def alert_list(request: HttpRequest) -> HttpResponse:
     deliveries = []
     if may_test:
         deliveries = list(
-            AlertDelivery.objects.select_related("alert").order_by("-attempted_at", "-id")[:DELIVERIES_SHOWN]
+            AlertDelivery.objects.select_related("alert").order_by("-attempted_at", "-id")[
+                :DELIVERIES_SHOWN
+            ]
         )
     context = {
         "open_alerts": list(open_qs[:500]),
         "resolved": list(
-            resolved_qs.select_related("task", "agent").order_by("-resolved_at", "-id")[:RESOLVED_SHOWN]
+            resolved_qs.select_related("task", "agent").order_by("-resolved_at", "-id")[
+                :RESOLVED_SHOWN
+            ]
         ),
         "may_test": may_test,
         "channels": alerts.channels() if may_test else [],
@@ -78,7 +82,8 @@ def alerts_test(request: HttpRequest) -> HttpResponse:
     for delivery in deliveries:
         if delivery.outcome == AlertDelivery.Outcome.SENT:
             messages.success(
-                request, f"Test alert sent by {delivery.get_channel_display()} to {delivery.target}."
+                request,
+                f"Test alert sent by {delivery.get_channel_display()} to {delivery.target}.",
             )
         else:
             messages.error(

@@ -187,8 +187,12 @@ TABLE: dict[str, StateRule] = {
         "PARKED_RECHECK_SECONDS, then one turn: news resumes watching, nothing parks it again "
         "silently. An operator can watch again, refresh, cancel or abandon at any time",
         _active(
-            FOLLOW=Status.PARKED, FRUITLESS=Status.PARKED, SLICE_OVER=Status.PARKED,
-            LEASE_EXPIRED=Status.PARKED, AWAIT_PUSH=Status.PARKED, PUSH_SILENT=Status.PARKED,
+            FOLLOW=Status.PARKED,
+            FRUITLESS=Status.PARKED,
+            SLICE_OVER=Status.PARKED,
+            LEASE_EXPIRED=Status.PARKED,
+            AWAIT_PUSH=Status.PARKED,
+            PUSH_SILENT=Status.PARKED,
             PUSH_HEARD=Status.PARKED,
         ),
     ),
@@ -196,7 +200,11 @@ TABLE: dict[str, StateRule] = {
         "the agent answered TaskNotFound for a task it had not finished",
         "none: not watched any more. A refresh that finds the task again resumes watching; "
         "abandon ends it locally",
-        {Event.OPERATOR_WATCH: Status.IDLE, Event.ABANDON: Status.ABANDONED, Event.ENDED: Status.GONE},
+        {
+            Event.OPERATOR_WATCH: Status.IDLE,
+            Event.ABANDON: Status.ABANDONED,
+            Event.ENDED: Status.GONE,
+        },
     ),
     Status.ABANDONED: StateRule(
         "an operator gave the task up locally (who and why are in the log)",
@@ -253,7 +261,9 @@ def reconcile_once() -> int:
     try:
         claimed = shared_redis.client(settings.REDIS_URL).set(key, OWNER, nx=True, px=period_ms)
     except Exception as exc:  # Redis down: tick anyway (see above)
-        log.warning("reconcile: could not claim the period (%s); ticking anyway", type(exc).__name__)
+        log.warning(
+            "reconcile: could not claim the period (%s); ticking anyway", type(exc).__name__
+        )
         claimed = True
     return _reconcile() if claimed else 0
 
@@ -262,12 +272,22 @@ def _reconcile() -> int:
     """Dispatch a watcher for every watchable task that nobody holds (lease missing or expired)."""
     now = timezone.now()
     expired = Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=now)
-    taken_over = RemoteTask.objects.filter(expired, ~Q(lease_token="")).exclude(
-        watcher_status__in=[Status.IDLE, Status.LOST, Status.PARKED, Status.GONE, Status.ABANDONED]
-    ).update(
-        watcher_status=next_status(Status.STREAMING, Event.LEASE_EXPIRED),  # "lost"
-        watcher_note="its watcher stopped answering; taking over",
-        watcher_since=now,
+    taken_over = (
+        RemoteTask.objects.filter(expired, ~Q(lease_token=""))
+        .exclude(
+            watcher_status__in=[
+                Status.IDLE,
+                Status.LOST,
+                Status.PARKED,
+                Status.GONE,
+                Status.ABANDONED,
+            ]
+        )
+        .update(
+            watcher_status=next_status(Status.STREAMING, Event.LEASE_EXPIRED),  # "lost"
+            watcher_note="its watcher stopped answering; taking over",
+            watcher_since=now,
+        )
     )
     metrics.count("lease_takeovers", taken_over)
     pks = list(
@@ -582,7 +602,9 @@ class Holder:
         except HandOver:
             status = next_status(self.status, Event.SLICE_OVER, streaming=self.streaming)
             if status == Status.PARKED:  # a parked task's one look took the whole slice
-                return Turn(status, "needs attention (looked again)", hold_off=PARKED_RECHECK_SECONDS)
+                return Turn(
+                    status, "needs attention (looked again)", hold_off=PARKED_RECHECK_SECONDS
+                )
             return Turn(status, "handing over", continue_elsewhere=True)
 
     async def _ended(self, task: RemoteTask, client: A2AClient) -> Turn | None:
@@ -593,7 +615,9 @@ class Holder:
             return Turn(next_status(self.status, Event.ENDED), "send failed")
         if task.phase == RemoteTask.Phase.SENDING:
             # Nothing to send and no task named: a send interrupted before the agent answered.
-            return await self._recover_send(client, task, "the send was interrupted before the agent answered")
+            return await self._recover_send(
+                client, task, "the send was interrupted before the agent answered"
+            )
         if task.state in TERMINAL_STATES:
             if task.settled_at is None:
                 await self._settle(client)
@@ -613,7 +637,9 @@ class Holder:
             await eventloop.db(agent_services.mark_reachable, self.agent_id)
         except A2AError as exc:
             note = f"GetTask after the end failed: {exc}"
-        result = await eventloop.db(record_services.settle, self.task_pk, snapshot, fence=self.token, note=note)
+        result = await eventloop.db(
+            record_services.settle, self.task_pk, snapshot, fence=self.token, note=note
+        )
         if result.fenced:
             raise Fenced
         await push_services.forget_configs(client, self.task_pk, "deleted when the task settled")
@@ -630,7 +656,11 @@ class Holder:
         quiet = await eventloop.db(push_services.silence, self.task_pk)
         limit = settings.PUSH_SILENCE_SECONDS
         if quiet < limit:
-            return Turn(next_status(self.status, Event.AWAIT_PUSH), "awaiting push notifications", hold_off=limit - quiet)
+            return Turn(
+                next_status(self.status, Event.AWAIT_PUSH),
+                "awaiting push notifications",
+                hold_off=limit - quiet,
+            )
         await self._go(Event.PUSH_SILENT, f"no push notification for {quiet:.0f} s; polling")
         outcome = await self._follow_turn(client)
         turn = await self._judge(outcome)
@@ -683,11 +713,9 @@ class Holder:
         since = timezone.now() - timedelta(seconds=60)
 
         def count() -> int:
-            return (
-                TaskEvent.objects.filter(
-                    task__agent_id=self.agent_id, kind="protocol-error", received_at__gte=since
-                )[: budget + 1].count()
-            )
+            return TaskEvent.objects.filter(
+                task__agent_id=self.agent_id, kind="protocol-error", received_at__gte=since
+            )[: budget + 1].count()
 
         return budget > 0 and await eventloop.db(count) > budget
 
@@ -711,7 +739,9 @@ class Holder:
         message_id = message.get("messageId", "")
         is_first = task.phase == RemoteTask.Phase.SENDING
         if task.send_attempted_at is not None and is_first:
-            return await self._recover_send(client, task, "the worker stopped while sending, before the agent answered")
+            return await self._recover_send(
+                client, task, "the worker stopped while sending, before the agent answered"
+            )
         if not await eventloop.db(task_services.mark_send_attempted, self.task_pk, self.token):
             raise Fenced  # the lease is no longer ours: someone else sends
         metadata = outbox.get("metadata") or None
@@ -730,7 +760,9 @@ class Holder:
                     # send it again blindly (a first send is looked up by its contextId next).
                     await eventloop.db(task_services.clear_outbox, self.task_pk, message_id)
                     if not is_first:
-                        await self._system("answer-failed", "the agent closed the stream without any event")
+                        await self._system(
+                            "answer-failed", "the agent closed the stream without any event"
+                        )
                 if outcome.over_budget:  # record() said so in the log, once
                     return await self._park("the task is over its storage budget", announce=False)
                 if outcome.dropped and self.state not in TERMINAL_STATES:
@@ -743,12 +775,16 @@ class Holder:
             )
             await eventloop.db(agent_services.mark_reachable, task.agent_id)
             await eventloop.db(task_services.clear_outbox, self.task_pk, message_id)
-            result = await eventloop.db(record, self.task_pk, reply.raw, "send-response", fence=self.token)
+            result = await eventloop.db(
+                record, self.task_pk, reply.raw, "send-response", fence=self.token
+            )
             if result.fenced:
                 raise Fenced
             self.state = result.state
             if push_config is not None and reply.kind == "task":
-                problem = await push_services.ensure_registered(client, self.task_pk, reply.task_id or "", push_config)
+                problem = await push_services.ensure_registered(
+                    client, self.task_pk, reply.task_id or "", push_config
+                )
                 if problem:
                     await self._push_refused(problem)
             return None
@@ -764,7 +800,11 @@ class Holder:
                 if isinstance(exc, ConnectError):
                     # Nothing reached the agent: the send failed, and a retry is safe.
                     await eventloop.db(
-                        task_services.fail_send, self.task_pk, str(exc), retry_safe=True, fence=self.token
+                        task_services.fail_send,
+                        self.task_pk,
+                        str(exc),
+                        retry_safe=True,
+                        fence=self.token,
                     )
                     return Turn(next_status(self.status, Event.ENDED), "send failed")
                 hint = getattr(exc, "snippet", "") or ""
@@ -784,7 +824,9 @@ class Holder:
             self.state, self.remote_id = refreshed.state, refreshed.remote_id
             return None
 
-    async def _recover_send(self, client: A2AClient, task: RemoteTask, reason: str, *, hint: str = "") -> Turn | None:
+    async def _recover_send(
+        self, client: A2AClient, task: RemoteTask, reason: str, *, hint: str = ""
+    ) -> Turn | None:
         """The reply to a send was lost or unreadable: find the task before saying the send failed."""
         message = (task.request or {}).get("message") or (task.outbox or {}).get("message") or {}
         found = await task_services.find_sent_task(client, message, hint=hint)
@@ -793,10 +835,14 @@ class Holder:
                 "found-again",
                 f"{reason}; found the task {found.task.get('id')!r} by the contextId this dashboard chose",
             )
-            result = await eventloop.db(record, self.task_pk, {"task": found.task}, "poll", fence=self.token)
+            result = await eventloop.db(
+                record, self.task_pk, {"task": found.task}, "poll", fence=self.token
+            )
             if result.fenced:
                 raise Fenced
-            await eventloop.db(task_services.clear_outbox, self.task_pk, message.get("messageId", ""))
+            await eventloop.db(
+                task_services.clear_outbox, self.task_pk, message.get("messageId", "")
+            )
             await eventloop.db(agent_services.mark_reachable, task.agent_id)
             self.state = result.state
             return None
@@ -827,7 +873,9 @@ class Holder:
             if self.streaming:
                 await self._go(Event.FOLLOW)
                 try:
-                    outcome = await self._pump(client.subscribe_to_task(self.remote_id), "resubscribe", "stream")
+                    outcome = await self._pump(
+                        client.subscribe_to_task(self.remote_id), "resubscribe", "stream"
+                    )
                 except (UnsupportedOperationError, InvalidParamsError) as exc:
                     # Terminal task (or a server's variant of saying so): GetTask decides.
                     outcome = await self._poll_once(client)
@@ -931,7 +979,8 @@ class Holder:
                 waiting_for_auth = self.state == AUTH_REQUIRED
                 try:
                     item = await asyncio.wait_for(
-                        queue.get(), min(timeout, OUTBOX_CHECK_SECONDS) if waiting_for_auth else timeout
+                        queue.get(),
+                        min(timeout, OUTBOX_CHECK_SECONDS) if waiting_for_auth else timeout,
                     )
                 except TimeoutError:
                     if waiting_for_auth and self.loop.time() < self.deadline:
@@ -953,13 +1002,21 @@ class Holder:
                         clear_outbox = ""
                     if first and first_channel != channel:
                         result = await eventloop.db(
-                            record, self.task_pk, events_only[0].raw, first_channel, fence=self.token
+                            record,
+                            self.task_pk,
+                            events_only[0].raw,
+                            first_channel,
+                            fence=self.token,
                         )
                         outcome.add(result)
                         events_only = events_only[1:]
                     if events_only:
                         result = await eventloop.db(
-                            record_many, self.task_pk, [e.raw for e in events_only], channel, fence=self.token
+                            record_many,
+                            self.task_pk,
+                            [e.raw for e in events_only],
+                            channel,
+                            fence=self.token,
                         )
                         outcome.add(result)
                     if first:
@@ -968,7 +1025,12 @@ class Holder:
                     self.state = result.state
                     if not self.remote_id:
                         self.remote_id = await eventloop.db(
-                            lambda: RemoteTask.objects.filter(pk=self.task_pk).values_list("remote_id", flat=True).first() or ""
+                            lambda: (
+                                RemoteTask.objects.filter(pk=self.task_pk)
+                                .values_list("remote_id", flat=True)
+                                .first()
+                                or ""
+                            )
                         )
                     if outcome.over_budget:
                         return outcome
@@ -979,9 +1041,14 @@ class Holder:
                     if isinstance(end, A2AError) and (outcome.progress or outcome.confirmed):
                         # The stream spoke validly, then broke (a proxy's idle cut, a restart):
                         # not a fruitless turn. The GetTask check after it says what was missed.
-                        if outcome.progress or isinstance(end, RemoteError):  # a silent cut is not news
+                        if outcome.progress or isinstance(
+                            end, RemoteError
+                        ):  # a silent cut is not news
                             await self._system(
-                                "stream-dropped" if isinstance(end, TransportError) else "stream-error", str(end)
+                                "stream-dropped"
+                                if isinstance(end, TransportError)
+                                else "stream-error",
+                                str(end),
                             )
                         outcome.dropped = True
                         return outcome
@@ -1004,7 +1071,8 @@ class Holder:
             if not self.throttled:
                 self.throttled = True
                 await self._system(
-                    "throttled", f"the agent sends more than {rate:g} events per second; recording at that rate"
+                    "throttled",
+                    f"the agent sends more than {rate:g} events per second; recording at that rate",
                 )
             await self._sleep(ahead)
 
@@ -1014,7 +1082,9 @@ class Holder:
         status = next_status(self.status, event, streaming=self.streaming)
         if status == self.status and not note:
             return  # nothing to write (and the note of a series stays)
-        held = await eventloop.db(task_services.set_watcher_status, self.task_pk, self.token, status, note)
+        held = await eventloop.db(
+            task_services.set_watcher_status, self.task_pk, self.token, status, note
+        )
         if not held:
             raise Fenced
         self.status = status
@@ -1050,7 +1120,11 @@ class Holder:
 
     async def _system(self, event: str, detail: str) -> None:
         result = await eventloop.db(
-            record, self.task_pk, {"system": {"event": event, "detail": detail[:2000]}}, "system", fence=self.token
+            record,
+            self.task_pk,
+            {"system": {"event": event, "detail": detail[:2000]}},
+            "system",
+            fence=self.token,
         )
         if result.fenced:
             raise Fenced
@@ -1058,10 +1132,18 @@ class Holder:
     async def _note_problem(self, message: str) -> None:
         try:
             result = await eventloop.db(
-                record, self.task_pk, {"protocolError": {"message": message[:2000]}}, "system", fence=self.token
+                record,
+                self.task_pk,
+                {"protocolError": {"message": message[:2000]}},
+                "system",
+                fence=self.token,
             )
         except Exception as exc:  # recording the problem must not become a second one
-            log.warning("could not record a protocol error for task %s: %s", self.task_pk, type(exc).__name__)
+            log.warning(
+                "could not record a protocol error for task %s: %s",
+                self.task_pk,
+                type(exc).__name__,
+            )
             return
         if result.fenced:
             raise Fenced
@@ -1078,4 +1160,6 @@ def _event_size(event: Any) -> int:
 def backoff(failures: int) -> float:
     """Exponential backoff with jitter (50-100%), capped at WATCH_BACKOFF_MAX_SECONDS."""
     cap = settings.WATCH_BACKOFF_MAX_SECONDS
-    return random.uniform(0.5, 1.0) * min(cap, settings.WATCH_BACKOFF_BASE_SECONDS * 2 ** max(failures - 1, 0))
+    return random.uniform(0.5, 1.0) * min(
+        cap, settings.WATCH_BACKOFF_BASE_SECONDS * 2 ** max(failures - 1, 0)
+    )

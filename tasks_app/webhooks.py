@@ -48,7 +48,9 @@ def _source(request: HttpRequest) -> str:
 def receive(request: HttpRequest, config_id: str) -> HttpResponse:
     """One delivery: 202 once queued, 200 for a repeat, 4xx with a short reason otherwise."""
     if request.method != "POST":
-        return JsonResponse({"error": "POST a StreamResponse"}, status=405, headers={"Allow": "POST"})
+        return JsonResponse(
+            {"error": "POST a StreamResponse"}, status=405, headers={"Allow": "POST"}
+        )
     limit = push_services.settings.PUSH_MAX_BODY_BYTES
     try:
         declared = int(request.META.get("CONTENT_LENGTH") or 0)
@@ -116,7 +118,9 @@ def task_watch_mode(request: HttpRequest, pk: int) -> HttpResponse:
     except task_services.TaskActionError as exc:
         messages.error(request, str(exc))
     else:
-        messages.success(request, f"Now followed by {'streaming' if watch == 'stream' else 'polling'}.")
+        messages.success(
+            request, f"Now followed by {'streaming' if watch == 'stream' else 'polling'}."
+        )
     return redirect("task-detail", pk=task.pk)
 
 
@@ -136,7 +140,9 @@ class PushRoute:
         if scope["type"] == "http":
             path = scope["path"]
             root = scope.get("root_path") or ""
-            match = PUSH_PATH.fullmatch(path[len(root) :] if root and path.startswith(root) else path)
+            match = PUSH_PATH.fullmatch(
+                path[len(root) :] if root and path.startswith(root) else path
+            )
             if match is not None:
                 await self.handle(match.group(1), scope, receive, send)
                 return
@@ -148,7 +154,9 @@ class PushRoute:
             return
         headers: dict[bytes, bytes] = {}
         for name, value in scope.get("headers") or []:
-            headers[name] = headers[name] + b"," + value if name in headers else value  # as Django joins them
+            headers[name] = (
+                headers[name] + b"," + value if name in headers else value
+            )  # as Django joins them
         limit = push_services.settings.PUSH_MAX_BODY_BYTES
         try:
             declared = int(headers.get(b"content-length") or 0)
@@ -185,10 +193,14 @@ class PushRoute:
             await _answer(send, 503, {"error": "try again later"}, [(b"retry-after", b"5")])
             return
         payload = {"status": verdict.reason} if verdict.accepted else {"error": verdict.reason}
-        await _answer(send, verdict.status, payload, [(b"retry-after", b"1")] if verdict.status == 429 else [])
+        await _answer(
+            send, verdict.status, payload, [(b"retry-after", b"1")] if verdict.status == 429 else []
+        )
 
 
-async def _answer(send: Any, status: int, payload: dict[str, str], extra: list[tuple[bytes, bytes]] | None = None) -> None:
+async def _answer(
+    send: Any, status: int, payload: dict[str, str], extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
     if status >= 400:
         metrics.count("webhook_rejections", status=status)  # a dict update; Redis gets it later
     body = json.dumps(payload).encode()

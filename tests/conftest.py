@@ -23,7 +23,9 @@ LOOPBACK_ALLOW = "127.0.0.0/8,::1/128"
 
 # Before any child starts and before the settings are read: children inherit both.
 os.environ["OUTBOUND_ALLOW"] = LOOPBACK_ALLOW
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HOOK_DIR), os.environ.get("PYTHONPATH")]))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [str(HOOK_DIR), os.environ.get("PYTHONPATH")])
+)
 os.environ.setdefault(
     "LOOPBACK_ONLY_LOG", str(Path(tempfile.gettempdir()) / f"loopback-only-{os.getpid()}.log")
 )
@@ -49,7 +51,10 @@ def _loopback_only() -> Iterator[None]:
     yield
     found = loopback_hook.refused[mine:] + _children_refused()[theirs:]
     if found:
-        pytest.fail("connect(s) off loopback were attempted (and stopped): " + "; ".join(found), pytrace=False)
+        pytest.fail(
+            "connect(s) off loopback were attempted (and stopped): " + "; ".join(found),
+            pytrace=False,
+        )
 
 
 pytest_plugins = ["tests.infra"]

@@ -136,7 +136,9 @@ class HostileAgent:
         self.close()
 
     def calls_since(self, since: float, method: str | None = None) -> int:
-        return sum(1 for t, m in list(self.call_times) if t >= since and (method is None or m == method))
+        return sum(
+            1 for t, m in list(self.call_times) if t >= since and (method is None or m == method)
+        )
 
     # -- HTTP
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -153,7 +155,13 @@ class HostileAgent:
             request = json.loads(body) if body else {}
             await self._respond(request, reader, writer)
             await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError, ValueError, PeerGone):
+        except (
+            asyncio.IncompleteReadError,
+            ConnectionError,
+            asyncio.CancelledError,
+            ValueError,
+            PeerGone,
+        ):
             pass
         finally:
             self.open_now -= 1
@@ -179,7 +187,9 @@ class HostileAgent:
             data = json.dumps({"jsonrpc": "2.0", "id": rpc_id, "result": result})
             writer.write(f"data: {data}\n\n".encode())
 
-    async def _write(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, data: bytes) -> None:
+    async def _write(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, data: bytes
+    ) -> None:
         """Send ``data`` and wait for the peer to take it (flow control); stop if it hung up."""
         if reader.at_eof() or writer.is_closing():
             raise PeerGone
@@ -188,7 +198,11 @@ class HostileAgent:
         self.bytes_sent += len(data)
 
     async def _forever(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, unit: bytes, interval: float
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        unit: bytes,
+        interval: float,
     ) -> None:
         """Send ``unit`` every ``interval`` seconds until the peer hangs up (or the agent closes)."""
         while True:
@@ -208,7 +222,12 @@ class HostileAgent:
         return f'{{"jsonrpc":"2.0","id":{json.dumps(rpc_id)},"result":{nested}}}'.encode()
 
     async def _misbehave(
-        self, method: str, rpc_id: Any, task: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        method: str,
+        rpc_id: Any,
+        task: dict,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
     ) -> bool:
         """Answer ``method`` about ``task`` as the behaviour says; False: answer it normally."""
         b = self.behaviour
@@ -218,7 +237,9 @@ class HostileAgent:
                 self._sse_head(writer)
                 await self._write(reader, writer, b"data: ")  # an event starts, and never ends
             else:
-                body = json.dumps({"jsonrpc": "2.0", "id": rpc_id, "result": {"task": task}}).encode()
+                body = json.dumps(
+                    {"jsonrpc": "2.0", "id": rpc_id, "result": {"task": task}}
+                ).encode()
                 padding = 100_000  # a day of whitespace at a byte a second, before the reply
                 writer.write(
                     b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
@@ -266,14 +287,19 @@ class HostileAgent:
         for i in range(self.huge_chunks):
             part = {"text": huge_chunk(i, self.huge_chunk_chars)}
             parts.append(part)
-            update = {**ids, "artifact": {"artifactId": "huge", "name": "huge.txt", "parts": [part]}}
+            update = {
+                **ids,
+                "artifact": {"artifactId": "huge", "name": "huge.txt", "parts": [part]},
+            }
             if i:
                 update["append"] = True
             if i == self.huge_chunks - 1:
                 update["lastChunk"] = True
             await self._write(reader, writer, event({"artifactUpdate": update}))
         task["status"] = {"state": COMPLETED}
-        await self._write(reader, writer, event({"statusUpdate": {**ids, "status": {"state": COMPLETED}}}))
+        await self._write(
+            reader, writer, event({"statusUpdate": {**ids, "status": {"state": COMPLETED}}})
+        )
 
     # -- A2A
     def _new_task(self, message: dict, state: str) -> dict:
@@ -297,7 +323,9 @@ class HostileAgent:
         self.tasks[task_id] = task
         return task
 
-    async def _respond(self, request: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _respond(
+        self, request: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         method = str(request.get("method", ""))
         rpc_id = request.get("id")
         params = request.get("params") or {}
@@ -308,7 +336,10 @@ class HostileAgent:
             self._json(writer, {"jsonrpc": "2.0", "id": rpc_id, "result": result})
 
         def error(code: int, message: str) -> None:
-            self._json(writer, {"jsonrpc": "2.0", "id": rpc_id, "error": {"code": code, "message": message}})
+            self._json(
+                writer,
+                {"jsonrpc": "2.0", "id": rpc_id, "error": {"code": code, "message": message}},
+            )
 
         b = self.behaviour
         if method in ("SendMessage", "SendStreamingMessage"):
@@ -323,7 +354,9 @@ class HostileAgent:
                 else:
                     self._sse(writer, rpc_id, [{"task": existing}])
                 return
-            state = {"lostreply": COMPLETED, "authwait": AUTH_REQUIRED, "badtext": COMPLETED}.get(b, WORKING)
+            state = {"lostreply": COMPLETED, "authwait": AUTH_REQUIRED, "badtext": COMPLETED}.get(
+                b, WORKING
+            )
             task = self._new_task(message, state)
             if await self._misbehave(method, rpc_id, task, reader, writer):
                 return
@@ -340,7 +373,15 @@ class HostileAgent:
                     status = {"state": WORKING, "message": {
                         "messageId": f"m-{i}", "role": "ROLE_AGENT", "parts": [{"text": f"tick {i}"}],
                     }}  # fmt: skip
-                    events.append({"statusUpdate": {"taskId": task["id"], "contextId": task["contextId"], "status": status}})
+                    events.append(
+                        {
+                            "statusUpdate": {
+                                "taskId": task["id"],
+                                "contextId": task["contextId"],
+                                "status": status,
+                            }
+                        }
+                    )
             self._sse(writer, rpc_id, events)
             return
         if method == "GetTask":
@@ -377,7 +418,14 @@ class HostileAgent:
         if method == "ListTasks":
             context = params.get("contextId")
             found = [t for t in self.tasks.values() if not context or t["contextId"] == context]
-            ok({"tasks": found, "nextPageToken": "", "pageSize": len(found), "totalSize": len(found)})
+            ok(
+                {
+                    "tasks": found,
+                    "nextPageToken": "",
+                    "pageSize": len(found),
+                    "totalSize": len(found),
+                }
+            )
             return
         if method == "CancelTask":
             task = self.tasks.get(params.get("id") or "")
@@ -401,7 +449,9 @@ def huge_chunk(index: int, chars: int) -> str:
     run of one letter to almost nothing, and the bytes measured would mean little).
     """
     head = f"chunk {index:05d} "
-    return head + base64.b64encode(random.Random(index).randbytes(chars)).decode()[: chars - len(head)]
+    return (
+        head + base64.b64encode(random.Random(index).randbytes(chars)).decode()[: chars - len(head)]
+    )
 
 
 @contextlib.contextmanager

@@ -47,7 +47,11 @@ class Site:
 
     @property
     def last_seq(self) -> int:
-        return TaskEvent.objects.filter(task=self.task).order_by("-seq").values_list("seq", flat=True)[0]
+        return (
+            TaskEvent.objects.filter(task=self.task)
+            .order_by("-seq")
+            .values_list("seq", flat=True)[0]
+        )
 
 
 def build_site(user: Any, agent: Agent | None = None, *, text: str = "a *markdown* answer") -> Site:
@@ -94,9 +98,13 @@ def _log_in_through_the_form() -> None:
     from django.test import Client
 
     get_user_model().objects.create_user("site-login", password=SITE_LOGIN_PASSWORD)
-    failed = Client().post("/accounts/login/", {"username": "site-stranger", "password": "wrong-password"})
+    failed = Client().post(
+        "/accounts/login/", {"username": "site-stranger", "password": "wrong-password"}
+    )
     assert failed.status_code == 200
-    good = Client().post("/accounts/login/", {"username": "site-login", "password": SITE_LOGIN_PASSWORD})
+    good = Client().post(
+        "/accounts/login/", {"username": "site-login", "password": SITE_LOGIN_PASSWORD}
+    )
     assert good.status_code == 302
 
 

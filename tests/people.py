@@ -7,7 +7,9 @@ from typing import Any
 from tasks_app.models import DEFAULT_PROJECT, Membership, Project
 
 
-def member(user: Any, role: str = Membership.Role.AGENT_ADMIN, project: str = DEFAULT_PROJECT) -> Any:
+def member(
+    user: Any, role: str = Membership.Role.AGENT_ADMIN, project: str = DEFAULT_PROJECT
+) -> Any:
     """Make ``user`` a member of ``project`` with ``role``; returns the user."""
     target = Project.objects.get_or_create(name=project)[0]
     Membership.objects.update_or_create(project=target, user=user, defaults={"role": role})

@@ -137,8 +137,12 @@ def test_secrets_come_from_a_file_stdin_or_the_environment(
 
 def test_the_outbound_guard_applies(agent: AgentHandle, settings: Any) -> None:
     """The CLI's client is the dashboard's: loopback only when OUTBOUND_ALLOW says so."""
-    with pytest.raises(CommandError, match=r"refused by the outbound guard: 169\.254\.169\.254 is link-local"):
+    with pytest.raises(
+        CommandError, match=r"refused by the outbound guard: 169\.254\.169\.254 is link-local"
+    ):
         run("card", "http://169.254.169.254/")
     settings.OUTBOUND_ALLOW = []
-    with pytest.raises(CommandError, match=r"refused by the outbound guard: 127\.0\.0\.1 is loopback"):
+    with pytest.raises(
+        CommandError, match=r"refused by the outbound guard: 127\.0\.0\.1 is loopback"
+    ):
         run("card", agent.base_url)

@@ -160,9 +160,15 @@ def world(django_user_model) -> dict:
         agent=agent, title="alpha task", remote_id="t-alpha", phase="task",
         state="TASK_STATE_INPUT_REQUIRED", last_seq=1, asked_seq=1,
     )  # fmt: skip
-    TaskEvent.objects.create(task=task, seq=1, channel="poll", kind="task", raw={"task": {"id": "t-alpha"}})
+    TaskEvent.objects.create(
+        task=task, seq=1, channel="poll", kind="task", raw={"task": {"id": "t-alpha"}}
+    )
     artifact = Artifact.objects.create(task=task, artifact_id="a-1", name="out")
-    raw_part = {"raw": base64.b64encode(b"alpha bytes").decode(), "mediaType": "text/plain", "filename": "a.txt"}
+    raw_part = {
+        "raw": base64.b64encode(b"alpha bytes").decode(),
+        "mediaType": "text/plain",
+        "filename": "a.txt",
+    }
     ArtifactPart.objects.create(artifact=artifact, index=0, part=raw_part)
     message = ConversationMessage.objects.create(
         task=task, message_id="m-1", role="ROLE_AGENT", message={"parts": [raw_part]}
@@ -170,10 +176,18 @@ def world(django_user_model) -> dict:
     job = ImportJob.objects.create(agent=agent, status=ImportJob.Status.DONE)
     people: dict[str, Client] = {"anonymous": Client()}
     for label, role in ROLES.items():
-        user = member(django_user_model.objects.create_user(label.replace(" ", "-"), password="pw-12345678"), role, "alpha")
+        user = member(
+            django_user_model.objects.create_user(label.replace(" ", "-"), password="pw-12345678"),
+            role,
+            "alpha",
+        )
         people[label] = Client()
         people[label].force_login(user)
-    outsider = member(django_user_model.objects.create_user("outsider", password="pw-12345678"), Membership.Role.OPERATOR, "beta")
+    outsider = member(
+        django_user_model.objects.create_user("outsider", password="pw-12345678"),
+        Membership.Role.OPERATOR,
+        "beta",
+    )
     people["outsider"] = Client()
     people["outsider"].force_login(outsider)
     kwargs = {
@@ -212,14 +226,19 @@ def expected(rule: Rule, person: str) -> set[int]:
 
 def name_is_not_about_an_object(rule: Rule) -> bool:
     # By identity: rules are values, and two routes may share one (audit and task-export do).
-    return any(rule is RULES[name] for name in ("agent-add", "task-new", "audit", "audit-csv", "alerts-test"))
+    return any(
+        rule is RULES[name]
+        for name in ("agent-add", "task-new", "audit", "audit-csv", "alerts-test")
+    )
 
 
 def test_every_route_has_a_rule() -> None:
     names = {name for name, _ in app_routes()}
     missing = sorted(names - set(RULES))
     assert not missing, f"routes without an access rule in tests/test_access_matrix.py: {missing}"
-    assert not set(RULES) - names, f"rules for routes that no longer exist: {sorted(set(RULES) - names)}"
+    assert not set(RULES) - names, (
+        f"rules for routes that no longer exist: {sorted(set(RULES) - names)}"
+    )
     ws_missing = [str(p.pattern) for p in websocket_urlpatterns if str(p.pattern) not in WS_RULES]
     assert not ws_missing, f"websocket routes without a rule: {ws_missing}"
 
@@ -242,11 +261,15 @@ def test_every_route_answers_as_the_role_allows(world, person) -> None:
             response = client.post(url, dict(rule.data))
         want = expected(rule, person)
         if response.status_code not in want:
-            wrong.append(f"{rule.method} {name} ({url}): {response.status_code}, expected {sorted(want)}")
+            wrong.append(
+                f"{rule.method} {name} ({url}): {response.status_code}, expected {sorted(want)}"
+            )
             continue
         if response.status_code == 403 and isinstance(rule.need, Perm):
             # Refusals are written down: who wanted what, and the role that did not allow it.
-            assert OperatorAction.objects.filter(action="forbidden").count() == refused_before + 1, name
+            assert (
+                OperatorAction.objects.filter(action="forbidden").count() == refused_before + 1
+            ), name
         if response.status_code == 302 and person == "anonymous" and rule.need != PUBLIC:
             assert response["Location"].startswith(reverse("login")), name
     assert not wrong, "\n".join(wrong)
@@ -269,7 +292,12 @@ def test_refused_actions_change_nothing(world) -> None:
         client = world["people"][person]
         for name in ("task-cancel", "task-abandon", "task-retry", "task-refresh"):
             assert client.post(reverse(name, args=[task.pk])).status_code == 403
-        assert client.post(reverse("task-answer", args=[task.pk]), {"text": "yes", "question": "1"}).status_code == 403
+        assert (
+            client.post(
+                reverse("task-answer", args=[task.pk]), {"text": "yes", "question": "1"}
+            ).status_code
+            == 403
+        )
     task.refresh_from_db()
     assert (task.state, task.abandoned_at, task.last_seq) == before
     assert not task.actions.exclude(action="forbidden").exists()
@@ -290,8 +318,15 @@ def test_lists_and_counts_only_show_what_the_person_may_read(world) -> None:
     page = viewer.get(reverse("task-detail", args=[world["task"].pk])).content.decode()
     assert 'id="answer-form"' not in page and 'id="cancel-form"' not in page
     assert "Your role in this project cannot answer it." in page
-    assert 'id="credentials-form"' not in viewer.get(reverse("agent-detail", args=[world["agent"].pk])).content.decode()
-    operator_page = world["people"]["operator"].get(reverse("task-detail", args=[world["task"].pk])).content.decode()
+    assert (
+        'id="credentials-form"'
+        not in viewer.get(reverse("agent-detail", args=[world["agent"].pk])).content.decode()
+    )
+    operator_page = (
+        world["people"]["operator"]
+        .get(reverse("task-detail", args=[world["task"].pk]))
+        .content.decode()
+    )
     assert 'id="answer-form"' in operator_page
 
 
@@ -333,7 +368,12 @@ async def test_every_websocket_route_answers_as_the_role_allows(world, person, s
         assert connected, (person, path, code)
         if kind == "list":
             # A summary of alpha's task reaches alpha's people, never the outsider.
-            summary = {"type": "tasks.changed", "task": world["task"].pk, "agent": world["agent"].pk, "last_seq": 9}
+            summary = {
+                "type": "tasks.changed",
+                "task": world["task"].pk,
+                "agent": world["agent"].pk,
+                "last_seq": 9,
+            }
             await get_channel_layer().group_send(LIST_GROUP, summary)
             if person == "outsider":
                 assert await comm.receive_nothing(timeout=1)

@@ -49,13 +49,23 @@ AGENT_TOKEN = "agent-bearer-token-never-in-an-alert"
 def snapshot(task_id: str, state: str, text: str | None = None) -> dict:
     status: dict = {"state": state}
     if text:
-        status["message"] = {"messageId": f"m-{text}", "role": "ROLE_AGENT", "parts": [{"text": text}]}
+        status["message"] = {
+            "messageId": f"m-{text}",
+            "role": "ROLE_AGENT",
+            "parts": [{"text": text}],
+        }
     return {"task": {"id": task_id, "contextId": "c-1", "status": status}}
 
 
 def status(task_id: str, state: str, text: str) -> dict:
     message = {"messageId": f"m-{text}", "role": "ROLE_AGENT", "parts": [{"text": text}]}
-    return {"statusUpdate": {"taskId": task_id, "contextId": "c-1", "status": {"state": state, "message": message}}}
+    return {
+        "statusUpdate": {
+            "taskId": task_id,
+            "contextId": "c-1",
+            "status": {"state": state, "message": message},
+        }
+    }
 
 
 @pytest.fixture(autouse=True)
@@ -109,7 +119,11 @@ def test_silent_working_opens_past_its_threshold_and_resolves_when_the_task_move
     result = alerts.evaluate(task.updated_at + timedelta(seconds=61))
     assert [a.key for a in result.opened] == [key]
     alert = unresolved(key)[0]
-    assert alert.opened_at is not None and alert.since == task.updated_at and alert.agent_id == agent.pk
+    assert (
+        alert.opened_at is not None
+        and alert.since == task.updated_at
+        and alert.agent_id == agent.pk
+    )
     assert "nightly report" in alert.message
     # Evaluated again while still silent: the same alert, seen again, nothing new.
     later = alerts.evaluate(task.updated_at + timedelta(seconds=90))
@@ -129,7 +143,9 @@ def test_silent_working_opens_past_its_threshold_and_resolves_when_the_task_move
 
 def test_a_task_nobody_follows_or_that_was_abandoned_is_not_silent(agent):
     task = working_task(agent)
-    RemoteTask.objects.filter(pk=task.pk).update(watch=RemoteTask.Watch.NONE)  # e.g. imported, not followed
+    RemoteTask.objects.filter(pk=task.pk).update(
+        watch=RemoteTask.Watch.NONE
+    )  # e.g. imported, not followed
     assert not alerts.evaluate(task.updated_at + HOUR).opened
     RemoteTask.objects.filter(pk=task.pk).update(watch=RemoteTask.Watch.STREAM)
     assert len(alerts.evaluate(task.updated_at + HOUR).opened) == 1
@@ -139,7 +155,9 @@ def test_a_task_nobody_follows_or_that_was_abandoned_is_not_silent(agent):
 
 
 def test_question_waiting_opens_and_resolves_when_the_agent_goes_on(agent):
-    task = RemoteTask.objects.create(agent=agent, title="needs a name", phase="task", watch="stream")
+    task = RemoteTask.objects.create(
+        agent=agent, title="needs a name", phase="task", watch="stream"
+    )
     record(task, snapshot("t-q", "TASK_STATE_INPUT_REQUIRED", "What is your name?"), "stream")
     task.refresh_from_db()
     assert task.asked_seq > task.answered_seq
@@ -154,7 +172,9 @@ def test_question_waiting_opens_and_resolves_when_the_agent_goes_on(agent):
 
 
 def test_an_answered_question_is_not_waiting(agent, django_user_model):
-    task = RemoteTask.objects.create(agent=agent, title="q", phase="task", remote_id="", watch="stream")
+    task = RemoteTask.objects.create(
+        agent=agent, title="q", phase="task", remote_id="", watch="stream"
+    )
     record(task, snapshot("t-a", "TASK_STATE_INPUT_REQUIRED", "Which one?"), "stream")
     task.refresh_from_db()
     alerts.evaluate(task.updated_at + HOUR)
@@ -172,7 +192,10 @@ def test_agent_unreachable_opens_only_after_its_threshold_and_resolves_when_reac
     assert not alerts.evaluate(t0).opened
     pending = unresolved(key)[0]
     assert pending.opened_at is None  # seen, not yet an alert: nobody is shown it
-    assert not alerts.open_alerts(None).exists() and not Alert.objects.filter(opened_at__isnull=False).exists()
+    assert (
+        not alerts.open_alerts(None).exists()
+        and not Alert.objects.filter(opened_at__isnull=False).exists()
+    )
     assert not alerts.evaluate(t0 + timedelta(seconds=200)).opened
     result = alerts.evaluate(t0 + timedelta(seconds=301))
     assert [a.key for a in result.opened] == [key]
@@ -193,7 +216,9 @@ def test_an_agent_back_before_its_threshold_leaves_no_alert(agent):
 
 
 def test_send_failed_opens_at_once_and_resolves_on_retry(agent):
-    task = RemoteTask.objects.create(agent=agent, title="send me", request={"message": {"messageId": "m-1"}})
+    task = RemoteTask.objects.create(
+        agent=agent, title="send me", request={"message": {"messageId": "m-1"}}
+    )
     task_services.fail_send(task.pk, "connection refused", retry_safe=True)
     key = f"send-failed:task:{task.pk}"
     result = alerts.evaluate()
@@ -209,7 +234,11 @@ def test_parked_opens_at_once_and_resolves_when_watched_again(agent):
     token = task_services.acquire_lease(task.pk, "a watcher")
     assert token
     task_services.release_lease(
-        task.pk, token, status=RemoteTask.WatcherStatus.PARKED, note="needs attention: 8 fruitless turns", hold_off=600
+        task.pk,
+        token,
+        status=RemoteTask.WatcherStatus.PARKED,
+        note="needs attention: 8 fruitless turns",
+        hold_off=600,
     )
     key = f"parked:task:{task.pk}"
     result = alerts.evaluate()
@@ -234,7 +263,9 @@ def test_the_job_runs_the_evaluation_and_is_on_the_beat_schedule(agent, settings
     from dashboard.celery import _beat_schedule
 
     task = working_task(agent)
-    RemoteTask.objects.filter(pk=task.pk).update(updated_at=timezone.now() - HOUR)  # silent for an hour
+    RemoteTask.objects.filter(pk=task.pk).update(
+        updated_at=timezone.now() - HOUR
+    )  # silent for an hour
     assert jobs.evaluate_alerts() == "1 opened, 0 resolved, 0 deliveries"
     settings.ALERT_EVERY_SECONDS = 7
     entry = _beat_schedule()["evaluate-alerts"]
@@ -287,7 +318,9 @@ def test_two_evaluators_at_once_open_and_resolve_each_alert_once(agent, settings
     tasks = [working_task(agent, f"t-{i}", f"task {i}") for i in range(4)]
     agent_services.mark_unreachable(agent.pk, "refused")
     t0 = timezone.now()
-    assert not alerts.evaluate(t0).opened  # the agent's first sighting (pending); tasks not silent yet
+    assert not alerts.evaluate(
+        t0
+    ).opened  # the agent's first sighting (pending); tasks not silent yet
     results = _race(2, t0 + timedelta(seconds=301))
     opened = [a.key for r in results for a in r.opened]
     assert sorted(opened) == sorted(
@@ -324,7 +357,9 @@ class Receiver:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                receiver.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
+                receiver.requests.append(
+                    {"path": self.path, "headers": dict(self.headers), "body": body}
+                )
                 if receiver.delay:
                     time.sleep(receiver.delay)
                 self.send_response(receiver.status)
@@ -363,9 +398,14 @@ def test_email_on_open_and_on_resolve_through_djangos_mail(agent, settings, mail
     result = alerts.evaluate(task.updated_at + HOUR)
     assert len(mailoutbox) == 1
     mail = mailoutbox[0]
-    assert mail.to == ["ops@example.org", "oncall@example.org"] and mail.from_email == "dashboard@example.org"
+    assert (
+        mail.to == ["ops@example.org", "oncall@example.org"]
+        and mail.from_email == "dashboard@example.org"
+    )
     assert "1 alert opened" in mail.subject and "nightly report" in mail.subject
-    assert f"https://dash.example.org/tasks/{task.pk}/" in mail.body and "project alpha" in mail.body
+    assert (
+        f"https://dash.example.org/tasks/{task.pk}/" in mail.body and "project alpha" in mail.body
+    )
     assert AGENT_TOKEN not in mail.body + mail.subject
     delivery = AlertDelivery.objects.get()
     assert (delivery.alert_id, delivery.channel, delivery.event, delivery.outcome) == (
@@ -404,16 +444,23 @@ def test_webhook_gets_json_signed_and_without_secrets(agent, settings, receiver)
     [item] = body["alerts"]
     assert item["event"] == "opened" and item["rule"] == "silent-working"
     assert item["task"]["id"] == task.pk and item["task"]["remote_id"] == "t-1"
-    assert item["agent"] == {"id": agent.pk, "name": "alpha agent", "url": None} and item["project"] == "alpha"
+    assert (
+        item["agent"] == {"id": agent.pk, "name": "alpha agent", "url": None}
+        and item["project"] == "alpha"
+    )
     text = req["body"].decode()
     for secret in (AGENT_TOKEN, "signing-secret", "webhook-token", agent.credentials_encrypted):
         assert secret not in text
     delivery = AlertDelivery.objects.get()
     assert delivery.outcome == "sent" and delivery.channel == "webhook"
-    assert delivery.target == f"http://127.0.0.1:{receiver.port}"  # the origin only: the path is a secret
+    assert (
+        delivery.target == f"http://127.0.0.1:{receiver.port}"
+    )  # the origin only: the path is a secret
 
 
-def test_a_failing_webhook_is_recorded_and_the_evaluation_goes_on(agent, settings, mailoutbox, receiver):
+def test_a_failing_webhook_is_recorded_and_the_evaluation_goes_on(
+    agent, settings, mailoutbox, receiver
+):
     settings.ALERT_EMAIL_TO = ["ops@example.org"]
     settings.ALERT_WEBHOOK_URL = receiver.url()
     receiver.status = 500
@@ -423,7 +470,9 @@ def test_a_failing_webhook_is_recorded_and_the_evaluation_goes_on(agent, setting
     by_channel = {d.channel: d for d in AlertDelivery.objects.all()}
     assert by_channel["webhook"].outcome == "failed"
     assert by_channel["webhook"].error == f"http://127.0.0.1:{receiver.port} answered HTTP 500"
-    assert by_channel["email"].outcome == "sent" and len(mailoutbox) == 1  # the other channel went out
+    assert (
+        by_channel["email"].outcome == "sent" and len(mailoutbox) == 1
+    )  # the other channel went out
     # Nobody listening: a connection error, recorded; the next alert still opens.
     receiver.close()
     second = working_task(agent, "t-2", "second")
@@ -449,7 +498,11 @@ def test_a_slow_webhook_is_given_up_within_the_timeout(agent, settings, receiver
 
 @pytest.mark.parametrize(
     "url",
-    ["http://10.255.255.1/hook", "http://169.254.169.254/latest/meta-data/", "http://[fd00::1]/hook"],
+    [
+        "http://10.255.255.1/hook",
+        "http://169.254.169.254/latest/meta-data/",
+        "http://[fd00::1]/hook",
+    ],
 )
 def test_the_outbound_guard_refuses_a_webhook_off_loopback(agent, settings, url):
     """OUTBOUND_ALLOW is loopback in tests; anything else is refused before any connection
@@ -459,7 +512,9 @@ def test_the_outbound_guard_refuses_a_webhook_off_loopback(agent, settings, url)
     result = alerts.evaluate(task.updated_at + HOUR)
     assert len(result.opened) == 1
     delivery = AlertDelivery.objects.get()
-    assert delivery.outcome == "failed" and delivery.error.startswith("refused by the outbound guard")
+    assert delivery.outcome == "failed" and delivery.error.startswith(
+        "refused by the outbound guard"
+    )
 
 
 def test_a_broken_mail_server_is_recorded(agent, settings, receiver):
@@ -486,7 +541,9 @@ def people(django_user_model) -> dict[str, Client]:
         ("admin", Membership.Role.AGENT_ADMIN, "alpha"),
         ("outsider", Membership.Role.AGENT_ADMIN, "beta"),
     ):
-        user = member(django_user_model.objects.create_user(name, password="pw-12345678"), role, project)
+        user = member(
+            django_user_model.objects.create_user(name, password="pw-12345678"), role, project
+        )
         clients[name] = Client()
         clients[name].force_login(user)
     return clients
@@ -504,10 +561,14 @@ def test_open_alerts_show_on_the_overview_only_to_who_may_read_them(agent, peopl
     assert 'id="alerts"' in other  # the (empty, hidden) section, so that one can appear live
     inbox = people["viewer"].get(reverse("inbox")).content.decode()
     assert f'data-alert="{alert.pk}"' in inbox  # the inbox includes the same section
-    assert f'data-alert="{alert.pk}"' not in people["outsider"].get(reverse("inbox")).content.decode()
+    assert (
+        f'data-alert="{alert.pk}"' not in people["outsider"].get(reverse("inbox")).content.decode()
+    )
     listing = people["viewer"].get(reverse("alerts")).content.decode()
     assert f'data-alert="{alert.pk}"' in listing and 'id="alert-test"' not in listing
-    assert f'data-alert="{alert.pk}"' not in people["outsider"].get(reverse("alerts")).content.decode()
+    assert (
+        f'data-alert="{alert.pk}"' not in people["outsider"].get(reverse("alerts")).content.decode()
+    )
 
 
 def test_the_live_section_answers_204_until_the_alerts_change(agent, people):
@@ -523,7 +584,10 @@ def test_the_live_section_answers_204_until_the_alerts_change(agent, people):
     assert changed.status_code == 200 and f'data-task="{task.pk}"' in changed.content.decode()
     # The outsider's set did not change: nothing new for them.
     assert people["outsider"].get(reverse("alerts-live"), {"v": version}).status_code == 204
-    assert f'data-task="{task.pk}"' not in people["outsider"].get(reverse("alerts-live")).content.decode()
+    assert (
+        f'data-task="{task.pk}"'
+        not in people["outsider"].get(reverse("alerts-live")).content.decode()
+    )
 
 
 def test_send_a_test_alert_through_each_channel(agent, settings, mailoutbox, receiver, people):
@@ -538,7 +602,10 @@ def test_send_a_test_alert_through_each_channel(agent, settings, mailoutbox, rec
     assert json.loads(receiver.requests[0]["body"])["alerts"][0]["event"] == "test"
     test_alert = Alert.objects.get(rule="test")
     assert test_alert.resolved_at is not None  # never shown as open
-    assert set(test_alert.deliveries.values_list("channel", "outcome")) == {("email", "sent"), ("webhook", "sent")}
+    assert set(test_alert.deliveries.values_list("channel", "outcome")) == {
+        ("email", "sent"),
+        ("webhook", "sent"),
+    }
     assert 'id="alert-deliveries"' in page
     action = OperatorAction.objects.get(action="alert-test")
     assert action.outcome == "email: sent; webhook: sent" and action.actor.username == "admin"
@@ -548,7 +615,9 @@ def test_send_a_test_alert_through_each_channel(agent, settings, mailoutbox, rec
     assert "answered HTTP 503" in page
 
 
-def test_only_staff_and_agent_admins_may_send_a_test(agent, people, django_user_model, mailoutbox, settings):
+def test_only_staff_and_agent_admins_may_send_a_test(
+    agent, people, django_user_model, mailoutbox, settings
+):
     settings.ALERT_EMAIL_TO = ["ops@example.org"]
     assert people["viewer"].post(reverse("alerts-test")).status_code == 403
     assert OperatorAction.objects.filter(action="forbidden").count() == 1

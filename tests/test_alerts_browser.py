@@ -27,7 +27,9 @@ SHOTS = REPO_ROOT / "test-artifacts" / "screenshots"
 USERNAME, PASSWORD = "alert-operator", "op-password-123"
 SILENT_SECONDS = 3
 
-assert Path(CHROMIUM).exists(), f"Chromium is not installed at {CHROMIUM} (apt-get install chromium)"
+assert Path(CHROMIUM).exists(), (
+    f"Chromium is not installed at {CHROMIUM} (apt-get install chromium)"
+)
 from playwright import sync_api  # noqa: E402
 
 
@@ -97,7 +99,8 @@ def test_an_alert_appears_for_a_silent_task_and_clears_when_it_moves(context, st
     assert "silent while working" in text.lower() and "no news" in text
     assert overview.get_attribute(f"{item} a", "href") == f"/tasks/{pk}/"
     assert stack.query(
-        "SELECT count(*) FROM tasks_app_alert WHERE task_id=? AND rule='silent-working' AND resolved_at IS NULL", pk
+        "SELECT count(*) FROM tasks_app_alert WHERE task_id=? AND rule='silent-working' AND resolved_at IS NULL",
+        pk,
     ) == [(1,)]
     SHOTS.mkdir(parents=True, exist_ok=True)
     overview.screenshot(path=str(SHOTS / "overview-alert.png"), full_page=True)
@@ -108,7 +111,9 @@ def test_an_alert_appears_for_a_silent_task_and_clears_when_it_moves(context, st
     assert stack.query("SELECT state FROM tasks_app_remotetask WHERE id=?", pk)[0][0] in (
         "TASK_STATE_WORKING", "TASK_STATE_COMPLETED",
     )  # fmt: skip
-    resolved = stack.query("SELECT resolved_at FROM tasks_app_alert WHERE task_id=? AND rule='silent-working'", pk)
+    resolved = stack.query(
+        "SELECT resolved_at FROM tasks_app_alert WHERE task_id=? AND rule='silent-working'", pk
+    )
     assert resolved and all(r[0] is not None for r in resolved)
     overview.wait_for_selector("#alerts", state="hidden")
     assert not problems, problems

@@ -84,7 +84,10 @@ def test_exactly_one_answer_reaches_the_agent(agent, monkeypatch, in_process_hol
     resume.set()  # the first send's acknowledgement needs no pause
     demo = add_agent(agent.base_url, name="demo")
     task = task_services.start_task(demo, "ask", mode="stream")
-    wait_for(lambda: RemoteTask.objects.get(pk=task.pk).state == "TASK_STATE_INPUT_REQUIRED", what="the question")
+    wait_for(
+        lambda: RemoteTask.objects.get(pk=task.pk).state == "TASK_STATE_INPUT_REQUIRED",
+        what="the question",
+    )
     task.refresh_from_db()
     question = task.asked_seq
     assert question > 0
@@ -105,7 +108,10 @@ def test_exactly_one_answer_reaches_the_agent(agent, monkeypatch, in_process_hol
     resume.set()
 
     # 3. After the reply: the question is gone.
-    wait_for(lambda: RemoteTask.objects.get(pk=task.pk).state == "TASK_STATE_COMPLETED", what="completion")
+    wait_for(
+        lambda: RemoteTask.objects.get(pk=task.pk).state == "TASK_STATE_COMPLETED",
+        what="completion",
+    )
     after_won, _ = race(task.pk, question, "after the reply")
     assert after_won == []
 
@@ -116,7 +122,9 @@ def test_exactly_one_answer_reaches_the_agent(agent, monkeypatch, in_process_hol
     close_old_connections()
     snapshot = asyncio.run(remote())
     answers = [
-        m for m in snapshot.get("history", []) if m.get("role") == "ROLE_USER" and m["parts"][0].get("text") != "ask"
+        m
+        for m in snapshot.get("history", [])
+        if m.get("role") == "ROLE_USER" and m["parts"][0].get("text") != "ask"
     ]
     assert [m["parts"][0]["text"] for m in answers] == won
     assert f"You answered: {won[0]}" in str(snapshot.get("artifacts"))

@@ -55,10 +55,16 @@ def update(task_id: str, text: str, *, append: bool, last: bool = False) -> dict
 
 
 def big_task(content: bytes) -> RemoteTask:
-    agent = Agent.objects.create(name="big", base_url="http://127.0.0.1:9", interface_url="http://127.0.0.1:9/jsonrpc")
+    agent = Agent.objects.create(
+        name="big", base_url="http://127.0.0.1:9", interface_url="http://127.0.0.1:9/jsonrpc"
+    )
     task = RemoteTask.objects.create(agent=agent, title="huge output")
     tid = "t-big"
-    record(task, {"task": {"id": tid, "contextId": "ctx-big", "status": {"state": "TASK_STATE_WORKING"}}}, "stream")
+    record(
+        task,
+        {"task": {"id": tid, "contextId": "ctx-big", "status": {"state": "TASK_STATE_WORKING"}}},
+        "stream",
+    )
     chunks = [content[i : i + CHUNK].decode() for i in range(0, len(content), CHUNK)]
     events = [update(tid, c, append=i > 0, last=i == len(chunks) - 1) for i, c in enumerate(chunks)]
     for start in range(0, len(events), 64):
@@ -123,19 +129,39 @@ def test_task_page_shows_a_bounded_preview_and_downloads_the_whole(operator, con
 
 
 def test_big_non_text_parts_become_links(operator):
-    agent = Agent.objects.create(name="mixed", base_url="http://127.0.0.1:9", interface_url="http://127.0.0.1:9/jsonrpc")
+    agent = Agent.objects.create(
+        name="mixed", base_url="http://127.0.0.1:9", interface_url="http://127.0.0.1:9/jsonrpc"
+    )
     task = RemoteTask.objects.create(agent=agent, title="mixed")
     tid = "t-mixed"
-    record(task, {"task": {"id": tid, "contextId": "c", "status": {"state": "TASK_STATE_WORKING"}}}, "stream")
+    record(
+        task,
+        {"task": {"id": tid, "contextId": "c", "status": {"state": "TASK_STATE_WORKING"}}},
+        "stream",
+    )
     blob = bytes(range(256)) * 1024  # 256 KB
     data = {"rows": [{"n": i, "name": f"row {i}"} for i in range(20_000)]}
     parts = [
         {"text": "# Head\n\nsome *markdown*"},
         {"data": data},
-        {"raw": base64.b64encode(blob).decode(), "filename": "blob.bin", "mediaType": "application/octet-stream"},
+        {
+            "raw": base64.b64encode(blob).decode(),
+            "filename": "blob.bin",
+            "mediaType": "application/octet-stream",
+        },
         {"text": "tail text"},
     ]
-    record(task, {"artifactUpdate": {"taskId": tid, "contextId": "c", "artifact": {"artifactId": "m", "parts": parts}}}, "stream")
+    record(
+        task,
+        {
+            "artifactUpdate": {
+                "taskId": tid,
+                "contextId": "c",
+                "artifact": {"artifactId": "m", "parts": parts},
+            }
+        },
+        "stream",
+    )
     artifact = Artifact.objects.get(task=task)
     page = operator.get(reverse("task-detail", args=[task.pk]))
     html = page.content.decode()
@@ -148,7 +174,11 @@ def test_big_non_text_parts_become_links(operator):
     got = operator.get(data_url)
     assert got["Content-Type"] == "application/json" and b'"row 19999"' in got.content
     assert operator.get(file_url).content == blob
-    whole = b"".join(operator.get(reverse("artifact-download-all", args=[task.pk, artifact.pk])).streaming_content)
+    whole = b"".join(
+        operator.get(
+            reverse("artifact-download-all", args=[task.pk, artifact.pk])
+        ).streaming_content
+    )
     assert whole.startswith(b"# Head\n\nsome *markdown*{") and whole.endswith(blob + b"tail text")
 
 

@@ -19,14 +19,22 @@ from tests.people import member
 pytestmark = pytest.mark.django_db
 
 T0 = datetime(2026, 3, 10, 12, 0, tzinfo=UTC)
-SECRETS = ("s3cret-token-value", "sk-live-apikey-value", "hunter2-password", "client-secret-value", "abc.def.ghi")
+SECRETS = (
+    "s3cret-token-value",
+    "sk-live-apikey-value",
+    "hunter2-password",
+    "client-secret-value",
+    "abc.def.ghi",
+)
 
 
 @pytest.fixture
 def world(django_user_model) -> dict:
     alpha, beta = Project.objects.create(name="alpha"), Project.objects.create(name="beta")
     a1 = Agent.objects.create(project=alpha, name="alpha one", base_url="http://127.0.0.1:9/a1")
-    a2 = Agent.objects.create(project=alpha, name="=HYPERLINK(\"x\")", base_url="http://127.0.0.1:9/a2")
+    a2 = Agent.objects.create(
+        project=alpha, name='=HYPERLINK("x")', base_url="http://127.0.0.1:9/a2"
+    )
     b1 = Agent.objects.create(project=beta, name="beta one", base_url="http://127.0.0.1:9/b1")
     task = RemoteTask.objects.create(agent=a1, remote_id="t-1", title="alpha task", phase="task")
     users = {}
@@ -34,10 +42,14 @@ def world(django_user_model) -> dict:
         ("ann", Membership.Role.OPERATOR, "alpha"), ("bob", Membership.Role.OPERATOR, "beta"),
         ("auditor", Membership.Role.AUDITOR, "alpha"), ("viewer", Membership.Role.VIEWER, "alpha"),
     ):  # fmt: skip
-        users[name] = member(django_user_model.objects.create_user(name, password="pw-12345678"), role, project)
+        users[name] = member(
+            django_user_model.objects.create_user(name, password="pw-12345678"), role, project
+        )
     users["root"] = django_user_model.objects.create_superuser("root", "", "pw-12345678")
 
-    def act(action: str, day: int, *, agent=a1, task=None, actor="ann", payload=None, outcome="") -> OperatorAction:
+    def act(
+        action: str, day: int, *, agent=a1, task=None, actor="ann", payload=None, outcome=""
+    ) -> OperatorAction:
         return OperatorAction.objects.create(
             action=action, agent=agent, task=task, actor=users[actor] if actor else None,
             payload=payload or {}, outcome=outcome, created_at=T0 + timedelta(days=day),
@@ -46,19 +58,38 @@ def world(django_user_model) -> dict:
     rows = {
         "start": act("start", 0, task=task, payload={"mode": "stream"}),
         "cancel": act("cancel", 1, task=task, payload={"reason": "too slow"}, outcome="requested"),
-        "creds": act("set-credentials", 2, agent=a2, payload={
-            "fields": ["token"], "token": SECRETS[0], "api_key": SECRETS[1], "password": SECRETS[2],
-            "nested": {"client_secret": SECRETS[3], "kept": "visible-value"}, "header": "Bearer " + SECRETS[4],
-        }),
+        "creds": act(
+            "set-credentials",
+            2,
+            agent=a2,
+            payload={
+                "fields": ["token"],
+                "token": SECRETS[0],
+                "api_key": SECRETS[1],
+                "password": SECRETS[2],
+                "nested": {"client_secret": SECRETS[3], "kept": "visible-value"},
+                "header": "Bearer " + SECRETS[4],
+            },
+        ),
         "beta": act("start", 3, agent=b1, actor="bob"),
-        "member": act("member-add", 4, agent=None, actor=None, payload={"user": "ann", "project": "alpha"}),
+        "member": act(
+            "member-add", 4, agent=None, actor=None, payload={"user": "ann", "project": "alpha"}
+        ),
         "abandon": act("abandon", 5, task=task, payload={"reason": "gone"}),
     }
     clients = {}
     for name, user in users.items():
         clients[name] = Client()
         clients[name].force_login(user)
-    return {"rows": rows, "clients": clients, "a1": a1, "a2": a2, "b1": b1, "alpha": alpha, "beta": beta}
+    return {
+        "rows": rows,
+        "clients": clients,
+        "a1": a1,
+        "a2": a2,
+        "b1": b1,
+        "alpha": alpha,
+        "beta": beta,
+    }
 
 
 def shown(response) -> list[int]:
@@ -72,7 +103,9 @@ def ids(world, *names: str) -> list[int]:
 def test_an_auditor_sees_their_projects_actions_only_newest_first(world) -> None:
     response = world["clients"]["auditor"].get(reverse("audit"))
     assert response.status_code == 200
-    assert shown(response) == ids(world, "abandon", "creds", "cancel", "start")  # not beta's, not the member change
+    assert shown(response) == ids(
+        world, "abandon", "creds", "cancel", "start"
+    )  # not beta's, not the member change
     body = response.content.decode()
     assert "alpha task" in body and "too slow" in body and "visible-value" in body
     root = world["clients"]["root"].get(reverse("audit"))
@@ -87,7 +120,9 @@ def test_people_who_audit_nowhere_are_refused(world) -> None:
         assert response.status_code == 403
         assert OperatorAction.objects.filter(action="forbidden").count() == before + 1
         assert world["clients"][name].get(reverse("audit-csv")).status_code == 403
-        assert 'href="/audit/"' not in world["clients"][name].get(reverse("overview")).content.decode()
+        assert (
+            'href="/audit/"' not in world["clients"][name].get(reverse("overview")).content.decode()
+        )
     assert Client().get(reverse("audit")).status_code == 302
 
 
@@ -104,14 +139,24 @@ def test_each_filter_and_combined(world) -> None:
         "since=2026-03-12": ids(world, "abandon", "member", "beta", "creds"),
         "until=2026-03-11": ids(world, "cancel", "start"),  # a bare date includes that whole day
         "since=2026-03-11T00:00&until=2026-03-12T12:00:01": ids(world, "creds", "cancel"),
-        f"person=ann&action=start&project={alpha.pk}&since=2026-03-01&until=2026-03-31": ids(world, "start"),
+        f"person=ann&action=start&project={alpha.pk}&since=2026-03-01&until=2026-03-31": ids(
+            world, "start"
+        ),
         f"person=bob&project={alpha.pk}": [],
     }
     for query, expected in cases.items():
         response = client.get(reverse("audit") + "?" + query)
         assert response.status_code == 200, query
         assert shown(response) == expected, query
-        csv_rows = list(csv.reader(io.StringIO(b"".join(client.get(reverse("audit-csv") + "?" + query).streaming_content).decode())))
+        csv_rows = list(
+            csv.reader(
+                io.StringIO(
+                    b"".join(
+                        client.get(reverse("audit-csv") + "?" + query).streaming_content
+                    ).decode()
+                )
+            )
+        )
         assert [int(r[0]) for r in csv_rows[1:]] == expected, query
 
 
@@ -120,7 +165,11 @@ def test_each_filter_and_combined(world) -> None:
     [
         ("since=yesterday-ish", "since", "is not a date"),
         ("until=2026-13-45", "until", "is not a date"),
-        ("until=9999-12-31", "until", "is not a date"),  # the day after overflows: a message, not a 500
+        (
+            "until=9999-12-31",
+            "until",
+            "is not a date",
+        ),  # the day after overflows: a message, not a 500
         ("since=2026-03-12&until=2026-03-01", "until", "must be after"),
         ("person=nobody-here", "person", "No person named"),
         ("action=launch-missiles", "action", "Unknown action"),
@@ -162,8 +211,17 @@ def test_keyset_paging_has_no_duplicates_and_no_gaps_when_rows_share_a_timestamp
         [OperatorAction(action="refresh-card", agent=world["a1"], created_at=same) for _ in range(123)]
         + [OperatorAction(action="refresh-card", agent=world["a1"], created_at=same - timedelta(microseconds=1)) for _ in range(7)]
     )  # fmt: skip
-    expected = list(OperatorAction.objects.filter(action="refresh-card").order_by("-created_at", "-id").values_list("pk", flat=True))
-    client, url, seen, pages = world["clients"]["auditor"], reverse("audit") + "?action=refresh-card", [], 0
+    expected = list(
+        OperatorAction.objects.filter(action="refresh-card")
+        .order_by("-created_at", "-id")
+        .values_list("pk", flat=True)
+    )
+    client, url, seen, pages = (
+        world["clients"]["auditor"],
+        reverse("audit") + "?action=refresh-card",
+        [],
+        0,
+    )
     while url:
         response = client.get(url)
         assert response.status_code == 200
@@ -172,7 +230,9 @@ def test_keyset_paging_has_no_duplicates_and_no_gaps_when_rows_share_a_timestamp
         found = re.search(r'href="(\?[^"]*cursor=[^"]*)" id="next-page"', response.content.decode())
         url = reverse("audit") + found.group(1).replace("&amp;", "&") if found else ""
         if found:
-            assert parse_qs(urlparse(url).query)["action"] == ["refresh-card"]  # filters carried along
+            assert parse_qs(urlparse(url).query)["action"] == [
+                "refresh-card"
+            ]  # filters carried along
     assert pages == 3 and len(seen) == 130 and len(set(seen)) == 130 and seen == expected
 
 
@@ -191,16 +251,35 @@ def test_secrets_are_never_shown_or_exported(world) -> None:
 
 
 def test_csv_cells_never_start_a_formula(world) -> None:
-    rows = list(csv.reader(io.StringIO(b"".join(world["clients"]["root"].get(reverse("audit-csv")).streaming_content).decode())))
+    rows = list(
+        csv.reader(
+            io.StringIO(
+                b"".join(
+                    world["clients"]["root"].get(reverse("audit-csv")).streaming_content
+                ).decode()
+            )
+        )
+    )
     assert rows[0][:4] == ["id", "created_at", "person", "action"]
     agent_cells = [row[6] for row in rows[1:] if row[5] == str(world["a2"].pk)]
-    assert agent_cells == ["'=HYPERLINK(\"x\")"]
+    assert agent_cells == ['\'=HYPERLINK("x")']
     assert all(not cell.startswith(("=", "+", "@")) for row in rows for cell in row)
 
 
 def test_the_command_lists_with_the_same_filters(world) -> None:
     out = io.StringIO()
-    call_command("audit", "actions", "--csv", "--person", "ann", "--project", "alpha", "--until", "2026-03-11", stdout=out)
+    call_command(
+        "audit",
+        "actions",
+        "--csv",
+        "--person",
+        "ann",
+        "--project",
+        "alpha",
+        "--until",
+        "2026-03-11",
+        stdout=out,
+    )
     rows = list(csv.reader(io.StringIO(out.getvalue())))
     assert [int(r[0]) for r in rows[1:]] == ids(world, "cancel", "start")
     plain = io.StringIO()

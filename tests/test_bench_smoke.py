@@ -66,7 +66,10 @@ def test_noisy_neighbour_row_measures_both_sides(quick_rows: list) -> None:
     latency, bounds = by_row(quick_rows, "P9")
     # The healthy streams lost nothing, beside the neighbours or alone, and both sides were measured.
     assert latency.extra["lost"] == 0 and latency.extra["lost_alone"] == 0
-    assert latency.extra["samples"] > 0 and latency.extra["samples_alone"] == 2 * latency.extra["samples"]
+    assert (
+        latency.extra["samples"] > 0
+        and latency.extra["samples_alone"] == 2 * latency.extra["samples"]
+    )
     assert not math.isnan(latency.extra["ratio_p50"]) and not math.isnan(latency.extra["ratio_p99"])
     # Every misbehaving agent was started on and reached; the bounds were counted.
     assert bounds.extra["hostile_tasks"] == 10

@@ -41,12 +41,16 @@ def test_agents_add_api_key_from_stdin(agent):
     stored = Agent.objects.get(name="keyed")
     # The placement is pinned when saved (a later card cannot move the key).
     assert decrypt_json(stored.credentials_encrypted) == {
-        "api_key": "k3y-from-stdin", "api_key_location": "header", "api_key_name": "X-API-Key"
+        "api_key": "k3y-from-stdin",
+        "api_key_location": "header",
+        "api_key_name": "X-API-Key",
     }
     assert "k3y-from-stdin" not in out.getvalue()
 
 
-@pytest.mark.parametrize(("flag", "file_flag"), [("--token", "--token-file"), ("--api-key", "--api-key-file")])
+@pytest.mark.parametrize(
+    ("flag", "file_flag"), [("--token", "--token-file"), ("--api-key", "--api-key-file")]
+)
 def test_agents_add_refuses_a_secret_in_argv(flag, file_flag):
     """A secret on the command line is in the process list: refused, pointing at the file option."""
     with pytest.raises(CommandError) as refused:
@@ -77,7 +81,9 @@ def test_agents_add_secret_file_problems_are_clear(tmp_path):
 
 
 def test_agents_add_unreachable_is_one_clear_error():
-    with pytest.raises(CommandError, match=r"Could not read an agent card at http://127\.0\.0\.1:9/"):
+    with pytest.raises(
+        CommandError, match=r"Could not read an agent card at http://127\.0\.0\.1:9/"
+    ):
         run("agents", "add", "http://127.0.0.1:9/")
 
 
@@ -94,7 +100,9 @@ def test_tasks_start_show_list_and_import(agent, celery_worker):
     assert remote_id in run("tasks", "list")
     assert "completed" in run("tasks", "show", remote_id)
     imported = run("tasks", "import", "demo")
-    assert imported.splitlines()[0].startswith("page 1: ") and imported.splitlines()[-1].startswith("done: ")
+    assert imported.splitlines()[0].startswith("page 1: ") and imported.splitlines()[-1].startswith(
+        "done: "
+    )
     assert RemoteTask.objects.filter(remote_id=remote_id).count() == 1
 
 

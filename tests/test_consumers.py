@@ -59,7 +59,11 @@ def status(i: int, state: str = "TASK_STATE_WORKING") -> dict:
             "contextId": "c-1",
             "status": {
                 "state": state,
-                "message": {"messageId": f"m-{i}", "role": "ROLE_AGENT", "parts": [{"text": f"step {i}"}]},
+                "message": {
+                    "messageId": f"m-{i}",
+                    "role": "ROLE_AGENT",
+                    "parts": [{"text": f"step {i}"}],
+                },
             },
         }
     }
@@ -105,7 +109,9 @@ async def test_unknown_task_is_rejected(user):
 
 
 async def test_resume_from_query_then_live(task, user):
-    await database_sync_to_async(record)(task.pk, {"task": {"id": "t-1", "status": {"state": "TASK_STATE_SUBMITTED"}}}, "stream")
+    await database_sync_to_async(record)(
+        task.pk, {"task": {"id": "t-1", "status": {"state": "TASK_STATE_SUBMITTED"}}}, "stream"
+    )
     for i in range(1, 5):
         await database_sync_to_async(write)(task.pk, i)
     comm = await communicator(f"/ws/tasks/{task.pk}/?after=2", user)
@@ -156,7 +162,15 @@ async def test_gap_is_filled_from_the_log_and_duplicates_dropped(task, user):
     await rows_without_relay()
     layer = get_channel_layer()
     group = task_group(task.pk)
-    base = {"type": "task.event", "task": task.pk, "kind": "system", "channel": "poll", "state": "", "note": "", "received_at": ""}
+    base = {
+        "type": "task.event",
+        "task": task.pk,
+        "kind": "system",
+        "channel": "poll",
+        "state": "",
+        "note": "",
+        "received_at": "",
+    }
     # seq 6 arrives first (4 and 5 were never relayed): the consumer reads 4..6 from the log.
     await layer.group_send(group, {**base, "seq": 6, "raw": {"system": {"n": 6}}})
     # A duplicate of 5, then 7 without its raw JSON (too large to relay): read from the log.
@@ -204,10 +218,16 @@ async def test_connect_while_a_writer_appends_gives_every_seq_once(task, user):
 async def test_list_consumer_forwards_summaries(task, user):
     comm = await communicator("/ws/tasks/", user)
     assert (await comm.connect())[0]
-    await database_sync_to_async(record)(task.pk, {"task": {"id": "t-9", "contextId": "c-9", "status": {"state": "TASK_STATE_WORKING"}}}, "poll")
+    await database_sync_to_async(record)(
+        task.pk,
+        {"task": {"id": "t-9", "contextId": "c-9", "status": {"state": "TASK_STATE_WORKING"}}},
+        "poll",
+    )
     msg = await comm.receive_json_from(timeout=5)
     assert msg["type"] == "task" and msg["task"] == task.pk
-    assert msg["state"] == "TASK_STATE_WORKING" and msg["remote_id"] == "t-9" and msg["last_seq"] == 1
+    assert (
+        msg["state"] == "TASK_STATE_WORKING" and msg["remote_id"] == "t-9" and msg["last_seq"] == 1
+    )
     await comm.disconnect()
 
 
@@ -261,7 +281,9 @@ def record_with_relay_lost(task_pk: int, obj: dict, channel: str = "poll") -> No
         record(task_pk, obj, channel)
 
 
-async def until_type(comm: WebsocketCommunicator, kind: str, timeout: float = 10) -> tuple[list[dict], dict]:
+async def until_type(
+    comm: WebsocketCommunicator, kind: str, timeout: float = 10
+) -> tuple[list[dict], dict]:
     """Messages until one of type ``kind`` (returned apart from the others)."""
     before: list[dict] = []
     deadline = time.monotonic() + timeout
@@ -289,7 +311,9 @@ async def test_idle_sync_delivers_a_last_event_whose_relay_was_lost(task, user):
     assert await comm.receive_nothing(timeout=0.5)  # lost indeed: nothing relayed
     await comm.send_json_to({"type": "sync", "after": 2})
     events, synced = await until_type(comm, "synced")
-    assert [(m["type"], m["seq"], m["state"]) for m in events] == [("event", 3, "TASK_STATE_COMPLETED")]
+    assert [(m["type"], m["seq"], m["state"]) for m in events] == [
+        ("event", 3, "TASK_STATE_COMPLETED")
+    ]
     assert events[0]["raw"]["statusUpdate"]["status"]["message"]["parts"] == [{"text": "step 3"}]
     assert synced == {"type": "synced", "last_seq": 3}
     # Asking again (or with a seq the browser has not caught up to) never repeats a row.
@@ -316,13 +340,18 @@ async def test_list_sync_by_version_repairs_a_lost_summary(task, user):
     assert (await comm.connect())[0]
     # No version yet: the answer is only the current one.
     await comm.send_json_to({"type": "sync", "since": None})
-    assert await until_type(comm, "version") == ([], {"type": "version", "version": task.updated_at.isoformat()})
+    assert await until_type(comm, "version") == (
+        [],
+        {"type": "version", "version": task.updated_at.isoformat()},
+    )
     await database_sync_to_async(record)(task.pk, status(1), "poll")
     live = await comm.receive_json_from(timeout=5)
     assert live["type"] == "task" and live["last_seq"] == 1 and "resync" not in live
     version = live["updated_at"]
 
-    other = await database_sync_to_async(RemoteTask.objects.create)(agent_id=task.agent_id, title="quiet")
+    other = await database_sync_to_async(RemoteTask.objects.create)(
+        agent_id=task.agent_id, title="quiet"
+    )
     await database_sync_to_async(record_with_relay_lost)(task.pk, status(2, "TASK_STATE_COMPLETED"))
     assert await comm.receive_nothing(timeout=0.5)  # the summary is lost
     await comm.send_json_to({"type": "sync", "since": version})

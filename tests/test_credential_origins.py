@@ -75,12 +75,22 @@ def moved_agent(agent_token) -> Iterator[tuple[CardServer, TcpProxy]]:
         server.close()
 
 
-def test_a_card_that_moves_the_interface_gets_no_credentials_until_approved(moved_agent, agent_token, django_user_model):
+def test_a_card_that_moves_the_interface_gets_no_credentials_until_approved(
+    moved_agent, agent_token, django_user_model
+):
     cards, proxy = moved_agent
-    admin = member(django_user_model.objects.create_user("admin-a", password="pw-12345678"), Membership.Role.AGENT_ADMIN)
-    viewer = member(django_user_model.objects.create_user("viewer-a", password="pw-12345678"), Membership.Role.VIEWER)
+    admin = member(
+        django_user_model.objects.create_user("admin-a", password="pw-12345678"),
+        Membership.Role.AGENT_ADMIN,
+    )
+    viewer = member(
+        django_user_model.objects.create_user("viewer-a", password="pw-12345678"),
+        Membership.Role.VIEWER,
+    )
 
-    agent = agent_services.add_agent(cards.url, name="moving", credentials={"token": AGENT_TOKEN}, actor_id=admin.pk)
+    agent = agent_services.add_agent(
+        cards.url, name="moving", credentials={"token": AGENT_TOKEN}, actor_id=admin.pk
+    )
     first_origin = origin_of(agent.interface_url)
     assert agent.credential_origins == [first_origin] and agent.pending_origin == ""
     # The token works where it was approved.
@@ -108,18 +118,24 @@ def test_a_card_that_moves_the_interface_gets_no_credentials_until_approved(move
     assert 'id="approve-origin"' in page
     viewer_page = viewer_client.get(reverse("agent-detail", args=[agent.pk])).content.decode()
     assert "Needs approval" in viewer_page and 'id="approve-origin"' not in viewer_page
-    forbidden = viewer_client.post(reverse("agent-approve-origin", args=[agent.pk]), {"origin": origin_of(proxy.url)})
+    forbidden = viewer_client.post(
+        reverse("agent-approve-origin", args=[agent.pk]), {"origin": origin_of(proxy.url)}
+    )
     assert forbidden.status_code == 403
     agent.refresh_from_db()
     assert agent.pending_origin == origin_of(proxy.url)
 
     # A stale approval (for an origin the card no longer names) changes nothing.
-    stale = admin_client.post(reverse("agent-approve-origin", args=[agent.pk]), {"origin": "http://127.0.0.1:1"})
+    stale = admin_client.post(
+        reverse("agent-approve-origin", args=[agent.pk]), {"origin": "http://127.0.0.1:1"}
+    )
     assert stale.status_code == 302
     agent.refresh_from_db()
     assert agent.credential_origins == [first_origin]
 
-    approved = admin_client.post(reverse("agent-approve-origin", args=[agent.pk]), {"origin": origin_of(proxy.url)})
+    approved = admin_client.post(
+        reverse("agent-approve-origin", args=[agent.pk]), {"origin": origin_of(proxy.url)}
+    )
     assert approved.status_code == 302
     agent.refresh_from_db()
     assert agent.credential_origins == [origin_of(proxy.url)] and agent.pending_origin == ""
@@ -153,29 +169,43 @@ def test_a_later_card_cannot_move_a_saved_api_key(django_user_model) -> None:
     from tasks_app.crypto import decrypt_json
     from tasks_app.outbound import credentials_for
 
-    header_card = {"securitySchemes": {"k": {"apiKeySecurityScheme": {"location": "header", "name": "X-Team-Key"}}}}
+    header_card = {
+        "securitySchemes": {
+            "k": {"apiKeySecurityScheme": {"location": "header", "name": "X-Team-Key"}}
+        }
+    }
     agent = Agent.objects.create(
-        name="keyed", base_url="http://127.0.0.1:9/keyed", interface_url="http://127.0.0.1:9/keyed/rpc", card=header_card
+        name="keyed",
+        base_url="http://127.0.0.1:9/keyed",
+        interface_url="http://127.0.0.1:9/keyed/rpc",
+        card=header_card,
     )
     agent_services.set_credentials(agent, {"api_key": "k-123"})
     agent.refresh_from_db()
     assert decrypt_json(agent.credentials_encrypted) == {
         "api_key": "k-123", "api_key_location": "header", "api_key_name": "X-Team-Key",
     }  # fmt: skip
-    moved_card = {"securitySchemes": {"k": {"apiKeySecurityScheme": {"location": "query", "name": "leak"}}}}
+    moved_card = {
+        "securitySchemes": {"k": {"apiKeySecurityScheme": {"location": "query", "name": "leak"}}}
+    }
     plan = auth_plan(moved_card, credentials_for(agent))
     assert plan.headers.get("X-Team-Key") == "k-123" and plan.query == {}
 
 
 @pytest.mark.timeout(120)
-def test_a_watcher_parks_until_the_origin_is_approved(agent, start_celery_worker, django_user_model) -> None:
+def test_a_watcher_parks_until_the_origin_is_approved(
+    agent, start_celery_worker, django_user_model
+) -> None:
     """Credentials withheld park the task once (no retry loop); approving watches it again."""
     from tasks_app.crypto import encrypt_json
     from tasks_app.models import RemoteTask, TaskEvent
     from tasks_app.services import tasks as task_services
     from tests.test_mirror import wait_for
 
-    admin = member(django_user_model.objects.create_user("admin-w", password="pw-12345678"), Membership.Role.AGENT_ADMIN)
+    admin = member(
+        django_user_model.objects.create_user("admin-w", password="pw-12345678"),
+        Membership.Role.AGENT_ADMIN,
+    )
     row = Agent.objects.create(
         name="moved", base_url=agent.base_url, interface_url=agent.base_url, binding="JSONRPC",
         credentials_encrypted=encrypt_json({"token": "planted-secret-5"}),
@@ -192,7 +222,11 @@ def test_a_watcher_parks_until_the_origin_is_approved(agent, start_celery_worker
 
     wait_for(lambda: status() == "parked", timeout=60, what="the task to be parked")
     assert "approve the new origin" in task.watcher_note
-    parked = [e for e in TaskEvent.objects.filter(task=task, kind="system").values_list("raw", flat=True) if "parked" in str(e)]
+    parked = [
+        e
+        for e in TaskEvent.objects.filter(task=task, kind="system").values_list("raw", flat=True)
+        if "parked" in str(e)
+    ]
     assert len(parked) == 1
 
     assert agent_services.approve_origin(row, origin_of(agent.base_url), actor_id=admin.pk)

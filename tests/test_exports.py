@@ -28,7 +28,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def canonical(value) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode(
+        "ascii"
+    )
 
 
 def verify_offline(events: list[dict]) -> str:
@@ -53,16 +55,25 @@ def verify_offline(events: list[dict]) -> str:
 def world(django_user_model) -> dict:
     alpha = Project.objects.create(name="alpha")
     Project.objects.create(name="beta")
-    agent = Agent.objects.create(project=alpha, name="alpha agent", base_url="http://127.0.0.1:9/alpha")
+    agent = Agent.objects.create(
+        project=alpha, name="alpha agent", base_url="http://127.0.0.1:9/alpha"
+    )
     task = RemoteTask.objects.create(
-        agent=agent, remote_id="t-big", context_id="c-1", title="big", phase="task", state="TASK_STATE_WORKING"
+        agent=agent,
+        remote_id="t-big",
+        context_id="c-1",
+        title="big",
+        phase="task",
+        state="TASK_STATE_WORKING",
     )
     people = {}
     for name, role, project in (
         ("auditor", Membership.Role.AUDITOR, "alpha"), ("viewer", Membership.Role.VIEWER, "alpha"),
         ("operator", Membership.Role.OPERATOR, "alpha"), ("outsider", Membership.Role.AUDITOR, "beta"),
     ):  # fmt: skip
-        user = member(django_user_model.objects.create_user(name, password="pw-12345678"), role, project)
+        user = member(
+            django_user_model.objects.create_user(name, password="pw-12345678"), role, project
+        )
         people[name] = Client()
         people[name].force_login(user)
     return {"task": task, "agent": agent, "people": people, "auditor": people["auditor"]}
@@ -90,11 +101,24 @@ def test_a_10000_event_task_exports_every_event_as_json_and_jsonl(world) -> None
     assert [e["seq"] for e in document["events"]] == list(range(1, 10_001))
     assert verify_offline(document["events"]) == last == document["events_last_hash"]
     first = document["events"][0]
-    assert set(first) == {"seq", "received_at", "channel", "kind", "state_after", "note", "actor", "actor_id", "raw", "hash"}
+    assert set(first) == {
+        "seq",
+        "received_at",
+        "channel",
+        "kind",
+        "state_after",
+        "note",
+        "actor",
+        "actor_id",
+        "raw",
+        "hash",
+    }
     assert first["raw"]["statusUpdate"]["metadata"]["p"] == 1 / 7
 
     response = world["auditor"].get(url, {"format": "jsonl"})
-    assert response.status_code == 200 and response["Content-Type"].startswith("application/x-ndjson")
+    assert response.status_code == 200 and response["Content-Type"].startswith(
+        "application/x-ndjson"
+    )
     lines = _body(response).decode("ascii").splitlines()
     assert len(lines) == 10_001  # the task, then one event per line
     header = json.loads(lines[0])
@@ -103,14 +127,27 @@ def test_a_10000_event_task_exports_every_event_as_json_and_jsonl(world) -> None
     assert events == document["events"]
 
 
-def test_events_recorded_by_the_service_export_with_their_actor_and_verify(world, django_user_model) -> None:
+def test_events_recorded_by_the_service_export_with_their_actor_and_verify(
+    world, django_user_model
+) -> None:
     task = world["task"]
     operator = django_user_model.objects.get(username="operator")
-    record(task, {"task": {"id": "t-big", "contextId": "c-1", "status": {"state": "TASK_STATE_WORKING"}}}, "poll")
-    record(task, {"operator": {"action": "refresh", "by": "operator"}}, "operator", actor_id=operator.pk)
+    record(
+        task,
+        {"task": {"id": "t-big", "contextId": "c-1", "status": {"state": "TASK_STATE_WORKING"}}},
+        "poll",
+    )
+    record(
+        task,
+        {"operator": {"action": "refresh", "by": "operator"}},
+        "operator",
+        actor_id=operator.pk,
+    )
     record(task, {"statusUpdate": {"taskId": "t-big", "contextId": "c-1",
                                    "status": {"state": "TASK_STATE_COMPLETED"}}}, "stream")  # fmt: skip
-    lines = _body(world["auditor"].get(reverse("task-export", args=[task.pk]), {"format": "jsonl"})).splitlines()
+    lines = _body(
+        world["auditor"].get(reverse("task-export", args=[task.pk]), {"format": "jsonl"})
+    ).splitlines()
     events = [json.loads(line) for line in lines[1:]]
     assert len(events) == RemoteTask.objects.get(pk=task.pk).last_seq >= 2
     assert any(e["actor"] == "operator" and e["actor_id"] == operator.pk for e in events)
@@ -141,11 +178,17 @@ def test_who_may_export(world) -> None:
     bulk_log(task, 3)
     url = reverse("task-export", args=[task.pk])
     assert world["people"]["auditor"].get(url).status_code == 200
-    for person in ("viewer", "operator"):  # may read the task, may not audit: 403 (and a refusal row)
+    for person in (
+        "viewer",
+        "operator",
+    ):  # may read the task, may not audit: 403 (and a refusal row)
         assert world["people"][person].get(url).status_code == 403
     assert task.actions.filter(action="forbidden").count() == 2
     assert world["people"]["outsider"].get(url).status_code == 404  # an auditor of another project
-    assert world["people"]["auditor"].get(reverse("task-export", args=[task.pk + 1000])).status_code == 404
+    assert (
+        world["people"]["auditor"].get(reverse("task-export", args=[task.pk + 1000])).status_code
+        == 404
+    )
     assert Client().get(url).status_code == 302  # to the login page
     bad = world["people"]["auditor"].get(url, {"format": "xml"})
     assert bad.status_code == 400 and b"json or jsonl" in bad.content
@@ -155,7 +198,10 @@ def test_the_events_page_links_to_the_exports_for_auditors(world) -> None:
     task = world["task"]
     bulk_log(task, 3)
     page = world["people"]["auditor"].get(reverse("task-events", args=[task.pk])).content.decode()
-    assert f"/tasks/{task.pk}/export/?format=jsonl" in page and f"/tasks/{task.pk}/export/?format=json" in page
+    assert (
+        f"/tasks/{task.pk}/export/?format=jsonl" in page
+        and f"/tasks/{task.pk}/export/?format=json" in page
+    )
     page = world["people"]["viewer"].get(reverse("task-events", args=[task.pk])).content.decode()
     assert 'id="export-links"' not in page
 
@@ -169,7 +215,16 @@ def test_the_command_exports_to_stdout_and_to_a_private_file(world, tmp_path) ->
     assert len(lines) == 2501 and verify_offline([json.loads(line) for line in lines[1:]]) == last
 
     target = tmp_path / "history.json"
-    call_command("audit", "export", "t-big", "--format", "json", "--output", str(target), stderr=io.StringIO())
+    call_command(
+        "audit",
+        "export",
+        "t-big",
+        "--format",
+        "json",
+        "--output",
+        str(target),
+        stderr=io.StringIO(),
+    )
     assert stat.S_IMODE(os.stat(target).st_mode) == 0o600
     document = json.loads(target.read_text())
     assert document["event_count"] == 2500 and verify_offline(document["events"]) == last

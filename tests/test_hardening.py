@@ -102,7 +102,11 @@ async def test_websocket_refuses_other_origins(private_layer, session_cookie, sc
 async def test_websocket_trusts_csrf_trusted_origins(private_layer, session_cookie, settings):
     """A site behind a proxy names its public origin in CSRF_TRUSTED_ORIGINS."""
     settings.CSRF_TRUSTED_ORIGINS = ["https://dash.example.com", "https://*.corp.example"]
-    for origin in ("https://dash.example.com", "https://dash.example.com:443", "https://a.corp.example"):
+    for origin in (
+        "https://dash.example.com",
+        "https://dash.example.com:443",
+        "https://a.corp.example",
+    ):
         connected, _code, comm = await handshake(session_cookie, "localhost:8000", origin)
         assert connected, origin
         await comm.disconnect()
@@ -173,7 +177,9 @@ def clean_env(data_dir) -> dict[str, str]:
     import os
 
     env = {k: v for k, v in os.environ.items() if k not in CLEAN_ENV_DROP}
-    env.update(DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1", DJANGO_SETTINGS_MODULE="dashboard.settings")
+    env.update(
+        DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1", DJANGO_SETTINGS_MODULE="dashboard.settings"
+    )
     return env
 
 
@@ -359,8 +365,12 @@ def test_rotate_keys_round_trip(settings):
 
     # The old key can go now: everything readable is on the new key.
     settings.FIELD_ENCRYPTION_OLD_KEYS = []
-    assert decrypt_json(Agent.objects.get(pk=on_old.pk).credentials_encrypted) == {"token": "planted-old"}
-    assert decrypt_json(Agent.objects.get(pk=on_new.pk).credentials_encrypted) == {"api_key": "planted-new"}
+    assert decrypt_json(Agent.objects.get(pk=on_old.pk).credentials_encrypted) == {
+        "token": "planted-old"
+    }
+    assert decrypt_json(Agent.objects.get(pk=on_new.pk).credentials_encrypted) == {
+        "api_key": "planted-new"
+    }
     Agent.objects.filter(pk=on_lost.pk).update(credentials_encrypted="")
     out = StringIO()
     call_command("rotate_keys", stdout=out)
@@ -399,7 +409,9 @@ def test_rotate_keys_never_overwrites_credentials_saved_meanwhile(settings, monk
     assert len(calls) == 1  # the second read found the operator's value already current
     assert "0 re-encrypted with the current key, 1 already on it" in out.getvalue()
     settings.FIELD_ENCRYPTION_OLD_KEYS = []
-    assert decrypt_json(Agent.objects.get(pk=agent.pk).credentials_encrypted) == {"token": "planted-after"}
+    assert decrypt_json(Agent.objects.get(pk=agent.pk).credentials_encrypted) == {
+        "token": "planted-after"
+    }
 
 
 @pytest.mark.django_db(transaction=True)
@@ -470,12 +482,20 @@ def test_a_username_and_address_are_locked_out_after_the_limit(settings, django_
     for attempt in range(1, limit + 1):
         answer, _ = try_login("127.0.0.2", "alice", f"wrong-{attempt}")
         if attempt < limit:
-            assert answer.status_code == 200 and "Please enter a correct username" in answer.content.decode()
+            assert (
+                answer.status_code == 200
+                and "Please enter a correct username" in answer.content.decode()
+            )
     # The last failure already answers with the lockout page, in the site's style.
     body = answer.content.decode()
     assert answer.status_code == 429
-    assert "Too many failed logins for this username from your address; try again in 15 minutes." in body
-    assert 'id="lockout"' in body and 'value="alice"' in body and "no-store" in answer["Cache-Control"]
+    assert (
+        "Too many failed logins for this username from your address; try again in 15 minutes."
+        in body
+    )
+    assert (
+        'id="lockout"' in body and 'value="alice"' in body and "no-store" in answer["Cache-Control"]
+    )
 
     # The right password is refused too, here and in the admin's login; the session stays anonymous.
     for path in (LOGIN, "/admin/login/"):
@@ -505,7 +525,6 @@ def test_a_good_login_resets_the_count(django_user_model, settings):
             assert answer.status_code == 200
         answer, _ = try_login("127.0.0.4", "carol", "carol-password-1")
         assert answer.status_code == 302
-
 
 
 # --- 2b. private files: beat's schedule and the private Redis -------------------------------
@@ -544,7 +563,9 @@ def test_beat_schedule_is_private_under_a_permissive_umask(tmp_path, child_env):
                 cwd=REPO_ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT, umask=0o022,
             )  # fmt: skip
         try:
-            assert wait_until(lambda log=log: "beat: Starting" in log.read_text(), 60), log.read_text()
+            assert wait_until(lambda log=log: "beat: Starting" in log.read_text(), 60), (
+                log.read_text()
+            )
             # A few ticks (RECONCILE_EVERY_SECONDS, 2 s) write to the store while it is open.
             time.sleep(5)
             assert beat.poll() is None, log.read_text()

@@ -144,7 +144,11 @@ def test_a_check_that_ignores_its_timeout_is_cut_off_and_not_started_twice(
     with pytest.raises(OSError):
         in_flight.result(timeout=10)
     third = staff.get("/healthz").json()["checks"]
-    assert third["stuck"] == {**third["stuck"], "ok": False, "message": "it hung (ConnectionRefusedError)"}
+    assert third["stuck"] == {
+        **third["stuck"],
+        "ok": False,
+        "message": "it hung (ConnectionRefusedError)",
+    }
 
 
 # --- 2. headers -----------------------------------------------------------------------------
@@ -216,7 +220,11 @@ def test_what_a_user_gets_is_not_stored(superuser_client, site) -> None:
         answer = superuser_client.get(url)
         if answer.status_code == 405:
             continue  # POST only: nothing to cache
-        assert "no-store" in answer["Cache-Control"], (name, answer.status_code, answer["Cache-Control"])
+        assert "no-store" in answer["Cache-Control"], (
+            name,
+            answer.status_code,
+            answer["Cache-Control"],
+        )
     for url in pages.admin_urls().values():
         assert "no-store" in superuser_client.get(url)["Cache-Control"], url
     static = superuser_client.get("/static/dashboard/app.css")
@@ -279,7 +287,9 @@ def test_production_mode_sends_hsts_and_trusts_the_proxy_header_only_when_told(t
     assert seen["proxied"] == "max-age=600" and seen["plain"] is None
 
     wrong = run_settings_probe(tmp_path, **PRODUCTION, SECURE_PROXY_SSL_HEADER="X-Forwarded-Proto")
-    assert wrong.returncode != 0 and 'SECURE_PROXY_SSL_HEADER must be "HEADER,value"' in wrong.stderr
+    assert (
+        wrong.returncode != 0 and 'SECURE_PROXY_SSL_HEADER must be "HEADER,value"' in wrong.stderr
+    )
 
 
 # --- 2b. the policy in a real browser -------------------------------------------------------
@@ -312,7 +322,9 @@ def html_pages(base_url: str, cookie: str, urls: dict[str, str]) -> dict[str, st
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.django_db(transaction=True)
-def test_no_page_reports_a_policy_violation_in_chromium(live_server_daphne, django_user_model) -> None:
+def test_no_page_reports_a_policy_violation_in_chromium(
+    live_server_daphne, django_user_model
+) -> None:
     from playwright import sync_api
 
     root = django_user_model.objects.create_superuser("csp-root", password="pw-12345678")

@@ -135,7 +135,11 @@ def hostile_row(agent: HostileAgent, *, streaming: bool) -> Agent:
 def kinds(task: RemoteTask, kind: str, event: str | None = None) -> list[TaskEvent]:
     rows = list(TaskEvent.objects.filter(task=task, kind=kind).order_by("seq"))
     if event is not None:
-        rows = [r for r in rows if isinstance(r.raw, dict) and (r.raw.get("system") or {}).get("event") == event]
+        rows = [
+            r
+            for r in rows
+            if isinstance(r.raw, dict) and (r.raw.get("system") or {}).get("event") == event
+        ]
     return rows
 
 
@@ -176,14 +180,14 @@ def test_every_watcher_state_has_a_timeout_and_a_way_out():
     assert next_status(Status.STREAMING, Event.NOT_FOUND) == Status.GONE
 
 
-
-
 # 2. Backoff by progress; parking ---------------------------------------------------------------
 
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.slow
-@pytest.mark.parametrize(("behaviour", "streaming"), [("wrongid", False), ("unspecified", False), ("wrongid", True)])
+@pytest.mark.parametrize(
+    ("behaviour", "streaming"), [("wrongid", False), ("unspecified", False), ("wrongid", True)]
+)
 def test_an_agent_answering_nonsense_is_parked_after_a_few_fruitless_turns(
     hostile, start_celery_worker, start_celery_beat, behaviour, streaming
 ):
@@ -191,7 +195,9 @@ def test_an_agent_answering_nonsense_is_parked_after_a_few_fruitless_turns(
     start_celery_beat(RECONCILE_EVERY_SECONDS="0.5")
     bad = hostile(behaviour)
     task = task_services.start_task(
-        hostile_row(bad, streaming=streaming), "go", mode="stream" if streaming else "return-immediately"
+        hostile_row(bad, streaming=streaming),
+        "go",
+        mode="stream" if streaming else "return-immediately",
     )
     wait_for(lambda: status_of(task) == Status.PARKED, what="the task to be parked")
     parked_at = time.monotonic()
@@ -240,12 +246,18 @@ def test_a_stream_that_closes_cleanly_is_not_reopened_at_once(hostile, start_cel
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.slow
-def test_a_flooding_stream_is_recorded_within_the_events_per_second_budget(hostile, start_celery_worker):
+def test_a_flooding_stream_is_recorded_within_the_events_per_second_budget(
+    hostile, start_celery_worker
+):
     rate = 300
     worker = start_celery_worker(**dict(FAST, BUDGET_TASK_EVENTS_PER_SECOND=str(rate)))
     flood = hostile("flood", flood_events=1500)
     task = task_services.start_task(hostile_row(flood, streaming=True), "go", mode="stream")
-    wait_for(lambda: len(kinds(task, "statusUpdate")) >= 1500, timeout=60, what="the whole flood recorded")
+    wait_for(
+        lambda: len(kinds(task, "statusUpdate")) >= 1500,
+        timeout=60,
+        what="the whole flood recorded",
+    )
     rows = kinds(task, "statusUpdate")
     span = (rows[-1].received_at - rows[0].received_at).total_seconds()
     # At most the rate, plus a one-second burst and one batch.
@@ -280,7 +292,10 @@ def test_an_agent_over_its_protocol_error_budget_has_its_tasks_parked(hostile, s
     row = hostile_row(bad, streaming=False)
     tasks = [task_services.start_task(row, f"go {i}", mode="return-immediately") for i in range(2)]
     for task in tasks:
-        wait_for(lambda task=task: status_of(task) == Status.PARKED, what="every task of the agent parked")
+        wait_for(
+            lambda task=task: status_of(task) == Status.PARKED,
+            what="every task of the agent parked",
+        )
         task.refresh_from_db()
         assert "protocol errors in a minute" in task.watcher_note
     # Far fewer than the 100 fruitless turns each task would otherwise be allowed.
@@ -293,10 +308,14 @@ def test_an_agent_over_its_protocol_error_budget_has_its_tasks_parked(hostile, s
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.slow
-def test_a_reply_lost_after_the_agent_got_the_request_is_found_by_context(hostile, start_celery_worker):
+def test_a_reply_lost_after_the_agent_got_the_request_is_found_by_context(
+    hostile, start_celery_worker
+):
     worker = start_celery_worker(**FAST)
     lossy = hostile("lostreply")
-    task = task_services.start_task(hostile_row(lossy, streaming=False), "once only", mode="return-immediately")
+    task = task_services.start_task(
+        hostile_row(lossy, streaming=False), "once only", mode="return-immediately"
+    )
     wait_for(lambda: settled(task), what="the task to be found and followed")
     assert task.phase == "task" and task.state == "TASK_STATE_COMPLETED"
     assert len(lossy.tasks) == 1 and lossy.calls["SendMessage"] == 1  # no second remote task
@@ -311,10 +330,17 @@ def test_a_reply_lost_after_the_agent_got_the_request_is_found_by_context(hostil
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.slow
 @pytest.mark.parametrize("agent_has_it", [True, False])
-def test_a_send_interrupted_by_a_crash_is_looked_up_not_repeated(hostile, start_celery_worker, agent_has_it):
+def test_a_send_interrupted_by_a_crash_is_looked_up_not_repeated(
+    hostile, start_celery_worker, agent_has_it
+):
     plain = hostile("quietclose")
     row = hostile_row(plain, streaming=False)
-    message = {"messageId": "m-crash", "role": "ROLE_USER", "parts": [{"text": "x"}], "contextId": "ctx-crash"}
+    message = {
+        "messageId": "m-crash",
+        "role": "ROLE_USER",
+        "parts": [{"text": "x"}],
+        "contextId": "ctx-crash",
+    }
     if agent_has_it:
         plain._new_task(message, "TASK_STATE_COMPLETED")
     # What a worker killed in the middle of the send leaves behind.
@@ -346,7 +372,10 @@ def test_a_send_interrupted_by_a_crash_is_looked_up_not_repeated(hostile, start_
 def test_a_blocking_start_can_be_canceled(agent, celery_worker):
     demo = add_agent(agent.base_url, name="demo")
     task = task_services.start_task(demo, "long 60", mode="blocking")
-    wait_for(lambda: RemoteTask.objects.get(pk=task.pk).remote_id != "", what="the agent to name the task")
+    wait_for(
+        lambda: RemoteTask.objects.get(pk=task.pk).remote_id != "",
+        what="the agent to name the task",
+    )
     task_services.cancel_task(RemoteTask.objects.get(pk=task.pk), reason="changed my mind")
     wait_for(lambda: settled(task), what="the cancel to be seen")
     assert task.state == "TASK_STATE_CANCELED"
@@ -355,7 +384,9 @@ def test_a_blocking_start_can_be_canceled(agent, celery_worker):
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.slow
-def test_a_task_stuck_in_sending_can_be_abandoned(bad_server, start_celery_worker, start_celery_beat):
+def test_a_task_stuck_in_sending_can_be_abandoned(
+    bad_server, start_celery_worker, start_celery_beat
+):
     start_celery_worker(**FAST)
     start_celery_beat(RECONCILE_EVERY_SECONDS="0.5")
     silent = Agent.objects.create(
@@ -363,9 +394,16 @@ def test_a_task_stuck_in_sending_can_be_abandoned(bad_server, start_celery_worke
         binding="JSONRPC", protocol_version="1.0", streaming=False,
     )  # fmt: skip
     task = task_services.start_task(silent, "hello?", mode="blocking")
-    wait_for(lambda: RemoteTask.objects.get(pk=task.pk).send_attempted_at is not None, what="the send to start")
+    wait_for(
+        lambda: RemoteTask.objects.get(pk=task.pk).send_attempted_at is not None,
+        what="the send to start",
+    )
     html = page(task)
-    assert 'id="refresh-button"' in html and 'id="abandon-confirm"' in html and 'id="cancel-confirm"' in html
+    assert (
+        'id="refresh-button"' in html
+        and 'id="abandon-confirm"' in html
+        and 'id="cancel-confirm"' in html
+    )
     user = get_user_model().objects.get(username="watch-operator")
     client = Client()
     client.force_login(user)
@@ -373,7 +411,11 @@ def test_a_task_stuck_in_sending_can_be_abandoned(bad_server, start_celery_worke
     task.refresh_from_db()
     assert task.abandoned_at is not None and task.watcher_status == Status.ABANDONED
     entry = kinds(task, "operator")[-1]
-    assert entry.raw["operator"] == {"action": "abandon", "by": "watch-operator", "reason": "agent never answers"}
+    assert entry.raw["operator"] == {
+        "action": "abandon",
+        "by": "watch-operator",
+        "reason": "agent never answers",
+    }
     assert entry.actor_id == user.pk
     assert not RemoteTask.objects.filter(task_services.watchable(), pk=task.pk).exists()
     time.sleep(2)  # reconcile ticks: nothing takes the abandoned task again
@@ -386,13 +428,17 @@ def test_a_task_stuck_in_sending_can_be_abandoned(bad_server, start_celery_worke
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.slow
-def test_a_task_the_agent_forgot_is_gone_and_no_longer_watched(hostile, start_celery_worker, start_celery_beat):
+def test_a_task_the_agent_forgot_is_gone_and_no_longer_watched(
+    hostile, start_celery_worker, start_celery_beat
+):
     worker = start_celery_worker(**FAST)
     start_celery_beat(RECONCILE_EVERY_SECONDS="0.5")
     forgetful = hostile("forget", forget_after=1)
     row = hostile_row(forgetful, streaming=False)
     task = task_services.start_task(row, "remember me", mode="return-immediately")
-    wait_for(lambda: RemoteTask.objects.get(pk=task.pk).remote_id != "", what="the task to be named")
+    wait_for(
+        lambda: RemoteTask.objects.get(pk=task.pk).remote_id != "", what="the task to be named"
+    )
     Agent.objects.filter(pk=row.pk).update(reachable=False, last_error="was down")
     wait_for(lambda: status_of(task) == Status.GONE, what="the task to be gone")
     calls = sum(forgetful.calls.values())
@@ -416,12 +462,16 @@ def test_a_task_the_agent_forgot_is_gone_and_no_longer_watched(hostile, start_ce
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.slow
 @pytest.mark.parametrize("streaming", [False, True])
-def test_an_answer_to_an_auth_required_task_is_sent_at_once(hostile, start_celery_worker, streaming):
+def test_an_answer_to_an_auth_required_task_is_sent_at_once(
+    hostile, start_celery_worker, streaming
+):
     # Polls and quiet waits are long here: only the outbox check can send the answer in time.
     start_celery_worker(**dict(FAST, WATCH_POLL_MIN_SECONDS="60", WATCH_POLL_MAX_SECONDS="120"))
     auth = hostile("authwait")
     task = task_services.start_task(
-        hostile_row(auth, streaming=streaming), "needs a login", mode="stream" if streaming else "return-immediately"
+        hostile_row(auth, streaming=streaming),
+        "needs a login",
+        mode="stream" if streaming else "return-immediately",
     )
     wait_for(lambda: settled(task, ("TASK_STATE_AUTH_REQUIRED",)), what="auth-required")
     time.sleep(1.5)  # the holder is now waiting between turns
@@ -441,7 +491,12 @@ def test_cli_refresh_and_abandon_a_task_that_was_never_named(hostile):
 
     plain = hostile("quietclose")
     row = hostile_row(plain, streaming=False)
-    message = {"messageId": "m-cli", "role": "ROLE_USER", "parts": [{"text": "x"}], "contextId": "ctx-cli"}
+    message = {
+        "messageId": "m-cli",
+        "role": "ROLE_USER",
+        "parts": [{"text": "x"}],
+        "contextId": "ctx-cli",
+    }
     task = RemoteTask.objects.create(
         agent=row, phase="failed", mode="blocking", watch="poll", request={"message": message},
         send_error="connection dropped", send_attempted_at=timezone.now(),
@@ -472,7 +527,9 @@ MB = 1_000_000
 
 
 @contextlib.contextmanager
-def healthy_neighbour(agent: AgentHandle, text: str = "slow 6 0.05", mode: str = "stream") -> Iterator[RemoteTask]:
+def healthy_neighbour(
+    agent: AgentHandle, text: str = "slow 6 0.05", mode: str = "stream"
+) -> Iterator[RemoteTask]:
     """A task on the well-behaved demo agent, started now; on exit it must have converged."""
     demo = add_agent(agent.base_url, name=f"healthy {uuid.uuid4().hex[:6]}")
     task = task_services.start_task(demo, text, mode=mode)
@@ -535,13 +592,17 @@ class PeakRSS:
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.slow
 @pytest.mark.parametrize("streaming", [False, True])
-def test_a_trickling_agent_fails_at_the_deadline_and_is_parked(hostile, agent, start_celery_worker, streaming):
+def test_a_trickling_agent_fails_at_the_deadline_and_is_parked(
+    hostile, agent, start_celery_worker, streaming
+):
     """Issue 9, #5: a reply trickling a byte a second never ended; now each call ends at its deadline."""
     worker = start_celery_worker(**FAST, **DEADLINES)
     slow = hostile("trickle", trickle_interval=1.0)
     with healthy_neighbour(agent):
         task = task_services.start_task(
-            hostile_row(slow, streaming=streaming), "go", mode="stream" if streaming else "return-immediately"
+            hostile_row(slow, streaming=streaming),
+            "go",
+            mode="stream" if streaming else "return-immediately",
         )
         wait_for(lambda: status_of(task) == Status.PARKED, what="the trickling task to be parked")
     task.refresh_from_db()
@@ -567,7 +628,9 @@ def test_a_trickling_agent_fails_at_the_deadline_and_is_parked(hostile, agent, s
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.slow
-def test_a_never_ending_stream_of_keep_alives_costs_one_request_per_slice(hostile, agent, start_celery_worker):
+def test_a_never_ending_stream_of_keep_alives_costs_one_request_per_slice(
+    hostile, agent, start_celery_worker
+):
     """Keep-alives forever look like a quiet healthy task: held to the slice's end, no rows, no storm."""
     slice_seconds = 2.0
     worker = start_celery_worker(**FAST, WATCH_SLICE_SECONDS=str(slice_seconds))
@@ -592,13 +655,17 @@ def test_a_never_ending_stream_of_keep_alives_costs_one_request_per_slice(hostil
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.slow
 @pytest.mark.parametrize("streaming", [False, True])
-def test_a_deeply_nested_reply_is_a_precise_protocol_error(hostile, agent, start_celery_worker, streaming):
+def test_a_deeply_nested_reply_is_a_precise_protocol_error(
+    hostile, agent, start_celery_worker, streaming
+):
     """Issue 9, #4: 10,000 nested arrays were a RecursionError, "the worker stopped while sending"."""
     worker = start_celery_worker(**FAST)
     deep = hostile("deep")
     with healthy_neighbour(agent):
         task = task_services.start_task(
-            hostile_row(deep, streaming=streaming), "go", mode="stream" if streaming else "return-immediately"
+            hostile_row(deep, streaming=streaming),
+            "go",
+            mode="stream" if streaming else "return-immediately",
         )
         wait_for(lambda: status_of(task) == Status.PARKED, what="the deep task to be parked")
     task.refresh_from_db()
@@ -611,10 +678,18 @@ def test_a_deeply_nested_reply_is_a_precise_protocol_error(hostile, agent, start
     assert diagnosis in task.watcher_note and len(kinds(task, "system", "parked")) == 1
     # Bounded requests and rows; the task is actionable from its page.
     assert deep.calls["SendStreamingMessage" if streaming else "SendMessage"] == 1
-    assert deep.calls["ListTasks"] == 1 and deep.calls["SubscribeToTask" if streaming else "GetTask"] <= 4 + 1
+    assert (
+        deep.calls["ListTasks"] == 1
+        and deep.calls["SubscribeToTask" if streaming else "GetTask"] <= 4 + 1
+    )
     assert task.last_seq <= 12 and len(deep.tasks) == 1
     html = page(task)
-    for button in ('id="watch-again-button"', 'id="refresh-button"', 'id="abandon-confirm"', 'id="cancel-confirm"'):
+    for button in (
+        'id="watch-again-button"',
+        'id="refresh-button"',
+        'id="abandon-confirm"',
+        'id="cancel-confirm"',
+    ):
         assert button in html
     no_traceback(worker)
 
@@ -622,7 +697,9 @@ def test_a_deeply_nested_reply_is_a_precise_protocol_error(hostile, agent, start
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.slow
 @pytest.mark.parametrize("streaming", [False, True])
-def test_lone_surrogates_and_nul_are_stored_and_shown_escaped(hostile, agent, start_celery_worker, streaming):
+def test_lone_surrogates_and_nul_are_stored_and_shown_escaped(
+    hostile, agent, start_celery_worker, streaming
+):
     """Issue 9, #3: a lone surrogate crashed record(); NUL is refused by PostgreSQL's jsonb.
 
     Runs on whichever database the pass uses (the suite runs on SQLite and on PostgreSQL).
@@ -633,7 +710,9 @@ def test_lone_surrogates_and_nul_are_stored_and_shown_escaped(hostile, agent, st
     bad = hostile("badtext")
     with healthy_neighbour(agent):
         task = task_services.start_task(
-            hostile_row(bad, streaming=streaming), "go", mode="stream" if streaming else "return-immediately"
+            hostile_row(bad, streaming=streaming),
+            "go",
+            mode="stream" if streaming else "return-immediately",
         )
         wait_for(lambda: settled(task), what="the task with unstorable text to end")
     assert task.phase == "task" and task.state == "TASK_STATE_COMPLETED"
@@ -654,12 +733,17 @@ def test_lone_surrogates_and_nul_are_stored_and_shown_escaped(hostile, agent, st
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
     out = io.StringIO()
     call_command("tasks", "show", str(task.pk), "--json", stdout=out)
-    assert json.loads(out.getvalue())["snapshot"]["status"]["message"]["parts"][0]["text"] == "status " + stored
+    assert (
+        json.loads(out.getvalue())["snapshot"]["status"]["message"]["parts"][0]["text"]
+        == "status " + stored
+    )
     assert bad.calls["GetTask"] <= 1
     no_traceback(worker)
 
 
-def _huge_task(hostile: Callable[..., HostileAgent], chunks: int) -> tuple[HostileAgent, RemoteTask]:
+def _huge_task(
+    hostile: Callable[..., HostileAgent], chunks: int
+) -> tuple[HostileAgent, RemoteTask]:
     huge = hostile("huge", huge_chunks=chunks, huge_chunk_chars=MB)
     return huge, task_services.start_task(hostile_row(huge, streaming=True), "go", mode="stream")
 
@@ -676,7 +760,9 @@ SETTLE_RSS_GROWTH = 200 * 2**20
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.slow
-@pytest.mark.parametrize(("chunks", "rss_bound"), [(30, SETTLE_RSS_GROWTH), (90, STREAM_RSS_GROWTH)])
+@pytest.mark.parametrize(
+    ("chunks", "rss_bound"), [(30, SETTLE_RSS_GROWTH), (90, STREAM_RSS_GROWTH)]
+)
 def test_a_huge_artifact_is_stored_once_in_bounded_worker_memory(
     hostile, agent, start_celery_worker, chunks, rss_bound
 ):
@@ -692,7 +778,11 @@ def test_a_huge_artifact_is_stored_once_in_bounded_worker_memory(
     rss = PeakRSS(worker.pid)
     with healthy_neighbour(agent):
         huge, task = _huge_task(hostile, chunks)
-        wait_for(lambda: settled(task) and task.settled_at is not None, timeout=120, what="the huge artifact to settle")
+        wait_for(
+            lambda: settled(task) and task.settled_at is not None,
+            timeout=120,
+            what="the huge artifact to settle",
+        )
     growth = rss.stop()
     assert task.state == "TASK_STATE_COMPLETED" and task.watcher_status != Status.PARKED
     content = chunks * MB
@@ -714,7 +804,9 @@ def test_a_huge_artifact_is_stored_once_in_bounded_worker_memory(
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.slow
-def test_a_huge_artifact_over_a_smaller_byte_budget_is_cut_there(hostile, agent, start_celery_worker):
+def test_a_huge_artifact_over_a_smaller_byte_budget_is_cut_there(
+    hostile, agent, start_celery_worker
+):
     """BUDGET_TASK_BYTES at 8 MB against a 60 MB stream: 8 MB kept, one entry, parked, hung up on."""
     budget = 8 * MB
     worker = start_celery_worker(**FAST, BUDGET_TASK_BYTES=str(budget))
@@ -726,7 +818,9 @@ def test_a_huge_artifact_over_a_smaller_byte_budget_is_cut_there(hostile, agent,
     growth = rss.stop()
     task.refresh_from_db()
     assert task.stored_bytes <= budget + 1
-    assert len(kinds(task, "system", "budget-exceeded")) == 1 and not kinds(task, "system", "parked")
+    assert len(kinds(task, "system", "budget-exceeded")) == 1 and not kinds(
+        task, "system", "parked"
+    )
     assert "budget" in task.watcher_note
     # Database bytes per hostile task: within the budget (plus our own small rows).
     assert content_bytes(task) <= budget + 256 * 1024
@@ -742,7 +836,9 @@ def test_a_huge_artifact_over_a_smaller_byte_budget_is_cut_there(hostile, agent,
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.slow
-def test_healthy_tasks_complete_beside_every_hostile_agent_in_one_worker(hostile, agent, start_celery_worker):
+def test_healthy_tasks_complete_beside_every_hostile_agent_in_one_worker(
+    hostile, agent, start_celery_worker
+):
     """The noisy neighbour: one worker holds every kind of hostile task and healthy ones at once."""
     worker = start_celery_worker(**FAST, **DEADLINES, BUDGET_TASK_EVENTS_PER_SECOND="300")
     hostile_tasks = {
@@ -766,7 +862,9 @@ def test_healthy_tasks_complete_beside_every_hostile_agent_in_one_worker(hostile
         assert_converged(task)
         assert_log_is_gapless(task)
     for name in ("trickle", "deep", "wrongid", "garbage"):
-        wait_for(lambda name=name: status_of(hostile_tasks[name]) == Status.PARKED, what=f"{name} parked")
+        wait_for(
+            lambda name=name: status_of(hostile_tasks[name]) == Status.PARKED, what=f"{name} parked"
+        )
     wait_for(lambda: settled(hostile_tasks["badtext"]), what="badtext to end")
     for task in hostile_tasks.values():
         task.refresh_from_db()

@@ -78,7 +78,11 @@ class ListingAgent:
 
     def answer(self, body: dict) -> dict:
         if body.get("method") != "ListTasks":
-            return {"jsonrpc": "2.0", "id": body.get("id"), "error": {"code": -32601, "message": "no"}}
+            return {
+                "jsonrpc": "2.0",
+                "id": body.get("id"),
+                "error": {"code": -32601, "message": "no"},
+            }
         with self._lock:
             self.list_requests += 1
             n = self.list_requests
@@ -88,9 +92,16 @@ class ListingAgent:
             "id": "listed-1",
             "contextId": "ctx-1",
             "status": {"state": "TASK_STATE_COMPLETED"},
-            "history": [{"role": "ROLE_USER", "messageId": "m-1", "parts": [{"text": "hello there"}]}],
+            "history": [
+                {"role": "ROLE_USER", "messageId": "m-1", "parts": [{"text": "hello there"}]}
+            ],
         }
-        result = {"tasks": [task], "nextPageToken": self.next_token(n), "pageSize": 1, "totalSize": 1}
+        result = {
+            "tasks": [task],
+            "nextPageToken": self.next_token(n),
+            "pageSize": 1,
+            "totalSize": 1,
+        }
         return {"jsonrpc": "2.0", "id": body.get("id"), "result": result}
 
     def start(self) -> ListingAgent:
@@ -258,5 +269,8 @@ def test_cli_import_walks_a_healthy_agent_page_by_page(agent):
     assert lines[0].startswith("page 1: 2 listed") and lines[1].startswith("page 2:")
     job = ImportJob.objects.get(agent=demo)
     assert job.status == "done" and job.pages >= 2 and job.seen >= 3 and job.error == ""
-    assert lines[-1] == f"done: {job.pages} pages, seen {job.seen}, new {job.created}, changed {job.changed}"
+    assert (
+        lines[-1]
+        == f"done: {job.pages} pages, seen {job.seen}, new {job.created}, changed {job.changed}"
+    )
     assert RemoteTask.objects.filter(agent=demo, mode="imported").count() >= 3

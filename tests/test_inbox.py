@@ -34,7 +34,11 @@ BOOKING = {
     "type": "object",
     "title": "Booking",
     "properties": {
-        "name": {"type": "string", "title": "Your name", "description": "As on the <b>booking</b>."},
+        "name": {
+            "type": "string",
+            "title": "Your name",
+            "description": "As on the <b>booking</b>.",
+        },
         "guests": {"type": "integer", "minimum": 1, "maximum": 10, "default": 2},
         "date": {"type": "string", "format": "date"},
         "meal": {"type": "string", "enum": ["meat", "fish", "vegetarian"]},
@@ -42,7 +46,10 @@ BOOKING = {
         "tags": {"type": "array", "items": {"type": "string"}},
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "properties": {
+                "city": {"type": "string"},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
             "required": ["city"],
         },
     },
@@ -73,7 +80,9 @@ def test_the_accepted_spellings_of_a_schema_part() -> None:
     for part in spellings:
         assert answers.find_schema({"parts": [{"text": "q"}, part]}) == schema, part
     # Plain data is not a schema; nor is anything outside a parts list.
-    assert answers.find_schema({"parts": [{"data": schema, "mediaType": "application/json"}]}) is None
+    assert (
+        answers.find_schema({"parts": [{"data": schema, "mediaType": "application/json"}]}) is None
+    )
     assert answers.find_schema({"parts": [{"text": "q"}]}) is None
     assert answers.find_schema("nonsense") is None
     assert answers.find_schema({"parts": "nonsense"}) is None
@@ -89,18 +98,45 @@ def _nested(depth: int) -> dict:
 @pytest.mark.parametrize(
     ("schema", "why"),
     [
-        ({"type": "object", "properties": {f"f{i}": {"type": "string"} for i in range(answers.MAX_FIELDS + 1)}}, "more than 50 fields"),
+        (
+            {
+                "type": "object",
+                "properties": {f"f{i}": {"type": "string"} for i in range(answers.MAX_FIELDS + 1)},
+            },
+            "more than 50 fields",
+        ),
         (_nested(answers.MAX_DEPTH + 1), "nested more than"),
-        ({"type": "object", "properties": {"x": {"type": "string", "description": "y" * 40_000}}}, "larger than"),
+        (
+            {
+                "type": "object",
+                "properties": {"x": {"type": "string", "description": "y" * 40_000}},
+            },
+            "larger than",
+        ),
         ({"type": "object", "properties": {"x": {"$ref": "https://example.org/s.json"}}}, "$ref"),
-        ({"type": "object", "properties": {"x": {"type": "string", "pattern": "^(a+)+$"}}}, "pattern"),
+        (
+            {"type": "object", "properties": {"x": {"type": "string", "pattern": "^(a+)+$"}}},
+            "pattern",
+        ),
         ({"type": "object", "properties": {"x": {"type": "strnig"}}}, "not a valid JSON Schema"),
-        ({"type": "object", "properties": {"x": {"type": "array", "items": {"type": "object"}}}}, "objects or arrays"),
-        ({"type": "object", "properties": {"x": {"enum": list(range(answers.MAX_ENUM + 1))}}}, "more than 100 options"),
+        (
+            {"type": "object", "properties": {"x": {"type": "array", "items": {"type": "object"}}}},
+            "objects or arrays",
+        ),
+        (
+            {"type": "object", "properties": {"x": {"enum": list(range(answers.MAX_ENUM + 1))}}},
+            "more than 100 options",
+        ),
         ({"type": "string"}, "not an object"),
         ([1, 2], "not an object"),
         ({"type": "object", "properties": {}}, "no properties"),
-        ({"type": "object", "properties": {"x": {"anyOf": [{"type": "string"}, {"type": "integer"}]}}}, "no type"),
+        (
+            {
+                "type": "object",
+                "properties": {"x": {"anyOf": [{"type": "string"}, {"type": "integer"}]}},
+            },
+            "no type",
+        ),
     ],
 )
 def test_a_schema_beyond_the_bounds_falls_back_to_free_text_with_a_note(schema, why) -> None:
@@ -137,7 +173,9 @@ def test_the_booking_schema_becomes_fields_of_the_right_kinds() -> None:
         "tags": "lines", "address.city": "string", "address.zip": "string",
     }  # fmt: skip
     html = str(form[by_path["guests"]])
-    assert 'type="number"' in html and 'min="1"' in html and 'max="10"' in html and 'value="2"' in html
+    assert (
+        'type="number"' in html and 'min="1"' in html and 'max="10"' in html and 'value="2"' in html
+    )
     assert 'type="date"' in str(form[by_path["date"]])
     assert 'type="radio"' in str(form[by_path["meal"]])  # three options: radios
     assert form[by_path["name"]].label == "Your name"
@@ -198,13 +236,31 @@ def test_date_times_nullable_values_and_checkbox_lists() -> None:
     spec = answers.read_question(schema)
     form = answers.SchemaAnswerForm(spec)
     assert 'type="datetime-local"' in str(form["a_0"]) and 'type="checkbox"' in str(form["a_2"])
-    post = _querydict({"question": "1", "a_0": "2030-05-01T10:30", "a_1": "", "a_2": ['"blue"', "3"], "a_3": "1\n 2 \n"})
+    post = _querydict(
+        {
+            "question": "1",
+            "a_0": "2030-05-01T10:30",
+            "a_1": "",
+            "a_2": ['"blue"', "3"],
+            "a_3": "1\n 2 \n",
+        }
+    )
     form = answers.SchemaAnswerForm(spec, post)
     assert form.is_valid(), form.errors
     # Read in the dashboard's time zone (UTC here) and sent with its offset.
-    assert form.answer() == {"at": "2030-05-01T10:30:00+00:00", "note": None, "rooms": ["blue", 3], "counts": [1, 2]}
-    bad = answers.SchemaAnswerForm(spec, _querydict({"question": "1", "a_0": "2030-05-01T10:30", "a_3": "1\ntwo"}))
-    assert not bad.is_valid() and "Each line must be a whole number; 'two' is not." in bad.errors["a_3"][0]
+    assert form.answer() == {
+        "at": "2030-05-01T10:30:00+00:00",
+        "note": None,
+        "rooms": ["blue", 3],
+        "counts": [1, 2],
+    }
+    bad = answers.SchemaAnswerForm(
+        spec, _querydict({"question": "1", "a_0": "2030-05-01T10:30", "a_3": "1\ntwo"})
+    )
+    assert (
+        not bad.is_valid()
+        and "Each line must be a whole number; 'two' is not." in bad.errors["a_3"][0]
+    )
 
 
 @pytest.mark.parametrize(
@@ -221,7 +277,12 @@ def test_date_times_nullable_values_and_checkbox_lists() -> None:
 )
 def test_an_invalid_answer_is_refused_next_to_its_field(field, value, message) -> None:
     by_path = names(booking_form())
-    post = {"question": "3", by_path["name"]: "Ada", by_path["guests"]: "4", by_path["date"]: "2030-05-01"}
+    post = {
+        "question": "3",
+        by_path["name"]: "Ada",
+        by_path["guests"]: "4",
+        by_path["date"]: "2030-05-01",
+    }
     if field.startswith("address."):
         post[by_path["address.city"]] = "Paris"  # once the address is begun, its city is required
     post[by_path[field]] = value
@@ -233,7 +294,13 @@ def test_an_invalid_answer_is_refused_next_to_its_field(field, value, message) -
 
 def test_a_missing_required_nested_field_is_shown_next_to_it() -> None:
     by_path = names(booking_form())
-    post = {"question": "3", by_path["name"]: "Ada", by_path["guests"]: "4", by_path["date"]: "2030-05-01", by_path["address.zip"]: "75001"}
+    post = {
+        "question": "3",
+        by_path["name"]: "Ada",
+        by_path["guests"]: "4",
+        by_path["date"]: "2030-05-01",
+        by_path["address.zip"]: "75001",
+    }
     form = booking_form(post)
     assert not form.is_valid()
     assert list(form.errors) == [by_path["address.city"]]
@@ -248,22 +315,40 @@ _names = st.text(alphabet=string.ascii_letters + "_- é", min_size=1, max_size=1
 @st.composite
 def _scalar(draw: Any) -> tuple[dict, Any, bool]:
     """(schema, a valid value, whether the value must be present) for one property."""
-    kind = draw(st.sampled_from(["string", "integer", "number", "boolean", "enum", "date", "lines", "choices"]))
+    kind = draw(
+        st.sampled_from(
+            ["string", "integer", "number", "boolean", "enum", "date", "lines", "choices"]
+        )
+    )
     if kind == "string":
         low, high = draw(st.integers(0, 3)), draw(st.integers(5, 40))
         schema = {"type": "string", "minLength": low, "maxLength": high}
-        value = draw(st.text(_chars, min_size=max(low, 1), max_size=high).filter(lambda s: "\n" not in s and "\r" not in s))
+        value = draw(
+            st.text(_chars, min_size=max(low, 1), max_size=high).filter(
+                lambda s: "\n" not in s and "\r" not in s
+            )
+        )
     elif kind == "integer":
         low = draw(st.integers(-1000, 1000))
         high = draw(st.integers(low, low + 5000))
-        schema, value = {"type": "integer", "minimum": low, "maximum": high}, draw(st.integers(low, high))
+        schema, value = (
+            {"type": "integer", "minimum": low, "maximum": high},
+            draw(st.integers(low, high)),
+        )
     elif kind == "number":
         schema = {"type": "number", "minimum": -1e6, "maximum": 1e6}
         value = draw(st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False))
     elif kind == "boolean":
         schema, value = {"type": "boolean"}, draw(st.booleans())
     elif kind == "enum":
-        options = draw(st.lists(st.one_of(_names, st.integers(-50, 50), st.booleans()), min_size=1, max_size=8, unique_by=json.dumps))
+        options = draw(
+            st.lists(
+                st.one_of(_names, st.integers(-50, 50), st.booleans()),
+                min_size=1,
+                max_size=8,
+                unique_by=json.dumps,
+            )
+        )
         schema, value = {"enum": options}, draw(st.sampled_from(options))
     elif kind == "date":
         schema = {"type": "string", "format": "date"}
@@ -271,8 +356,10 @@ def _scalar(draw: Any) -> tuple[dict, Any, bool]:
     elif kind == "lines":
         item_kind = draw(st.sampled_from(["string", "integer", "number", "boolean"]))
         items = {
-            "string": st.text(_chars, min_size=1, max_size=20).map(str.strip).filter(lambda s: s and "\n" not in s and "\r" not in s),
-            "integer": st.integers(-10**6, 10**6),
+            "string": st.text(_chars, min_size=1, max_size=20)
+            .map(str.strip)
+            .filter(lambda s: s and "\n" not in s and "\r" not in s),
+            "integer": st.integers(-(10**6), 10**6),
             "number": st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False),
             "boolean": st.booleans(),
         }[item_kind]
@@ -336,7 +423,10 @@ def post_for(form: answers.SchemaAnswerForm, answer: dict) -> dict[str, Any]:
         elif item.kind == "choices":
             post[name] = [json.dumps(v) for v in value]
         elif item.kind == "lines":
-            post[name] = "\n".join(v if isinstance(v, str) else json.dumps(v) if isinstance(v, bool) else repr(v) for v in value)
+            post[name] = "\n".join(
+                v if isinstance(v, str) else json.dumps(v) if isinstance(v, bool) else repr(v)
+                for v in value
+            )
         else:
             post[name] = value if isinstance(value, str) else repr(value)
     return post
@@ -361,10 +451,14 @@ def test_generated_schemas_make_forms_whose_valid_answers_validate(generated) ->
     Draft202012Validator(schema).validate(answer)  # the generator's own promise
     spec = answers.read_question(schema)
     assert spec.root is not None, spec.note
-    form = answers.SchemaAnswerForm(spec, _querydict(post_for(answers.SchemaAnswerForm(spec), answer)))
+    form = answers.SchemaAnswerForm(
+        spec, _querydict(post_for(answers.SchemaAnswerForm(spec), answer))
+    )
     assert form.is_valid(), (form.errors, answer)
     # Booleans left out of the answer come back as false; otherwise it is the same object.
-    Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER).validate(form.answer())
+    Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER).validate(
+        form.answer()
+    )
     assert _without_false(form.answer()) == _without_false(answer)
     str(form)  # and it renders
 
@@ -393,11 +487,27 @@ def alpha(db) -> Agent:
     )  # fmt: skip
 
 
-def asking(agent: Agent, title: str, message: dict, *, state: str = "TASK_STATE_INPUT_REQUIRED") -> RemoteTask:
+def asking(
+    agent: Agent, title: str, message: dict, *, state: str = "TASK_STATE_INPUT_REQUIRED"
+) -> RemoteTask:
     task = RemoteTask.objects.create(agent=agent, title=title)
     tid = f"t-{title}"
-    record(task, {"task": {"id": tid, "contextId": "c", "status": {"state": "TASK_STATE_WORKING"}}}, "poll")
-    record(task, {"statusUpdate": {"taskId": tid, "contextId": "c", "status": {"state": state, "message": message}}}, "poll")
+    record(
+        task,
+        {"task": {"id": tid, "contextId": "c", "status": {"state": "TASK_STATE_WORKING"}}},
+        "poll",
+    )
+    record(
+        task,
+        {
+            "statusUpdate": {
+                "taskId": tid,
+                "contextId": "c",
+                "status": {"state": state, "message": message},
+            }
+        },
+        "poll",
+    )
     task.refresh_from_db()
     assert task.asked_seq == task.last_seq and task.state == state
     return task
@@ -409,28 +519,47 @@ def people(django_user_model, alpha, client) -> dict:
 
     out = {}
     for role in (Membership.Role.OPERATOR, Membership.Role.VIEWER):
-        user = member(django_user_model.objects.create_user(f"{role}-person", password="pw-12345678"), role, "alpha")
+        user = member(
+            django_user_model.objects.create_user(f"{role}-person", password="pw-12345678"),
+            role,
+            "alpha",
+        )
         out[role] = Client()
         out[role].force_login(user)
     return out
 
 
 @pytest.mark.django_db
-def test_the_task_page_renders_the_schema_form_and_refuses_an_invalid_answer(people, alpha, no_dispatch):
+def test_the_task_page_renders_the_schema_form_and_refuses_an_invalid_answer(
+    people, alpha, no_dispatch
+):
     task = asking(alpha, "booking", question(BOOKING))
     operator = people[Membership.Role.OPERATOR]
     page = operator.get(reverse("task-detail", args=[task.pk])).content.decode()
     assert 'id="answer-form"' in page and "schema-answer" in page
-    assert 'type="date"' in page and "Your name" in page and "As on the &lt;b&gt;booking&lt;/b&gt;." in page
+    assert (
+        'type="date"' in page
+        and "Your name" in page
+        and "As on the &lt;b&gt;booking&lt;/b&gt;." in page
+    )
     # The names the page shows: the form built from the stored question (on PostgreSQL its
     # properties come back in jsonb's key order, so positions may differ from the dict's).
     by_path = names(answers.answer_form(task))
-    post = {"question": task.asked_seq, by_path["name"]: "Ada", by_path["guests"]: "42", by_path["date"]: "2030-05-01"}
+    post = {
+        "question": task.asked_seq,
+        by_path["name"]: "Ada",
+        by_path["guests"]: "42",
+        by_path["date"]: "2030-05-01",
+    }
     response = operator.post(reverse("task-answer", args=[task.pk]), post)
     assert response.status_code == 400
     html = response.content.decode()
-    errors = re.search(rf'data-field="{by_path["guests"]}".*?<div class="errors" id="id_{by_path["guests"]}-errors"[^>]*>(.*?)</div>', html, re.S)
-    assert errors and "At most 10." in errors.group(1), html[html.find("answer-form"):][:3000]
+    errors = re.search(
+        rf'data-field="{by_path["guests"]}".*?<div class="errors" id="id_{by_path["guests"]}-errors"[^>]*>(.*?)</div>',
+        html,
+        re.S,
+    )
+    assert errors and "At most 10." in errors.group(1), html[html.find("answer-form") :][:3000]
     assert 'value="Ada"' in html  # what was typed stays
     task.refresh_from_db()
     assert task.outbox is None and task.answered_seq == 0 and no_dispatch == []  # nothing sent
@@ -440,18 +569,32 @@ def test_the_task_page_renders_the_schema_form_and_refuses_an_invalid_answer(peo
     task.refresh_from_db()
     parts = task.outbox["message"]["parts"]
     assert parts[0]["text"].startswith("Answer: Your name: Ada; guests: 3")
-    assert parts[1] == {"data": {"name": "Ada", "guests": 3, "date": "2030-05-01", "notify": False}, "mediaType": "application/json"}
+    assert parts[1] == {
+        "data": {"name": "Ada", "guests": 3, "date": "2030-05-01", "notify": False},
+        "mediaType": "application/json",
+    }
     assert task.answered_by.username == "operator-person" and task.answered_at is not None
     # Shown read-only with who and when.
     page = operator.get(reverse("task-detail", args=[task.pk])).content.decode()
-    assert 'id="answer-record"' in page and "operator-person" in page and 'id="answer-form"' not in page
+    assert (
+        'id="answer-record"' in page
+        and "operator-person" in page
+        and 'id="answer-form"' not in page
+    )
 
 
 @pytest.mark.django_db
 def test_a_schema_beyond_the_bounds_gives_free_text_with_a_visible_note(people, alpha, no_dispatch):
     task = asking(alpha, "deep", question(_nested(answers.MAX_DEPTH + 2)))
-    page = people[Membership.Role.OPERATOR].get(reverse("task-detail", args=[task.pk])).content.decode()
-    assert "schema-note" in page and "could not become a form: objects are nested more than 4 levels deep" in page
+    page = (
+        people[Membership.Role.OPERATOR]
+        .get(reverse("task-detail", args=[task.pk]))
+        .content.decode()
+    )
+    assert (
+        "schema-note" in page
+        and "could not become a form: objects are nested more than 4 levels deep" in page
+    )
     assert 'id="id_text"' in page and "schema-answer" not in page
 
 
@@ -463,7 +606,12 @@ def test_a_free_answer_may_carry_json_data_and_a_file(people, alpha, no_dispatch
     upload = SimpleUploadedFile("notes.txt", b"hello", content_type="text/plain")
     response = people[Membership.Role.OPERATOR].post(
         reverse("task-answer", args=[task.pk]),
-        {"question": task.asked_seq, "text": "see attached", "data": '{"ok": true}', "file": upload},
+        {
+            "question": task.asked_seq,
+            "text": "see attached",
+            "data": '{"ok": true}',
+            "file": upload,
+        },
     )
     assert response.status_code == 302
     task.refresh_from_db()
@@ -471,14 +619,24 @@ def test_a_free_answer_may_carry_json_data_and_a_file(people, alpha, no_dispatch
     assert parts[0] == {"text": "see attached"} and parts[1]["data"] == {"ok": True}
     assert parts[2]["filename"] == "notes.txt" and parts[2]["raw"] == "aGVsbG8="
     bad = asking(alpha, "free2", question())
-    response = people[Membership.Role.OPERATOR].post(reverse("task-answer", args=[bad.pk]), {"question": bad.asked_seq, "data": "{nope"})
+    response = people[Membership.Role.OPERATOR].post(
+        reverse("task-answer", args=[bad.pk]), {"question": bad.asked_seq, "data": "{nope"}
+    )
     assert response.status_code == 400 and "Not valid JSON" in response.content.decode()
 
 
 @pytest.mark.django_db
-def test_the_inbox_lists_waiting_tasks_oldest_first_for_the_projects_one_reads(people, alpha, no_dispatch):
-    beta = Agent.objects.create(project=Project.objects.get_or_create(name="beta")[0], name="beta agent", base_url="http://127.0.0.1:9/beta")
-    first = asking(alpha, "first", question(text="Which colour?\nRed or blue?\nThird line\nFourth\nFifth"))
+def test_the_inbox_lists_waiting_tasks_oldest_first_for_the_projects_one_reads(
+    people, alpha, no_dispatch
+):
+    beta = Agent.objects.create(
+        project=Project.objects.get_or_create(name="beta")[0],
+        name="beta agent",
+        base_url="http://127.0.0.1:9/beta",
+    )
+    first = asking(
+        alpha, "first", question(text="Which colour?\nRed or blue?\nThird line\nFourth\nFifth")
+    )
     second = asking(alpha, "second", question(BOOKING), state="TASK_STATE_AUTH_REQUIRED")
     asking(beta, "hidden", question())
     gone = asking(alpha, "abandoned", question())
@@ -504,11 +662,24 @@ def test_a_viewer_sees_the_question_but_no_form_and_may_not_answer(people, alpha
     viewer = people[Membership.Role.VIEWER]
     page = viewer.get(reverse("inbox")).content.decode()
     assert f'id="inbox-item-{task.pk}"' in page and "Please fill in the booking." in page
-    assert "<form" not in page.split('id="inbox-items"')[1].split("</main>")[0] and "cannot answer" in page
+    assert (
+        "<form" not in page.split('id="inbox-items"')[1].split("</main>")[0]
+        and "cannot answer" in page
+    )
     row = viewer.get(reverse("inbox-row", args=[task.pk])).content.decode()
     assert "<form" not in row
-    assert viewer.post(reverse("inbox-answer", args=[task.pk]), {f"t{task.pk}-question": task.asked_seq}).status_code == 403
-    assert viewer.post(reverse("task-answer", args=[task.pk]), {"question": task.asked_seq}).status_code == 403
+    assert (
+        viewer.post(
+            reverse("inbox-answer", args=[task.pk]), {f"t{task.pk}-question": task.asked_seq}
+        ).status_code
+        == 403
+    )
+    assert (
+        viewer.post(
+            reverse("task-answer", args=[task.pk]), {"question": task.asked_seq}
+        ).status_code
+        == 403
+    )
     task.refresh_from_db()
     assert task.outbox is None and task.answered_seq == 0
 
@@ -520,7 +691,15 @@ def test_answering_from_the_inbox(people, alpha, no_dispatch):
     # The names the page shows: the form built from the stored question (on PostgreSQL its
     # properties come back in jsonb's key order, so positions may differ from the dict's).
     by_path = names(answers.answer_form(task))
-    post = {f"t{task.pk}-{k}": v for k, v in {"question": task.asked_seq, by_path["name"]: "Ada", by_path["guests"]: "12", by_path["date"]: "2030-05-01"}.items()}
+    post = {
+        f"t{task.pk}-{k}": v
+        for k, v in {
+            "question": task.asked_seq,
+            by_path["name"]: "Ada",
+            by_path["guests"]: "12",
+            by_path["date"]: "2030-05-01",
+        }.items()
+    }
     response = operator.post(reverse("inbox-answer", args=[task.pk]), post)
     assert response.status_code == 400 and "At most 10." in response.content.decode()
     task.refresh_from_db()
@@ -535,17 +714,48 @@ def test_answering_from_the_inbox(people, alpha, no_dispatch):
     assert f'id="answer-form-{task.pk}"' not in page and "operator-person" in page
     # A second answer to the same question is refused, with who answered.
     response = operator.post(reverse("inbox-answer", args=[task.pk]), post)
-    assert response.status_code == 400 and "Already answered by operator-person" in response.content.decode()
+    assert (
+        response.status_code == 400
+        and "Already answered by operator-person" in response.content.decode()
+    )
 
 
 @pytest.mark.django_db
 def test_a_form_for_an_older_question_is_not_read(people, alpha, no_dispatch):
     task = asking(alpha, "ask", question(BOOKING))
     old = task.asked_seq
-    record(task, {"statusUpdate": {"taskId": task.remote_id, "contextId": "c", "status": {"state": "TASK_STATE_WORKING"}}}, "poll")
-    record(task, {"statusUpdate": {"taskId": task.remote_id, "contextId": "c", "status": {"state": "TASK_STATE_INPUT_REQUIRED", "message": question(text="Another?")}}}, "poll")
-    response = people[Membership.Role.OPERATOR].post(reverse("task-answer", args=[task.pk]), {"question": old, "text": "x"})
-    assert response.status_code == 400 and "The agent has asked something else since" in response.content.decode()
+    record(
+        task,
+        {
+            "statusUpdate": {
+                "taskId": task.remote_id,
+                "contextId": "c",
+                "status": {"state": "TASK_STATE_WORKING"},
+            }
+        },
+        "poll",
+    )
+    record(
+        task,
+        {
+            "statusUpdate": {
+                "taskId": task.remote_id,
+                "contextId": "c",
+                "status": {
+                    "state": "TASK_STATE_INPUT_REQUIRED",
+                    "message": question(text="Another?"),
+                },
+            }
+        },
+        "poll",
+    )
+    response = people[Membership.Role.OPERATOR].post(
+        reverse("task-answer", args=[task.pk]), {"question": old, "text": "x"}
+    )
+    assert (
+        response.status_code == 400
+        and "The agent has asked something else since" in response.content.decode()
+    )
     task.refresh_from_db()
     assert task.outbox is None
 
@@ -597,16 +807,21 @@ def test_the_inbox_pages_through_100k_tasks_with_a_capped_count(people, alpha, n
     """25,000 of 100,000 tasks wait: keyset pages in order, a bounded count, the badge at "1000+"."""
     from tests.test_views import BULK_TASKS_SQL
 
-    other = Agent.objects.create(project=alpha.project, name="other", base_url="http://127.0.0.1:8/")
+    other = Agent.objects.create(
+        project=alpha.project, name="other", base_url="http://127.0.0.1:8/"
+    )
     with connection.cursor() as cursor:
         cursor.execute(BULK_TASKS_SQL[connection.vendor], [alpha.pk, other.pk])
         if connection.vendor == "sqlite":
             # Whole seconds as Django writes them (no ".000000"), so that SQLite's text
             # comparison of the keyset cursor meets equal values as equal.
-            cursor.execute("UPDATE tasks_app_remotetask SET created_at = substr(created_at, 1, 19) WHERE created_at LIKE '%.000000'")
+            cursor.execute(
+                "UPDATE tasks_app_remotetask SET created_at = substr(created_at, 1, 19) WHERE created_at LIKE '%.000000'"
+            )
         # record() stores when a question was asked; these rows were asked when they were made.
         cursor.execute(
-            "UPDATE tasks_app_remotetask SET asked_at = created_at WHERE state IN (%s, %s)", list(INTERRUPTED_STATES)
+            "UPDATE tasks_app_remotetask SET asked_at = created_at WHERE state IN (%s, %s)",
+            list(INTERRUPTED_STATES),
         )
     client = people[Membership.Role.OPERATOR]
     page = client.get(reverse("inbox")).content.decode()
@@ -615,5 +830,7 @@ def test_the_inbox_pages_through_100k_tasks_with_a_capped_count(people, alpha, n
     # The oldest question first.
     assert first[:3] == ["99999", "99995", "99991"] and len(first) == inbox.PAGE_SIZE
     next_url = re.search(r'href="(\?cursor=[^"]+)" id="next-page"', page).group(1)
-    second = re.findall(r">bulk (\d+)</a>", client.get(reverse("inbox") + next_url).content.decode())
+    second = re.findall(
+        r">bulk (\d+)</a>", client.get(reverse("inbox") + next_url).content.decode()
+    )
     assert int(second[0]) == int(first[-1]) - 4

@@ -16,7 +16,13 @@ from tests import test_ui_browser as ui
 from tests.test_ui_browser import shot, start_task, wait_state
 
 # The browser stack's fixtures (module scope: this module gets a stack of its own).
-stack, browser, context, page, demo_agent_pk = ui.stack, ui.browser, ui.context, ui.page, ui.demo_agent_pk
+stack, browser, context, page, demo_agent_pk = (
+    ui.stack,
+    ui.browser,
+    ui.context,
+    ui.page,
+    ui.demo_agent_pk,
+)
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -25,7 +31,12 @@ def agent_history(agent, remote_id: str) -> list[dict]:
     """The task's history as the agent holds it (GetTask, JSON-RPC)."""
     response = httpx.post(
         f"{agent.base_url}/jsonrpc",
-        json={"jsonrpc": "2.0", "id": 1, "method": "GetTask", "params": {"id": remote_id, "historyLength": 100}},
+        json={
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "GetTask",
+            "params": {"id": remote_id, "historyLength": 100},
+        },
         headers={"A2A-Version": "1.0"},
         timeout=10,
     )
@@ -46,7 +57,9 @@ def wait_badge_socket(page) -> None:
     page.wait_for_selector("#inbox-badge[data-socket=open]", state="attached")
 
 
-def test_the_badge_changes_live_on_another_page_when_an_agent_asks(context, page, stack, demo_agent_pk):
+def test_the_badge_changes_live_on_another_page_when_an_agent_asks(
+    context, page, stack, demo_agent_pk
+):
     page.goto("/agents/")
     wait_badge_socket(page)
     before = badge_count(page)
@@ -57,7 +70,9 @@ def test_the_badge_changes_live_on_another_page_when_an_agent_asks(context, page
         wait_state(other, "input required")
         # The open page, on another URL, counts the question without a reload.
         page.wait_for_selector(f"#inbox-badge[data-count='{before + 1}']", state="attached")
-        assert page.is_visible("#inbox-badge") and page.inner_text("#inbox-badge") == str(before + 1)
+        assert page.is_visible("#inbox-badge") and page.inner_text("#inbox-badge") == str(
+            before + 1
+        )
         assert page.evaluate("window.__sameDocument === true")
         shot(page, "inbox-badge")
         # Answered (on the other page): the count goes back down, still without a reload.
@@ -71,13 +86,18 @@ def test_the_badge_changes_live_on_another_page_when_an_agent_asks(context, page
         other.close()
 
 
-def test_a_schema_question_becomes_a_form_that_refuses_an_invalid_answer(page, stack, demo_agent_pk, agent):
+def test_a_schema_question_becomes_a_form_that_refuses_an_invalid_answer(
+    page, stack, demo_agent_pk, agent
+):
     pk = start_task(page, "form")
     wait_state(page, "input required")
     page.wait_for_selector("#answer-form.schema-answer")
     # The schema's fields, with their types: text, number (1-10), date, an enum as radios.
     assert page.get_attribute("#id_a_0", "type") == "text"
-    assert page.get_attribute("#id_a_1", "type") == "number" and page.get_attribute("#id_a_1", "max") == "10"
+    assert (
+        page.get_attribute("#id_a_1", "type") == "number"
+        and page.get_attribute("#id_a_1", "max") == "10"
+    )
     assert page.input_value("#id_a_1") == "2"  # the schema's default
     assert page.get_attribute("#id_a_2", "type") == "date"
     assert page.locator("input[name=a_3][type=radio]").count() == 4  # none, meat, fish, vegetarian
@@ -98,7 +118,9 @@ def test_a_schema_question_becomes_a_form_that_refuses_an_invalid_answer(page, s
     assert page.input_value("#id_a_0") == "Ada" and page.input_value("#id_a_2") == "2030-05-01"
     assert page.is_checked("input[name=a_3][value='\"fish\"']")
     shot(page, "answer-schema-refused")
-    assert stack.query("SELECT answered_seq, outbox FROM tasks_app_remotetask WHERE id=?", pk)[0] == (0, None)
+    assert stack.query("SELECT answered_seq, outbox FROM tasks_app_remotetask WHERE id=?", pk)[
+        0
+    ] == (0, None)
     assert len(user_messages(agent, remote_id)) == 1
     assert stack.state(pk) == "TASK_STATE_INPUT_REQUIRED"
 
@@ -111,7 +133,12 @@ def test_a_schema_question_becomes_a_form_that_refuses_an_invalid_answer(page, s
     booked = page.inner_text("#artifacts")
     assert "name: Ada" in booked and "date: 2030-05-01" in booked and "meal: fish" in booked
     sent = user_messages(agent, remote_id)[-1]
-    assert sent["parts"][1]["data"] == {"name": "Ada", "guests": 3, "date": "2030-05-01", "meal": "fish"}
+    assert sent["parts"][1]["data"] == {
+        "name": "Ada",
+        "guests": 3,
+        "date": "2030-05-01",
+        "meal": "fish",
+    }
     assert sent["parts"][0]["text"].startswith("Answer: Name: Ada; Guests: 3")
     # The sent answer, read-only, with who and when.
     record = page.inner_text("#answer-record")

@@ -16,7 +16,9 @@ SETUP = DJANGO_SETUP + "; import logging; "
 
 
 def test_a_bad_log_format_is_one_sentence() -> None:
-    result = run_python("import sys, manage; sys.argv = ['manage.py', 'check']; manage.main()", LOG_FORMAT="xml")
+    result = run_python(
+        "import sys, manage; sys.argv = ['manage.py', 'check']; manage.main()", LOG_FORMAT="xml"
+    )
     assert result.returncode != 0
     assert "LOG_FORMAT must be one of text, json, not 'xml'" in result.stderr
     assert "Traceback" not in result.stderr
@@ -29,7 +31,11 @@ def test_json_lines_carry_the_bound_ids() -> None:
     )
     result = run_python(code, LOG_FORMAT="json")
     line = json.loads(result.stderr.strip().splitlines()[-1])
-    assert line["message"] == "hello there" and line["level"] == "WARNING" and line["logger"] == "probe"
+    assert (
+        line["message"] == "hello there"
+        and line["level"] == "WARNING"
+        and line["logger"] == "probe"
+    )
     assert line["task_id"] == 41 and line["agent_id"] == 7
     text = run_python(code, LOG_FORMAT="text")
     assert "WARNING probe: hello there" in text.stderr and "task_id" not in text.stderr
@@ -44,7 +50,10 @@ def test_a_worker_in_json_names_the_task_its_watcher_works_for(agent, start_cele
     demo = add_agent(agent.base_url, name="json logs")
     worker = start_celery_worker(LOG_FORMAT="json", LOG_LEVEL="DEBUG")
     task = task_services.start_task(demo, "quick", mode="stream")
-    wait_for(lambda: task_services.RemoteTask.objects.get(pk=task.pk).settled_at is not None, what="the task to settle")
+    wait_for(
+        lambda: task_services.RemoteTask.objects.get(pk=task.pk).settled_at is not None,
+        what="the task to settle",
+    )
 
     def about_the_task() -> list[dict]:
         found = []

@@ -18,7 +18,11 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 def sample(text: str, name: str, labels: str = "") -> float:
     """The value of one sample in the exposition text (0 when absent)."""
-    pattern = re.escape(name) + (re.escape("{" + labels + "}") if labels else r"(?:\{\})?") + r" ([0-9.e+-]+)"
+    pattern = (
+        re.escape(name)
+        + (re.escape("{" + labels + "}") if labels else r"(?:\{\})?")
+        + r" ([0-9.e+-]+)"
+    )
     found = re.search(r"^" + pattern + r"$", text, re.M)
     return float(found.group(1)) if found else 0.0
 
@@ -28,38 +32,50 @@ def test_only_staff_or_the_token_may_read_metrics(settings, django_user_model) -
     assert Client().get("/metrics").status_code == 403
     assert Client().get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 403
     viewer = Client()
-    viewer.force_login(member(django_user_model.objects.create_user("v", password="pw-12345678"), "agent-admin"))
+    viewer.force_login(
+        member(django_user_model.objects.create_user("v", password="pw-12345678"), "agent-admin")
+    )
     assert viewer.get("/metrics").status_code == 403  # a role in a project is not staff
     answer = Client().get("/metrics", headers={"Authorization": "Bearer metrics-token-123"})
     assert answer.status_code == 200 and "dashboard_tasks" in answer.content.decode()
     staff = Client()
-    staff.force_login(django_user_model.objects.create_user("s", password="pw-12345678", is_staff=True))
+    staff.force_login(
+        django_user_model.objects.create_user("s", password="pw-12345678", is_staff=True)
+    )
     assert staff.get("/metrics").status_code == 200
     settings.METRICS_TOKEN = ""
-    assert Client().get("/metrics", headers={"Authorization": "Bearer "}).status_code == 403  # no token set
+    assert (
+        Client().get("/metrics", headers={"Authorization": "Bearer "}).status_code == 403
+    )  # no token set
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_counters_move_while_a_worker_follows_a_task(agent, start_celery_worker, django_user_model) -> None:
+def test_counters_move_while_a_worker_follows_a_task(
+    agent, start_celery_worker, django_user_model
+) -> None:
     staff = Client()
-    staff.force_login(django_user_model.objects.create_user("ops", password="pw-12345678", is_staff=True))
+    staff.force_login(
+        django_user_model.objects.create_user("ops", password="pw-12345678", is_staff=True)
+    )
     before = staff.get("/metrics").content.decode()
     start_celery_worker()
     demo = add_agent(agent.base_url, name="metrics demo")
     task = task_services.start_task(demo, "slow 5 0.1", mode="stream")
-    wait_for(lambda: task_services.RemoteTask.objects.get(pk=task.pk).settled_at is not None, what="the task to settle")
+    wait_for(
+        lambda: task_services.RemoteTask.objects.get(pk=task.pk).settled_at is not None,
+        what="the task to settle",
+    )
 
     def scraped() -> str:
         return staff.get("/metrics").content.decode()
 
     def moved() -> bool:
         text = scraped()
-        return (
-            sample(text, "dashboard_events_recorded_total", 'channel="stream"')
-            > sample(before, "dashboard_events_recorded_total", 'channel="stream"')
-            and sample(text, "dashboard_relay_latency_seconds_count")
-            > sample(before, "dashboard_relay_latency_seconds_count")
+        return sample(text, "dashboard_events_recorded_total", 'channel="stream"') > sample(
+            before, "dashboard_events_recorded_total", 'channel="stream"'
+        ) and sample(text, "dashboard_relay_latency_seconds_count") > sample(
+            before, "dashboard_relay_latency_seconds_count"
         )
 
     wait_for(moved, timeout=15, what="the worker's counts to reach /metrics")  # flushed each second
@@ -74,10 +90,16 @@ def test_webhook_refusals_are_counted(settings, django_user_model) -> None:
     from tasks_app import metrics
 
     staff = Client()
-    staff.force_login(django_user_model.objects.create_user("ops2", password="pw-12345678", is_staff=True))
-    before = sample(staff.get("/metrics").content.decode(), "dashboard_webhook_rejections_total", 'status="404"')
+    staff.force_login(
+        django_user_model.objects.create_user("ops2", password="pw-12345678", is_staff=True)
+    )
+    before = sample(
+        staff.get("/metrics").content.decode(), "dashboard_webhook_rejections_total", 'status="404"'
+    )
     answer = Client().post("/push/no-such-config/", "{}", content_type="application/json")
     assert answer.status_code == 404
     metrics.flush()
-    after = sample(staff.get("/metrics").content.decode(), "dashboard_webhook_rejections_total", 'status="404"')
+    after = sample(
+        staff.get("/metrics").content.decode(), "dashboard_webhook_rejections_total", 'status="404"'
+    )
     assert after == before + 1

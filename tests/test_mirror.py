@@ -26,7 +26,12 @@ from tasks_app.services.snapshot import task_document, task_view
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
-SETTLED = ("TASK_STATE_COMPLETED", "TASK_STATE_FAILED", "TASK_STATE_CANCELED", "TASK_STATE_REJECTED")
+SETTLED = (
+    "TASK_STATE_COMPLETED",
+    "TASK_STATE_FAILED",
+    "TASK_STATE_CANCELED",
+    "TASK_STATE_REJECTED",
+)
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
@@ -195,14 +200,19 @@ def test_unreachable_agent_fails_the_send_visibly(celery_worker):
     assert log_kinds(task) == ["operator", "system"]
 
 
-def test_connection_dropped_mid_stream_resubscribes_with_a_gap(agent, tcp_proxy, start_celery_worker):
+def test_connection_dropped_mid_stream_resubscribes_with_a_gap(
+    agent, tcp_proxy, start_celery_worker
+):
     start_celery_worker(WATCH_BACKOFF_BASE_SECONDS="1.5", WATCH_BACKOFF_MAX_SECONDS="2")
     proxy = tcp_proxy("127.0.0.1", agent.port)
     demo = add_agent(agent.base_url, name="via proxy")
     Agent.objects.filter(pk=demo.pk).update(interface_url=f"{proxy.url}/jsonrpc")
     demo.refresh_from_db()
     task = task_services.start_task(demo, "slow 40 0.1", mode="stream")
-    wait_for(lambda: TaskEvent.objects.filter(task=task, kind="artifactUpdate").count() >= 3, what="chunks")
+    wait_for(
+        lambda: TaskEvent.objects.filter(task=task, kind="artifactUpdate").count() >= 3,
+        what="chunks",
+    )
     assert proxy.cut() > 0, proxy.connections
     wait_for(lambda: settled(task), timeout=40, what="convergence after the cut")
     assert task.state == "TASK_STATE_COMPLETED"
@@ -212,7 +222,10 @@ def test_connection_dropped_mid_stream_resubscribes_with_a_gap(agent, tcp_proxy,
     kinds = log_kinds(task)
     assert "system" in kinds and "gap" in kinds
     assert kinds.index("system") < kinds.index("gap")
-    events = [e.raw["system"]["event"] for e in TaskEvent.objects.filter(task=task, kind="system").order_by("seq")]
+    events = [
+        e.raw["system"]["event"]
+        for e in TaskEvent.objects.filter(task=task, kind="system").order_by("seq")
+    ]
     assert events[0] == "stream-dropped" and events[-1] == "settled"
     channels = set(TaskEvent.objects.filter(task=task).values_list("channel", flat=True))
     assert {"resubscribe", "poll"} & channels
@@ -224,12 +237,17 @@ def remote_total(demo: Agent) -> int:
     return int(listing.get("totalSize", 0))
 
 
-def test_killed_worker_is_replaced_and_no_second_task_is_created(agent, start_celery_worker, start_celery_beat):
+def test_killed_worker_is_replaced_and_no_second_task_is_created(
+    agent, start_celery_worker, start_celery_beat
+):
     first = start_celery_worker(WATCH_LEASE_SECONDS="2")
     demo = add_agent(agent.base_url, name="demo")
     before = remote_total(demo)
     task = task_services.start_task(demo, "slow 40 0.15", mode="stream")
-    wait_for(lambda: TaskEvent.objects.filter(task=task, kind="artifactUpdate").count() >= 3, what="chunks")
+    wait_for(
+        lambda: TaskEvent.objects.filter(task=task, kind="artifactUpdate").count() >= 3,
+        what="chunks",
+    )
     first.kill()
     start_celery_worker(WATCH_LEASE_SECONDS="2")
     # Beat's reconciler re-dispatches the task once the dead worker's lease expires.
@@ -242,12 +260,17 @@ def test_killed_worker_is_replaced_and_no_second_task_is_created(agent, start_ce
     assert_log_is_gapless(task)
 
 
-def test_a_stopping_worker_hands_its_streams_over_at_once(agent, start_celery_worker, start_celery_beat):
+def test_a_stopping_worker_hands_its_streams_over_at_once(
+    agent, start_celery_worker, start_celery_beat
+):
     """A warm shutdown (SIGTERM) gives the leases back: no waiting for them to expire."""
     first = start_celery_worker(WATCH_LEASE_SECONDS="600")
     demo = add_agent(agent.base_url, name="demo")
     task = task_services.start_task(demo, "slow 40 0.15", mode="stream")
-    wait_for(lambda: TaskEvent.objects.filter(task=task, kind="artifactUpdate").count() >= 3, what="chunks")
+    wait_for(
+        lambda: TaskEvent.objects.filter(task=task, kind="artifactUpdate").count() >= 3,
+        what="chunks",
+    )
     first.stop()
     task.refresh_from_db()
     assert (task.lease_token, task.lease_expires_at) == ("", None)

@@ -14,7 +14,12 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 def bad_agent(url: str, name: str) -> Agent:
     return Agent.objects.create(
-        name=name, base_url=url, interface_url=url, binding="JSONRPC", protocol_version="1.0", streaming=True
+        name=name,
+        base_url=url,
+        interface_url=url,
+        binding="JSONRPC",
+        protocol_version="1.0",
+        streaming=True,
     )
 
 
@@ -22,14 +27,18 @@ def bad_agent(url: str, name: str) -> Agent:
     ("mode", "says"),
     [("html", "HTTP 500"), ("badjson", "JSON"), ("wrongtype", "text/plain"), ("v03", "0.3")],
 )
-def test_a_send_answered_with_garbage_fails_with_the_reason(bad_server, agent, celery_worker, mode, says):
+def test_a_send_answered_with_garbage_fails_with_the_reason(
+    bad_server, agent, celery_worker, mode, says
+):
     broken = bad_agent(bad_server.url_for(mode), f"bad {mode}")
     task = task_services.start_task(broken, "quick", mode="stream")
     wait_for(lambda: settled(task), what=f"the send to a {mode} agent to fail")
     assert task.phase == "failed"
     assert says.lower() in task.send_error.lower()
     # The same worker still watches a healthy agent.
-    healthy = task_services.start_task(add_agent(agent.base_url, name="demo"), "quick", mode="stream")
+    healthy = task_services.start_task(
+        add_agent(agent.base_url, name="demo"), "quick", mode="stream"
+    )
     wait_for(lambda: settled(healthy), what="a healthy task on the same worker")
     assert healthy.state == "TASK_STATE_COMPLETED"
 
@@ -41,12 +50,16 @@ def test_a_send_answered_with_garbage_fails_with_the_reason(bad_server, agent, c
         ("sseerror", "system", "error"),
     ],
 )
-def test_a_stream_that_turns_bad_is_logged_and_watched_on(bad_server, start_celery_worker, mode, kind, says):
+def test_a_stream_that_turns_bad_is_logged_and_watched_on(
+    bad_server, start_celery_worker, mode, kind, says
+):
     """These servers name a task, then misbehave: the task exists, the problem is logged."""
     start_celery_worker(WATCH_BACKOFF_BASE_SECONDS="0.2", WATCH_BACKOFF_MAX_SECONDS="0.5")
     broken = bad_agent(bad_server.url_for(mode), f"bad {mode}")
     task = task_services.start_task(broken, "quick", mode="stream")
-    wait_for(lambda: TaskEvent.objects.filter(task=task, kind=kind).count() >= 2, what=f"{kind} entries")
+    wait_for(
+        lambda: TaskEvent.objects.filter(task=task, kind=kind).count() >= 2, what=f"{kind} entries"
+    )
     task.refresh_from_db()
     assert task.phase == "task" and task.remote_id
     notes = " ".join(
@@ -69,8 +82,12 @@ def test_an_oversized_event_fails_the_send_with_the_bound(bad_server, start_cele
     assert "100000-byte limit" in task.send_error
 
 
-def test_garbage_while_polling_is_logged_and_the_watcher_recovers(bad_server, agent, start_celery_worker):
-    start_celery_worker(WATCH_SLICE_SECONDS="1.5", WATCH_BACKOFF_BASE_SECONDS="0.2", WATCH_BACKOFF_MAX_SECONDS="0.5")
+def test_garbage_while_polling_is_logged_and_the_watcher_recovers(
+    bad_server, agent, start_celery_worker
+):
+    start_celery_worker(
+        WATCH_SLICE_SECONDS="1.5", WATCH_BACKOFF_BASE_SECONDS="0.2", WATCH_BACKOFF_MAX_SECONDS="0.5"
+    )
     demo = add_agent(agent.base_url, name="demo")
     good_url = demo.interface_url
     task = task_services.start_task(demo, "long 60", mode="return-immediately")
@@ -92,7 +109,9 @@ def test_garbage_while_polling_is_logged_and_the_watcher_recovers(bad_server, ag
     assert "json" in note.lower()
 
 
-def test_an_agent_that_goes_down_is_marked_unreachable_and_retried(agent, tcp_proxy, start_celery_worker):
+def test_an_agent_that_goes_down_is_marked_unreachable_and_retried(
+    agent, tcp_proxy, start_celery_worker
+):
     start_celery_worker(WATCH_BACKOFF_BASE_SECONDS="0.2", WATCH_BACKOFF_MAX_SECONDS="0.5")
     proxy = tcp_proxy("127.0.0.1", agent.port)
     demo = add_agent(agent.base_url, name="demo")
@@ -101,12 +120,20 @@ def test_an_agent_that_goes_down_is_marked_unreachable_and_retried(agent, tcp_pr
     wait_for(lambda: settled(task, ("TASK_STATE_WORKING",)), what="work to start")
     proxy.refuse()
     proxy.cut()
-    wait_for(lambda: Agent.objects.get(pk=demo.pk).reachable is False, what="the agent to be marked unreachable")
     wait_for(
-        lambda: RemoteTask.objects.get(pk=task.pk).watcher_status == "reconnecting", what="reconnecting status"
+        lambda: Agent.objects.get(pk=demo.pk).reachable is False,
+        what="the agent to be marked unreachable",
+    )
+    wait_for(
+        lambda: RemoteTask.objects.get(pk=task.pk).watcher_status == "reconnecting",
+        what="reconnecting status",
     )
     proxy.accept()
-    wait_for(lambda: Agent.objects.get(pk=demo.pk).reachable is True, timeout=20, what="the agent to be back")
+    wait_for(
+        lambda: Agent.objects.get(pk=demo.pk).reachable is True,
+        timeout=20,
+        what="the agent to be back",
+    )
     task_services.cancel_task(task)
     wait_for(lambda: settled(task), what="cancel after the outage")
     assert task.state == "TASK_STATE_CANCELED"

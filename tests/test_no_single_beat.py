@@ -25,14 +25,18 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def _forget_period() -> None:
-    shared_redis.client(settings.REDIS_URL).delete(f"dashboard:reconcile:{settings.CELERY_TASK_DEFAULT_QUEUE}")
+    shared_redis.client(settings.REDIS_URL).delete(
+        f"dashboard:reconcile:{settings.CELERY_TASK_DEFAULT_QUEUE}"
+    )
 
 
 def test_ticks_released_at_once_run_the_reconciler_once() -> None:
     """Eight callers (two beats' ticks and six workers' timers, say) released together: one
     dispatches the unheld task, the others do nothing (no worker listens on this queue)."""
     agent = Agent.objects.create(name="tick", base_url="http://127.0.0.1:9/tick")
-    RemoteTask.objects.create(agent=agent, phase="task", remote_id="r-tick", state="TASK_STATE_WORKING", watch="poll")
+    RemoteTask.objects.create(
+        agent=agent, phase="task", remote_id="r-tick", state="TASK_STATE_WORKING", watch="poll"
+    )
     _forget_period()
     barrier = threading.Barrier(8)
     results: list[int] = []
@@ -59,7 +63,10 @@ def test_without_any_beat_a_killed_workers_stream_is_held_again(agent, start_cel
     demo = add_agent(agent.base_url, name="demo")
     before = remote_total(demo)
     task = task_services.start_task(demo, "slow 40 0.15", mode="stream")
-    wait_for(lambda: TaskEvent.objects.filter(task=task, kind="artifactUpdate").count() >= 3, what="chunks")
+    wait_for(
+        lambda: TaskEvent.objects.filter(task=task, kind="artifactUpdate").count() >= 3,
+        what="chunks",
+    )
     first.kill()
     # No beat: the surviving worker's own timer finds the expired lease.
     start_celery_worker(WATCH_LEASE_SECONDS="2", RECONCILE_EVERY_SECONDS="1")

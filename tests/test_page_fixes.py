@@ -22,7 +22,9 @@ pytestmark = pytest.mark.django_db
 @pytest.fixture
 def client_in(django_user_model) -> Client:
     client = Client()
-    client.force_login(member(django_user_model.objects.create_user("pages", password="pw-12345678")))
+    client.force_login(
+        member(django_user_model.objects.create_user("pages", password="pw-12345678"))
+    )
     return client
 
 
@@ -37,11 +39,21 @@ def test_error_pages_are_in_the_site_style(client_in, django_user_model) -> None
     body = missing.content.decode()
     assert 'id="not-found"' in body and 'class="topbar"' in body and "favicon.svg" in body
     viewer = Client()
-    viewer.force_login(member(django_user_model.objects.create_user("v", password="pw-12345678"), Membership.Role.VIEWER))
-    task = RemoteTask.objects.create(agent=Agent.objects.create(name="a", base_url="http://127.0.0.1:9/x"), phase="task")
+    viewer.force_login(
+        member(
+            django_user_model.objects.create_user("v", password="pw-12345678"),
+            Membership.Role.VIEWER,
+        )
+    )
+    task = RemoteTask.objects.create(
+        agent=Agent.objects.create(name="a", base_url="http://127.0.0.1:9/x"), phase="task"
+    )
     refused = viewer.post(reverse("task-cancel", args=[task.pk]))
     assert refused.status_code == 403
-    assert 'id="forbidden"' in refused.content.decode() and "does not allow this" in refused.content.decode()
+    assert (
+        'id="forbidden"' in refused.content.decode()
+        and "does not allow this" in refused.content.decode()
+    )
     # The 500 page stands alone (it must render when the rest may be broken).
     page = render_to_string("500.html")
     assert 'id="server-error"' in page and "favicon.svg" in page and "{%" not in page
@@ -54,7 +66,9 @@ def test_every_page_names_a_favicon_that_exists(client_in) -> None:
 
 
 def test_a_plain_message_reply_is_shown_as_one(client_in, agent_row) -> None:
-    reply = RemoteTask.objects.create(agent=agent_row, phase=RemoteTask.Phase.MESSAGE, title="hi", last_seq=1)
+    reply = RemoteTask.objects.create(
+        agent=agent_row, phase=RemoteTask.Phase.MESSAGE, title="hi", last_seq=1
+    )
     TaskEvent.objects.create(task=reply, seq=1, channel="send-response", kind="message", raw={"message": {}},
                              received_at=timezone.now() - timedelta(hours=1))  # fmt: skip
     page = client_in.get(reverse("task-detail", args=[reply.pk])).content.decode()
@@ -65,12 +79,16 @@ def test_a_plain_message_reply_is_shown_as_one(client_in, agent_row) -> None:
     assert f"/tasks/{reply.pk}/" in listed
     # Its timeline ends at its last entry: it does not grow with the clock.
     events = [(1, timezone.now() - timedelta(hours=1), "")]
-    assert timeline_svg(events, ended=True) == timeline_svg(events, ended=True, now=timezone.now() + timedelta(days=1))
+    assert timeline_svg(events, ended=True) == timeline_svg(
+        events, ended=True, now=timezone.now() + timedelta(days=1)
+    )
     assert timeline_svg(events) != timeline_svg(events, now=timezone.now() + timedelta(days=1))
 
 
 def test_an_artifact_is_not_receiving_once_the_task_ended(client_in, agent_row) -> None:
-    task = RemoteTask.objects.create(agent=agent_row, phase="task", state="TASK_STATE_WORKING", remote_id="r-art")
+    task = RemoteTask.objects.create(
+        agent=agent_row, phase="task", state="TASK_STATE_WORKING", remote_id="r-art"
+    )
     artifact = Artifact.objects.create(task=task, artifact_id="a-1", name="out", complete=False)
     ArtifactPart.objects.create(artifact=artifact, index=0, part={"text": "partial"})
     assert "receiving…" in client_in.get(reverse("task-detail", args=[task.pk])).content.decode()

@@ -29,12 +29,22 @@ def tasks(db) -> dict[str, RemoteTask]:
     now = timezone.now()
     old, recent = now - 40 * DAY, now - 5 * DAY
 
-    def make(name: str, *, state="TASK_STATE_COMPLETED", settled=old, updated=old, events=20, **extra) -> RemoteTask:
+    def make(
+        name: str, *, state="TASK_STATE_COMPLETED", settled=old, updated=old, events=20, **extra
+    ) -> RemoteTask:
         task = RemoteTask.objects.create(
-            agent=agent, remote_id=name, title=name, phase="task", state=state, settled_at=settled, **extra
+            agent=agent,
+            remote_id=name,
+            title=name,
+            phase="task",
+            state=state,
+            settled_at=settled,
+            **extra,
         )
         bulk_log(task, events)
-        RemoteTask.objects.filter(pk=task.pk).update(updated_at=updated)  # after the log, which touches nothing else
+        RemoteTask.objects.filter(pk=task.pk).update(
+            updated_at=updated
+        )  # after the log, which touches nothing else
         return task
 
     made = {
@@ -45,12 +55,16 @@ def tasks(db) -> dict[str, RemoteTask]:
         "not-terminal": make("not-terminal", state="TASK_STATE_WORKING"),
         "recent": make("recent", settled=recent, updated=recent),
         "updated-lately": make("updated-lately", updated=recent),
-        "leased": make("leased", lease_expires_at=now + timedelta(minutes=5), lease_owner="worker-1"),
+        "leased": make(
+            "leased", lease_expires_at=now + timedelta(minutes=5), lease_owner="worker-1"
+        ),
         "polling": make("polling", watcher_status=RemoteTask.WatcherStatus.POLLING),
     }
     artifact = Artifact.objects.create(task=made["old-completed"], artifact_id="out")
     ArtifactPart.objects.create(artifact=artifact, index=0, part={"text": "result"})
-    OperatorAction.objects.create(task=made["old-completed"], agent=agent, action="cancel", outcome="requested")
+    OperatorAction.objects.create(
+        task=made["old-completed"], agent=agent, action="cancel", outcome="requested"
+    )
     return made
 
 
@@ -61,9 +75,20 @@ def remaining() -> set[str]:
     return set(RemoteTask.objects.values_list("remote_id", flat=True))
 
 
-def test_prune_removes_exactly_the_settled_old_unwatched_tasks_and_exports_them_first(tasks, tmp_path) -> None:
+def test_prune_removes_exactly_the_settled_old_unwatched_tasks_and_exports_them_first(
+    tasks, tmp_path
+) -> None:
     out = io.StringIO()
-    call_command("prune", "--older-than", "30", "--export-to", str(tmp_path / "exports"), "--batch", "2", stdout=out)
+    call_command(
+        "prune",
+        "--older-than",
+        "30",
+        "--export-to",
+        str(tmp_path / "exports"),
+        "--batch",
+        "2",
+        stdout=out,
+    )
     assert remaining() == set(tasks) - set(REMOVED)
     removed_pks = sorted(tasks[name].pk for name in REMOVED)
     assert not TaskEvent.objects.filter(task_id__in=removed_pks).exists()
@@ -72,7 +97,9 @@ def test_prune_removes_exactly_the_settled_old_unwatched_tasks_and_exports_them_
         assert audit.verify(tasks[name].pk).ok, name
 
     files = sorted((tmp_path / "exports").iterdir())
-    assert [f.name for f in files] == sorted(f"task-{pk}.jsonl" for pk in removed_pks)  # no temporary files left
+    assert [f.name for f in files] == sorted(
+        f"task-{pk}.jsonl" for pk in removed_pks
+    )  # no temporary files left
     for path in files:
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         lines = path.read_text().splitlines()
@@ -83,8 +110,13 @@ def test_prune_removes_exactly_the_settled_old_unwatched_tasks_and_exports_them_
 
     run = OperatorAction.objects.get(action="prune")
     assert run.task_id is None and run.agent_id is None
-    assert run.payload["tasks"] == 3 and run.payload["events"] == 340 and run.payload["exported"] == 3
-    assert (run.payload["first_task_id"], run.payload["last_task_id"]) == (removed_pks[0], removed_pks[-1])
+    assert (
+        run.payload["tasks"] == 3 and run.payload["events"] == 340 and run.payload["exported"] == 3
+    )
+    assert (run.payload["first_task_id"], run.payload["last_task_id"]) == (
+        removed_pks[0],
+        removed_pks[-1],
+    )
     assert "removed 3 settled task(s)" in out.getvalue() and "removed 3" in run.outcome
     # The operator's action on a removed task stays in the log, without its task link.
     kept = OperatorAction.objects.get(action="cancel")
@@ -93,24 +125,40 @@ def test_prune_removes_exactly_the_settled_old_unwatched_tasks_and_exports_them_
 
 def test_a_dry_run_counts_and_removes_nothing(tasks, tmp_path) -> None:
     out = io.StringIO()
-    call_command("prune", "--older-than", "30", "--dry-run", "--export-to", str(tmp_path / "x"), stdout=out)
+    call_command(
+        "prune", "--older-than", "30", "--dry-run", "--export-to", str(tmp_path / "x"), stdout=out
+    )
     assert "would remove 3 settled task(s)" in out.getvalue()
     assert remaining() == set(tasks)
-    assert not (tmp_path / "x").exists() and not OperatorAction.objects.filter(action="prune").exists()
+    assert (
+        not (tmp_path / "x").exists() and not OperatorAction.objects.filter(action="prune").exists()
+    )
 
 
 def test_nothing_is_due_within_the_age(tasks) -> None:
     call_command("prune", "--older-than", "45", stdout=io.StringIO())
     assert remaining() == set(tasks)
-    assert OperatorAction.objects.get(action="prune").payload["tasks"] == 0  # the run is recorded all the same
+    assert (
+        OperatorAction.objects.get(action="prune").payload["tasks"] == 0
+    )  # the run is recorded all the same
 
 
 def test_a_task_whose_export_fails_is_kept(tasks, tmp_path) -> None:
     folder = tmp_path / "exports"
     folder.mkdir()
-    (folder / f"task-{tasks['old-failed'].pk}.jsonl").mkdir()  # a folder where the file must go: rename fails
+    (
+        folder / f"task-{tasks['old-failed'].pk}.jsonl"
+    ).mkdir()  # a folder where the file must go: rename fails
     with pytest.raises(CommandError, match="could not be exported and were kept"):
-        call_command("prune", "--older-than", "30", "--export-to", str(folder), stdout=io.StringIO(), stderr=io.StringIO())
+        call_command(
+            "prune",
+            "--older-than",
+            "30",
+            "--export-to",
+            str(folder),
+            stdout=io.StringIO(),
+            stderr=io.StringIO(),
+        )
     assert remaining() == set(tasks) - {"old-completed", "old-canceled"}
     assert not [p for p in folder.iterdir() if p.name.endswith(".part")]
 

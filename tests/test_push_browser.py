@@ -16,7 +16,9 @@ from tasks_app.services import tasks as task_services
 from tasks_app.services.agents import add_agent
 
 CHROMIUM = "/usr/bin/chromium"
-assert Path(CHROMIUM).exists(), f"Chromium is not installed at {CHROMIUM} (apt-get install chromium)"
+assert Path(CHROMIUM).exists(), (
+    f"Chromium is not installed at {CHROMIUM} (apt-get install chromium)"
+)
 from playwright import sync_api  # noqa: E402
 
 pytestmark = [

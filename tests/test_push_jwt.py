@@ -74,7 +74,9 @@ def _empty_queue(redis_url: str) -> None:
 
 @pytest.fixture
 def config(jwks_url: str) -> PushConfig:
-    agent = Agent.objects.create(name="signer", base_url=f"http://127.0.0.1:1/{uuid.uuid4().hex}/", push=True)
+    agent = Agent.objects.create(
+        name="signer", base_url=f"http://127.0.0.1:1/{uuid.uuid4().hex}/", push=True
+    )
     task = RemoteTask.objects.create(
         agent=agent, title="t", remote_id="t-1", phase=RemoteTask.Phase.TASK,
         state="TASK_STATE_SUBMITTED", watch=RemoteTask.Watch.PUSH,
@@ -84,7 +86,13 @@ def config(jwks_url: str) -> PushConfig:
 
 def body_of(ts: str = "2026-01-01T00:00:01Z") -> bytes:
     return json.dumps(
-        {"statusUpdate": {"taskId": "t-1", "contextId": "c", "status": {"state": "TASK_STATE_WORKING", "timestamp": ts}}}
+        {
+            "statusUpdate": {
+                "taskId": "t-1",
+                "contextId": "c",
+                "status": {"state": "TASK_STATE_WORKING", "timestamp": ts},
+            }
+        }
     ).encode()
 
 
@@ -103,7 +111,9 @@ def sign(keys: Keys, config: PushConfig, body: bytes, **overrides: object) -> st
     return jwt.encode(claims, keys.key, algorithm="ES256", headers={"kid": keys.kid})
 
 
-def deliver(config: PushConfig, body: bytes, signed: str | None, *, token: str | None = None) -> int:
+def deliver(
+    config: PushConfig, body: bytes, signed: str | None, *, token: str | None = None
+) -> int:
     values = push.decrypt_json(config.secrets_encrypted)
     headers = {
         "REMOTE_ADDR": f"10.1.{uuid.uuid4().int % 250}.{uuid.uuid4().int % 250}",
@@ -111,12 +121,17 @@ def deliver(config: PushConfig, body: bytes, signed: str | None, *, token: str |
     }
     if signed is not None:
         headers["HTTP_AUTHORIZATION"] = f"Bearer {signed}"
-    response = Client().post(f"/push/{config.config_id}/", data=body, content_type="application/json", **headers)
+    response = Client().post(
+        f"/push/{config.config_id}/", data=body, content_type="application/json", **headers
+    )
     return response.status_code
 
 
 def nothing_recorded(config: PushConfig) -> bool:
-    return push._redis().llen(push.QUEUE_KEY) == 0 and not TaskEvent.objects.filter(task_id=config.task_id).exists()
+    return (
+        push._redis().llen(push.QUEUE_KEY) == 0
+        and not TaskEvent.objects.filter(task_id=config.task_id).exists()
+    )
 
 
 def test_a_config_for_a_signing_agent_gives_it_no_authorization_credentials(config):
@@ -188,7 +203,9 @@ def test_unsigned_and_unsafe_algorithms_are_refused(keys, config):
     assert deliver(config, body, None) == 401
     unsigned = jwt.encode({"iss": ISSUER, "aud": config.config_id}, key=None, algorithm="none")
     assert deliver(config, body, unsigned) == 401
-    hmac_signed = jwt.encode({"iss": ISSUER, "aud": config.config_id}, "guess" * 8, algorithm="HS256")
+    hmac_signed = jwt.encode(
+        {"iss": ISSUER, "aud": config.config_id}, "guess" * 8, algorithm="HS256"
+    )
     assert deliver(config, body, hmac_signed) == 401
     assert deliver(config, body, sign(keys, config, body), token="wrong") == 401
     assert nothing_recorded(config)

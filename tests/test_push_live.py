@@ -125,7 +125,11 @@ def test_a_silent_push_task_falls_back_to_polling_and_the_page_says_so(
 ):
     # The agent is told a URL where nobody listens: every delivery fails, so the task is silent.
     dead = f"http://127.0.0.1:{free_port()}"
-    fast = {"PUSH_SILENCE_SECONDS": "1", "RECONCILE_EVERY_SECONDS": "0.5", "WATCH_POLL_MIN_SECONDS": "0.3"}
+    fast = {
+        "PUSH_SILENCE_SECONDS": "1",
+        "RECONCILE_EVERY_SECONDS": "0.5",
+        "WATCH_POLL_MIN_SECONDS": "0.3",
+    }
     start_celery_worker(PUBLIC_URL=dead, **fast)
     start_celery_beat(**fast)
     stored = add_agent(agent.base_url)
@@ -139,7 +143,9 @@ def test_a_silent_push_task_falls_back_to_polling_and_the_page_says_so(
 
     wait_for(done, 60, "the silent task to be followed by polls to its end")
     assert ("awaiting-push", "awaiting push notifications") in notes
-    polling = [note for status, note in notes if status == "polling" and "no push notification" in note]
+    polling = [
+        note for status, note in notes if status == "polling" and "no push notification" in note
+    ]
     assert polling, notes
     log = channels(task)
     assert not [c for c, _ in log if c == "push"]
@@ -148,16 +154,24 @@ def test_a_silent_push_task_falls_back_to_polling_and_the_page_says_so(
     assert_converged(task)
 
 
-def test_the_operator_switches_a_push_task_back_to_polling(agent, web, start_celery_worker, admin_user):
+def test_the_operator_switches_a_push_task_back_to_polling(
+    agent, web, start_celery_worker, admin_user
+):
     dead = f"http://127.0.0.1:{free_port()}"
     start_celery_worker(PUBLIC_URL=dead, PUSH_SILENCE_SECONDS="600")
     stored = add_agent(agent.base_url)
     task = task_services.start_task(stored, "batch 4 0.3", mode="push")
-    wait_for(lambda: RemoteTask.objects.get(pk=task.pk).watcher_status == "awaiting-push", 30, "awaiting push")
+    wait_for(
+        lambda: RemoteTask.objects.get(pk=task.pk).watcher_status == "awaiting-push",
+        30,
+        "awaiting push",
+    )
     task.refresh_from_db()
     task_services.switch_watch(task, "poll", actor_id=admin_user.pk)
     wait_for(lambda: settled(task), 60, "the switched task to settle")
     task.refresh_from_db()
     assert task.watch == RemoteTask.Watch.POLL
-    assert TaskEvent.objects.filter(task=task, kind="operator", raw__operator__action="switch-watch").exists()
+    assert TaskEvent.objects.filter(
+        task=task, kind="operator", raw__operator__action="switch-watch"
+    ).exists()
     assert_converged(task)

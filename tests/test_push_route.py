@@ -34,7 +34,9 @@ def _empty_queue(redis_url: str) -> None:
 
 @pytest.fixture
 def config() -> PushConfig:
-    agent = Agent.objects.create(name="routed", base_url=f"http://127.0.0.1:1/{uuid.uuid4().hex}/", push=True)
+    agent = Agent.objects.create(
+        name="routed", base_url=f"http://127.0.0.1:1/{uuid.uuid4().hex}/", push=True
+    )
     task = RemoteTask.objects.create(
         agent=agent, title="t", remote_id="r-1", phase=RemoteTask.Phase.TASK,
         state="TASK_STATE_SUBMITTED", watch=RemoteTask.Watch.PUSH,
@@ -49,13 +51,22 @@ def source() -> str:
 def update(i: int, task_id: str = "r-1") -> bytes:
     ts = f"2026-01-01T00:00:{i % 60:02d}.{i:06d}Z"
     return json.dumps(
-        {"statusUpdate": {"taskId": task_id, "contextId": "c", "status": {"state": "TASK_STATE_WORKING", "timestamp": ts}}}
+        {
+            "statusUpdate": {
+                "taskId": task_id,
+                "contextId": "c",
+                "status": {"state": "TASK_STATE_WORKING", "timestamp": ts},
+            }
+        }
     ).encode()
 
 
 def credentials(config: PushConfig) -> dict[str, str]:
     values = decrypt_json(config.secrets_encrypted)
-    return {"x-a2a-notification-token": values["token"], "authorization": f"{values['scheme']} {values['credentials']}"}
+    return {
+        "x-a2a-notification-token": values["token"],
+        "authorization": f"{values['scheme']} {values['credentials']}",
+    }
 
 
 async def call(path: str, body: bytes = b"", headers: dict[str, str] | None = None, *, method: str = "POST",
@@ -109,7 +120,9 @@ def test_a_genuine_delivery_is_queued_and_recorded(config):
     items = push._redis().lpop(push.QUEUE_KEY, 10)
     assert len(items) == 1
     push.record_batch(items)
-    assert list(TaskEvent.objects.filter(task_id=config.task_id).values_list("channel", flat=True)) == ["push"]
+    assert list(
+        TaskEvent.objects.filter(task_id=config.task_id).values_list("channel", flat=True)
+    ) == ["push"]
 
 
 def test_refusals_answer_as_the_view_does(config, caplog):
@@ -138,7 +151,9 @@ def test_a_forging_address_is_cut_off_before_any_lookup(config, settings):
     forger = source()
 
     async def forge() -> list[int]:
-        return [(await call(f"/push/{uuid.uuid4().hex}/", update(i), addr=forger))[0] for i in range(6)]
+        return [
+            (await call(f"/push/{uuid.uuid4().hex}/", update(i), addr=forger))[0] for i in range(6)
+        ]
 
     assert run(forge()) == [404, 404, 404, 429, 429, 429]
     assert run(call(f"/push/{config.config_id}/", update(7), credentials(config)))[0] == 202
@@ -187,14 +202,21 @@ def test_other_paths_are_django_s(config):
     assert headers["content-security-policy"] != "default-src 'none'; frame-ancestors 'none'"
 
 
-def test_a_config_past_its_cache_time_is_used_and_read_again_and_a_removed_row_is_then_refused(config):
+def test_a_config_past_its_cache_time_is_used_and_read_again_and_a_removed_row_is_then_refused(
+    config,
+):
     """A genuine delivery never waits on the database for a config it had; a row removed behind
     the cache's back (no marker: its task deleted) is refused once the background read saw it go,
     and the delivery taken meanwhile is not recorded (the drain checks the config again)."""
     path, good = f"/push/{config.config_id}/", credentials(config)
     assert run(call(path, update(10), good))[0] == 202
-    push._config_cache[config.config_id] = (push.time.monotonic() - 1, push._config_cache[config.config_id][1])
-    RemoteTask.objects.filter(pk=config.task_id).update(remote_id="r-1")  # unchanged: the row is still there
+    push._config_cache[config.config_id] = (
+        push.time.monotonic() - 1,
+        push._config_cache[config.config_id][1],
+    )
+    RemoteTask.objects.filter(pk=config.task_id).update(
+        remote_id="r-1"
+    )  # unchanged: the row is still there
     PushConfig.objects.filter(pk=config.pk).delete()  # gone behind the cache's back, no marker
 
     async def deliver_then_wait_for_the_read() -> int:

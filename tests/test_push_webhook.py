@@ -27,7 +27,9 @@ def _empty_queue(redis_url: str) -> None:
 
 @pytest.fixture
 def task() -> RemoteTask:
-    agent = Agent.objects.create(name="pushy", base_url=f"http://127.0.0.1:1/{uuid.uuid4().hex}/", push=True)
+    agent = Agent.objects.create(
+        name="pushy", base_url=f"http://127.0.0.1:1/{uuid.uuid4().hex}/", push=True
+    )
     return RemoteTask.objects.create(
         agent=agent, title="t", remote_id="t-1", phase=RemoteTask.Phase.TASK,
         state="TASK_STATE_SUBMITTED", watch=RemoteTask.Watch.PUSH,
@@ -48,9 +50,17 @@ def source() -> str:
     return f"10.{uuid.uuid4().int % 250}.{uuid.uuid4().int % 250}.{uuid.uuid4().int % 250}"
 
 
-def status_update(task_id: str = "t-1", state: str = "TASK_STATE_WORKING", ts: str = "2026-01-01T00:00:01Z") -> bytes:
+def status_update(
+    task_id: str = "t-1", state: str = "TASK_STATE_WORKING", ts: str = "2026-01-01T00:00:01Z"
+) -> bytes:
     return json.dumps(
-        {"statusUpdate": {"taskId": task_id, "contextId": "c", "status": {"state": state, "timestamp": ts}}}
+        {
+            "statusUpdate": {
+                "taskId": task_id,
+                "contextId": "c",
+                "status": {"state": state, "timestamp": ts},
+            }
+        }
     ).encode()
 
 
@@ -114,15 +124,31 @@ def test_a_genuine_notification_is_accepted_queued_and_recorded_on_push(task, co
 
 
 def test_both_content_types_are_accepted_and_others_refused(task, config):
-    assert good(config, status_update(ts="2026-01-01T00:00:02Z"), content_type="application/json")[0] == 202
-    assert good(config, status_update(ts="2026-01-01T00:00:03Z"), content_type="application/a2a+json; charset=utf-8")[0] == 202
+    assert (
+        good(config, status_update(ts="2026-01-01T00:00:02Z"), content_type="application/json")[0]
+        == 202
+    )
+    assert (
+        good(
+            config,
+            status_update(ts="2026-01-01T00:00:03Z"),
+            content_type="application/a2a+json; charset=utf-8",
+        )[0]
+        == 202
+    )
     push._redis().delete(push.QUEUE_KEY)
-    assert good(config, status_update(ts="2026-01-01T00:00:04Z"), content_type="text/plain")[0] == 415
+    assert (
+        good(config, status_update(ts="2026-01-01T00:00:04Z"), content_type="text/plain")[0] == 415
+    )
     unchanged(task)
 
 
-@pytest.mark.parametrize("which", ["none", "wrong token", "wrong credentials", "wrong scheme", "one wrong of two"])
-def test_missing_or_wrong_credentials_are_401_with_one_security_line_and_no_secret(task, config, which, caplog):
+@pytest.mark.parametrize(
+    "which", ["none", "wrong token", "wrong credentials", "wrong scheme", "one wrong of two"]
+)
+def test_missing_or_wrong_credentials_are_401_with_one_security_line_and_no_secret(
+    task, config, which, caplog
+):
     values = secrets_of(config)
     right_auth = f"{values['scheme']} {values['credentials']}"
     kwargs: dict = {
@@ -139,18 +165,28 @@ def test_missing_or_wrong_credentials_are_401_with_one_security_line_and_no_secr
     assert len(lines) == 1
     text = lines[0].getMessage()
     assert "refused" in text and config.config_id in text
-    assert values["token"] not in text and values["credentials"] not in text and "x" * 43 not in text
+    assert (
+        values["token"] not in text and values["credentials"] not in text and "x" * 43 not in text
+    )
     unchanged(task)
 
 
 def test_either_credential_alone_is_enough_when_right(task, config):
     values = secrets_of(config)
-    assert deliver(config.config_id, status_update(ts="2026-01-01T00:00:05Z"), token=values["token"])[0] == 202
-    assert deliver(
-        config.config_id,
-        status_update(ts="2026-01-01T00:00:06Z"),
-        authorization=f"bearer {values['credentials']}",  # the scheme is case-insensitive
-    )[0] == 202
+    assert (
+        deliver(config.config_id, status_update(ts="2026-01-01T00:00:05Z"), token=values["token"])[
+            0
+        ]
+        == 202
+    )
+    assert (
+        deliver(
+            config.config_id,
+            status_update(ts="2026-01-01T00:00:06Z"),
+            authorization=f"bearer {values['credentials']}",  # the scheme is case-insensitive
+        )[0]
+        == 202
+    )
 
 
 def test_unknown_or_deleted_config_is_404(task, config):
@@ -178,7 +214,14 @@ def test_oversized_is_413_before_parsing(task, config, settings):
 
 @pytest.mark.parametrize(
     "body",
-    [b"{not json", b"[1, 2]", b'{"foo": {}}', b'{"task": {"id": "t-1"}, "statusUpdate": {}}', b"[" * 5000, b""],
+    [
+        b"{not json",
+        b"[1, 2]",
+        b'{"foo": {}}',
+        b'{"task": {"id": "t-1"}, "statusUpdate": {}}',
+        b"[" * 5000,
+        b"",
+    ],
     ids=["broken", "array", "no kind", "two kinds", "too deep", "empty"],
 )
 def test_malformed_bodies_are_400(task, config, body):
@@ -199,7 +242,10 @@ def test_a_flood_on_one_config_is_429_while_another_config_gets_through(task, co
     )  # fmt: skip
     other = push.new_config(other_task)
     addr = source()
-    statuses = [good(config, status_update(ts=f"2026-01-01T00:01:{i:02d}Z"), addr=addr)[0] for i in range(30)]
+    statuses = [
+        good(config, status_update(ts=f"2026-01-01T00:01:{i:02d}Z"), addr=addr)[0]
+        for i in range(30)
+    ]
     assert statuses.count(429) >= 15  # at most 5 per second window pass, two windows at worst
     assert set(statuses) <= {202, 429}
     assert good(other, status_update(task_id="t-2"), addr=addr)[0] == 202
@@ -208,7 +254,10 @@ def test_a_flood_on_one_config_is_429_while_another_config_gets_through(task, co
 def test_a_forging_source_is_cut_off_while_other_sources_get_through(task, config, settings):
     settings.PUSH_REFUSED_PER_SOURCE = 5
     forger = source()
-    statuses = [deliver(config.config_id, status_update(), token="forged", addr=forger)[0] for _ in range(12)]
+    statuses = [
+        deliver(config.config_id, status_update(), token="forged", addr=forger)[0]
+        for _ in range(12)
+    ]
     assert statuses[:5] == [401] * 5
     assert statuses[5:] == [429] * 7  # refused before any lookup
     assert queued() == 0
@@ -230,8 +279,12 @@ def test_the_same_delivery_twice_appends_nothing(task, config):
 
 
 def test_a_delivery_before_the_agent_named_the_task_is_taken(task, config):
-    RemoteTask.objects.filter(pk=task.pk).update(remote_id="", phase=RemoteTask.Phase.SENDING, state="")
-    body = json.dumps({"task": {"id": "t-new", "contextId": "c", "status": {"state": "TASK_STATE_SUBMITTED"}}}).encode()
+    RemoteTask.objects.filter(pk=task.pk).update(
+        remote_id="", phase=RemoteTask.Phase.SENDING, state=""
+    )
+    body = json.dumps(
+        {"task": {"id": "t-new", "contextId": "c", "status": {"state": "TASK_STATE_SUBMITTED"}}}
+    ).encode()
     assert good(config, body)[0] == 202
     drain_here()
     task.refresh_from_db()
@@ -264,7 +317,10 @@ def test_rotate_keys_re_encrypts_push_config_secrets_and_deliveries_still_pass(t
     out = StringIO()
     with pytest.raises(CommandError, match=on_lost.config_id) as failed:
         call_command("rotate_keys", stdout=out)
-    assert "Push configs: 1 re-encrypted, 1 already on the current key, 1 unreadable." in out.getvalue()
+    assert (
+        "Push configs: 1 re-encrypted, 1 already on the current key, 1 unreadable."
+        in out.getvalue()
+    )
     text = out.getvalue() + str(failed.value)
     assert values["token"] not in text and values["credentials"] not in text
     after = {c.pk: c.secrets_encrypted for c in PushConfig.objects.all()}
@@ -279,17 +335,25 @@ def test_rotate_keys_re_encrypts_push_config_secrets_and_deliveries_still_pass(t
     assert good(on_old, status_update(ts="2026-01-01T00:03:00Z"))[0] == 202
 
 
-def test_starting_in_push_mode_on_an_agent_without_push_says_so_under_the_mode_field(client, django_user_model, settings):
+def test_starting_in_push_mode_on_an_agent_without_push_says_so_under_the_mode_field(
+    client, django_user_model, settings
+):
     from django.urls import reverse
 
     from tests.people import member
 
     settings.PUBLIC_URL = "http://127.0.0.1:8000"  # push is offered by the form
-    client.force_login(member(django_user_model.objects.create_user(username="pusher", password="pw-12345678")))
+    client.force_login(
+        member(django_user_model.objects.create_user(username="pusher", password="pw-12345678"))
+    )
     url = f"http://127.0.0.1:1/{uuid.uuid4().hex}/"
     agent = Agent.objects.create(name="no-push", base_url=url, interface_url=url, push=False)
-    response = client.post(reverse("task-new"), {"agent": agent.pk, "text": "hello", "mode": "push"})
+    response = client.post(
+        reverse("task-new"), {"agent": agent.pk, "text": "hello", "mode": "push"}
+    )
     assert response.status_code == 400
     errors = response.context["form"].errors
-    assert errors.get("mode") == ["no-push does not declare push notifications: choose another mode."], errors
+    assert errors.get("mode") == [
+        "no-push does not declare push notifications: choose another mode."
+    ], errors
     assert not RemoteTask.objects.filter(agent=agent).exists()

@@ -14,12 +14,18 @@ from tasks_app.services.snapshot import task_view
 pytestmark = pytest.mark.django_db
 
 
-def status(task_id: str, state: str, ts: str | None = None, text: str | None = None, mid: str = "") -> dict:
+def status(
+    task_id: str, state: str, ts: str | None = None, text: str | None = None, mid: str = ""
+) -> dict:
     body: dict = {"state": state}
     if ts:
         body["timestamp"] = ts
     if text:
-        body["message"] = {"messageId": mid or f"m-{text}", "role": "ROLE_AGENT", "parts": [{"text": text}]}
+        body["message"] = {
+            "messageId": mid or f"m-{text}",
+            "role": "ROLE_AGENT",
+            "parts": [{"text": text}],
+        }
     return {"statusUpdate": {"taskId": task_id, "contextId": "c-1", "status": body}}
 
 
@@ -35,7 +41,9 @@ def chunk(task_id: str, text: str, *, append: bool, last: bool = False, aid: str
     }
 
 
-def snapshot(task_id: str, state: str, artifacts: list | None = None, ts: str | None = None) -> dict:
+def snapshot(
+    task_id: str, state: str, artifacts: list | None = None, ts: str | None = None
+) -> dict:
     task: dict = {"id": task_id, "contextId": "c-1", "status": {"state": state}}
     if ts:
         task["status"]["timestamp"] = ts
@@ -59,7 +67,10 @@ def test_first_task_event_adopts_the_remote_id(task):
     task.refresh_from_db()
     assert result.seqs == [1]
     assert (task.remote_id, task.context_id, task.phase, task.state) == (
-        "t-1", "c-1", "task", "TASK_STATE_SUBMITTED"
+        "t-1",
+        "c-1",
+        "task",
+        "TASK_STATE_SUBMITTED",
     )
 
 
@@ -78,7 +89,11 @@ def test_chunks_append_replace_and_complete(task):
     task.refresh_from_db()
     view = task_view(task)
     assert view["artifacts"] == [
-        {"artifactId": "a-1", "name": "out.txt", "parts": [{"text": "a"}, {"text": "b"}, {"text": "c"}]}
+        {
+            "artifactId": "a-1",
+            "name": "out.txt",
+            "parts": [{"text": "a"}, {"text": "b"}, {"text": "c"}],
+        }
     ]
     assert task.artifacts.get().complete
     record(task, chunk("t-1", "z", append=False), "stream")
@@ -90,7 +105,9 @@ def test_same_status_twice_is_recorded_once(task):
     record(task, snapshot("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:01Z"), "poll")
     first = record(task, status("t-1", "TASK_STATE_COMPLETED", ts="2026-01-01T00:00:02Z"), "push")
     again = record(task, status("t-1", "TASK_STATE_COMPLETED", ts="2026-01-01T00:00:02Z"), "poll")
-    same_snapshot = record(task, snapshot("t-1", "TASK_STATE_COMPLETED", ts="2026-01-01T00:00:02Z"), "poll")
+    same_snapshot = record(
+        task, snapshot("t-1", "TASK_STATE_COMPLETED", ts="2026-01-01T00:00:02Z"), "poll"
+    )
     assert first.seqs == [2]
     assert again.duplicate and same_snapshot.duplicate
     assert seqs(task) == [1, 2]
@@ -121,18 +138,31 @@ def test_garbage_and_other_tasks_become_protocol_errors(task):
 
 
 def test_resubscribe_snapshot_that_differs_records_a_gap(task):
-    record_many(task, [snapshot("t-1", "TASK_STATE_WORKING"), chunk("t-1", "a", append=False)], "stream")
+    record_many(
+        task, [snapshot("t-1", "TASK_STATE_WORKING"), chunk("t-1", "a", append=False)], "stream"
+    )
     artifact = {"artifactId": "a-1", "name": "out.txt", "parts": [{"text": "a"}, {"text": "b"}]}
     result = record(task, snapshot("t-1", "TASK_STATE_COMPLETED", [artifact]), "resubscribe")
-    kinds = list(TaskEvent.objects.filter(task=task, seq__in=result.seqs).values_list("kind", flat=True))
+    kinds = list(
+        TaskEvent.objects.filter(task=task, seq__in=result.seqs).values_list("kind", flat=True)
+    )
     assert kinds == ["gap", "task"]
     assert task_view(task)["artifacts"] == [artifact]
     # The same snapshot again adds nothing, and no second gap.
-    assert record(task, snapshot("t-1", "TASK_STATE_COMPLETED", [artifact]), "resubscribe").duplicate
+    assert record(
+        task, snapshot("t-1", "TASK_STATE_COMPLETED", [artifact]), "resubscribe"
+    ).duplicate
 
 
 def test_plain_message_reply_ends_the_exchange_without_a_task(task):
-    reply = {"message": {"messageId": "m-r", "role": "ROLE_AGENT", "contextId": "c-9", "parts": [{"text": "hi"}]}}
+    reply = {
+        "message": {
+            "messageId": "m-r",
+            "role": "ROLE_AGENT",
+            "contextId": "c-9",
+            "parts": [{"text": "hi"}],
+        }
+    }
     record(task, reply, "send-response")
     task.refresh_from_db()
     assert (task.phase, task.remote_id, task.context_id) == ("message", "", "c-9")
@@ -182,7 +212,11 @@ def test_each_entry_of_a_batch_carries_the_state_right_after_it(task):
         ],
         "stream",
     )
-    rows = list(TaskEvent.objects.filter(task=task).order_by("seq").values_list("state_after", "state_changed"))
+    rows = list(
+        TaskEvent.objects.filter(task=task)
+        .order_by("seq")
+        .values_list("state_after", "state_changed")
+    )
     assert rows == [
         ("TASK_STATE_SUBMITTED", True),
         ("TASK_STATE_WORKING", True),

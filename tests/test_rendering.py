@@ -21,7 +21,10 @@ from tasks_app.svg import timeline_svg
 def test_markdown_is_rendered_and_sanitized():
     html = str(markdown_html(MARKDOWN_SAMPLE))
     assert "<h1>Demo report</h1>" in html and "<strong>bold</strong>" in html
-    assert '<a href="https://example.org/" target="_blank" rel="noopener noreferrer">safe link</a>' in html
+    assert (
+        '<a href="https://example.org/" target="_blank" rel="noopener noreferrer">safe link</a>'
+        in html
+    )
     assert "<script" not in html and "<img" not in html
     assert 'href="javascript' not in html
     assert "&lt;script&gt;" in html  # raw HTML is shown as text
@@ -34,14 +37,27 @@ def test_sanitizer_drops_dangerous_markup_even_if_given_html():
         '<style>body{}</style><b>ok</b><a href="https://e.org">e</a>'
     )
     html = str(sanitize_html(dirty))
-    for bad in ("onclick", "<script", "alert(1)</", "javascript:", 'href="/admin/"', "data:", "<iframe", "<style"):
+    for bad in (
+        "onclick",
+        "<script",
+        "alert(1)</",
+        "javascript:",
+        'href="/admin/"',
+        "data:",
+        "<iframe",
+        "<style",
+    ):
         assert bad not in html, bad
     assert "<b>ok</b>" in html
     assert '<a href="https://e.org" target="_blank" rel="noopener noreferrer">e</a>' in html
 
 
 def test_markdown_link_schemes():
-    html = str(markdown_html("[a](javascript:alert(1)) [b](vbscript:x) [c](mailto:a@b.c) [d](http://e.org)"))
+    html = str(
+        markdown_html(
+            "[a](javascript:alert(1)) [b](vbscript:x) [c](mailto:a@b.c) [d](http://e.org)"
+        )
+    )
     assert 'href="javascript' not in html
     assert 'href="vbscript' not in html
     assert 'href="mailto:a@b.c"' in html and 'href="http://e.org"' in html
@@ -60,14 +76,21 @@ def test_data_url_and_raw_parts():
                 {"data": {"k": "<b>v</b>"}},
                 {"url": "javascript:alert(1)"},
                 {"url": "https://files.example.org/a.pdf", "filename": "a.pdf"},
-                {"raw": base64.b64encode(b"x").decode(), "filename": "../../etc/passwd", "mediaType": "text/html"},
+                {
+                    "raw": base64.b64encode(b"x").decode(),
+                    "filename": "../../etc/passwd",
+                    "mediaType": "text/html",
+                },
             ],
             lambda i: f"/dl/{i}",
         )
     )
     assert "&lt;b&gt;v&lt;/b&gt;" in html and "<b>v" not in html
     assert 'href="javascript' not in html and "Link not shown" in html
-    assert '<a href="https://files.example.org/a.pdf" rel="noopener noreferrer" target="_blank">a.pdf</a>' in html
+    assert (
+        '<a href="https://files.example.org/a.pdf" rel="noopener noreferrer" target="_blank">a.pdf</a>'
+        in html
+    )
     assert 'href="/dl/3" download="passwd"' in html
 
 
@@ -103,7 +126,12 @@ def test_timeline_segments_and_escaping():
     assert svg.count("<rect") == 4  # sending, working, input-required, completed
     assert "st-working" in svg and "st-input-required" in svg and "st-completed" in svg
     assert svg.count("tl-tick") == 5
-    hostile = str(timeline_svg([(1, t0, '<script>"x'), (2, t0 + timedelta(seconds=1), "TASK_STATE_WORKING")], now=t0 + timedelta(seconds=3)))
+    hostile = str(
+        timeline_svg(
+            [(1, t0, '<script>"x'), (2, t0 + timedelta(seconds=1), "TASK_STATE_WORKING")],
+            now=t0 + timedelta(seconds=3),
+        )
+    )
     assert "<script" not in hostile
     assert "No events yet" in str(timeline_svg([]))
 

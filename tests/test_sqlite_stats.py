@@ -18,8 +18,12 @@ pytestmark = pytest.mark.django_db
 
 
 def test_a_persons_task_list_uses_the_updated_at_index_once_analyzed() -> None:
-    mine = Agent.objects.create(name="mine", base_url="http://127.0.0.1:9/mine", project=Project.objects.create(name="m"))
-    other = Agent.objects.create(name="other", base_url="http://127.0.0.1:9/other", project=Project.objects.create(name="o"))
+    mine = Agent.objects.create(
+        name="mine", base_url="http://127.0.0.1:9/mine", project=Project.objects.create(name="m")
+    )
+    other = Agent.objects.create(
+        name="other", base_url="http://127.0.0.1:9/other", project=Project.objects.create(name="o")
+    )
     now = timezone.now()
     RemoteTask.objects.bulk_create(
         [RemoteTask(agent=mine if i % 10 else other, remote_id=f"r{i}", phase="task", state="TASK_STATE_COMPLETED",

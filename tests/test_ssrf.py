@@ -40,7 +40,9 @@ from tests.people import member
 pytestmark = [pytest.mark.django_db, pytest.mark.timeout(60)]
 
 GUARD = "refused by the outbound guard: "
-METADATA = "169.254.169.254 is link-local (cloud metadata); never fetched, whatever OUTBOUND_ALLOW says"
+METADATA = (
+    "169.254.169.254 is link-local (cloud metadata); never fetched, whatever OUTBOUND_ALLOW says"
+)
 DOTS = "the URL path has a '.' or '..' segment"
 
 # Made-up names and what they "resolve" to (socket.getaddrinfo stubbed below).
@@ -61,7 +63,8 @@ def card(*interface_urls: str) -> dict[str, Any]:
         "description": "Serves a card to the guard tests.",
         "version": "1.0.0",
         "supportedInterfaces": [
-            {"url": url, "protocolBinding": "JSONRPC", "protocolVersion": "1.0"} for url in interface_urls
+            {"url": url, "protocolBinding": "JSONRPC", "protocolVersion": "1.0"}
+            for url in interface_urls
         ],
         "capabilities": {"streaming": False},
         "defaultInputModes": ["text/plain"],
@@ -119,7 +122,11 @@ class CardServer:
 
     def redirect(self, path: str, location: str, status: int = 302) -> None:
         # The body must never show up in a message: it came with a redirect.
-        self.routes[path] = (status, {"Location": location, "Content-Type": "text/plain"}, b"SECRET-REDIRECT-BODY")
+        self.routes[path] = (
+            status,
+            {"Location": location, "Content-Type": "text/plain"},
+            b"SECRET-REDIRECT-BODY",
+        )
 
     def close(self) -> None:
         self._server.shutdown()
@@ -148,7 +155,9 @@ def names(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     real = socket.getaddrinfo
     looked_up: list[str] = []
 
-    def getaddrinfo(host: Any, port: Any, family: int = 0, type: int = 0, proto: int = 0, flags: int = 0) -> Any:
+    def getaddrinfo(
+        host: Any, port: Any, family: int = 0, type: int = 0, proto: int = 0, flags: int = 0
+    ) -> Any:
         name = host.decode() if isinstance(host, bytes) else host
         if name not in NAMES:
             return real(host, port, family, type, proto, flags)
@@ -167,7 +176,9 @@ def names(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 @pytest.fixture
 def client_in(client: Any, django_user_model: Any) -> Any:
-    client.force_login(member(django_user_model.objects.create_user(username="op", password="pw-12345678")))
+    client.force_login(
+        member(django_user_model.objects.create_user(username="op", password="pw-12345678"))
+    )
     return client
 
 
@@ -188,7 +199,10 @@ def test_the_connect_hook_stops_connects_off_loopback(tmp_path: Path) -> None:
             sock.connect(("10.0.0.1", 9))
     with pytest.raises(loopback_hook.OffLoopback, match="must be stubbed"):
         socket.getaddrinfo("metadata.internal.test", 80)
-    assert loopback_hook.refused[mark:] == ["connect to 10.0.0.1:9", "real name lookup of metadata.internal.test"]
+    assert loopback_hook.refused[mark:] == [
+        "connect to 10.0.0.1:9",
+        "real name lookup of metadata.internal.test",
+    ]
     del loopback_hook.refused[mark:]  # expected here; any other would fail the test
 
     # Children get it through sitecustomize (PYTHONPATH); their log is checked after each test.
@@ -200,7 +214,9 @@ def test_the_connect_hook_stops_connects_off_loopback(tmp_path: Path) -> None:
         "try:\n    s.connect(('10.0.0.1', 9))\nexcept ConnectionRefusedError as e:\n    print(type(e).__name__)\n"
     )
     env = {**os.environ, loopback_hook.LOG_ENV: str(log)}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30
+    )
     assert done.stdout.strip() == "OffLoopback", done.stderr
     assert log.read_text().strip().endswith("connect to 10.0.0.1:9")
 
@@ -211,10 +227,19 @@ def test_the_connect_hook_stops_connects_off_loopback(tmp_path: Path) -> None:
 def test_policy_rules() -> None:
     none = Policy()
     assert none.address_problem("169.254.169.254") == METADATA
-    assert none.address_problem("93.184.216.34") is None  # public: allowed (never connected to here)
+    assert (
+        none.address_problem("93.184.216.34") is None
+    )  # public: allowed (never connected to here)
     everything = Policy.from_entries(["0.0.0.0/0", "::/0", "metadata.internal.test"])
     # Link-local and metadata addresses stay refused whatever the allow list says.
-    for address in ("169.254.169.254", "169.254.1.1", "fe80::1", "fd00:ec2::254", "100.100.100.200", "0.0.0.0"):
+    for address in (
+        "169.254.169.254",
+        "169.254.1.1",
+        "fe80::1",
+        "fd00:ec2::254",
+        "100.100.100.200",
+        "0.0.0.0",
+    ):
         assert everything.address_problem(address, "metadata.internal.test"), address
     # An IPv6 address that reaches an IPv4 one is judged by it too.
     assert "it reaches 169.254.169.254" in (none.address_problem("::ffff:169.254.169.254") or "")
@@ -222,7 +247,9 @@ def test_policy_rules() -> None:
     allowed = Policy.from_entries(["127.0.0.0/8", "agents.corp.test"])
     assert allowed.address_problem("127.0.0.1") is None
     assert allowed.address_problem("10.1.2.3", "agents.corp.test") is None  # by name
-    assert "resolves to 10.1.2.3, which is private" in (allowed.address_problem("10.1.2.3", "other.corp.test") or "")
+    assert "resolves to 10.1.2.3, which is private" in (
+        allowed.address_problem("10.1.2.3", "other.corp.test") or ""
+    )
     with pytest.raises(ValueError, match="neither a network"):
         Policy.from_entries(["not a host!"])
 
@@ -255,7 +282,9 @@ def _url(template: str, v4: CardServer, v6: CardServer) -> str:
     return template.format(v4=v4.base, v6=v6.base, v4port=v4.port, v6port=v6.port)
 
 
-@pytest.mark.parametrize(("url", "loopback", "expected"), [c[1:] for c in CARD_URLS], ids=[c[0] for c in CARD_URLS])
+@pytest.mark.parametrize(
+    ("url", "loopback", "expected"), [c[1:] for c in CARD_URLS], ids=[c[0] for c in CARD_URLS]
+)
 def test_add_view_refuses_card_urls_before_connecting(
     client_in: Any, v4: CardServer, v6: CardServer, names: list[str], settings: Any,
     url: str, loopback: bool, expected: str,
@@ -280,7 +309,13 @@ def test_add_view_refuses_card_urls_before_connecting(
     ids=[c[0] for c in CARD_URLS if c[3].startswith(GUARD)],
 )
 def test_the_transport_refuses_by_itself(
-    v4: CardServer, v6: CardServer, names: list[str], settings: Any, url: str, loopback: bool, expected: str
+    v4: CardServer,
+    v6: CardServer,
+    names: list[str],
+    settings: Any,
+    url: str,
+    loopback: bool,
+    expected: str,
 ) -> None:
     """Without the check before fetching, the client's transport refuses at connect time."""
     mark = len(loopback_hook.refused)
@@ -308,7 +343,9 @@ def test_loopback_allowed_by_setting_reaches_the_card(v4: CardServer, names: lis
 # -- interface URLs a card names -----------------------------------------------------------
 
 
-def test_a_card_whose_only_interface_is_refused_is_not_registered(v4: CardServer, names: list[str]) -> None:
+def test_a_card_whose_only_interface_is_refused_is_not_registered(
+    v4: CardServer, names: list[str]
+) -> None:
     mark = len(loopback_hook.refused)
     v4.card(card("http://169.254.169.254/rpc"))
     with pytest.raises(agent_services.AgentError) as err:
@@ -322,8 +359,14 @@ def test_a_card_whose_only_interface_is_refused_is_not_registered(v4: CardServer
 @pytest.mark.parametrize(
     ("bad", "expected"),
     [
-        ("http://metadata.internal.test/rpc", GUARD + "metadata.internal.test resolves to 169.254.169.254"),
-        ("http://private.internal.test/rpc", GUARD + "private.internal.test resolves to 10.0.0.1, which is private"),
+        (
+            "http://metadata.internal.test/rpc",
+            GUARD + "metadata.internal.test resolves to 169.254.169.254",
+        ),
+        (
+            "http://private.internal.test/rpc",
+            GUARD + "private.internal.test resolves to 10.0.0.1, which is private",
+        ),
         ("http://10.0.0.1/rpc", GUARD + "10.0.0.1 is private"),
         ("http://[fe80::1]/rpc", GUARD + "fe80::1 is link-local"),
     ],
@@ -354,10 +397,16 @@ def test_interface_paths_with_dot_segments_are_problems(v4: CardServer) -> None:
 @pytest.mark.parametrize(
     ("location", "expected"),
     [
-        ("http://metadata.internal.test/card.json", GUARD + "metadata.internal.test resolves to 169.254.169.254"),
+        (
+            "http://metadata.internal.test/card.json",
+            GUARD + "metadata.internal.test resolves to 169.254.169.254",
+        ),
         ("http://169.254.169.254/latest/meta-data/", GUARD + METADATA),
         ("http://10.0.0.1/card.json", GUARD + "10.0.0.1 is private"),
-        ("http://private.internal.test/card.json", GUARD + "private.internal.test resolves to 10.0.0.1"),
+        (
+            "http://private.internal.test/card.json",
+            GUARD + "private.internal.test resolves to 10.0.0.1",
+        ),
         ("{v6}/card.json", GUARD + "::1 is loopback"),  # loopback allowed for IPv4 only here
         ("/.well-known/../admin", "redirect not followed: " + DOTS),
         ("file:///etc/passwd", "redirect not followed: only http and https URLs are accepted"),
@@ -408,7 +457,9 @@ def test_error_messages_echo_little_of_a_body(v4: CardServer) -> None:
 # -- the worker path: a stored agent whose interface is refused ---------------------------
 
 
-def test_a_stored_interface_that_resolves_to_a_refused_address_is_not_called(names: list[str]) -> None:
+def test_a_stored_interface_that_resolves_to_a_refused_address_is_not_called(
+    names: list[str],
+) -> None:
     """What a watcher does (outbound.client_for + send) fails with the guard's sentence."""
     mark = len(loopback_hook.refused)
     agent = Agent.objects.create(
@@ -423,7 +474,9 @@ def test_a_stored_interface_that_resolves_to_a_refused_address_is_not_called(nam
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.slow
-def test_the_worker_refuses_to_send_to_a_refused_interface(agent: AgentHandle, celery_worker: Any) -> None:
+def test_the_worker_refuses_to_send_to_a_refused_interface(
+    agent: AgentHandle, celery_worker: Any
+) -> None:
     """A real worker (its own process, its own guard): the send fails, saying why; nothing is sent.
 
     Were the worker's guard broken, its connect hook would stop the connect and log it, and
@@ -433,7 +486,11 @@ def test_the_worker_refuses_to_send_to_a_refused_interface(agent: AgentHandle, c
     Agent.objects.filter(pk=row.pk).update(interface_url="http://10.0.0.1:9/jsonrpc")
     row.refresh_from_db()
     task = task_services.start_task(row, "quick", mode="return-immediately")
-    wait(lambda: RemoteTask.objects.get(pk=task.pk).phase == RemoteTask.Phase.FAILED, 30, "the send to fail")
+    wait(
+        lambda: RemoteTask.objects.get(pk=task.pk).phase == RemoteTask.Phase.FAILED,
+        30,
+        "the send to fail",
+    )
     task.refresh_from_db()
     assert GUARD + "10.0.0.1 is private" in task.send_error
     assert task.remote_id == ""

@@ -42,7 +42,9 @@ def test_every_interrupted_state_can_resume(state: str) -> None:
 
 def test_transition_problem() -> None:
     assert transition_problem(None, "TASK_STATE_SUBMITTED") is None
-    assert "UNSPECIFIED" in (transition_problem("TASK_STATE_WORKING", "TASK_STATE_UNSPECIFIED") or "")
+    assert "UNSPECIFIED" in (
+        transition_problem("TASK_STATE_WORKING", "TASK_STATE_UNSPECIFIED") or ""
+    )
     assert "UNSPECIFIED" in (transition_problem("TASK_STATE_WORKING", None) or "")
     assert "unknown" in (transition_problem("TASK_STATE_WORKING", "working") or "")
 

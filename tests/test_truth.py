@@ -34,7 +34,11 @@ T = "t-1"
 def status(state: str, text: str | None = None, mid: str = "", ts: str | None = None) -> dict:
     body: dict = {"state": state}
     if text:
-        body["message"] = {"messageId": mid or f"m-{text}", "role": "ROLE_AGENT", "parts": [{"text": text}]}
+        body["message"] = {
+            "messageId": mid or f"m-{text}",
+            "role": "ROLE_AGENT",
+            "parts": [{"text": text}],
+        }
     if ts:
         body["timestamp"] = ts
     return {"statusUpdate": {"taskId": T, "contextId": "c-1", "status": body}}
@@ -52,8 +56,14 @@ def chunk(text: str, *, append: bool = True, last: bool = False, aid: str = "a-1
     }
 
 
-def snapshot(state: str, artifacts: list | None = None, history: list | None = None, text: str | None = None) -> dict:
-    task: dict = {"id": T, "contextId": "c-1", "status": status(state, text)["statusUpdate"]["status"]}
+def snapshot(
+    state: str, artifacts: list | None = None, history: list | None = None, text: str | None = None
+) -> dict:
+    task: dict = {
+        "id": T,
+        "contextId": "c-1",
+        "status": status(state, text)["statusUpdate"]["status"],
+    }
     if artifacts is not None:
         task["artifacts"] = artifacts
     if history is not None:
@@ -71,7 +81,9 @@ def kinds(task: RemoteTask) -> list[str]:
 
 
 def artifact_texts(task: RemoteTask) -> list[str]:
-    return ["".join(p.get("text", "") for p in a["parts"]) for a in task_view(task).get("artifacts", [])]
+    return [
+        "".join(p.get("text", "") for p in a["parts"]) for a in task_view(task).get("artifacts", [])
+    ]
 
 
 def assert_sound(task: RemoteTask) -> None:
@@ -89,7 +101,11 @@ def completed_task() -> RemoteTask:
     task = new_task()
     record_many(
         task,
-        [{"task": snapshot("TASK_STATE_WORKING")}, chunk("one", append=False), status("TASK_STATE_COMPLETED", "done")],
+        [
+            {"task": snapshot("TASK_STATE_WORKING")},
+            chunk("one", append=False),
+            status("TASK_STATE_COMPLETED", "done"),
+        ],
         "stream",
     )
     return task
@@ -101,7 +117,9 @@ def completed_task() -> RemoteTask:
 def test_reconcile_once_then_the_task_is_settled():
     task = completed_task()
     agent_truth = snapshot(
-        "TASK_STATE_COMPLETED", [{"artifactId": "a-1", "parts": [{"text": "one and more"}]}], text="done"
+        "TASK_STATE_COMPLETED",
+        [{"artifactId": "a-1", "parts": [{"text": "one and more"}]}],
+        text="done",
     )
     settle(task, agent_truth)
     task.refresh_from_db()
@@ -115,10 +133,27 @@ def test_reconcile_once_then_the_task_is_settled():
 @pytest.mark.parametrize(
     "late",
     [
-        pytest.param({"task": snapshot("TASK_STATE_COMPLETED", [{"artifactId": "x", "parts": [{"text": "new"}]}], text="done")}, id="snapshot-same-state-new-artifacts"),
-        pytest.param({"task": {**snapshot("TASK_STATE_COMPLETED", text="done"), "metadata": {"k": "v"}}}, id="snapshot-new-metadata"),
-        pytest.param({"message": {"messageId": "late", "role": "ROLE_AGENT", "parts": [{"text": "late"}]}}, id="late-message"),
-        pytest.param(status("TASK_STATE_COMPLETED", "a different final word"), id="same-state-status"),
+        pytest.param(
+            {
+                "task": snapshot(
+                    "TASK_STATE_COMPLETED",
+                    [{"artifactId": "x", "parts": [{"text": "new"}]}],
+                    text="done",
+                )
+            },
+            id="snapshot-same-state-new-artifacts",
+        ),
+        pytest.param(
+            {"task": {**snapshot("TASK_STATE_COMPLETED", text="done"), "metadata": {"k": "v"}}},
+            id="snapshot-new-metadata",
+        ),
+        pytest.param(
+            {"message": {"messageId": "late", "role": "ROLE_AGENT", "parts": [{"text": "late"}]}},
+            id="late-message",
+        ),
+        pytest.param(
+            status("TASK_STATE_COMPLETED", "a different final word"), id="same-state-status"
+        ),
         pytest.param(status("TASK_STATE_WORKING"), id="leaving-terminal"),
         pytest.param(chunk("more"), id="chunk"),
     ],
@@ -126,7 +161,12 @@ def test_reconcile_once_then_the_task_is_settled():
 @pytest.mark.parametrize("channel", ["stream", "poll", "push", "resubscribe"])
 def test_nothing_changes_a_settled_task(late, channel):
     task = completed_task()
-    settle(task, snapshot("TASK_STATE_COMPLETED", [{"artifactId": "a-1", "parts": [{"text": "one"}]}], text="done"))
+    settle(
+        task,
+        snapshot(
+            "TASK_STATE_COMPLETED", [{"artifactId": "a-1", "parts": [{"text": "one"}]}], text="done"
+        ),
+    )
     task.refresh_from_db()
     before = task_view(task)
     result = record(task, late, channel)
@@ -149,7 +189,11 @@ def test_an_equal_snapshot_after_the_end_appends_nothing():
 
 def test_a_stream_task_finished_unwatched_shows_a_gap():
     task = new_task(watch=RemoteTask.Watch.STREAM)
-    record_many(task, [{"task": snapshot("TASK_STATE_WORKING")}, status("TASK_STATE_WORKING", "progress 16/30")], "stream")
+    record_many(
+        task,
+        [{"task": snapshot("TASK_STATE_WORKING")}, status("TASK_STATE_WORKING", "progress 16/30")],
+        "stream",
+    )
     # No holder saw the rest; the next thing known is GetTask's completed task.
     record(task, {"task": snapshot("TASK_STATE_COMPLETED", text="progress 30/30")}, "poll")
     assert kinds(task)[-2:] == ["gap", "task"]
@@ -163,7 +207,11 @@ def test_a_stream_task_finished_unwatched_shows_a_gap():
 
 def test_a_chunk_from_another_channel_is_stored_once():
     task = new_task()
-    record_many(task, [{"task": snapshot("TASK_STATE_WORKING")}, chunk("a", append=False), chunk("b")], "stream")
+    record_many(
+        task,
+        [{"task": snapshot("TASK_STATE_WORKING")}, chunk("a", append=False), chunk("b")],
+        "stream",
+    )
     assert record(task, chunk("b"), "push").duplicate
     assert record(task, chunk("b"), "push").duplicate
     assert artifact_texts(task) == ["ab"]
@@ -172,7 +220,16 @@ def test_a_chunk_from_another_channel_is_stored_once():
 
 def test_a_holder_stream_may_repeat_a_chunk():
     task = new_task()
-    record_many(task, [{"task": snapshot("TASK_STATE_WORKING")}, chunk("-", append=False), chunk("-"), chunk("-")], "stream")
+    record_many(
+        task,
+        [
+            {"task": snapshot("TASK_STATE_WORKING")},
+            chunk("-", append=False),
+            chunk("-"),
+            chunk("-"),
+        ],
+        "stream",
+    )
     assert artifact_texts(task) == ["---"]
     assert_sound(task)
 
@@ -198,7 +255,10 @@ def test_history_is_shown_as_getTask_shows_it():
     record(task, {"operator": {"action": "start", "message": sent}}, "operator")
     record_many(
         task,
-        [{"task": snapshot("TASK_STATE_WORKING")}, status("TASK_STATE_INPUT_REQUIRED", "What is your name?", mid="q-1")],
+        [
+            {"task": snapshot("TASK_STATE_WORKING")},
+            status("TASK_STATE_INPUT_REQUIRED", "What is your name?", mid="q-1"),
+        ],
         "stream",
     )
     task.refresh_from_db()
@@ -217,7 +277,11 @@ def test_history_is_shown_as_getTask_shows_it():
 @pytest.mark.parametrize("text", ["\ud800 lone", "nul \x00 here", "\u202e rtl \x07 bell"])
 def test_any_string_an_agent_sends_is_stored(text):
     task = new_task()
-    result = record_many(task, [{"task": snapshot("TASK_STATE_WORKING")}, status("TASK_STATE_WORKING", text)], "stream")
+    result = record_many(
+        task,
+        [{"task": snapshot("TASK_STATE_WORKING")}, status("TASK_STATE_WORKING", text)],
+        "stream",
+    )
     assert len(result.seqs) == 2
     task.refresh_from_db()
     stored = task.status_message["parts"][0]["text"]
@@ -275,8 +339,15 @@ def test_the_admin_cannot_change_the_record(admin_client):
     task = completed_task()
     event = task.events.first()
     assert admin_client.get(f"/admin/tasks_app/taskevent/{event.pk}/change/").status_code == 200
-    assert admin_client.post(f"/admin/tasks_app/taskevent/{event.pk}/delete/", {"post": "yes"}).status_code == 403
-    admin_client.post(f"/admin/tasks_app/taskevent/{event.pk}/change/", {"note": "forged", "seq": 1})
+    assert (
+        admin_client.post(
+            f"/admin/tasks_app/taskevent/{event.pk}/delete/", {"post": "yes"}
+        ).status_code
+        == 403
+    )
+    admin_client.post(
+        f"/admin/tasks_app/taskevent/{event.pk}/change/", {"note": "forged", "seq": 1}
+    )
     assert admin_client.get("/admin/tasks_app/taskevent/add/").status_code == 403
     for model in ("remotetask", "artifact", "conversationmessage", "operatoraction"):
         assert admin_client.get(f"/admin/tasks_app/{model}/add/").status_code == 403
@@ -287,11 +358,18 @@ def test_the_admin_cannot_change_the_record(admin_client):
 
 # Random interleavings ---------------------------------------------------------------------------
 
-STATES = ["TASK_STATE_WORKING", "TASK_STATE_INPUT_REQUIRED", "TASK_STATE_COMPLETED", "TASK_STATE_FAILED"]
+STATES = [
+    "TASK_STATE_WORKING",
+    "TASK_STATE_INPUT_REQUIRED",
+    "TASK_STATE_COMPLETED",
+    "TASK_STATE_FAILED",
+]
 CHANNELS = ["stream", "resubscribe", "poll", "push", "operator", "system"]
 
 entries = st.one_of(
-    st.builds(lambda s, t: status(s, t), st.sampled_from(STATES), st.sampled_from([None, "a", "b"])),
+    st.builds(
+        lambda s, t: status(s, t), st.sampled_from(STATES), st.sampled_from([None, "a", "b"])
+    ),
     st.builds(
         lambda t, append, last, aid: chunk(t, append=append, last=last, aid=aid),
         st.sampled_from(["x", "y", "\ud800", "z\x00"]),
@@ -300,11 +378,16 @@ entries = st.one_of(
         st.sampled_from(["a-1", "a-2"]),
     ),
     st.builds(
-        lambda s, arts: {"task": snapshot(s, [{"artifactId": "a-1", "parts": [{"text": t}]} for t in arts])},
+        lambda s, arts: {
+            "task": snapshot(s, [{"artifactId": "a-1", "parts": [{"text": t}]} for t in arts])
+        },
         st.sampled_from(STATES),
         st.lists(st.sampled_from(["x", "xy"]), max_size=1),
     ),
-    st.builds(lambda m: {"message": {"messageId": m, "role": "ROLE_AGENT", "parts": [{"text": m}]}}, st.sampled_from(["m1", "m2"])),
+    st.builds(
+        lambda m: {"message": {"messageId": m, "role": "ROLE_AGENT", "parts": [{"text": m}]}},
+        st.sampled_from(["m1", "m2"]),
+    ),
     st.just({"system": {"event": "note", "detail": "a system note"}}),
     st.just({"operator": {"action": "refresh"}}),
     st.just({"settle": True}),
@@ -312,8 +395,18 @@ entries = st.one_of(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(steps=st.lists(st.tuples(entries, st.sampled_from(CHANNELS), st.sampled_from(["A", "B"])), min_size=1, max_size=14))
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    steps=st.lists(
+        st.tuples(entries, st.sampled_from(CHANNELS), st.sampled_from(["A", "B"])),
+        min_size=1,
+        max_size=14,
+    )
+)
 def test_random_interleavings_keep_every_promise(steps):
     """Two writers (holders A and B, fenced by the lease) and every channel, in random order."""
     task = new_task()
@@ -361,17 +454,23 @@ json_values = st.recursive(
     | st.floats()
     | st.text(max_size=8)
     | st.sampled_from(["\ud800", "a\x00b", "\udfff\ud800", "\u202e"]),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4)
+    ),
     max_leaves=20,
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(value=json_values)
 def test_any_json_an_agent_sends_is_stored_and_keeps_the_chain(value):
     """Huge floats, -0.0, big integers, NaN, lone surrogates, NUL: stored, read back, chain intact."""
     task = new_task()
-    result = record(task, {"task": {**snapshot("TASK_STATE_WORKING"), "metadata": {"v": value}}}, "poll")
+    result = record(
+        task, {"task": {**snapshot("TASK_STATE_WORKING"), "metadata": {"v": value}}}, "poll"
+    )
     assert result.seqs == [1]
     assert verify(task).ok, str(verify(task))
 
@@ -382,14 +481,21 @@ def test_any_json_an_agent_sends_is_stored_and_keeps_the_chain(value):
 def stored_chars(task: RemoteTask) -> tuple[int, int]:
     """Characters of the log's raw JSON and of the part rows, as stored."""
     log_chars = sum(len(json.dumps(raw)) for raw in task.events.values_list("raw", flat=True))
-    part_chars = sum(len(json.dumps(part)) for part in ArtifactPart.objects.filter(artifact__task=task).values_list("part", flat=True))
+    part_chars = sum(
+        len(json.dumps(part))
+        for part in ArtifactPart.objects.filter(artifact__task=task).values_list("part", flat=True)
+    )
     return log_chars, part_chars
 
 
 def test_a_big_chunk_is_stored_once_and_the_log_still_replays():
     task = new_task()
     big = "x" * 1_000_000
-    record_many(task, [{"task": snapshot("TASK_STATE_WORKING")}, chunk(big, append=False), chunk("tail")], "stream")
+    record_many(
+        task,
+        [{"task": snapshot("TASK_STATE_WORKING")}, chunk(big, append=False), chunk("tail")],
+        "stream",
+    )
     row = task.events.get(kind="artifactUpdate", seq=2)
     (part,) = row.raw["artifactUpdate"]["artifact"]["parts"]
     assert "text" not in part and part["$stored"]["chars"] == 1_000_000
@@ -401,7 +507,15 @@ def test_a_big_chunk_is_stored_once_and_the_log_still_replays():
     assert record(task, chunk(big, append=False), "push").duplicate
     assert_sound(task)
     # Superseded by the agent's snapshot: the reference stays in the log, replay still agrees.
-    record(task, {"task": snapshot("TASK_STATE_WORKING", [{"artifactId": "a-1", "parts": [{"text": "short"}]}])}, "poll")
+    record(
+        task,
+        {
+            "task": snapshot(
+                "TASK_STATE_WORKING", [{"artifactId": "a-1", "parts": [{"text": "short"}]}]
+            )
+        },
+        "poll",
+    )
     assert artifact_texts(task) == ["short"]
     assert_sound(task)
 
@@ -409,7 +523,11 @@ def test_a_big_chunk_is_stored_once_and_the_log_still_replays():
 def test_a_big_artifact_in_a_snapshot_is_stored_once():
     task = new_task()
     big = "y" * 300_000
-    record(task, {"task": snapshot("TASK_STATE_COMPLETED", [{"artifactId": "r", "parts": [{"text": big}]}])}, "poll")
+    record(
+        task,
+        {"task": snapshot("TASK_STATE_COMPLETED", [{"artifactId": "r", "parts": [{"text": big}]}])},
+        "poll",
+    )
     log_chars, part_chars = stored_chars(task)
     assert log_chars < 5_000 and part_chars >= 300_000
     assert artifact_texts(task) == [big]
@@ -422,14 +540,22 @@ def test_a_task_already_mirrored_by_another_row_is_not_adopted_twice():
     imported = RemoteTask.objects.create(agent=agent, remote_id=T, phase="task", mode="imported")
     ours = RemoteTask.objects.create(agent=agent, title="ours")
     result = record(ours, {"task": snapshot("TASK_STATE_WORKING")}, "send-response")
-    assert result.kinds == ["protocol-error"] and f"already mirrored as #{imported.pk}" in result.notes[0]
+    assert (
+        result.kinds == ["protocol-error"]
+        and f"already mirrored as #{imported.pk}" in result.notes[0]
+    )
     ours.refresh_from_db()
     assert ours.remote_id == "" and imported.remote_id == T
 
 
 def test_our_start_entry_gives_the_task_its_context():
     task = new_task()
-    message = {"messageId": "u-1", "role": "ROLE_USER", "contextId": "ours-1", "parts": [{"text": "hi"}]}
+    message = {
+        "messageId": "u-1",
+        "role": "ROLE_USER",
+        "contextId": "ours-1",
+        "parts": [{"text": "hi"}],
+    }
     record(task, {"operator": {"action": "start", "message": message}}, "operator")
     task.refresh_from_db()
     assert task.context_id == "ours-1" and task.remote_id == ""
@@ -442,10 +568,19 @@ def test_an_import_that_lists_our_unanswered_send_records_into_our_row(monkeypat
 
     monkeypatch.setattr(imports, "dispatch", lambda pk: None)  # no watcher messages into the broker
     task = new_task()
-    message = {"messageId": "u-1", "role": "ROLE_USER", "contextId": "ours-2", "parts": [{"text": "hi"}]}
+    message = {
+        "messageId": "u-1",
+        "role": "ROLE_USER",
+        "contextId": "ours-2",
+        "parts": [{"text": "hi"}],
+    }
     record(task, {"operator": {"action": "start", "message": message}}, "operator")
     job = ImportJob.objects.create(agent=task.agent)
-    listed = {**snapshot("TASK_STATE_WORKING"), "contextId": "ours-2", "history": [{**message, "taskId": T}]}
+    listed = {
+        **snapshot("TASK_STATE_WORKING"),
+        "contextId": "ours-2",
+        "history": [{**message, "taskId": T}],
+    }
     imports._record_page(job, [listed])
     task.refresh_from_db()
     assert (task.remote_id, job.created) == (T, 0)

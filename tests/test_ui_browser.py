@@ -28,7 +28,9 @@ SHOTS = REPO_ROOT / "test-artifacts" / "screenshots"
 USERNAME, PASSWORD = "operator", "op-password-123"
 
 # Debian's chromium (.ci/run installs it): a missing browser fails these tests, never skips them.
-assert Path(CHROMIUM).exists(), f"Chromium is not installed at {CHROMIUM} (apt-get install chromium)"
+assert Path(CHROMIUM).exists(), (
+    f"Chromium is not installed at {CHROMIUM} (apt-get install chromium)"
+)
 from playwright import sync_api  # noqa: E402
 
 
@@ -157,8 +159,15 @@ def test_slow_task_grows_live_and_resumes_after_a_dropped_socket(page, stack, de
     db_seqs = stack.settled_seqs(pk)
     page.wait_for_function(f"() => window.__taskPage.lastSeq >= {db_seqs[-1]}")
     page.wait_for_timeout(300)
-    state = page.evaluate("({seqs: window.__taskPage.seqs, dup: window.__taskPage.duplicates, gaps: window.__taskPage.gaps})")
-    rows = [int(s) for s in page.eval_on_selector_all("#event-rows tr[data-seq]", "rs => rs.map(r => r.dataset.seq)")]
+    state = page.evaluate(
+        "({seqs: window.__taskPage.seqs, dup: window.__taskPage.duplicates, gaps: window.__taskPage.gaps})"
+    )
+    rows = [
+        int(s)
+        for s in page.eval_on_selector_all(
+            "#event-rows tr[data-seq]", "rs => rs.map(r => r.dataset.seq)"
+        )
+    ]
     assert state["seqs"] == db_seqs
     assert rows == db_seqs
     assert state["gaps"] == 0
@@ -190,7 +199,9 @@ def test_ask_then_answer(page, stack, demo_agent_pk):
     page.fill("#answer-form textarea", "Ada")
     page.click("#answer-form button[type=submit]")
     wait_state(page, "completed")
-    page.wait_for_function("() => document.getElementById('artifacts').textContent.includes('You answered: Ada')")
+    page.wait_for_function(
+        "() => document.getElementById('artifacts').textContent.includes('You answered: Ada')"
+    )
     assert stack.state(pk) == "TASK_STATE_COMPLETED"
 
 
@@ -201,7 +212,10 @@ def test_untrusted_markdown_and_files(page, stack, demo_agent_pk):
     assert page.locator("#artifacts script").count() == 0
     assert page.locator("#artifacts img").count() == 0
     assert page.locator("#artifacts [href^='javascript']").count() == 0
-    assert page.get_attribute("#artifacts a[href='https://example.org/']", "rel") == "noopener noreferrer"
+    assert (
+        page.get_attribute("#artifacts a[href='https://example.org/']", "rel")
+        == "noopener noreferrer"
+    )
     assert "<script>alert('xss')</script>" in page.inner_text("#artifacts")  # shown as text
     start_task(page, "data")
     wait_state(page, "completed")

@@ -31,7 +31,9 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(180)]
 CHROMIUM = "/usr/bin/chromium"
 USERNAME, PASSWORD = "resync", "resync-password-123"
 
-assert Path(CHROMIUM).exists(), f"Chromium is not installed at {CHROMIUM} (apt-get install chromium)"
+assert Path(CHROMIUM).exists(), (
+    f"Chromium is not installed at {CHROMIUM} (apt-get install chromium)"
+)
 from playwright import sync_api  # noqa: E402
 
 # Runs in a child process with the server's settings: "create" makes a working task
@@ -93,7 +95,9 @@ def server(tmp_path_factory, redis_url) -> Iterator[Server]:
     )
     env.pop("DASHBOARD_TEST_DB_FILE", None)
     py = sys.executable
-    subprocess.run([py, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=REPO_ROOT, env=env, check=True)
+    subprocess.run(
+        [py, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=REPO_ROOT, env=env, check=True
+    )
     subprocess.run(
         [py, "-c", "import django; django.setup(); from django.contrib.auth.models import User; "
          f"User.objects.create_user({USERNAME!r}, password={PASSWORD!r}); "
@@ -188,9 +192,13 @@ def test_a_final_state_whose_relay_was_lost_reaches_the_task_page_and_the_list(c
     assert state == {"seqs": [1, 2], "gaps": 0}
     task_page.bring_to_front()  # log rows are drawn per animation frame: a hidden tab has none
     task_page.wait_for_selector("#event-rows tr[data-seq='2']")
-    rows = task_page.eval_on_selector_all("#event-rows tr[data-seq]", "rs => rs.map(r => r.dataset.seq)")
+    rows = task_page.eval_on_selector_all(
+        "#event-rows tr[data-seq]", "rs => rs.map(r => r.dataset.seq)"
+    )
     assert rows == ["1", "2"]
-    task_page.wait_for_function("() => document.getElementById('task-status').textContent.includes('all done, relay lost')")
+    task_page.wait_for_function(
+        "() => document.getElementById('task-status').textContent.includes('all done, relay lost')"
+    )
     # The task socket's syncs (the page's inbox badge also keeps a task-list socket, whose
     # syncs carry "since" instead).
     syncs = task_page.evaluate("window.__sent.filter(m => m.type === 'sync' && 'after' in m)")

@@ -425,7 +425,9 @@ def test_admin_password_is_shown_again_only_while_it_works(tmp_path: Path) -> No
         (["--only", "web", "--demo"], {"REDIS_URL": "redis://127.0.0.1:1/0"}, "Error: --demo starts every part on this machine; leave out --only."),
     ],
 )  # fmt: skip
-def test_only_with_a_bad_role_or_setting_is_one_sentence(tmp_path: Path, args, extra, expected) -> None:
+def test_only_with_a_bad_role_or_setting_is_one_sentence(
+    tmp_path: Path, args, extra, expected
+) -> None:
     result = run_up(["--port", str(free_port()), *args], up_env(tmp_path, **extra))
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
@@ -435,7 +437,9 @@ def test_only_with_a_bad_role_or_setting_is_one_sentence(tmp_path: Path, args, e
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_web_and_worker_on_their_own_processes_work_together(tmp_path: Path, redis_url: str) -> None:
+def test_web_and_worker_on_their_own_processes_work_together(
+    tmp_path: Path, redis_url: str
+) -> None:
     """``up --only web`` and ``up --only worker,beat`` (as on two machines, with their own data
     folders) share one database and one Redis: the web part is healthy only when a worker
     answers its ping, and each stops cleanly on SIGINT."""
@@ -447,7 +451,10 @@ def test_web_and_worker_on_their_own_processes_work_together(tmp_path: Path, red
     }
     port = free_port()
     processes = []
-    for name, args in (("web", ["--only", "web"]), ("parts", ["--only", "worker", "--only", "beat"])):
+    for name, args in (
+        ("web", ["--only", "web"]),
+        ("parts", ["--only", "worker", "--only", "beat"]),
+    ):
         env = up_env(tmp_path / name, **shared)
         processes.append(subprocess.Popen(
             [sys.executable, "manage.py", "up", "--port", str(port), *args],
@@ -456,13 +463,17 @@ def test_web_and_worker_on_their_own_processes_work_together(tmp_path: Path, red
     web, parts = processes
     web_lines, part_lines = Lines(web.stdout), Lines(parts.stdout)
     try:
-        assert part_lines.wait_for(re.compile(r"Running worker and beat"), timeout=60), part_lines.seen
+        assert part_lines.wait_for(re.compile(r"Running worker and beat"), timeout=60), (
+            part_lines.seen
+        )
         match = web_lines.wait_for(URL_LINE, timeout=90)
         assert match, "\n".join(web_lines.seen)
         health = httpx.get(match.group(1).rstrip("/") + "/healthz", timeout=10)
         assert health.status_code == 200 and health.json() == {"ok": True}
         names = {p.name() for p in psutil.Process(parts.pid).children(recursive=True)}
-        cmdlines = " ".join(" ".join(p.cmdline()) for p in psutil.Process(parts.pid).children(recursive=True))
+        cmdlines = " ".join(
+            " ".join(p.cmdline()) for p in psutil.Process(parts.pid).children(recursive=True)
+        )
         assert "daphne" not in cmdlines and "worker" in cmdlines and "beat" in cmdlines, names
         assert "Log in as" not in "\n".join(part_lines.seen)  # only the web part makes the login
         for process in processes:

@@ -55,7 +55,11 @@ def demo_agent_row(db) -> Agent:
             "capabilities": {"streaming": True, "pushNotifications": False},
             "skills": [{"id": "echo", "name": "Echo", "description": "echoes", "tags": ["t"]}],
             "supportedInterfaces": [
-                {"url": "http://127.0.0.1:9/jsonrpc", "protocolBinding": "JSONRPC", "protocolVersion": "1.0"}
+                {
+                    "url": "http://127.0.0.1:9/jsonrpc",
+                    "protocolBinding": "JSONRPC",
+                    "protocolVersion": "1.0",
+                }
             ],
             "securitySchemes": {"bearer": {"httpAuthSecurityScheme": {"scheme": "Bearer"}}},
         },
@@ -82,12 +86,17 @@ def assert_safe_html(html: str) -> None:
         for name, value in attrs.items():
             assert not name.startswith("on"), (tag, name)
             if name in ("href", "src", "action", "formaction"):
-                assert not (value or "").strip().lower().startswith(("javascript:", "data:")), (tag, value)
+                assert not (value or "").strip().lower().startswith(("javascript:", "data:")), (
+                    tag,
+                    value,
+                )
         if tag == "a" and (attrs.get("href") or "").startswith("http"):
             assert attrs.get("rel") == "noopener noreferrer", attrs
 
 
-def artifact_chunk(task_id: str, parts: list, *, aid: str, name: str, append=False, last=True) -> dict:
+def artifact_chunk(
+    task_id: str, parts: list, *, aid: str, name: str, append=False, last=True
+) -> dict:
     return {
         "artifactUpdate": {
             "taskId": task_id,
@@ -104,13 +113,28 @@ def rich_task(demo_agent_row) -> RemoteTask:
     """A task with markdown, data and file artifacts, in its log through record()."""
     task = RemoteTask.objects.create(agent=demo_agent_row, title="rich <script>x</script>")
     tid = "t-rich"
-    record(task, {"task": {"id": tid, "contextId": "c-1", "status": {"state": "TASK_STATE_WORKING"}}}, "stream")
     record(
         task,
-        artifact_chunk(tid, [{"text": MARKDOWN_SAMPLE, "mediaType": "text/markdown"}], aid="md", name="report.md"),
+        {"task": {"id": tid, "contextId": "c-1", "status": {"state": "TASK_STATE_WORKING"}}},
         "stream",
     )
-    record(task, artifact_chunk(tid, [{"data": {"answer": 42, "html": "<b>x</b>"}}], aid="data", name="data.json"), "stream")
+    record(
+        task,
+        artifact_chunk(
+            tid,
+            [{"text": MARKDOWN_SAMPLE, "mediaType": "text/markdown"}],
+            aid="md",
+            name="report.md",
+        ),
+        "stream",
+    )
+    record(
+        task,
+        artifact_chunk(
+            tid, [{"data": {"answer": 42, "html": "<b>x</b>"}}], aid="data", name="data.json"
+        ),
+        "stream",
+    )
     record(
         task,
         artifact_chunk(
@@ -121,7 +145,16 @@ def rich_task(demo_agent_row) -> RemoteTask:
         ),
         "stream",
     )  # fmt: skip
-    record(task, artifact_chunk(tid, [{"url": "javascript:alert(1)"}, {"url": "https://example.org/f.pdf"}], aid="links", name="links"), "stream")
+    record(
+        task,
+        artifact_chunk(
+            tid,
+            [{"url": "javascript:alert(1)"}, {"url": "https://example.org/f.pdf"}],
+            aid="links",
+            name="links",
+        ),
+        "stream",
+    )
     record(
         task,
         {"statusUpdate": {"taskId": tid, "contextId": "c-1", "status": {
@@ -204,7 +237,9 @@ def test_overview_counts(client_in, demo_agent_row):
     assert b"<html" not in fragment.content and b"needs-input" in fragment.content
 
 
-def test_task_list_filters_and_keyset_pages(client_in, demo_agent_row, django_assert_max_num_queries):
+def test_task_list_filters_and_keyset_pages(
+    client_in, demo_agent_row, django_assert_max_num_queries
+):
     other = Agent.objects.create(name="other", base_url="http://127.0.0.1:8/")
     base = timezone.now()
     for i in range(120):
@@ -223,15 +258,25 @@ def test_task_list_filters_and_keyset_pages(client_in, demo_agent_row, django_as
     assert html.count('class="badge') == 50
     titles = re.findall(r">job (\d+)<", html)
     assert titles[:3] == ["0", "1", "2"]
-    next_url = re.search(r'href="(\?[^"]*cursor=[^"]+)" id="next-page"', html).group(1).replace("&amp;", "&")
+    next_url = (
+        re.search(r'href="(\?[^"]*cursor=[^"]+)" id="next-page"', html)
+        .group(1)
+        .replace("&amp;", "&")
+    )
     page2 = client_in.get("/tasks/" + next_url).content.decode()
     assert re.findall(r">job (\d+)<", page2)[:2] == ["50", "51"]
-    next2 = re.search(r'href="(\?[^"]*cursor=[^"]+)" id="next-page"', page2).group(1).replace("&amp;", "&")
+    next2 = (
+        re.search(r'href="(\?[^"]*cursor=[^"]+)" id="next-page"', page2)
+        .group(1)
+        .replace("&amp;", "&")
+    )
     page3 = client_in.get("/tasks/" + next2).content.decode()
     rows3 = re.findall(r">job (\d+)<", page3)
     assert rows3[0] == "100" and rows3[-1] == "119" and 'id="next-page"' not in page3
 
-    filtered = client_in.get(f"/tasks/?agent={demo_agent_row.pk}&state=TASK_STATE_WORKING&sort=created").content.decode()
+    filtered = client_in.get(
+        f"/tasks/?agent={demo_agent_row.pk}&state=TASK_STATE_WORKING&sort=created"
+    ).content.decode()
     numbers = [int(n) for n in re.findall(r">job (\d+)<", filtered)]
     assert numbers and all(n % 2 == 1 and n % 3 == 0 for n in numbers)
     assert numbers == sorted(numbers)  # oldest first
@@ -239,7 +284,19 @@ def test_task_list_filters_and_keyset_pages(client_in, demo_agent_row, django_as
     by_context = client_in.get("/tasks/?context=ctx-a").content.decode()
     assert sorted(int(n) for n in re.findall(r">job (\d+)<", by_context)) == list(range(10))
     by_text = client_in.get("/tasks/?q=job 11").content.decode()
-    assert sorted(re.findall(r">job (\d+)<", by_text)) == ["11", "110", "111", "112", "113", "114", "115", "116", "117", "118", "119"]
+    assert sorted(re.findall(r">job (\d+)<", by_text)) == [
+        "11",
+        "110",
+        "111",
+        "112",
+        "113",
+        "114",
+        "115",
+        "116",
+        "117",
+        "118",
+        "119",
+    ]
     by_remote = client_in.get("/tasks/?q=r-7").content.decode()
     assert "job 7<" in by_remote
     bad = client_in.get("/tasks/?state=nonsense&cursor=%%%")
@@ -259,7 +316,9 @@ def test_task_list_count_is_bounded(client_in, demo_agent_row, monkeypatch):
 
 
 def test_add_agent_rejects_a_bad_url_and_keeps_it(client_in):
-    response = client_in.post("/agents/add/", {"url": "not a url", "name": "mine", "action": "preview"})
+    response = client_in.post(
+        "/agents/add/", {"url": "not a url", "name": "mine", "action": "preview"}
+    )
     html = response.content.decode()
     assert response.status_code == 200
     assert 'id="id_url-errors"' in html
@@ -289,7 +348,9 @@ def test_add_agent_preview_then_save(client_in, agent):
 
 
 def test_add_agent_preview_lists_card_problems(client_in, bad_server):
-    response = client_in.post("/agents/add/", {"url": bad_server.url_for("card03"), "action": "preview"})
+    response = client_in.post(
+        "/agents/add/", {"url": bad_server.url_for("card03"), "action": "preview"}
+    )
     html = response.content.decode()
     assert "Problems found" in html or "Could not read" in html
     assert 'value="save"' not in html
@@ -304,14 +365,20 @@ def test_agent_page_escapes_card_text(client_in, demo_agent_row):
 
 
 def test_credentials_are_never_shown_back(client_in, demo_agent_row):
-    missing = client_in.post(f"/agents/{demo_agent_row.pk}/credentials/", {"kind": "bearer", "token": ""})
+    missing = client_in.post(
+        f"/agents/{demo_agent_row.pk}/credentials/", {"kind": "bearer", "token": ""}
+    )
     assert missing.status_code == 400
     assert 'id="id_token-errors"' in missing.content.decode()
     secret = "s3cr3t-token-value"
-    done = client_in.post(f"/agents/{demo_agent_row.pk}/credentials/", {"kind": "bearer", "token": secret})
+    done = client_in.post(
+        f"/agents/{demo_agent_row.pk}/credentials/", {"kind": "bearer", "token": secret}
+    )
     assert done.status_code == 302
     demo_agent_row.refresh_from_db()
-    assert demo_agent_row.credentials_encrypted and secret not in demo_agent_row.credentials_encrypted
+    assert (
+        demo_agent_row.credentials_encrypted and secret not in demo_agent_row.credentials_encrypted
+    )
     html = client_in.get(f"/agents/{demo_agent_row.pk}/").content.decode()
     assert secret not in html
     assert ">set<" in html
@@ -326,13 +393,21 @@ def test_credentials_are_never_shown_back(client_in, demo_agent_row):
 # Starting a task -----------------------------------------------------------------------------
 
 
-def test_new_task_bad_json_keeps_everything(client_in, demo_agent_row, no_dispatch, django_capture_on_commit_callbacks):
-    upload = __import__("django.core.files.uploadedfile", fromlist=["SimpleUploadedFile"]).SimpleUploadedFile(
-        "notes.txt", b"hello file", content_type="text/plain"
-    )
+def test_new_task_bad_json_keeps_everything(
+    client_in, demo_agent_row, no_dispatch, django_capture_on_commit_callbacks
+):
+    upload = __import__(
+        "django.core.files.uploadedfile", fromlist=["SimpleUploadedFile"]
+    ).SimpleUploadedFile("notes.txt", b"hello file", content_type="text/plain")
     response = client_in.post(
         "/tasks/new",
-        {"agent": demo_agent_row.pk, "text": "my long message", "data": '{"a": 1,', "mode": "auto", "file": upload},
+        {
+            "agent": demo_agent_row.pk,
+            "text": "my long message",
+            "data": '{"a": 1,',
+            "mode": "auto",
+            "file": upload,
+        },
     )
     html = response.content.decode()
     assert response.status_code == 400
@@ -354,20 +429,26 @@ def test_new_task_bad_json_keeps_everything(client_in, demo_agent_row, no_dispat
     parts = task.request["message"]["parts"]
     assert parts[0] == {"text": "my long message"}
     assert parts[1]["data"] == {"a": 1}
-    assert parts[2]["filename"] == "notes.txt" and base64.b64decode(parts[2]["raw"]) == b"hello file"
+    assert (
+        parts[2]["filename"] == "notes.txt" and base64.b64decode(parts[2]["raw"]) == b"hello file"
+    )
     assert task.mode == "stream" and task.started_by_id is not None
     assert no_dispatch == [task.pk]
 
 
 def test_new_task_needs_some_content(client_in, demo_agent_row):
-    response = client_in.post("/tasks/new", {"agent": demo_agent_row.pk, "text": "  ", "mode": "auto"})
+    response = client_in.post(
+        "/tasks/new", {"agent": demo_agent_row.pk, "text": "  ", "mode": "auto"}
+    )
     assert response.status_code == 400
     assert 'id="id_text-errors"' in response.content.decode()
 
 
 def test_new_task_stream_mode_on_a_non_streaming_agent(client_in, demo_agent_row):
     Agent.objects.filter(pk=demo_agent_row.pk).update(streaming=False)
-    response = client_in.post("/tasks/new", {"agent": demo_agent_row.pk, "text": "hi", "mode": "stream"})
+    response = client_in.post(
+        "/tasks/new", {"agent": demo_agent_row.pk, "text": "hi", "mode": "stream"}
+    )
     html = response.content.decode()
     assert response.status_code == 400
     assert 'id="id_mode-errors"' in html and "does not declare streaming" in html
@@ -389,7 +470,10 @@ def test_task_page_sanitizes_agent_content(client_in, rich_task):
     # Nothing from the agent becomes a script or a javascript: link.
     assert_safe_html(html)
     assert "&lt;script&gt;alert(" in html  # shown as text, not run
-    assert '<a href="https://example.org/" target="_blank" rel="noopener noreferrer">safe link</a>' in html
+    assert (
+        '<a href="https://example.org/" target="_blank" rel="noopener noreferrer">safe link</a>'
+        in html
+    )
     assert '<a href="https://example.org/f.pdf" rel="noopener noreferrer" target="_blank">' in html
     assert "Link not shown (not http/https)" in html
     assert "<strong>name</strong>" in html  # the question, as markdown
@@ -418,7 +502,9 @@ def test_file_part_download_is_an_attachment(client_in, rich_task):
     href = re.search(r'<a class="download" href="([^"]+)"', html).group(1)
     response = client_in.get(href)
     assert response.status_code == 200
-    assert response["Content-Type"] == "application/octet-stream"  # text/html is never served as such
+    assert (
+        response["Content-Type"] == "application/octet-stream"
+    )  # text/html is never served as such
     assert response["Content-Disposition"] == 'attachment; filename="evil name.html"'
     assert response["X-Content-Type-Options"] == "nosniff"
     assert "sandbox" in response["Content-Security-Policy"]
@@ -429,7 +515,22 @@ def test_file_part_download_is_an_attachment(client_in, rich_task):
 def test_safe_media_types_are_kept_for_downloads(client_in, demo_agent_row):
     task = RemoteTask.objects.create(agent=demo_agent_row, title="f")
     record(task, {"task": {"id": "t-f", "status": {"state": "TASK_STATE_WORKING"}}}, "stream")
-    record(task, artifact_chunk("t-f", [{"raw": base64.b64encode(b"hi\n").decode(), "filename": "hello.txt", "mediaType": "text/plain"}], aid="f", name="f"), "stream")
+    record(
+        task,
+        artifact_chunk(
+            "t-f",
+            [
+                {
+                    "raw": base64.b64encode(b"hi\n").decode(),
+                    "filename": "hello.txt",
+                    "mediaType": "text/plain",
+                }
+            ],
+            aid="f",
+            name="f",
+        ),
+        "stream",
+    )
     artifact = task.artifacts.get()
     response = client_in.get(reverse("artifact-download", args=[task.pk, artifact.pk, 0]))
     assert response["Content-Type"] == "text/plain"
@@ -438,16 +539,27 @@ def test_safe_media_types_are_kept_for_downloads(client_in, demo_agent_row):
 
 def test_message_file_download(client_in, demo_agent_row):
     task = RemoteTask.objects.create(agent=demo_agent_row, title="m")
-    msg = {"messageId": "u1", "role": "ROLE_USER", "parts": [{"text": "x"}, {"raw": base64.b64encode(b"abc").decode(), "filename": "a.bin"}]}
+    msg = {
+        "messageId": "u1",
+        "role": "ROLE_USER",
+        "parts": [{"text": "x"}, {"raw": base64.b64encode(b"abc").decode(), "filename": "a.bin"}],
+    }
     record(task, {"operator": {"action": "start", "message": msg}}, "operator")
     message = task.messages.get()
     response = client_in.get(reverse("message-download", args=[task.pk, message.pk, 1]))
-    assert response.content == b"abc" and response["Content-Disposition"] == 'attachment; filename="a.bin"'
-    assert client_in.get(reverse("message-download", args=[task.pk, message.pk, 0])).status_code == 404
+    assert (
+        response.content == b"abc"
+        and response["Content-Disposition"] == 'attachment; filename="a.bin"'
+    )
+    assert (
+        client_in.get(reverse("message-download", args=[task.pk, message.pk, 0])).status_code == 404
+    )
 
 
 def test_event_detail_escapes_raw_json(client_in, rich_task):
-    seq = TaskEvent.objects.get(task=rich_task, kind="artifactUpdate", raw__artifactUpdate__artifact__artifactId="md").seq
+    seq = TaskEvent.objects.get(
+        task=rich_task, kind="artifactUpdate", raw__artifactUpdate__artifact__artifactId="md"
+    ).seq
     html = client_in.get(f"/tasks/{rich_task.pk}/events/{seq}/").content.decode()
     assert "<script>alert" not in html and "&lt;script&gt;alert" in html
     as_json = client_in.get(f"/tasks/{rich_task.pk}/events/{seq}/?format=json").json()
@@ -472,19 +584,25 @@ def test_cancel_error_is_shown_plainly(client_in, rich_task, monkeypatch):
         )
 
     monkeypatch.setattr(task_services, "cancel_task", refuse)
-    response = client_in.post(f"/tasks/{rich_task.pk}/cancel/", {"reason": "not needed"}, follow=True)
+    response = client_in.post(
+        f"/tasks/{rich_task.pk}/cancel/", {"reason": "not needed"}, follow=True
+    )
     html = response.content.decode()
     assert "The agent will not cancel this task (-32002 TASK_NOT_CANCELABLE)" in html
     assert 'class="flash-error"' in html
 
 
-def test_a_stale_answer_form_says_who_answered_and_keeps_the_text(client_in, rich_task, no_dispatch, django_user_model):
+def test_a_stale_answer_form_says_who_answered_and_keeps_the_text(
+    client_in, rich_task, no_dispatch, django_user_model
+):
     """Two people saw the same question; the second one to send is told who won, and when."""
     first = member(django_user_model.objects.create_user("grace", password="pw-123456789"))
     question = rich_task.asked_seq
     assert question == rich_task.last_seq  # the input-required status asked it
     task_services.answer_task(rich_task, "Grace", actor_id=first.pk, question_seq=question)
-    response = client_in.post(f"/tasks/{rich_task.pk}/answer/", {"text": "Ada Lovelace", "question": question})
+    response = client_in.post(
+        f"/tasks/{rich_task.pk}/answer/", {"text": "Ada Lovelace", "question": question}
+    )
     html = response.content.decode()
     assert response.status_code == 400
     assert "Already answered by grace at " in html and "Ada Lovelace</textarea>" in html
@@ -492,17 +610,29 @@ def test_a_stale_answer_form_says_who_answered_and_keeps_the_text(client_in, ric
     assert rich_task.outbox["message"]["parts"] == [{"text": "Grace"}]
 
 
-def test_answer_goes_through_the_service(client_in, rich_task, no_dispatch, django_capture_on_commit_callbacks):
+def test_answer_goes_through_the_service(
+    client_in, rich_task, no_dispatch, django_capture_on_commit_callbacks
+):
     with django_capture_on_commit_callbacks(execute=True):
-        response = client_in.post(f"/tasks/{rich_task.pk}/answer/", {"text": "Ada", "question": rich_task.asked_seq})
+        response = client_in.post(
+            f"/tasks/{rich_task.pk}/answer/", {"text": "Ada", "question": rich_task.asked_seq}
+        )
     assert response.status_code == 302
     rich_task.refresh_from_db()
     assert rich_task.outbox["message"]["parts"] == [{"text": "Ada"}]
     assert no_dispatch == [rich_task.pk]
 
 
-def test_retry_only_when_the_send_failed(client_in, demo_agent_row, no_dispatch, django_capture_on_commit_callbacks):
-    task = RemoteTask.objects.create(agent=demo_agent_row, title="r", phase="failed", send_error="boom", request={"message": {"messageId": "m1"}})
+def test_retry_only_when_the_send_failed(
+    client_in, demo_agent_row, no_dispatch, django_capture_on_commit_callbacks
+):
+    task = RemoteTask.objects.create(
+        agent=demo_agent_row,
+        title="r",
+        phase="failed",
+        send_error="boom",
+        request={"message": {"messageId": "m1"}},
+    )
     page = client_in.get(f"/tasks/{task.pk}/").content.decode()
     assert 'id="retry-button"' in page and "Send failed: boom" in page
     with django_capture_on_commit_callbacks(execute=True):
@@ -522,9 +652,19 @@ def test_task_row_fragment(client_in, rich_task):
 def test_admin_lists_the_mirror(client, django_user_model, rich_task):
     admin = django_user_model.objects.create_superuser("root", "r@example.org", "pw-12345678")
     client.force_login(admin)
-    for model in ("agent", "remotetask", "taskevent", "artifact", "conversationmessage", "operatoraction"):
+    for model in (
+        "agent",
+        "remotetask",
+        "taskevent",
+        "artifact",
+        "conversationmessage",
+        "operatoraction",
+    ):
         assert client.get(f"/admin/tasks_app/{model}/").status_code == 200
-    assert "credentials_encrypted" not in client.get(f"/admin/tasks_app/agent/{rich_task.agent_id}/change/").content.decode()
+    assert (
+        "credentials_encrypted"
+        not in client.get(f"/admin/tasks_app/agent/{rich_task.agent_id}/change/").content.decode()
+    )
 
 
 # Both backends take %s parameters here, so a literal % is written %%.
@@ -572,7 +712,11 @@ def test_task_list_pages_through_100k_tasks(client_in, demo_agent_row):
     for url in urls:
         html = client_in.get(url).content.decode()
         assert "More than 1000 tasks match" in html
-        next_url = re.search(r'href="(\?[^"]*cursor=[^"]+)" id="next-page"', html).group(1).replace("&amp;", "&")
+        next_url = (
+            re.search(r'href="(\?[^"]*cursor=[^"]+)" id="next-page"', html)
+            .group(1)
+            .replace("&amp;", "&")
+        )
         page2 = client_in.get("/tasks/" + next_url).content.decode()
         if url == "/tasks/":
             assert re.findall(r">bulk (\d+)<", page2)[:2] == ["50", "51"]

@@ -21,7 +21,9 @@ from tests.people import MEMBER_SOURCE
 
 
 class Stack:
-    def __init__(self, base_url: str, db_path: Path, procs: list[subprocess.Popen], logs: Path) -> None:
+    def __init__(
+        self, base_url: str, db_path: Path, procs: list[subprocess.Popen], logs: Path
+    ) -> None:
         self.base_url = base_url
         self.db_path = db_path
         self.procs = procs
@@ -32,7 +34,12 @@ class Stack:
             return conn.execute(sql, params).fetchall()
 
     def seqs(self, task_pk: int) -> list[int]:
-        return [r[0] for r in self.query("SELECT seq FROM tasks_app_taskevent WHERE task_id=? ORDER BY seq", task_pk)]
+        return [
+            r[0]
+            for r in self.query(
+                "SELECT seq FROM tasks_app_taskevent WHERE task_id=? ORDER BY seq", task_pk
+            )
+        ]
 
     def state(self, task_pk: int) -> str:
         return self.query("SELECT state FROM tasks_app_remotetask WHERE id=?", task_pk)[0][0]
@@ -40,7 +47,9 @@ class Stack:
     def settled_seqs(self, task_pk: int, timeout: float = 20) -> list[int]:
         """The log once the task is settled: nothing is appended after that."""
         deadline = time.monotonic() + timeout
-        while not self.query("SELECT settled_at FROM tasks_app_remotetask WHERE id=?", task_pk)[0][0]:
+        while not self.query("SELECT settled_at FROM tasks_app_remotetask WHERE id=?", task_pk)[0][
+            0
+        ]:
             assert time.monotonic() < deadline, "the task was never settled"
             time.sleep(0.1)
         return self.seqs(task_pk)
@@ -67,13 +76,22 @@ def stack_env(tmp: Path, redis_url: str, name: str, **extra: str) -> dict[str, s
 
 @contextlib.contextmanager
 def running_stack(
-    tmp: Path, redis_url: str, *, name: str, username: str, password: str, beat: bool = False, **extra: str
+    tmp: Path,
+    redis_url: str,
+    *,
+    name: str,
+    username: str,
+    password: str,
+    beat: bool = False,
+    **extra: str,
 ) -> Iterator[Stack]:
     """1. migrate and make the login; 2. start worker (and beat) and daphne; 3. wait for the
     login page; 4. yield; 5. stop every process (SIGTERM, then SIGKILL after 10 s)."""
     env = stack_env(tmp, redis_url, name, **extra)
     py = sys.executable
-    subprocess.run([py, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=REPO_ROOT, env=env, check=True)
+    subprocess.run(
+        [py, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=REPO_ROOT, env=env, check=True
+    )
     subprocess.run(
         [py, "-c", "import django; django.setup(); from django.contrib.auth.models import User; "
          f"User.objects.create_user({username!r}, password={password!r}); "
@@ -87,7 +105,9 @@ def running_stack(
 
     def start(process: str, cmd: list[str]) -> None:
         out = open(logs / f"{process}.log", "wb")  # noqa: SIM115 - owned by the child
-        procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        )
         out.close()
 
     try:
@@ -97,7 +117,10 @@ def running_stack(
         if beat:
             start("beat", [py, "-m", "celery", "-A", "dashboard", "beat", "--loglevel", "INFO",
                            "--schedule", str(tmp / "beat-schedule")])  # fmt: skip
-        start("web", [py, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "dashboard.asgi:application"])
+        start(
+            "web",
+            [py, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "dashboard.asgi:application"],
+        )
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
         while True:

@@ -121,7 +121,11 @@ def snippet_of(body: bytes | str, limit: int = SNIPPET_CHARS) -> str:
     Short on purpose: a message is shown to people and stored; the body is someone
     else's (control and bidi characters could disguise what the message says).
     """
-    text = body[: limit * 8 + 256].decode("utf-8", "replace") if isinstance(body, bytes) else body[: limit * 8 + 256]
+    text = (
+        body[: limit * 8 + 256].decode("utf-8", "replace")
+        if isinstance(body, bytes)
+        else body[: limit * 8 + 256]
+    )
     text = "".join(ch for ch in text if ch.isprintable() or ch.isspace())
     return " ".join(text.split())[:limit]
 

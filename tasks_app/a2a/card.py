@@ -147,7 +147,9 @@ async def _fetch_card(
         )
         if result is not None:
             return result
-    raise CardNotFoundError(f"no agent card found (last tried {candidates[-1]})")  # pragma: no cover
+    raise CardNotFoundError(
+        f"no agent card found (last tried {candidates[-1]})"
+    )  # pragma: no cover
 
 
 async def _fetch_candidate(
@@ -176,7 +178,9 @@ async def _fetch_candidate(
             async with http.stream("GET", hop, headers=req_headers, timeout=timeout) as resp:
                 target = _redirect_target(resp, hop, where)
                 if target is None:
-                    return await _card_from(resp, hop, where, etag=etag, max_bytes=max_bytes, tried=tried)
+                    return await _card_from(
+                        resp, hop, where, etag=etag, max_bytes=max_bytes, tried=tried
+                    )
         except httpx.HTTPError as exc:
             raise map_transport_error(exc, where) from exc
         hop = target
@@ -240,7 +244,9 @@ async def _card_from(
         raise error_for_status(resp, body, where)
     card = decode_json(body, where, mt=media_type(resp))
     if not isinstance(card, dict):
-        raise ProtocolError(f"agent card must be a JSON object, got {type(card).__name__}", where=where)
+        raise ProtocolError(
+            f"agent card must be a JSON object, got {type(card).__name__}", where=where
+        )
     return CardResult(
         url=url,
         card=card,

@@ -145,7 +145,9 @@ def auth_plan(card: Mapping[str, Any] | None, credentials: Credentials | None) -
             scheme = "Bearer" if scheme.lower() == "bearer" else scheme
         plan.headers["Authorization"] = f"{scheme} {credentials.token}"
     if credentials.api_key:
-        location, name = api_key_placement(card, credentials.api_key_name, credentials.api_key_location)
+        location, name = api_key_placement(
+            card, credentials.api_key_name, credentials.api_key_location
+        )
         if location == "query":
             plan.query[name] = credentials.api_key
         elif location == "cookie":

@@ -59,7 +59,9 @@ _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _BROADCAST = ipaddress.ip_address("255.255.255.255")
 _NEVER_TAIL = f"never fetched, whatever {SETTING} says"
 _ALLOW_TAIL = f"fetched only when {SETTING} lists it (a CIDR or the host name)"
-_HOSTNAME = re.compile(r"(?=.{1,253}$)([a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?)(\.[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?)*")
+_HOSTNAME = re.compile(
+    r"(?=.{1,253}$)([a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?)(\.[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?)*"
+)
 BAD_PATH = (
     "the URL path has a '.' or '..' segment (perhaps percent-encoded), which would reach "
     "another path than the one written; give the path without them"
@@ -83,7 +85,9 @@ class GuardRefusal(httpcore.ConnectError):
 def _ip(address: str | IPAddress) -> IPAddress:
     if isinstance(address, ipaddress.IPv4Address | ipaddress.IPv6Address):
         return address
-    return ipaddress.ip_address(address.split("%", 1)[0])  # a scope (fe80::1%eth0) is not the address
+    return ipaddress.ip_address(
+        address.split("%", 1)[0]
+    )  # a scope (fe80::1%eth0) is not the address
 
 
 def literal_ip(host: str) -> IPAddress | None:
@@ -161,7 +165,9 @@ class Policy:
                 pass
             name = _host_key(entry)
             if not _HOSTNAME.fullmatch(name):
-                raise ValueError(f"{entry!r} is neither a network (CIDR), an address nor a host name")
+                raise ValueError(
+                    f"{entry!r} is neither a network (CIDR), an address nor a host name"
+                )
             hosts.add(name)
         return cls(tuple(networks), frozenset(hosts))
 
@@ -170,7 +176,9 @@ class Policy:
         if host and _host_key(host) in self.hosts:
             return True
         candidates = [c for c in (ip, _embedded_v4(ip)) if c is not None]
-        return any(c in net for c in candidates for net in self.networks if c.version == net.version)
+        return any(
+            c in net for c in candidates for net in self.networks if c.version == net.version
+        )
 
     def address_problem(self, address: str | IPAddress, host: str = "") -> str | None:
         """Why connecting to ``address`` (which ``host`` resolved to) is refused, or None."""
@@ -265,7 +273,9 @@ async def resolve_checked(policy: Policy, host: str, port: int, timeout: float |
             infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except TimeoutError:
         if scope.expired():
-            raise httpcore.ConnectTimeout(f"resolving {host} took longer than {timeout:g} s") from None
+            raise httpcore.ConnectTimeout(
+                f"resolving {host} took longer than {timeout:g} s"
+            ) from None
         raise
     except OSError as exc:
         raise httpcore.ConnectError(f"cannot resolve {host}: {exc.strerror or exc}") from None
@@ -300,7 +310,11 @@ class GuardedBackend(httpcore.AsyncNetworkBackend):
         for address in addresses:
             try:
                 return await self._inner.connect_tcp(
-                    address, port, timeout=timeout, local_address=local_address, socket_options=socket_options
+                    address,
+                    port,
+                    timeout=timeout,
+                    local_address=local_address,
+                    socket_options=socket_options,
                 )
             except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
                 error = exc  # the next address of the host may answer

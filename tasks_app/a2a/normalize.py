@@ -20,7 +20,11 @@ ARTIFACT_OPTIONAL = ("name", "description", "metadata", "extensions")
 
 
 def _strip(obj: dict[str, Any], optional: tuple[str, ...]) -> dict[str, Any]:
-    return {k: v for k, v in obj.items() if not (k in optional and any(v == e and type(v) is type(e) for e in _EMPTY))}
+    return {
+        k: v
+        for k, v in obj.items()
+        if not (k in optional and any(v == e and type(v) is type(e) for e in _EMPTY))
+    }
 
 
 def part(value: Any) -> Any:

@@ -7,7 +7,6 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
@@ -16,173 +15,402 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.CreateModel(
-            name='Agent',
+            name="Agent",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=200)),
-                ('base_url', models.URLField(max_length=1000, unique=True)),
-                ('card_url', models.URLField(blank=True, max_length=1000)),
-                ('card', models.JSONField(blank=True, default=dict)),
-                ('card_etag', models.CharField(blank=True, max_length=300)),
-                ('card_fetched_at', models.DateTimeField(blank=True, null=True)),
-                ('card_problems', models.JSONField(blank=True, default=list)),
-                ('interface_url', models.URLField(blank=True, max_length=1000)),
-                ('binding', models.CharField(blank=True, max_length=40)),
-                ('protocol_version', models.CharField(blank=True, max_length=10)),
-                ('tenant', models.CharField(blank=True, max_length=200)),
-                ('streaming', models.BooleanField(default=False)),
-                ('push', models.BooleanField(default=False)),
-                ('credentials_encrypted', models.TextField(blank=True)),
-                ('reachable', models.BooleanField(null=True)),
-                ('last_error', models.TextField(blank=True)),
-                ('last_contact_at', models.DateTimeField(blank=True, null=True)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=200)),
+                ("base_url", models.URLField(max_length=1000, unique=True)),
+                ("card_url", models.URLField(blank=True, max_length=1000)),
+                ("card", models.JSONField(blank=True, default=dict)),
+                ("card_etag", models.CharField(blank=True, max_length=300)),
+                ("card_fetched_at", models.DateTimeField(blank=True, null=True)),
+                ("card_problems", models.JSONField(blank=True, default=list)),
+                ("interface_url", models.URLField(blank=True, max_length=1000)),
+                ("binding", models.CharField(blank=True, max_length=40)),
+                ("protocol_version", models.CharField(blank=True, max_length=10)),
+                ("tenant", models.CharField(blank=True, max_length=200)),
+                ("streaming", models.BooleanField(default=False)),
+                ("push", models.BooleanField(default=False)),
+                ("credentials_encrypted", models.TextField(blank=True)),
+                ("reachable", models.BooleanField(null=True)),
+                ("last_error", models.TextField(blank=True)),
+                ("last_contact_at", models.DateTimeField(blank=True, null=True)),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
         migrations.CreateModel(
-            name='RemoteTask',
+            name="RemoteTask",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('remote_id', models.CharField(blank=True, max_length=300)),
-                ('context_id', models.CharField(blank=True, db_index=True, max_length=300)),
-                ('title', models.CharField(blank=True, max_length=300)),
-                ('phase', models.CharField(choices=[('sending', 'Sending'), ('task', 'Task'), ('message', 'Message'), ('failed', 'Failed')], default='sending', max_length=20)),
-                ('mode', models.CharField(choices=[('auto', 'Auto'), ('stream', 'Stream'), ('return-immediately', 'Return Immediately'), ('blocking', 'Blocking'), ('imported', 'Imported')], default='auto', max_length=30)),
-                ('state', models.CharField(blank=True, choices=[('', 'unknown'), ('TASK_STATE_SUBMITTED', 'submitted'), ('TASK_STATE_WORKING', 'working'), ('TASK_STATE_INPUT_REQUIRED', 'input required'), ('TASK_STATE_AUTH_REQUIRED', 'auth required'), ('TASK_STATE_COMPLETED', 'completed'), ('TASK_STATE_FAILED', 'failed'), ('TASK_STATE_CANCELED', 'canceled'), ('TASK_STATE_REJECTED', 'rejected')], db_index=True, max_length=40)),
-                ('status_message', models.JSONField(blank=True, null=True)),
-                ('status_timestamp', models.DateTimeField(blank=True, null=True)),
-                ('metadata', models.JSONField(blank=True, default=dict)),
-                ('request', models.JSONField(blank=True, default=dict)),
-                ('outbox', models.JSONField(blank=True, null=True)),
-                ('send_error', models.TextField(blank=True)),
-                ('send_attempted_at', models.DateTimeField(blank=True, null=True)),
-                ('watch', models.CharField(choices=[('stream', 'Stream'), ('poll', 'Poll'), ('push', 'Push'), ('none', 'None')], default='none', max_length=20)),
-                ('watcher_status', models.CharField(choices=[('streaming', 'Streaming'), ('reconnecting', 'Reconnecting'), ('polling', 'Polling'), ('awaiting-push', 'Awaiting Push'), ('idle', 'Idle'), ('lost', 'Lost')], default='idle', max_length=20)),
-                ('watcher_note', models.CharField(blank=True, max_length=500)),
-                ('lease_token', models.CharField(blank=True, max_length=64)),
-                ('lease_owner', models.CharField(blank=True, max_length=200)),
-                ('lease_expires_at', models.DateTimeField(blank=True, db_index=True, null=True)),
-                ('last_seq', models.PositiveIntegerField(default=0)),
-                ('last_event_at', models.DateTimeField(blank=True, null=True)),
-                ('created_at', models.DateTimeField(db_index=True, default=django.utils.timezone.now)),
-                ('updated_at', models.DateTimeField(db_index=True, default=django.utils.timezone.now)),
-                ('agent', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='tasks', to='tasks_app.agent')),
-                ('started_by', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, to=settings.AUTH_USER_MODEL)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("remote_id", models.CharField(blank=True, max_length=300)),
+                ("context_id", models.CharField(blank=True, db_index=True, max_length=300)),
+                ("title", models.CharField(blank=True, max_length=300)),
+                (
+                    "phase",
+                    models.CharField(
+                        choices=[
+                            ("sending", "Sending"),
+                            ("task", "Task"),
+                            ("message", "Message"),
+                            ("failed", "Failed"),
+                        ],
+                        default="sending",
+                        max_length=20,
+                    ),
+                ),
+                (
+                    "mode",
+                    models.CharField(
+                        choices=[
+                            ("auto", "Auto"),
+                            ("stream", "Stream"),
+                            ("return-immediately", "Return Immediately"),
+                            ("blocking", "Blocking"),
+                            ("imported", "Imported"),
+                        ],
+                        default="auto",
+                        max_length=30,
+                    ),
+                ),
+                (
+                    "state",
+                    models.CharField(
+                        blank=True,
+                        choices=[
+                            ("", "unknown"),
+                            ("TASK_STATE_SUBMITTED", "submitted"),
+                            ("TASK_STATE_WORKING", "working"),
+                            ("TASK_STATE_INPUT_REQUIRED", "input required"),
+                            ("TASK_STATE_AUTH_REQUIRED", "auth required"),
+                            ("TASK_STATE_COMPLETED", "completed"),
+                            ("TASK_STATE_FAILED", "failed"),
+                            ("TASK_STATE_CANCELED", "canceled"),
+                            ("TASK_STATE_REJECTED", "rejected"),
+                        ],
+                        db_index=True,
+                        max_length=40,
+                    ),
+                ),
+                ("status_message", models.JSONField(blank=True, null=True)),
+                ("status_timestamp", models.DateTimeField(blank=True, null=True)),
+                ("metadata", models.JSONField(blank=True, default=dict)),
+                ("request", models.JSONField(blank=True, default=dict)),
+                ("outbox", models.JSONField(blank=True, null=True)),
+                ("send_error", models.TextField(blank=True)),
+                ("send_attempted_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "watch",
+                    models.CharField(
+                        choices=[
+                            ("stream", "Stream"),
+                            ("poll", "Poll"),
+                            ("push", "Push"),
+                            ("none", "None"),
+                        ],
+                        default="none",
+                        max_length=20,
+                    ),
+                ),
+                (
+                    "watcher_status",
+                    models.CharField(
+                        choices=[
+                            ("streaming", "Streaming"),
+                            ("reconnecting", "Reconnecting"),
+                            ("polling", "Polling"),
+                            ("awaiting-push", "Awaiting Push"),
+                            ("idle", "Idle"),
+                            ("lost", "Lost"),
+                        ],
+                        default="idle",
+                        max_length=20,
+                    ),
+                ),
+                ("watcher_note", models.CharField(blank=True, max_length=500)),
+                ("lease_token", models.CharField(blank=True, max_length=64)),
+                ("lease_owner", models.CharField(blank=True, max_length=200)),
+                ("lease_expires_at", models.DateTimeField(blank=True, db_index=True, null=True)),
+                ("last_seq", models.PositiveIntegerField(default=0)),
+                ("last_event_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "created_at",
+                    models.DateTimeField(db_index=True, default=django.utils.timezone.now),
+                ),
+                (
+                    "updated_at",
+                    models.DateTimeField(db_index=True, default=django.utils.timezone.now),
+                ),
+                (
+                    "agent",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="tasks",
+                        to="tasks_app.agent",
+                    ),
+                ),
+                (
+                    "started_by",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-updated_at', '-id'],
+                "ordering": ["-updated_at", "-id"],
             },
         ),
         migrations.CreateModel(
-            name='OperatorAction',
+            name="OperatorAction",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('action', models.CharField(max_length=40)),
-                ('payload', models.JSONField(blank=True, default=dict)),
-                ('outcome', models.CharField(blank=True, max_length=500)),
-                ('key', models.CharField(blank=True, default='', max_length=64)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('actor', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, to=settings.AUTH_USER_MODEL)),
-                ('agent', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.CASCADE, to='tasks_app.agent')),
-                ('task', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.CASCADE, related_name='actions', to='tasks_app.remotetask')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("action", models.CharField(max_length=40)),
+                ("payload", models.JSONField(blank=True, default=dict)),
+                ("outcome", models.CharField(blank=True, max_length=500)),
+                ("key", models.CharField(blank=True, default="", max_length=64)),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "actor",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
+                (
+                    "agent",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.CASCADE,
+                        to="tasks_app.agent",
+                    ),
+                ),
+                (
+                    "task",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="actions",
+                        to="tasks_app.remotetask",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-created_at'],
+                "ordering": ["-created_at"],
             },
         ),
         migrations.CreateModel(
-            name='ConversationMessage',
+            name="ConversationMessage",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('message_id', models.CharField(max_length=300)),
-                ('role', models.CharField(max_length=20)),
-                ('message', models.JSONField()),
-                ('seq', models.PositiveIntegerField(default=0)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('task', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='messages', to='tasks_app.remotetask')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("message_id", models.CharField(max_length=300)),
+                ("role", models.CharField(max_length=20)),
+                ("message", models.JSONField()),
+                ("seq", models.PositiveIntegerField(default=0)),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "task",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="messages",
+                        to="tasks_app.remotetask",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['task', 'seq', 'id'],
+                "ordering": ["task", "seq", "id"],
             },
         ),
         migrations.CreateModel(
-            name='Artifact',
+            name="Artifact",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('artifact_id', models.CharField(max_length=300)),
-                ('name', models.CharField(blank=True, max_length=500)),
-                ('description', models.TextField(blank=True)),
-                ('metadata', models.JSONField(blank=True, default=dict)),
-                ('extensions', models.JSONField(blank=True, default=list)),
-                ('part_count', models.PositiveIntegerField(default=0)),
-                ('digest', models.CharField(blank=True, max_length=64)),
-                ('complete', models.BooleanField(default=False)),
-                ('position', models.PositiveIntegerField(default=0)),
-                ('updated_seq', models.PositiveIntegerField(default=0)),
-                ('updated_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('task', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='artifacts', to='tasks_app.remotetask')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("artifact_id", models.CharField(max_length=300)),
+                ("name", models.CharField(blank=True, max_length=500)),
+                ("description", models.TextField(blank=True)),
+                ("metadata", models.JSONField(blank=True, default=dict)),
+                ("extensions", models.JSONField(blank=True, default=list)),
+                ("part_count", models.PositiveIntegerField(default=0)),
+                ("digest", models.CharField(blank=True, max_length=64)),
+                ("complete", models.BooleanField(default=False)),
+                ("position", models.PositiveIntegerField(default=0)),
+                ("updated_seq", models.PositiveIntegerField(default=0)),
+                ("updated_at", models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "task",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="artifacts",
+                        to="tasks_app.remotetask",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['task', 'position'],
+                "ordering": ["task", "position"],
             },
         ),
         migrations.CreateModel(
-            name='TaskEvent',
+            name="TaskEvent",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('seq', models.PositiveIntegerField()),
-                ('received_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('channel', models.CharField(choices=[('send-response', 'Send Response'), ('stream', 'Stream'), ('resubscribe', 'Resubscribe'), ('poll', 'Poll'), ('push', 'Push'), ('operator', 'Operator'), ('system', 'System')], max_length=20)),
-                ('kind', models.CharField(choices=[('task', 'Task'), ('message', 'Message'), ('statusUpdate', 'Status Update'), ('artifactUpdate', 'Artifact Update'), ('gap', 'Gap'), ('protocol-error', 'Protocol Error'), ('operator', 'Operator'), ('system', 'System')], max_length=20)),
-                ('raw', models.JSONField(blank=True, null=True)),
-                ('state_after', models.CharField(blank=True, max_length=40)),
-                ('note', models.TextField(blank=True)),
-                ('actor', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, to=settings.AUTH_USER_MODEL)),
-                ('task', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='events', to='tasks_app.remotetask')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("seq", models.PositiveIntegerField()),
+                ("received_at", models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "channel",
+                    models.CharField(
+                        choices=[
+                            ("send-response", "Send Response"),
+                            ("stream", "Stream"),
+                            ("resubscribe", "Resubscribe"),
+                            ("poll", "Poll"),
+                            ("push", "Push"),
+                            ("operator", "Operator"),
+                            ("system", "System"),
+                        ],
+                        max_length=20,
+                    ),
+                ),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[
+                            ("task", "Task"),
+                            ("message", "Message"),
+                            ("statusUpdate", "Status Update"),
+                            ("artifactUpdate", "Artifact Update"),
+                            ("gap", "Gap"),
+                            ("protocol-error", "Protocol Error"),
+                            ("operator", "Operator"),
+                            ("system", "System"),
+                        ],
+                        max_length=20,
+                    ),
+                ),
+                ("raw", models.JSONField(blank=True, null=True)),
+                ("state_after", models.CharField(blank=True, max_length=40)),
+                ("note", models.TextField(blank=True)),
+                (
+                    "actor",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
+                (
+                    "task",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="events",
+                        to="tasks_app.remotetask",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['task', 'seq'],
+                "ordering": ["task", "seq"],
             },
         ),
         migrations.CreateModel(
-            name='ArtifactPart',
+            name="ArtifactPart",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('index', models.PositiveIntegerField()),
-                ('part', models.JSONField()),
-                ('seq', models.PositiveIntegerField(default=0)),
-                ('artifact', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='parts', to='tasks_app.artifact')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("index", models.PositiveIntegerField()),
+                ("part", models.JSONField()),
+                ("seq", models.PositiveIntegerField(default=0)),
+                (
+                    "artifact",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="parts",
+                        to="tasks_app.artifact",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['artifact', 'index'],
-                'constraints': [models.UniqueConstraint(fields=('artifact', 'index'), name='unique_part_index')],
+                "ordering": ["artifact", "index"],
+                "constraints": [
+                    models.UniqueConstraint(fields=("artifact", "index"), name="unique_part_index")
+                ],
             },
         ),
         migrations.AddIndex(
-            model_name='remotetask',
-            index=models.Index(fields=['agent', 'state', '-updated_at'], name='tasks_app_r_agent_i_6e9737_idx'),
+            model_name="remotetask",
+            index=models.Index(
+                fields=["agent", "state", "-updated_at"], name="tasks_app_r_agent_i_6e9737_idx"
+            ),
         ),
         migrations.AddIndex(
-            model_name='remotetask',
-            index=models.Index(fields=['state', '-updated_at'], name='tasks_app_r_state_9c86e3_idx'),
+            model_name="remotetask",
+            index=models.Index(
+                fields=["state", "-updated_at"], name="tasks_app_r_state_9c86e3_idx"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='remotetask',
-            constraint=models.UniqueConstraint(condition=models.Q(('remote_id', ''), _negated=True), fields=('agent', 'remote_id'), name='unique_remote_task_per_agent'),
+            model_name="remotetask",
+            constraint=models.UniqueConstraint(
+                condition=models.Q(("remote_id", ""), _negated=True),
+                fields=("agent", "remote_id"),
+                name="unique_remote_task_per_agent",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='conversationmessage',
-            constraint=models.UniqueConstraint(fields=('task', 'message_id'), name='unique_message_per_task'),
+            model_name="conversationmessage",
+            constraint=models.UniqueConstraint(
+                fields=("task", "message_id"), name="unique_message_per_task"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='artifact',
-            constraint=models.UniqueConstraint(fields=('task', 'artifact_id'), name='unique_artifact_per_task'),
+            model_name="artifact",
+            constraint=models.UniqueConstraint(
+                fields=("task", "artifact_id"), name="unique_artifact_per_task"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='taskevent',
-            constraint=models.UniqueConstraint(fields=('task', 'seq'), name='unique_seq_per_task'),
+            model_name="taskevent",
+            constraint=models.UniqueConstraint(fields=("task", "seq"), name="unique_seq_per_task"),
         ),
     ]

@@ -6,25 +6,24 @@ import tasks_app.models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('tasks_app', '0002_state_changed'),
+        ("tasks_app", "0002_state_changed"),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name='artifactpart',
-            name='part',
+            model_name="artifactpart",
+            name="part",
             field=tasks_app.models.BulkJSONField(),
         ),
         migrations.AlterField(
-            model_name='conversationmessage',
-            name='message',
+            model_name="conversationmessage",
+            name="message",
             field=tasks_app.models.BulkJSONField(),
         ),
         migrations.AlterField(
-            model_name='taskevent',
-            name='raw',
+            model_name="taskevent",
+            name="raw",
             field=tasks_app.models.BulkJSONField(blank=True, null=True),
         ),
     ]

@@ -8,10 +8,16 @@ def chain_existing(apps, schema_editor):
 
     RemoteTask = apps.get_model("tasks_app", "RemoteTask")
     TaskEvent = apps.get_model("tasks_app", "TaskEvent")
-    for task_pk in RemoteTask.objects.filter(last_hash="", last_seq__gt=0).values_list("pk", flat=True).iterator():
+    for task_pk in (
+        RemoteTask.objects.filter(last_hash="", last_seq__gt=0)
+        .values_list("pk", flat=True)
+        .iterator()
+    ):
         previous, after = "", 0
         while True:
-            rows = list(TaskEvent.objects.filter(task_id=task_pk, seq__gt=after).order_by("seq")[:1000])
+            rows = list(
+                TaskEvent.objects.filter(task_id=task_pk, seq__gt=after).order_by("seq")[:1000]
+            )
             for event in rows:
                 event.digest, _ = content_digest(event.raw)
                 event.hash = previous = event_hash(previous, event, event.digest)

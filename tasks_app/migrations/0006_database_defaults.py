@@ -4,35 +4,34 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('tasks_app', '0005_chain_existing_rows'),
+        ("tasks_app", "0005_chain_existing_rows"),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name='remotetask',
-            name='answered_seq',
+            model_name="remotetask",
+            name="answered_seq",
             field=models.PositiveIntegerField(db_default=0, default=0),
         ),
         migrations.AlterField(
-            model_name='remotetask',
-            name='asked_seq',
+            model_name="remotetask",
+            name="asked_seq",
             field=models.PositiveIntegerField(db_default=0, default=0),
         ),
         migrations.AlterField(
-            model_name='remotetask',
-            name='fruitless_turns',
+            model_name="remotetask",
+            name="fruitless_turns",
             field=models.PositiveIntegerField(db_default=0, default=0),
         ),
         migrations.AlterField(
-            model_name='remotetask',
-            name='last_hash',
-            field=models.CharField(blank=True, db_default='', default='', max_length=64),
+            model_name="remotetask",
+            name="last_hash",
+            field=models.CharField(blank=True, db_default="", default="", max_length=64),
         ),
         migrations.AlterField(
-            model_name='remotetask',
-            name='stored_bytes',
+            model_name="remotetask",
+            name="stored_bytes",
             field=models.BigIntegerField(db_default=0, default=0),
         ),
     ]

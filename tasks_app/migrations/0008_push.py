@@ -6,35 +6,57 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('tasks_app', '0007_projects'),
+        ("tasks_app", "0007_projects"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='PushConfig',
+            name="PushConfig",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('config_id', models.CharField(max_length=64, unique=True)),
-                ('secrets_encrypted', models.TextField(blank=True)),
-                ('jwks_url', models.URLField(blank=True, max_length=1000)),
-                ('jwt_issuer', models.CharField(blank=True, max_length=1000)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('registered_at', models.DateTimeField(blank=True, null=True)),
-                ('deleted_at', models.DateTimeField(blank=True, null=True)),
-                ('deleted_note', models.CharField(blank=True, max_length=500)),
-                ('last_received_at', models.DateTimeField(blank=True, null=True)),
-                ('received', models.PositiveIntegerField(default=0)),
-                ('task', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='push_configs', to='tasks_app.remotetask')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("config_id", models.CharField(max_length=64, unique=True)),
+                ("secrets_encrypted", models.TextField(blank=True)),
+                ("jwks_url", models.URLField(blank=True, max_length=1000)),
+                ("jwt_issuer", models.CharField(blank=True, max_length=1000)),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("registered_at", models.DateTimeField(blank=True, null=True)),
+                ("deleted_at", models.DateTimeField(blank=True, null=True)),
+                ("deleted_note", models.CharField(blank=True, max_length=500)),
+                ("last_received_at", models.DateTimeField(blank=True, null=True)),
+                ("received", models.PositiveIntegerField(default=0)),
+                (
+                    "task",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="push_configs",
+                        to="tasks_app.remotetask",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['task', 'created_at', 'id'],
+                "ordering": ["task", "created_at", "id"],
             },
         ),
         migrations.AlterField(
-            model_name='remotetask',
-            name='mode',
-            field=models.CharField(choices=[('auto', 'Auto'), ('stream', 'Stream'), ('return-immediately', 'Return Immediately'), ('blocking', 'Blocking'), ('push', 'Push'), ('imported', 'Imported')], default='auto', max_length=30),
+            model_name="remotetask",
+            name="mode",
+            field=models.CharField(
+                choices=[
+                    ("auto", "Auto"),
+                    ("stream", "Stream"),
+                    ("return-immediately", "Return Immediately"),
+                    ("blocking", "Blocking"),
+                    ("push", "Push"),
+                    ("imported", "Imported"),
+                ],
+                default="auto",
+                max_length=30,
+            ),
         ),
     ]

@@ -6,61 +6,126 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('tasks_app', '0008_push'),
+        ("tasks_app", "0008_push"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Alert',
+            name="Alert",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('rule', models.CharField(choices=[('silent-working', 'silent while working'), ('question-waiting', 'question waiting'), ('agent-unreachable', 'agent unreachable'), ('send-failed', 'send failed'), ('parked', 'watcher parked the task'), ('test', 'test')], max_length=30)),
-                ('key', models.CharField(max_length=200)),
-                ('message', models.CharField(max_length=500)),
-                ('since', models.DateTimeField(default=django.utils.timezone.now)),
-                ('opened_at', models.DateTimeField(blank=True, null=True)),
-                ('resolved_at', models.DateTimeField(blank=True, null=True)),
-                ('last_seen_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('agent', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.CASCADE, related_name='alerts', to='tasks_app.agent')),
-                ('task', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.CASCADE, related_name='alerts', to='tasks_app.remotetask')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "rule",
+                    models.CharField(
+                        choices=[
+                            ("silent-working", "silent while working"),
+                            ("question-waiting", "question waiting"),
+                            ("agent-unreachable", "agent unreachable"),
+                            ("send-failed", "send failed"),
+                            ("parked", "watcher parked the task"),
+                            ("test", "test"),
+                        ],
+                        max_length=30,
+                    ),
+                ),
+                ("key", models.CharField(max_length=200)),
+                ("message", models.CharField(max_length=500)),
+                ("since", models.DateTimeField(default=django.utils.timezone.now)),
+                ("opened_at", models.DateTimeField(blank=True, null=True)),
+                ("resolved_at", models.DateTimeField(blank=True, null=True)),
+                ("last_seen_at", models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "agent",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="alerts",
+                        to="tasks_app.agent",
+                    ),
+                ),
+                (
+                    "task",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="alerts",
+                        to="tasks_app.remotetask",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-opened_at', '-id'],
+                "ordering": ["-opened_at", "-id"],
             },
         ),
         migrations.CreateModel(
-            name='AlertDelivery',
+            name="AlertDelivery",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('channel', models.CharField(choices=[('email', 'e-mail'), ('webhook', 'Webhook')], max_length=20)),
-                ('event', models.CharField(max_length=20)),
-                ('target', models.CharField(max_length=500)),
-                ('outcome', models.CharField(choices=[('sent', 'Sent'), ('failed', 'Failed')], max_length=20)),
-                ('error', models.CharField(blank=True, max_length=500)),
-                ('attempted_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('duration_ms', models.PositiveIntegerField(default=0)),
-                ('alert', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='deliveries', to='tasks_app.alert')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "channel",
+                    models.CharField(
+                        choices=[("email", "e-mail"), ("webhook", "Webhook")], max_length=20
+                    ),
+                ),
+                ("event", models.CharField(max_length=20)),
+                ("target", models.CharField(max_length=500)),
+                (
+                    "outcome",
+                    models.CharField(
+                        choices=[("sent", "Sent"), ("failed", "Failed")], max_length=20
+                    ),
+                ),
+                ("error", models.CharField(blank=True, max_length=500)),
+                ("attempted_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("duration_ms", models.PositiveIntegerField(default=0)),
+                (
+                    "alert",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="deliveries",
+                        to="tasks_app.alert",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-attempted_at', '-id'],
+                "ordering": ["-attempted_at", "-id"],
             },
         ),
         migrations.AddIndex(
-            model_name='alert',
-            index=models.Index(condition=models.Q(('resolved_at__isnull', True)), fields=['-opened_at'], name='unresolved_alerts'),
+            model_name="alert",
+            index=models.Index(
+                condition=models.Q(("resolved_at__isnull", True)),
+                fields=["-opened_at"],
+                name="unresolved_alerts",
+            ),
         ),
         migrations.AddIndex(
-            model_name='alert',
-            index=models.Index(fields=['rule', 'resolved_at'], name='alerts_by_rule'),
+            model_name="alert",
+            index=models.Index(fields=["rule", "resolved_at"], name="alerts_by_rule"),
         ),
         migrations.AddConstraint(
-            model_name='alert',
-            constraint=models.UniqueConstraint(condition=models.Q(('resolved_at__isnull', True)), fields=('key',), name='one_unresolved_alert_per_key'),
+            model_name="alert",
+            constraint=models.UniqueConstraint(
+                condition=models.Q(("resolved_at__isnull", True)),
+                fields=("key",),
+                name="one_unresolved_alert_per_key",
+            ),
         ),
         migrations.AddIndex(
-            model_name='alertdelivery',
-            index=models.Index(fields=['-attempted_at'], name='alert_deliveries_newest'),
+            model_name="alertdelivery",
+            index=models.Index(fields=["-attempted_at"], name="alert_deliveries_newest"),
         ),
     ]

@@ -5,27 +5,26 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('tasks_app', '0009_alerts'),
+        ("tasks_app", "0009_alerts"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.AddIndex(
-            model_name='operatoraction',
-            index=models.Index(fields=['created_at', 'id'], name='action_log_order'),
+            model_name="operatoraction",
+            index=models.Index(fields=["created_at", "id"], name="action_log_order"),
         ),
         migrations.AddIndex(
-            model_name='operatoraction',
-            index=models.Index(fields=['actor', 'created_at', 'id'], name='action_log_by_actor'),
+            model_name="operatoraction",
+            index=models.Index(fields=["actor", "created_at", "id"], name="action_log_by_actor"),
         ),
         migrations.AddIndex(
-            model_name='operatoraction',
-            index=models.Index(fields=['action', 'created_at', 'id'], name='action_log_by_action'),
+            model_name="operatoraction",
+            index=models.Index(fields=["action", "created_at", "id"], name="action_log_by_action"),
         ),
         migrations.AddIndex(
-            model_name='operatoraction',
-            index=models.Index(fields=['agent', 'created_at', 'id'], name='action_log_by_agent'),
+            model_name="operatoraction",
+            index=models.Index(fields=["agent", "created_at", "id"], name="action_log_by_agent"),
         ),
     ]

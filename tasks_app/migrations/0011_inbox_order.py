@@ -13,27 +13,38 @@ def fill_asked_at(apps, schema_editor):
     RemoteTask = apps.get_model("tasks_app", "RemoteTask")
     TaskEvent = apps.get_model("tasks_app", "TaskEvent")
     waiting = RemoteTask.objects.filter(state__in=WAITING, asked_at__isnull=True)
-    asked_row = TaskEvent.objects.filter(task_id=OuterRef("pk"), seq=OuterRef("asked_seq")).order_by()
+    asked_row = TaskEvent.objects.filter(
+        task_id=OuterRef("pk"), seq=OuterRef("asked_seq")
+    ).order_by()
     waiting.filter(asked_seq__gt=0).update(asked_at=Subquery(asked_row.values("received_at")[:1]))
-    waiting.filter(asked_at__isnull=True).update(asked_at=Coalesce("status_timestamp", "created_at"))
+    waiting.filter(asked_at__isnull=True).update(
+        asked_at=Coalesce("status_timestamp", "created_at")
+    )
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('tasks_app', '0010_action_log_indexes'),
+        ("tasks_app", "0010_action_log_indexes"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='remotetask',
-            name='asked_at',
+            model_name="remotetask",
+            name="asked_at",
             field=models.DateTimeField(blank=True, null=True),
         ),
         migrations.RunPython(fill_asked_at, migrations.RunPython.noop),
         migrations.AddIndex(
-            model_name='remotetask',
-            index=models.Index(condition=models.Q(('abandoned_at__isnull', True), ('settled_at__isnull', True), ('state__in', ('TASK_STATE_AUTH_REQUIRED', 'TASK_STATE_INPUT_REQUIRED'))), fields=['asked_at', 'id'], name='inbox_order'),
+            model_name="remotetask",
+            index=models.Index(
+                condition=models.Q(
+                    ("abandoned_at__isnull", True),
+                    ("settled_at__isnull", True),
+                    ("state__in", ("TASK_STATE_AUTH_REQUIRED", "TASK_STATE_INPUT_REQUIRED")),
+                ),
+                fields=["asked_at", "id"],
+                name="inbox_order",
+            ),
         ),
     ]

@@ -138,7 +138,9 @@ def add_agent(
         raise AgentError(_already_registered(existing, actor_id))
     preview = preview_card(url)
     if not preview.interface:
-        raise AgentError(f"The agent at {url} offers no interface this dashboard speaks: {'; '.join(preview.problems)}")
+        raise AgentError(
+            f"The agent at {url} offers no interface this dashboard speaks: {'; '.join(preview.problems)}"
+        )
     agent = Agent(base_url=url, project=project)
     _apply_preview(agent, preview)
     agent.name = (name or preview.name or url)[:200]
@@ -149,7 +151,10 @@ def add_agent(
             raise AgentError("This URL was registered a moment ago by someone else.")
         agent.save()
         OperatorAction.objects.create(
-            agent=agent, actor_id=actor_id, action="add-agent", payload={"url": url, "project": project.name}
+            agent=agent,
+            actor_id=actor_id,
+            action="add-agent",
+            payload={"url": url, "project": project.name},
         )
     return agent
 
@@ -170,7 +175,9 @@ def _put_credentials(agent: Agent, credentials: dict[str, str]) -> None:
     """
     values = {k: v for k, v in credentials.items() if v}
     if values.get("api_key"):
-        location, name = api_key_placement(agent.card, values.get("api_key_name"), values.get("api_key_location"))
+        location, name = api_key_placement(
+            agent.card, values.get("api_key_name"), values.get("api_key_location")
+        )
         values["api_key_location"], values["api_key_name"] = location, name
     agent.credentials_encrypted = encrypt_json(values) if values else ""
     origin = origin_of(agent.interface_url or agent.base_url)
@@ -195,7 +202,10 @@ def refresh_card(agent: Agent, *, actor_id: int | None = None) -> Agent:
         raise AgentError(f"Could not refresh the card of {agent.name}: {exc}") from exc
     if result.not_modified:
         Agent.objects.filter(pk=agent.pk).update(
-            card_fetched_at=timezone.now(), reachable=True, last_error="", last_contact_at=timezone.now()
+            card_fetched_at=timezone.now(),
+            reachable=True,
+            last_error="",
+            last_contact_at=timezone.now(),
         )
     else:
         preview = preview_card(agent.card_url or agent.base_url)
@@ -206,7 +216,9 @@ def refresh_card(agent: Agent, *, actor_id: int | None = None) -> Agent:
     return agent
 
 
-def set_credentials(agent: Agent, credentials: dict[str, str], *, actor_id: int | None = None) -> None:
+def set_credentials(
+    agent: Agent, credentials: dict[str, str], *, actor_id: int | None = None
+) -> None:
     """Store new credentials (encrypted), approved for the agent's current origin only.
 
     They are never shown back. Empty ``credentials`` clear them.
@@ -248,7 +260,9 @@ def approve_origin(agent: Agent, origin: str, *, actor_id: int | None = None) ->
     from tasks_app.services import tasks as task_services
 
     parked = RemoteTask.objects.filter(
-        agent=agent, watcher_status=RemoteTask.WatcherStatus.PARKED, watcher_note__contains=outbound.APPROVAL_NOTE
+        agent=agent,
+        watcher_status=RemoteTask.WatcherStatus.PARKED,
+        watcher_note__contains=outbound.APPROVAL_NOTE,
     )
     for task in parked:
         task_services.watch_again(task, actor_id=actor_id)

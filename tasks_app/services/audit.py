@@ -154,7 +154,9 @@ def replay(task: RemoteTask | int) -> Replay:
     contents = stored_contents(stored.pk)
     try:
         with transaction.atomic():
-            agent = Agent.objects.create(name="replay", base_url=f"http://replay.invalid/{uuid.uuid4().hex}")
+            agent = Agent.objects.create(
+                name="replay", base_url=f"http://replay.invalid/{uuid.uuid4().hex}"
+            )
             scratch = RemoteTask.objects.create(
                 agent=agent, mode=stored.mode, watch=stored.watch, phase=RemoteTask.Phase.SENDING
             )
@@ -191,7 +193,9 @@ def replay(task: RemoteTask | int) -> Replay:
             mine, theirs = view_of(scratch), view_of(stored)
             for key in mine:
                 if mine[key] != theirs[key]:
-                    result.differences.append(f"{key}: replayed {mine[key]!r} != stored {theirs[key]!r}"[:2000])
+                    result.differences.append(
+                        f"{key}: replayed {mine[key]!r} != stored {theirs[key]!r}"[:2000]
+                    )
             raise _Rollback
     except _Rollback:
         pass
@@ -202,7 +206,9 @@ def _rows(task_pk: int) -> Iterator[TaskEvent]:
     """A task's log in seq order, a batch at a time (constant memory)."""
     after = 0
     while True:
-        rows = list(TaskEvent.objects.filter(task_id=task_pk, seq__gt=after).order_by("seq")[:BATCH])
+        rows = list(
+            TaskEvent.objects.filter(task_id=task_pk, seq__gt=after).order_by("seq")[:BATCH]
+        )
         yield from rows
         if len(rows) < BATCH:
             return

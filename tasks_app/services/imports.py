@@ -118,7 +118,10 @@ def cancel_job(job: ImportJob, *, actor_id: int | None = None) -> bool:
     )
     if done:
         OperatorAction.objects.create(
-            agent_id=job.agent_id, actor_id=actor_id, action="import-cancel", payload={"job": job.pk}
+            agent_id=job.agent_id,
+            actor_id=actor_id,
+            action="import-cancel",
+            payload={"job": job.pk},
         )
     return bool(done)
 
@@ -156,7 +159,9 @@ def _finish(job_pk: int, status: str, error: str, from_statuses: tuple = (Status
     )
 
 
-def run_job(job_pk: int, *, page_size: int = PAGE_SIZE, progress: Progress | None = None) -> ImportJob:
+def run_job(
+    job_pk: int, *, page_size: int = PAGE_SIZE, progress: Progress | None = None
+) -> ImportJob:
     """Claim the job and walk the agent's ListTasks pages; returns the job as it ended.
 
     A job that cannot be claimed (taken, canceled, another import running) is
@@ -170,14 +175,22 @@ def run_job(job_pk: int, *, page_size: int = PAGE_SIZE, progress: Progress | Non
         error = _walk(job, page_size, progress)
     except Exception as exc:  # a bug must not leave the job "running" until it goes stale
         log.exception("import job %s stopped", job_pk)
-        error = f"The import stopped on an internal error ({type(exc).__name__}); see the worker log."
+        error = (
+            f"The import stopped on an internal error ({type(exc).__name__}); see the worker log."
+        )
     _finish(job_pk, Status.FAILED if error else Status.DONE, error or "")
     job.refresh_from_db()
     OperatorAction.objects.create(
         agent_id=job.agent_id,
         actor_id=job.actor_id,
         action="import",
-        payload={"job": job.pk, "pages": job.pages, "seen": job.seen, "created": job.created, "changed": job.changed},
+        payload={
+            "job": job.pk,
+            "pages": job.pages,
+            "seen": job.seen,
+            "created": job.created,
+            "changed": job.changed,
+        },
         outcome=(job.error or job.status)[:500],
     )
     return job
@@ -231,7 +244,9 @@ def _walk(job: ImportJob, page_size: int, progress: Progress | None) -> str:
 
     async def page(http, token: str | None) -> dict:
         client = outbound.client_for(agent, http)
-        return await client.list_tasks(page_size=page_size, page_token=token, include_artifacts=True)
+        return await client.list_tasks(
+            page_size=page_size, page_token=token, include_artifacts=True
+        )
 
     def so_far() -> str:
         return f"{job.seen} tasks listed in {job.pages} pages were imported"
@@ -247,7 +262,9 @@ def _walk(job: ImportJob, page_size: int, progress: Progress | None) -> str:
             return f"Stopped at the deadline ({limit:g} s, IMPORT_DEADLINE_SECONDS); {so_far()}."
         try:
             listing = outbound.run(
-                lambda http, token=token, remaining=remaining: asyncio.wait_for(page(http, token), remaining)
+                lambda http, token=token, remaining=remaining: asyncio.wait_for(
+                    page(http, token), remaining
+                )
             )
         except TimeoutError:
             return (
@@ -268,7 +285,9 @@ def _walk(job: ImportJob, page_size: int, progress: Progress | None) -> str:
         if following is None:
             return ""
         if not isinstance(following, str):
-            return f"ListTasks page {job.pages} gave a nextPageToken that is not a string; {so_far()}."
+            return (
+                f"ListTasks page {job.pages} gave a nextPageToken that is not a string; {so_far()}."
+            )
         if following in given:
             return (
                 f"The agent repeated nextPageToken {_short(following)} (given on page "
@@ -283,7 +302,11 @@ def _record_page(job: ImportJob, tasks: list) -> None:
     """Mirror one page of listed tasks, each through ``record()``."""
     agent = job.agent
     for remote in tasks:
-        if not isinstance(remote, dict) or not isinstance(remote.get("id"), str) or not remote["id"]:
+        if (
+            not isinstance(remote, dict)
+            or not isinstance(remote.get("id"), str)
+            or not remote["id"]
+        ):
             continue
         job.seen += 1
         task, created = _ours_unnamed(agent, remote), False
@@ -294,7 +317,9 @@ def _record_page(job: ImportJob, tasks: list) -> None:
                 defaults={
                     "mode": RemoteTask.Mode.IMPORTED,
                     "phase": RemoteTask.Phase.TASK,
-                    "context_id": remote.get("contextId") if isinstance(remote.get("contextId"), str) else "",
+                    "context_id": remote.get("contextId")
+                    if isinstance(remote.get("contextId"), str)
+                    else "",
                     "title": _title_of(remote),
                     "watch": RemoteTask.Watch.STREAM if agent.streaming else RemoteTask.Watch.POLL,
                 },
@@ -334,5 +359,7 @@ def _title_of(remote: dict) -> str:
         if isinstance(message, dict) and message.get("role") == "ROLE_USER":
             for part in message.get("parts") or []:
                 if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    return part["text"].strip().splitlines()[0][:300] if part["text"].strip() else ""
+                    return (
+                        part["text"].strip().splitlines()[0][:300] if part["text"].strip() else ""
+                    )
     return ""

@@ -98,7 +98,9 @@ DELETED_PREFIX = "push:deleted:"
 KNOWN_KEY = "push:configs"
 KNOWN_READY = "push:configs:ready"
 KNOWN_READY_SECONDS = 300
-DELETED_MARK_SECONDS = int(CONFIG_CACHE_SECONDS + STALE_SECONDS + 30)  # outlives any entry, stale or not
+DELETED_MARK_SECONDS = int(
+    CONFIG_CACHE_SECONDS + STALE_SECONDS + 30
+)  # outlives any entry, stale or not
 # The card extension by which an agent says it signs its notifications, and where its keys are.
 SIGNING_EXTENSION = "urn:a2a-dashboard:push-signing:v1"
 JWT_ALGORITHMS = ("RS256", "RS384", "RS512", "PS256", "ES256", "ES384", "EdDSA")
@@ -172,7 +174,10 @@ def wire_config(config: PushConfig) -> dict[str, Any]:
     if values.get("token"):
         wire["token"] = values["token"]
     if values.get("scheme"):
-        wire["authentication"] = {"scheme": values["scheme"], "credentials": values.get("credentials", "")}
+        wire["authentication"] = {
+            "scheme": values["scheme"],
+            "credentials": values.get("credentials", ""),
+        }
     return wire
 
 
@@ -186,10 +191,14 @@ def config_for_send(task_pk: int) -> dict[str, Any] | None:
 
 
 def mark_registered(config_id: str) -> None:
-    PushConfig.objects.filter(config_id=config_id, registered_at__isnull=True).update(registered_at=timezone.now())
+    PushConfig.objects.filter(config_id=config_id, registered_at__isnull=True).update(
+        registered_at=timezone.now()
+    )
 
 
-async def ensure_registered(client: A2AClient, task_pk: int, remote_id: str, wire: dict[str, Any]) -> str:
+async def ensure_registered(
+    client: A2AClient, task_pk: int, remote_id: str, wire: dict[str, Any]
+) -> str:
     """After a send that carried ``wire`` inline: make sure the agent holds it.
 
     Returns an empty string when it does, else why push cannot be used. An agent
@@ -240,7 +249,13 @@ def heard(task_pks: set[int]) -> None:
             pk__in=task_pks,
             watch=RemoteTask.Watch.PUSH,
             lease_token="",
-            watcher_status__in=[Status.AWAITING_PUSH, Status.POLLING, Status.IDLE, Status.LOST, Status.RECONNECTING],
+            watcher_status__in=[
+                Status.AWAITING_PUSH,
+                Status.POLLING,
+                Status.IDLE,
+                Status.LOST,
+                Status.RECONNECTING,
+            ],
         )
         .exclude(watcher_status=Status.AWAITING_PUSH)
         .values_list("pk", flat=True)
@@ -318,7 +333,9 @@ def _fill_known() -> int:
     with _fill_lock:
         if time.monotonic() - _filled_at < 5.0 and _redis().exists(KNOWN_READY):
             return 0
-        ids = list(PushConfig.objects.filter(deleted_at__isnull=True).values_list("config_id", flat=True))
+        ids = list(
+            PushConfig.objects.filter(deleted_at__isnull=True).values_list("config_id", flat=True)
+        )
         pipe = _redis().pipeline(transaction=False)
         for start in range(0, len(ids), 1000):
             pipe.sadd(KNOWN_KEY, *ids[start : start + 1000])
@@ -440,7 +457,9 @@ def _load(config_id: str) -> _Config | None:
 
 
 def _same(given: str, expected: str) -> bool:
-    return hmac.compare_digest(given.encode("utf-8", "replace"), expected.encode("utf-8", "replace"))
+    return hmac.compare_digest(
+        given.encode("utf-8", "replace"), expected.encode("utf-8", "replace")
+    )
 
 
 def _credentials_problem(config: _Config, authorization: str, token: str) -> str:
@@ -462,7 +481,9 @@ def _credentials_problem(config: _Config, authorization: str, token: str) -> str
         return ""  # the Authorization header carries the signed token, checked next
     if authorization:
         given_scheme, _, given = authorization.partition(" ")
-        if not scheme or not (_same(given_scheme.lower(), scheme.lower()) & _same(given.strip(), credentials)):
+        if not scheme or not (
+            _same(given_scheme.lower(), scheme.lower()) & _same(given.strip(), credentials)
+        ):
             return "wrong Authorization credentials"
         matched = True
     return "" if matched else "no credentials"
@@ -489,17 +510,20 @@ if ARGV[3] == '0' then
 end
 """
 SCRIPTS = {
-    "source": _SOURCE_CHECK + """
+    "source": _SOURCE_CHECK
+    + """
 if redis.call('EXISTS', KEYS[4]) == 0 then return 5 end
 if redis.call('SISMEMBER', KEYS[3], ARGV[4]) == 0 then return 404 end
 return 0
 """,
-    "refuse": _SOURCE_CHECK + """
+    "refuse": _SOURCE_CHECK
+    + """
 local r = redis.call('INCR', KEYS[2])
 if r == 1 then redis.call('EXPIRE', KEYS[2], 120) end
 return 0
 """,
-    "queue": _SOURCE_CHECK + """
+    "queue": _SOURCE_CHECK
+    + """
 if redis.call('EXISTS', KEYS[3]) == 1 then return 404 end
 local c = redis.call('INCR', KEYS[4])
 if c == 1 then redis.call('EXPIRE', KEYS[4], 5) end
@@ -534,7 +558,9 @@ Op = tuple[Any, ...]
 Flow = Generator[Op, Any, Verdict]
 
 
-def _decide(config_id: str, body: bytes, content_type: str, authorization: str, token: str, source: str) -> Flow:
+def _decide(
+    config_id: str, body: bytes, content_type: str, authorization: str, token: str, source: str
+) -> Flow:
     """The webhook's checks, cheapest refusal first; a body is parsed only after good credentials."""
     media = content_type.split(";", 1)[0].strip().lower()
     if media not in CONTENT_TYPES:
@@ -548,7 +574,12 @@ def _decide(config_id: str, body: bytes, content_type: str, authorization: str, 
         yield ("refresh", config_id)
     counted = 0
     if not hit:
-        known = yield ("script", "source", [*by_source, KNOWN_KEY, KNOWN_READY], [*limits, 0, config_id])
+        known = yield (
+            "script",
+            "source",
+            [*by_source, KNOWN_KEY, KNOWN_READY],
+            [*limits, 0, config_id],
+        )
         if known in OVER_LIMIT:
             return OVER_LIMIT[known]
         counted = 1
@@ -556,7 +587,16 @@ def _decide(config_id: str, body: bytes, content_type: str, authorization: str, 
             yield ("fill",)
         config = None if known == 404 else (yield ("lookup", config_id))
     if config is None:
-        return (yield from _refused(by_source, [*limits, counted], source, config_id, 404, "unknown or deleted push config"))
+        return (
+            yield from _refused(
+                by_source,
+                [*limits, counted],
+                source,
+                config_id,
+                404,
+                "unknown or deleted push config",
+            )
+        )
     problem = _credentials_problem(config, authorization, token)
     if problem:
         return (yield from _refused(by_source, [*limits, counted], source, config_id, 401, problem))
@@ -569,9 +609,16 @@ def _decide(config_id: str, body: bytes, content_type: str, authorization: str, 
         return Verdict(400, problem)
     if config.jwks_url:
         scheme, _, signed = authorization.partition(" ")
-        problem = yield ("verify", config, signed.strip() if scheme.lower() == "bearer" else "", body)
+        problem = yield (
+            "verify",
+            config,
+            signed.strip() if scheme.lower() == "bearer" else "",
+            body,
+        )
         if problem:
-            return (yield from _refused(by_source, [*limits, counted], source, config_id, 401, problem))
+            return (
+                yield from _refused(by_source, [*limits, counted], source, config_id, 401, problem)
+            )
     digest = hashlib.sha256(body).hexdigest()
     item = json.dumps({"c": config.pk, "t": config.task_pk, "e": event})
     keys = [*by_source, f"{DELETED_PREFIX}{config.config_id}", _window(f"push:rc:{config.config_id}", 1),
@@ -582,7 +629,11 @@ def _decide(config_id: str, body: bytes, content_type: str, authorization: str, 
         return OVER_LIMIT[outcome]
     if outcome == 404:
         _config_cache.pop(config.config_id, None)
-        return (yield from _refused(by_source, [*limits, 1], source, config_id, 404, "unknown or deleted push config"))
+        return (
+            yield from _refused(
+                by_source, [*limits, 1], source, config_id, 404, "unknown or deleted push config"
+            )
+        )
     if outcome == 429:
         return Verdict(429, "too many notifications for this config")
     if outcome == 200:
@@ -590,7 +641,9 @@ def _decide(config_id: str, body: bytes, content_type: str, authorization: str, 
     return Verdict(202, "accepted", schedule_drain=outcome == 203)
 
 
-def _refused(keys: list[str], args: list[int], source: str, config_id: str, status: int, reason: str) -> Flow:
+def _refused(
+    keys: list[str], args: list[int], source: str, config_id: str, status: int, reason: str
+) -> Flow:
     """A refused delivery: counted against its source, and one security log line.
 
     A source already over its refusals gets 429 instead, with no line (a forger
@@ -709,7 +762,9 @@ class _Batcher:
     def __init__(self) -> None:
         # One connection, not a pool: round trips go one at a time, and the client's
         # pipeline machinery cost more CPU per round trip than the checks themselves.
-        self.pool = redis.asyncio.ConnectionPool.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5)
+        self.pool = redis.asyncio.ConnectionPool.from_url(
+            settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5
+        )
         self.connection: Any = None
         self.pending: list[tuple[str, list[Any], list[Any], asyncio.Future[Any]]] = []
         self.sender: asyncio.Task[None] | None = None
@@ -745,10 +800,14 @@ class _Batcher:
             self.sender = None
 
     async def _round_trip(self, batch: list[tuple[str, list[Any], list[Any], Any]]) -> list[Any]:
-        commands = [("EVALSHA", SHAS[name], len(keys), *keys, *args) for name, keys, args, _ in batch]
+        commands = [
+            ("EVALSHA", SHAS[name], len(keys), *keys, *args) for name, keys, args, _ in batch
+        ]
         for attempt in (1, 2):
             results = await self._execute(commands)
-            if attempt == 2 or not any(isinstance(r, redis.exceptions.NoScriptError) for r in results):
+            if attempt == 2 or not any(
+                isinstance(r, redis.exceptions.NoScriptError) for r in results
+            ):
                 return results
             # A new or restarted Redis: load the scripts, then once more.
             await self._execute([("SCRIPT", "LOAD", text) for text in SCRIPTS.values()])
@@ -775,7 +834,9 @@ class _Batcher:
             raise
 
 
-_batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Batcher] = weakref.WeakKeyDictionary()
+_batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Batcher] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _event_problem(event: Any, remote_id: str) -> str:
@@ -902,7 +963,9 @@ def verify_signed(config: _Config, token: str, body: bytes) -> str:
     if not isinstance(claimed, str) or not _same(claimed, hashlib.sha256(body).hexdigest()):
         return "signed token does not cover this body"
     ttl = max(1, int(float(claims["exp"]) - time.time() + settings.PUSH_JWT_SKEW_SECONDS) + 1)
-    if not _redis().set(f"push:jti:{config.config_id}:{str(claims['jti'])[:200]}", 1, nx=True, ex=ttl):
+    if not _redis().set(
+        f"push:jti:{config.config_id}:{str(claims['jti'])[:200]}", 1, nx=True, ex=ttl
+    ):
         return "replayed signed token (jti seen before)"
     return ""
 
@@ -934,7 +997,9 @@ async def _drain(max_seconds: float) -> int:
         total += len(items)
         groups = _by_task(items, DRAIN_PARALLEL if eventloop.db_threads() > 1 else 1)
         touched: dict[int, str] = {}
-        for recorded in await asyncio.gather(*(eventloop.db(record_batch, group) for group in groups)):
+        for recorded in await asyncio.gather(
+            *(eventloop.db(record_batch, group) for group in groups)
+        ):
             touched.update(recorded)
         _want_refresh(touched)
         if DRAIN_GATHER_FROM <= len(items) < DRAIN_BATCH:
@@ -972,7 +1037,11 @@ def record_batch(items: list[bytes]) -> dict[int, str]:
         except (ValueError, KeyError, TypeError):
             log.warning("dropped an unreadable queued push notification")
     configs = {pk for entries in by_task.values() for pk, _ in entries}
-    live = set(PushConfig.objects.filter(pk__in=configs, deleted_at__isnull=True).values_list("pk", flat=True))
+    live = set(
+        PushConfig.objects.filter(pk__in=configs, deleted_at__isnull=True).values_list(
+            "pk", flat=True
+        )
+    )
     now = timezone.now()
     counts: dict[int, int] = {}
     touched: dict[int, str] = {}
@@ -993,7 +1062,9 @@ def record_batch(items: list[bytes]) -> dict[int, str]:
     for pk, count in counts.items():
         by_count.setdefault(count, []).append(pk)
     for count, pks in by_count.items():  # one statement per distinct count, not one per config
-        PushConfig.objects.filter(pk__in=pks).update(last_received_at=now, received=F("received") + count)
+        PushConfig.objects.filter(pk__in=pks).update(
+            last_received_at=now, received=F("received") + count
+        )
     heard(set(touched))
     return touched
 
@@ -1033,7 +1104,10 @@ async def _refresher(task_pk: int) -> None:
     loop = asyncio.get_running_loop()
     while True:
         first, last = _heard.get(task_pk, (loop.time(), loop.time()))
-        due = min(last + settings.PUSH_REFRESH_DELAY_SECONDS, first + settings.PUSH_REFRESH_MAX_WAIT_SECONDS)
+        due = min(
+            last + settings.PUSH_REFRESH_DELAY_SECONDS,
+            first + settings.PUSH_REFRESH_MAX_WAIT_SECONDS,
+        )
         wait = 0.0 if task_pk in _ended else due - loop.time()
         if wait <= 0:
             break
@@ -1050,8 +1124,15 @@ async def _refresher(task_pk: int) -> None:
 
 async def refresh_after_push(http: httpx.AsyncClient, task_pk: int) -> None:
     """GetTask after a notification: recorded as a poll; an ended task is settled, its configs deleted."""
-    task = await eventloop.db(lambda: RemoteTask.objects.select_related("agent").filter(pk=task_pk).first())
-    if task is None or not task.remote_id or task.settled_at is not None or task.abandoned_at is not None:
+    task = await eventloop.db(
+        lambda: RemoteTask.objects.select_related("agent").filter(pk=task_pk).first()
+    )
+    if (
+        task is None
+        or not task.remote_id
+        or task.settled_at is not None
+        or task.abandoned_at is not None
+    ):
         return
     try:
         client = outbound.client_for(task.agent, http)
@@ -1062,7 +1143,12 @@ async def refresh_after_push(http: httpx.AsyncClient, task_pk: int) -> None:
     await eventloop.db(record, task_pk, {"task": snapshot}, "poll")
     ended = (snapshot.get("status") or {}).get("state") in TERMINAL_STATES
     if ended:
-        await eventloop.db(settle_if_ended, task_pk, snapshot, note="reconciled with GetTask after a push notification")
+        await eventloop.db(
+            settle_if_ended,
+            task_pk,
+            snapshot,
+            note="reconciled with GetTask after a push notification",
+        )
         await forget_configs(client, task_pk, "deleted when the task settled")
 
 

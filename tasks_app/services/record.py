@@ -128,7 +128,12 @@ def parse_entry(obj: Any) -> Entry:
 
 def _parse(obj: Any) -> Entry:
     if not isinstance(obj, dict):
-        return Entry("protocol-error", None, _jsonable(obj), f"expected a JSON object, got {type(obj).__name__}")
+        return Entry(
+            "protocol-error",
+            None,
+            _jsonable(obj),
+            f"expected a JSON object, got {type(obj).__name__}",
+        )
     keys = [key for key in obj if key in A2A_KINDS or key in LOCAL_KINDS]
     if len(keys) != 1:
         return Entry(
@@ -269,7 +274,11 @@ def by_reference(raw: Any) -> tuple[Any, int]:
     update = raw.get("artifactUpdate")
     if isinstance(update, dict) and isinstance(update.get("artifact"), dict):
         artifact, moved = _artifact_by_reference(update["artifact"])
-        return ({**raw, "artifactUpdate": {**update, "artifact": artifact}}, moved) if moved else (raw, 0)
+        return (
+            ({**raw, "artifactUpdate": {**update, "artifact": artifact}}, moved)
+            if moved
+            else (raw, 0)
+        )
     task = raw.get("task")
     if isinstance(task, dict) and isinstance(task.get("artifacts"), list):
         artifacts, total = [], 0
@@ -320,8 +329,15 @@ def with_content(raw: Any, contents: dict[str, str]) -> Any:
     if isinstance(raw, dict) and isinstance(raw.get("artifactUpdate"), dict):
         update = raw["artifactUpdate"]
         return {**raw, "artifactUpdate": {**update, "artifact": restore(update.get("artifact"))}}
-    if isinstance(raw, dict) and isinstance(raw.get("task"), dict) and isinstance(raw["task"].get("artifacts"), list):
-        return {**raw, "task": {**raw["task"], "artifacts": [restore(a) for a in raw["task"]["artifacts"]]}}
+    if (
+        isinstance(raw, dict)
+        and isinstance(raw.get("task"), dict)
+        and isinstance(raw["task"].get("artifacts"), list)
+    ):
+        return {
+            **raw,
+            "task": {**raw["task"], "artifacts": [restore(a) for a in raw["task"]["artifacts"]]},
+        }
     return raw
 
 
@@ -329,7 +345,11 @@ def stored_contents(task_pk: int) -> dict[str, str]:
     """``{sha256: content}`` of the task's big part contents (what references point to)."""
     limit = settings.INLINE_CONTENT_BYTES
     found: dict[str, str] = {}
-    for part in ArtifactPart.objects.filter(artifact__task_id=task_pk).values_list("part", flat=True).iterator():
+    for part in (
+        ArtifactPart.objects.filter(artifact__task_id=task_pk)
+        .values_list("part", flat=True)
+        .iterator()
+    ):
         if isinstance(part, dict):
             for name in ("text", "raw"):
                 value = part.get(name)
@@ -369,7 +389,9 @@ class _Rows(list):
 class _Fold:
     """Folds entries into an in-memory copy of the snapshot, then writes it."""
 
-    def __init__(self, task: RemoteTask, channel: str, *, gap_check: bool, fence: str | None) -> None:
+    def __init__(
+        self, task: RemoteTask, channel: str, *, gap_check: bool, fence: str | None
+    ) -> None:
         self.task = task
         self.initial_state = task.state
         self.channel = channel
@@ -461,7 +483,9 @@ class _Fold:
                 f"(BUDGET_TASK_BYTES); a {entry.kind} entry of {entry.size} bytes and anything "
                 "after it is not stored"
             ), "digest": entry.digest, "bytes": entry.size}}  # fmt: skip
-            self.rows.append(_Row(Entry("system", notice["system"], notice), "system", "over budget"))
+            self.rows.append(
+                _Row(Entry("system", notice["system"], notice), "system", "over budget")
+            )
         return False
 
     # -- the end of a task
@@ -472,14 +496,24 @@ class _Fold:
     def _after_end(self, entry: Entry, what: str) -> None:
         """An entry that would change an ended task: logged with the agent's content, not applied."""
         self.rows.append(
-            _Row(entry, "protocol-error", f"changed after the end: {what}; the task is final", apply=False)
+            _Row(
+                entry,
+                "protocol-error",
+                f"changed after the end: {what}; the task is final",
+                apply=False,
+            )
         )
 
     def _wrong_task(self, entry: Entry, task_id: str) -> bool:
         remote_id = self.get("remote_id")
         if remote_id and task_id != remote_id:
             self.rows.append(
-                _Row(entry, "protocol-error", f"event for task {task_id!r}, expected {remote_id!r}", apply=False)
+                _Row(
+                    entry,
+                    "protocol-error",
+                    f"event for task {task_id!r}, expected {remote_id!r}",
+                    apply=False,
+                )
             )
             return True
         if not remote_id:
@@ -488,7 +522,12 @@ class _Fold:
                 # Another row already mirrors that task (an import listed it first, say):
                 # adopting the id here would break the one-row-per-remote-task rule.
                 self.rows.append(
-                    _Row(entry, "protocol-error", f"task {task_id!r} is already mirrored as #{holder}", apply=False)
+                    _Row(
+                        entry,
+                        "protocol-error",
+                        f"task {task_id!r} is already mirrored as #{holder}",
+                        apply=False,
+                    )
                 )
                 return True
         return False
@@ -521,14 +560,22 @@ class _Fold:
         if problem:
             self.rows.append(_Row(entry, "protocol-error", problem, apply=False))
             return
-        artifacts = [a for a in task.get("artifacts") or [] if isinstance(a, dict) and a.get("artifactId")]
-        history = [m for m in task.get("history") or [] if isinstance(m, dict) and m.get("messageId")]
+        artifacts = [
+            a for a in task.get("artifacts") or [] if isinstance(a, dict) and a.get("artifactId")
+        ]
+        history = [
+            m for m in task.get("history") or [] if isinstance(m, dict) and m.get("messageId")
+        ]
         wanted = {a["artifactId"]: chain_digest("", a.get("parts") or []) for a in artifacts}
         held = self.held_digests()
         status_same = self._status_same(status)
         artifacts_same = wanted == held
         status_message = status.get("message")
-        candidates = history + ([status_message] if isinstance(status_message, dict) and status_message.get("messageId") else [])
+        candidates = history + (
+            [status_message]
+            if isinstance(status_message, dict) and status_message.get("messageId")
+            else []
+        )
         new_messages = self.unknown_messages(candidates)
         if status_same and artifacts_same and not new_messages and self.get("remote_id"):
             return  # a snapshot equal to the view: nothing new
@@ -542,7 +589,13 @@ class _Fold:
             if not artifacts_same:
                 missed.append("artifacts changed")
             gap = Entry("gap", None, {"gap": {"missed": missed}})
-            self.rows.append(_Row(gap, "gap", "the stream broke; events in between were not replayed: " + ", ".join(missed)))
+            self.rows.append(
+                _Row(
+                    gap,
+                    "gap",
+                    "the stream broke; events in between were not replayed: " + ", ".join(missed),
+                )
+            )
         self._adopt(task["id"], task.get("contextId"))
         self._set_status(status)
         if isinstance(task.get("metadata"), dict):
@@ -590,7 +643,12 @@ class _Fold:
         ts, current_ts = _timestamp(status), self.get("status_timestamp")
         if ts is not None and current_ts is not None and ts < current_ts:
             self.rows.append(
-                _Row(entry, "statusUpdate", "older than the status already held; snapshot unchanged", apply=False)
+                _Row(
+                    entry,
+                    "statusUpdate",
+                    "older than the status already held; snapshot unchanged",
+                    apply=False,
+                )
             )
             return
         self._adopt(update["taskId"], update.get("contextId"))
@@ -600,7 +658,11 @@ class _Fold:
             self.set(metadata={**(self.get("metadata") or {}), **update["metadata"]})
         row = _Row(entry, "statusUpdate", asks=status["state"] in INTERRUPTED_STATES)
         message = status.get("message")
-        fresh = self.unknown_messages([message]) if isinstance(message, dict) and message.get("messageId") else []
+        fresh = (
+            self.unknown_messages([message])
+            if isinstance(message, dict) and message.get("messageId")
+            else []
+        )
         row.messages = fresh  # type: ignore[attr-defined]
         self.remember_messages(fresh)
         self.rows.append(row)
@@ -619,7 +681,9 @@ class _Fold:
         data = update["artifact"]
         current = self.held_digests().get(data["artifactId"])
         append = bool(update.get("append")) and current is not None
-        self._pending[data["artifactId"]] = chain_digest(current if append else "", data.get("parts") or [])
+        self._pending[data["artifactId"]] = chain_digest(
+            current if append else "", data.get("parts") or []
+        )
         self.rows.append(_Row(entry, "artifactUpdate"))
 
     def _seen_chunk(self, digest: str) -> bool:
@@ -663,7 +727,9 @@ class _Fold:
         if self.settled:
             return
         if self.get("state") not in TERMINAL_STATES:
-            self.rows.append(_Row(entry, "system", "not settled: the task has not ended", apply=False))
+            self.rows.append(
+                _Row(entry, "system", "not settled: the task has not ended", apply=False)
+            )
             return
         self.set(settled_at=timezone.now())
         self.rows.append(_Row(entry, "system", entry.note))
@@ -675,7 +741,11 @@ class _Fold:
             self.set(phase=RemoteTask.Phase.SENDING)
         message = entry.payload.get("message")
         context = message.get("contextId") if isinstance(message, dict) else None
-        if entry.payload.get("action") == "start" and isinstance(context, str) and not self.get("context_id"):
+        if (
+            entry.payload.get("action") == "start"
+            and isinstance(context, str)
+            and not self.get("context_id")
+        ):
             # The context we chose is known from the start: an import that lists the task
             # before its reply is recorded finds this row by it (services/imports.py).
             self.set(context_id=context[:300])
@@ -790,7 +860,13 @@ class _Fold:
             self._add_parts(artifact, parts, seq, replace=True)
 
     def _put_artifact(
-        self, data: dict, seq: int, now: datetime, *, position: int | None = None, complete: bool = False
+        self,
+        data: dict,
+        seq: int,
+        now: datetime,
+        *,
+        position: int | None = None,
+        complete: bool = False,
     ) -> Artifact:
         """The artifact's row, updated in memory; a new one is inserted at once (parts need its pk)."""
         held = self.artifacts()
@@ -917,7 +993,9 @@ def _record_once(
         )
         # Compare-and-set: matches no row if someone appended since we read.
         guard = {"lease_token": fence} if fence is not None else {}
-        if not RemoteTask.objects.filter(pk=task_pk, last_seq=current.last_seq, **guard).update(**changes):
+        if not RemoteTask.objects.filter(pk=task_pk, last_seq=current.last_seq, **guard).update(
+            **changes
+        ):
             return None
         for name, value in changes.items():
             setattr(current, name, value)
@@ -937,7 +1015,11 @@ def _record_once(
 def _count(agent_id: int, channel: str, events: list[TaskEvent]) -> None:
     """Metrics, after commit: entries appended, and the protocol errors among them."""
     metrics.count("events_recorded", len(events), channel=channel)
-    metrics.count("protocol_errors", sum(e.kind == TaskEvent.Kind.PROTOCOL_ERROR for e in events), agent=agent_id)
+    metrics.count(
+        "protocol_errors",
+        sum(e.kind == TaskEvent.Kind.PROTOCOL_ERROR for e in events),
+        agent=agent_id,
+    )
 
 
 def settle(
@@ -955,7 +1037,9 @@ def settle(
        nothing.
     """
     objs: list[Any] = [{"task": snapshot}] if snapshot is not None else []
-    detail = note or ("reconciled with the agent's GetTask" if snapshot is not None else "not reconciled")
+    detail = note or (
+        "reconciled with the agent's GetTask" if snapshot is not None else "not reconciled"
+    )
     objs.append({"system": {"event": "settled", "detail": detail[:2000]}})
     return record_many(task, objs, "poll", gap_check=True, fence=fence)
 
@@ -967,7 +1051,9 @@ def settle_if_ended(task: RemoteTask | int, snapshot: dict, *, note: str) -> Non
     they find ended needs no watcher to settle it. Settling twice appends nothing.
     """
     task_pk = task if isinstance(task, int) else task.pk
-    if RemoteTask.objects.filter(pk=task_pk, state__in=TERMINAL_STATES, settled_at__isnull=True).exists():
+    if RemoteTask.objects.filter(
+        pk=task_pk, state__in=TERMINAL_STATES, settled_at__isnull=True
+    ).exists():
         settle(task_pk, snapshot, note=note)
 
 

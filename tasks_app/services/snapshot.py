@@ -15,7 +15,9 @@ def task_view(task: RemoteTask, *, history: bool = True) -> dict[str, Any]:
     if task.status_timestamp:
         status["timestamp"] = task.status_timestamp.isoformat().replace("+00:00", "Z")
     view: dict[str, Any] = {"id": task.remote_id, "contextId": task.context_id, "status": status}
-    artifacts = [artifact_json(a) for a in Artifact.objects.filter(task=task).prefetch_related("parts")]
+    artifacts = [
+        artifact_json(a) for a in Artifact.objects.filter(task=task).prefetch_related("parts")
+    ]
     if artifacts:
         view["artifacts"] = artifacts
     if history:
@@ -38,7 +40,11 @@ def history_of(task: RemoteTask) -> list[dict[str, Any]]:
     * a message we sent is shown with the ``taskId`` and ``contextId`` the
       agent stamps on it when it takes the message.
     """
-    current = (task.status_message or {}).get("messageId") if isinstance(task.status_message, dict) else None
+    current = (
+        (task.status_message or {}).get("messageId")
+        if isinstance(task.status_message, dict)
+        else None
+    )
     messages = []
     for stored in ConversationMessage.objects.filter(task=task):
         message = stored.message

@@ -53,7 +53,11 @@ def resolve_mode(agent: Agent, mode: str, *, from_browser: bool) -> str:
     if mode == Mode.AUTO:
         if agent.streaming and from_browser:
             return Mode.STREAM
-        return Mode.PUSH if not from_browser and not unavailable_reason(agent) else Mode.RETURN_IMMEDIATELY
+        return (
+            Mode.PUSH
+            if not from_browser and not unavailable_reason(agent)
+            else Mode.RETURN_IMMEDIATELY
+        )
     if mode == Mode.STREAM and not agent.streaming:
         raise TaskActionError(f"{agent.name} does not declare streaming; choose another mode.")
     if mode == Mode.PUSH and unavailable_reason(agent):
@@ -66,7 +70,11 @@ def resolve_mode(agent: Agent, mode: str, *, from_browser: bool) -> str:
 def watch_for(agent: Agent, mode: str) -> str:
     if mode == Mode.PUSH:
         return RemoteTask.Watch.PUSH
-    return RemoteTask.Watch.STREAM if mode == Mode.STREAM and agent.streaming else RemoteTask.Watch.POLL
+    return (
+        RemoteTask.Watch.STREAM
+        if mode == Mode.STREAM and agent.streaming
+        else RemoteTask.Watch.POLL
+    )
 
 
 def start_task(
@@ -96,7 +104,9 @@ def start_task(
     with transaction.atomic():
         task = RemoteTask.objects.create(
             agent=agent,
-            title=(text or "(data)").strip().splitlines()[0][:300] if (text or "").strip() else "(data)",
+            title=(text or "(data)").strip().splitlines()[0][:300]
+            if (text or "").strip()
+            else "(data)",
             mode=mode,
             request={"message": message, "metadata": metadata or {}},
             outbox={"message": message, "metadata": metadata or {}},
@@ -107,7 +117,12 @@ def start_task(
         OperatorAction.objects.create(
             task=task, agent=agent, actor_id=actor_id, action="start", payload={"mode": mode}
         )
-        record(task, {"operator": {"action": "start", "mode": mode, "message": message}}, "operator", actor_id=actor_id)
+        record(
+            task,
+            {"operator": {"action": "start", "mode": mode, "message": message}},
+            "operator",
+            actor_id=actor_id,
+        )
         transaction.on_commit(lambda: dispatch(task.pk))
     return task
 
@@ -137,18 +152,34 @@ def retry_send(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask:
             remote_id="",
             send_attempted_at__isnull=True,
             abandoned_at__isnull=True,
-        ).update(phase=RemoteTask.Phase.SENDING, send_error="", send_attempted_at=None, outbox=task.request)
+        ).update(
+            phase=RemoteTask.Phase.SENDING,
+            send_error="",
+            send_attempted_at=None,
+            outbox=task.request,
+        )
         if not won:
             raise TaskActionError(
                 "Only a send that failed, to an agent known not to have the task, can be retried "
                 "(refresh looks the task up by its contextId)."
             )
-        OperatorAction.objects.create(task=task, agent=task.agent, actor_id=actor_id, action="retry")
-        record(task, {"operator": {"action": "retry", "messageId": task.request.get("message", {}).get("messageId")}}, "operator", actor_id=actor_id)
+        OperatorAction.objects.create(
+            task=task, agent=task.agent, actor_id=actor_id, action="retry"
+        )
+        record(
+            task,
+            {
+                "operator": {
+                    "action": "retry",
+                    "messageId": task.request.get("message", {}).get("messageId"),
+                }
+            },
+            "operator",
+            actor_id=actor_id,
+        )
         transaction.on_commit(lambda: dispatch(task.pk))
     task.refresh_from_db()
     return task
-
 
 
 class AnswerTaken(TaskActionError):
@@ -189,7 +220,11 @@ def answer_task(
     if not (text or data is not None or files):
         raise TaskActionError("An answer needs text, data or a file.")
     message = user_message(
-        text or None, data=data, files=files, task_id=task.remote_id, context_id=task.context_id or None
+        text or None,
+        data=data,
+        files=files,
+        task_id=task.remote_id,
+        context_id=task.context_id or None,
     )
     with transaction.atomic():
         won = RemoteTask.objects.filter(
@@ -206,8 +241,15 @@ def answer_task(
         )
         if not won:
             raise _answer_refused(task.pk, asked)
-        OperatorAction.objects.create(task=task, agent=task.agent, actor_id=actor_id, action="answer")
-        record(task, {"operator": {"action": "answer", "question": asked, "message": message}}, "operator", actor_id=actor_id)
+        OperatorAction.objects.create(
+            task=task, agent=task.agent, actor_id=actor_id, action="answer"
+        )
+        record(
+            task,
+            {"operator": {"action": "answer", "question": asked, "message": message}},
+            "operator",
+            actor_id=actor_id,
+        )
         transaction.on_commit(lambda: dispatch(task.pk))
     task.refresh_from_db()
     return task
@@ -261,7 +303,9 @@ async def find_sent_task(client: A2AClient, message: dict, *, hint: str = "") ->
             snapshot = await client.get_task(candidate)
         except A2AError:
             continue
-        if (context_id and snapshot.get("contextId") == context_id) or message_id in _history_ids(snapshot):
+        if (context_id and snapshot.get("contextId") == context_id) or message_id in _history_ids(
+            snapshot
+        ):
             return Lookup(task=snapshot)
     if not context_id:
         return Lookup(problem="the message carried no contextId to look it up by")
@@ -270,10 +314,16 @@ async def find_sent_task(client: A2AClient, message: dict, *, hint: str = "") ->
     except A2AError as exc:
         return Lookup(problem=f"ListTasks by contextId failed: {exc}")
     # An agent may ignore the filter: only tasks in our (fresh, unique) context count.
-    ours = [t for t in listing.get("tasks") or [] if isinstance(t, dict) and t.get("contextId") == context_id]
+    ours = [
+        t
+        for t in listing.get("tasks") or []
+        if isinstance(t, dict) and t.get("contextId") == context_id
+    ]
     if not ours:
         if listing.get("nextPageToken"):
-            return Lookup(problem="ListTasks ignored the contextId filter; the task may be on a later page")
+            return Lookup(
+                problem="ListTasks ignored the contextId filter; the task may be on a later page"
+            )
         return Lookup(absent=True)
     with_message = [t for t in ours if message_id and message_id in _history_ids(t)]
     return Lookup(task=(with_message or ours)[0])
@@ -299,14 +349,23 @@ def _name_task(task: RemoteTask, *, actor_id: int | None) -> RemoteTask:
         if found.absent:
             if task.phase == RemoteTask.Phase.FAILED:
                 # Known now: the agent does not have it, so a retry is safe.
-                RemoteTask.objects.filter(pk=task.pk, phase=RemoteTask.Phase.FAILED, remote_id="").update(
-                    send_attempted_at=None
-                )
-            raise TaskActionError("The agent has no task for this message (looked up by its contextId).")
-        raise TaskActionError(f"The agent has not named this task yet, and looking it up failed: {found.problem}")
+                RemoteTask.objects.filter(
+                    pk=task.pk, phase=RemoteTask.Phase.FAILED, remote_id=""
+                ).update(send_attempted_at=None)
+            raise TaskActionError(
+                "The agent has no task for this message (looked up by its contextId)."
+            )
+        raise TaskActionError(
+            f"The agent has not named this task yet, and looking it up failed: {found.problem}"
+        )
     result = record(task, {"task": found.task}, "poll", actor_id=actor_id)
-    if result.duplicate and not RemoteTask.objects.filter(pk=task.pk).exclude(remote_id="").exists():
-        raise TaskActionError("The agent listed a task for this message that the mirror could not take.")
+    if (
+        result.duplicate
+        and not RemoteTask.objects.filter(pk=task.pk).exclude(remote_id="").exists()
+    ):
+        raise TaskActionError(
+            "The agent listed a task for this message that the mirror could not take."
+        )
     RemoteTask.objects.filter(pk=task.pk).exclude(remote_id="").update(send_error="", outbox=None)
     task.refresh_from_db()
     return task
@@ -322,16 +381,22 @@ def cancel_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = No
     task = _name_task(task, actor_id=actor_id)
     client_metadata = {"reason": reason} if reason else None
     agent = task.agent
-    record(task, {"operator": {"action": "cancel", "reason": reason}}, "operator", actor_id=actor_id)
+    record(
+        task, {"operator": {"action": "cancel", "reason": reason}}, "operator", actor_id=actor_id
+    )
     try:
         result = outbound.run(
-            lambda http: outbound.client_for(agent, http).cancel_task(task.remote_id, metadata=client_metadata)
+            lambda http: outbound.client_for(agent, http).cancel_task(
+                task.remote_id, metadata=client_metadata
+            )
         )
     except TaskNotCancelableError as exc:
         task.refresh_from_db()
         if task.state == "TASK_STATE_CANCELED":
             return task  # already canceled: cancel is idempotent in effect
-        outcome = f"The agent will not cancel this task ({exc.code} {exc.reason or ''}): {exc.message}"
+        outcome = (
+            f"The agent will not cancel this task ({exc.code} {exc.reason or ''}): {exc.message}"
+        )
         _action(task, actor_id, "cancel", {"reason": reason}, outcome)
         raise TaskActionError(outcome) from exc
     except A2AError as exc:
@@ -361,25 +426,40 @@ def refresh_task(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask
         return task
     agent = task.agent
     try:
-        result = outbound.run(lambda http: outbound.client_for(agent, http).get_task(task.remote_id))
+        result = outbound.run(
+            lambda http: outbound.client_for(agent, http).get_task(task.remote_id)
+        )
     except TaskNotFoundError as exc:
         agent_services.mark_reachable(agent.pk)
         if task.is_terminal:
-            raise TaskActionError(f"The agent no longer knows this task (it had ended): {exc}") from exc
+            raise TaskActionError(
+                f"The agent no longer knows this task (it had ended): {exc}"
+            ) from exc
         mark_gone(task.pk, None, str(exc))
-        raise TaskActionError(f"The agent does not know this task: gone at the agent. ({exc})") from exc
+        raise TaskActionError(
+            f"The agent does not know this task: gone at the agent. ({exc})"
+        ) from exc
     except A2AError as exc:
         raise TaskActionError(f"Refresh failed: {exc}") from exc
     agent_services.mark_reachable(agent.pk)
     record(task, {"task": result}, "poll", actor_id=actor_id)
     settle_if_ended(task, result, note="reconciled with the agent's GetTask (refresh)")
     if task.gone_at is not None:
-        back = RemoteTask.objects.filter(pk=task.pk, gone_at__isnull=False, abandoned_at__isnull=True).update(
-            gone_at=None, watcher_status=RemoteTask.WatcherStatus.IDLE, watcher_note="the agent knows it again",
-            watcher_since=timezone.now(), fruitless_turns=0,
+        back = RemoteTask.objects.filter(
+            pk=task.pk, gone_at__isnull=False, abandoned_at__isnull=True
+        ).update(
+            gone_at=None,
+            watcher_status=RemoteTask.WatcherStatus.IDLE,
+            watcher_note="the agent knows it again",
+            watcher_since=timezone.now(),
+            fruitless_turns=0,
         )
         if back:
-            record(task, {"system": {"event": "found-again", "detail": "the agent knows this task again"}}, "system")
+            record(
+                task,
+                {"system": {"event": "found-again", "detail": "the agent knows this task again"}},
+                "system",
+            )
     task.refresh_from_db()
     if RemoteTask.objects.filter(watchable(), pk=task.pk).exists():
         dispatch(task.pk)
@@ -396,8 +476,10 @@ def watch_again(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask:
             abandoned_at__isnull=True,
             gone_at__isnull=True,
             watcher_status__in=[
-                RemoteTask.WatcherStatus.PARKED, RemoteTask.WatcherStatus.LOST,
-                RemoteTask.WatcherStatus.IDLE, RemoteTask.WatcherStatus.RECONNECTING,
+                RemoteTask.WatcherStatus.PARKED,
+                RemoteTask.WatcherStatus.LOST,
+                RemoteTask.WatcherStatus.IDLE,
+                RemoteTask.WatcherStatus.RECONNECTING,
             ],
         ).update(
             fruitless_turns=0,
@@ -407,8 +489,12 @@ def watch_again(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask:
             watcher_since=timezone.now(),
         )
         if not won:
-            raise TaskActionError("This task is being watched already, or cannot be watched (gone or abandoned).")
-        OperatorAction.objects.create(task=task, agent=task.agent, actor_id=actor_id, action="watch")
+            raise TaskActionError(
+                "This task is being watched already, or cannot be watched (gone or abandoned)."
+            )
+        OperatorAction.objects.create(
+            task=task, agent=task.agent, actor_id=actor_id, action="watch"
+        )
         record(task, {"operator": {"action": "watch-again"}}, "operator", actor_id=actor_id)
         transaction.on_commit(lambda: dispatch(task.pk))
     task.refresh_from_db()
@@ -428,11 +514,15 @@ def switch_watch(task: RemoteTask, watch: str, *, actor_id: int | None = None) -
     if watch == RemoteTask.Watch.STREAM and not task.agent.streaming:
         raise TaskActionError(f"{task.agent.name} does not declare streaming; choose polling.")
     with transaction.atomic():
-        won = RemoteTask.objects.filter(
-            pk=task.pk, abandoned_at__isnull=True, gone_at__isnull=True
-        ).exclude(watch=watch).update(watch=watch)
+        won = (
+            RemoteTask.objects.filter(pk=task.pk, abandoned_at__isnull=True, gone_at__isnull=True)
+            .exclude(watch=watch)
+            .update(watch=watch)
+        )
         if not won:
-            raise TaskActionError("This task is followed that way already, or is not watched any more.")
+            raise TaskActionError(
+                "This task is followed that way already, or is not watched any more."
+            )
         RemoteTask.objects.filter(pk=task.pk, lease_token="").exclude(
             watcher_status=RemoteTask.WatcherStatus.PARKED
         ).update(
@@ -441,14 +531,27 @@ def switch_watch(task: RemoteTask, watch: str, *, actor_id: int | None = None) -
             watcher_note=f"switched to {watch} by an operator",
             watcher_since=timezone.now(),
         )
-        OperatorAction.objects.create(task=task, agent=task.agent, actor_id=actor_id, action="switch-watch", payload={"watch": watch})
-        record(task, {"operator": {"action": "switch-watch", "watch": watch}}, "operator", actor_id=actor_id)
+        OperatorAction.objects.create(
+            task=task,
+            agent=task.agent,
+            actor_id=actor_id,
+            action="switch-watch",
+            payload={"watch": watch},
+        )
+        record(
+            task,
+            {"operator": {"action": "switch-watch", "watch": watch}},
+            "operator",
+            actor_id=actor_id,
+        )
         transaction.on_commit(lambda: dispatch(task.pk))
     task.refresh_from_db()
     return task
 
 
-def abandon_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = None, actor_name: str = "") -> RemoteTask:
+def abandon_task(
+    task: RemoteTask, *, reason: str = "", actor_id: int | None = None, actor_name: str = ""
+) -> RemoteTask:
     """Give a task up locally: a final local state, never watched again (the agent is not told).
 
     Clearing the lease fences a running holder: its next write is refused and
@@ -471,17 +574,33 @@ def abandon_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = N
         if not won:
             raise TaskActionError("This task was abandoned already.")
         OperatorAction.objects.create(
-            task=task, agent=task.agent, actor_id=actor_id, action="abandon", payload={"reason": reason}
+            task=task,
+            agent=task.agent,
+            actor_id=actor_id,
+            action="abandon",
+            payload={"reason": reason},
         )
-        record(task, {"operator": {"action": "abandon", "by": who, "reason": reason}}, "operator", actor_id=actor_id)
+        record(
+            task,
+            {"operator": {"action": "abandon", "by": who, "reason": reason}},
+            "operator",
+            actor_id=actor_id,
+        )
         transaction.on_commit(lambda: _relay_watcher(task.pk))
     task.refresh_from_db()
     return task
 
 
-def _action(task: RemoteTask, actor_id: int | None, action: str, payload: dict, outcome: str) -> None:
+def _action(
+    task: RemoteTask, actor_id: int | None, action: str, payload: dict, outcome: str
+) -> None:
     OperatorAction.objects.create(
-        task=task, agent_id=task.agent_id, actor_id=actor_id, action=action, payload=payload, outcome=outcome[:500]
+        task=task,
+        agent_id=task.agent_id,
+        actor_id=actor_id,
+        action=action,
+        payload=payload,
+        outcome=outcome[:500],
     )
 
 
@@ -494,7 +613,9 @@ def dispatch(task_pk: int) -> None:
 
     try:
         watch.delay(task_pk)
-    except Exception as exc:  # the reconciler re-dispatches; a broker hiccup must not fail the action
+    except (
+        Exception
+    ) as exc:  # the reconciler re-dispatches; a broker hiccup must not fail the action
         log.warning("could not dispatch a watcher for task %s: %s", task_pk, exc)
 
 
@@ -548,12 +669,16 @@ def renew_leases(tokens: set[str]) -> set[str]:
         return set()
     until = timezone.now() + timedelta(seconds=settings.WATCH_LEASE_SECONDS)
     RemoteTask.objects.filter(lease_token__in=tokens).update(lease_expires_at=until)
-    return set(RemoteTask.objects.filter(lease_token__in=tokens).values_list("lease_token", flat=True))
+    return set(
+        RemoteTask.objects.filter(lease_token__in=tokens).values_list("lease_token", flat=True)
+    )
 
 
 def _since(status: str) -> Case:
     """``watcher_since`` moves only when the status changes (a new note keeps it)."""
-    return Case(When(~Q(watcher_status=status), then=Value(timezone.now())), default=F("watcher_since"))
+    return Case(
+        When(~Q(watcher_status=status), then=Value(timezone.now())), default=F("watcher_since")
+    )
 
 
 def release_lease(
@@ -591,7 +716,9 @@ def set_watcher_status(task_pk: int, token: str, status: str, note: str = "") ->
     )
     if changed:
         _relay_watcher(task_pk)
-    return RemoteTask.objects.filter(pk=task_pk, lease_token=token).exists() if not changed else True
+    return (
+        RemoteTask.objects.filter(pk=task_pk, lease_token=token).exists() if not changed else True
+    )
 
 
 def set_fruitless(task_pk: int, token: str, turns: int) -> None:
@@ -623,7 +750,12 @@ def mark_gone(task_pk: int, token: str | None, detail: str) -> bool:
         if won:
             record(
                 task_pk,
-                {"system": {"event": "gone", "detail": f"the agent no longer knows this task: {detail}"[:2000]}},
+                {
+                    "system": {
+                        "event": "gone",
+                        "detail": f"the agent no longer knows this task: {detail}"[:2000],
+                    }
+                },
                 "system",
                 fence=token,
             )
@@ -657,7 +789,9 @@ def _relay_watcher(task_pk: int) -> None:
 def mark_send_attempted(task_pk: int, token: str) -> bool:
     """Note that the outbox is being sent; False if the lease is no longer ours."""
     return bool(
-        RemoteTask.objects.filter(pk=task_pk, lease_token=token).update(send_attempted_at=timezone.now())
+        RemoteTask.objects.filter(pk=task_pk, lease_token=token).update(
+            send_attempted_at=timezone.now()
+        )
     )
 
 
@@ -668,7 +802,9 @@ def clear_outbox(task_pk: int, message_id: str) -> None:
         RemoteTask.objects.filter(pk=task_pk, outbox__isnull=False).update(outbox=None)
 
 
-def fail_send(task_pk: int, reason: str, *, retry_safe: bool = False, fence: str | None = None) -> None:
+def fail_send(
+    task_pk: int, reason: str, *, retry_safe: bool = False, fence: str | None = None
+) -> None:
     """The send failed before the agent named a task: say so; never retry blindly.
 
     ``retry_safe``: the agent is known not to have the task (nothing reached
@@ -677,13 +813,19 @@ def fail_send(task_pk: int, reason: str, *, retry_safe: bool = False, fence: str
     """
     extra = {"send_attempted_at": None} if retry_safe else {}
     with transaction.atomic():
-        won = RemoteTask.objects.filter(pk=task_pk, phase=RemoteTask.Phase.SENDING, remote_id="").update(
-            phase=RemoteTask.Phase.FAILED, send_error=reason[:2000], outbox=None, **extra
-        )
+        won = RemoteTask.objects.filter(
+            pk=task_pk, phase=RemoteTask.Phase.SENDING, remote_id=""
+        ).update(phase=RemoteTask.Phase.FAILED, send_error=reason[:2000], outbox=None, **extra)
         if won:
             record(
                 task_pk,
-                {"system": {"event": "send-failed", "reason": reason[:2000], "retry_safe": retry_safe}},
+                {
+                    "system": {
+                        "event": "send-failed",
+                        "reason": reason[:2000],
+                        "retry_safe": retry_safe,
+                    }
+                },
                 "system",
                 fence=fence,
             )

@@ -60,7 +60,9 @@ def answer_record(task: RemoteTask) -> dict[str, Any]:
     return {
         "task": task,
         "answered": True,
-        "by": task.answered_by.get_username() if task.answered_by_id and task.answered_by else "a command-line user",
+        "by": task.answered_by.get_username()
+        if task.answered_by_id and task.answered_by
+        else "a command-line user",
         "html": message_html(message.message) if message else "",
         "current": task.answered_seq >= task.asked_seq,
     }

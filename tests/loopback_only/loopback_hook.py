@@ -37,7 +37,11 @@ class OffLoopback(ConnectionRefusedError):
 
 def off_loopback(address: Any) -> str | None:
     """``host:port`` when ``address`` (a ``socket.connect`` argument) is an inet address off loopback."""
-    if not isinstance(address, tuple) or len(address) < 2 or not isinstance(address[0], str | bytes):
+    if (
+        not isinstance(address, tuple)
+        or len(address) < 2
+        or not isinstance(address[0], str | bytes)
+    ):
         return None  # a Unix socket path, netlink, ...: not the network
     host = address[0].decode() if isinstance(address[0], bytes) else address[0]
     if host == "localhost":
@@ -71,7 +75,9 @@ def _hook(event: str, args: tuple[Any, ...]) -> None:
         bad = off_loopback(address)
         if bad is not None:
             _record(f"connect to {bad}")
-            raise OffLoopback(f"test connect hook: refused to connect to {bad} (tests stay on loopback)")
+            raise OffLoopback(
+                f"test connect hook: refused to connect to {bad} (tests stay on loopback)"
+            )
     elif event == "socket.getaddrinfo":
         host = args[0]
         name = host.decode() if isinstance(host, bytes) else host

@@ -216,12 +216,16 @@ class Command(BaseCommand):
                     f"or set {env}."
                 )
         if options.get("token_file") == "-" and options.get("api_key_file") == "-":
-            raise CommandError("Only one of --token-file and --api-key-file can read standard input.")
+            raise CommandError(
+                "Only one of --token-file and --api-key-file can read standard input."
+            )
         stdin = options.get("stdin") or sys.stdin
         secrets: dict[str, str | None] = {}
         for key, _flag, file_flag, env in SECRETS:
             source = options.get(key + "_file") or ""
-            secrets[key] = read_secret(source, file_flag, stdin) if source else os.environ.get(env) or None
+            secrets[key] = (
+                read_secret(source, file_flag, stdin) if source else os.environ.get(env) or None
+            )
         return secrets
 
     def _credentials(self, options: dict[str, Any]) -> Credentials | None:

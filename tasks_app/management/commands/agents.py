@@ -41,12 +41,16 @@ def read_secret(source: str, option: str, stdin: TextIO) -> str:
             raise CommandError(f"Cannot read {option} {source}: {reason}.") from None
     where = "standard input" if source == "-" else source
     if len(text) > MAX_SECRET_BYTES:
-        raise CommandError(f"{option}: {where} holds more than {MAX_SECRET_BYTES} bytes; is it the right file?")
+        raise CommandError(
+            f"{option}: {where} holds more than {MAX_SECRET_BYTES} bytes; is it the right file?"
+        )
     secret = text.strip()
     if not secret:
         raise CommandError(f"{option}: {where} is empty.")
     if "\n" in secret:
-        raise CommandError(f"{option}: {where} holds more than one line; put only the secret in it.")
+        raise CommandError(
+            f"{option}: {where} holds more than one line; put only the secret in it."
+        )
     return secret
 
 
@@ -59,7 +63,9 @@ class Command(BaseCommand):
         add = sub.add_parser("add", help="fetch an agent's card and register it")
         add.add_argument("url", help="the agent's base URL or its card URL")
         add.add_argument("--name", default="")
-        add.add_argument("--project", default="", help="the project it belongs to (default: default)")
+        add.add_argument(
+            "--project", default="", help="the project it belongs to (default: default)"
+        )
         add.add_argument(
             "--token-file", default="", metavar="PATH",
             help="file holding the bearer token the agent requires ('-': standard input)",
@@ -85,7 +91,9 @@ class Command(BaseCommand):
                         raise CommandError(
                             f"No project named {options['project']!r} ('manage.py members add' creates one)."
                         )
-                agent = add_agent(options["url"], name=options["name"], project=project, credentials=credentials)
+                agent = add_agent(
+                    options["url"], name=options["name"], project=project, credentials=credentials
+                )
             except AgentError as exc:
                 raise CommandError(str(exc)) from exc
             self.stdout.write(f"{agent.pk}\t{agent.name}\t{agent.binding} {agent.interface_url}")
@@ -102,7 +110,9 @@ class Command(BaseCommand):
                     f"Put it in a file and pass {file_flag} PATH, or pipe it in with {file_flag} -."
                 )
         if options["token_file"] == "-" and options["api_key_file"] == "-":
-            raise CommandError("Only one of --token-file and --api-key-file can read standard input.")
+            raise CommandError(
+                "Only one of --token-file and --api-key-file can read standard input."
+            )
         stdin = options.get("stdin") or sys.stdin
         credentials: dict[str, str] = {}
         for key, option in (("token", "--token-file"), ("api_key", "--api-key-file")):
@@ -124,5 +134,9 @@ class Command(BaseCommand):
             return
         for agent in agents:
             reach = {True: "reachable", False: "UNREACHABLE", None: "unknown"}[agent.reachable]
-            caps = ",".join(c for c, on in (("streaming", agent.streaming), ("push", agent.push)) if on)
-            self.stdout.write(f"{agent.pk}\t{agent.name}\t{agent.base_url}\t{agent.binding}\t{caps or '-'}\t{reach}")
+            caps = ",".join(
+                c for c, on in (("streaming", agent.streaming), ("push", agent.push)) if on
+            )
+            self.stdout.write(
+                f"{agent.pk}\t{agent.name}\t{agent.base_url}\t{agent.binding}\t{caps or '-'}\t{reach}"
+            )

@@ -89,7 +89,11 @@ class Command(BaseCommand):
         self._write(exports.task_chunks(task, options["format"]), options["output"])
 
     def _actions(self, options: dict[str, Any]) -> None:
-        data = {k: options[f"filter_{k}"] for k in ("person", "action", "since", "until") if options[f"filter_{k}"]}
+        data = {
+            k: options[f"filter_{k}"]
+            for k in ("person", "action", "since", "until")
+            if options[f"filter_{k}"]
+        }
         if options["filter_agent"]:
             data["agent"] = str(_named(Agent, options["filter_agent"], "agent"))
         if options["filter_project"]:

@@ -4,7 +4,7 @@ Runs the performance rows of docs/performance.md (P1-P10) and prints one table r
 per figure: value, goal, floor and ratio where a floor exists, PASS/MISS.
 
 Why it is built this way: each row runs in its own child process
-(``tasks_app.bench.child``) against its own scratch database - a temporary
+(``bench.child``) against its own scratch database - a temporary
 SQLite file or a scratch PostgreSQL database, dropped afterwards - and one
 private Redis for the whole run, so nothing touches real data or the shared
 Redis other processes use. Every process started is stopped on exit, Ctrl-C
@@ -26,13 +26,13 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from tasks_app.bench import procs
-from tasks_app.bench.report import Row, notes, rows_from_docs, table, write_docs
+from bench import procs
+from bench.report import Row, notes, rows_from_docs, table, write_docs
 from tasks_app.outbound import with_loopback
 
 ALL_ROWS = ("P3", "P8", "P4", "P5", "P1", "P6", "P7", "P2", "P9", "P10")
 DOCS_PATH = procs.REPO_ROOT / "docs" / "performance.md"
-ANALYSIS_PATH = procs.REPO_ROOT / "tasks_app" / "bench" / "analysis.md"
+ANALYSIS_PATH = procs.REPO_ROOT / "bench" / "analysis.md"
 
 
 def run_rows(
@@ -59,7 +59,9 @@ def run_rows(
             if log:
                 log(f"-- {name} on {db}{' (quick)' if quick else ''}")
             with procs.scratch_database(db, work) as database_url:
-                return _run_child(name, db, database_url, f"{base}/{index % 16}", work, quick, log, timeout)
+                return _run_child(
+                    name, db, database_url, f"{base}/{index % 16}", work, quick, log, timeout
+                )
 
         if parallel <= 1:
             return [row for index in range(len(jobs)) for row in one(index)]
@@ -68,7 +70,14 @@ def run_rows(
 
 
 def _run_child(
-    name: str, db: str, database_url: str, redis_url: str, work: Path, quick: bool, log: Any, timeout: float | None
+    name: str,
+    db: str,
+    database_url: str,
+    redis_url: str,
+    work: Path,
+    quick: bool,
+    log: Any,
+    timeout: float | None,
 ) -> list[Row]:
     data_dir = work / f"data-{name}-{db}"
     data_dir.mkdir(exist_ok=True)
@@ -86,7 +95,7 @@ def _run_child(
     # The bench agents listen on 127.0.0.1: the outbound guard is told so, for the bench only.
     env["OUTBOUND_ALLOW"] = with_loopback(env.get("OUTBOUND_ALLOW", ""))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(procs.REPO_ROOT), env.get("PYTHONPATH")]))
-    argv = [sys.executable, "-m", "tasks_app.bench.child", name, "--db-label", db]
+    argv = [sys.executable, "-m", "bench.child", name, "--db-label", db]
     if quick:
         argv.append("--quick")
     limit = timeout or (150 if quick else 1200)
@@ -109,7 +118,7 @@ def _run_child(
     rows = []
     for line in out.decode(errors="replace").splitlines():
         if line.startswith("BENCHROW "):
-            rows.append(Row.from_json(json.loads(line[len("BENCHROW "):])))
+            rows.append(Row.from_json(json.loads(line[len("BENCHROW ") :])))
     if not rows:
         tail = err_path.read_text(errors="replace")[-1500:]
         rows.append(Row(name, "error", "error", "", False, db=db,
@@ -128,14 +137,18 @@ class Command(BaseCommand):
     help = "Run the performance benchmarks (P1-P10) and print value, goal, floor, PASS/MISS."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("names", nargs="*", help=f"rows to run (default: all of {' '.join(ALL_ROWS)})")
-        parser.add_argument("--quick", action="store_true", help="every row at a small scale (smoke test)")
+        parser.add_argument(
+            "names", nargs="*", help=f"rows to run (default: all of {' '.join(ALL_ROWS)})"
+        )
+        parser.add_argument(
+            "--quick", action="store_true", help="every row at a small scale (smoke test)"
+        )
         parser.add_argument("--db", choices=["sqlite", "postgres", "both"], default="both",
                             help="database(s) to run the rows on (default: both)")  # fmt: skip
         parser.add_argument("--write-docs", action="store_true", help="write docs/performance.md")
         parser.add_argument("--rewrite-docs", action="store_true",
                             help="re-render docs/performance.md from the rows it holds (after editing "
-                                 "tasks_app/bench/analysis.md), without measuring")  # fmt: skip
+                                 "bench/analysis.md), without measuring")  # fmt: skip
 
     def handle(self, *args: Any, **options: Any) -> None:
         # Cleanup (child processes, scratch databases, the private Redis) runs in finally
@@ -157,16 +170,25 @@ class Command(BaseCommand):
             why = procs.postgres_available()
             if why:
                 if options["db"] == "postgres":
-                    raise CommandError(f"PostgreSQL is not reachable at {procs.PG_ADMIN_URL}: {why}")
+                    raise CommandError(
+                        f"PostgreSQL is not reachable at {procs.PG_ADMIN_URL}: {why}"
+                    )
                 self.stderr.write(f"PostgreSQL not reachable ({why}); running on SQLite only")
                 databases = ["sqlite"]
-        rows = run_rows(names, databases, quick=options["quick"], log=lambda s: self.stderr.write(s))
+        rows = run_rows(
+            names, databases, quick=options["quick"], log=lambda s: self.stderr.write(s)
+        )
         self.stdout.write(table(rows))
         self.stdout.write("")
         self.stdout.write(notes(rows))
         if options["write_docs"]:
             command = "manage.py bench " + " ".join(
-                [*options["names"], *(["--quick"] if options["quick"] else []), f"--db {options['db']}", "--write-docs"]
+                [
+                    *options["names"],
+                    *(["--quick"] if options["quick"] else []),
+                    f"--db {options['db']}",
+                    "--write-docs",
+                ]
             )
             analysis = ANALYSIS_PATH.read_text() if ANALYSIS_PATH.exists() else ""
             write_docs(DOCS_PATH, rows, command.replace("  ", " "), analysis)

@@ -22,7 +22,9 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         sub = parser.add_subparsers(dest="action", required=True)
-        add = sub.add_parser("add", help="give USER the ROLE in PROJECT (creating the project if needed)")
+        add = sub.add_parser(
+            "add", help="give USER the ROLE in PROJECT (creating the project if needed)"
+        )
         add.add_argument("user")
         add.add_argument("project")
         add.add_argument("role", choices=ROLES)
@@ -38,7 +40,9 @@ class Command(BaseCommand):
             return self._list(options.get("project"))
         user = get_user_model().objects.filter(username=options["user"]).first()
         if user is None:
-            raise CommandError(f"No user named {options['user']!r} (create one with 'manage.py createsuperuser' or the admin).")
+            raise CommandError(
+                f"No user named {options['user']!r} (create one with 'manage.py createsuperuser' or the admin)."
+            )
         if action == "add":
             return self._add(user, options["project"], options["role"])
         return self._remove(user, options["project"])
@@ -46,11 +50,10 @@ class Command(BaseCommand):
     def _add(self, user: Any, project_name: str, role: str) -> None:
         with transaction.atomic():
             project, created = Project.objects.get_or_create(name=project_name)
-            Membership.objects.update_or_create(
-                project=project, user=user, defaults={"role": role}
-            )
+            Membership.objects.update_or_create(project=project, user=user, defaults={"role": role})
             OperatorAction.objects.create(
-                action="member-add", payload={"user": user.get_username(), "project": project.name, "role": role}
+                action="member-add",
+                payload={"user": user.get_username(), "project": project.name, "role": role},
             )
         if created:
             self.stdout.write(f"Created project {project.name}.")

@@ -31,13 +31,23 @@ class Command(BaseCommand):
     help = "Remove settled tasks older than a number of days (exported first with --export-to)."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--older-than", default="", metavar="DAYS", help="default: RETENTION_DAYS")
-        parser.add_argument("--export-to", default="", metavar="DIR", help="write each task here first (JSON Lines)")
-        parser.add_argument("--dry-run", action="store_true", help="count what would be removed, remove nothing")
-        parser.add_argument("--batch", type=int, default=retention.BATCH, help="tasks per transaction")
+        parser.add_argument(
+            "--older-than", default="", metavar="DAYS", help="default: RETENTION_DAYS"
+        )
+        parser.add_argument(
+            "--export-to", default="", metavar="DIR", help="write each task here first (JSON Lines)"
+        )
+        parser.add_argument(
+            "--dry-run", action="store_true", help="count what would be removed, remove nothing"
+        )
+        parser.add_argument(
+            "--batch", type=int, default=retention.BATCH, help="tasks per transaction"
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        text = options["older_than"] or (str(settings.RETENTION_DAYS) if settings.RETENTION_DAYS else "")
+        text = options["older_than"] or (
+            str(settings.RETENTION_DAYS) if settings.RETENTION_DAYS else ""
+        )
         if not text:
             raise CommandError("Say how old: --older-than DAYS (or set RETENTION_DAYS).")
         days = _days(text)
@@ -47,9 +57,13 @@ class Command(BaseCommand):
         if export_to is not None and export_to.exists() and not export_to.is_dir():
             raise CommandError(f"--export-to {export_to} is not a folder.")
         say = self.stdout.write if options["verbosity"] > 1 else None
-        result = retention.prune(days, export_to=export_to, dry_run=options["dry_run"], batch=options["batch"], say=say)
+        result = retention.prune(
+            days, export_to=export_to, dry_run=options["dry_run"], batch=options["batch"], say=say
+        )
         self.stdout.write(str(result))
         for failure in result.export_failures:
             self.stderr.write(f"export failed: {failure}")
         if result.export_failures:
-            raise CommandError(f"{len(result.export_failures)} task(s) could not be exported and were kept.")
+            raise CommandError(
+                f"{len(result.export_failures)} task(s) could not be exported and were kept."
+            )

@@ -27,7 +27,11 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         rotated = current = 0
         unreadable: list[str] = []
-        for pk in Agent.objects.exclude(credentials_encrypted="").order_by("pk").values_list("pk", flat=True):
+        for pk in (
+            Agent.objects.exclude(credentials_encrypted="")
+            .order_by("pk")
+            .values_list("pk", flat=True)
+        ):
             outcome = self._rotate(pk)
             if outcome == "rotated":
                 rotated += 1
@@ -66,7 +70,9 @@ class Command(BaseCommand):
             except SecretError:
                 return f"{pk} {row['name']!r}"
             # Compare-and-set: a value saved since we read it is left alone (and read again).
-            if Agent.objects.filter(pk=pk, credentials_encrypted=stored).update(credentials_encrypted=fresh):
+            if Agent.objects.filter(pk=pk, credentials_encrypted=stored).update(
+                credentials_encrypted=fresh
+            ):
                 OperatorAction.objects.create(agent_id=pk, action="rotate-key")
                 return "rotated"
         return None
@@ -90,10 +96,12 @@ class Command(BaseCommand):
             except SecretError:
                 counts["unreadable"].append(f"{config_id} of task {task_id}")
                 continue
-            if PushConfig.objects.filter(pk=pk, secrets_encrypted=stored, deleted_at__isnull=True).update(
-                secrets_encrypted=fresh
-            ):
+            if PushConfig.objects.filter(
+                pk=pk, secrets_encrypted=stored, deleted_at__isnull=True
+            ).update(secrets_encrypted=fresh):
                 counts["rotated"] += 1
         if counts["rotated"]:
-            OperatorAction.objects.create(action="rotate-key", payload={"push_configs": counts["rotated"]})
+            OperatorAction.objects.create(
+                action="rotate-key", payload={"push_configs": counts["rotated"]}
+            )
         return counts

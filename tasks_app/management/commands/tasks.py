@@ -57,7 +57,9 @@ class Command(BaseCommand):
         cancel = sub.add_parser("cancel")
         cancel.add_argument("task")
         cancel.add_argument("--reason", default="")
-        refresh = sub.add_parser("refresh", help="GetTask now (a task not named yet: look it up by contextId)")
+        refresh = sub.add_parser(
+            "refresh", help="GetTask now (a task not named yet: look it up by contextId)"
+        )
         refresh.add_argument("task")
         abandon = sub.add_parser("abandon", help="give a task up locally: never watched again")
         abandon.add_argument("task")
@@ -91,7 +93,9 @@ class Command(BaseCommand):
 
         def progress(j: ImportJob) -> None:
             if not options["json"]:
-                self.stdout.write(f"page {j.pages}: {j.seen} listed, {j.created} new, {j.changed} changed")
+                self.stdout.write(
+                    f"page {j.pages}: {j.seen} listed, {j.created} new, {j.changed} changed"
+                )
 
         job = imports.run_job(job.pk, page_size=max(1, options["page_size"]), progress=progress)
         if options["json"]:
@@ -109,18 +113,26 @@ class Command(BaseCommand):
         if options["json"]:
             self.stdout.write(json.dumps(document, indent=2, default=str))
             return
-        self.stdout.write(f"task {task.pk} ({task.remote_id or 'unsent'}) on {task.agent.name}: {task.state_label}")
+        self.stdout.write(
+            f"task {task.pk} ({task.remote_id or 'unsent'}) on {task.agent.name}: {task.state_label}"
+        )
         since = f" since {task.watcher_since:%Y-%m-%d %H:%M:%S}" if task.watcher_since else ""
-        self.stdout.write(f"watch {task.watch}, watcher {task.watcher_status}{since} {task.watcher_note}")
+        self.stdout.write(
+            f"watch {task.watch}, watcher {task.watcher_status}{since} {task.watcher_note}"
+        )
         if task.gone_at:
             self.stdout.write(f"gone at the agent since {task.gone_at:%Y-%m-%d %H:%M:%S}")
         for event in document["events"]:
             note = f"  ({event['note']})" if event["note"] else ""
-            self.stdout.write(f"  #{event['seq']:>4} {event['received_at']} {event['channel']:<13} {event['kind']:<15} {event['state']}{note}")
+            self.stdout.write(
+                f"  #{event['seq']:>4} {event['received_at']} {event['channel']:<13} {event['kind']:<15} {event['state']}{note}"
+            )
 
     def do_list(self, options: dict) -> None:
         for task in RemoteTask.objects.select_related("agent")[: options["limit"]]:
-            self.stdout.write(f"{task.pk}\t{task.agent.name}\t{task.remote_id or '-'}\t{task.state_label}\t{task.title}")
+            self.stdout.write(
+                f"{task.pk}\t{task.agent.name}\t{task.remote_id or '-'}\t{task.state_label}\t{task.title}"
+            )
 
     def do_cancel(self, options: dict) -> None:
         task = task_services.cancel_task(find_task(options["task"]), reason=options["reason"])

@@ -64,7 +64,9 @@ def parse_roles(values: list[str] | None) -> tuple[str, ...]:
     wanted = {part.strip() for value in values for part in value.split(",") if part.strip()}
     unknown = sorted(wanted - set(ROLES))
     if unknown:
-        raise StartupError(f"Unknown role {', '.join(unknown)} for --only; the roles are {', '.join(ROLES)}.")
+        raise StartupError(
+            f"Unknown role {', '.join(unknown)} for --only; the roles are {', '.join(ROLES)}."
+        )
     return tuple(role for role in ROLES if role in wanted)
 
 
@@ -183,7 +185,13 @@ class Runner:
     """One run of ``up``: the children it started and how to stop them."""
 
     def __init__(
-        self, *, host: str, port: int, demo: bool, roles: tuple[str, ...] = ROLES, proxy_headers: bool = False
+        self,
+        *,
+        host: str,
+        port: int,
+        demo: bool,
+        roles: tuple[str, ...] = ROLES,
+        proxy_headers: bool = False,
     ) -> None:
         self.host = host
         self.port = port
@@ -274,7 +282,11 @@ class Runner:
 
         url = f"http://{_url_host(self.host)}:{self.port}/"
         self.say(login_line)
-        extra = f" with {' and '.join(r for r in self.roles if r != 'web')}" if self.partial and len(self.roles) > 1 else ""
+        extra = (
+            f" with {' and '.join(r for r in self.roles if r != 'web')}"
+            if self.partial and len(self.roles) > 1
+            else ""
+        )
         self.say(f"Dashboard running at {url}{extra} (Ctrl-C to stop)")
         return self._supervise()
 
@@ -443,7 +455,9 @@ class Runner:
             # The public answer is only ok / not ok; the same checks run here, with the
             # children's configuration, name what is failing.
             failing = [
-                f"{name}: {result.message}" for name, result in run_checks().items() if not result.ok
+                f"{name}: {result.message}"
+                for name, result in run_checks().items()
+                if not result.ok
             ]
             detail = "; ".join(failing) or detail
         self.say(

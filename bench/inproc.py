@@ -1,6 +1,6 @@
 """Rows measured in-process against the (scratch) database: P3, P4, P5.
 
-These run inside :mod:`tasks_app.bench.child`, whose settings already point at a
+These run inside :mod:`bench.child`, whose settings already point at a
 migrated scratch database and a private Redis. Recording goes through the real
 ``record_many()`` with the relay on, the way a worker does it: the process's
 shared loop (``tasks_app.eventloop``) is started, so ``relay.publish()`` queues to
@@ -23,7 +23,7 @@ from typing import Any
 
 from django.db import connection, transaction
 
-from tasks_app.bench.report import Row
+from bench.report import Row
 
 BATCH = 100  # events per record_many() call: what a fast stream queues while one commit runs
 
@@ -81,7 +81,10 @@ def chunk_event(task: Any, i: int, artifact_id: str = "out") -> dict:
         "artifactUpdate": {
             "taskId": task.remote_id,
             "contextId": task.context_id,
-            "artifact": {"artifactId": artifact_id, "parts": [{"text": f"chunk {i:06d} " + "x" * 48}]},
+            "artifact": {
+                "artifactId": artifact_id,
+                "parts": [{"text": f"chunk {i:06d} " + "x" * 48}],
+            },
             "append": i > 0,
             "lastChunk": False,
         }
@@ -186,8 +189,13 @@ def raw_insert_floor(task: Any, events: list[dict]) -> float:
     now = timezone.now()
     rows = [
         TaskEvent(
-            task_id=task.pk, seq=i + 1, received_at=now, channel="stream",
-            kind=next(iter(e)), raw=e, state_after="TASK_STATE_WORKING",
+            task_id=task.pk,
+            seq=i + 1,
+            received_at=now,
+            channel="stream",
+            kind=next(iter(e)),
+            raw=e,
+            state_after="TASK_STATE_WORKING",
         )
         for i, e in enumerate(events)
     ]
@@ -214,9 +222,14 @@ def p3(db: str, quick: bool) -> list[Row]:
     ok = rate >= 2000 and ratio <= 2 and count == n
     return [
         Row(
-            "P3", f"events recorded (log + fold) and relayed /s, one fast stream ({n} events)",
-            f"{rate:,.0f}/s", ">= 2,000/s, <= 2x floor", ok,
-            floor=f"{floor_rate:,.0f}/s", ratio=f"{ratio:.1f}x", db=db,
+            "P3",
+            f"events recorded (log + fold) and relayed /s, one fast stream ({n} events)",
+            f"{rate:,.0f}/s",
+            ">= 2,000/s, <= 2x floor",
+            ok,
+            floor=f"{floor_rate:,.0f}/s",
+            ratio=f"{ratio:.1f}x",
+            db=db,
             note=(
                 f"record_many() in batches of {BATCH} (half statusUpdate, half appended artifact chunks), "
                 f"relay through the worker-style relay coroutine to Redis, clock stopped when the last "
@@ -224,8 +237,14 @@ def p3(db: str, quick: bool) -> list[Row]:
                 f"{recorded:.2f}s ({n / recorded:,.0f}/s). Floor: bulk_create of the same TaskEvent rows "
                 f"in one transaction ({floor:.3f}s)."
             ),
-            extra={"n": n, "rate": rate, "floor_rate": floor_rate, "ratio": ratio, "relayed": count,
-                   "record_rate": n / recorded},
+            extra={
+                "n": n,
+                "rate": rate,
+                "floor_rate": floor_rate,
+                "ratio": ratio,
+                "relayed": count,
+                "record_rate": n / recorded,
+            },
         )
     ]
 
@@ -258,7 +277,9 @@ def p8(db: str, quick: bool) -> list[Row]:
                 seconds = record_stream_only(task, events)
             else:
                 with (
-                    mock.patch.object(record_module, "event_hash", lambda previous, event, digest: ""),
+                    mock.patch.object(
+                        record_module, "event_hash", lambda previous, event, digest: ""
+                    ),
                     mock.patch.object(record_module, "content_digest", lambda raw: ("", 0)),
                 ):
                     seconds = record_stream_only(task, events)
@@ -267,9 +288,14 @@ def p8(db: str, quick: bool) -> list[Row]:
     cost = 1 - on_rate / off_rate
     return [
         Row(
-            "P8", f"ingest with the hash chain on, one fast stream ({n} events)",
-            f"{on_rate:,.0f}/s", "chain costs <= 15% of ingest", cost <= 0.15,
-            floor=f"{off_rate:,.0f}/s", ratio=f"{cost:+.0%}", db=db,
+            "P8",
+            f"ingest with the hash chain on, one fast stream ({n} events)",
+            f"{on_rate:,.0f}/s",
+            "chain costs <= 15% of ingest",
+            cost <= 0.15,
+            floor=f"{off_rate:,.0f}/s",
+            ratio=f"{cost:+.0%}",
+            db=db,
             note=(
                 f"record_many() in batches of {BATCH} (half statusUpdate, half appended chunks), best of "
                 f"3 alternating runs each; floor: the same with the content digest and the chained row "
@@ -307,21 +333,36 @@ def p4(db: str, quick: bool) -> list[Row]:
         times[n], counts[n] = relayed, count
     from tasks_app.models import Artifact
 
-    parts = Artifact.objects.filter(task__agent=agent).order_by("-part_count").values_list("part_count", flat=True).first()
+    parts = (
+        Artifact.objects.filter(task__agent=agent)
+        .order_by("-part_count")
+        .values_list("part_count", flat=True)
+        .first()
+    )
     growth = times[large] / times[small]
     lost = (small - counts[small]) + (large - counts[large])
     ok = growth <= 12 and lost == 0 and parts == large
     return [
         Row(
-            "P4", f"one artifact of {large:,} chunks vs one of {small:,} (time ratio)",
-            f"{growth:.1f}x ({times[large]:.2f}s vs {times[small]:.2f}s)", "<= 12x (linear)", ok, db=db,
+            "P4",
+            f"one artifact of {large:,} chunks vs one of {small:,} (time ratio)",
+            f"{growth:.1f}x ({times[large]:.2f}s vs {times[small]:.2f}s)",
+            "<= 12x (linear)",
+            ok,
+            db=db,
             note=(
                 f"appended artifactUpdate chunks through record_many() in batches of {BATCH}, relay on, "
                 f"timed until the last chunk was relayed; the large artifact holds {parts} parts; "
                 f"{lost} relay messages missing."
             ),
-            extra={"small": small, "large": large, "t_small": times[small], "t_large": times[large],
-                   "growth": growth, "lost": lost},
+            extra={
+                "small": small,
+                "large": large,
+                "t_small": times[small],
+                "t_large": times[large],
+                "growth": growth,
+                "lost": lost,
+            },
         )
     ]
 
@@ -334,18 +375,31 @@ def _bulk_tasks(agent: Any, n: int) -> None:
 
     from tasks_app.models import INTERRUPTED_STATES, RemoteTask
 
-    states = ["TASK_STATE_WORKING", "TASK_STATE_COMPLETED", "TASK_STATE_FAILED", "TASK_STATE_INPUT_REQUIRED",
-              "TASK_STATE_COMPLETED", "TASK_STATE_CANCELED"]
+    states = [
+        "TASK_STATE_WORKING",
+        "TASK_STATE_COMPLETED",
+        "TASK_STATE_FAILED",
+        "TASK_STATE_INPUT_REQUIRED",
+        "TASK_STATE_COMPLETED",
+        "TASK_STATE_CANCELED",
+    ]
     now = timezone.now()
     chunk = 5000
     for start in range(0, n, chunk):
         rows = [
             RemoteTask(
-                agent=agent, remote_id=f"bulk-{i}", context_id=f"ctx-{i % 997}", title=f"bulk task {i}",
-                phase=RemoteTask.Phase.TASK, state=states[i % len(states)],
-                created_at=now - dt.timedelta(seconds=n - i), updated_at=now - dt.timedelta(seconds=n - i),
+                agent=agent,
+                remote_id=f"bulk-{i}",
+                context_id=f"ctx-{i % 997}",
+                title=f"bulk task {i}",
+                phase=RemoteTask.Phase.TASK,
+                state=states[i % len(states)],
+                created_at=now - dt.timedelta(seconds=n - i),
+                updated_at=now - dt.timedelta(seconds=n - i),
                 # record() stores when a question was asked; these were asked when made.
-                asked_at=now - dt.timedelta(seconds=n - i) if states[i % len(states)] in INTERRUPTED_STATES else None,
+                asked_at=now - dt.timedelta(seconds=n - i)
+                if states[i % len(states)] in INTERRUPTED_STATES
+                else None,
                 last_seq=1,
             )
             for i in range(start, min(n, start + chunk))
@@ -365,8 +419,17 @@ def _bulk_events(task: Any, n: int) -> None:
         rows = []
         for i in range(start, min(n, start + chunk)):
             raw = status_event(task, i) if i % 2 == 0 else chunk_event(task, i)
-            rows.append(TaskEvent(task_id=task.pk, seq=i + 1, received_at=now, channel="stream",
-                                  kind=next(iter(raw)), raw=raw, state_after="TASK_STATE_WORKING"))
+            rows.append(
+                TaskEvent(
+                    task_id=task.pk,
+                    seq=i + 1,
+                    received_at=now,
+                    channel="stream",
+                    kind=next(iter(raw)),
+                    raw=raw,
+                    state_after="TASK_STATE_WORKING",
+                )
+            )
         with transaction.atomic():
             TaskEvent.objects.bulk_create(rows, batch_size=1000)
     RemoteTask.objects.filter(pk=task.pk).update(last_seq=n)
@@ -419,14 +482,19 @@ def _deep_cursor(position: int) -> str:
         from tasks_app import cursors
     except ImportError:
         return ""
-    row = RemoteTask.objects.order_by("-updated_at", "-pk").values_list("updated_at", "pk")[position : position + 1]
+    row = RemoteTask.objects.order_by("-updated_at", "-pk").values_list("updated_at", "pk")[
+        position : position + 1
+    ]
     found = list(row)
     return "?cursor=" + cursors.encode(found[0][0], found[0][1]) if found else ""
 
 
 EXPORT_CANDIDATES = (
-    "/tasks/{pk}/export/?format=json", "/tasks/{pk}/export.jsonl", "/tasks/{pk}/events.jsonl",
-    "/tasks/{pk}/events/export/", "/tasks/{pk}/export",
+    "/tasks/{pk}/export/?format=json",
+    "/tasks/{pk}/export.jsonl",
+    "/tasks/{pk}/events.jsonl",
+    "/tasks/{pk}/events/export/",
+    "/tasks/{pk}/export",
 )
 # Pages measured when their URL exists (the inbox comes with its own work: it is measured as
 # soon as /inbox/ resolves, and named as not measured until then).
@@ -461,12 +529,26 @@ def _export_orm(task_pk: int) -> Iterator[bytes]:
     """What an export view should do: stream JSON lines from an iterator, never a list."""
     from tasks_app.models import TaskEvent
 
-    rows = TaskEvent.objects.filter(task_id=task_pk).order_by("seq").values_list(
-        "seq", "received_at", "channel", "kind", "state_after", "note", "raw"
+    rows = (
+        TaskEvent.objects.filter(task_id=task_pk)
+        .order_by("seq")
+        .values_list("seq", "received_at", "channel", "kind", "state_after", "note", "raw")
     )
     for seq, received_at, channel, kind, state, note, raw in rows.iterator(chunk_size=1000):
-        yield (json.dumps({"seq": seq, "received_at": received_at.isoformat(), "channel": channel,
-                           "kind": kind, "state": state, "note": note, "raw": raw}) + "\n").encode()
+        yield (
+            json.dumps(
+                {
+                    "seq": seq,
+                    "received_at": received_at.isoformat(),
+                    "channel": channel,
+                    "kind": kind,
+                    "state": state,
+                    "note": note,
+                    "raw": raw,
+                }
+            )
+            + "\n"
+        ).encode()
 
 
 def _measure_stream(produce: Callable[[], Iterator[bytes]]) -> tuple[float, int, int]:
@@ -555,7 +637,11 @@ def p5(db: str, quick: bool) -> list[Row]:
             continue
         client.get(url)  # warm (templates, first queries)
         samples, status, error = _time_get(client, url, repeat)
-        results[label] = {"p95_ms": _p95(samples) * 1000 if samples else None, "status": status, "error": error}
+        results[label] = {
+            "p95_ms": _p95(samples) * 1000 if samples else None,
+            "status": status,
+            "error": error,
+        }
     if results:
         worst_label = max(results, key=lambda k: results[k]["p95_ms"] or 1e9)
         worst = results[worst_label]["p95_ms"]
@@ -565,22 +651,42 @@ def p5(db: str, quick: bool) -> list[Row]:
             for k, v in results.items()
         )
         if bad:
-            detail += "; not 200: " + ", ".join(f"{k} ({v['status']} {v['error']})" for k, v in bad.items())
-        rows.append(Row(
-            "P5", f"page server time p95, worst page ({n_tasks:,} tasks)",
-            f"{worst:.1f} ms" if worst is not None else "error", "<= 100 ms per page",
-            (worst is not None and worst <= 100 and not bad), db=db,
-            note=f"Django test Client, logged in, {repeat} GETs per page after one warm-up, in-process (no network); "
-                 f"{detail}. Worst: {worst_label}. Seeding took {seed:.0f}s."
-                 + (f" Not measured (no such URL yet): {', '.join(missing)}." if missing else ""),
-            extra={"pages": results, "missing": missing},
-        ))
+            detail += "; not 200: " + ", ".join(
+                f"{k} ({v['status']} {v['error']})" for k, v in bad.items()
+            )
+        rows.append(
+            Row(
+                "P5",
+                f"page server time p95, worst page ({n_tasks:,} tasks)",
+                f"{worst:.1f} ms" if worst is not None else "error",
+                "<= 100 ms per page",
+                (worst is not None and worst <= 100 and not bad),
+                db=db,
+                note=f"Django test Client, logged in, {repeat} GETs per page after one warm-up, in-process (no network); "
+                f"{detail}. Worst: {worst_label}. Seeding took {seed:.0f}s."
+                + (f" Not measured (no such URL yet): {', '.join(missing)}." if missing else ""),
+                extra={"pages": results, "missing": missing},
+            )
+        )
     else:
-        rows.append(Row("P5", "page server time p95", "not measured", "<= 100 ms per page", None, db=db,
-                        note=f"the views do not exist yet: {', '.join(missing)} do not resolve."))
+        rows.append(
+            Row(
+                "P5",
+                "page server time p95",
+                "not measured",
+                "<= 100 ms per page",
+                None,
+                db=db,
+                note=f"the views do not exist yet: {', '.join(missing)} do not resolve.",
+            )
+        )
 
     export_url = next(
-        (u.format(pk=export_task.pk) for u in EXPORT_CANDIDATES if _resolves(u.format(pk=export_task.pk).split("?")[0])),
+        (
+            u.format(pk=export_task.pk)
+            for u in EXPORT_CANDIDATES
+            if _resolves(u.format(pk=export_task.pk).split("?")[0])
+        ),
         "",
     )
     if export_url:
@@ -593,29 +699,43 @@ def p5(db: str, quick: bool) -> list[Row]:
                     yield from response.streaming_content
                 else:
                     yield response.content
+
             return produce
 
         big, small = via_view(export_url), via_view(small_url)
         how = f"GET {export_url.replace(str(export_task.pk), '<pk>')} through the test Client"
     else:
+
         def big() -> Iterator[bytes]:
             return _export_orm(export_task.pk)
 
         def small() -> Iterator[bytes]:
             return _export_orm(small_export.pk)
 
-        how = ("no export view exists yet: measured JSON lines streamed from the ORM with "
-               ".values_list(...).iterator(chunk_size=1000), i.e. what such a view must do")
+        how = (
+            "no export view exists yet: measured JSON lines streamed from the ORM with "
+            ".values_list(...).iterator(chunk_size=1000), i.e. what such a view must do"
+        )
     _, _, s_peak = _measure_stream(small)
     b_sec, b_bytes, b_peak = _measure_stream(big)
     growth = b_peak / s_peak if s_peak else float("inf")
     ok = growth <= 2.0
-    rows.append(Row(
-        "P5", f"export of {n_export:,} events: memory high-water vs {n_export // 10:,}",
-        f"{b_peak / 1e6:.1f} MB vs {s_peak / 1e6:.1f} MB ({growth:.1f}x)", "constant memory (<= 2x for 10x rows)",
-        ok, db=db,
-        note=f"{how}; tracemalloc peak while consuming; {b_bytes / 1e6:.1f} MB written in {b_sec:.1f}s "
-             f"({n_export / b_sec:,.0f} events/s under tracemalloc).",
-        extra={"peak_large": b_peak, "peak_small": s_peak, "growth": growth, "export_view": export_url},
-    ))
+    rows.append(
+        Row(
+            "P5",
+            f"export of {n_export:,} events: memory high-water vs {n_export // 10:,}",
+            f"{b_peak / 1e6:.1f} MB vs {s_peak / 1e6:.1f} MB ({growth:.1f}x)",
+            "constant memory (<= 2x for 10x rows)",
+            ok,
+            db=db,
+            note=f"{how}; tracemalloc peak while consuming; {b_bytes / 1e6:.1f} MB written in {b_sec:.1f}s "
+            f"({n_export / b_sec:,.0f} events/s under tracemalloc).",
+            extra={
+                "peak_large": b_peak,
+                "peak_small": s_peak,
+                "growth": growth,
+                "export_view": export_url,
+            },
+        )
+    )
     return rows

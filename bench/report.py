@@ -51,7 +51,16 @@ def table(rows: list[Row]) -> str:
     """A Markdown table (readable in a terminal too)."""
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     for r in rows:
-        cells = (r.row, r.db or "-", r.measure, r.value, r.goal, r.floor or "-", r.ratio or "-", r.verdict)
+        cells = (
+            r.row,
+            r.db or "-",
+            r.measure,
+            r.value,
+            r.goal,
+            r.floor or "-",
+            r.ratio or "-",
+            r.verdict,
+        )
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
 
@@ -103,7 +112,7 @@ def write_docs(path: Path, rows: list[Row], command: str, analysis: str) -> None
     text = f"""# Performance
 
 Measured by `manage.py bench` (`tasks_app/management/commands/bench.py`,
-`tasks_app/bench/`). Regenerate this page with:
+`bench/`). Regenerate this page with:
 
     {command}
 
@@ -113,13 +122,13 @@ Measured by `manage.py bench` (`tasks_app/management/commands/bench.py`,
 |---|---|
 | date | {now} |
 | command | `{command}` |
-| nproc | {info['nproc']} |
-| memory | {info['memory']} |
-| CPU | {info['cpu']} |
-| Python | {info['python']} |
-| Django | {info['django']} |
-| platform | {info['platform']} |
-| load average (1/5/15 min) when written | {info['load']} |
+| nproc | {info["nproc"]} |
+| memory | {info["memory"]} |
+| CPU | {info["cpu"]} |
+| Python | {info["python"]} |
+| Django | {info["django"]} |
+| platform | {info["platform"]} |
+| load average (1/5/15 min) when written | {info["load"]} |
 
 Agent, Redis, database, Celery worker, daphne and the measuring clients all run on
 this one machine, which is shared with other work: latencies are upper bounds.
@@ -147,5 +156,7 @@ def rows_from_docs(path: Path) -> tuple[list[Row], str]:
     text = path.read_text()
     start = text.index(ROWS_MARK) + len(ROWS_MARK)
     rows = [Row.from_json(d) for d in json.loads(text[start : text.index(" -->", start)])]
-    command = next((line.split("`")[1] for line in text.splitlines() if line.startswith("| command |")), "")
+    command = next(
+        (line.split("`")[1] for line in text.splitlines() if line.startswith("| command |")), ""
+    )
     return rows, command

@@ -9,7 +9,7 @@ as in P1) runs the same healthy load three times in one child:
    browser, exactly as P1 measures it;
 2. **beside the neighbours**: the same load again, and as its events begin, one
    task is started through the services on each of ten misbehaving agents
-   (:mod:`tasks_app.bench.hostile`, registered with ``add_agent``), so the same
+   (:mod:`bench.hostile`, registered with ``add_agent``), so the same
    worker's real watchers hold them; the repeat-tokens agent is also imported
    (``start_import``) every ``IMPORT_EVERY`` seconds, as an impatient operator
    would. The neighbours start when the healthy events do, so the window covers
@@ -38,8 +38,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tasks_app.bench.hostile import BEHAVIOURS
-from tasks_app.bench.live import (
+from bench.hostile import BEHAVIOURS
+from bench.live import (
     Received,
     RelayTap,
     Sampler,
@@ -53,8 +53,8 @@ from tasks_app.bench.live import (
     start_tasks,
     wait_received,
 )
-from tasks_app.bench.procs import free_port, wait_port
-from tasks_app.bench.report import Row
+from bench.procs import free_port, wait_port
+from bench.report import Row
 
 IMPORT_EVERY = 15.0  # seconds between imports of the repeat-tokens agent
 WINDOW = 60.0  # the neighbours' first minute, over which the bounds are counted
@@ -66,7 +66,9 @@ def neighbours() -> list[str]:
     chosen = [b.strip() for b in os.environ.get("BENCH_P9_NEIGHBOURS", "").split(",") if b.strip()]
     unknown = [b for b in chosen if b not in BEHAVIOURS]
     if unknown:
-        raise ValueError(f"BENCH_P9_NEIGHBOURS: unknown behaviours {unknown}; choose from {', '.join(BEHAVIOURS)}")
+        raise ValueError(
+            f"BENCH_P9_NEIGHBOURS: unknown behaviours {unknown}; choose from {', '.join(BEHAVIOURS)}"
+        )
     return chosen or list(BEHAVIOURS)
 
 
@@ -74,7 +76,7 @@ def start_hostile(s: Stack, huge_bytes: int, names: list[str]) -> tuple[int, dic
     """Start the misbehaving agents (one process); returns the control port and each agent's port."""
     ports = {name: free_port() for name in names}
     control = free_port()
-    argv = [sys.executable, "-m", "tasks_app.bench.hostile", "--control-port", str(control),
+    argv = [sys.executable, "-m", "bench.hostile", "--control-port", str(control),
             "--huge-bytes", str(huge_bytes)]  # fmt: skip
     for name, port in ports.items():
         argv += ["--agent", f"{name}:{name}:{port}"]
@@ -155,7 +157,9 @@ class Run:
     sends_per_second: float = 0.0
 
 
-def healthy_run(s: Stack, agent: Any, cookie: str, load: tuple[int, int, float, float], during: Any = None) -> Run:
+def healthy_run(
+    s: Stack, agent: Any, cookie: str, load: tuple[int, int, float, float], during: Any = None
+) -> Run:
     """P1's measurement: ``streams`` tasks, a browser websocket each; ``during()`` runs once the tasks are named.
 
     A channel-layer tap joined to the same groups splits the relay leg: agent emit ->
@@ -168,7 +172,9 @@ def healthy_run(s: Stack, agent: Any, cookie: str, load: tuple[int, int, float, 
     async def run() -> Run:
         got, tapped = Timed(), Timed()
         stop = asyncio.Event()
-        clients = [asyncio.create_task(browser(s.web_port, cookie, pk, pk, got, stop)) for pk in pks]
+        clients = [
+            asyncio.create_task(browser(s.web_port, cookie, pk, pk, got, stop)) for pk in pks
+        ]
         tap = asyncio.create_task(RelayTap(pks, tapped).run(stop))
         ids: dict[int, str] = {}
         deadline = time.monotonic() + delay
@@ -196,7 +202,9 @@ def group_sends() -> int:
         client.close()
 
 
-def timed_run(s: Stack, agent: Any, cookie: str, load: tuple[int, int, float, float], during: Any = None) -> Run:
+def timed_run(
+    s: Stack, agent: Any, cookie: str, load: tuple[int, int, float, float], during: Any = None
+) -> Run:
     """A healthy run, with the channel layer's group sends per second while it lasted."""
     sends, started = group_sends(), time.monotonic()
     run = healthy_run(s, agent, cookie, load, during)
@@ -221,15 +229,21 @@ def stall_context(got: Timed, agent_ids: list[int], since: float) -> str:
     seen = []
     for at, name, kind, raw in rows:
         detail = (raw.get("system") or {}).get("event", "") if isinstance(raw, dict) else ""
-        seen.append(f"+{at.timestamp() - since:.1f} s {name.removeprefix('Hostile ')} {kind} {detail}".rstrip())
-    jobs = ImportJob.objects.filter(agent_id__in=agent_ids, started_at__lte=end, finished_at__gte=start)
+        seen.append(
+            f"+{at.timestamp() - since:.1f} s {name.removeprefix('Hostile ')} {kind} {detail}".rstrip()
+        )
+    jobs = ImportJob.objects.filter(
+        agent_id__in=agent_ids, started_at__lte=end, finished_at__gte=start
+    )
     seen += [f"an import ran +{j.started_at.timestamp() - since:.1f} s to +{j.finished_at.timestamp() - since:.1f} s"
              for j in jobs]  # fmt: skip
     flooded = TaskEvent.objects.filter(task__agent_id__in=agent_ids, received_at__gte=start, received_at__lte=end,
                                        kind__in=("statusUpdate", "artifactUpdate")).count()  # fmt: skip
-    return (f"The slowest sample ({ms(latency)}) was emitted +{arrived - latency - since:.1f} s after the neighbours "
-            f"started; in the 2 s before it until it arrived the neighbours' tasks logged {flooded} updates and: "
-            f"{'; '.join(seen) or 'nothing else'}.")
+    return (
+        f"The slowest sample ({ms(latency)}) was emitted +{arrived - latency - since:.1f} s after the neighbours "
+        f"started; in the 2 s before it until it arrived the neighbours' tasks logged {flooded} updates and: "
+        f"{'; '.join(seen) or 'nothing else'}."
+    )
 
 
 def tap(run: Run) -> str:
@@ -250,7 +264,9 @@ def profile(s: Stack, db: str, seconds: float) -> list[subprocess.Popen]:
             argv = [spy, "record", "--pid", str(proc.pid), "--rate", "100", "--threads", "--format", "raw",
                     "--duration", str(int(seconds)), "--nonblocking", "-o", f"{out}/P9-{db}-{proc.name}.txt",
                     *os.environ.get("BENCH_PYSPY_ARGS", "").split()]  # fmt: skip
-            started.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            started.append(
+                subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            )
     return started
 
 
@@ -296,10 +312,18 @@ def p9(db: str, quick: bool) -> list[Row]:
 
         def unleash() -> None:
             marks["stats"] = hostile_stats(control)
-            marks["wall"], marks["t0"], marks["epoch"] = timezone.now(), time.monotonic(), time.time()
+            marks["wall"], marks["t0"], marks["epoch"] = (
+                timezone.now(),
+                time.monotonic(),
+                time.time(),
+            )
             marks["spies"] = profile(s, db, 10 if quick else WINDOW)
             marks["pks"] = [
-                start_task(a, f"noisy neighbour {name}", mode="stream" if BEHAVIOURS[name] else "return-immediately").pk
+                start_task(
+                    a,
+                    f"noisy neighbour {name}",
+                    mode="stream" if BEHAVIOURS[name] else "return-immediately",
+                ).pk
                 for name, a in hostile.items()
             ]
             if importer is not None:
@@ -319,9 +343,13 @@ def p9(db: str, quick: bool) -> list[Row]:
             importer.stop()
         ids = [a.pk for a in hostile.values()]
         rows_by_task = dict(
-            TaskEvent.objects.filter(task__agent_id__in=ids, received_at__gte=marks["wall"],
-                                     received_at__lt=wall_end)
-            .order_by().values("task_id").annotate(n=Count("pk")).values_list("task_id", "n")
+            TaskEvent.objects.filter(
+                task__agent_id__in=ids, received_at__gte=marks["wall"], received_at__lt=wall_end
+            )
+            .order_by()
+            .values("task_id")
+            .annotate(n=Count("pk"))
+            .values_list("task_id", "n")
         )
         names = dict(RemoteTask.objects.filter(agent_id__in=ids).values_list("pk", "agent__name"))
         ends = list(RemoteTask.objects.filter(pk__in=marks["pks"]).order_by("pk")
@@ -337,7 +365,9 @@ def p9(db: str, quick: bool) -> list[Row]:
 
         # The neighbours given up (as an operator would), then the same load alone again: the
         # baseline is both alone runs, so drift in the machine's load does not favour either side.
-        for task in RemoteTask.objects.filter(agent_id__in=ids, abandoned_at__isnull=True).select_related("agent"):
+        for task in RemoteTask.objects.filter(
+            agent_id__in=ids, abandoned_at__isnull=True
+        ).select_related("agent"):
             with contextlib.suppress(TaskActionError):
                 abandon_task(task, reason="benchmark P9: the neighbours leave", actor_name="bench")
         connection.close()
@@ -361,11 +391,22 @@ def p9(db: str, quick: bool) -> list[Row]:
     bounds_ok = top_rows <= rows_goal and requests[top_agent] <= requests_goal
 
     alone = before.latencies + after.latencies
-    a50, a99, b50, b99 = pct(alone, 0.5), pct(alone, 0.99), pct(beside.latencies, 0.5), pct(beside.latencies, 0.99)
+    a50, a99, b50, b99 = (
+        pct(alone, 0.5),
+        pct(alone, 0.99),
+        pct(beside.latencies, 0.5),
+        pct(beside.latencies, 0.99),
+    )
     r50, r99 = b50 / a50 if a50 else float("nan"), b99 / a99 if a99 else float("nan")
     lost_alone = 2 * expected - before.count() - after.count()
     lost_beside = expected - beside.count()
-    ok = bool(beside.latencies) and r50 <= 1.5 and r99 <= 1.5 and lost_beside == 0 and lost_alone == 0
+    ok = (
+        bool(beside.latencies)
+        and r50 <= 1.5
+        and r99 <= 1.5
+        and lost_beside == 0
+        and lost_alone == 0
+    )
     tracebacks = log_text.count("Traceback")
     errors = traceback_lines(log_text)
     where = "; ".join(f"{n}: {st}" + (f" ({note[:80]})" if note else "") for n, st, note in ends)
@@ -379,7 +420,7 @@ def p9(db: str, quick: bool) -> list[Row]:
             note=(f"one stack (bench agent, daphne, one Celery worker, threads pool, a websocket per healthy task as in "
                   f"P1); after a short warm-up pass (discarded), the same load three times: alone, beside the "
                   f"neighbours, alone again. Neighbours: one task on each of {len(hostile)} misbehaving agents "
-                  f"(tasks_app/bench/hostile.py: {', '.join(hostile)}), started with start_task as the healthy "
+                  f"(bench/hostile.py: {', '.join(hostile)}), started with start_task as the healthy "
                   f"events began and held by the same worker's watchers, and the repeat-tokens agent imported "
                   f"(start_import) every {IMPORT_EVERY:g} s; afterwards every hostile task was abandoned. 'Alone' "
                   f"pools both alone runs ({len(alone)} samples; before p50 {ms(pct(before.latencies, 0.5))} / p99 "

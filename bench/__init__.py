@@ -1,6 +1,6 @@
 """Benchmarks of the dashboard (``manage.py bench``; docs/performance.md has the results).
 
-Why this shape: every row runs in a child process (:mod:`tasks_app.bench.child`)
+Why this shape: every row runs in a child process (:mod:`bench.child`)
 whose settings point at a scratch database (a temporary SQLite file or a scratch
 PostgreSQL database) and a private Redis, so a run never touches real data, other
 engineers' test runs on the same Redis, or the Django settings of the calling process.

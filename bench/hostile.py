@@ -31,7 +31,7 @@ Behaviours (the ways of issue 9):
 method and the bytes it sent, so the benchmark reports what the dashboard's
 watchers made each agent do.
 
-Usage: ``python -m tasks_app.bench.hostile --control-port P --agent NAME:BEHAVIOUR:PORT ...``
+Usage: ``python -m bench.hostile --control-port P --agent NAME:BEHAVIOUR:PORT ...``
 """
 
 from __future__ import annotations
@@ -78,7 +78,9 @@ class HostileAgent:
         self.bytes_sent = 0
         if behaviour == "repeat-tokens":
             for i in range(LISTED_EXTRA):
-                self._new_task({"messageId": f"listed-{i}", "role": "ROLE_USER", "parts": [{"text": "listed"}]})
+                self._new_task(
+                    {"messageId": f"listed-{i}", "role": "ROLE_USER", "parts": [{"text": "listed"}]}
+                )
 
     @property
     def base_url(self) -> str:
@@ -90,12 +92,23 @@ class HostileAgent:
             "description": f"Misbehaves on purpose ({self.behaviour}); benchmark P9.",
             "version": "1.0.0",
             "supportedInterfaces": [
-                {"url": f"{self.base_url}/jsonrpc", "protocolBinding": "JSONRPC", "protocolVersion": "1.0"}
+                {
+                    "url": f"{self.base_url}/jsonrpc",
+                    "protocolBinding": "JSONRPC",
+                    "protocolVersion": "1.0",
+                }
             ],
             "capabilities": {"streaming": BEHAVIOURS[self.behaviour], "pushNotifications": False},
             "defaultInputModes": ["text/plain"],
             "defaultOutputModes": ["text/plain"],
-            "skills": [{"id": "hostile", "name": "Hostile", "description": self.behaviour, "tags": ["bench"]}],
+            "skills": [
+                {
+                    "id": "hostile",
+                    "name": "Hostile",
+                    "description": self.behaviour,
+                    "tags": ["bench"],
+                }
+            ],
         }
 
     def stats(self) -> dict:
@@ -118,16 +131,27 @@ class HostileAgent:
                     key, value = line.split(":", 1)
                     headers[key.strip().lower()] = value.strip()
             length = int(headers.get("content-length") or 0)
-            body = await asyncio.wait_for(reader.readexactly(length), READ_TIMEOUT) if length else b""
+            body = (
+                await asyncio.wait_for(reader.readexactly(length), READ_TIMEOUT) if length else b""
+            )
             if verb == "GET" and path.startswith("/.well-known/agent-card.json"):
                 self.calls["card"] += 1
                 self._json(writer, self.card())
             elif verb == "POST" and path.startswith("/jsonrpc"):
                 await self._rpc(json.loads(body) if body else {}, writer)
             else:
-                self._write(writer, b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                self._write(
+                    writer,
+                    b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+                )
             await writer.drain()
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, ValueError):
+        except (
+            TimeoutError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            ConnectionError,
+            ValueError,
+        ):
             pass  # a client that went away, or a request we cannot read: nothing to answer
         finally:
             with contextlib.suppress(Exception):
@@ -149,7 +173,11 @@ class HostileAgent:
         )
 
     def _frame(self, rpc_id: Any, result: dict) -> bytes:
-        return b"data: " + json.dumps({"jsonrpc": "2.0", "id": rpc_id, "result": result}).encode() + b"\n\n"
+        return (
+            b"data: "
+            + json.dumps({"jsonrpc": "2.0", "id": rpc_id, "result": result}).encode()
+            + b"\n\n"
+        )
 
     # -- A2A -------------------------------------------------------------------------------------
     def _new_task(self, message: dict) -> dict:
@@ -178,7 +206,10 @@ class HostileAgent:
             self._json(writer, {"jsonrpc": "2.0", "id": rpc_id, "result": result})
 
         def error(code: int, message: str) -> None:
-            self._json(writer, {"jsonrpc": "2.0", "id": rpc_id, "error": {"code": code, "message": message}})
+            self._json(
+                writer,
+                {"jsonrpc": "2.0", "id": rpc_id, "error": {"code": code, "message": message}},
+            )
 
         if method in ("SendMessage", "SendStreamingMessage"):
             task = self._new_task(params.get("message") or {})
@@ -202,13 +233,20 @@ class HostileAgent:
             elif b == "garbage":
                 self._raw_json(writer, b"{not json")
             elif b == "trickle":
-                self._write(writer, b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n")
+                self._write(
+                    writer,
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n",
+                )
                 await self._trickle(writer)
             else:
                 ok(task)
             return
         if method == "SubscribeToTask":
-            first = self._with_state(task, "TASK_STATE_UNSPECIFIED") if b == "unspecified-stream" else task
+            first = (
+                self._with_state(task, "TASK_STATE_UNSPECIFIED")
+                if b == "unspecified-stream"
+                else task
+            )
             await self._stream(writer, rpc_id, task, {"task": first})
             return
         if method == "CancelTask":
@@ -226,9 +264,18 @@ class HostileAgent:
             given = str(params.get("pageToken") or "")
             index = int(given[1:]) + 1 if given.startswith("t") and given[1:].isdigit() else 0
             token = f"t{index % 3}"
-        ok({"tasks": found, "nextPageToken": token, "pageSize": len(found), "totalSize": len(found)})
+        ok(
+            {
+                "tasks": found,
+                "nextPageToken": token,
+                "pageSize": len(found),
+                "totalSize": len(found),
+            }
+        )
 
-    async def _stream(self, writer: asyncio.StreamWriter, rpc_id: Any, task: dict, first: dict) -> None:
+    async def _stream(
+        self, writer: asyncio.StreamWriter, rpc_id: Any, task: dict, first: dict
+    ) -> None:
         """An SSE response: the first event, then whatever the behaviour does (until the client leaves)."""
         self._write(
             writer,
@@ -267,7 +314,10 @@ class HostileAgent:
         i = 0
         while not writer.is_closing():
             i += 1
-            chunk = {"artifactId": "huge", "parts": [{"text": f"chunk {i} {time.time()} " + filler}]}
+            chunk = {
+                "artifactId": "huge",
+                "parts": [{"text": f"chunk {i} {time.time()} " + filler}],
+            }
             update = {"taskId": task["id"], "contextId": task["contextId"], "artifact": chunk,
                       "append": i > 1, "lastChunk": False}  # fmt: skip
             self._write(writer, self._frame(rpc_id, {"artifactUpdate": update}))
@@ -282,7 +332,9 @@ class HostileAgent:
 
 async def serve(specs: list[tuple[str, str, int]], control_port: int, huge_bytes: int) -> None:
     agents = [HostileAgent(name, behaviour, port, huge_bytes) for name, behaviour, port in specs]
-    servers = [await asyncio.start_server(a.handle, "127.0.0.1", a.port, backlog=1024) for a in agents]
+    servers = [
+        await asyncio.start_server(a.handle, "127.0.0.1", a.port, backlog=1024) for a in agents
+    ]
 
     async def control(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -291,7 +343,12 @@ async def serve(specs: list[tuple[str, str, int]], control_port: int, huge_bytes
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
                          + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
             await writer.drain()
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+        except (
+            TimeoutError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            ConnectionError,
+        ):
             pass
         finally:
             with contextlib.suppress(Exception):
@@ -304,14 +361,18 @@ async def serve(specs: list[tuple[str, str, int]], control_port: int, huge_bytes
 def parse_spec(text: str) -> tuple[str, str, int]:
     name, behaviour, port = text.split(":")
     if behaviour not in BEHAVIOURS:
-        raise argparse.ArgumentTypeError(f"unknown behaviour {behaviour!r}; choose from {', '.join(BEHAVIOURS)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown behaviour {behaviour!r}; choose from {', '.join(BEHAVIOURS)}"
+        )
     return name, behaviour, int(port)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--control-port", type=int, required=True)
-    parser.add_argument("--agent", type=parse_spec, action="append", required=True, help="NAME:BEHAVIOUR:PORT")
+    parser.add_argument(
+        "--agent", type=parse_spec, action="append", required=True, help="NAME:BEHAVIOUR:PORT"
+    )
     parser.add_argument("--huge-bytes", type=int, default=7 * 1024 * 1024)
     args = parser.parse_args(argv)
     asyncio.run(serve(args.agent, args.control_port, args.huge_bytes))
