@@ -19,6 +19,7 @@ from tasks_app.models import (
     OperatorAction,
     Project,
     RemoteTask,
+    Surface,
     TaskEvent,
 )
 
@@ -135,3 +136,12 @@ class OperatorActionAdmin(ReadOnlyAdmin):
     list_display = ("action", "task", "agent", "actor", "outcome", "created_at")
     list_filter = ("action",)
     raw_id_fields = ("task", "agent", "actor")
+
+
+@admin.register(Surface)
+class SurfaceAdmin(ReadOnlyAdmin):
+    """A2UI surfaces are folded from the log like the rest of the snapshot: view only."""
+
+    list_display = ("task", "surface_id", "version", "ready", "deleted", "problem", "updated_seq")
+    list_filter = ("version", "ready", "deleted")
+    raw_id_fields = ("task", "action_by")

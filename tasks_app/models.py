@@ -379,6 +379,50 @@ class ConversationMessage(models.Model):
         ]
 
 
+class Surface(models.Model):
+    """An A2UI surface of a task, folded from the log by ``record()`` (services/surfaces.py).
+
+    ``components`` is always in the v0.9.1 basic-catalog form whatever version the agent
+    spoke, so the renderer knows one shape. ``problem`` says in one line why the surface
+    cannot be rendered (``raw_json`` then holds the offending message). The ``action_*``
+    fields are set once per surface state by a compare-and-set on ``updated_seq``, so
+    exactly one action wins when two people submit the same form.
+    """
+
+    task = models.ForeignKey(RemoteTask, on_delete=models.CASCADE, related_name="surfaces")
+    surface_id = models.CharField(max_length=200)
+    version = models.CharField(max_length=20)
+    catalog_id = models.CharField(max_length=500, blank=True, default="")
+    root_id = models.CharField(max_length=200, blank=True, default="")
+    components = models.JSONField(default=dict, blank=True)
+    data_model = models.JSONField(default=dict, blank=True)
+    styles = models.JSONField(default=dict, blank=True)
+    ready = models.BooleanField(default=False)
+    deleted = models.BooleanField(default=False)
+    problem = models.CharField(max_length=1000, blank=True, default="")
+    raw_json = models.JSONField(null=True, blank=True)
+    updated_seq = models.PositiveIntegerField(default=0)
+    action_seq = models.PositiveIntegerField(null=True, blank=True)
+    action_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="surface_actions",
+    )
+    action_at = models.DateTimeField(null=True, blank=True)
+    action_name = models.CharField(max_length=200, blank=True, default="")
+
+    class Meta:
+        ordering = ["task", "id"]
+        constraints = [
+            models.UniqueConstraint(fields=["task", "surface_id"], name="unique_surface_per_task")
+        ]
+
+    def __str__(self) -> str:
+        return f"surface {self.surface_id} of task {self.task_id}"
+
+
 class OperatorAction(models.Model):
     """What a person (or a command) asked for, with the actor; also an event in the log."""
 
