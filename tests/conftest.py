@@ -81,11 +81,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """The PostgreSQL pass (``DASH_TEST_PASS=postgres``, set by ``./dash test``) runs only the
     tests that reach the database: the others (protocol client, pages on a database of their
     own, the run command) ran the same way in the SQLite pass. They are deselected, and the
-    count is printed, so nothing is silently skipped."""
+    count is printed, so nothing is silently skipped. Tests marked ``postgres_only`` (they need
+    a PostgreSQL server of their own) run only in the PostgreSQL pass, deselected elsewhere."""
+    postgres_only = [item for item in items if item.get_closest_marker("postgres_only")]
     if os.environ.get("DASH_TEST_PASS") != "postgres":
+        if postgres_only:  # they need PostgreSQL itself; the PostgreSQL pass runs them
+            config.hook.pytest_deselected(items=postgres_only)
+            items[:] = [item for item in items if item not in postgres_only]
+            sys.stderr.write(f"dash test: {len(postgres_only)} postgres_only tests deselected\n")
         return
-    keep = [item for item in items if uses_the_database(item)]
-    dropped = [item for item in items if not uses_the_database(item)]
+    keep = [item for item in items if uses_the_database(item) or item in postgres_only]
+    dropped = [item for item in items if item not in keep]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
