@@ -47,6 +47,7 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "send_failures": ("Sends that failed before the agent named a task", ()),
     "webhook_rejections": ("Push deliveries refused by the webhook, by HTTP status", ("status",)),
     "lease_takeovers": ("Leases found expired by the reconciler (a worker stopped renewing)", ()),
+    "reconcile_ticks": ("Reconcile ticks run (one per claimed RECONCILE_EVERY_SECONDS)", ()),
 }
 # Seconds from an entry's commit to its send to browsers (channel layer).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

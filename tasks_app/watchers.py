@@ -265,7 +265,10 @@ def reconcile_once() -> int:
             "reconcile: could not claim the period (%s); ticking anyway", type(exc).__name__
         )
         claimed = True
-    return _reconcile() if claimed else 0
+    if not claimed:
+        return 0
+    metrics.count("reconcile_ticks")  # at most one per period however many ask: /metrics shows it
+    return _reconcile()
 
 
 def _reconcile() -> int:

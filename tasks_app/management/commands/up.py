@@ -15,6 +15,7 @@ Configuration mistakes end with one sentence naming the setting, never a traceba
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -26,6 +27,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -62,6 +64,8 @@ def parse_roles(values: list[str] | None) -> tuple[str, ...]:
     if not values:
         return ROLES
     wanted = {part.strip() for value in values for part in value.split(",") if part.strip()}
+    if not wanted:
+        raise StartupError(f"--only needs a role; the roles are {', '.join(ROLES)}.")
     unknown = sorted(wanted - set(ROLES))
     if unknown:
         raise StartupError(
@@ -124,6 +128,28 @@ def _probe_host(host: str) -> str:
     if host == "::":
         return "::1"
     return host
+
+
+# The advisory lock's key: any constant every web part agrees on (scoped to the database).
+MIGRATE_LOCK_KEY = 0x0A2A_DA5B
+
+
+@contextlib.contextmanager
+def _one_web_part_at_a_time() -> Iterator[None]:
+    """Web parts started together on one PostgreSQL (two replicas, a fresh install) take turns
+    to migrate and make the first login: at once, both would create the same tables or the same
+    admin and one would fail. A session advisory lock, so a part that dies releases it. SQLite
+    serves one machine, where one web part runs."""
+    if connection.vendor != "postgresql":
+        yield
+        return
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_lock(%s)", [MIGRATE_LOCK_KEY])
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception), connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_unlock(%s)", [MIGRATE_LOCK_KEY])
 
 
 class Command(BaseCommand):
@@ -255,9 +281,10 @@ class Runner:
         login_line = ""
         if "web" in self.roles:
             # The web part migrates and makes the first login; workers and beat expect both.
-            call_command("migrate", interactive=False, verbosity=0)
-            sqlite_stats.refresh()  # the planner's statistics (beat refreshes them hourly)
-            login_line = ensure_admin(Path(settings.DATA_DIR))
+            with _one_web_part_at_a_time():
+                call_command("migrate", interactive=False, verbosity=0)
+                sqlite_stats.refresh()  # the planner's statistics (beat refreshes them hourly)
+                login_line = ensure_admin(Path(settings.DATA_DIR))
         # Child processes open their own connections; ours is not needed while we wait.
         connection.close()
 
