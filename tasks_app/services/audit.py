@@ -21,9 +21,10 @@ from typing import Any
 
 from django.db import transaction
 
-from tasks_app.models import Agent, RemoteTask, TaskEvent
+from tasks_app.models import Agent, RemoteTask, Surface, TaskEvent
 from tasks_app.services.chain import content_digest, event_hash
 from tasks_app.services.snapshot import task_view
+from tasks_app.services.surfaces import FOLDED
 
 # Above this many rows the pages do not verify on every load (a link does it on request).
 VERIFY_ON_PAGE_MAX_ROWS = 2000
@@ -126,7 +127,16 @@ def view_of(task: RemoteTask) -> dict[str, Any]:
         "phase": task.phase,
         "settled": task.settled_at is not None,
         "interrupted_question": task.asked_seq > 0,
+        "surfaces": surfaces_view(task),
     }
+
+
+def surfaces_view(task: RemoteTask) -> list[dict[str, Any]]:
+    """The task's A2UI surfaces as the log determines them (not the actions people took)."""
+    return [
+        {"surface_id": surface.surface_id, **{name: getattr(surface, name) for name in FOLDED}}
+        for surface in Surface.objects.filter(task=task).order_by("surface_id")
+    ]
 
 
 def replay(task: RemoteTask | int) -> Replay:

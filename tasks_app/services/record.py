@@ -47,6 +47,7 @@ from tasks_app.models import (
     RemoteTask,
     TaskEvent,
 )
+from tasks_app.services import surfaces
 from tasks_app.services.chain import content_digest, event_hash
 from tasks_app.services.snapshot import event_json
 
@@ -979,6 +980,7 @@ def _record_once(
         fold.prefetch_messages(entries)
         for entry in entries:
             fold.add(entry)
+        a2ui_surfaces = surfaces.collect(fold)  # A2UI surfaces, and diagnoses as rows
         if not fold.rows:
             return Recorded(state=current.state, over_budget=fold.over_budget)
         now = timezone.now()
@@ -1000,6 +1002,8 @@ def _record_once(
         for name, value in changes.items():
             setattr(current, name, value)
         fold.write_rows(events, now)
+        if a2ui_surfaces is not None:
+            a2ui_surfaces.write(events, fold.rows)
         messages = _relay_messages(current, events)
         transaction.on_commit(lambda: relay.publish(messages))
         transaction.on_commit(lambda: _count(current.agent_id, channel, events))
