@@ -49,39 +49,55 @@ def test_only_staff_or_the_token_may_read_metrics(settings, django_user_model) -
     )  # no token set
 
 
+def held(text: str) -> float:
+    """Streams held now, summed over the workers (``dashboard_held_tasks{worker=...}``)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("dashboard_held_tasks{")
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_counters_move_while_a_worker_follows_a_task(
     agent, start_celery_worker, django_user_model
 ) -> None:
+    """Scraped during the run: the stream shows as held, and the events recorded and the relay
+    latency histogram move between two scrapes while the task still streams."""
     staff = Client()
     staff.force_login(
         django_user_model.objects.create_user("ops", password="pw-12345678", is_staff=True)
-    )
-    before = staff.get("/metrics").content.decode()
-    start_celery_worker()
-    demo = add_agent(agent.base_url, name="metrics demo")
-    task = task_services.start_task(demo, "slow 5 0.1", mode="stream")
-    wait_for(
-        lambda: task_services.RemoteTask.objects.get(pk=task.pk).settled_at is not None,
-        what="the task to settle",
     )
 
     def scraped() -> str:
         return staff.get("/metrics").content.decode()
 
-    def moved() -> bool:
+    start_celery_worker()
+    demo = add_agent(agent.base_url, name="metrics demo")
+    task = task_services.start_task(demo, "slow 60 0.1", mode="stream")  # about 6 s of streaming
+    wait_for(lambda: held(scraped()) == 1, timeout=30, what="the stream to show as held")
+    first = scraped()
+
+    def moved_while_held() -> bool:
         text = scraped()
-        return sample(text, "dashboard_events_recorded_total", 'channel="stream"') > sample(
-            before, "dashboard_events_recorded_total", 'channel="stream"'
-        ) and sample(text, "dashboard_relay_latency_seconds_count") > sample(
-            before, "dashboard_relay_latency_seconds_count"
+        return (
+            held(text) == 1
+            and sample(text, "dashboard_events_recorded_total", 'channel="stream"')
+            > sample(first, "dashboard_events_recorded_total", 'channel="stream"')
+            and sample(text, "dashboard_relay_latency_seconds_count")
+            > sample(first, "dashboard_relay_latency_seconds_count")
         )
 
-    wait_for(moved, timeout=15, what="the worker's counts to reach /metrics")  # flushed each second
+    # The worker adds its counts to Redis each second; the task is still held at that scrape.
+    wait_for(moved_while_held, timeout=15, what="the counts to move while the stream is held")
+    wait_for(
+        lambda: task_services.RemoteTask.objects.get(pk=task.pk).settled_at is not None,
+        what="the task to settle",
+    )
     text = scraped()
     assert sample(text, "dashboard_tasks", 'state="TASK_STATE_COMPLETED"') >= 1
-    assert "dashboard_held_tasks" in text and "dashboard_watchers" in text
+    assert held(text) == 0 and "dashboard_watchers" in text
     assert "# TYPE dashboard_relay_latency_seconds histogram" in text
 
 
