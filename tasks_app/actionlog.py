@@ -33,6 +33,7 @@ PAGE_SIZE = 50
 KNOWN_ACTIONS: dict[str, str] = {
     "start": "started a task",
     "answer": "answered",
+    "a2ui-action": "submitted an agent's form",
     "cancel": "canceled",
     "retry": "retried",
     "refresh": "refreshed",

@@ -30,7 +30,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
-from tasks_app import access, answers, cursors
+from tasks_app import access, answers, cursors, views_a2ui
 from tasks_app.access import Perm, get_task_for_user
 from tasks_app.models import INTERRUPTED_STATES, RemoteTask
 
@@ -94,6 +94,10 @@ def row_context(request: HttpRequest, task: RemoteTask, form: Any = None) -> dic
         "form": form if can["operate"] and is_waiting else None,
         "answer_action": reverse("inbox-answer", args=[task.pk]),
         "answer_form_id": f"answer-form-{task.pk}",
+        # The agent's A2UI forms, to fill in here (drawn by tasks_app/a2ui_render.py).
+        "surfaces": (lambda: views_a2ui.surfaces_block(request, task, "inbox"))
+        if is_waiting
+        else "",
     }
 
 

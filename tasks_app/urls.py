@@ -1,6 +1,6 @@
 from django.urls import path
 
-from . import inbox, views, views_alerts, views_audit, webhooks
+from . import inbox, views, views_a2ui, views_alerts, views_audit, webhooks
 
 urlpatterns = [
     path("", views.overview, name="overview"),
@@ -34,6 +34,8 @@ urlpatterns = [
     path("tasks/<int:pk>/watch/", views.task_watch_again, name="task-watch-again"),
     path("tasks/<int:pk>/answer/", views.task_answer, name="task-answer"),
     path("tasks/<int:pk>/events/", views.task_events, name="task-events"),
+    path("tasks/<int:pk>/surfaces/", views_a2ui.task_surfaces, name="task-surfaces"),
+    path("tasks/<int:pk>/surfaces/act/", views_a2ui.task_surface_act, name="task-surface-act"),
     path("tasks/<int:pk>/export/", views_audit.task_export, name="task-export"),
     path("audit/", views_audit.audit_log, name="audit"),
     path("audit/actions.csv", views_audit.audit_csv, name="audit-csv"),

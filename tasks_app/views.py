@@ -24,7 +24,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
-from tasks_app import access, answers, crypto, cursors
+from tasks_app import access, answers, crypto, cursors, views_a2ui
 from tasks_app.access import Perm, get_agent_for_user, get_task_for_user
 from tasks_app.forms import (
     AgentAddForm,
@@ -550,7 +550,7 @@ def _conversation(task: RemoteTask) -> list[dict]:
         ConversationMessage.objects.filter(task=task).order_by("-seq", "-id")[:MESSAGES_ON_PAGE]
     )
     msgs.reverse()
-    return [
+    items = [
         {
             "m": m,
             "agent": m.role == "ROLE_AGENT",
@@ -558,6 +558,7 @@ def _conversation(task: RemoteTask) -> list[dict]:
         }
         for m in msgs
     ]
+    return views_a2ui.add_conversation_surfaces(task, items)  # A2UI surfaces they carried
 
 
 TIMELINE_TICKS = 400
@@ -601,6 +602,8 @@ def _task_context(request: HttpRequest, task: RemoteTask) -> dict:
         "artifacts": artifact_blocks(task),
         "cancel_form": CancelForm(),
         "answer_form": answers.answer_form(task),  # from the agent's answer schema, or free text
+        # A2UI forms the agent drew; drawn only where a template shows them (the full page).
+        "surfaces": lambda: views_a2ui.surfaces_block(request, task),
         **{name: allowed and can["operate"] for name, allowed in actions.items()},
         "waiting_for_answer": actions["can_answer"],
     }

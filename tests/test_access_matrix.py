@@ -92,6 +92,10 @@ RULES: dict[str, Rule] = {
     "task-watch-again": Rule("POST", OP, 302),
     "task-answer": Rule("POST", OP, 400),  # an empty answer: refused next to the field
     "task-events": Rule("GET", R, 200),
+    # A2UI surfaces: the live fragment is reading; a Button's action is operating (an empty
+    # form: told so and sent back to the task, 302).
+    "task-surfaces": Rule("GET", R, 200),
+    "task-surface-act": Rule("POST", OP, 302),
     "event-detail": Rule("GET", R, 200),
     "artifact-download-all": Rule("GET", R, 200),
     "artifact-download": Rule("GET", R, 200),

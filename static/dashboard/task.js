@@ -244,6 +244,8 @@
     if (ev.kind === "artifactUpdate") applyArtifactEvent(ev);
     else if (ev.kind === "task" || ev.kind === "gap" || TERMINAL.includes(ev.state)) allArtifacts = true;
     refresh();
+    // Other parts of the page (A2UI surfaces: a2ui.js) follow the same events.
+    document.dispatchEvent(new CustomEvent("task:event", { detail: ev }));
   }
 
   // A (re)connect resumes after lastSeq; when idle we ask for rows after it too,
@@ -256,7 +258,7 @@
     onMessage: (msg) => {
       if (msg.type === "event") apply(msg);
       else if (msg.type === "synced") {
-        if (!state.synced) refresh();
+        if (!state.synced) { refresh(); document.dispatchEvent(new CustomEvent("task:synced")); }
         state.synced = true;
         state.socket.status("open", "up to date");
       } else if (msg.type === "watcher") refresh();

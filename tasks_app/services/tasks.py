@@ -198,6 +198,9 @@ def answer_task(
     files: tuple[dict, ...] = (),
     actor_id: int | None = None,
     question_seq: int | None = None,
+    metadata: dict | None = None,
+    action: str = "answer",
+    payload: dict | None = None,
 ) -> RemoteTask:
     """Answer an interrupted task: a new message with the same taskId and contextId.
 
@@ -225,6 +228,7 @@ def answer_task(
         files=files,
         task_id=task.remote_id,
         context_id=task.context_id or None,
+        metadata=metadata,
     )
     with transaction.atomic():
         won = RemoteTask.objects.filter(
@@ -242,11 +246,11 @@ def answer_task(
         if not won:
             raise _answer_refused(task.pk, asked)
         OperatorAction.objects.create(
-            task=task, agent=task.agent, actor_id=actor_id, action="answer"
+            task=task, agent=task.agent, actor_id=actor_id, action=action, payload=payload or {}
         )
         record(
             task,
-            {"operator": {"action": "answer", "question": asked, "message": message}},
+            {"operator": {"action": action, "question": asked, "message": message}},
             "operator",
             actor_id=actor_id,
         )

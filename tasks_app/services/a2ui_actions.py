@@ -1,0 +1,153 @@
+"""A person's action on an agent's A2UI surface, sent back on the same task.
+
+A Button's ``action.event`` becomes the A2UI client-to-server message of the surface's
+version (v0.8 ``userAction``, v0.9+ ``action``: the name, the surface, the source component,
+the context resolved against the data model with the person's values) in a data part of a new
+message on the same task and contextId. It goes through the answers' path
+(``tasks.answer_task``: the outbox, the watcher, the operator entry in the log), with the
+surface's data model in ``message.metadata.a2uiClientDataModel`` (v0.9+; v0.8 has none).
+
+Exactly one action per surface state: the form carries the surface's ``updated_seq``; the
+action is taken by a compare-and-set on ``updated_seq = seen and action_seq IS NULL``, in the
+same transaction as the answer's own compare-and-set, so two people submitting at once yield
+one message, and the other is told who submitted. A new surface state (the agent updated it)
+has a new ``updated_seq``, so an ``action_seq`` below it belongs to an earlier state.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from tasks_app import a2ui_render
+from tasks_app.a2a import a2ui as protocol
+from tasks_app.access import Perm, require
+from tasks_app.models import RemoteTask, Surface
+from tasks_app.services import tasks as task_services
+
+log = logging.getLogger(__name__)
+
+
+class ActionRefused(task_services.TaskActionError):
+    """The action was not sent; ``errors`` holds failing checks per input/button (``v0``, ``b1``)."""
+
+    def __init__(self, message: str, *, errors: dict[str, list[str]] | None = None) -> None:
+        super().__init__(message)
+        self.errors = errors or {}
+
+
+class AlreadySubmitted(ActionRefused):
+    """Someone else's action on this surface state won."""
+
+
+@dataclass
+class Sent:
+    task: RemoteTask
+    surface: Surface
+    message: dict
+
+
+def act(
+    user: Any,
+    task: RemoteTask,
+    surface_id: str,
+    form_seq: int,
+    source: str,
+    values: Any,
+) -> Sent:
+    """Send the action of button ``source`` (``b<n>`` as the page drew it) of the surface
+    state ``form_seq``, with ``values`` (the posted form: ``v<n>`` per input).
+
+    Refused, with a plain message: the person may not operate; the surface is gone, has a
+    problem, or changed since the form was drawn; someone already acted on it; a check fails.
+    """
+    actor_id = getattr(user, "pk", None)
+    require(actor_id, task.agent.project_id, Perm.OPERATE)
+    surface = Surface.objects.filter(task=task, surface_id=surface_id).first()
+    if surface is None or surface.deleted:
+        raise ActionRefused("This form is no longer there; the agent removed it.")
+    if surface.problem or not surface.ready:
+        raise ActionRefused("This form could not be drawn, so it cannot be submitted.")
+    if surface.action_seq == form_seq and surface.updated_seq == form_seq:
+        raise _already(surface)
+    if surface.updated_seq != form_seq:
+        raise ActionRefused(
+            "The agent changed this form since it was shown; review it and submit again."
+        )
+    model, walk = a2ui_render.apply_post(surface, values)
+    button = next((b for b in walk.buttons if f"b{b.index}" == source), None)
+    if button is None:
+        raise ActionRefused("That button does not send anything.")
+    errors = a2ui_render.errors_of(walk, model)
+    if errors:
+        raise ActionRefused(
+            "Not sent: " + " ".join(m for msgs in errors.values() for m in msgs)[:400],
+            errors=errors,
+        )
+    name = a2ui_render.action_name(button)
+    context = a2ui_render.resolve_context(button, model)
+    message, part, metadata = _build(surface, name, button.component_id, context, model)
+    now = timezone.now()
+    with transaction.atomic():
+        # ``action_seq`` below the state's seq is an action on an earlier state of the surface.
+        won = Surface.objects.filter(
+            Q(action_seq__isnull=True) | Q(action_seq__lt=form_seq),
+            pk=surface.pk,
+            updated_seq=form_seq,
+            deleted=False,
+        ).update(action_seq=form_seq, action_by_id=actor_id, action_at=now, action_name=name)
+        if not won:
+            raise _already(Surface.objects.select_related("action_by").get(pk=surface.pk))
+        # The answers' own compare-and-set (one answer per question) is taken in the same
+        # transaction: if it refuses, the surface's claim above is rolled back with it.
+        task_services.answer_task(
+            task,
+            files=(part,),
+            actor_id=actor_id,
+            metadata=metadata,
+            action="a2ui-action",
+            payload={
+                "surface": surface_id,
+                "surface_seq": form_seq,
+                "name": name,
+                "source": button.component_id,
+                "context": context,
+            },
+        )
+    surface.refresh_from_db()
+    task.refresh_from_db()
+    return Sent(task=task, surface=surface, message=message)
+
+
+def _already(surface: Surface) -> AlreadySubmitted:
+    who = surface.action_by.get_username() if surface.action_by else "a command-line user"
+    when = (
+        timezone.localtime(surface.action_at).strftime("%Y-%m-%d %H:%M:%S %Z")
+        if surface.action_at
+        else "an earlier time"
+    )
+    return AlreadySubmitted(f"Already submitted by {who} at {when}.")
+
+
+def _build(
+    surface: Surface, name: str, source_id: str, context: dict, model: dict
+) -> tuple[dict, dict, dict]:
+    """The client-to-server message, the data part that carries it, and the message metadata
+    (v0.9+: the surface's data model with the person's values, ``a2uiClientDataModel``)."""
+    message = protocol.action_message(
+        surface.version,
+        name=name,
+        surface_id=surface.surface_id,
+        source_component_id=source_id,
+        context=context,  # resolved already (a2ui_render also evaluates function calls)
+        data_model=model,
+        timestamp=timezone.now(),
+    )
+    part = protocol.action_part(surface.version, message)
+    metadata = protocol.action_metadata(surface.version, surface.surface_id, model)
+    return message, part, metadata

@@ -1,0 +1,136 @@
+"""A2UI surfaces in pages: the fragments the task page, the conversation and the inbox show,
+the live fragment view, and the view that sends a Button's action.
+
+Drawing is ``tasks_app/a2ui_render.py``; sending is ``services/a2ui_actions.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import redirect
+from django.urls import reverse
+from django.utils.http import url_has_allowed_host_and_scheme
+from django.utils.safestring import SafeString, mark_safe
+from django.views.decorators.http import require_GET, require_POST
+
+from tasks_app import access
+from tasks_app.a2a import a2ui as protocol
+from tasks_app.a2ui_render import render_surface
+from tasks_app.access import Perm, get_task_for_user
+from tasks_app.models import RemoteTask, Surface
+from tasks_app.services import a2ui_actions
+
+SURFACES_ON_PAGE = 20
+PLACES = ("task", "inbox")
+
+
+def _surfaces(task: RemoteTask, *, with_deleted: bool = False) -> list[Surface]:
+    qs = Surface.objects.filter(task=task).select_related("action_by").order_by("id")
+    if not with_deleted:
+        qs = qs.filter(deleted=False)
+    return list(qs[:SURFACES_ON_PAGE])
+
+
+def surfaces_html(request: HttpRequest, task: RemoteTask, place: str = "task") -> list[SafeString]:
+    """The task's surfaces drawn for ``place`` (the task page or an inbox row)."""
+    can_act = access.can(request.user, task.agent.project_id)["operate"]
+    waiting = task.state in ("TASK_STATE_INPUT_REQUIRED", "TASK_STATE_AUTH_REQUIRED")
+    next_url = reverse("inbox") if place == "inbox" else reverse("task-detail", args=[task.pk])
+    return [
+        render_surface(
+            s,
+            task=task,
+            request=request,
+            place=place,
+            interactive=waiting and task.abandoned_at is None,
+            can_act=can_act,
+            next_url=next_url,
+        )
+        for s in _surfaces(task)
+    ]
+
+
+def surfaces_block(request: HttpRequest, task: RemoteTask, place: str = "task") -> SafeString:
+    return mark_safe("".join(surfaces_html(request, task, place)))  # each drawn and escaped
+
+
+def surface_ids_in(message: Any) -> list[str]:
+    """The surface ids the A2UI parts of a message name, in order, once each."""
+    if not isinstance(message, dict) or not isinstance(message.get("parts"), list):
+        return []
+    found: list[str] = []
+    for part in message["parts"][:50]:
+        for item in protocol.messages_in_part(part)[:200]:
+            sid = protocol.surface_id_of(item)
+            if sid is not None and sid not in found:
+                found.append(sid)
+    return found
+
+
+def add_conversation_surfaces(task: RemoteTask, items: list[dict]) -> list[dict]:
+    """Each conversation entry that carried A2UI gets the surfaces it named, drawn read-only
+    in their current state (the latest message naming a surface only; the form to act on is
+    in the progress section)."""
+    named = [(item, surface_ids_in(item["m"].message)) for item in items]
+    wanted = {sid for _, ids in named for sid in ids}
+    if not wanted:
+        return items
+    by_id = {
+        s.surface_id: s
+        for s in Surface.objects.filter(task=task, surface_id__in=list(wanted)[:100])
+        .select_related("action_by")
+        .order_by("id")
+    }
+    shown: set[str] = set()
+    for item, ids in reversed(named):
+        drawn = []
+        for sid in ids:
+            if sid in shown or sid not in by_id:
+                continue
+            shown.add(sid)
+            drawn.append(
+                render_surface(
+                    by_id[sid], task=task, place=f"conv{item['m'].pk}", interactive=False
+                )
+            )
+        item["surfaces"] = drawn
+    return items
+
+
+@login_required
+@require_GET
+def task_surfaces(request: HttpRequest, pk: int) -> HttpResponse:
+    """The task's surfaces, server-drawn, for the page's script to swap in live."""
+    task = get_task_for_user(request, pk)
+    place = request.GET.get("place", "task")
+    place = place if place in PLACES else "task"
+    return HttpResponse(surfaces_block(request, task, place), content_type="text/html")
+
+
+@login_required
+@require_POST
+def task_surface_act(request: HttpRequest, pk: int) -> HttpResponse:
+    """A Button of a surface was pressed: send its action (or say why not), then go back."""
+    task = get_task_for_user(request, pk, Perm.OPERATE)
+    back = request.POST.get("next") or ""
+    if not url_has_allowed_host_and_scheme(back, allowed_hosts={request.get_host()}):
+        back = ""
+    back = back or reverse("task-detail", args=[task.pk])
+    seq = request.POST.get("seq", "")
+    surface_id = request.POST.get("surface", "")[:200]
+    if not seq.isdigit():
+        messages.error(request, "This form is incomplete; reload the page.")
+        return redirect(back)
+    try:
+        a2ui_actions.act(
+            request.user, task, surface_id, int(seq), request.POST.get("source", ""), request.POST
+        )
+    except a2ui_actions.task_services.TaskActionError as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, f"Sent to the agent: {task.title or task}.")
+    return redirect(back)

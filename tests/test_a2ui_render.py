@@ -1,0 +1,423 @@
+"""A2UI surfaces drawn by the server (tasks_app/a2ui_render.py) and acted on
+(services/a2ui_actions.py), through the pages and Django's test client.
+
+Surfaces here are rows as the fold writes them (v0.9.1 basic-catalog form); the fold itself
+and real agents are in the protocol tests and tests/test_a2ui_browser.py. The watcher
+dispatch is stubbed: "sent" is read from the task's outbox and the log.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from html.parser import HTMLParser
+from typing import Any
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+
+from tasks_app import a2ui_render
+from tasks_app.models import Agent, Membership, OperatorAction, Project, RemoteTask, Surface
+from tasks_app.services import a2ui_actions
+from tasks_app.services import tasks as task_services
+from tasks_app.services.record import record
+from tests.people import member
+
+pytestmark = pytest.mark.django_db
+
+XSS = '<script>window.__xss=1</script><img src=x onerror="window.__xss=1">"\'><svg onload=alert(1)>'
+
+
+def booking_components(s: str = "") -> dict[str, dict]:
+    """Every component of the basic catalog, in a booking form; ``s`` goes into every string."""
+    comps = [
+        {"id": "root", "component": "Column", "children": ["title", "row", "tabs", "card", "go"]},
+        {"id": "title", "component": "Text", "text": f"# Book a table {s}", "variant": "h2"},
+        {"id": "row", "component": "Row", "children": ["icon", "img", "div", "vid", "aud"],
+         "justify": "spaceBetween", "align": "center"},
+        {"id": "icon", "component": "Icon", "name": "calendarToday"},
+        {"id": "img", "component": "Image", "url": "https://example.org/a.png", "description": f"A picture {s}"},
+        {"id": "div", "component": "Divider", "axis": "vertical"},
+        {"id": "vid", "component": "Video", "url": "https://example.org/v.mp4"},
+        {"id": "aud", "component": "AudioPlayer", "url": "https://example.org/a.mp3", "description": f"Sound {s}"},
+        {"id": "tabs", "component": "Tabs", "tabs": [
+            {"title": f"Details {s}", "child": "form"},
+            {"title": "Menu", "child": "menu"},
+        ]},
+        {"id": "form", "component": "Column", "children": ["name", "date", "size", "seat", "terms"]},
+        {"id": "name", "component": "TextField", "label": f"Name {s}", "value": {"path": "/booking/name"},
+         "checks": [{"condition": {"call": "required", "args": {"value": {"path": "/booking/name"}}},
+                     "message": f"Name is required {s}"}]},
+        {"id": "date", "component": "DateTimeInput", "label": "Date", "enableDate": True,
+         "value": {"path": "/booking/date"}},
+        {"id": "size", "component": "Slider", "label": "Party size", "min": 1, "max": 12,
+         "value": {"path": "/booking/size"}},
+        {"id": "seat", "component": "ChoicePicker", "label": f"Seating {s}", "value": {"path": "/booking/seat"},
+         "options": [{"label": f"Inside {s}", "value": "inside"}, {"label": "Terrace", "value": "terrace"}]},
+        {"id": "terms", "component": "CheckBox", "label": f"I accept {s}", "value": {"path": "/booking/terms"}},
+        {"id": "menu", "component": "List", "children": {"componentId": "dish", "path": "/menu"}},
+        {"id": "dish", "component": "Text", "text": {"path": "name"}},
+        {"id": "card", "component": "Card", "child": "modal"},
+        {"id": "modal", "component": "Modal", "trigger": "more", "content": "more_text"},
+        {"id": "more", "component": "Button", "child": "more_label", "action": {"event": {"name": "noop"}}},
+        {"id": "more_label", "component": "Text", "text": f"More {s}"},
+        {"id": "more_text", "component": "Text", "text": {"path": "/booking/name"}},
+        {"id": "go", "component": "Button", "child": "go_label", "variant": "primary",
+         "action": {"event": {"name": "book", "context": {
+             "who": {"path": "/booking/name"}, "size": {"path": "/booking/size"}, "fixed": s or "x"}}}},
+        {"id": "go_label", "component": "Text", "text": f"Book {s}"},
+    ]  # fmt: skip
+    return {c["id"]: c for c in comps}
+
+
+def booking_model(s: str = "") -> dict:
+    return {
+        "booking": {"name": f"Ada {s}", "date": "2026-12-24", "size": 4, "seat": ["terrace"]},
+        "menu": [{"name": f"Soup {s}"}, {"name": "Pie"}],
+    }
+
+
+@pytest.fixture
+def no_dispatch(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    monkeypatch.setattr(task_services, "dispatch", lambda pk: calls.append(pk))
+    return calls
+
+
+@pytest.fixture
+def agent(db) -> Agent:
+    return Agent.objects.create(
+        project=Project.objects.get_or_create(name="alpha")[0], name="alpha agent",
+        base_url="http://127.0.0.1:9/alpha", interface_url="http://127.0.0.1:9/alpha/rpc",
+        binding="JSONRPC",
+    )  # fmt: skip
+
+
+def waiting(agent: Agent, title: str = "booking") -> RemoteTask:
+    task = RemoteTask.objects.create(agent=agent, title=title)
+    record(task, {"task": {"id": f"t-{title}", "contextId": "c", "status": {"state": "TASK_STATE_WORKING"}}}, "poll")  # fmt: skip
+    record(
+        task,
+        {"statusUpdate": {"taskId": f"t-{title}", "contextId": "c", "status": {
+            "state": "TASK_STATE_INPUT_REQUIRED",
+            "message": {"messageId": f"q-{title}", "role": "ROLE_AGENT", "parts": [{"text": "Book?"}]},
+        }}},
+        "poll",
+    )  # fmt: skip
+    task.refresh_from_db()
+    return task
+
+
+def surface_of(task: RemoteTask, s: str = "", **fields: Any) -> Surface:
+    surface_id = fields.pop("surface_id", "booking")
+    values = {
+        "version": "0.9.1",
+        "components": booking_components(s),
+        "data_model": booking_model(s),
+        "ready": True,
+        "root_id": "root",
+        "updated_seq": task.last_seq,
+        **fields,
+    }
+    return Surface.objects.create(task=task, surface_id=surface_id, **values)
+
+
+@pytest.fixture
+def people(django_user_model, agent) -> dict[str, Client]:
+    out = {}
+    for name, role in (("ann", Membership.Role.OPERATOR), ("bob", Membership.Role.OPERATOR),
+                       ("vic", Membership.Role.VIEWER)):  # fmt: skip
+        user = member(
+            django_user_model.objects.create_user(name, password="pw-12345678"), role, "alpha"
+        )
+        out[name] = Client()
+        out[name].force_login(user)
+    return out
+
+
+class Tags(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[tuple[str, dict]] = []
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        self.tags.append((tag, dict(attrs)))
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+
+
+def parse(html: str) -> Tags:
+    p = Tags()
+    p.feed(html)
+    return p
+
+
+def assert_inert(html: str) -> None:
+    """No script but our static files, no handlers, no images or frames, no javascript: URL."""
+    for tag, attrs in parse(html).tags:
+        if tag == "script":
+            assert (attrs.get("src") or "").startswith("/static/"), attrs
+        assert tag not in ("img", "iframe", "object", "embed", "style", "video", "audio"), tag
+        for name, value in attrs.items():
+            assert not name.startswith("on"), (tag, name, value)
+            if name in ("href", "src", "action", "formaction"):
+                assert not (value or "").strip().lower().startswith(("javascript:", "data:"))
+
+
+def draw(surface: Surface, **kw: Any) -> str:
+    return str(a2ui_render.render_surface(surface, task=surface.task, **kw))
+
+
+# Drawing --------------------------------------------------------------------------------------
+
+
+def test_every_basic_catalog_component_is_drawn_with_its_bindings(agent) -> None:
+    task = waiting(agent)
+    html = draw(surface_of(task))
+    tags = parse(html)
+    ids = {a.get("data-a2ui-id") for _, a in tags.tags}
+    drawn_kinds = {c["component"] for c in booking_components().values() if c["id"] in ids}
+    # every component of the catalog is in the fixture; all are drawn (the Modal's Button
+    # trigger is drawn as the modal's opener, its label inside)
+    assert drawn_kinds >= set(a2ui_render.KNOWN) - {"Button"} | {"Button"}
+    assert "placeholder" not in html
+    by_name = {a.get("name"): (t, a) for t, a in tags.tags if a.get("name")}
+    assert (
+        by_name["v0"][1]["value"] == "Ada "
+        and by_name["v0"][1]["data-a2ui-path"] == "/booking/name"
+    )
+    assert by_name["v1"][1]["type"] == "date" and by_name["v1"][1]["value"] == "2026-12-24"
+    assert by_name["v2"][1]["type"] == "range" and by_name["v2"][1]["value"] == "4"
+    radios = [a for t, a in tags.tags if a.get("name") == "v3"]
+    assert [(r["value"], "checked" in r) for r in radios] == [("inside", False), ("terrace", True)]
+    assert by_name["v4"][1]["type"] == "checkbox" and "checked" not in by_name["v4"][1]
+    # a template over a list: relative paths resolve per item
+    text = "".join(tags.text)
+    assert "Soup" in text and "Pie" in text
+    # a Text bound to a path is marked for the page's script; the markdown is rendered
+    assert 'data-a2ui-bind="/booking/name"' in html and "<h1>Book a table" in html
+    # media are links, not loaded; the send button names its instance
+    assert '<a href="https://example.org/a.png"' in html
+    assert by_name["source"][1]["value"] == "b0" and by_name["source"][0] == "button"
+    # checks are handed to the script as JSON (escaped in the attribute)
+    field = next(a for _, a in tags.tags if a.get("data-a2ui-id") == "name")
+    assert json.loads(field["data-a2ui-checks"])[0]["message"] == "Name is required "
+
+
+def test_unknown_missing_cyclic_and_too_deep_components_are_labelled(agent) -> None:
+    task = waiting(agent)
+    deep = {
+        f"c{i}": {"id": f"c{i}", "component": "Column", "children": [f"c{i + 1}"]}
+        for i in range(40)
+    }
+    comps = {
+        "root": {"id": "root", "component": "Column", "children": ["odd", "gone", "loop", "c0"]},
+        "odd": {"id": "odd", "component": "Chart", "series": "<b>x</b>"},
+        "loop": {"id": "loop", "component": "Card", "child": "loop"},
+        **deep,
+    }
+    html = draw(surface_of(task, components=comps))
+    assert "Unknown component: Chart" in html and "&lt;b&gt;x&lt;/b&gt;" in html
+    assert "Missing component: gone" in html
+    assert "contains itself" in html
+    assert f"nested deeper than {a2ui_render.MAX_DEPTH} levels" in html
+
+
+def test_a_surface_with_a_problem_shows_the_notice_and_the_page_keeps_working(
+    agent, people
+) -> None:
+    task = waiting(agent)
+    raw = {"version": "v0.9", "updateComponents": {"surfaceId": "bad", "components": XSS}}
+    surface_of(
+        task, surface_id="bad", problem="/updateComponents/components: not an array", raw_json=raw
+    )
+    surface_of(task, surface_id="good")
+    page = people["ann"].get(reverse("task-detail", args=[task.pk]))
+    html = page.content.decode()
+    assert page.status_code == 200
+    assert "Could not render this surface:" in html and "not an array" in html
+    assert "&lt;script&gt;window.__xss=1&lt;/script&gt;" in html  # the raw JSON, escaped
+    assert 'data-a2ui-surface="good"' in html and 'id="answer-form"' in html
+    assert_inert(html)
+
+
+def test_xss_in_every_string_field_stays_text(agent, people) -> None:
+    task = waiting(agent)
+    comps = booking_components(XSS)
+    comps["img"]["url"] = "javascript:alert(1)"
+    comps["title"]["variant"] = XSS
+    comps["icon"]["name"] = {"svgPath": '"><script>alert(1)</script>'}
+    comps[XSS] = {"id": XSS, "component": XSS, "x": XSS}
+    comps["root"]["children"].append(XSS)
+    surface_of(task, s=XSS, components=comps, styles={"agentDisplayName": XSS}, surface_id=XSS)
+    for url in (reverse("task-detail", args=[task.pk]), reverse("inbox"),
+                reverse("task-surfaces", args=[task.pk]) + "?place=inbox"):  # fmt: skip
+        html = people["ann"].get(url).content.decode()
+        assert 'data-a2ui-surface="&lt;script&gt;' in html, url
+        assert_inert(html)
+        assert "<script>window.__xss" not in html and "<svg onload" not in html
+    assert "Image not shown (not an http(s) link" in html
+
+
+def test_functions_and_checks() -> None:
+    model = {"a": {"n": 5, "s": "abc", "list": [{"x": "one"}, {"x": "two"}]}, "mail": "a@b.co"}
+    ev = a2ui_render.evaluate
+    assert (
+        ev(
+            {"call": "formatString", "args": {"value": "n=${/a/n} x=${x} \\${k}"}},
+            model,
+            "/a/list/1",
+        )
+        == "n=5 x=two ${k}"
+    )
+    assert (
+        ev({"call": "numeric", "args": {"value": {"path": "/a/n"}, "min": 1, "max": 4}}, model)
+        is False
+    )
+    assert ev({"call": "length", "args": {"value": {"path": "/a/s"}, "max": 3}}, model) is True
+    assert ev({"call": "email", "args": {"value": {"path": "/mail"}}}, model) is True
+    assert (
+        ev(
+            {"call": "and", "args": {"values": [True, {"call": "not", "args": {"value": False}}]}},
+            model,
+        )
+        is True
+    )
+    assert (
+        ev({"call": "formatNumber", "args": {"value": 1234.5, "decimals": 1}}, model) == "1,234.5"
+    )
+    assert (
+        ev(
+            {
+                "call": "formatDate",
+                "args": {"value": "2026-12-24T19:30:00Z", "format": "EEEE d MMM yyyy, HH:mm"},
+            },
+            model,
+        )
+        == "Thursday 24 Dec 2026, 19:30"
+    )
+    assert (
+        ev({"call": "pluralize", "args": {"value": 1, "one": "guest", "other": "guests"}}, model)
+        == "guest"
+    )
+    assert a2ui_render.regex_matches("12345", "^[0-9]{5}$") and not a2ui_render.regex_matches(
+        "1234", "^[0-9]{5}$"
+    )
+    # patterns that could backtrack without end are not run here (they pass)
+    assert a2ui_render.regex_matches("a" * 5000 + "!", "^(a+)+$")
+    assert not a2ui_render.usable_pattern("\\d*\\d*\\d*x", 10)
+    rules = [
+        {"condition": {"call": "required", "args": {"value": {"path": "/none"}}}, "message": "need it"},
+        {"call": "regex", "args": {"value": {"path": "/a/s"}, "pattern": "^z"}, "message": "z first"},
+        {"condition": {"call": "somethingElse"}, "message": "unknown passes"},
+    ]  # fmt: skip
+    assert a2ui_render.check_failures(rules, model) == ["need it", "z first"]
+
+
+# Acting ---------------------------------------------------------------------------------------
+
+
+def post_values(surface: Surface, **extra: Any) -> dict:
+    return {"surface": surface.surface_id, "seq": str(surface.updated_seq), "source": "b0",
+            "v0": "Grace", "v1": "2026-12-31", "v2": "6", "v3": "inside", "v4": "on", **extra}  # fmt: skip
+
+
+def test_a_button_sends_the_action_with_the_entered_values(
+    agent, people, no_dispatch, django_capture_on_commit_callbacks
+) -> None:
+    task = waiting(agent)
+    surface = surface_of(task)
+    with django_capture_on_commit_callbacks(execute=True):
+        resp = people["ann"].post(reverse("task-surface-act", args=[task.pk]), post_values(surface))
+    assert resp.status_code == 302
+    task.refresh_from_db()
+    message = task.outbox["message"]
+    assert message["taskId"] == "t-booking" and message["contextId"] == "c"
+    part = message["parts"][0]
+    assert part["mediaType"] == "application/a2ui+json"
+    action = part["data"][0]["action"]
+    assert action["name"] == "book" and action["surfaceId"] == "booking"
+    assert action["sourceComponentId"] == "go"
+    assert action["context"] == {"who": "Grace", "size": 6, "fixed": "x"}
+    entered = message["metadata"]["a2uiClientDataModel"]["surfaces"]["booking"]["booking"]
+    assert entered == {
+        "name": "Grace",
+        "date": "2026-12-31",
+        "size": 6,
+        "seat": ["inside"],
+        "terms": True,
+    }
+    surface.refresh_from_db()
+    assert surface.action_by.username == "ann" and surface.action_name == "book"
+    op = OperatorAction.objects.get(task=task, action="a2ui-action")
+    assert op.actor.username == "ann" and op.payload["surface"] == "booking"
+    assert no_dispatch == [task.pk]
+    html = people["bob"].get(reverse("task-detail", args=[task.pk])).content.decode()
+    assert "Submitted</b> (book) by ann" in html
+    # the second person is told who won; nothing else is sent
+    resp = people["bob"].post(
+        reverse("task-surface-act", args=[task.pk]), post_values(surface), follow=True
+    )
+    assert "Already submitted by ann" in resp.content.decode()
+    assert OperatorAction.objects.filter(action="a2ui-action").count() == 1
+
+
+def test_checks_stale_forms_and_roles_are_refused(agent, people, no_dispatch) -> None:
+    task = waiting(agent)
+    surface = surface_of(task)
+    url = reverse("task-surface-act", args=[task.pk])
+    resp = people["ann"].post(url, post_values(surface, v0=""), follow=True)
+    assert "Name is required" in resp.content.decode()
+    resp = people["ann"].post(
+        url, post_values(surface, seq=str(surface.updated_seq - 1)), follow=True
+    )
+    assert "changed this form since" in resp.content.decode()
+    assert people["vic"].post(url, post_values(surface)).status_code == 403
+    task.refresh_from_db()
+    assert not task.outbox and no_dispatch == []
+    # a value outside the options is not taken
+    people["ann"].post(url, post_values(surface, v3="<evil>"))
+    task.refresh_from_db()
+    model = task.outbox["message"]["metadata"]["a2uiClientDataModel"]["surfaces"]["booking"]
+    assert model["booking"]["seat"] == []
+
+
+def test_one_action_per_surface_state_in_the_service(agent, django_user_model, no_dispatch) -> None:
+    task = waiting(agent)
+    surface = surface_of(task)
+    ann = member(django_user_model.objects.create_user("ann2"), Membership.Role.OPERATOR, "alpha")
+    bob = member(django_user_model.objects.create_user("bob2"), Membership.Role.OPERATOR, "alpha")
+    from django.http import QueryDict
+
+    post = QueryDict(mutable=True)
+    post.update(post_values(surface))
+    with pytest.raises(a2ui_actions.ActionRefused, match="does not send"):
+        a2ui_actions.act(bob, task, "booking", surface.updated_seq, "b9", post)
+    a2ui_actions.act(ann, task, "booking", surface.updated_seq, "b0", post)
+    with pytest.raises(a2ui_actions.AlreadySubmitted, match=r"Already submitted by ann2"):
+        a2ui_actions.act(bob, task, "booking", surface.updated_seq, "b0", post)
+    # a new state of the surface (the agent drew it again) takes a new action
+    Surface.objects.filter(pk=surface.pk).update(updated_seq=surface.updated_seq + 5)
+    RemoteTask.objects.filter(pk=task.pk).update(
+        asked_seq=task.asked_seq + 5, state="TASK_STATE_INPUT_REQUIRED"
+    )
+    task.refresh_from_db()
+    a2ui_actions.act(bob, task, "booking", surface.updated_seq + 5, "b0", post)
+    surface.refresh_from_db()
+    assert surface.action_by == bob and surface.action_seq == surface.updated_seq
+
+
+def test_the_conversation_shows_the_surface_its_message_carried(agent, people) -> None:
+    task = waiting(agent)
+    surface_of(task, surface_id="conv-form")
+    msg = {"messageId": "m-a2ui", "role": "ROLE_AGENT", "parts": [
+        {"data": [{"version": "v0.9", "createSurface": {"surfaceId": "conv-form", "catalogId": "x"}}],
+         "mediaType": "application/a2ui+json"}]}  # fmt: skip
+    record(task, {"message": {**msg, "taskId": "t-booking", "contextId": "c"}}, "poll")
+    html = people["ann"].get(reverse("task-detail", args=[task.pk])).content.decode()
+    conv = html[html.index('id="conversation"') :]
+    assert re.search(r'class="a2ui-surface" id="a2ui-conv\d+-', conv)
+    assert "a2ui-readonly" in conv
