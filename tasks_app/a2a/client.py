@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from . import a2ui
 from .bindings import BaseBinding, make_binding
 from .card import choose_interface, fetch_card
 from .errors import ProtocolError
@@ -212,6 +213,13 @@ class A2AClient:
         self.interface = interface
         self.card = dict(card) if card is not None else None
         self.extensions = tuple(extensions)
+        # A2UI: an agent whose card declares the extension has it activated on every
+        # request (the A2A-Extensions header) and gets our renderer's capabilities in
+        # every message we send (see _outgoing); any other agent gets nothing extra.
+        self.a2ui_version = a2ui.declared_version(self.card)
+        if self.a2ui_version is not None:
+            uri = a2ui.EXTENSION_URIS[self.a2ui_version]
+            self.extensions = tuple(dict.fromkeys((*self.extensions, uri)))
         self._timeout = httpx.Timeout(timeout, connect=connect_timeout)
         self._send_timeout = httpx.Timeout(send_timeout, connect=connect_timeout)
         self._stream_timeout = httpx.Timeout(
@@ -268,8 +276,23 @@ class A2AClient:
 
     # ------------------------------------------------------------------ messages
 
-    @staticmethod
+    def _outgoing(self, message: Mapping[str, Any]) -> dict[str, Any]:
+        """The message as sent: with the A2UI capabilities when the agent speaks A2UI."""
+        out = dict(message)
+        if self.a2ui_version is not None:
+            metadata = out.get("metadata")
+            out["metadata"] = {
+                **(metadata if isinstance(metadata, Mapping) else {}),
+                **a2ui.client_capabilities_metadata(self.a2ui_version),
+            }
+            uri = a2ui.EXTENSION_URIS[self.a2ui_version]
+            declared = out.get("extensions")
+            declared = list(declared) if isinstance(declared, list) else []
+            out["extensions"] = declared if uri in declared else [*declared, uri]
+        return out
+
     def _send_params(
+        self,
         message: Mapping[str, Any],
         *,
         return_immediately: bool,
@@ -289,7 +312,7 @@ class A2AClient:
             pc = dict(push_config)
             pc.pop("taskId", None)  # inline configs carry no taskId (§8)
             config["taskPushNotificationConfig"] = pc
-        params: dict[str, Any] = {"message": dict(message)}
+        params: dict[str, Any] = {"message": self._outgoing(message)}
         if config:
             params["configuration"] = config
         if metadata:
