@@ -40,11 +40,21 @@ Behaviour is chosen by the first word of the user's text:
                         artifact (raw bytes, ``hello.txt``)
 ``markdown``            a text/markdown artifact containing ``<script>`` and a
                         ``javascript:`` link (for sanitizer tests)
+``booking [N] [interval]`` INPUT_REQUIRED with an A2UI v0.9.1 surface (a booking form:
+                        name, date, party size, seating, a reminder checkbox,
+                        a Book button), then N live updates of the tables left
+                        (an A2UI ``updateDataModel`` in an artifact, every
+                        ``interval`` s; default none). The form's action (the
+                        A2UI ``action`` data part) completes it with a
+                        confirmation card on the same surface
 ``batch [N] [interval]`` long batch work meant to be followed by push: WORKING,
                         then N steps (a "batch i/N" status and one artifact row
                         each, every ``interval`` s; defaults 30 and 2 s), then
                         COMPLETED. Every event goes to the task's push configs.
 =====================  =====================================================
+
+The card declares the A2UI extension (v0.9.1, basic catalog), so the dashboard sends its
+renderer capabilities; only ``booking`` answers with A2UI.
 
 Push delivery: the SDK's sender posts each event to every push config of the task.
 With ``--sign-push`` the agent signs each notification instead: an ES256 JWT in
@@ -105,10 +115,25 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tasks_app.a2a import a2ui
+
 log = logging.getLogger("tasks_app.demo_agent")
 
 TASK_WORDS = frozenset(
-    {"quick", "slow", "ask", "form", "auth", "fail", "reject", "long", "data", "markdown", "batch"}
+    {
+        "quick",
+        "slow",
+        "ask",
+        "form",
+        "auth",
+        "fail",
+        "reject",
+        "long",
+        "data",
+        "markdown",
+        "batch",
+        "booking",
+    }
 )
 # The answer the ``form`` script asks for (docs/answers.md says which spellings are read).
 BOOKING_SCHEMA: dict[str, Any] = {
@@ -141,6 +166,110 @@ BOOKING_SCHEMA: dict[str, Any] = {
     },
     "required": ["name", "guests", "date"],
 }
+# The A2UI scenario (``booking``): a surface in the v0.9.1 basic catalog.
+A2UI_VERSION = "0.9.1"
+A2UI_MEDIA_TYPE = a2ui.MEDIA_TYPE_OF[A2UI_VERSION]
+BOOKING_SURFACE = "booking"
+
+
+def _a2ui_part(messages: list[dict[str, Any]]) -> pb.Part:
+    return new_data_part(messages, A2UI_MEDIA_TYPE)
+
+
+def booking_form(tables_left: int = 9) -> list[dict[str, Any]]:
+    """createSurface, updateComponents and updateDataModel of the booking form."""
+
+    def path(p: str) -> dict[str, str]:
+        return {"path": p}
+
+    def required(p: str) -> dict[str, Any]:
+        return {"call": "required", "args": {"value": path(p)}, "returnType": "boolean"}
+
+    components = [
+        {"id": "root", "component": "Column",
+         "children": ["title", "left", "name", "date", "size", "guests", "seating", "reminder", "book"]},
+        {"id": "title", "component": "Text", "text": "Book a table", "variant": "h2"},
+        {"id": "left", "component": "Row", "children": ["left-label", "left-value"]},
+        {"id": "left-label", "component": "Text", "text": "Tables left tonight:"},
+        {"id": "left-value", "component": "Text", "text": path("/tablesLeft")},
+        {"id": "name", "component": "TextField", "label": "Name", "value": path("/booking/name"),
+         "checks": [{"condition": required("/booking/name"), "message": "Please give a name."}]},
+        {"id": "date", "component": "DateTimeInput", "label": "Date", "enableDate": True,
+         "value": path("/booking/date"),
+         "checks": [{"condition": required("/booking/date"), "message": "Please pick a date."}]},
+        {"id": "size", "component": "Slider", "label": "Party size", "min": 1, "max": 12,
+         "value": path("/booking/size")},
+        {"id": "guests", "component": "Row", "children": ["guests-label", "guests-value"]},
+        {"id": "guests-label", "component": "Text", "text": "Guests:"},
+        {"id": "guests-value", "component": "Text", "text": path("/booking/size")},
+        {"id": "seating", "component": "ChoicePicker", "label": "Seating",
+         "variant": "mutuallyExclusive", "value": path("/booking/seating"),
+         "options": [{"label": "Inside", "value": "inside"}, {"label": "Terrace", "value": "terrace"},
+                     {"label": "Bar", "value": "bar"}]},
+        {"id": "reminder", "component": "CheckBox", "label": "Send me a reminder",
+         "value": path("/booking/reminder")},
+        {"id": "book", "component": "Button", "child": "book-label", "variant": "primary",
+         "action": {"event": {"name": "book", "context": {
+             key: path(f"/booking/{key}") for key in ("name", "date", "size", "seating", "reminder")}}},
+         "checks": [{"condition": {"call": "and", "args": {"values": [
+             required("/booking/name"), required("/booking/date")]}, "returnType": "boolean"},
+             "message": "Name and date are needed."}]},
+        {"id": "book-label", "component": "Text", "text": "Book"},
+    ]  # fmt: skip
+    model = {
+        "booking": {"name": "", "date": "", "size": 2, "seating": ["inside"], "reminder": False},
+        "tablesLeft": tables_left,
+    }
+    return [
+        {"version": "v0.9", "createSurface": {"surfaceId": BOOKING_SURFACE,
+                                              "catalogId": a2ui.V091_CATALOG}},
+        {"version": "v0.9", "updateComponents": {"surfaceId": BOOKING_SURFACE,
+                                                 "components": components}},
+        {"version": "v0.9", "updateDataModel": {"surfaceId": BOOKING_SURFACE, "value": model}},
+    ]  # fmt: skip
+
+
+def tables_left(n: int) -> list[dict[str, Any]]:
+    """A live update of the form's data model."""
+    update = {"surfaceId": BOOKING_SURFACE, "path": "/tablesLeft", "value": n}
+    return [{"version": "v0.9", "updateDataModel": update}]
+
+
+def booking_confirmation(values: dict[str, Any]) -> list[dict[str, Any]]:
+    """The same surface redrawn as a confirmation card, with the booked values."""
+    summary = {
+        "call": "formatString",
+        "args": {"value": "Table for ${/booking/size} on ${/booking/date}, ${/booking/name}."},
+        "returnType": "string",
+    }
+    components = [
+        {"id": "root", "component": "Card", "child": "done"},
+        {"id": "done", "component": "Column", "children": ["done-head", "done-text"]},
+        {"id": "done-head", "component": "Row", "children": ["done-icon", "done-title"],
+         "align": "center"},
+        {"id": "done-icon", "component": "Icon", "name": "check"},
+        {"id": "done-title", "component": "Text", "text": "Booked", "variant": "h3"},
+        {"id": "done-text", "component": "Text", "text": summary},
+    ]  # fmt: skip
+    return [
+        {"version": "v0.9", "updateComponents": {"surfaceId": BOOKING_SURFACE,
+                                                 "components": components}},
+        {"version": "v0.9", "updateDataModel": {"surfaceId": BOOKING_SURFACE,
+                                                "path": "/booking", "value": values}},
+    ]  # fmt: skip
+
+
+def a2ui_action(parts: Any) -> dict[str, Any] | None:
+    """The A2UI action (v0.9+ ``action``, v0.8 ``userAction``) among a message's data parts."""
+    for data in get_data_parts(parts):
+        for item in data if isinstance(data, list) else [data]:
+            if isinstance(item, dict):
+                found = item.get("action") or item.get("userAction")
+                if isinstance(found, dict):
+                    return found
+    return None
+
+
 # The card extension announcing signed push notifications (tasks_app/services/push.py reads it).
 SIGNING_EXTENSION = "urn:a2a-dashboard:push-signing:v1"
 MARKDOWN_SAMPLE = (
@@ -195,6 +324,8 @@ class DemoExecutor(AgentExecutor):
         if context.current_task is not None:  # a follow-up on an existing task
             if word == "form":
                 await self._booked(up, context, text, say)
+            elif word == "booking":
+                await self._booked_a2ui(up, context, text, say)
             elif word == "ask" or task.status.state == pb.TASK_STATE_INPUT_REQUIRED:
                 await up.start_work(say("Thanks, working on it."))
                 await up.add_artifact(
@@ -238,6 +369,27 @@ class DemoExecutor(AgentExecutor):
                     ]
                 )
             )
+        elif word == "booking":
+            await up.start_work()
+            left = 9
+            await up.requires_input(
+                up.new_agent_message(
+                    [
+                        new_text_part("Please fill in the booking form."),
+                        _a2ui_part(booking_form(left)),
+                    ]
+                )
+            )
+            updates = max(0, int(_number(words, 1, 0)))
+            interval = _number(words, 2, 1.0)
+            for _ in range(min(updates, 20)):
+                await asyncio.sleep(interval)
+                left = max(0, left - 1)
+                await up.add_artifact(
+                    [new_text_part(f"Tables left: {left}\n"), _a2ui_part(tables_left(left))],
+                    artifact_id=f"{task.id}-availability",
+                    name="availability",
+                )
         elif word == "auth":
             wait = _number(words, 1, self.auth_delay)
             await up.requires_auth(
@@ -326,6 +478,34 @@ class DemoExecutor(AgentExecutor):
             )
         await up.complete(say("Done."))
 
+    async def _booked_a2ui(
+        self, up: TaskUpdater, context: RequestContext, text: str, say: Any
+    ) -> None:
+        """The answer to ``booking``: the form's action, confirmed on the same surface."""
+        action = a2ui_action(context.message.parts) if context.message is not None else None
+        await up.start_work(say("Thanks, booking."))
+        if action is None:
+            await up.add_artifact(
+                [new_text_part(f"You answered: {text}")], name="answer", last_chunk=True
+            )
+            await up.complete(say("Done."))
+            return
+        values = {
+            k: int(v) if isinstance(v, float) and v.is_integer() else v
+            for k, v in (action.get("context") or {}).items()
+        }
+        lines = "\n".join(f"{k}: {v}" for k, v in values.items())
+        await up.add_artifact(
+            [new_text_part(f"Booked ({action.get('name')}):\n{lines}\n")],
+            name="booking",
+            last_chunk=True,
+        )
+        await up.complete(
+            up.new_agent_message(
+                [new_text_part("Booked."), _a2ui_part(booking_confirmation(values))]
+            )
+        )
+
     async def cancel(self, context: RequestContext, event_queue: EventQueue) -> None:
         task = context.current_task
         if task is None or not context.task_id:
@@ -357,7 +537,15 @@ def build_card(
         ],
         provider=pb.AgentProvider(organization="a2a-dashboard", url="https://example.org/"),
         capabilities=pb.AgentCapabilities(
-            streaming=streaming, push_notifications=push, extended_agent_card=True
+            streaming=streaming,
+            push_notifications=push,
+            extended_agent_card=True,
+            extensions=[
+                pb.AgentExtension(
+                    uri=a2ui.EXTENSION_URIS[A2UI_VERSION],
+                    description="A2UI surfaces (the booking script), basic catalog.",
+                )
+            ],
         ),
         default_input_modes=["text/plain", "application/json"],
         default_output_modes=[
@@ -370,7 +558,7 @@ def build_card(
             pb.AgentSkill(
                 id="script",
                 name="Scripted behaviours",
-                description="hello, quick, slow, ask, form, auth, fail, reject, long, data, markdown, batch",
+                description="hello, quick, slow, ask, form, booking, auth, fail, reject, long, data, markdown, batch",
                 tags=["demo", "test"],
                 examples=[
                     "hello",
@@ -378,6 +566,7 @@ def build_card(
                     "slow 5 0.2",
                     "ask",
                     "form",
+                    "booking",
                     "auth",
                     "long 30",
                     "data",

@@ -18,10 +18,12 @@ from django.test import Client
 from django.urls import reverse
 
 from tasks_app import a2ui_render
+from tasks_app.a2a import a2ui
 from tasks_app.models import Agent, Membership, OperatorAction, Project, RemoteTask, Surface
 from tasks_app.services import a2ui_actions
 from tasks_app.services import tasks as task_services
 from tasks_app.services.record import record
+from tests.a2ui_agents import form_08, form_091
 from tests.people import member
 
 pytestmark = pytest.mark.django_db
@@ -421,3 +423,35 @@ def test_the_conversation_shows_the_surface_its_message_carried(agent, people) -
     conv = html[html.index('id="conversation"') :]
     assert re.search(r'class="a2ui-surface" id="a2ui-conv\d+-', conv)
     assert "a2ui-readonly" in conv
+
+
+@pytest.mark.parametrize("version", ["0.8", "0.9.1"])
+def test_a_folded_surface_of_each_version_is_drawn_and_acted_on(
+    agent, people, no_dispatch, version
+) -> None:
+    """Surfaces built by the A2UI SDK models (tests/a2ui_agents.py), folded by record()."""
+    task = waiting(agent)
+    media = a2ui.MEDIA_TYPE_OF[version]
+    messages = form_08() if version == "0.8" else form_091()
+    part = {"data": messages, "metadata": {"mimeType": media}}
+    record(
+        task,
+        {"statusUpdate": {"taskId": "t-booking", "contextId": "c", "status": {
+            "state": "TASK_STATE_INPUT_REQUIRED",
+            "message": {"messageId": f"a2ui-{version}", "role": "ROLE_AGENT",
+                        "parts": [{"text": "Who?"}, part]}}}},
+        "poll",
+    )  # fmt: skip
+    task.refresh_from_db()
+    surface = Surface.objects.get(task=task, surface_id="form")
+    assert surface.problem == "" and surface.ready
+    html = people["ann"].get(reverse("task-detail", args=[task.pk])).content.decode()
+    assert 'data-a2ui-path="/answer/name"' in html and "Who is coming?" in html
+    post = {"surface": "form", "seq": str(surface.updated_seq), "source": "b0",
+            "v0": "Lin", "v1": "3", "v2": "fish", "v3": "on"}  # fmt: skip
+    people["ann"].post(reverse("task-surface-act", args=[task.pk]), post)
+    task.refresh_from_db()
+    sent = task.outbox["message"]["parts"][0]
+    body = sent["data"]["userAction"] if version == "0.8" else sent["data"][0]["action"]
+    assert body["context"] == {"name": "Lin", "guests": 3, "meal": ["fish"], "ok": True}
+    assert sent["mediaType"] == media
