@@ -317,3 +317,26 @@ def test_replay_reproduces_surfaces_and_diagnoses(task):
     # A changed surface is a difference replay names.
     Surface.objects.filter(task=task, surface_id="art").update(data_model={"forged": True})
     assert "surfaces" in str(replay(task))
+
+
+def test_snapshot_artifacts_fold_when_they_change(task):
+    create, comps, data = v09_card()
+
+    def snap(parts: list, ts: str) -> dict:
+        return {
+            "task": {
+                "id": "t-1",
+                "contextId": "c-1",
+                "status": {"state": "TASK_STATE_WORKING", "timestamp": ts},
+                "artifacts": [{"artifactId": "ui", "parts": parts}],
+            }
+        }
+
+    first = record(task, snap([part([create, comps])], "2026-01-01T00:00:00Z"), "poll")
+    surface = Surface.objects.get(task=task)
+    assert surface.updated_seq == first.seqs[0] and surface.data_model == {}
+    assert record(task, snap([part([create, comps])], "2026-01-01T00:00:00Z"), "poll").duplicate
+    later = record(task, snap([part([create, comps]), part(data)], "2026-01-01T00:00:01Z"), "poll")
+    surface.refresh_from_db()
+    assert surface.data_model["heading"] == "Booked" and surface.updated_seq == later.seqs[0]
+    assert errors(task) == [] and replay(task).ok

@@ -543,6 +543,7 @@ def convert_component08(item: Mapping[str, Any], data_model: dict[str, Any]) -> 
             out["component"] = "DateTimeInput"
             out["enableDate"] = True
             out.pop("validationRegexp", None)
+            out.setdefault("value", "")
         elif kind in ("longText", "number", "shortText", "obscured"):
             out["variant"] = kind
     elif name == "MultipleChoice":

@@ -190,6 +190,11 @@ def collect(fold: _Fold) -> SurfaceFold | None:
                         aid = update["artifact"]["artifactId"]
                         start = held.get(aid, "") if update.get("append") else ""
                         held[aid] = chain_digest(start, update["artifact"].get("parts") or [])
+                    elif earlier.apply and getattr(earlier, "replace_artifacts", False):
+                        held = {
+                            a["artifactId"]: chain_digest("", a.get("parts") or [])
+                            for a in getattr(earlier, "artifacts", [])
+                        }
             if held is not None:
                 wanted = {
                     a["artifactId"]: chain_digest("", a.get("parts") or []) for a in artifacts
