@@ -396,6 +396,36 @@ def test_production_without_settings_is_one_line(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_production_settings_pass_ups_own_health_check(tmp_path: Path) -> None:
+    """ALLOWED_HOSTS naming only the public host, and https redirects behind a TLS proxy: up's
+    own /healthz probe still gets its answer (Django refuses other Host names with 400)."""
+    env = up_env(
+        tmp_path,
+        DASHBOARD_PRODUCTION="1",
+        SECRET_KEY="p" * 50,
+        ALLOWED_HOSTS="dash.example.org",
+        SECURE_SSL_REDIRECT="1",
+        SECURE_PROXY_SSL_HEADER="X-Forwarded-Proto,https",
+    )
+    process = subprocess.Popen(
+        [sys.executable, "manage.py", "up", "--port", str(free_port())],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines = Lines(process.stdout)
+    try:
+        assert lines.wait_for(URL_LINE, timeout=120), "\n".join(lines.seen)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            for child in psutil.Process(process.pid).children(recursive=True):
+                child.kill()
+            process.kill()
+            process.wait(timeout=10)
+
+
 @pytest.mark.django_db
 def test_admin_password_is_shown_again_only_while_it_works(tmp_path: Path) -> None:
     first = ensure_admin(tmp_path)

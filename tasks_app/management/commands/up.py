@@ -152,6 +152,38 @@ def _one_web_part_at_a_time() -> Iterator[None]:
             cursor.execute("SELECT pg_advisory_unlock(%s)", [MIGRATE_LOCK_KEY])
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is an answer to report, never a request to follow (it may point anywhere)."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_NO_REDIRECTS = urllib.request.build_opener(_NoRedirect)
+
+
+def _probe_headers(host: str, port: int) -> dict[str, str]:
+    """How our own /healthz probe must ask to be answered like a browser would be.
+
+    A production ``ALLOWED_HOSTS`` often names only the public host, and Django refuses any
+    other ``Host`` (400), so the probe names the first listed one. With
+    ``SECURE_SSL_REDIRECT`` behind a TLS proxy, it also sends the proxy's header
+    (``SECURE_PROXY_SSL_HEADER``) so it is not redirected to https.
+    """
+    from django.http.request import validate_host
+
+    headers: dict[str, str] = {}
+    allowed = settings.ALLOWED_HOSTS
+    names = [h for h in allowed if h and h != "*" and not h.startswith((".", "["))]
+    if not validate_host(host, allowed) and names:
+        headers["Host"] = f"{names[0]}:{port}"
+    proxy = settings.SECURE_PROXY_SSL_HEADER
+    if getattr(settings, "SECURE_SSL_REDIRECT", False) and proxy:
+        name, value = proxy
+        headers[name.removeprefix("HTTP_").replace("_", "-").title()] = value
+    return headers
+
+
 class Command(BaseCommand):
     help = "Run the dashboard: migrate, then start Redis (if needed), the worker, beat and daphne."
 
@@ -448,9 +480,11 @@ class Runner:
             self.say(f"Demo agent running at {url} and registered as 'Demo agent'")
 
     def _health(self) -> tuple[int, dict[str, Any]]:
-        url = f"http://{_url_host(_probe_host(self.host))}:{self.port}/healthz"
+        host = _url_host(_probe_host(self.host))
+        url = f"http://{host}:{self.port}/healthz"
+        request = urllib.request.Request(url, headers=_probe_headers(host, self.port))
         try:
-            with urllib.request.urlopen(url, timeout=10) as response:
+            with _NO_REDIRECTS.open(request, timeout=10) as response:
                 return response.status, json.loads(response.read() or b"{}")
         except urllib.error.HTTPError as exc:
             try:
