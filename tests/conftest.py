@@ -34,6 +34,8 @@ import loopback_hook  # noqa: E402 - needs the folder on sys.path; the same modu
 
 loopback_hook.install()
 settings.OUTBOUND_ALLOW = LOOPBACK_ALLOW.split(",")  # in case the settings were read already
+# Users made here hash their password with 1,000 PBKDF2 iterations, not a million (tests/people.py).
+settings.PASSWORD_HASHERS = ["tests.people.QuickPBKDF2PasswordHasher", *settings.PASSWORD_HASHERS]
 
 
 def _children_refused() -> list[str]:
@@ -98,4 +100,87 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         sys.stderr.write(
             f"dash test: PostgreSQL pass: {len(dropped)} tests that do not use the database deselected "
             "(they ran in the SQLite pass)\n"
+        )
+
+
+# -- what a test starts: markers and the fast tier ------------------------------------------
+#
+# Every test that starts a process carries a marker saying what it starts (registered in
+# pyproject.toml). Most get theirs here, from the fixtures they use, so a new test that asks
+# for ``celery_worker`` or ``agent`` is marked without anyone thinking of it; a test that starts
+# something itself (subprocess.run, a stack of its own) is marked by hand in its module.
+# ``--fast`` (``./dash test --fast``) runs only the tests without any of these markers, and
+# fails a test that starts a process anyway: the fast tier's selection stays honest.
+
+PROCESS_MARKERS = ("worker", "agent", "server", "browser", "subprocess")
+FAST_EXPRESSION = "not (" + " or ".join(PROCESS_MARKERS) + ")"
+
+# Fixture -> the marker of what it starts (tests/infra.py, tests/agents.py).
+PROCESS_FIXTURES = {
+    "start_celery_worker": "worker", "celery_worker": "worker",
+    "start_celery_beat": "worker", "celery_beat": "worker",
+    "start_daphne": "server", "live_server_daphne": "server",
+    "agent": "agent", "agent_nostream": "agent", "agent_nopush": "agent", "agent_token": "agent",
+    "child_env": "subprocess",  # asked for only to start a command on the test database
+}  # fmt: skip
+
+# Audit events (sys.addaudithook) that mean a new process.
+_PROCESS_EVENTS = {
+    "subprocess.Popen",
+    "os.fork",
+    "os.forkpty",
+    "os.posix_spawn",
+    "os.spawn",
+    "os.system",
+}
+_started: list[str] = []  # what the audit hook saw, in --fast runs
+_START_COUNT = pytest.StashKey[int]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fast",
+        action="store_true",
+        help=f"the fast tier: only tests that start no process (-m {FAST_EXPRESSION!r}, "
+        "combined with any -m given)",
+    )
+
+
+def _record_process_starts(event: str, args: tuple[object, ...]) -> None:
+    if event in _PROCESS_EVENTS:
+        what = args[1] if event == "subprocess.Popen" and len(args) > 1 else args
+        _started.append(f"{event} {what!r}"[:300])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """``--fast``: narrow the marker expression, and watch for processes started anyway."""
+    if not config.getoption("--fast", default=False):
+        return
+    given = config.option.markexpr
+    config.option.markexpr = f"({FAST_EXPRESSION}) and ({given})" if given else FAST_EXPRESSION
+    sys.addaudithook(_record_process_starts)  # cannot be removed: installed for --fast runs only
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Mark each test with what its fixtures start (before any ``-m`` selection is made)."""
+    fixtures = set(getattr(item, "fixturenames", ()))
+    for name in sorted({PROCESS_FIXTURES[f] for f in fixtures & PROCESS_FIXTURES.keys()}):
+        if item.get_closest_marker(name) is None:
+            item.add_marker(name)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_START_COUNT] = len(_started)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """In ``--fast`` runs: a test that started a process fails, naming the markers to add."""
+    new = _started[item.stash.get(_START_COUNT, len(_started)) :]
+    if new:
+        pytest.fail(
+            f"{item.nodeid} started a process in the fast tier ({new[0]}); mark it (or its module) "
+            f"with what it starts: one of {', '.join(PROCESS_MARKERS)} (see pyproject.toml)",
+            pytrace=False,
         )

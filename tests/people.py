@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.contrib.auth.hashers import PBKDF2PasswordHasher
+
 from tasks_app.models import DEFAULT_PROJECT, Membership, Project
 
 
@@ -22,3 +24,12 @@ MEMBER_SOURCE = (
     "Membership.objects.update_or_create(project=Project.objects.get_or_create(name='default')[0], "
     "user=User.objects.get(username={username!r}), defaults={{'role': 'agent-admin'}})"
 )
+
+
+class QuickPBKDF2PasswordHasher(PBKDF2PasswordHasher):
+    """The product's PBKDF2 at 1,000 iterations, first in the test process's PASSWORD_HASHERS
+    (tests/conftest.py): the default million costs over a second per user made or login, which
+    was most of the time of the tests that start nothing. The hash names its iteration count,
+    so a child process (daphne, a worker) with the default hashers still verifies it."""
+
+    iterations = 1_000
