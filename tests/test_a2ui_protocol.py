@@ -32,7 +32,7 @@ from a2ui.builder.v0_9 import (
 )
 from a2ui.builder.v0_9.catalogs.basic import TabItem
 from a2ui.core.schema.common_types import DataBinding
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tasks_app.a2a import a2ui
@@ -209,15 +209,28 @@ tokens = st.text(alphabet="ab/~_1", min_size=1, max_size=5)
 
 @settings(max_examples=150, deadline=None)
 @given(path=st.lists(tokens, min_size=1, max_size=4), value=json_values)
+@example(path=["a", "b"], value=1)
+@example(path=["a", "2"], value=1)
+@example(path=["a", "1", "b"], value=None)
 def test_data_model_updates_land_at_their_pointer(path, value):
     pointer = "/" + "/".join(t.replace("~", "~0").replace("/", "~1") for t in path)
     surfaces: dict = {}
     a2ui.apply(surfaces, "0.9.1", create())
+    start = {"surfaceId": "s", "value": {"a": [1, {"b": 2}]}}
+    a2ui.apply(surfaces, "0.9.1", {"version": "v0.9", "updateDataModel": start})
+    before = surfaces["s"]
+    before_json = json.dumps(before["data_model"], sort_keys=True)
     update = {
         "version": "v0.9",
         "updateDataModel": {"surfaceId": "s", "path": pointer, "value": value},
     }
-    assert a2ui.apply(surfaces, "0.9.1", update).applied
+    outcome = a2ui.apply(surfaces, "0.9.1", update)
+    # Copy on write: the data model before is untouched, whatever the update did.
+    assert json.dumps(before["data_model"], sort_keys=True) == before_json
+    if not outcome.applied:  # e.g. /a/b with a list at /a
+        assert outcome.problem.startswith("unresolvable data path: it goes through a list")
+        assert surfaces["s"]["data_model"] == before["data_model"]
+        return
     assert a2ui.lookup(surfaces["s"]["data_model"], pointer) == (True, value)
     assert a2ui.resolve({"path": pointer}, surfaces["s"]["data_model"]) == value
     remove = {"version": "v0.9", "updateDataModel": {"surfaceId": "s", "path": pointer}}
@@ -359,6 +372,20 @@ def test_lifecycle_rules():
     assert a2ui.apply(surfaces, "0.9.1", components(cyclic, "c")).problem == (
         "cycle: component 'root' contains itself"
     )
+
+
+def test_too_deep_path_and_too_many_surfaces():
+    surfaces: dict = {}
+    a2ui.apply(surfaces, "0.9.1", create())
+    deep = {"version": "v0.9", "updateDataModel": {"surfaceId": "s", "path": "/a" * 40, "value": 1}}
+    outcome = a2ui.apply(surfaces, "0.9.1", deep)
+    assert outcome.problem == f"too deep: a data path has more than {a2ui.MAX_JSON_DEPTH} levels"
+    assert surfaces["s"]["data_model"] == {}
+    for i in range(a2ui.MAX_SURFACES - 3):
+        assert a2ui.apply(surfaces, "0.9.1", create(f"s{i}"), others=2).applied
+    refused = a2ui.apply(surfaces, "0.9.1", create("one-too-many"), others=2)
+    assert refused.problem == f"too many surfaces: at most {a2ui.MAX_SURFACES} per task"
+    assert "one-too-many" not in surfaces
 
 
 def test_too_many_components_is_refused():

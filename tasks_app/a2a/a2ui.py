@@ -356,42 +356,56 @@ def lookup(data: Any, pointer: str) -> tuple[bool, Any]:
     return True, current
 
 
+class _TooDeep(Exception):
+    pass
+
+
+class _NoFit(Exception):
+    """A path that goes through a list by a name, or past its end."""
+
+
 def _set(data: dict[str, Any], pointer: str, value: Any = _MISSING) -> dict[str, Any]:
-    """The data model with ``value`` at ``pointer`` (removed when missing); parents are made."""
+    """A new data model with ``value`` at ``pointer`` (removed when missing); parents are made.
+
+    Copy on write: only the containers along the path are copied, so an update costs the
+    path's length, not the model's size, and the state before stays as it was.
+    """
     tokens = _tokens(pointer)
+    if len(tokens) > MAX_JSON_DEPTH:
+        raise _TooDeep
     if not tokens:
         if value is _MISSING:
             return {}
         return value if isinstance(value, dict) else data  # the root is always an object
-    current: Any = data
-    for token in tokens[:-1]:
-        if isinstance(current, list) and token.isdigit() and int(token) < len(current):
-            nxt = current[int(token)]
-            if not isinstance(nxt, dict | list):
-                nxt = current[int(token)] = {}
-        elif isinstance(current, dict):
-            nxt = current.get(token)
-            if not isinstance(nxt, dict | list):
-                nxt = current[token] = {}
+    return _set_in(data, tokens, value)
+
+
+def _set_in(node: Any, tokens: list[str], value: Any) -> Any:
+    token, rest = tokens[0], tokens[1:]
+    if isinstance(node, list):
+        if not token.isdigit() or int(token) > len(node) or (rest and int(token) == len(node)):
+            raise _NoFit
+        index, items = int(token), list(node)
+        if rest:
+            child = items[index]
+            items[index] = _set_in(child if isinstance(child, dict | list) else {}, rest, value)
+        elif value is _MISSING:
+            if index < len(items):
+                del items[index]
+        elif index < len(items):
+            items[index] = value
         else:
-            return data
-        current = nxt
-    last = tokens[-1]
-    if isinstance(current, dict):
-        if value is _MISSING:
-            current.pop(last, None)
-        else:
-            current[last] = value
-    elif isinstance(current, list) and last.isdigit():
-        index = int(last)
-        if value is _MISSING:
-            if index < len(current):
-                del current[index]
-        elif index < len(current):
-            current[index] = value
-        elif index == len(current):
-            current.append(value)
-    return data
+            items.append(value)
+        return items
+    out = dict(node) if isinstance(node, dict) else {}
+    if rest:
+        child = out.get(token)
+        out[token] = _set_in(child if isinstance(child, dict | list) else {}, rest, value)
+    elif value is _MISSING:
+        out.pop(token, None)
+    else:
+        out[token] = value
+    return out
 
 
 def resolve(value: Any, data_model: Any, scope_path: str = "") -> Any:
@@ -495,11 +509,11 @@ _RENAMES: dict[str, tuple[str, dict[str, str]]] = {
 }  # fmt: skip
 
 
-def convert_component08(item: Mapping[str, Any], data_model: dict[str, Any]) -> dict[str, Any]:
+def convert_component08(item: Mapping[str, Any], surface: dict[str, Any]) -> dict[str, Any]:
     """One v0.8 ``surfaceUpdate`` component in v0.9.1 form.
 
     A value given with both a path and a literal initialises the data model at that path
-    (the v0.8 shorthand), so ``data_model`` may change.
+    (the v0.8 shorthand), so ``surface["data_model"]`` may be replaced.
     """
     wrapper = item.get("component") if isinstance(item.get("component"), Mapping) else {}
     name, props = next(iter(wrapper.items()), ("", {}))
@@ -519,7 +533,8 @@ def convert_component08(item: Mapping[str, Any], data_model: dict[str, Any]) -> 
         if isinstance(value, Mapping):
             literal = _literal08(value)
             if isinstance(value.get("path"), str) and literal is not _MISSING:
-                _set(data_model, _absolute(value["path"]), copy.deepcopy(literal))
+                pointer = _absolute(value["path"])
+                surface["data_model"] = _set(surface["data_model"], pointer, copy.deepcopy(literal))
             value = _value08(value)
         elif isinstance(value, str) and old == "fit" and value == "scale-down":
             value = "scaleDown"
@@ -615,13 +630,19 @@ def _size(value: Any) -> int:
     return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
 
 
-def apply(surfaces: dict[str, dict[str, Any]], version: str, message: Any) -> Outcome:
+def apply(
+    surfaces: dict[str, dict[str, Any]], version: str, message: Any, *, others: int = 0
+) -> Outcome:
     """Fold one server-to-client message into ``surfaces`` ({surface_id: state}).
 
     The message is validated first; a message that fails, or would break a bound, is not
     applied and its surface (when it names one) gets the reason as its ``problem`` with the
     message as ``raw_json``. Otherwise it is applied and the surface's ``problem`` is
     recomputed by :func:`problem_of` (so a later valid message can clear it).
+
+    A changed surface is a new dict (what it shares with the old state is not changed), so
+    a caller can tell what changed by identity. ``others``: how many surfaces the task has
+    besides those in ``surfaces`` (for the bound on surfaces per task).
     """
     surface_id = surface_id_of(message)
     surface = surfaces.get(surface_id) if surface_id is not None else None
@@ -631,11 +652,13 @@ def apply(surfaces: dict[str, dict[str, Any]], version: str, message: Any) -> Ou
         reason = "schema: no surfaceId"
     if reason is None and surface is not None and _family(surface["version"]) != _family(version):
         reason = f"version mismatch: surface {surface_id!r} is v{surface['version']}, message is v{version}"
-    if reason is None and surface is None and len(surfaces) >= MAX_SURFACES:
+    if reason is None and surface is None and len(surfaces) + others >= MAX_SURFACES:
         reason = f"too many surfaces: at most {MAX_SURFACES} per task"
         return Outcome(surface_id, reason)
     if reason is not None:
-        if surface_id is not None and (surface is not None or len(surfaces) < MAX_SURFACES):
+        if surface_id is not None and (
+            surface is not None or len(surfaces) + others < MAX_SURFACES
+        ):
             target = surfaces.setdefault(surface_id, new_surface(version))
             target["problem"], target["raw_json"] = reason, copy.deepcopy(message)
         return Outcome(surface_id, reason)
@@ -645,12 +668,17 @@ def apply(surfaces: dict[str, dict[str, Any]], version: str, message: Any) -> Ou
         target = surfaces.setdefault(surface_id, new_surface(version))
         target["problem"], target["raw_json"] = reason, copy.deepcopy(message)
         return Outcome(surface_id, reason)
-    work = copy.deepcopy(surface) if surface is not None else new_surface(version)
-    if _family(version) == "0.8":
-        _apply08(work, version, message)
-    else:
-        _apply09(work, version, message)
-    bound = _bounds_problem(work)
+    work = dict(surface) if surface is not None else new_surface(version)
+    try:
+        if _family(version) == "0.8":
+            _apply08(work, version, message)
+        else:
+            _apply09(work, version, message)
+        bound = _bounds_problem(work)
+    except _TooDeep:
+        bound = f"too deep: a data path has more than {MAX_JSON_DEPTH} levels"
+    except _NoFit:
+        bound = "unresolvable data path: it goes through a list by a name or past its end"
     if bound:
         target = surfaces.setdefault(surface_id, new_surface(version))
         target["problem"], target["raw_json"] = bound, copy.deepcopy(message)
@@ -690,8 +718,9 @@ def _apply08(surface: dict[str, Any], version: str, message: Mapping[str, Any]) 
     elif "surfaceUpdate" in message:
         if surface["deleted"]:
             surface.update(new_surface(version))
+        surface["components"] = dict(surface["components"])
         for item in message["surfaceUpdate"]["components"]:
-            component = convert_component08(item, surface["data_model"])
+            component = convert_component08(item, surface)
             _drop_unsafe_urls(component)
             surface["components"][component["id"]] = component
     elif "dataModelUpdate" in message:
@@ -708,23 +737,24 @@ def _apply08(surface: dict[str, Any], version: str, message: Mapping[str, Any]) 
 def _apply09(surface: dict[str, Any], version: str, message: Mapping[str, Any]) -> None:
     if "createSurface" in message:
         body = message["createSurface"]
+        theme = copy.deepcopy(body.get("theme") or {})
+        if isinstance(theme, dict) and "iconUrl" in theme and safe_url(theme["iconUrl"]) is None:
+            del theme["iconUrl"]
         same = (
             not surface["deleted"]
             and surface["ready"]
             and surface["catalog_id"] == body["catalogId"]
-            and surface["styles"] == (body.get("theme") or {})
+            and surface["styles"] == theme
         )
         if not same:  # a new (or re-created) surface; the same one again changes nothing
             surface.update(new_surface(version))
-        theme = copy.deepcopy(body.get("theme") or {})
-        if isinstance(theme, dict) and "iconUrl" in theme and safe_url(theme["iconUrl"]) is None:
-            del theme["iconUrl"]
         surface.update(
             version=version, catalog_id=body["catalogId"], styles=theme, root_id="root", ready=True
         )
     elif "updateComponents" in message:
         if surface["deleted"]:
             surface.update(new_surface(version))
+        surface["components"] = dict(surface["components"])
         for item in message["updateComponents"]["components"]:
             component = copy.deepcopy(dict(item))
             _drop_unsafe_urls(component)

@@ -19,7 +19,6 @@ The rest of the task folds as usual.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +68,8 @@ class SurfaceFold:
     surfaces: dict[str, dict[str, Any]]
     pks: dict[str, int]
     stored: dict[str, dict[str, Any]]
+    # How many surfaces the task has besides those read (for the bound per task).
+    others: int = 0
     # surface id -> the row (by identity) that last changed it in this batch.
     changed_by: dict[str, _Row] = field(default_factory=dict)
 
@@ -124,7 +125,8 @@ class SurfaceFold:
                 )
                 reasons.append((surface_id, None, reason))
                 if surface_id is not None and (
-                    surface_id in self.surfaces or len(self.surfaces) < a2ui.MAX_SURFACES
+                    surface_id in self.surfaces
+                    or len(self.surfaces) + self.others < a2ui.MAX_SURFACES
                 ):
                     state = self.surfaces.setdefault(
                         surface_id, a2ui.new_surface(str(said or "").lstrip("v"))
@@ -132,7 +134,7 @@ class SurfaceFold:
                     state["problem"], state["raw_json"] = reason, message
                     touched.append(surface_id)
                 continue
-            outcome = a2ui.apply(self.surfaces, version, message)
+            outcome = a2ui.apply(self.surfaces, version, message, others=self.others)
             if outcome.surface_id is not None and outcome.surface_id in self.surfaces:
                 touched.append(outcome.surface_id)
             if not outcome.applied and outcome.problem:
@@ -207,13 +209,18 @@ def collect(fold: _Fold) -> SurfaceFold | None:
             found.append((index, items))
     if not found:
         return None
-    stored_rows = list(Surface.objects.filter(task_id=fold.task.pk))
+    # Only the surfaces these messages name are read (a task may hold many big ones).
+    named = {a2ui.surface_id_of(message) for _, items in found for _, message in items}
+    existing = Surface.objects.filter(task_id=fold.task.pk)
+    stored_rows = list(existing.filter(surface_id__in=named - {None}))
     stored = {s.surface_id: {name: getattr(s, name) for name in FOLDED} for s in stored_rows}
     result = SurfaceFold(
         task_pk=fold.task.pk,
-        surfaces={sid: copy.deepcopy(state) for sid, state in stored.items()},
+        # apply() replaces what it changes; a refusal marks the top-level copy only.
+        surfaces={sid: dict(state) for sid, state in stored.items()},
         pks={s.surface_id: s.pk for s in stored_rows},
         stored=stored,
+        others=existing.count() - len(stored_rows),
     )
     inserted = 0
     for index, items in found:
