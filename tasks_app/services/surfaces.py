@@ -19,6 +19,7 @@ The rest of the task folds as usual.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from tasks_app.models import TaskEvent
     from tasks_app.services.record import _Fold, _Row
 
+log = logging.getLogger(__name__)
 AGENT_ROLES = ("ROLE_AGENT", "agent")
 # The fields the fold determines; the action_* fields belong to the act service.
 FOLDED = tuple(a2ui.new_surface("").keys())
@@ -225,7 +227,11 @@ def collect(fold: _Fold) -> SurfaceFold | None:
     inserted = 0
     for index, items in found:
         row = rows[index + inserted]
-        reasons = result.fold_row(row, items)
+        try:
+            reasons = result.fold_row(row, items)
+        except Exception as exc:  # a fault of ours must not stop the task's record
+            log.exception("A2UI fold failed for task %s", fold.task.pk)
+            reasons = [(None, None, f"could not be folded ({type(exc).__name__})")]
         diagnoses = [parse_entry(_diagnosis(*reason)) for reason in reasons]
         at = index + inserted + 1
         # A replay brings the diagnoses back as the rows right after: take those, add none.
