@@ -340,3 +340,20 @@ def test_snapshot_artifacts_fold_when_they_change(task):
     surface.refresh_from_db()
     assert surface.data_model["heading"] == "Booked" and surface.updated_seq == later.seqs[0]
     assert errors(task) == [] and replay(task).ok
+
+
+def test_too_many_messages_in_one_event(task):
+    create = v09_card()[0]
+    updates = [
+        {"version": "v0.9", "updateDataModel": {"surfaceId": "card", "path": f"/k{i}", "value": i}}
+        for i in range(a2ui.MAX_MESSAGES_PER_EVENT + 10)
+    ]
+    record(task, reply([part([create, *updates])], mid="m-1"), "stream")
+    limit = a2ui.MAX_MESSAGES_PER_EVENT
+    assert errors(task) == [
+        f"A2UI: too large: {limit + 11} messages in one event (at most {limit}); "
+        "the rest is not folded"
+    ]
+    surface = Surface.objects.get(task=task)
+    assert len(surface.data_model) == limit - 1  # the create, then the first updates
+    assert replay(task).ok

@@ -93,6 +93,7 @@ MAX_COMPONENTS = 500  # components in one surface
 MAX_SURFACE_BYTES = 512 * 1024  # components + data model + styles, as canonical JSON
 MAX_DATA_MODEL_BYTES = 256 * 1024  # the data model alone
 MAX_SURFACES = 50  # surfaces per task
+MAX_MESSAGES_PER_EVENT = 200  # A2UI messages folded from one log row (each is validated)
 MAX_REASON = 500  # characters of a problem / reason
 
 SCHEMA_DIR = Path(__file__).with_name("a2ui_schemas")

@@ -57,9 +57,9 @@ def _a2ui(parts: list[Any]) -> list[tuple[str, Any]]:
 
 def _diagnosis(surface_id: str | None, version: str | None, reason: str) -> dict[str, Any]:
     """The raw of a protocol-error row about an A2UI message (small: the message is in the row before)."""
-    where = f"surface {surface_id!r}" if surface_id is not None else "a message"
+    where = f"A2UI surface {surface_id!r}" if surface_id is not None else "A2UI"
     detail = {"surfaceId": surface_id, "version": version}
-    return {"protocolError": {"message": f"A2UI {where}: {reason}", "a2ui": detail}}
+    return {"protocolError": {"message": f"{where}: {reason}", "a2ui": detail}}
 
 
 @dataclass
@@ -115,6 +115,11 @@ class SurfaceFold:
         marks = {sid: (state["problem"], state["raw_json"]) for sid, state in before.items()}
         reasons: list[tuple[str | None, str | None, str]] = []
         touched: list[str] = []
+        if len(items) > a2ui.MAX_MESSAGES_PER_EVENT:
+            limit = a2ui.MAX_MESSAGES_PER_EVENT
+            why = f"too large: {len(items)} messages in one event (at most {limit}); the rest is not folded"
+            reasons.append((None, None, why))
+            items = items[:limit]
         for media, message in items:
             surface_id = a2ui.surface_id_of(message)
             version = a2ui.message_version(message, media)
