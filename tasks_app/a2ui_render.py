@@ -868,12 +868,15 @@ def render_surface(
     can_act: bool = True,
     next_url: str = "",
     errors: dict[str, list[str]] | None = None,
+    last_action: Any = None,
 ) -> SafeString:
     """One surface as HTML: the drawn components in a form whose buttons send actions,
     or the "could not render" notice with the reason and the raw JSON.
 
     ``place`` keeps ids apart where a surface is drawn twice on a page (the task page's
     progress section and its conversation); ``interactive=False`` draws it read-only.
+    ``last_action`` (an ``OperatorAction``) is the latest action on an earlier state of the
+    surface: the fold clears the surface's own ``action_*`` fields when the agent redraws it.
     """
     prefix = f"a2ui-{place}-{getattr(task, 'pk', 0)}-{getattr(surface, 'pk', None) or 0}"
     action_seq = getattr(surface, "action_seq", None)
@@ -906,7 +909,7 @@ def render_surface(
         "acting": acting and bool(w and w.buttons),
         "interactive": acting,
         "submitted": submitted,
-        "earlier_action": action_seq is not None and not submitted,
+        "earlier": None if submitted else _earlier(last_action),
         "model_json": _model_json(surface.data_model),
         "next_url": next_url,
         "can_act": can_act,
@@ -914,6 +917,17 @@ def render_surface(
         "agent_name": _agent_name(surface),
     }
     return get_template("tasks_app/a2ui/surface.html").render(context, request)
+
+
+def _earlier(action: Any) -> dict | None:
+    if action is None:
+        return None
+    payload = action.payload if isinstance(action.payload, dict) else {}
+    return {
+        "by": action.actor.get_username() if action.actor else "a command-line user",
+        "at": action.created_at,
+        "name": str(payload.get("name") or "")[:200],
+    }
 
 
 def surface_key(surface: Any) -> str:

@@ -42,11 +42,12 @@ Behaviour is chosen by the first word of the user's text:
                         ``javascript:`` link (for sanitizer tests)
 ``booking [N] [interval]`` INPUT_REQUIRED with an A2UI v0.9.1 surface (a booking form:
                         name, date, party size, seating, a reminder checkbox,
-                        a Book button), then N live updates of the tables left
-                        (an A2UI ``updateDataModel`` in an artifact, every
-                        ``interval`` s; default none). The form's action (the
-                        A2UI ``action`` data part) completes it with a
-                        confirmation card on the same surface
+                        a Book button). With N, the form is first shown while
+                        WORKING and the tables left change N times (an A2UI
+                        ``updateDataModel`` in an artifact, every ``interval``
+                        s) before it asks. The form's action (the A2UI
+                        ``action`` data part) completes it with a confirmation
+                        card on the same surface
 ``batch [N] [interval]`` long batch work meant to be followed by push: WORKING,
                         then N steps (a "batch i/N" status and one artifact row
                         each, every ``interval`` s; defaults 30 and 2 s), then
@@ -370,26 +371,30 @@ class DemoExecutor(AgentExecutor):
                 )
             )
         elif word == "booking":
-            await up.start_work()
-            left = 9
-            await up.requires_input(
-                up.new_agent_message(
-                    [
-                        new_text_part("Please fill in the booking form."),
-                        _a2ui_part(booking_form(left)),
-                    ]
-                )
-            )
-            updates = max(0, int(_number(words, 1, 0)))
+            # With updates, the form is shown while working and its data model changes live
+            # (an interrupted task's stream ends, so the updates come before the question).
+            updates = min(max(0, int(_number(words, 1, 0))), 20)
             interval = _number(words, 2, 1.0)
-            for _ in range(min(updates, 20)):
-                await asyncio.sleep(interval)
-                left = max(0, left - 1)
-                await up.add_artifact(
-                    [new_text_part(f"Tables left: {left}\n"), _a2ui_part(tables_left(left))],
-                    artifact_id=f"{task.id}-availability",
-                    name="availability",
+            left = 9
+            ask = [new_text_part("Please fill in the booking form.")]
+            if updates:
+                await up.start_work(
+                    up.new_agent_message(
+                        [new_text_part("Checking availability."), _a2ui_part(booking_form(left))]
+                    )
                 )
+                for _ in range(updates):
+                    await asyncio.sleep(interval)
+                    left = max(0, left - 1)
+                    await up.add_artifact(
+                        [new_text_part(f"Tables left: {left}\n"), _a2ui_part(tables_left(left))],
+                        artifact_id=f"{task.id}-availability",
+                        name="availability",
+                    )
+            else:
+                await up.start_work()
+                ask.append(_a2ui_part(booking_form(left)))
+            await up.requires_input(up.new_agent_message(ask))
         elif word == "auth":
             wait = _number(words, 1, self.auth_delay)
             await up.requires_auth(

@@ -21,7 +21,7 @@ from tasks_app import access
 from tasks_app.a2a import a2ui as protocol
 from tasks_app.a2ui_render import render_surface
 from tasks_app.access import Perm, get_task_for_user
-from tasks_app.models import RemoteTask, Surface
+from tasks_app.models import OperatorAction, RemoteTask, Surface
 from tasks_app.services import a2ui_actions
 
 SURFACES_ON_PAGE = 20
@@ -40,6 +40,8 @@ def surfaces_html(request: HttpRequest, task: RemoteTask, place: str = "task") -
     can_act = access.can(request.user, task.agent.project_id)["operate"]
     waiting = task.state in ("TASK_STATE_INPUT_REQUIRED", "TASK_STATE_AUTH_REQUIRED")
     next_url = reverse("inbox") if place == "inbox" else reverse("task-detail", args=[task.pk])
+    surfaces = _surfaces(task)
+    last = last_actions(task) if surfaces else {}
     return [
         render_surface(
             s,
@@ -49,9 +51,25 @@ def surfaces_html(request: HttpRequest, task: RemoteTask, place: str = "task") -
             interactive=waiting and task.abandoned_at is None,
             can_act=can_act,
             next_url=next_url,
+            last_action=last.get(s.surface_id),
         )
-        for s in _surfaces(task)
+        for s in surfaces
     ]
+
+
+def last_actions(task: RemoteTask) -> dict[str, OperatorAction]:
+    """The latest action per surface id (from the operator-action log, newest first)."""
+    rows = (
+        OperatorAction.objects.filter(task=task, action="a2ui-action")
+        .select_related("actor")
+        .order_by("-created_at", "-id")[:100]
+    )
+    out: dict[str, OperatorAction] = {}
+    for row in rows:
+        sid = row.payload.get("surface") if isinstance(row.payload, dict) else None
+        if isinstance(sid, str):
+            out.setdefault(sid, row)
+    return out
 
 
 def surfaces_block(request: HttpRequest, task: RemoteTask, place: str = "task") -> SafeString:

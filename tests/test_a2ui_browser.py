@@ -1,0 +1,261 @@
+"""Agents' A2UI forms in headless Chromium, against the real stack.
+
+The browser stack of tests/test_ui_browser.py (daphne, a Celery worker, the demo agent as a
+real peer), on a stack of this module's own, plus a2a-sdk agents asking with A2UI v0.8 and
+v0.9.1 forms (tests/a2ui_agents.py) in this process. What an agent received is read from
+the agent itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests import test_ui_browser as ui
+from tests.a2ui_agents import PAYLOAD, a2ui_agent
+from tests.agents import REPO_ROOT
+from tests.people import MEMBER_SOURCE
+from tests.test_ui_browser import shot, wait_state
+from tests.ui_stack import stack_env
+
+stack, browser, context, page, demo_agent_pk = (
+    ui.stack,
+    ui.browser,
+    ui.context,
+    ui.page,
+    ui.demo_agent_pk,
+)
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(240)]
+
+SECOND, SECOND_PASSWORD = "second", "second-password-123"
+
+
+def add_agent_through_the_page(context, url: str) -> int:
+    page = context.new_page()
+    try:
+        page.goto("/agents/add/")
+        page.fill("#id_url", url)
+        page.click("button[value=preview]")
+        page.wait_for_selector("#card-preview")
+        page.click("#save-agent")
+        page.wait_for_url(re.compile(r"/agents/\d+/$"))
+        return int(re.search(r"/agents/(\d+)/", page.url).group(1))
+    finally:
+        page.close()
+
+
+@pytest.fixture(scope="module")
+def a2ui_agents(context, stack, demo_agent_pk) -> Iterator[dict]:
+    """The v0.8 and v0.9.1 agents, added through the page: {version: (agent pk, executor)}."""
+    with a2ui_agent("0.8") as (base08, ex08), a2ui_agent("0.9.1") as (base091, ex091):
+        yield {
+            "0.8": (add_agent_through_the_page(context, base08), ex08),
+            "0.9.1": (add_agent_through_the_page(context, base091), ex091),
+        }
+
+
+@pytest.fixture(scope="module")
+def second_context(browser, stack, redis_url):
+    """Another person (an operator of the default project), logged in in their own context."""
+    env = stack_env(stack.db_path.parent, redis_url, "ui")
+    subprocess.run(
+        [sys.executable, "-c", "import django; django.setup(); "
+         "from django.contrib.auth.models import User; "
+         f"User.objects.create_user({SECOND!r}, password={SECOND_PASSWORD!r}); "
+         + MEMBER_SOURCE.format(username=SECOND)],
+        cwd=REPO_ROOT, env=env, check=True,
+    )  # fmt: skip
+    ctx = browser.new_context(base_url=stack.base_url, viewport={"width": 1280, "height": 900})
+    ctx.set_default_timeout(15_000)
+    p = ctx.new_page()
+    p.goto("/accounts/login/")
+    p.fill("#id_username", SECOND)
+    p.fill("#id_password", SECOND_PASSWORD)
+    p.click("button[type=submit]")
+    p.wait_for_url(re.compile(r"/$"))
+    p.close()
+    yield ctx
+    ctx.close()
+
+
+def start(page, agent_pk: int, text: str) -> int:
+    page.goto("/tasks/new")
+    page.select_option("#id_agent", str(agent_pk))
+    page.fill("#id_text", text)
+    page.click("#start-task")
+    page.wait_for_url(re.compile(r"/tasks/\d+/$"))
+    return ui.task_pk_of(page)
+
+
+def slide(locator, value: str) -> None:
+    """Move a range input as a person does (its input event, which a2ui.js listens to)."""
+    locator.evaluate(
+        "(el, v) => { el.value = v; el.dispatchEvent(new Event('input', {bubbles: true})); }",
+        value,
+    )
+
+
+def wait_until(predicate, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("version", ["0.8", "0.9.1"])
+def test_a_person_fills_the_agents_form_from_the_inbox(page, stack, a2ui_agents, version):
+    agent_pk, executor = a2ui_agents[version]
+    before = len(executor.actions())
+    pk = start(page, agent_pk, "form")
+    wait_state(page, "input required")
+    page.goto("/inbox/")
+    surface = page.wait_for_selector(f"#inbox-item-{pk} .a2ui-surface[data-a2ui-surface=form]")
+    assert "Who is coming?" in surface.inner_text()
+    row = page.locator(f"#inbox-item-{pk}")
+    # The client-side check of the name (v0.9.1 declares one): shown once typed and cleared.
+    row.locator("[data-a2ui-id=name] input").fill("Ada Lovelace")
+    slide(row.locator("[data-a2ui-id=guests] input[type=range]"), "5")
+    assert row.locator("[data-a2ui-id=guests] output").inner_text() == "5"
+    row.locator("[data-a2ui-id=meal] input[value=fish]").check()
+    row.locator("[data-a2ui-id=ok-box] input[type=checkbox]").check()
+    shot(page, f"a2ui-inbox-{version}")
+    row.locator("button.a2ui-button").click()
+    page.wait_for_url(re.compile(r"/inbox/$"))
+    assert "Sent to the agent" in page.inner_text(".flash")
+    wait_until(lambda: len(executor.actions()) > before)
+    action = executor.actions()[-1]
+    assert action["name"] == "submit" and action["surfaceId"] == "form"
+    assert action["sourceComponentId"] == "send"
+    assert action["context"] == {"name": "Ada Lovelace", "guests": 5, "meal": ["fish"], "ok": True}
+    wait_until(lambda: stack.state(pk) == "TASK_STATE_COMPLETED")
+    # The action is in the audit trail with who did it.
+    rows = stack.query(
+        "SELECT u.username FROM tasks_app_operatoraction a JOIN auth_user u ON u.id = a.actor_id "
+        "WHERE a.task_id=? AND a.action='a2ui-action'",
+        pk,
+    )
+    assert rows == [(ui.USERNAME,)]
+
+
+def test_a_data_model_update_redraws_bound_values_live(page, stack, demo_agent_pk):
+    pk = start(page, demo_agent_pk, "booking 4 1.5")
+    surface = "#a2ui-surfaces .a2ui-surface[data-a2ui-surface=booking]"
+    left = f"{surface} [data-a2ui-id=left-value]"
+    page.wait_for_selector(left)
+    assert int(page.inner_text(left)) > 5
+    page.evaluate("window.__sameDocument = true")
+    # The agent's updates arrive over the task's websocket and redraw the bound value.
+    page.wait_for_selector(f"{left} :text-is('5')", timeout=20_000)  # (markdown: a <p>)
+    assert page.evaluate("window.__sameDocument === true")
+    # Asked: the same surface becomes a form to fill in (still without a reload).
+    wait_state(page, "input required")
+    page.wait_for_selector(f"{surface} form.a2ui-form")
+    assert page.evaluate("window.__sameDocument === true")
+    # Bound values follow the person's input at once (client side).
+    slide(page.locator(f"{surface} [data-a2ui-id=size] input"), "5")
+    assert page.inner_text(f"{surface} [data-a2ui-id=guests-value]") == "5"
+    page.fill(f"{surface} [data-a2ui-id=name] input", "Ada")
+    # The Book button's checks (name and date) keep it disabled until both are given.
+    assert page.is_disabled(f"{surface} button.a2ui-button")
+    page.fill(f"{surface} [data-a2ui-id=date] input", "2030-05-01")
+    page.locator(f"{surface} [data-a2ui-id=seating] input[value=terrace]").check()
+    assert page.is_enabled(f"{surface} button.a2ui-button")
+    shot(page, "a2ui-booking-form")
+    page.click(f"{surface} button.a2ui-button")
+    page.wait_for_url(re.compile(rf"/tasks/{pk}/$"))
+    wait_state(page, "completed")
+    # The same surface, redrawn by the agent as a confirmation card.
+    page.wait_for_selector(f"{surface} :text('Table for 5 on 2030-05-01, Ada.')")
+    assert "An earlier state of this form was submitted (book) by operator" in page.inner_text(
+        surface
+    )
+    booked = page.inner_text("#artifacts")
+    assert "seating: ['terrace']" in booked and "size: 5" in booked
+    shot(page, "a2ui-booking-confirmed")
+
+
+@contextlib.contextmanager
+def database_write_lock(stack) -> Iterator[None]:
+    """Hold SQLite's write lock: every writer (both submits) waits at its first write."""
+    conn = sqlite3.connect(stack.db_path, timeout=20, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        yield
+    finally:
+        conn.execute("ROLLBACK")
+        conn.close()
+
+
+def test_two_people_submitting_at_once_yield_one_action(page, second_context, stack, a2ui_agents):
+    agent_pk, executor = a2ui_agents["0.9.1"]
+    before = len(executor.actions())
+    pk = start(page, agent_pk, "form")
+    wait_state(page, "input required")
+    other = second_context.new_page()
+    try:
+        other.goto(f"/tasks/{pk}/")
+        pages = {ui.USERNAME: page, SECOND: other}
+        for who, p in pages.items():
+            p.wait_for_selector("#a2ui-surfaces .a2ui-surface form.a2ui-form")
+            p.fill("#a2ui-surfaces [data-a2ui-id=name] input", who)
+        # Both press at once: both requests pass every check and wait inside the window
+        # (at the compare-and-set's transaction) until the lock is released.
+        with database_write_lock(stack):
+            for p in pages.values():
+                p.click("#a2ui-surfaces button.a2ui-button", no_wait_after=True)
+            time.sleep(2)
+        for p in pages.values():
+            p.wait_for_selector(".flash")
+        flashes = {who: p.inner_text(".flash") for who, p in pages.items()}
+        winners = [who for who, text in flashes.items() if "Sent to the agent" in text]
+        assert len(winners) == 1, flashes
+        loser = next(who for who in pages if who not in winners)
+        assert f"Already submitted by {winners[0]} at " in flashes[loser]
+        wait_until(lambda: stack.state(pk) == "TASK_STATE_COMPLETED")
+        actions = executor.actions()[before:]
+        assert len(actions) == 1 and actions[0]["context"]["name"] == winners[0]
+        assert stack.query(
+            "SELECT count(*) FROM tasks_app_operatoraction WHERE task_id=? AND action='a2ui-action'",
+            pk,
+        ) == [(1,)]
+    finally:
+        other.close()
+
+
+def test_xss_payloads_in_a_surface_never_execute(page, stack, a2ui_agents):
+    agent_pk, executor = a2ui_agents["0.9.1"]
+    dialogs: list[str] = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    pk = start(page, agent_pk, "xss")
+    wait_state(page, "input required")
+    surface = page.wait_for_selector("#a2ui-surfaces .a2ui-surface")
+    text = surface.inner_text()
+    assert "<script>window.__xss=1</script>" in text  # shown as text
+    # Use every part of it: tabs, the modal, the inputs (their checks run the agent's pattern).
+    page.locator("#a2ui-surfaces .a2ui-tab").nth(1).click()
+    page.locator("#a2ui-surfaces .a2ui-modal summary").click()
+    page.locator("#a2ui-surfaces .a2ui-modal-close").click()
+    page.locator("#a2ui-surfaces .a2ui-tab").nth(0).click()
+    page.fill("#a2ui-surfaces [data-a2ui-id=tf] input", PAYLOAD + "typed")
+    page.locator("#a2ui-surfaces [data-a2ui-id=cb] input").check()
+    for url in (f"/tasks/{pk}/", "/inbox/", f"/tasks/{pk}/events/"):
+        page.goto(url)
+        page.wait_for_load_state("load")
+        assert page.evaluate("window.__xss === undefined"), url
+    page.goto(f"/tasks/{pk}/")
+    # The conversation shows the surface too (read-only), escaped.
+    assert page.locator("#conversation .a2ui-surface .a2ui-readonly").count() == 1
+    page.click("#a2ui-surfaces button.a2ui-button")
+    page.wait_for_url(re.compile(rf"/tasks/{pk}/$"))
+    wait_until(lambda: any(a.get("name") == PAYLOAD for a in executor.actions()))
+    assert page.evaluate("window.__xss === undefined")
+    assert dialogs == []
+    shot(page, "a2ui-xss")
