@@ -90,6 +90,7 @@ def test_list_paging_line(agent: AgentHandle) -> None:
     assert more and "task" in more[0]
 
 
+@pytest.mark.subprocess
 def test_errors_exit_nonzero_with_one_line(agent: AgentHandle) -> None:
     proc = subprocess.run(
         [sys.executable, "manage.py", "a2a", "get", agent.base_url, "no-such-task"],

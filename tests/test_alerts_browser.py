@@ -13,24 +13,21 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from tests.agents import REPO_ROOT
-from tests.ui_stack import Stack, running_stack
+from tests.ui_stack import Stack, chromium, running_stack
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(240)]
+# The stack (tests/ui_stack.py): migrate and a login made by commands, daphne, worker and beat.
+pytestmark = [
+    pytest.mark.browser, pytest.mark.server, pytest.mark.worker, pytest.mark.subprocess,
+    pytest.mark.slow, pytest.mark.timeout(240),
+]  # fmt: skip
 
-CHROMIUM = "/usr/bin/chromium"
 SHOTS = REPO_ROOT / "test-artifacts" / "screenshots"
 USERNAME, PASSWORD = "alert-operator", "op-password-123"
 SILENT_SECONDS = 3
-
-assert Path(CHROMIUM).exists(), (
-    f"Chromium is not installed at {CHROMIUM} (apt-get install chromium)"
-)
-from playwright import sync_api  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +41,8 @@ def stack(tmp_path_factory, redis_url) -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def context(stack):
-    with sync_api.sync_playwright() as pw:
-        chromium = pw.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"],
-        )
-        ctx = chromium.new_context(base_url=stack.base_url, viewport={"width": 1280, "height": 900})
+    with chromium() as browser:
+        ctx = browser.new_context(base_url=stack.base_url, viewport={"width": 1280, "height": 900})
         ctx.set_default_timeout(15_000)
         page = ctx.new_page()
         page.goto("/accounts/login/")
@@ -62,7 +55,6 @@ def context(stack):
             yield ctx
         finally:
             ctx.close()
-            chromium.close()
 
 
 def test_an_alert_appears_for_a_silent_task_and_clears_when_it_moves(context, stack, agent):

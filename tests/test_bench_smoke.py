@@ -14,7 +14,11 @@ import pytest
 
 from tasks_app.management.commands.bench import ALL_ROWS, run_rows
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+# The rows start what they measure: a private Redis, agents, workers, daphne.
+pytestmark = [
+    pytest.mark.subprocess, pytest.mark.agent, pytest.mark.worker, pytest.mark.server,
+    pytest.mark.slow, pytest.mark.timeout(240),
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

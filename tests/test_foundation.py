@@ -103,6 +103,7 @@ def test_a_second_worker_survives_the_first_being_killed(start_celery_worker) ->
     assert second.ping()
 
 
+@pytest.mark.subprocess
 def test_unparseable_database_url_names_the_setting() -> None:
     result = run_python(SETUP, DATABASE_URL="not a url")
     assert result.returncode != 0
@@ -110,6 +111,7 @@ def test_unparseable_database_url_names_the_setting() -> None:
     assert "DATABASE_URL" in result.stderr
 
 
+@pytest.mark.subprocess
 def test_production_needs_a_secret_key() -> None:
     result = run_python(SETUP, DASHBOARD_PRODUCTION="1", ALLOWED_HOSTS="example.org")
     assert result.returncode != 0
@@ -117,12 +119,14 @@ def test_production_needs_a_secret_key() -> None:
     assert "SECRET_KEY" in result.stderr
 
 
+@pytest.mark.subprocess
 def test_production_needs_allowed_hosts() -> None:
     result = run_python(SETUP, DASHBOARD_PRODUCTION="1", SECRET_KEY="x" * 50, ALLOWED_HOSTS="")
     assert result.returncode != 0
     assert "ALLOWED_HOSTS" in result.stderr
 
 
+@pytest.mark.subprocess
 def test_manage_py_reports_a_settings_error_in_one_line() -> None:
     result = subprocess.run(
         [sys.executable, "manage.py", "check"],

@@ -187,6 +187,7 @@ def modes(folder) -> dict[str, int]:
     return {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(180)
 def test_fresh_data_dir_is_private(tmp_path):
     """A permissive umask (022, the usual) still gives 0600 files in a 0700 folder."""
@@ -535,6 +536,7 @@ def file_modes(folder) -> dict[str, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.worker  # celery beat, started here
 @pytest.mark.timeout(120)
 def test_beat_schedule_is_private_under_a_permissive_umask(tmp_path, child_env):
     """A fresh schedule is 0600 from the first byte; one left 0644 by an older version is
@@ -578,6 +580,7 @@ def test_beat_schedule_is_private_under_a_permissive_umask(tmp_path, child_env):
     assert fresh.stat().st_mode & 0o777 == 0o700
 
 
+@pytest.mark.subprocess  # redis-server
 @pytest.mark.timeout(60)
 def test_private_redis_keeps_its_folder_and_files_private(tmp_path):
     """The folder is made (or narrowed to) 0700; what the server writes (a dump on SAVE) is 0600."""

@@ -22,6 +22,7 @@ from django.test import Client
 
 from tasks_app import health
 from tests import pages
+from tests.ui_stack import chromium
 
 # --- 1. /healthz ----------------------------------------------------------------------------
 
@@ -269,6 +270,7 @@ def run_settings_probe(tmp_path, **env: str) -> subprocess.CompletedProcess[str]
 PRODUCTION = {"DASHBOARD_PRODUCTION": "1", "SECRET_KEY": "k" * 50, "ALLOWED_HOSTS": "testserver"}
 
 
+@pytest.mark.subprocess
 def test_production_mode_sends_hsts_and_trusts_the_proxy_header_only_when_told(tmp_path) -> None:
     year = 365 * 24 * 3600
     bare = run_settings_probe(tmp_path, **PRODUCTION)
@@ -294,7 +296,6 @@ def test_production_mode_sends_hsts_and_trusts_the_proxy_header_only_when_told(t
 
 # --- 2b. the policy in a real browser -------------------------------------------------------
 
-CHROMIUM = "/usr/bin/chromium"
 # Collected in the page from its first script on (an init script is not subject to the policy).
 COLLECT_VIOLATIONS = """
 window.__csp = [];
@@ -325,8 +326,6 @@ def html_pages(base_url: str, cookie: str, urls: dict[str, str]) -> dict[str, st
 def test_no_page_reports_a_policy_violation_in_chromium(
     live_server_daphne, django_user_model
 ) -> None:
-    from playwright import sync_api
-
     root = django_user_model.objects.create_superuser("csp-root", password="pw-12345678")
     site = pages.build_site(root)
     client = Client()
@@ -336,9 +335,8 @@ def test_no_page_reports_a_policy_violation_in_chromium(
     assert {"overview", "task-list", "task-detail", "agent-detail", "task-new",
             "admin:index", "admin:tasks_app_taskevent_changelist"} <= set(urls), urls  # fmt: skip
 
-    with sync_api.sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox"])
-        context = chromium.new_context(base_url=live_server_daphne)
+    with chromium() as browser:
+        context = browser.new_context(base_url=live_server_daphne)
         context.add_cookies([{"name": "sessionid", "value": cookie, "url": live_server_daphne}])
         context.add_init_script(COLLECT_VIOLATIONS)
         reported: dict[str, list[str]] = {}
@@ -367,7 +365,7 @@ def test_no_page_reports_a_policy_violation_in_chromium(
             assert any(v.startswith("script-src") for v in page.evaluate("window.__csp"))
 
             # The login page, as someone not logged in sees it, and logging in through it.
-            anonymous = chromium.new_context(base_url=live_server_daphne)
+            anonymous = browser.new_context(base_url=live_server_daphne)
             anonymous.add_init_script(COLLECT_VIOLATIONS)
             login = anonymous.new_page()
             login.goto("/accounts/login/")
@@ -380,5 +378,5 @@ def test_no_page_reports_a_policy_violation_in_chromium(
             login.wait_for_url(f"{live_server_daphne}/")
             anonymous.close()
         finally:
-            chromium.close()
+            context.close()
     assert reported == {}, reported

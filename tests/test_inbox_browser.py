@@ -24,7 +24,11 @@ stack, browser, context, page, demo_agent_pk = (
     ui.demo_agent_pk,
 )
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(240)]
+# The stack (tests/ui_stack.py): migrate and a login made by commands, daphne, a Celery worker.
+pytestmark = [
+    pytest.mark.browser, pytest.mark.server, pytest.mark.worker, pytest.mark.subprocess,
+    pytest.mark.slow, pytest.mark.timeout(240),
+]  # fmt: skip
 
 
 def agent_history(agent, remote_id: str) -> list[dict]:

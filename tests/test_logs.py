@@ -15,6 +15,7 @@ from tests.test_mirror import wait_for
 SETUP = DJANGO_SETUP + "; import logging; "
 
 
+@pytest.mark.subprocess
 def test_a_bad_log_format_is_one_sentence() -> None:
     result = run_python(
         "import sys, manage; sys.argv = ['manage.py', 'check']; manage.main()", LOG_FORMAT="xml"
@@ -24,6 +25,7 @@ def test_a_bad_log_format_is_one_sentence() -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.subprocess
 def test_json_lines_carry_the_bound_ids() -> None:
     code = SETUP + (
         "from tasks_app.runtime import logs; logs.bind(task=41, agent=7); "

@@ -7,19 +7,12 @@ notifications come, and is never reloaded.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from tasks_app.models import RemoteTask, TaskEvent
 from tasks_app.services import tasks as task_services
 from tasks_app.services.agents import add_agent
-
-CHROMIUM = "/usr/bin/chromium"
-assert Path(CHROMIUM).exists(), (
-    f"Chromium is not installed at {CHROMIUM} (apt-get install chromium)"
-)
-from playwright import sync_api  # noqa: E402
+from tests.ui_stack import chromium
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -39,32 +32,28 @@ def test_a_push_task_page_updates_live_as_notifications_arrive(
     stored = add_agent(agent.base_url)
     # (Database work stays outside the Playwright block, whose event loop Django refuses.)
     task = task_services.start_task(stored, "batch 8 1.0", mode="push")
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM)
-        try:
-            page = browser.new_page()
-            page.goto(f"{web.url}/accounts/login/")
-            page.fill("input[name=username]", "pushop")
-            page.fill("input[name=password]", "push-pass-123")
-            page.click("button[type=submit]")
-            page.wait_for_url(lambda url: "/accounts/login/" not in url)
-            page.goto(f"{web.url}/tasks/{task.pk}/")
-            page.wait_for_selector("#push-section")
-            loaded = page.locator("#event-rows tr").count()
-            # Push rows appear without a reload, and the watcher says it awaits push.
-            push_rows = page.locator("#event-rows tr", has_text="push")
-            pushed_at_load = push_rows.count()
-            push_rows.nth(pushed_at_load + 2).wait_for(timeout=30_000)
-            assert page.locator("#event-rows tr").count() >= loaded + 3
-            page.locator("#watcher-status", has_text="awaiting-push").wait_for(timeout=30_000)
-            # The agent's list of configs, asked for from the page: ours is there.
-            page.click("#push-configs-load")
-            page.locator("tr.push-config", has_text="yes").wait_for(timeout=15_000)
-            page.locator("#task-head", has_text="completed").wait_for(timeout=40_000)
-            page.screenshot(path=str(screenshot_dir / "push-task.png"), full_page=True)
-            shown = page.locator("#event-rows tr", has_text="push").count()
-        finally:
-            browser.close()
+    with chromium() as browser:
+        page = browser.new_page()
+        page.goto(f"{web.url}/accounts/login/")
+        page.fill("input[name=username]", "pushop")
+        page.fill("input[name=password]", "push-pass-123")
+        page.click("button[type=submit]")
+        page.wait_for_url(lambda url: "/accounts/login/" not in url)
+        page.goto(f"{web.url}/tasks/{task.pk}/")
+        page.wait_for_selector("#push-section")
+        loaded = page.locator("#event-rows tr").count()
+        # Push rows appear without a reload, and the watcher says it awaits push.
+        push_rows = page.locator("#event-rows tr", has_text="push")
+        pushed_at_load = push_rows.count()
+        push_rows.nth(pushed_at_load + 2).wait_for(timeout=30_000)
+        assert page.locator("#event-rows tr").count() >= loaded + 3
+        page.locator("#watcher-status", has_text="awaiting-push").wait_for(timeout=30_000)
+        # The agent's list of configs, asked for from the page: ours is there.
+        page.click("#push-configs-load")
+        page.locator("tr.push-config", has_text="yes").wait_for(timeout=15_000)
+        page.locator("#task-head", has_text="completed").wait_for(timeout=40_000)
+        page.screenshot(path=str(screenshot_dir / "push-task.png"), full_page=True)
+        shown = page.locator("#event-rows tr", has_text="push").count()
     task.refresh_from_db()
     assert task.state == "TASK_STATE_COMPLETED" and task.watch == RemoteTask.Watch.PUSH
     assert shown >= TaskEvent.objects.filter(task=task, channel="push").count() - 1

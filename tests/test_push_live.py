@@ -24,7 +24,8 @@ from tasks_app.services.agents import add_agent
 from tests.agents import AgentHandle, free_port
 from tests.test_mirror import agent_call, assert_converged, assert_log_is_gapless, wait_for
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+# agent: the signing agent is a demo agent started here (signing_agent).
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.agent, pytest.mark.slow]
 
 
 @pytest.fixture

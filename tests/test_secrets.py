@@ -28,7 +28,8 @@ from tests import pages
 from tests.agents import running_agent
 from tests.test_mirror import settled, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+# agent: a token-checking demo agent of the module (running_agent).
+pytestmark = [pytest.mark.agent, pytest.mark.slow, pytest.mark.timeout(300)]
 
 TOKEN = f"planted-bearer-{secrets.token_hex(12)}"
 API_KEY = f"planted-apikey-{secrets.token_hex(12)}"

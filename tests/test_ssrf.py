@@ -189,6 +189,7 @@ def no_attempt_off_loopback(mark: int) -> None:
 # -- the hook the tests rely on ----------------------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_the_connect_hook_stops_connects_off_loopback(tmp_path: Path) -> None:
     mark = len(loopback_hook.refused)
     with socket.socket() as sock:

@@ -14,24 +14,20 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from tests.agents import REPO_ROOT
-from tests.ui_stack import Stack, running_stack
+from tests.ui_stack import Stack, chromium, running_stack
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(240)]
+# The stack (tests/ui_stack.py): migrate and a login made by commands, daphne, a Celery worker.
+pytestmark = [
+    pytest.mark.browser, pytest.mark.server, pytest.mark.worker, pytest.mark.subprocess,
+    pytest.mark.slow, pytest.mark.timeout(240),
+]  # fmt: skip
 
-CHROMIUM = "/usr/bin/chromium"
 SHOTS = REPO_ROOT / "test-artifacts" / "screenshots"
 USERNAME, PASSWORD = "operator", "op-password-123"
-
-# Debian's chromium (.ci/run installs it): a missing browser fails these tests, never skips them.
-assert Path(CHROMIUM).exists(), (
-    f"Chromium is not installed at {CHROMIUM} (apt-get install chromium)"
-)
-from playwright import sync_api  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +41,9 @@ def stack(tmp_path_factory, redis_url) -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def browser(stack):
-    with sync_api.sync_playwright() as pw:
-        chromium = pw.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"],
-        )
-        try:
-            yield chromium
-        finally:
-            chromium.close()
+    """Headless Chromium (a missing one fails the module's tests with what to install)."""
+    with chromium() as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

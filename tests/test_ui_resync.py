@@ -18,23 +18,22 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from tests.agents import REPO_ROOT, free_port
 from tests.people import MEMBER_SOURCE
+from tests.ui_stack import chromium
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(180)]
+# A daphne of its own, and migrate, the login and the writer run as commands.
+pytestmark = [
+    pytest.mark.browser, pytest.mark.server, pytest.mark.subprocess,
+    pytest.mark.slow, pytest.mark.timeout(180),
+]  # fmt: skip
 
-CHROMIUM = "/usr/bin/chromium"
 USERNAME, PASSWORD = "resync", "resync-password-123"
-
-assert Path(CHROMIUM).exists(), (
-    f"Chromium is not installed at {CHROMIUM} (apt-get install chromium)"
-)
-from playwright import sync_api  # noqa: E402
 
 # Runs in a child process with the server's settings: "create" makes a working task
 # (relayed as usual); "finish" completes it with the relay dropped.
@@ -132,36 +131,30 @@ def server(tmp_path_factory, redis_url) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def context(server) -> Iterator[sync_api.BrowserContext]:
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+def context(server) -> Iterator[Any]:
+    """A logged-in Playwright ``BrowserContext`` on the server."""
+    with chromium() as browser:
+        ctx = browser.new_context(base_url=server.base_url)
+        ctx.set_default_timeout(15_000)
+        # Record what each page sends on its websockets (to see the re-sync asked).
+        ctx.add_init_script(
+            """(() => {
+              window.__sent = [];
+              const send = WebSocket.prototype.send;
+              WebSocket.prototype.send = function (data) {
+                try { window.__sent.push(JSON.parse(data)); } catch (e) {}
+                return send.call(this, data);
+              };
+            })();"""
         )
-        try:
-            ctx = browser.new_context(base_url=server.base_url)
-            ctx.set_default_timeout(15_000)
-            # Record what each page sends on its websockets (to see the re-sync asked).
-            ctx.add_init_script(
-                """(() => {
-                  window.__sent = [];
-                  const send = WebSocket.prototype.send;
-                  WebSocket.prototype.send = function (data) {
-                    try { window.__sent.push(JSON.parse(data)); } catch (e) {}
-                    return send.call(this, data);
-                  };
-                })();"""
-            )
-            page = ctx.new_page()
-            page.goto("/tasks/")
-            page.fill("#id_username", USERNAME)
-            page.fill("#id_password", PASSWORD)
-            page.click("button[type=submit]")
-            page.wait_for_url(re.compile(r"/tasks/$"))
-            page.close()
-            yield ctx
-        finally:
-            browser.close()
+        page = ctx.new_page()
+        page.goto("/tasks/")
+        page.fill("#id_username", USERNAME)
+        page.fill("#id_password", PASSWORD)
+        page.click("button[type=submit]")
+        page.wait_for_url(re.compile(r"/tasks/$"))
+        page.close()
+        yield ctx
 
 
 def test_a_final_state_whose_relay_was_lost_reaches_the_task_page_and_the_list(context, server):

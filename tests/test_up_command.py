@@ -31,6 +31,9 @@ from tests.infra import REPO_ROOT
 
 URL_LINE = re.compile(r"Dashboard running at (http://\S+)")
 RECONCILE = "tasks_app.watchers.reconcile"
+# Nearly every test here runs manage.py up or the supervisor's children; the ones that bring
+# the whole stack up are marked with what it starts, too.
+pytestmark = pytest.mark.subprocess
 # The demo agent is written separately; until it exists, --demo must say so clearly.
 
 
@@ -124,6 +127,9 @@ def up_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Lines, P
 
 
 @pytest.mark.slow
+@pytest.mark.server
+@pytest.mark.worker
+@pytest.mark.agent
 def test_up_runs_everything_and_leaves_nothing_behind(up_process) -> None:
     process, lines, data_dir = up_process
     match = lines.wait_for(URL_LINE, timeout=90)
@@ -217,6 +223,9 @@ def _kill_and_see_it_come_back(
 
 
 @pytest.mark.slow
+@pytest.mark.server
+@pytest.mark.worker
+@pytest.mark.agent
 def test_up_restarts_a_killed_child_and_stays_quiet_while_idle(up_process) -> None:
     process, lines, data_dir = up_process
     match = lines.wait_for(URL_LINE, timeout=90)
@@ -397,6 +406,8 @@ def test_production_without_settings_is_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.server
+@pytest.mark.worker
 @pytest.mark.timeout(150)
 def test_production_settings_pass_ups_own_health_check(tmp_path: Path) -> None:
     """ALLOWED_HOSTS naming only the public host, and https redirects behind a TLS proxy: up's
@@ -471,6 +482,8 @@ def test_only_with_a_bad_role_or_setting_is_one_sentence(
 
 
 @pytest.mark.slow
+@pytest.mark.server
+@pytest.mark.worker
 @pytest.mark.timeout(180)
 def test_web_and_worker_on_their_own_processes_work_together(
     tmp_path: Path, redis_url: str

@@ -1,6 +1,10 @@
 """The stack browser tests drive: daphne, a Celery worker (and beat, when asked) as
 subprocesses on a private SQLite file, migrated here, with one operator of the default
-project to log in as. The module's tests need no pytest-django database."""
+project to log in as. The module's tests need no pytest-django database.
+
+And the browser itself: :func:`chromium` imports Playwright only when a test asks for a
+browser, so the browser modules are collected (and deselected with ``-m "not browser"`` or
+``--fast``) on a machine without Playwright or Chromium."""
 
 from __future__ import annotations
 
@@ -13,11 +17,44 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 
 from tests.agents import REPO_ROOT, free_port
 from tests.people import MEMBER_SOURCE
+
+CHROMIUM = "/usr/bin/chromium"  # Debian's chromium; .ci/run installs it
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+
+
+@contextlib.contextmanager
+def chromium() -> Iterator[Any]:
+    """A headless Chromium (a Playwright ``Browser``), closed on exit.
+
+    A browser test that runs without Chromium or Playwright fails with a sentence saying what
+    to install, never a skip; a run that leaves the browser tests out never imports either.
+    """
+    if not Path(CHROMIUM).exists():
+        pytest.fail(
+            f"Chromium is not installed at {CHROMIUM} (apt-get install chromium), "
+            'and this test drives it; leave browser tests out with -m "not browser"',
+            pytrace=False,
+        )
+    try:
+        from playwright import sync_api
+    except ImportError as error:
+        pytest.fail(
+            f"Playwright is not importable ({error}); ./dash installs it with the test extra",
+            pytrace=False,
+        )
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
 
 
 class Stack:
