@@ -31,6 +31,7 @@ from datetime import UTC, datetime
 from functools import cache
 from pathlib import Path
 from typing import Any
+from urllib.parse import urldefrag, urljoin
 
 import jsonschema
 import referencing
@@ -200,40 +201,110 @@ def _load(name: str) -> dict[str, Any]:
 
 
 @cache
-def _validator(family: str, basic: bool) -> jsonschema.protocols.Validator:
-    """A validator for one schema family, its ``$ref`` targets resolved from the vendored files.
+def _registry09(basic: bool) -> referencing.Registry:
+    """The v0.9 schemas' ``$ref`` targets, from the vendored files.
 
-    The v0.9 schemas refer to ``catalog.json``, the catalog the surface uses: the basic
-    catalog, or (for any other catalog, whose schema we do not have) an open stand-in
-    that checks only what every component has (an ``id`` and a ``component`` name).
+    They refer to ``catalog.json``, the catalog the surface uses. For the basic catalog
+    that is the basic catalog with its components left open (each is then checked on its
+    own, see :func:`_component_validator`); for any other catalog, whose schema we do not
+    have, an open stand-in that checks only what every component has.
     """
-    if family == "0.8":
-        name = "server_to_client_with_standard_catalog.json" if basic else "server_to_client.json"
-        schema = _load(f"v0_8/{name}")
-        return jsonschema.Draft202012Validator(schema)
     common = _load("v0_9/common_types.json")
-    catalog = _load("v0_9/basic_catalog.json") if basic else _open_catalog()
+    basic_catalog = _load("v0_9/basic_catalog.json")
+    if basic:
+        catalog = {
+            **basic_catalog,
+            "$defs": {**basic_catalog["$defs"], "anyComponent": _OPEN_COMPONENT},
+        }
+    else:
+        catalog = _open_catalog()
     base = "https://a2ui.org/specification/v0_9/"
-    registry = referencing.Registry().with_resources(
+    return referencing.Registry().with_resources(
         [
             (base + "common_types.json", DRAFT202012.create_resource(common)),
             (base + "catalog.json", DRAFT202012.create_resource(catalog)),
-            (V09_CATALOG, DRAFT202012.create_resource(catalog)),
+            (V09_CATALOG, DRAFT202012.create_resource(basic_catalog)),
         ]
     )
+
+
+@cache
+def _validator(family: str, basic: bool) -> jsonschema.protocols.Validator:
+    """The validator of a message's envelope (v0.9: components checked for shape only)."""
+    if family == "0.8":
+        name = "server_to_client_with_standard_catalog.json" if basic else "server_to_client.json"
+        return jsonschema.Draft202012Validator(_load(f"v0_8/{name}"))
     schema = _load("v0_9/server_to_client.json")
+    return jsonschema.Draft202012Validator(schema, registry=_registry09(basic))
+
+
+@cache
+def _basic_components() -> frozenset[str]:
+    return frozenset(_load("v0_9/basic_catalog.json")["components"])
+
+
+@cache
+def _component_validator(name: str) -> jsonschema.protocols.Validator:
+    """One basic-catalog component's schema, its non-recursive ``$ref`` written in place.
+
+    Checking each component against its own schema (chosen by its ``component`` name)
+    instead of the catalog's ``oneOf`` over every component, with the references already
+    resolved, is what makes a surface of a few hundred components cheap enough to check
+    inside the record's transaction. The meaning is the schema's: a ``$ref`` applies its
+    target beside the other keywords, as the ``allOf`` it becomes does.
+    """
+    registry = _registry09(True)
+    found = registry.resolver(base_uri=V09_CATALOG).lookup(f"#/components/{name}")
+    schema = _inlined(registry, found.contents, V09_CATALOG, frozenset())
     return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
+_ANNOTATIONS = ("description", "$schema", "$id", "title", "default", "examples")
+
+
+def _inlined(
+    registry: referencing.Registry, schema: Any, base: str, expanding: frozenset[str]
+) -> Any:
+    """``schema`` (from the resource at ``base``) with its references written in place."""
+    if isinstance(schema, list):
+        return [_inlined(registry, item, base, expanding) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref":
+            uri = urljoin(base, value)
+            if uri in expanding:  # recursive (a function call's arguments): keep the reference
+                out["$ref"] = uri
+                continue
+            target = registry.resolver(base_uri=base).lookup(value)
+            inner = _inlined(registry, target.contents, urldefrag(uri).url, expanding | {uri})
+            if len(schema) == 1:
+                return inner
+            out.setdefault("allOf", []).append(inner)
+        elif key in _ANNOTATIONS:
+            continue
+        elif key in ("properties", "$defs", "patternProperties", "dependentSchemas"):
+            out[key] = {n: _inlined(registry, v, base, expanding) for n, v in value.items()}
+        elif key in ("const", "enum", "required", "type"):
+            out[key] = value
+        else:
+            out[key] = _inlined(registry, value, base, expanding)
+    return out
+
+
+_OPEN_COMPONENT = {
+    "type": "object",
+    "properties": {"id": {"type": "string"}, "component": {"type": "string"}},
+    "required": ["id", "component"],
+}
 
 
 def _open_catalog() -> dict[str, Any]:
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$defs": {
-            "anyComponent": {
-                "type": "object",
-                "properties": {"id": {"type": "string"}, "component": {"type": "string"}},
-                "required": ["id", "component"],
-            },
+            "anyComponent": _OPEN_COMPONENT,
             "anyFunction": {"type": "object"},
             "theme": {"type": "object"},
         },
@@ -278,19 +349,49 @@ def validate(version: str, message: Any, *, catalog_id: str | None = None) -> st
         body.pop("version", None)  # the A2UI Python SDK writes "v0.8"; the schema has no such key
     elif body.get("version") == "v0.9.1":
         body["version"] = "v0.9"
+    size = _size(body)
+    if size > MAX_SURFACE_BYTES:
+        return f"too large: the message is {size} bytes (at most {MAX_SURFACE_BYTES})"
+    holder = body.get("updateComponents") or body.get("surfaceUpdate")
+    items = holder.get("components") if isinstance(holder, Mapping) else None
+    if isinstance(items, list) and len(items) > MAX_COMPONENTS:
+        return f"too large: {len(items)} components in one message (at most {MAX_COMPONENTS})"
     basic = catalog_id is None or catalog_id == "" or catalog_id in _all_basic_ids()
     try:
         error = best_match(_validator(family, basic).iter_errors(body))
+        if error is None and family == "0.9" and basic and isinstance(items, list):
+            return _components_reason(items)
     except (jsonschema.exceptions.SchemaError, referencing.exceptions.Unresolvable) as exc:
         return _clip(f"schema: cannot check the message ({exc.__class__.__name__})")
     except RecursionError:
         return "too deep: the message cannot be checked"
     if error is None:
         return None
-    error = _narrowed(error)
-    where = _pointer(error.absolute_path) if error.absolute_path else "/"
-    schema_path = _pointer(error.absolute_schema_path)
+    return _reason(_narrowed(error), (), ())
+
+
+def _reason(error: jsonschema.ValidationError, at: tuple, schema_at: tuple) -> str:
+    where = _pointer((*at, *error.absolute_path))
+    schema_path = _pointer((*schema_at, *error.absolute_schema_path))
     return _clip(f"schema: at {where}: {error.message} (schema path {schema_path})")
+
+
+def _components_reason(items: list[Any]) -> str | None:
+    """The first basic-catalog component that fails its own schema, with its place."""
+    at = ("updateComponents", "components")
+    for index, item in enumerate(items):
+        name = item.get("component") if isinstance(item, Mapping) else None
+        if name not in _basic_components():
+            return _clip(
+                f"schema: at {_pointer((*at, index, 'component'))}: {name!r} is not a component "
+                f"of the basic catalog (schema path /$defs/anyComponent)"
+            )
+        errors = list(_component_validator(name).iter_errors(item))
+        # "Unevaluated properties" follows from the real failure inside an allOf: name that.
+        error = best_match([e for e in errors if e.validator != "unevaluatedProperties"] or errors)
+        if error is not None:
+            return _reason(_narrowed(error), (*at, index), ("components", name))
+    return None
 
 
 def _narrowed(error: jsonschema.ValidationError) -> jsonschema.ValidationError:
@@ -836,52 +937,75 @@ def problem_of(surface: Mapping[str, Any]) -> str:
     components = surface["components"]
     if not surface["ready"] or surface["deleted"] or not components:
         return ""
-    root = surface["root_id"]
+    problem, bindings = _structure(components, surface["root_id"])
+    if problem:
+        return problem
+    data = surface["data_model"]
+    if not data:
+        return ""
+    for cid, prop, path in bindings:
+        found, value = lookup(data, _absolute(path))
+        if not found or (prop == "children template" and not isinstance(value, list | dict)):
+            return f"unresolvable data path {path!r} (component {cid!r}, {prop})"
+    return ""
+
+
+# The last tree walked, by identity: a data model update keeps the components object
+# (copy on write), so a stream of updates to one surface walks its tree once.
+_last_walk: tuple[Any, str, tuple[str, list[tuple[str, str, str]]]] = (None, "", ("", []))
+
+
+def _structure(components: Mapping[str, Any], root: str) -> tuple[str, list[tuple[str, str, str]]]:
+    """The tree's problem (or ""), and the ``(component, property, path)`` bindings to check."""
+    global _last_walk
+    walked = _last_walk
+    if walked[0] is components and walked[1] == root:
+        return walked[2]
+    result = _walk(components, root)
+    _last_walk = (components, root, result)
+    return result
+
+
+def _walk(components: Mapping[str, Any], root: str) -> tuple[str, list[tuple[str, str, str]]]:
     if root not in components:
-        return f"missing component {root!r} (the root)"
+        return f"missing component {root!r} (the root)", []
     # Depth-first from the root, iteratively: 1 = on the current path, 2 = done.
     state: dict[str, int] = {root: 1}
     height: dict[str, int] = {}
-    stack = [(root, iter(_references(components[root])))]
+    refs_of = {root: _references(components[root])}
+    stack = [(root, iter(refs_of[root]))]
     while stack:
         cid, refs = stack[-1]
         ref = next(refs, None)
         if ref is None:
             stack.pop()
             state[cid] = 2
-            below = [height[c] for _, c, _ in _references(components[cid])]
-            height[cid] = 1 + max(below, default=0)
+            height[cid] = 1 + max((height[c] for _, c, _ in refs_of[cid]), default=0)
             if height[cid] > MAX_TREE_DEPTH:
-                return f"too deep: more than {MAX_TREE_DEPTH} levels of components"
+                return f"too deep: more than {MAX_TREE_DEPTH} levels of components", []
             continue
         prop, child, _ = ref
         if child not in components:
-            return f"missing component {child!r} ({prop} of {cid!r})"
+            return f"missing component {child!r} ({prop} of {cid!r})", []
         if state.get(child) == 1:
-            return f"cycle: component {child!r} contains itself"
+            return f"cycle: component {child!r} contains itself", []
         if child not in state:
             if len(stack) >= MAX_TREE_DEPTH:
-                return f"too deep: more than {MAX_TREE_DEPTH} levels of components"
+                return f"too deep: more than {MAX_TREE_DEPTH} levels of components", []
             state[child] = 1
-            stack.append((child, iter(_references(components[child]))))
-    data = surface["data_model"]
-    if not data:
-        return ""
+            refs_of[child] = _references(components[child])
+            stack.append((child, iter(refs_of[child])))
     templated = _under_templates(components, set(state))
+    bindings: list[tuple[str, str, str]] = []
     for cid in state:
         component = components[cid]
         for prop, path in _bindings(component):
-            if cid in templated and not path.startswith("/"):
-                continue
-            if not lookup(data, _absolute(path))[0]:
-                return f"unresolvable data path {path!r} (component {cid!r}, {prop})"
+            if cid not in templated or path.startswith("/"):
+                bindings.append((cid, prop, path))
         children = component.get("children")
         if isinstance(children, Mapping) and cid not in templated:
-            path = str(children.get("path", ""))
-            found, value = lookup(data, _absolute(path))
-            if not found or not isinstance(value, list | dict):
-                return f"unresolvable data path {path!r} (component {cid!r}, children template)"
-    return ""
+            bindings.append((cid, "children template", str(children.get("path", ""))))
+    return "", bindings
 
 
 def _under_templates(components: Mapping[str, Any], reachable: set[str]) -> set[str]:
