@@ -80,7 +80,8 @@ def second_context(browser, stack, redis_url):
     p.fill("#id_username", SECOND)
     p.fill("#id_password", SECOND_PASSWORD)
     p.click("button[type=submit]")
-    p.wait_for_url(re.compile(r"/$"))
+    p.wait_for_url(re.compile(r"^(?!.*/accounts/login/).*$"))
+    assert p.locator("#id_password").count() == 0, "the second person could not log in"
     p.close()
     yield ctx
     ctx.close()
