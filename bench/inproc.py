@@ -180,28 +180,65 @@ def record_stream(task: Any, events: list[dict], batch: int = BATCH) -> tuple[fl
         counter.close()
 
 
-def raw_insert_floor(task: Any, events: list[dict]) -> float:
-    """The floor: the same TaskEvent rows with one bulk INSERT in one transaction."""
-    from django.utils import timezone
+def rows_floor(source: Any, target: Any, batch: int = BATCH) -> float:
+    """The floor: the rows record() wrote for ``source``, written again for ``target`` in bulk.
 
-    from tasks_app.models import TaskEvent
+    The same log rows, artifact parts, messages, artifact updates and snapshot
+    update, read back from what record() stored, are written by the same bulk
+    inserts record_many() uses (``insert_rows``) and plain updates, in one
+    transaction per batch of ``batch`` log rows: what the database costs for the
+    same writes, without parsing, folding, hashing, reading the snapshot or
+    relaying. The rows are built, and the artifact rows created, before the clock
+    starts.
+    """
+    from tasks_app.models import Artifact, ArtifactPart, ConversationMessage, RemoteTask, TaskEvent
+    from tasks_app.services.record import insert_rows
 
-    now = timezone.now()
-    rows = [
-        TaskEvent(
-            task_id=task.pk,
-            seq=i + 1,
-            received_at=now,
-            channel="stream",
-            kind=next(iter(e)),
-            raw=e,
-            state_after="TASK_STATE_WORKING",
+    events = list(TaskEvent.objects.filter(task_id=source.pk).order_by("seq"))
+    parts = list(ArtifactPart.objects.filter(artifact__task_id=source.pk).order_by("seq", "index"))
+    messages = list(ConversationMessage.objects.filter(task_id=source.pk).order_by("seq"))
+    final = RemoteTask.objects.get(pk=source.pk)
+    snapshot = {
+        name: getattr(final, name)
+        for name in ("state", "status_message", "status_timestamp", "metadata", "stored_bytes")
+    }
+    made = {
+        a.pk: Artifact.objects.create(
+            task_id=target.pk, artifact_id=a.artifact_id, position=a.position, digest=a.digest
         )
-        for i, e in enumerate(events)
-    ]
+        for a in Artifact.objects.filter(task_id=source.pk)
+    }
+    for row in (*events, *messages):
+        row.pk, row.task_id = None, target.pk
+    for part in parts:
+        part.pk, part.artifact_id = None, made[part.artifact_id].pk
+    batches = []
+    for start in range(0, len(events), batch):
+        chunk = events[start : start + batch]
+        low, high = chunk[0].seq, chunk[-1].seq
+        chunk_parts = [p for p in parts if low <= p.seq <= high]
+        counts: dict[int, int] = {}
+        for part in chunk_parts:
+            counts[part.artifact_id] = max(counts.get(part.artifact_id, 0), part.index + 1)
+        chunk_messages = [m for m in messages if low <= m.seq <= high]
+        batches.append((chunk, chunk_parts, chunk_messages, counts))
+    digests = {a.pk: a.digest for a in made.values()}
     t0 = time.perf_counter()
-    with transaction.atomic():
-        TaskEvent.objects.bulk_create(rows, batch_size=1000)
+    for chunk, chunk_parts, chunk_messages, counts in batches:
+        last = chunk[-1]
+        with transaction.atomic():
+            RemoteTask.objects.filter(pk=target.pk).update(
+                **snapshot, last_seq=last.seq, last_hash=last.hash,
+                last_event_at=last.received_at, updated_at=last.received_at,
+            )  # fmt: skip
+            insert_rows(TaskEvent, chunk)
+            insert_rows(ArtifactPart, chunk_parts, batch_size=500)
+            insert_rows(ConversationMessage, chunk_messages, batch_size=500)
+            for artifact_pk, count in counts.items():
+                Artifact.objects.filter(pk=artifact_pk).update(
+                    part_count=count, digest=digests[artifact_pk], updated_seq=last.seq,
+                    updated_at=last.received_at,
+                )  # fmt: skip
     return time.perf_counter() - t0
 
 
@@ -209,33 +246,45 @@ def p3(db: str, quick: bool) -> list[Row]:
     start_worker_loop()
     n = 600 if quick else 10_000
     agent = make_agent("p3")
-    task = make_task(agent)
-    events = mixed_events(task, n)
     # Warm up (first queries, connection, the relay's Redis connection).
     warm = make_task(agent)
     record_stream(warm, mixed_events(warm, 50))
-    recorded, relayed, count = record_stream(task, events)
-    floor_task = make_task(agent)
-    floor = raw_insert_floor(floor_task, events)
+    # Record and floor alternate, best of each: a noisy neighbour on a shared machine
+    # hurts both alike, and a pause in one round does not decide the row.
+    rounds = 1 if quick else 3
+    recorded = relayed = floor = float("inf")
+    count = n  # the fewest relayed in any round
+    for _ in range(rounds):
+        task = make_task(agent)
+        took = record_stream(task, mixed_events(task, n))
+        if took[1] < relayed:
+            recorded, relayed = took[0], took[1]
+        count = min(count, took[2])
+        floor = min(floor, rows_floor(task, make_task(agent)))
     rate, floor_rate = n / relayed, n / floor
     ratio = relayed / floor
-    ok = rate >= 2000 and ratio <= 2 and count == n
+    # The issue's absolute goal is for PostgreSQL; SQLite keeps the earlier 2,000/s.
+    least = 5000 if db == "postgres" else 2000
+    ok = rate >= least and ratio <= 1.5 and count == n
     return [
         Row(
             "P3",
             f"events recorded (log + fold) and relayed /s, one fast stream ({n} events)",
             f"{rate:,.0f}/s",
-            ">= 2,000/s, <= 2x floor",
+            f">= {least:,}/s, <= 1.5x floor",
             ok,
             floor=f"{floor_rate:,.0f}/s",
-            ratio=f"{ratio:.1f}x",
+            ratio=f"{ratio:.2f}x",
             db=db,
             note=(
                 f"record_many() in batches of {BATCH} (half statusUpdate, half appended artifact chunks), "
                 f"relay through the worker-style relay coroutine to Redis, clock stopped when the last "
                 f"message reached a listener in task-<pk>; relayed {count}/{n}; recording alone took "
-                f"{recorded:.2f}s ({n / recorded:,.0f}/s). Floor: bulk_create of the same TaskEvent rows "
-                f"in one transaction ({floor:.3f}s)."
+                f"{recorded:.2f}s ({n / recorded:,.0f}/s); best of {rounds} alternating rounds each. "
+                f"Floor: the rows record() wrote (log rows, artifact parts, messages, the artifact and "
+                f"snapshot updates), read back and written again for another task by the same bulk "
+                f"inserts (insert_rows: COPY on PostgreSQL, bulk_create on SQLite) and plain updates, "
+                f"one transaction per batch of {BATCH} ({floor:.3f}s)."
             ),
             extra={
                 "n": n,
