@@ -357,3 +357,30 @@ def test_too_many_messages_in_one_event(task):
     surface = Surface.objects.get(task=task)
     assert len(surface.data_model) == limit - 1  # the create, then the first updates
     assert replay(task).ok
+
+
+def test_components_per_event_are_bounded(task):
+    half = a2ui.MAX_COMPONENTS // 2 + 10
+
+    def many(sid: str) -> dict:
+        items = [
+            {"id": "root", "component": "Column", "children": [f"d{i}" for i in range(half - 1)]}
+        ]
+        items += [{"id": f"d{i}", "component": "Divider"} for i in range(half - 1)]
+        return {"version": "v0.9", "updateComponents": {"surfaceId": sid, "components": items}}
+
+    record(
+        task,
+        reply([part([create_for("a"), many("a"), create_for("b"), many("b")])], mid="m-1"),
+        "stream",
+    )
+    assert len(Surface.objects.get(surface_id="a").components) == half
+    assert Surface.objects.get(surface_id="b").components == {}  # created, its components refused
+    assert errors(task) == [
+        f"A2UI surface 'b': too large: more than {a2ui.MAX_COMPONENTS} components in one event; "
+        "1 message(s) not folded"
+    ]
+
+
+def create_for(sid: str) -> dict:
+    return v09_card(sid)[0]

@@ -101,6 +101,29 @@ class SurfaceFold:
                 )
         Surface.objects.bulk_create(new)
 
+    @staticmethod
+    def _within_component_budget(
+        items: list[tuple[str, Any]], reasons: list[tuple[str | None, str | None, str]]
+    ) -> list[tuple[str, Any]]:
+        """The messages up to ``MAX_COMPONENTS`` components in all (each one is validated)."""
+        total = 0
+        for index, (_, message) in enumerate(items):
+            body = (
+                message.get("updateComponents") or message.get("surfaceUpdate")
+                if isinstance(message, dict)
+                else None
+            )
+            components = body.get("components") if isinstance(body, dict) else None
+            total += len(components) if isinstance(components, list) else 0
+            if total > a2ui.MAX_COMPONENTS:
+                why = (
+                    f"too large: more than {a2ui.MAX_COMPONENTS} components in one event; "
+                    f"{len(items) - index} message(s) not folded"
+                )
+                reasons.append((a2ui.surface_id_of(message), None, why))
+                return items[:index]
+        return items
+
     def fold_row(
         self, row: _Row, items: list[tuple[str, Any]]
     ) -> list[tuple[str | None, str | None, str]]:
@@ -120,6 +143,7 @@ class SurfaceFold:
             why = f"too large: {len(items)} messages in one event (at most {limit}); the rest is not folded"
             reasons.append((None, None, why))
             items = items[:limit]
+        items = self._within_component_budget(items, reasons)
         for media, message in items:
             surface_id = a2ui.surface_id_of(message)
             version = a2ui.message_version(message, media)
