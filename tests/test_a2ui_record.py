@@ -384,3 +384,24 @@ def test_components_per_event_are_bounded(task):
 
 def create_for(sid: str) -> dict:
     return v09_card(sid)[0]
+
+
+def test_v08_data_model_update_at_a_path_and_delete(task):
+    record(task, reply([part(v08_booking(), OLD)], mid="m-1"), "stream")
+    update = dump(
+        s08.DataModelUpdateMessage(
+            dataModelUpdate=s08.DataModelUpdate(
+                surfaceId="book",
+                path="form",
+                contents=[{"key": "date", "valueString": "2026-12-24"}],
+            )
+        )
+    )
+    seq = record(task, reply([part(update, OLD)], mid="m-2"), "stream").seqs[0]
+    surface = Surface.objects.get(surface_id="book")
+    assert surface.data_model["form"] == {"date": "2026-12-24"} and surface.updated_seq == seq
+    delete = dump(s08.DeleteSurfaceMessage(deleteSurface=s08.DeleteSurface(surfaceId="book")))
+    record(task, reply([part(delete, OLD)], mid="m-3"), "stream")
+    surface.refresh_from_db()
+    assert surface.deleted and not surface.ready and surface.components == {}
+    assert errors(task) == [] and replay(task).ok
