@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     call_command("migrate", verbosity=0, interactive=False)
     rows_by_name = {"P1": live.p1, "P2": live.p2, "P3": inproc.p3, "P8": inproc.p8, "P4": inproc.p4, "P5": inproc.p5,
-                    "P6": live.p6, "P7": live.p7, "P9": noisy.p9, "P10": webhook.p10}  # fmt: skip
+                    "P6": live.p6, "P7": live.p7, "P2x": live.p2x, "P9": noisy.p9, "P10": webhook.p10}  # fmt: skip
     func = rows_by_name[args.row]
     try:
         rows = func(args.db_label, args.quick)

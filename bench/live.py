@@ -687,3 +687,152 @@ def p2(db: str, quick: bool) -> list[Row]:
               f"{held_max} still leased at the end; run {setup:.0f} s. " + got.legs() + not_started),
         extra={"streams": len(stats), "lost": lost, "rss_mb": peak, "p99": p99, "emitted": emitted},
     )]  # fmt: skip
+
+
+# P2x: scale-out ---------------------------------------------------------------------------------
+
+
+def p2x(db: str, quick: bool) -> list[Row]:
+    """Many streams held by three worker processes, then one of them SIGKILLed.
+
+    The workers share one queue, so the tasks spread over them; no beat runs (every
+    worker ticks the reconciler under a Redis lock). Once every stream is held, the
+    worker holding the most is SIGKILLed and its streams must be held again (lease
+    owned by a survivor, watcher streaming) by the other two. Loss is counted per
+    event index: every event the agent emitted must be a log row, except, for the
+    killed worker's streams, those emitted after a checkpoint taken 2 s before the kill
+    and before a survivor subscribed again (the agent does not replay them; a ``gap``
+    row says so) - those are reported as not seen live, not as lost.
+    """
+    import httpx
+
+    from tasks_app.models import RemoteTask, TaskEvent
+
+    if quick:
+        streams, events, interval, delay = 30, 8, 1.5, 2.0
+        tuning = {"WATCH_LEASE_SECONDS": "2", "RECONCILE_EVERY_SECONDS": "1"}
+    else:
+        streams, events, interval, delay = 3000, 10, 20.0, 30.0
+        tuning = {}
+    with stack(tuning) as s:
+        s.start_agent()
+        workers = [s.start_worker(f"worker-{name}") for name in "abc"]
+        owners = {owner_of(w): w for w in workers}
+        agent, _ = register(s)
+        sampler = Sampler({w.name: w for w in workers})
+        t0 = time.monotonic()
+        pks = start_tasks(agent, streams, events, interval, delay, interval)
+        started = time.monotonic() - t0
+
+        def holders() -> dict[str, int]:
+            rows = RemoteTask.objects.filter(
+                pk__in=pks, lease_owner__in=list(owners), watcher_status="streaming"
+            ).values_list("lease_owner", flat=True)
+            counts = dict.fromkeys(owners, 0)
+            for owner in rows:
+                counts[owner] += 1
+            return counts
+
+        wait_until(lambda: sum(holders().values()) == streams, delay + 120, interval=1.0)
+        held = holders()
+        all_held = time.monotonic() - t0
+        rss_before = {w.name: sampler.peak[w.name] for w in workers}
+        victim_owner = max(held, key=held.get)  # type: ignore[arg-type]
+        victim = owners[victim_owner]
+        survivors = [o for o in owners if o != victim_owner]
+        checkpoint = httpx.get(s.agent_url + "/bench/stats", timeout=30).json()
+        time.sleep(2.0)
+        victim_pks = list(
+            RemoteTask.objects.filter(pk__in=pks, lease_owner=victim_owner).values_list(
+                "pk", flat=True
+            )
+        )
+        victim.signal(signal.SIGKILL)
+        killed = time.monotonic()
+        held_at: dict[int, float] = {}
+        limit = 60.0 if not quick else 30.0
+        while len(held_at) < len(victim_pks) and time.monotonic() - killed < limit:
+            rows = RemoteTask.objects.filter(
+                pk__in=victim_pks, lease_owner__in=survivors, watcher_status="streaming"
+            ).values_list("pk", flat=True)
+            for pk in rows:
+                held_at.setdefault(pk, time.monotonic() - killed)
+            time.sleep(0.2)
+        not_held = [pk for pk in victim_pks if pk not in held_at]
+        # Every stream runs to its end (the agent's last event is COMPLETED).
+        last_due = delay + (events + 2) * interval + 60
+        wait_until(
+            lambda: (
+                RemoteTask.objects.filter(pk__in=pks, state="TASK_STATE_COMPLETED").count()
+                == streams
+            ),
+            last_due,
+            interval=1.0,
+        )
+        sampler.stop()
+        stats = httpx.get(s.agent_url + "/bench/stats", timeout=30).json()
+        errors = {w.name: _log_errors(w) for w in workers if w is not victim}
+    mirrored = remote_ids(pks)
+    by_remote = {rid: pk for pk, rid in mirrored.items()}
+    recorded: dict[int, set[int]] = {pk: set() for pk in pks}
+    for task_id, raw in TaskEvent.objects.filter(task_id__in=pks, kind="statusUpdate").values_list(
+        "task_id", "raw"
+    ):
+        stamp = emitted_of(raw)
+        if stamp:
+            recorded[task_id].add(stamp[1])
+    victims = set(victim_pks)
+    lost = unseen = 0
+    lost_where: list[str] = []  # which stream lost which event indices (the first few)
+    for rid, info in stats.items():
+        pk = by_remote.get(rid)
+        if pk is None:
+            continue
+        missing = set(range(info["emitted"])) - recorded[pk]
+        before = (checkpoint.get(rid) or {}).get("emitted", 0) if pk in victims else info["emitted"]
+        gone = sorted(i for i in missing if i < before)
+        lost += len(gone)
+        unseen += len(missing) - len(gone)
+        if gone and len(lost_where) < 5:
+            where = "killed worker's" if pk in victims else "survivor's"
+            lost_where.append(f"task {pk} ({where}, {info['emitted']} emitted): {gone}")
+    gaps = TaskEvent.objects.filter(task_id__in=victim_pks, kind="gap").count()
+    completed = RemoteTask.objects.filter(pk__in=pks, state="TASK_STATE_COMPLETED").count()
+    second = len(stats) - streams  # the agent makes a task per send: more means a second send
+    times = sorted(held_at.values())
+    worst = times[-1] if not not_held and times else float("inf")
+    peaks = {name: peak for name, peak in sampler.peak.items()}
+    ok = (
+        sum(held.values()) == streams
+        and lost == 0
+        and max(peaks.values()) <= 300
+        and worst <= 10
+        and second == 0
+        and (streams >= 3000 or quick)
+    )
+    spread = ", ".join(f"{owners[o].name} {n}" for o, n in held.items())
+    rss = ", ".join(f"{name} {peak:.0f} MB" for name, peak in peaks.items())
+    return [Row(
+        "P2x", f"{streams:,} streams held by 3 worker processes (1 event/{interval:g} s each); one worker SIGKILLed",
+        f"{sum(held.values()):,} held ({spread}), lost {lost}, worker RSS max {max(peaks.values()):.0f} MB; "
+        f"{len(times)}/{len(victim_pks)} held again, max {worst:.1f} s; second remote tasks {second}",
+        "3,000 streams, 0 lost, each worker <= 300 MB; the killed worker's streams held again by the others "
+        "within 10 s, no second remote task", ok, db=db,
+        note=(f"three Celery workers (threads pool) on one queue, no beat (each worker ticks the reconciler); "
+              f"{streams} tasks started in {started:.0f} s, all held {all_held:.0f} s after the first start; "
+              f"{victim.name} (holding {len(victim_pks)}) SIGKILLed; 'held again' = lease owned by a survivor "
+              f"and the watcher streaming again, median {pct(times, 0.5):.1f} s. RSS peak per worker: {rss} "
+              f"(before the kill: {', '.join(f'{k} {v:.0f} MB' for k, v in rss_before.items())}); worker CPU "
+              f"{', '.join(f'{w.name} {sampler.cpu_mean(w.name):.0f}%' for w in workers)} mean. Events: "
+              f"{sum(v['emitted'] for v in stats.values())} emitted, lost {lost}; {unseen} emitted by the killed "
+              f"worker's streams while no one held them (not replayed by the agent; {gaps} gap rows); "
+              f"{completed}/{streams} tasks completed in the mirror. Settings: "
+              f"WATCH_LEASE_SECONDS={tuning.get('WATCH_LEASE_SECONDS', 'default')}, "
+              f"RECONCILE_EVERY_SECONDS={tuning.get('RECONCILE_EVERY_SECONDS', 'default')}."
+              + (f" Lost: {'; '.join(lost_where)}." if lost_where else "")
+              + (f" Not held again in {limit:.0f} s: {len(not_held)}." if not_held else "")
+              + (f" Survivors' log errors: {errors}." if any(errors.values()) else "")),
+        extra={"streams": streams, "held": sum(held.values()), "lost": lost, "rss_mb": peaks,
+               "held_again": len(times), "victim_streams": len(victim_pks), "max": worst,
+               "second": second, "unseen": unseen, "completed": completed},
+    )]  # fmt: skip

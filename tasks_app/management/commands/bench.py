@@ -1,6 +1,6 @@
 """``manage.py bench [NAME ...] [--quick] [--db sqlite|postgres|both] [--write-docs]``.
 
-Runs the performance rows of docs/performance.md (P1-P10) and prints one table row
+Runs the performance rows of docs/performance.md (P1-P10, P2x) and prints one table row
 per figure: value, goal, floor and ratio where a floor exists, PASS/MISS.
 
 Why it is built this way: each row runs in its own child process
@@ -30,7 +30,7 @@ from bench import procs
 from bench.report import Row, notes, rows_from_docs, table, write_docs
 from tasks_app.outbound import with_loopback
 
-ALL_ROWS = ("P3", "P8", "P4", "P5", "P1", "P6", "P7", "P2", "P9", "P10")
+ALL_ROWS = ("P3", "P8", "P4", "P5", "P1", "P6", "P7", "P2", "P2x", "P9", "P10")
 DOCS_PATH = procs.REPO_ROOT / "docs" / "performance.md"
 ANALYSIS_PATH = procs.REPO_ROOT / "bench" / "analysis.md"
 
@@ -161,7 +161,8 @@ class Command(BaseCommand):
             write_docs(DOCS_PATH, rows, command, analysis)
             self.stdout.write(table(rows))
             return
-        names = [n.upper() for n in options["names"]] or list(ALL_ROWS)
+        canonical = {n.upper(): n for n in ALL_ROWS}  # "p2x" and "P2X" name the row P2x
+        names = [canonical.get(n.upper(), n) for n in options["names"]] or list(ALL_ROWS)
         unknown = [n for n in names if n not in ALL_ROWS]
         if unknown:
             raise CommandError(f"unknown rows {unknown}; choose from {', '.join(ALL_ROWS)}")
