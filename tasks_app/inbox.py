@@ -71,8 +71,13 @@ def question_lines(message: Any) -> str:
     return text[:QUESTION_CHARS] + ("…" if more else "")
 
 
-def row_context(request: HttpRequest, task: RemoteTask, form: Any = None) -> dict[str, Any]:
-    """One waiting task as the inbox shows it (the form only for people who may operate)."""
+def row_context(
+    request: HttpRequest, task: RemoteTask, form: Any = None, has_surfaces: bool = True
+) -> dict[str, Any]:
+    """One waiting task as the inbox shows it (the form only for people who may operate).
+
+    ``has_surfaces`` False (the page looked them up for all its rows at once) skips the
+    task's A2UI surfaces query."""
     can = access.can(request.user, task.agent.project_id)
     is_waiting = (
         task.state in INTERRUPTED_STATES and task.abandoned_at is None and task.settled_at is None
@@ -96,7 +101,7 @@ def row_context(request: HttpRequest, task: RemoteTask, form: Any = None) -> dic
         "answer_form_id": f"answer-form-{task.pk}",
         # The agent's A2UI forms, to fill in here (drawn by tasks_app/a2ui_render.py).
         "surfaces": (lambda: views_a2ui.surfaces_block(request, task, "inbox"))
-        if is_waiting
+        if is_waiting and has_surfaces
         else "",
     }
 
@@ -121,12 +126,16 @@ def _page(
     if extra is not None and all(t.pk != extra.pk for t in tasks):
         tasks.insert(0, extra)  # the task whose answer was refused, wherever it is in the list
     ids = waiting_ids(request.user)
+    with_surfaces = views_a2ui.tasks_with_surfaces([t.pk for t in tasks])
     next_url = ""
     if has_next and tasks and tasks[-1].asked_at is not None:
         last = tasks[-1]
         next_url = "?" + urlencode({"cursor": cursors.encode(last.asked_at, last.pk)})
     return {
-        "rows": [row_context(request, t, forms.get(t.pk)) for t in tasks],
+        "rows": [
+            row_context(request, t, forms.get(t.pk), has_surfaces=t.pk in with_surfaces)
+            for t in tasks
+        ],
         "count": min(len(ids), COUNT_LIMIT),
         "count_capped": len(ids) > COUNT_LIMIT,
         "count_limit": COUNT_LIMIT,

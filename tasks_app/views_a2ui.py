@@ -72,6 +72,17 @@ def last_actions(task: RemoteTask) -> dict[str, OperatorAction]:
     return out
 
 
+def tasks_with_surfaces(task_pks: list[int]) -> set[int]:
+    """Which of these tasks have a surface to show (one query for a page of rows)."""
+    if not task_pks:
+        return set()
+    return set(
+        Surface.objects.filter(task_id__in=task_pks, deleted=False)
+        .values_list("task_id", flat=True)
+        .distinct()
+    )
+
+
 def surfaces_block(request: HttpRequest, task: RemoteTask, place: str = "task") -> SafeString:
     return mark_safe("".join(surfaces_html(request, task, place)))  # each drawn and escaped
 

@@ -67,15 +67,19 @@
     return Number.isFinite(n) ? n : null;
   }
   const KNOWN = ["required", "regex", "length", "numeric", "email", "and", "or", "not"];
+  // The agent's pattern runs here only when it cannot backtrack for long (the server's rule:
+  // short, no repeated group); otherwise the check passes here and the server decides.
+  function patternTest(pattern, value) {
+    if (typeof pattern !== "string" || pattern.length > 100 || /\)\s*[*+?{]/.test(pattern)) return true;
+    if (value.length > 2000) return true;
+    try { return new RegExp(pattern).test(value); } catch (e) { return true; }
+  }
   function call(fn, model, depth) {
     const a = fn.args && typeof fn.args === "object" ? fn.args : {};
     const arg = (k) => evaluate(a[k], model, depth);
     switch (fn.call) {
       case "required": { const v = arg("value"); return !(v === undefined || v === null || v === "" || (Array.isArray(v) && !v.length)); }
-      case "regex": {
-        if (typeof a.pattern !== "string" || a.pattern.length > 300) return true;
-        try { return new RegExp(a.pattern).test(display(arg("value")).slice(0, 5000)); } catch (e) { return true; }
-      }
+      case "regex": return patternTest(a.pattern, display(arg("value")));
       case "length": {
         const v = arg("value"); const n = (Array.isArray(v) ? v : display(v)).length;
         const lo = num(arg("min")), hi = num(arg("max"));
@@ -107,7 +111,7 @@
     if (pattern) {
       const input = el.querySelector("[data-a2ui-path]");
       const v = input ? input.value : "";
-      if (v) { try { if (!new RegExp(pattern).test(v)) out.push("This value does not have the expected form."); } catch (e) { /* not a pattern the browser reads */ } }
+      if (v && !patternTest(pattern, v)) out.push("This value does not have the expected form.");
     }
     return out;
   }
@@ -212,6 +216,10 @@
   });
   document.addEventListener("keydown", (ev) => {
     if (ev.key === "Escape") document.querySelectorAll("details.a2ui-modal[open]").forEach((d) => { d.open = false; });
+  });
+  // A page shown again from the back/forward cache may send again.
+  window.addEventListener("pageshow", () => {
+    document.querySelectorAll("form.a2ui-form[data-sending]").forEach((f) => { delete f.dataset.sending; });
   });
   document.addEventListener("submit", (ev) => {
     const form = ev.target.closest && ev.target.closest("form.a2ui-form");
