@@ -6,6 +6,7 @@ Drawing is ``tasks_app/a2ui_render.py``; sending is ``services/a2ui_actions.py``
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from django.contrib import messages
@@ -158,8 +159,42 @@ def task_surface_act(request: HttpRequest, pk: int) -> HttpResponse:
         a2ui_actions.act(
             request.user, task, surface_id, int(seq), request.POST.get("source", ""), request.POST
         )
+    except a2ui_actions.ActionRefused as exc:
+        if exc.errors and back == reverse("task-detail", args=[task.pk]):
+            return _with_errors(request, task, surface_id, exc)
+        messages.error(request, str(exc))
     except a2ui_actions.task_services.TaskActionError as exc:
         messages.error(request, str(exc))
     else:
         messages.success(request, f"Sent to the agent: {task.title or task}.")
     return redirect(back)
+
+
+def _with_errors(
+    request: HttpRequest, task: RemoteTask, surface_id: str, exc: a2ui_actions.ActionRefused
+) -> HttpResponse:
+    """The task page again, the refused form drawn with what was typed and each failing
+    check next to its input (a page without the script, whose checks stop most of these)."""
+    from tasks_app import views
+
+    def draw() -> SafeString:
+        out = []
+        for surface in _surfaces(task):
+            if surface.surface_id != surface_id:
+                out.append(render_surface(surface, task=task, request=request, interactive=False))
+                continue
+            shown = copy.copy(surface)
+            shown.data_model = exc.model
+            out.append(
+                render_surface(
+                    shown,
+                    task=task,
+                    request=request,
+                    next_url=reverse("task-detail", args=[task.pk]),
+                    errors=exc.errors,
+                )
+            )
+        return mark_safe("".join(out))  # each drawn and escaped
+
+    messages.error(request, str(exc))
+    return views._render_task_with(request, task, surfaces=draw)

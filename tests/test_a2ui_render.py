@@ -371,8 +371,12 @@ def test_checks_stale_forms_and_roles_are_refused(agent, people, no_dispatch) ->
     task = waiting(agent)
     surface = surface_of(task)
     url = reverse("task-surface-act", args=[task.pk])
-    resp = people["ann"].post(url, post_values(surface, v0=""), follow=True)
-    assert "Name is required" in resp.content.decode()
+    resp = people["ann"].post(url, post_values(surface, v0="", v1="2027-01-02"))
+    html = resp.content.decode()
+    assert resp.status_code == 400  # the page again: what was typed, the failing check by its input
+    errors = re.search(r'data-a2ui-errors-for="v0" role="alert">([^<]*)<', html)
+    assert errors and "Name is required" in errors.group(1)
+    assert 'name="v1" type="date" value="2027-01-02"' in html
     resp = people["ann"].post(
         url, post_values(surface, seq=str(surface.updated_seq - 1)), follow=True
     )

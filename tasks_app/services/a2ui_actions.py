@@ -36,9 +36,12 @@ log = logging.getLogger(__name__)
 class ActionRefused(task_services.TaskActionError):
     """The action was not sent; ``errors`` holds failing checks per input/button (``v0``, ``b1``)."""
 
-    def __init__(self, message: str, *, errors: dict[str, list[str]] | None = None) -> None:
+    def __init__(
+        self, message: str, *, errors: dict[str, list[str]] | None = None, model: Any = None
+    ) -> None:
         super().__init__(message)
         self.errors = errors or {}
+        self.model = model  # the data model with the person's values, to draw them again
 
 
 class AlreadySubmitted(ActionRefused):
@@ -88,6 +91,7 @@ def act(
         raise ActionRefused(
             "Not sent: " + " ".join(m for msgs in errors.values() for m in msgs)[:400],
             errors=errors,
+            model=model,
         )
     name = a2ui_render.action_name(button)
     context = a2ui_render.resolve_context(button, model)
