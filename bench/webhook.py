@@ -3,7 +3,8 @@
 Issue 12 calls this row "P8"; P8 and P9 were taken (the hash chain's cost, the noisy
 neighbour), so it is P10 here.
 
-One stack: daphne serving ``dashboard.asgi`` (as ``manage.py up`` runs it) and one
+One stack: the webhook part (uvicorn serving ``dashboard.webhook_asgi``, the command
+line of ``manage.py up --only webhook``, where a reverse proxy sends ``/push/``) and one
 Celery worker draining the queue, against the child's scratch database and private
 Redis. ``configs`` push-watched tasks are seeded with a config each (``new_config``:
 their own token and Bearer credentials). The load comes from
@@ -56,8 +57,8 @@ GOAL_P99 = 0.050  # seconds
 FORGED = 10_000
 CONCURRENCY = 32  # closed-loop connections (capacity phases)
 # The forgeries arrive over twice the genuine phase's length (10,000 in 20 s at the goal rate):
-# genuine 1,000/s plus forged 1,000/s is the whole request rate daphne serves on this machine
-# with no work at all (the floor), so that test would measure daphne, not the webhook.
+# genuine 1,000/s plus forged 1,000/s was the whole request rate daphne served on this machine
+# with no work at all (the floor), so that test measured daphne, not the webhook.
 BESIDE_SPAN = 2
 OPEN_CONNECTIONS = 128  # open loop: enough that the client never holds a due request back
 
@@ -225,6 +226,20 @@ def load(
     return wait
 
 
+def start_webhook(s: Stack) -> Any:
+    """The webhook part (uvicorn serving dashboard.webhook_asgi), with the command line of
+    ``up --only webhook``; the load goes to its port."""
+    from bench.procs import wait_port
+    from tasks_app.management.commands.up import webhook_argv
+
+    s.web_port = free_port()
+    proc = s.procs.start(
+        "webhook", webhook_argv(sys.executable, "127.0.0.1", s.web_port, False), s.env
+    )
+    wait_port(s.web_port, 30, proc.popen)
+    return proc
+
+
 def run(s: Stack, name: str, requests: list[list[Any]], rate: float, concurrency: int) -> Phase:
     return load(s, name, requests, rate, concurrency)()
 
@@ -259,9 +274,8 @@ def p10(db: str, quick: bool) -> list[Row]:
     configs_n = 10 if quick else 200
     load_start = os.getloadavg()[0]
     with stack() as s:
-        s.start_web()
+        server = start_webhook(s)  # the webhook part, as `up --only webhook` runs it
         worker = s.start_worker()
-        daphne = next(p for p in s.procs.started if p.name == "daphne")
         configs = seed(configs_n)
         connection.close()
         r = _redis_info()
@@ -291,14 +305,14 @@ def p10(db: str, quick: bool) -> list[Row]:
         phase("warmup", batch(max(2 * configs_n, 200)), 0, CONCURRENCY)
         floor_open = run(s, "floor-open", [["127.0.0.1", "GET", f"/push/{configs[0]['id']}/", {}, ""]] * n,
                          rate, OPEN_CONNECTIONS)  # fmt: skip
-        sampler = Sampler({"daphne": daphne, "worker": worker})
+        sampler = Sampler({"webhook": server, "worker": worker})
         alone1 = phase("alone-1", batch(n), rate, OPEN_CONNECTIONS)
         sampler.stop()
-        cpu_alone = (sampler.cpu_mean("daphne"), sampler.cpu_mean("worker"))
+        cpu_alone = (sampler.cpu_mean("webhook"), sampler.cpu_mean("worker"))
 
         bad, mix = forged(configs, forged_n, settings.PUSH_REFUSED_PER_SOURCE)
         start_at = time.time() + 2.0  # both generators loaded and waiting
-        sampler = Sampler({"daphne": daphne, "worker": worker})
+        sampler = Sampler({"webhook": server, "worker": worker})
         forged_rate = forged_n * rate / (BESIDE_SPAN * n)
         wait_forged = load(s, "forged", bad, forged_rate, OPEN_CONNECTIONS, start_at)
         wait_genuine = load(s, "beside", batch(BESIDE_SPAN * n), rate, OPEN_CONNECTIONS, start_at)
@@ -307,7 +321,7 @@ def p10(db: str, quick: bool) -> list[Row]:
         rows, seen_at = wait_recorded(expected, 120)
         timing["beside"] = seen_at - beside.wall[0]
         sampler.stop()
-        cpu_beside = (sampler.cpu_mean("daphne"), sampler.cpu_mean("worker"))
+        cpu_beside = (sampler.cpu_mean("webhook"), sampler.cpu_mean("worker"))
         if rows < expected:
             raise RuntimeError(f"beside: {expected - rows} accepted notifications never recorded")
 
@@ -316,7 +330,7 @@ def p10(db: str, quick: bool) -> list[Row]:
                         0, CONCURRENCY)  # fmt: skip
         capacity = phase("capacity", batch(capacity_n), 0, CONCURRENCY)
         total_rows = recorded()
-        log_text = daphne.log_path.read_text(errors="replace") if daphne.log_path else ""
+        log_text = server.log_path.read_text(errors="replace") if server.log_path else ""
         stats = r()
     refused_lines = log_text.count("push webhook refused")
     tracebacks = log_text.count("Traceback")
@@ -339,7 +353,7 @@ def p10(db: str, quick: bool) -> list[Row]:
     ratio = b99 / a99 if a99 else float("nan")
     ok_beside = beside.count(202) == len(beside.results) and ratio <= 2.0 and every_recorded
     scale = f"{configs_n} configs, {n:,} per phase offered at {rate:,.0f}/s"
-    cpu = (f"CPU (one core = 100%) daphne / worker: alone {cpu_alone[0]:.0f}% / {cpu_alone[1]:.0f}%, beside the "
+    cpu = (f"CPU (one core = 100%) webhook / worker: alone {cpu_alone[0]:.0f}% / {cpu_alone[1]:.0f}%, beside the "
            f"forgeries {cpu_beside[0]:.0f}% / {cpu_beside[1]:.0f}%; the load generators (their own CPU, start-up "
            f"included): alone {alone1.client_share():.0f}%, beside {beside.client_share():.0f}% (genuine) + "
            f"{forgeries.client_share():.0f}% (forged)")  # fmt: skip
@@ -354,7 +368,7 @@ def p10(db: str, quick: bool) -> list[Row]:
             floor=f"same route, 405 before any work: {floor_rate:,.0f}/s, p99 {ms(f99)} at {rate:,.0f}/s",
             ratio=f"{cap_rate / floor_rate:.2f}x the rate, p99 {a99 / f99:.1f}x" if floor_rate and f99 else "",
             db=db,
-            note=(f"daphne serving dashboard.asgi (the /push/ route before Django: accept_async, the Redis scripts of concurrent deliveries in one round trip), one "
+            note=(f"the webhook part (`up --only webhook`: uvicorn serving dashboard.webhook_asgi, the same PushRoute and accept_async as the web part), one "
                   f"Celery worker draining (threads pool), load from bench/loadgen.py in its own process "
                   f"(kept-alive HTTP/1.1 over loopback). Accepted/s and recorded/s: {capacity_n:,} notifications as "
                   f"fast as {CONCURRENCY} connections go, recorded/s counted until the last was a log row "
@@ -366,7 +380,7 @@ def p10(db: str, quick: bool) -> list[Row]:
                   f"lookup, no Redis), same client, same run: p50 {ms(pct(floor_open.latencies(405), 0.5))}. Every "
                   f"accepted notification recorded: {total_rows:,} push log rows for {expected:,} accepted (202). "
                   f"{cpu}. Redis commands: {stats}. Load average (1 min) at the start and the end: {load_start:.1f}, "
-                  f"{os.getloadavg()[0]:.1f}. Daphne log: {tracebacks} tracebacks."),
+                  f"{os.getloadavg()[0]:.1f}. Webhook log: {tracebacks} tracebacks."),
             extra={"accepted_rate": cap_rate, "recorded_rate": cap_recorded, "p99": a99, "p50": a50,
                    "floor_rate": floor_rate, "floor_p99": f99, "accepted": alone_ok, "sent": alone_sent,
                    "rows": total_rows, "expected": expected, "open_rate": accepted_rate},

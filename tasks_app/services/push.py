@@ -620,7 +620,7 @@ def _decide(
                 yield from _refused(by_source, [*limits, counted], source, config_id, 401, problem)
             )
     digest = hashlib.sha256(body).hexdigest()
-    item = json.dumps({"c": config.pk, "t": config.task_pk, "e": event})
+    item = _queued(config, event, body)
     keys = [*by_source, f"{DELETED_PREFIX}{config.config_id}", _window(f"push:rc:{config.config_id}", 1),
             f"push:seen:{config.config_id}:{digest}", QUEUE_KEY, DRAIN_KEY]  # fmt: skip
     outcome = yield ("script", "queue", keys, [*limits, counted, settings.PUSH_RATE_PER_CONFIG,
@@ -639,6 +639,19 @@ def _decide(
     if outcome == 200:
         return Verdict(200, "already received")
     return Verdict(202, "accepted", schedule_drain=outcome == 203)
+
+
+def _queued(config: _Config, event: Any, body: bytes) -> bytes | str:
+    """What the queue holds for one delivery: its config, its task and the event.
+
+    The body was just parsed as a JSON object, so when it is plain UTF-8 (an object's
+    opening brace first, no NUL byte: UTF-16 and UTF-32 text always has one) it goes in
+    as it came instead of being encoded again (a tenth of a delivery's CPU, profiled);
+    the drain parses it to the same event either way.
+    """
+    if body[:1] == b"{" and b"\x00" not in body:
+        return b'{"c": %d, "t": %d, "e": %b}' % (config.pk, config.task_pk, body)
+    return json.dumps({"c": config.pk, "t": config.task_pk, "e": event})
 
 
 def _refused(
@@ -819,7 +832,7 @@ class _Batcher:
             self.connection = self.pool.make_connection()
         connection = self.connection
         try:
-            await connection.send_packed_command(connection.pack_commands(commands))
+            await connection.send_packed_command(_resp(commands))
             results: list[Any] = []
             for _ in commands:
                 try:
@@ -832,6 +845,22 @@ class _Batcher:
             self.connection = None
             await connection.disconnect()
             raise
+
+
+def _resp(commands: list[tuple[Any, ...]]) -> bytes:
+    """``commands`` in Redis' wire format, as one buffer.
+
+    The client's own packer (``pack_commands``) was a quarter of an accepted delivery's
+    CPU (profiled: it encodes and checks each of a script's dozen arguments through
+    several calls); the arguments here are only str, bytes and int.
+    """
+    parts: list[bytes] = []
+    for command in commands:
+        parts.append(b"*%d\r\n" % len(command))
+        for arg in command:
+            data = arg if isinstance(arg, bytes) else str(arg).encode()
+            parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
+    return b"".join(parts)
 
 
 _batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Batcher] = (

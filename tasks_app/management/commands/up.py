@@ -56,13 +56,19 @@ SUPERVISE_EVERY_SECONDS = 0.5
 # A dead child comes back after 1 s, 2 s, 4 s ... at most 30 s; a minute up resets the delay.
 RESTART_BACKOFF = Backoff(first=1.0, maximum=30.0, stable_after=60.0)
 DEMO_AGENT_MODULE = "tasks_app.demo_agent"
-ROLES = ("web", "worker", "beat")
+ROLES = ("web", "worker", "beat", "webhook")
+# Without --only: everything on this machine. The web part answers /push/ too; the webhook
+# part (uvicorn, /push/ alone) is for deployments that route /push/ to processes of its own.
+ALL_IN_ONE = ("web", "worker", "beat")
+# The webhook part's server: uvicorn with its C parser and loop when installed (httptools,
+# uvloop), kept-alive connections held longer than an agent's pool keeps them idle.
+WEBHOOK_KEEP_ALIVE_SECONDS = 75
 
 
 def parse_roles(values: list[str] | None) -> tuple[str, ...]:
     """``--only web --only worker`` or ``--only web,worker`` -> the roles, in a fixed order."""
     if not values:
-        return ROLES
+        return ALL_IN_ONE
     wanted = {part.strip() for value in values for part in value.split(",") if part.strip()}
     if not wanted:
         raise StartupError(f"--only needs a role; the roles are {', '.join(ROLES)}.")
@@ -71,7 +77,26 @@ def parse_roles(values: list[str] | None) -> tuple[str, ...]:
         raise StartupError(
             f"Unknown role {', '.join(unknown)} for --only; the roles are {', '.join(ROLES)}."
         )
+    if {"web", "webhook"} <= wanted:
+        raise StartupError(
+            "The web and webhook parts each need a port: run the webhook part in its own "
+            "`up --only webhook --port N`."
+        )
     return tuple(role for role in ROLES if role in wanted)
+
+
+def webhook_argv(python: str, host: str, port: int, proxy_headers: bool) -> list[str]:
+    """The webhook part's command line (``up --only webhook``; benchmark P10 runs the same).
+
+    ``dashboard.webhook_asgi`` under uvicorn: per delivery, its HTTP handling costs a
+    fraction of daphne's (docs/performance.md, P10). Client addresses come from
+    ``X-Forwarded-For`` only with ``proxy_headers``, and then only from the proxies
+    uvicorn trusts (``FORWARDED_ALLOW_IPS``, default 127.0.0.1).
+    """
+    return [python, "-m", "uvicorn", "dashboard.webhook_asgi:application",
+            "--host", host, "--port", str(port), "--no-access-log", "--backlog", "2048",
+            "--timeout-keep-alive", str(WEBHOOK_KEEP_ALIVE_SECONDS),
+            "--proxy-headers" if proxy_headers else "--no-proxy-headers"]  # fmt: skip
 
 
 class StartupError(Exception):
@@ -205,8 +230,9 @@ class Command(BaseCommand):
             "--only",
             action="append",
             metavar="ROLE",
-            help="run only these parts (web, worker, beat; repeat or comma-separate) against the "
-            "configured DATABASE_URL and REDIS_URL, for a deployment spread over machines",
+            help="run only these parts (web, worker, beat, webhook; repeat or comma-separate) "
+            "against the configured DATABASE_URL and REDIS_URL, for a deployment spread over "
+            "machines (webhook: /push/ alone, for a reverse proxy to route deliveries to)",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -248,14 +274,14 @@ class Runner:
         host: str,
         port: int,
         demo: bool,
-        roles: tuple[str, ...] = ROLES,
+        roles: tuple[str, ...] = ALL_IN_ONE,
         proxy_headers: bool = False,
     ) -> None:
         self.host = host
         self.port = port
         self.demo = demo
         self.roles = roles
-        self.partial = roles != ROLES
+        self.partial = roles != ALL_IN_ONE
         self.proxy_headers = proxy_headers
         self.supervisor = Supervisor(output=sys.stdout)
         self.stopping = threading.Event()
@@ -288,7 +314,7 @@ class Runner:
                 "--only needs REDIS_URL: parts on different machines must share one Redis "
                 "(and one database, DATABASE_URL)."
             )
-        if "web" in self.roles and not port_available(self.host, self.port):
+        if {"web", "webhook"} & set(self.roles) and not port_available(self.host, self.port):
             raise StartupError(
                 f"Port {self.port} on {self.host} is already in use; pass --port to use another one."
             )
@@ -331,7 +357,12 @@ class Runner:
         if "web" not in self.roles:
             if not self._wait_started():
                 return self._shutdown(1) if not self.stopping.is_set() else self._shutdown(0)
-            self.say(f"Running {' and '.join(self.roles)} (Ctrl-C to stop)")
+            where = (
+                f"; webhook at http://{_url_host(self.host)}:{self.port}/push/"
+                if "webhook" in self.roles
+                else ""
+            )
+            self.say(f"Running {' and '.join(self.roles)}{where} (Ctrl-C to stop)")
             return self._supervise()
         if not self._wait_healthy():
             return self._shutdown(1) if not self.stopping.is_set() else self._shutdown(0)
@@ -443,6 +474,15 @@ class Runner:
                 cwd=cwd,
                 restart=RESTART_BACKOFF,
             )  # fmt: skip
+
+        if "webhook" in self.roles:
+            self.supervisor.start(
+                "webhook",
+                webhook_argv(python, self.host, self.port, self.proxy_headers),
+                env=env,
+                cwd=cwd,
+                restart=RESTART_BACKOFF,
+            )
 
     def _start_demo(self, env: dict[str, str]) -> str:
         # Prefer the port after the web port so the registered URL stays the same across runs.
