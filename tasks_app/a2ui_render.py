@@ -600,10 +600,14 @@ class Walk:
             label = "icon"
         else:
             label = text_of(name, self.model, scope)[:100]
+        common = self._common(comp, scope)
+        # The icon's own label (the agent's accessibility label, else its name), said once.
+        common["aria_label"], label_for = "", common["aria_label"] or label
         return self._render(
             "icon",
             {
-                **self._common(comp, scope),
+                **common,
+                "label_for": label_for,
                 "name": label,
                 "glyph": ICON_GLYPHS.get(label, ""),
                 "svg_path": svg_path,
