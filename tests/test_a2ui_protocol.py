@@ -388,6 +388,18 @@ def test_too_deep_path_and_too_many_surfaces():
     assert "one-too-many" not in surfaces
 
 
+def test_ids_longer_than_their_columns_are_refused():
+    surfaces: dict = {}
+    long_id = "s" * (a2ui.MAX_ID_CHARS + 1)
+    outcome = a2ui.apply(surfaces, "0.9.1", create(long_id))
+    assert outcome.problem == f"too large: surfaceId is longer than {a2ui.MAX_ID_CHARS} characters"
+    assert surfaces == {}  # no row that could not be stored
+    catalog = {"version": "v0.9", "createSurface": {"surfaceId": "s", "catalogId": "c" * 501}}
+    assert a2ui.apply(surfaces, "0.9.1", catalog).problem.startswith("too large: catalogId")
+    root = {"beginRendering": {"surfaceId": "o", "root": "r" * 201}}
+    assert a2ui.apply(surfaces, "0.8", root).problem.startswith("too large: root")
+
+
 def test_too_many_components_is_refused():
     surfaces: dict = {}
     a2ui.apply(surfaces, "0.9.1", create())

@@ -96,6 +96,8 @@ MAX_DATA_MODEL_BYTES = 256 * 1024  # the data model alone
 MAX_SURFACES = 50  # surfaces per task
 MAX_MESSAGES_PER_EVENT = 200  # A2UI messages folded from one log row (each is validated)
 MAX_REASON = 500  # characters of a problem / reason
+MAX_ID_CHARS = 200  # a surfaceId or root id (the Surface row's columns)
+MAX_CATALOG_ID_CHARS = 500
 
 SCHEMA_DIR = Path(__file__).with_name("a2ui_schemas")
 V08_KEYS = ("beginRendering", "surfaceUpdate", "dataModelUpdate", "deleteSurface")
@@ -752,15 +754,16 @@ def apply(
     reason = validate(version, message, catalog_id=catalog)
     if reason is None and surface_id is None:
         reason = "schema: no surfaceId"
+    if reason is None:
+        reason = _ids_problem(message)
     if reason is None and surface is not None and _family(surface["version"]) != _family(version):
         reason = f"version mismatch: surface {surface_id!r} is v{surface['version']}, message is v{version}"
     if reason is None and surface is None and len(surfaces) + others >= MAX_SURFACES:
         reason = f"too many surfaces: at most {MAX_SURFACES} per task"
         return Outcome(surface_id, reason)
     if reason is not None:
-        if surface_id is not None and (
-            surface is not None or len(surfaces) + others < MAX_SURFACES
-        ):
+        fits = surface_id is not None and len(surface_id) <= MAX_ID_CHARS
+        if fits and (surface is not None or len(surfaces) + others < MAX_SURFACES):
             target = surfaces.setdefault(surface_id, new_surface(version))
             target["problem"], target["raw_json"] = reason, copy.deepcopy(message)
         return Outcome(surface_id, reason)
@@ -789,6 +792,21 @@ def apply(
     work["raw_json"] = copy.deepcopy(message) if work["problem"] else None
     surfaces[surface_id] = work
     return Outcome(surface_id, work["problem"], applied=True)
+
+
+def _ids_problem(message: Mapping[str, Any]) -> str | None:
+    """Ids longer than the columns that keep them (a valid message can still be absurd)."""
+    body = next((message[k] for k in (*V08_KEYS, *V09_KEYS) if k in message), {})
+    limits = (
+        ("surfaceId", MAX_ID_CHARS),
+        ("root", MAX_ID_CHARS),
+        ("catalogId", MAX_CATALOG_ID_CHARS),
+    )
+    for key, limit in limits:
+        value = body.get(key)
+        if isinstance(value, str) and len(value) > limit:
+            return f"too large: {key} is longer than {limit} characters"
+    return None
 
 
 def _kind(message: Mapping[str, Any]) -> str:

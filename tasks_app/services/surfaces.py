@@ -57,6 +57,8 @@ def _a2ui(parts: list[Any]) -> list[tuple[str, Any]]:
 
 def _diagnosis(surface_id: str | None, version: str | None, reason: str) -> dict[str, Any]:
     """The raw of a protocol-error row about an A2UI message (small: the message is in the row before)."""
+    if surface_id is not None and len(surface_id) > a2ui.MAX_ID_CHARS:
+        surface_id = surface_id[: a2ui.MAX_ID_CHARS] + "…"
     where = f"A2UI surface {surface_id!r}" if surface_id is not None else "A2UI"
     detail = {"surfaceId": surface_id, "version": version}
     return {"protocolError": {"message": f"{where}: {reason}", "a2ui": detail}}
@@ -150,17 +152,19 @@ class SurfaceFold:
             if version is None:
                 said = message.get("version") if isinstance(message, dict) else None
                 reason = (
-                    f"unsupported A2UI version {said!r}"
+                    f"unsupported A2UI version {str(said)[:40]!r}"
                     if said is not None
                     else "not an A2UI message this dashboard knows"
                 )
+                if surface_id is not None and len(surface_id) > a2ui.MAX_ID_CHARS:
+                    surface_id = None
                 reasons.append((surface_id, None, reason))
                 if surface_id is not None and (
                     surface_id in self.surfaces
                     or len(self.surfaces) + self.others < a2ui.MAX_SURFACES
                 ):
                     state = self.surfaces.setdefault(
-                        surface_id, a2ui.new_surface(str(said or "").lstrip("v"))
+                        surface_id, a2ui.new_surface(str(said or "").lstrip("v")[:20])
                     )
                     state["problem"], state["raw_json"] = reason, message
                     touched.append(surface_id)
