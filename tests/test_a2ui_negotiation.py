@@ -179,10 +179,15 @@ def ask_and_answer(base: str, name: str) -> RemoteTask:
     )
     task.refresh_from_db()
     task_services.answer_task(task, "Ann")
-    wait_for(
-        lambda: RemoteTask.objects.get(pk=task.pk).state == "TASK_STATE_COMPLETED",
-        what="the end",
-    )
+    try:
+        wait_for(
+            lambda: RemoteTask.objects.get(pk=task.pk).state == "TASK_STATE_COMPLETED",
+            what="the end",
+        )
+    except AssertionError:
+        task.refresh_from_db()
+        rows = list(task.events.order_by("seq").values_list("kind", "channel", "note"))
+        raise AssertionError(f"{task.state} {task.watcher_status} {task.watcher_note}: {rows}") from None
     return task
 
 

@@ -6,13 +6,17 @@ helps, so what is folded is what a real agent built with that SDK sends.
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from a2ui.core.schema.v0_8 import server_to_client as s08
 from a2ui.core.schema.v0_9 import server_to_client as s09
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tasks_app.a2a import a2ui
 from tasks_app.models import Agent, RemoteTask, Surface, TaskEvent
-from tasks_app.services.audit import replay
+from tasks_app.services.audit import replay, surfaces_view
 from tasks_app.services.record import record, record_many
 
 pytestmark = pytest.mark.django_db
@@ -405,3 +409,45 @@ def test_v08_data_model_update_at_a_path_and_delete(task):
     surface.refresh_from_db()
     assert surface.deleted and not surface.ready and surface.components == {}
     assert errors(task) == [] and replay(task).ok
+
+
+POOL = [
+    ("create", lambda sid: v09_card(sid)[0]),
+    ("components", lambda sid: v09_card(sid)[1]),
+    ("data", lambda sid: v09_card(sid)[2]),
+    ("broken", lambda sid: {"version": "v0.9", "updateComponents": {"surfaceId": sid, "components": [
+        {"id": "root", "component": "Card", "child": "gone"}]}}),
+    ("invalid", lambda sid: {"version": "v0.9", "updateDataModel": {"surfaceId": sid, "bad": 1}}),
+    ("delete", lambda sid: {"version": "v0.9", "deleteSurface": {"surfaceId": sid}}),
+]  # fmt: skip
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    steps=st.lists(
+        st.tuples(st.sampled_from(range(len(POOL))), st.sampled_from(["x", "y"])),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_a_batch_folds_as_its_entries_one_by_one(db, steps):
+    agent = Agent.objects.create(name="h", base_url=f"http://127.0.0.1:1/{uuid.uuid4().hex}")
+    batch, single = (RemoteTask.objects.create(agent=agent, title=t) for t in ("b", "s"))
+    events = [reply([part(POOL[i][1](sid))], mid=f"m-{n}") for n, (i, sid) in enumerate(steps)]
+    record_many(batch, events, "stream")
+    for event in events:
+        record(single, event, "stream")
+
+    def log(task: RemoteTask) -> list[tuple[str, str]]:
+        return list(task.events.order_by("seq").values_list("kind", "note"))
+
+    assert log(batch) == log(single)
+    assert surfaces_view(batch) == surfaces_view(single)
+
+    def seqs(task: RemoteTask) -> dict[str, int]:
+        return dict(Surface.objects.filter(task=task).values_list("surface_id", "updated_seq"))
+
+    assert seqs(batch) == seqs(single)
+    assert replay(batch).ok
