@@ -192,7 +192,7 @@ def rows_floor(source: Any, target: Any, batch: int = BATCH) -> float:
     starts.
     """
     from tasks_app.models import Artifact, ArtifactPart, ConversationMessage, RemoteTask, TaskEvent
-    from tasks_app.services.record import insert_rows
+    from tasks_app.services.record import insert_rows, relax_commit
 
     events = list(TaskEvent.objects.filter(task_id=source.pk).order_by("seq"))
     parts = list(ArtifactPart.objects.filter(artifact__task_id=source.pk).order_by("seq", "index"))
@@ -227,6 +227,7 @@ def rows_floor(source: Any, target: Any, batch: int = BATCH) -> float:
     for chunk, chunk_parts, chunk_messages, counts in batches:
         last = chunk[-1]
         with transaction.atomic():
+            relax_commit("stream")  # committed as record() commits a stream's batch
             RemoteTask.objects.filter(pk=target.pk).update(
                 **snapshot, last_seq=last.seq, last_hash=last.hash,
                 last_event_at=last.received_at, updated_at=last.received_at,

@@ -329,6 +329,10 @@ WATCH_SLICE_SECONDS = float(os.environ.get("WATCH_SLICE_SECONDS", "300"))
 WATCH_POLL_MIN_SECONDS = float(os.environ.get("WATCH_POLL_MIN_SECONDS", "1"))
 WATCH_POLL_MAX_SECONDS = float(os.environ.get("WATCH_POLL_MAX_SECONDS", "30"))
 RECONCILE_EVERY_SECONDS = float(os.environ.get("RECONCILE_EVERY_SECONDS", "2"))
+# PostgreSQL: what agents say is committed without waiting for the WAL flush (synchronous_commit
+# off; a server crash may lose the last fraction of a second, never half a transaction): the
+# same durability as SQLite's WAL with synchronous=NORMAL above. "false" waits for every flush.
+RECORD_ASYNC_COMMIT = os.environ.get("RECORD_ASYNC_COMMIT", "true").strip().lower() != "false"
 # SQLite: how often beat refreshes the query planner's statistics (tasks_app/runtime/sqlite_stats.py).
 SQLITE_ANALYZE_EVERY_SECONDS = float(os.environ.get("SQLITE_ANALYZE_EVERY_SECONDS", "3600"))
 # /metrics answers a staff login, or this bearer token (for Prometheus); unset: staff only.
