@@ -109,11 +109,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # pyproject.toml). Most get theirs here, from the fixtures they use, so a new test that asks
 # for ``celery_worker`` or ``agent`` is marked without anyone thinking of it; a test that starts
 # something itself (subprocess.run, a stack of its own) is marked by hand in its module.
-# ``--fast`` (``./dash test --fast``) runs only the tests without any of these markers, and
-# fails a test that starts a process anyway: the fast tier's selection stays honest.
+# ``--fast`` (``./dash test --fast``) runs only the tests without any of these markers, nor
+# ``slow`` (a test that takes seconds by design: hypothesis runs, 10,000-row tables), and fails
+# a test that starts a process anyway: the fast tier's selection stays honest.
 
 PROCESS_MARKERS = ("worker", "agent", "server", "browser", "subprocess")
-FAST_EXPRESSION = "not (" + " or ".join(PROCESS_MARKERS) + ")"
+FAST_EXPRESSION = "not (" + " or ".join((*PROCESS_MARKERS, "slow")) + ")"
 
 # Fixture -> the marker of what it starts (tests/infra.py, tests/agents.py).
 PROCESS_FIXTURES = {

@@ -95,6 +95,7 @@ def preview_bounds(content: bytes) -> tuple[str, str]:
     return inside, past
 
 
+@pytest.mark.slow  # a large artifact
 def test_task_page_shows_a_bounded_preview_and_downloads_the_whole(operator, content):
     task = big_task(content)
     artifact = Artifact.objects.get(task=task)

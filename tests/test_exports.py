@@ -84,6 +84,7 @@ def _body(response) -> bytes:
     return b"".join(response.streaming_content)
 
 
+@pytest.mark.slow  # 10,000 events
 def test_a_10000_event_task_exports_every_event_as_json_and_jsonl(world) -> None:
     task = world["task"]
     last = bulk_log(task, 10_000)

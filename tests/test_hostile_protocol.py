@@ -206,6 +206,7 @@ def test_clean_keeps_both_values_when_keys_collide() -> None:
     assert sorted(cleaned.values()) == [1, 2]
 
 
+@pytest.mark.slow  # 100,000 levels deep
 def test_clean_is_iterative() -> None:
     value: list[object] = []
     for _ in range(100_000):
@@ -231,6 +232,7 @@ hostile_values = st.recursive(
 )
 
 
+@pytest.mark.slow  # hypothesis, 300 examples
 @settings(max_examples=300, deadline=None)
 @given(hostile_values)
 def test_clean_makes_anything_storable(value: object) -> None:

@@ -444,6 +444,7 @@ def _querydict(post: dict[str, Any]):
     return data
 
 
+@pytest.mark.slow  # hypothesis, 150 examples
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_object())
 def test_generated_schemas_make_forms_whose_valid_answers_validate(generated) -> None:

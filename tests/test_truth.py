@@ -395,6 +395,7 @@ entries = st.one_of(
 )
 
 
+@pytest.mark.slow  # hypothesis, each example on the database
 @settings(
     max_examples=40,
     deadline=None,
@@ -461,6 +462,7 @@ json_values = st.recursive(
 )
 
 
+@pytest.mark.slow  # hypothesis, each example on the database
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
