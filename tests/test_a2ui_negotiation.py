@@ -173,8 +173,13 @@ def in_process_holders(monkeypatch) -> Iterator[None]:
 def ask_and_answer(base: str, name: str) -> RemoteTask:
     agent = add_agent(base, name=name)
     task = task_services.start_task(agent, "hello", mode="stream")
+    # The question is recorded and its holder has let the task go: the answer's dispatch
+    # then starts a holder here (no reconciler runs in this test to catch a later one).
     wait_for(
-        lambda: RemoteTask.objects.get(pk=task.pk).state == "TASK_STATE_INPUT_REQUIRED",
+        lambda: RemoteTask.objects.filter(
+            pk=task.pk, state="TASK_STATE_INPUT_REQUIRED", lease_token=""
+        ).exists(),
+        timeout=60,
         what="the question",
     )
     task.refresh_from_db()
@@ -182,12 +187,15 @@ def ask_and_answer(base: str, name: str) -> RemoteTask:
     try:
         wait_for(
             lambda: RemoteTask.objects.get(pk=task.pk).state == "TASK_STATE_COMPLETED",
+            timeout=60,
             what="the end",
         )
     except AssertionError:
         task.refresh_from_db()
         rows = list(task.events.order_by("seq").values_list("kind", "channel", "note"))
-        raise AssertionError(f"{task.state} {task.watcher_status} {task.watcher_note}: {rows}") from None
+        raise AssertionError(
+            f"{task.state} {task.watcher_status} {task.watcher_note}: {rows}"
+        ) from None
     return task
 
 
