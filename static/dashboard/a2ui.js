@@ -216,6 +216,14 @@
   });
   document.addEventListener("keydown", (ev) => {
     if (ev.key === "Escape") document.querySelectorAll("details.a2ui-modal[open]").forEach((d) => { d.open = false; });
+    const tab = ev.target.closest && ev.target.closest(".a2ui-tab");
+    if (tab && (ev.key === "ArrowRight" || ev.key === "ArrowLeft")) {
+      const all = Array.from(tab.parentElement.children);
+      const n = (all.indexOf(tab) + (ev.key === "ArrowRight" ? 1 : all.length - 1)) % all.length;
+      select(tab.closest(".a2ui-tabs"), n);
+      all[n].focus();
+      ev.preventDefault();
+    }
   });
   // A page shown again from the back/forward cache may send again.
   window.addEventListener("pageshow", () => {
