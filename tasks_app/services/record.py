@@ -373,6 +373,9 @@ class _Row:
     state_after: str = ""
     # The row sets a new status in input-required/auth-required: a new question.
     asks: bool = False
+    # An artifact update: the digest its parts were chained onto, and the digest after them
+    # (the fold computes it; writing the parts reuses it when it starts from the same digest).
+    chained: tuple[str, str] | None = None
 
 
 class _Rows(list):
@@ -682,10 +685,9 @@ class _Fold:
         data = update["artifact"]
         current = self.held_digests().get(data["artifactId"])
         append = bool(update.get("append")) and current is not None
-        self._pending[data["artifactId"]] = chain_digest(
-            current if append else "", data.get("parts") or []
-        )
-        self.rows.append(_Row(entry, "artifactUpdate"))
+        start = current if append else ""
+        self._pending[data["artifactId"]] = digest = chain_digest(start, data.get("parts") or [])
+        self.rows.append(_Row(entry, "artifactUpdate", chained=(start, digest)))
 
     def _seen_chunk(self, digest: str) -> bool:
         """Whether an identical artifact update is already in the log.
@@ -840,7 +842,9 @@ class _Fold:
             data = update["artifact"]
             append = bool(update.get("append")) and data["artifactId"] in self.artifacts()
             artifact = self._put_artifact(data, seq, now, complete=bool(update.get("lastChunk")))
-            self._add_parts(artifact, data.get("parts") or [], seq, replace=not append)
+            self._add_parts(
+                artifact, data.get("parts") or [], seq, replace=not append, chained=row.chained
+            )
 
     def _replace_all_artifacts(self, artifacts: list[dict], seq: int, now: datetime) -> None:
         held = self.artifacts()
@@ -895,7 +899,15 @@ class _Fold:
         self._touched[artifact.artifact_id] = artifact
         return artifact
 
-    def _add_parts(self, artifact: Artifact, parts: list, seq: int, *, replace: bool) -> None:
+    def _add_parts(
+        self,
+        artifact: Artifact,
+        parts: list,
+        seq: int,
+        *,
+        replace: bool,
+        chained: tuple[str, str] | None = None,
+    ) -> None:
         if replace:
             ArtifactPart.objects.filter(artifact=artifact).delete()
             self._new_parts = [p for p in self._new_parts if p.artifact_id != artifact.pk]
@@ -906,7 +918,10 @@ class _Fold:
             for i, part in enumerate(parts)
         )
         artifact.part_count = start + len(parts)
-        artifact.digest = chain_digest(artifact.digest, parts)
+        if chained is not None and chained[0] == artifact.digest:
+            artifact.digest = chained[1]  # the same parts onto the same digest: the fold's result
+        else:
+            artifact.digest = chain_digest(artifact.digest, parts)
 
 
 _AS_IS = (int, str, bool)
