@@ -26,6 +26,8 @@ from django.utils.html import escape, format_html
 from django.utils.safestring import SafeString, mark_safe
 from markdown_it import MarkdownIt
 
+from tasks_app.a2a import a2ui
+
 ALLOWED_TAGS = {
     "a", "abbr", "b", "blockquote", "br", "code", "del", "em", "h1", "h2", "h3", "h4",
     "h5", "h6", "hr", "i", "kbd", "li", "ol", "p", "pre", "s", "strong", "sub", "sup",
@@ -205,7 +207,17 @@ def parts_html(
             text_run.append(str(part.get("text") or ""))
             continue
         flush()
-        if kind == "data":
+        if kind == "data" and a2ui.is_a2ui_part(part):
+            # The surface is drawn from the fold (tasks_app/a2ui_render.py); its JSON is kept
+            # one click away rather than above the form it describes.
+            out.append(
+                format_html(
+                    '<details class="a2ui-json"><summary>A2UI message (drawn as a form)</summary>'
+                    '<pre class="json">{}</pre></details>',
+                    pretty_json(part.get("data")),
+                )
+            )
+        elif kind == "data":
             out.append(format_html('<pre class="json">{}</pre>', pretty_json(part.get("data"))))
         elif kind == "raw":
             name = safe_filename(part.get("filename"), f"part-{index}")
