@@ -45,10 +45,11 @@ def chromium() -> Iterator[Any]:
     try:
         from playwright import sync_api
     except ImportError as error:
-        pytest.fail(
-            f"Playwright is not importable ({error}); ./dash installs it with the test extra",
-            pytrace=False,
-        )
+        problem = f"Playwright is not importable ({error}); ./dash installs it with the test extra"
+    else:
+        problem = ""
+    if problem:  # failed outside the except block: one sentence, not a chained traceback
+        pytest.fail(problem, pytrace=False)
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
