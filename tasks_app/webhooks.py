@@ -5,8 +5,9 @@ authenticated per config instead (``tasks_app.services.push.accept``: the config
 token and ``Authorization`` credentials in constant time, a signed token when the
 agent signs), and answers at once; recording happens in the worker.
 
-Two doors to the same ``accept()``: under ASGI (daphne, ``dashboard/asgi.py``)
-:class:`PushRoute` answers ``/push/<config_id>/`` before Django; the Django view
+Two doors to the same ``accept()``: under ASGI (daphne, ``dashboard/asgi.py``; and the
+webhook part alone, ``dashboard/webhook_asgi.py`` on uvicorn) :class:`PushRoute` answers
+``/push/<config_id>/`` before Django; the Django view
 :func:`receive` serves the same URL elsewhere (the test client, a WSGI server).
 Why the route: a sync Django view under ASGI runs on one thread at a time and pays
 for the whole middleware stack (sessions, CSRF, messages, axes: none apply to an

@@ -71,8 +71,8 @@ DRAIN_BATCH = 5000
 # When a batch was busy (this many or more), the drain waits before the next, so each
 # task's share grows: a record_many() call has a fixed cost (read the task, the
 # compare-and-set, the commit, the relay) of about ten notifications' worth, so at 1,000
-# notifications/s over 200 tasks the worker spent 2.7 ms of CPU per notification at 2.5 a
-# task and 1 ms at 10 (profiled, SQLite). It waits until the queue holds
+# notifications/s over 200 tasks the worker spent 2.3-2.8 ms of CPU per notification at 2.5
+# a task and 1.0-1.1 ms at 10 (measured in-process, SQLite, on a loaded machine). It waits until the queue holds
 # DRAIN_GATHER_PER_TASK for each task of the last batch, at most DRAIN_GATHER_SECONDS,
 # looking every DRAIN_GATHER_POLL_SECONDS. A quiet queue is taken at once (a lone push task
 # is not delayed).
