@@ -18,6 +18,7 @@ from django.contrib import admin
 from django.contrib.auth.models import Group
 from django.urls import URLPattern, URLResolver, get_resolver, reverse
 
+from tasks_app.a2a import a2ui
 from tasks_app.models import (
     Agent,
     Artifact,
@@ -26,6 +27,7 @@ from tasks_app.models import (
     OperatorAction,
     PushConfig,
     RemoteTask,
+    Surface,
     TaskEvent,
 )
 from tasks_app.services.record import record
@@ -70,7 +72,8 @@ def build_site(user: Any, agent: Agent | None = None, *, text: str = "a *markdow
     record(task, {"task": {
         "id": tid, "contextId": ctx,
         "status": {"state": "TASK_STATE_INPUT_REQUIRED", "message": {
-            "messageId": "m-agent", "role": "ROLE_AGENT", "parts": [{"text": text}]}},
+            "messageId": "m-agent", "role": "ROLE_AGENT", "parts": [
+                {"text": text}, {"data": _a2ui_form(text), "mediaType": "application/a2ui+json"}]}},
         "history": [{"messageId": "m-user", "role": "ROLE_USER", "parts": [
             {"text": "please"}, {"raw": upload, "filename": "in.txt", "mediaType": "text/plain"}]}],
     }}, "stream")  # fmt: skip
@@ -86,10 +89,29 @@ def build_site(user: Any, agent: Agent | None = None, *, text: str = "a *markdow
     _log_in_through_the_form()
     job = ImportJob.objects.create(agent=agent, actor=user, status=ImportJob.Status.DONE, pages=1)
     push = PushConfig.objects.create(task=task, config_id="site-push-config")
+    surface = Surface.objects.get(task=task, surface_id="site-form")
+    assert not surface.problem, f"the site's A2UI form did not fold: {surface.problem}"
     message = ConversationMessage.objects.filter(task=task).order_by("seq").first()
     assert message is not None, "the recorded history made no conversation message"
     return Site(agent=agent, task=task, artifact=Artifact.objects.get(task=task),
                 message=message, import_job=job, push_config=push)  # fmt: skip
+
+
+def _a2ui_form(text: str) -> list[dict]:
+    """An agent's A2UI form (v0.9.1): a Surface row, drawn on the task page and the inbox."""
+    components = [
+        {"id": "root", "component": "Column", "children": ["say", "name", "send"]},
+        {"id": "say", "component": "Text", "text": text},
+        {"id": "name", "component": "TextField", "label": "Name", "value": {"path": "/name"}},
+        {"id": "send-label", "component": "Text", "text": "Send"},
+        {"id": "send", "component": "Button", "child": "send-label",
+         "action": {"event": {"name": "send", "context": {"name": {"path": "/name"}}}}},
+    ]  # fmt: skip
+    return [
+        {"version": "v0.9", "createSurface": {"surfaceId": "site-form", "catalogId": a2ui.V091_CATALOG}},
+        {"version": "v0.9", "updateComponents": {"surfaceId": "site-form", "components": components}},
+        {"version": "v0.9", "updateDataModel": {"surfaceId": "site-form", "value": {"name": ""}}},
+    ]  # fmt: skip
 
 
 def _log_in_through_the_form() -> None:
