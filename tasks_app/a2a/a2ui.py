@@ -133,6 +133,29 @@ def client_capabilities_metadata(version: str) -> dict[str, Any]:
     return {CAPABILITIES_KEY: {"v0.9": {"supportedCatalogIds": catalogs}}}
 
 
+def with_capabilities(message: Mapping[str, Any], version: str | None) -> dict[str, Any]:
+    """``message`` as sent to an agent speaking ``version`` (None: unchanged).
+
+    Our renderer's capabilities go into its metadata and the extension's URI into its
+    ``extensions``. Idempotent: the services apply it when they build a message (so the
+    log records the message exactly as sent) and the client applies it again to whatever
+    it sends (so no path forgets it).
+    """
+    out = dict(message)
+    if version is None:
+        return out
+    metadata = out.get("metadata")
+    out["metadata"] = {
+        **(metadata if isinstance(metadata, Mapping) else {}),
+        **client_capabilities_metadata(version),
+    }
+    uri = EXTENSION_URIS[version]
+    declared = out.get("extensions")
+    declared = list(declared) if isinstance(declared, list) else []
+    out["extensions"] = declared if uri in declared else [*declared, uri]
+    return out
+
+
 # Detection ----------------------------------------------------------------------------------
 
 

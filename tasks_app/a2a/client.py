@@ -278,18 +278,7 @@ class A2AClient:
 
     def _outgoing(self, message: Mapping[str, Any]) -> dict[str, Any]:
         """The message as sent: with the A2UI capabilities when the agent speaks A2UI."""
-        out = dict(message)
-        if self.a2ui_version is not None:
-            metadata = out.get("metadata")
-            out["metadata"] = {
-                **(metadata if isinstance(metadata, Mapping) else {}),
-                **a2ui.client_capabilities_metadata(self.a2ui_version),
-            }
-            uri = a2ui.EXTENSION_URIS[self.a2ui_version]
-            declared = out.get("extensions")
-            declared = list(declared) if isinstance(declared, list) else []
-            out["extensions"] = declared if uri in declared else [*declared, uri]
-        return out
+        return a2ui.with_capabilities(message, self.a2ui_version)
 
     def _send_params(
         self,

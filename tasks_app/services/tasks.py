@@ -25,6 +25,7 @@ from tasks_app.a2a import (
     A2AError,
     TaskNotCancelableError,
     TaskNotFoundError,
+    a2ui,
     user_message,
 )
 from tasks_app.access import Perm, require
@@ -101,6 +102,7 @@ def start_task(
         raise TaskActionError(f"{agent.name} has no usable interface; refresh its card.")
     mode = resolve_mode(agent, mode, from_browser=from_browser)
     message = user_message(text or None, data=data, files=files, context_id=str(uuid.uuid4()))
+    message = a2ui.with_capabilities(message, a2ui.declared_version(agent.card))
     with transaction.atomic():
         task = RemoteTask.objects.create(
             agent=agent,
@@ -230,6 +232,8 @@ def answer_task(
         context_id=task.context_id or None,
         metadata=metadata,
     )
+    # As the client will send it (A2UI negotiation), so the log holds what was sent.
+    message = a2ui.with_capabilities(message, a2ui.declared_version(task.agent.card))
     with transaction.atomic():
         won = RemoteTask.objects.filter(
             pk=task.pk,
