@@ -227,6 +227,14 @@ def a2ui_agent(version: str) -> Iterator[tuple[str, FormExecutor]]:
         ],
     )
     executor = FormExecutor(version)
+    with served(card, executor, port):
+        yield base, executor
+
+
+@contextlib.contextmanager
+def served(card: pb.AgentCard, executor: AgentExecutor, port: int) -> Iterator[None]:
+    """Serve ``executor`` behind ``card`` (JSON-RPC at /jsonrpc) on 127.0.0.1:``port``, in a
+    thread of the test process, until the block ends."""
     handler = DefaultRequestHandler(
         agent_executor=executor, task_store=InMemoryTaskStore(), agent_card=card
     )
@@ -238,10 +246,10 @@ def a2ui_agent(version: str) -> Iterator[tuple[str, FormExecutor]]:
     thread.start()
     deadline = time.monotonic() + 15
     while not server.started:
-        assert time.monotonic() < deadline, "the A2UI test agent did not start"
+        assert time.monotonic() < deadline, f"the test agent {card.name!r} did not start"
         time.sleep(0.02)
     try:
-        yield base, executor
+        yield
     finally:
         server.should_exit = True
         thread.join(timeout=15)

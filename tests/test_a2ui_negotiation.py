@@ -11,30 +11,25 @@ them through the real watcher and record().
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import uvicorn
 from a2a.helpers.proto_helpers import new_data_part, new_task_from_user_message, new_text_part
 from a2a.server.agent_execution import AgentExecutor, RequestContext
 from a2a.server.events import EventQueue
-from a2a.server.request_handlers import DefaultRequestHandler
-from a2a.server.routes import create_agent_card_routes, create_jsonrpc_routes
-from a2a.server.tasks import InMemoryTaskStore, TaskUpdater
+from a2a.server.tasks import TaskUpdater
 from a2a.types import a2a_pb2 as pb
 from a2ui.core.schema.v0_8 import server_to_client as s08
 from a2ui.core.schema.v0_9 import server_to_client as s09
 from google.protobuf.json_format import MessageToDict
-from starlette.applications import Starlette
 
 from tasks_app import eventloop, relay, watchers
 from tasks_app.a2a import a2ui
 from tasks_app.models import RemoteTask, Surface
 from tasks_app.services import tasks as task_services
 from tasks_app.services.agents import add_agent
+from tests.a2ui_agents import served
 from tests.agents import free_port
 from tests.test_mirror import wait_for
 
@@ -139,24 +134,8 @@ def serve_agent(
         skills=[pb.AgentSkill(id="ask", name="ask", description="asks", tags=["test"])],
     )
     executor = RecordingExecutor(surface)
-    handler = DefaultRequestHandler(
-        agent_executor=executor, task_store=InMemoryTaskStore(), agent_card=card
-    )
-    app = Starlette(
-        routes=[*create_agent_card_routes(card), *create_jsonrpc_routes(handler, "/jsonrpc")]
-    )
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 15
-    while not server.started:
-        assert time.monotonic() < deadline, "the test agent did not start"
-        time.sleep(0.02)
-    try:
+    with served(card, executor, port):
         yield base, executor
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
 
 
 @pytest.fixture
