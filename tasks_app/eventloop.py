@@ -53,6 +53,16 @@ def _run(loop: asyncio.AbstractEventLoop, ready: threading.Event) -> None:
 
     loop.run_until_complete(setup())
     loop.run_forever()
+    # Stopped (see stop()). What is still pending (the relay's sender, a holder that did
+    # not end in time) is cancelled and given its turn to unwind, so nothing is destroyed
+    # while pending and the loop closes; relays after this go the synchronous way.
+    relay.release_loop(loop)
+    pending = asyncio.all_tasks(loop)
+    for task in pending:
+        task.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.close()
 
 
 def get_loop() -> asyncio.AbstractEventLoop:

@@ -124,6 +124,14 @@ def use_loop(loop: asyncio.AbstractEventLoop | None) -> None:
         _loop_relay.start()
 
 
+def release_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Unregister ``loop`` if it is still the one registered (a stopped loop's thread calls
+    this; a loop started since then keeps its registration)."""
+    global _loop_relay
+    if _loop_relay is not None and _loop_relay.loop is loop:
+        _loop_relay = None
+
+
 def publish(messages: Iterable[Message]) -> None:
     batch = list(messages)
     if not batch:
