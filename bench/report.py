@@ -105,8 +105,14 @@ def machine() -> dict[str, str]:
     }
 
 
-def write_docs(path: Path, rows: list[Row], command: str, analysis: str) -> None:
-    """Write docs/performance.md: the machine, the date, the command, the table, the notes."""
+def write_docs(
+    path: Path, rows: list[Row], command: str, analysis: str, *, keep_machine: bool = False
+) -> None:
+    """Write docs/performance.md: the machine, the date, the command, the table, the notes.
+
+    ``keep_machine`` (re-rendering rows measured earlier): the page's machine-and-run
+    section stays as it was, since it describes the run that measured them, not today.
+    """
     info = machine()
     now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     text = f"""# Performance
@@ -145,6 +151,11 @@ Floors are measured in the same run, on the same machine, at the same time.
 {analysis}
 {ROWS_MARK}{json.dumps([r.to_json() for r in rows], default=str)} -->
 """
+    if keep_machine and path.exists():
+        old, start, end = path.read_text(), "## Machine and run", "## Results"
+        if start in old and end in old:
+            earlier = old[old.index(start) : old.index(end)]
+            text = text[: text.index(start)] + earlier + text[text.index(end) :]
     path.write_text(text)
 
 

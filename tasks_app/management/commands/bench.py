@@ -158,7 +158,7 @@ class Command(BaseCommand):
         if options["rewrite_docs"]:
             rows, command = rows_from_docs(DOCS_PATH)
             analysis = ANALYSIS_PATH.read_text() if ANALYSIS_PATH.exists() else ""
-            write_docs(DOCS_PATH, rows, command, analysis)
+            write_docs(DOCS_PATH, rows, command, analysis, keep_machine=True)
             self.stdout.write(table(rows))
             return
         canonical = {n.upper(): n for n in ALL_ROWS}  # "p2x" and "P2X" name the row P2x
