@@ -185,3 +185,14 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
             f"with what it starts: one of {', '.join(PROCESS_MARKERS)} (see pyproject.toml)",
             pytrace=False,
         )
+
+
+@pytest.fixture
+def no_dispatch(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Starts and answers dispatch no watcher (nothing reaches the broker); the task pks
+    they would have dispatched are listed."""
+    from tasks_app.services import tasks as task_services
+
+    calls: list[int] = []
+    monkeypatch.setattr(task_services, "dispatch", lambda pk: calls.append(pk))
+    return calls

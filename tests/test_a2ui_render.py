@@ -21,7 +21,6 @@ from tasks_app import a2ui_render
 from tasks_app.a2a import a2ui
 from tasks_app.models import Agent, Membership, OperatorAction, Project, RemoteTask, Surface
 from tasks_app.services import a2ui_actions
-from tasks_app.services import tasks as task_services
 from tasks_app.services.record import record
 from tests.a2ui_agents import form_08, form_091
 from tests.people import member
@@ -78,13 +77,6 @@ def booking_model(s: str = "") -> dict:
         "booking": {"name": f"Ada {s}", "date": "2026-12-24", "size": 4, "seat": ["terrace"]},
         "menu": [{"name": f"Soup {s}"}, {"name": "Pie"}],
     }
-
-
-@pytest.fixture
-def no_dispatch(monkeypatch) -> list[int]:
-    calls: list[int] = []
-    monkeypatch.setattr(task_services, "dispatch", lambda pk: calls.append(pk))
-    return calls
 
 
 @pytest.fixture

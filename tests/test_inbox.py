@@ -474,13 +474,6 @@ def _without_false(value: Any) -> Any:
 
 
 @pytest.fixture
-def no_dispatch(monkeypatch) -> list[int]:
-    calls: list[int] = []
-    monkeypatch.setattr(task_services, "dispatch", lambda pk: calls.append(pk))
-    return calls
-
-
-@pytest.fixture
 def alpha(db) -> Agent:
     return Agent.objects.create(
         project=Project.objects.get_or_create(name="alpha")[0], name="alpha agent",

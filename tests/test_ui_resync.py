@@ -24,8 +24,7 @@ import httpx
 import pytest
 
 from tests.agents import REPO_ROOT, free_port
-from tests.people import MEMBER_SOURCE
-from tests.ui_stack import chromium
+from tests.ui_stack import chromium, migrate_and_add_member
 
 # A daphne of its own, and migrate, the login and the writer run as commands.
 pytestmark = [
@@ -94,15 +93,7 @@ def server(tmp_path_factory, redis_url) -> Iterator[Server]:
     )
     env.pop("DASHBOARD_TEST_DB_FILE", None)
     py = sys.executable
-    subprocess.run(
-        [py, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=REPO_ROOT, env=env, check=True
-    )
-    subprocess.run(
-        [py, "-c", "import django; django.setup(); from django.contrib.auth.models import User; "
-         f"User.objects.create_user({USERNAME!r}, password={PASSWORD!r}); "
-         + MEMBER_SOURCE.format(username=USERNAME)],
-        cwd=REPO_ROOT, env=env, check=True,
-    )  # fmt: skip
+    migrate_and_add_member(env, USERNAME, PASSWORD)
     port = free_port()
     log_path = tmp / "web.log"
     with open(log_path, "wb") as out:

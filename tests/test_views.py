@@ -23,11 +23,9 @@ pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture(autouse=True)
-def no_dispatch(monkeypatch):
+def _no_dispatch(no_dispatch: list[int]) -> list[int]:
     """No watcher messages into the shared broker from these tests."""
-    calls: list[int] = []
-    monkeypatch.setattr(task_services, "dispatch", lambda pk: calls.append(pk))
-    return calls
+    return no_dispatch
 
 
 @pytest.fixture

@@ -113,6 +113,20 @@ def stack_env(tmp: Path, redis_url: str, name: str, **extra: str) -> dict[str, s
 
 
 @contextlib.contextmanager
+def migrate_and_add_member(env: dict[str, str], username: str, password: str) -> None:
+    """Migrate the database ``env`` names and add ``username`` as a member of a project."""
+    py = sys.executable
+    subprocess.run(
+        [py, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=REPO_ROOT, env=env, check=True
+    )
+    subprocess.run(
+        [py, "-c", "import django; django.setup(); from django.contrib.auth.models import User; "
+         f"User.objects.create_user({username!r}, password={password!r}); "
+         + MEMBER_SOURCE.format(username=username)],
+        cwd=REPO_ROOT, env=env, check=True,
+    )  # fmt: skip
+
+
 def running_stack(
     tmp: Path,
     redis_url: str,
@@ -127,15 +141,7 @@ def running_stack(
     login page; 4. yield; 5. stop every process (SIGTERM, then SIGKILL after 10 s)."""
     env = stack_env(tmp, redis_url, name, **extra)
     py = sys.executable
-    subprocess.run(
-        [py, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=REPO_ROOT, env=env, check=True
-    )
-    subprocess.run(
-        [py, "-c", "import django; django.setup(); from django.contrib.auth.models import User; "
-         f"User.objects.create_user({username!r}, password={password!r}); "
-         + MEMBER_SOURCE.format(username=username)],
-        cwd=REPO_ROOT, env=env, check=True,
-    )  # fmt: skip
+    migrate_and_add_member(env, username, password)
     port = free_port()
     logs = tmp / "logs"
     logs.mkdir()
