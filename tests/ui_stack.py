@@ -112,7 +112,6 @@ def stack_env(tmp: Path, redis_url: str, name: str, **extra: str) -> dict[str, s
     return env
 
 
-@contextlib.contextmanager
 def migrate_and_add_member(env: dict[str, str], username: str, password: str) -> None:
     """Migrate the database ``env`` names and add ``username`` as a member of a project."""
     py = sys.executable
@@ -127,6 +126,7 @@ def migrate_and_add_member(env: dict[str, str], username: str, password: str) ->
     )  # fmt: skip
 
 
+@contextlib.contextmanager
 def running_stack(
     tmp: Path,
     redis_url: str,
