@@ -59,6 +59,15 @@ def _loopback_only() -> Iterator[None]:
         )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _asgi_application_loaded() -> None:
+    """Import ``dashboard.asgi`` before any test runs: its ``get_asgi_application()`` runs
+    ``django.setup()`` again, which configures logging again (``dictConfig`` replaces the root
+    logger's handlers). Done inside a test, that removes pytest's ``caplog`` handler for the
+    rest of the test, so the first test of a process to import it saw no log records."""
+    import dashboard.asgi  # noqa: F401
+
+
 pytest_plugins = ["tests.infra"]
 # The A2A peers are written separately; keep the suite importable while they are missing.
 if importlib.util.find_spec("tests.agents") is not None:

@@ -159,11 +159,13 @@ class HostileServer:
         return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
     async def _send(self, conn: Conn, writer: asyncio.StreamWriter, data: bytes) -> None:
-        writer.write(data)
-        await writer.drain()
+        # Counted before the write: the client (another thread) may read the bytes, fail and
+        # have the test look at what was sent before this coroutine runs again after drain().
         conn.body_bytes_sent += len(data)
         if len(conn.body_sent) < 256 * 1024:
             conn.body_sent += data[: 256 * 1024 - len(conn.body_sent)]
+        writer.write(data)
+        await writer.drain()
 
     async def _trickle(
         self, conn: Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, data: bytes
