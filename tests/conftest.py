@@ -26,9 +26,12 @@ os.environ["OUTBOUND_ALLOW"] = LOOPBACK_ALLOW
 os.environ["PYTHONPATH"] = os.pathsep.join(
     filter(None, [str(HOOK_DIR), os.environ.get("PYTHONPATH")])
 )
-os.environ.setdefault(
-    "LOOPBACK_ONLY_LOG", str(Path(tempfile.gettempdir()) / f"loopback-only-{os.getpid()}.log")
-)
+# One log per test process: an xdist worker (PYTEST_XDIST_WORKER) inherits the controller's
+# environment, and another worker's refusals must not fail this worker's tests.
+if "PYTEST_XDIST_WORKER" in os.environ or "LOOPBACK_ONLY_LOG" not in os.environ:
+    os.environ["LOOPBACK_ONLY_LOG"] = str(
+        Path(tempfile.gettempdir()) / f"loopback-only-{os.getpid()}.log"
+    )
 sys.path.insert(0, str(HOOK_DIR))
 import loopback_hook  # noqa: E402 - needs the folder on sys.path; the same module children load
 

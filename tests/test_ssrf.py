@@ -115,7 +115,10 @@ class CardServer:
         self._server = _Server(self, host)
         self.port = int(self._server.server_address[1])
         self.base = f"http://{'[::1]' if ':' in host else host}:{self.port}"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        # A short poll: shutdown() waits for the loop to look (0.5 s by default, per server).
+        threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        ).start()
 
     def card(self, body: dict[str, Any], path: str = "/.well-known/agent-card.json") -> None:
         self.routes[path] = (200, {"Content-Type": "application/json"}, json.dumps(body).encode())
