@@ -31,7 +31,10 @@ def test_a_push_task_page_updates_live_as_notifications_arrive(
     django_user_model.objects.create_superuser("pushop", password="push-pass-123")
     stored = add_agent(agent.base_url)
     # (Database work stays outside the Playwright block, whose event loop Django refuses.)
-    task = task_services.start_task(stored, "batch 8 1.0", mode="push")
+    # 30 s of work: the page must load, see rows arrive and list the configs (deleted when the
+    # task settles) before it ends; starting Chromium and logging in took over 8 s on a loaded
+    # machine (four test processes beside this one).
+    task = task_services.start_task(stored, "batch 30 1.0", mode="push")
     with chromium() as browser:
         page = browser.new_page()
         page.goto(f"{web.url}/accounts/login/")
@@ -51,7 +54,7 @@ def test_a_push_task_page_updates_live_as_notifications_arrive(
         # The agent's list of configs, asked for from the page: ours is there.
         page.click("#push-configs-load")
         page.locator("tr.push-config", has_text="yes").wait_for(timeout=15_000)
-        page.locator("#task-head", has_text="completed").wait_for(timeout=40_000)
+        page.locator("#task-head", has_text="completed").wait_for(timeout=60_000)
         page.screenshot(path=str(screenshot_dir / "push-task.png"), full_page=True)
         shown = page.locator("#event-rows tr", has_text="push").count()
     task.refresh_from_db()
