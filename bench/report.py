@@ -162,6 +162,29 @@ Floors are measured in the same run, on the same machine, at the same time.
 ROWS_MARK = "<!-- bench rows: "
 
 
+def merge_rows(earlier: list[Row], measured: list[Row]) -> list[Row]:
+    """``earlier`` with every (row, database) that ``measured`` holds replaced by its rows, in
+    the place of the first one replaced (new ones at the end). Each measured row's note starts
+    with when and at what load it was measured, since the page's machine section describes
+    another run."""
+    info = machine()
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    for row in measured:
+        row.note = f"measured {stamp} (load average {info['load']}): {row.note}"
+    replaced = {(r.row, r.db) for r in measured}
+    merged: list[Row] = []
+    placed: set[tuple[str, str]] = set()
+    for row in earlier:
+        key = (row.row, row.db)
+        if key not in replaced:
+            merged.append(row)
+        elif key not in placed:
+            merged.extend(r for r in measured if (r.row, r.db) == key)
+            placed.add(key)
+    merged.extend(r for r in measured if (r.row, r.db) not in placed)
+    return merged
+
+
 def rows_from_docs(path: Path) -> tuple[list[Row], str]:
     """The rows and command embedded in a docs page written earlier (to re-render its text)."""
     text = path.read_text()

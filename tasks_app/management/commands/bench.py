@@ -1,4 +1,4 @@
-"""``manage.py bench [NAME ...] [--quick] [--db sqlite|postgres|both] [--write-docs]``.
+"""``manage.py bench [NAME ...] [--quick] [--db sqlite|postgres|both] [--write-docs|--merge-docs]``.
 
 Runs the performance rows of docs/performance.md (P1-P10, P2x) and prints one table row
 per figure: value, goal, floor and ratio where a floor exists, PASS/MISS.
@@ -27,7 +27,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from bench import procs
-from bench.report import Row, notes, rows_from_docs, table, write_docs
+from bench.report import Row, merge_rows, notes, rows_from_docs, table, write_docs
 from tasks_app.outbound import with_loopback
 
 ALL_ROWS = ("P3", "P8", "P4", "P5", "P1", "P6", "P7", "P2", "P2x", "P9", "P10")
@@ -146,6 +146,9 @@ class Command(BaseCommand):
         parser.add_argument("--db", choices=["sqlite", "postgres", "both"], default="both",
                             help="database(s) to run the rows on (default: both)")  # fmt: skip
         parser.add_argument("--write-docs", action="store_true", help="write docs/performance.md")
+        parser.add_argument("--merge-docs", action="store_true",
+                            help="replace only the rows measured now in docs/performance.md "
+                                 "(the others, and the page's machine section, stay)")  # fmt: skip
         parser.add_argument("--rewrite-docs", action="store_true",
                             help="re-render docs/performance.md from the rows it holds (after editing "
                                  "bench/analysis.md), without measuring")  # fmt: skip
@@ -194,3 +197,9 @@ class Command(BaseCommand):
             analysis = ANALYSIS_PATH.read_text() if ANALYSIS_PATH.exists() else ""
             write_docs(DOCS_PATH, rows, command.replace("  ", " "), analysis)
             self.stderr.write(f"wrote {DOCS_PATH}")
+        elif options["merge_docs"]:
+            earlier, command = rows_from_docs(DOCS_PATH)
+            analysis = ANALYSIS_PATH.read_text() if ANALYSIS_PATH.exists() else ""
+            merged = merge_rows(earlier, rows)
+            write_docs(DOCS_PATH, merged, command, analysis, keep_machine=True)
+            self.stderr.write(f"replaced {len(rows)} rows in {DOCS_PATH}")

@@ -1,0 +1,33 @@
+"""``manage.py bench --merge-docs``: only the rows measured now are replaced."""
+
+from __future__ import annotations
+
+from bench.report import Row, merge_rows
+
+
+def row(name: str, db: str, measure: str, value: str) -> Row:
+    return Row(row=name, measure=measure, value=value, goal="g", ok=True, db=db, note="how")
+
+
+def test_merge_replaces_each_measured_row_and_database_in_place() -> None:
+    earlier = [
+        row("P1", "sqlite", "latency", "old"),
+        row("P10", "postgres", "alone", "old"),
+        row("P10", "postgres", "beside", "old"),
+        row("P10", "sqlite", "alone", "kept"),
+    ]
+    measured = [
+        row("P10", "postgres", "alone", "new"),
+        row("P10", "postgres", "beside", "new"),
+        row("P2x", "postgres", "scale-out", "new"),
+    ]
+    merged = merge_rows(earlier, measured)
+    assert [(r.row, r.db, r.measure, r.value) for r in merged] == [
+        ("P1", "sqlite", "latency", "old"),
+        ("P10", "postgres", "alone", "new"),
+        ("P10", "postgres", "beside", "new"),
+        ("P10", "sqlite", "alone", "kept"),
+        ("P2x", "postgres", "scale-out", "new"),
+    ]
+    assert all(r.note.startswith("measured ") and r.note.endswith(": how") for r in measured)
+    assert merged[0].note == "how"  # rows not measured now keep their note
