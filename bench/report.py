@@ -111,7 +111,8 @@ def write_docs(
     """Write docs/performance.md: the machine, the date, the command, the table, the notes.
 
     ``keep_machine`` (re-rendering rows measured earlier): the page's machine-and-run
-    section stays as it was, since it describes the run that measured them, not today.
+    section, and what is written above the table, stay as they were, since they describe
+    the run that measured the rows, not today.
     """
     info = machine()
     now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -152,7 +153,9 @@ Floors are measured in the same run, on the same machine, at the same time.
 {ROWS_MARK}{json.dumps([r.to_json() for r in rows], default=str)} -->
 """
     if keep_machine and path.exists():
-        old, start, end = path.read_text(), "## Machine and run", "## Results"
+        # From the machine section to the table's first line: the machine and run, and any
+        # note written above the table (which rows it does not hold yet, and why).
+        old, start, end = path.read_text(), "## Machine and run", "\n| # |"
         if start in old and end in old:
             earlier = old[old.index(start) : old.index(end)]
             text = text[: text.index(start)] + earlier + text[text.index(end) :]
