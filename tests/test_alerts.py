@@ -633,3 +633,14 @@ def test_no_channel_configured_says_so(agent, people):
     page = people["admin"].post(reverse("alerts-test"), follow=True).content.decode()
     assert "No channel is configured" in page
     assert not AlertDelivery.objects.exists()
+
+
+def test_every_page_links_to_the_alerts_page_in_its_main_navigation(people):
+    link = f'href="{reverse("alerts")}"'
+    for name in ("viewer", "outsider"):
+        overview = people[name].get(reverse("overview")).content.decode()
+        nav = overview[overview.index('<nav aria-label="Main">') : overview.index("</nav>")]
+        assert link in nav and 'aria-current="page">Alerts' not in nav
+    listing = people["viewer"].get(reverse("alerts")).content.decode()
+    nav = listing[listing.index('<nav aria-label="Main">') : listing.index("</nav>")]
+    assert f'{link} aria-current="page">Alerts</a>' in nav

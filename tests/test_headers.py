@@ -128,7 +128,10 @@ def test_a_check_that_ignores_its_timeout_is_cut_off_and_not_started_twice(
 
     started = time.monotonic()
     first = staff.get("/healthz").json()["checks"]
-    assert time.monotonic() - started < 0.5 + health.GRACE_SECONDS + 0.5
+    # Cut off, not left hanging (it would hang until the test closes the socket): the answer
+    # says the deadline it kept; the 2 s beyond it are the request's own time on a machine
+    # running other test processes (0.5 s was once exceeded by 0.07 s).
+    assert time.monotonic() - started < 0.5 + health.GRACE_SECONDS + 2.0
     assert first["stuck"]["ok"] is False
     assert first["stuck"]["message"] == f"no answer within {0.5 + health.GRACE_SECONDS:.1f} s"
     assert first["database"]["ok"] is True
