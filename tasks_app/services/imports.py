@@ -113,16 +113,17 @@ def _dispatch(job_pk: int) -> None:
 def cancel_job(job: ImportJob, *, actor_id: int | None = None) -> bool:
     """Stop a queued or running job; the walk notices at its next page."""
     require(actor_id, job.agent.project_id, Perm.OPERATE)
-    done = ImportJob.objects.filter(pk=job.pk, status__in=ACTIVE).update(
-        status=Status.CANCELED, finished_at=timezone.now(), error="Canceled by an operator."
-    )
-    if done:
-        OperatorAction.objects.create(
-            agent_id=job.agent_id,
-            actor_id=actor_id,
-            action="import-cancel",
-            payload={"job": job.pk},
+    with transaction.atomic():  # the cancel and its audit entry together
+        done = ImportJob.objects.filter(pk=job.pk, status__in=ACTIVE).update(
+            status=Status.CANCELED, finished_at=timezone.now(), error="Canceled by an operator."
         )
+        if done:
+            OperatorAction.objects.create(
+                agent_id=job.agent_id,
+                actor_id=actor_id,
+                action="import-cancel",
+                payload={"job": job.pk},
+            )
     return bool(done)
 
 
@@ -178,21 +179,24 @@ def run_job(
         error = (
             f"The import stopped on an internal error ({type(exc).__name__}); see the worker log."
         )
-    _finish(job_pk, Status.FAILED if error else Status.DONE, error or "")
-    job.refresh_from_db()
-    OperatorAction.objects.create(
-        agent_id=job.agent_id,
-        actor_id=job.actor_id,
-        action="import",
-        payload={
-            "job": job.pk,
-            "pages": job.pages,
-            "seen": job.seen,
-            "created": job.created,
-            "changed": job.changed,
-        },
-        outcome=(job.error or job.status)[:500],
-    )
+    # The job's end and its audit entry in one transaction: nobody sees an ended import
+    # without its entry (a page, a test), and a crash between them cannot lose the entry.
+    with transaction.atomic():
+        _finish(job_pk, Status.FAILED if error else Status.DONE, error or "")
+        job.refresh_from_db()
+        OperatorAction.objects.create(
+            agent_id=job.agent_id,
+            actor_id=job.actor_id,
+            action="import",
+            payload={
+                "job": job.pk,
+                "pages": job.pages,
+                "seen": job.seen,
+                "created": job.created,
+                "changed": job.changed,
+            },
+            outcome=(job.error or job.status)[:500],
+        )
     return job
 
 
