@@ -7,6 +7,7 @@ upper bounds, some ratios, some counts), so the table never re-interprets them.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -172,8 +173,10 @@ def merge_rows(earlier: list[Row], measured: list[Row]) -> list[Row]:
     another run."""
     info = machine()
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    for row in measured:
-        row.note = f"measured {stamp} (load average {info['load']}): {row.note}"
+    measured = [
+        dataclasses.replace(r, note=f"measured {stamp} (load average {info['load']}): {r.note}")
+        for r in measured
+    ]
     replaced = {(r.row, r.db) for r in measured}
     merged: list[Row] = []
     placed: set[tuple[str, str]] = set()

@@ -29,5 +29,6 @@ def test_merge_replaces_each_measured_row_and_database_in_place() -> None:
         ("P10", "sqlite", "alone", "kept"),
         ("P2x", "postgres", "scale-out", "new"),
     ]
-    assert all(r.note.startswith("measured ") and r.note.endswith(": how") for r in measured)
-    assert merged[0].note == "how"  # rows not measured now keep their note
+    assert all(r.note.startswith("measured ") and r.note.endswith(": how") for r in merged[1:3])
+    assert merged[0].note == merged[3].note == "how"  # rows not measured now keep their note
+    assert all(r.note == "how" for r in measured)  # the caller's rows are not changed

@@ -126,12 +126,11 @@ def test_a_check_that_ignores_its_timeout_is_cut_off_and_not_started_twice(
     monkeypatch.setattr(health, "CHECKS", (stuck, database))
     staff = client_for(django_user_model, is_staff=True)
 
-    started = time.monotonic()
     first = staff.get("/healthz").json()["checks"]
-    # Cut off, not left hanging (it would hang until the test closes the socket): the answer
-    # says the deadline it kept; the 2 s beyond it are the request's own time on a machine
-    # running other test processes (0.5 s was once exceeded by 0.07 s).
-    assert time.monotonic() - started < 0.5 + health.GRACE_SECONDS + 2.0
+    # Cut off, not left hanging (it would hang until the test closes the socket). Timed by the
+    # check's own clock (from its start to the verdict), not around the whole request, whose
+    # login and session work once took the wall time 0.07 s past this bound under parallel load.
+    assert first["stuck"]["ms"] < (0.5 + health.GRACE_SECONDS + 0.5) * 1000
     assert first["stuck"]["ok"] is False
     assert first["stuck"]["message"] == f"no answer within {0.5 + health.GRACE_SECONDS:.1f} s"
     assert first["database"]["ok"] is True
