@@ -107,8 +107,17 @@ class Procs:
         return proc
 
     def stop_all(self) -> None:
+        logs = [p.log_path for p in self.started if p.log_path is not None]
         while self.started:
             self.started.pop().stop()
+        # BENCH_KEEP_LOGS=<folder>: the children's logs are copied there (they go with the run).
+        keep = os.environ.get("BENCH_KEEP_LOGS")
+        if keep:
+            target = Path(keep) / time.strftime("%H%M%S")
+            target.mkdir(parents=True, exist_ok=True)
+            for path in logs:
+                with contextlib.suppress(OSError):
+                    shutil.copy2(path, target / path.name)
 
     def __enter__(self) -> Procs:
         return self

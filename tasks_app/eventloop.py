@@ -35,9 +35,6 @@ _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 _thread: threading.Thread | None = None
 _db_pool: concurrent.futures.ThreadPoolExecutor | None = None
-# Lease renewals get a thread of their own: queued behind a burst of record()
-# calls they could arrive late, and a late renewal loses the lease.
-_lease_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 def _close_thread_connections() -> None:
@@ -67,7 +64,7 @@ def _run(loop: asyncio.AbstractEventLoop, ready: threading.Event) -> None:
 
 def get_loop() -> asyncio.AbstractEventLoop:
     """The process's shared loop, started on first use in a daemon thread."""
-    global _loop, _thread, _db_pool, _lease_pool
+    global _loop, _thread, _db_pool
     with _lock:
         if _loop is None or (
             not _loop.is_running() and _thread is not None and not _thread.is_alive()
@@ -77,7 +74,6 @@ def get_loop() -> asyncio.AbstractEventLoop:
             _db_pool = concurrent.futures.ThreadPoolExecutor(
                 db_threads(), thread_name_prefix="watch-db"
             )
-            _lease_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="watch-lease")
             _thread = threading.Thread(
                 target=_run, args=(loop, ready), name="watch-loop", daemon=True
             )
@@ -95,12 +91,6 @@ async def db(func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run synchronous database code on the pool, from the loop."""
     assert _db_pool is not None
     return await _run_on(_db_pool, func, *args, **kwargs)
-
-
-async def db_lease(func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Like :func:`db`, on the thread kept for lease renewals."""
-    assert _lease_pool is not None
-    return await _run_on(_lease_pool, func, *args, **kwargs)
 
 
 async def _run_on(
@@ -126,8 +116,7 @@ def stop(timeout: float = 10.0) -> None:
     loop.call_soon_threadsafe(loop.stop)
     if _thread is not None:
         _thread.join(timeout)
-    for pool in (_db_pool, _lease_pool):
-        if pool is not None:
-            pool.submit(_close_thread_connections)
-            pool.shutdown(wait=False, cancel_futures=True)
+    if _db_pool is not None:
+        _db_pool.submit(_close_thread_connections)
+        _db_pool.shutdown(wait=False, cancel_futures=True)
     _loop = None

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 LIST_GROUP = "tasks"
 
 Message = tuple[str, dict]
+SENDS_IN_FLIGHT = 32
 
 
 def task_group(task_pk: int) -> str:
@@ -43,6 +44,10 @@ class _LoopRelay:
         self.loop = loop
         self.queue: asyncio.Queue[list[Message]] = asyncio.Queue()
         self.task: asyncio.Task[None] | None = None
+        # Group sends in flight at once: each holds a Redis connection. Unbounded, a backlog
+        # of a thousand tasks' messages (a worker taking over another's streams) asked for
+        # a thousand connections at once and most sends failed on the pool's limit.
+        self.sending = asyncio.Semaphore(SENDS_IN_FLIGHT)
 
     def start(self) -> None:
         if self.task is None:
@@ -71,11 +76,11 @@ class _LoopRelay:
                 *(self._send(layer, group, items) for group, items in by_group.items())
             )
 
-    @staticmethod
-    async def _send(layer: object, group: str, messages: list[dict]) -> None:
+    async def _send(self, layer: object, group: str, messages: list[dict]) -> None:
         for message in pack(messages):
             try:
-                await layer.group_send(group, message)  # type: ignore[attr-defined]
+                async with self.sending:
+                    await layer.group_send(group, message)  # type: ignore[attr-defined]
             except Exception:  # a relay failure must not stop later messages
                 log.exception("relay to %s failed", group)
             else:

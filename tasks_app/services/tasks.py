@@ -671,6 +671,31 @@ def acquire_lease(task_pk: int, owner: str) -> str | None:
     return token if won else None
 
 
+def acquire_leases(task_pks: list[int], owner: str) -> dict[int, str]:
+    """``acquire_lease`` for several tasks in one transaction (one commit); returns the ones won.
+
+    1. Lock the batch's unheld rows, skipping rows another transaction has locked (another
+       worker's batch taking the same task, a late renewal): they are that writer's, and
+       the next reconcile tick looks at them again. Never waiting on a lock, two batches
+       that overlap in a different order cannot deadlock (they did, one lease at a time).
+    2. Take each locked row's lease by the same compare-and-set as ``acquire_lease``.
+    """
+    now = timezone.now()
+    won: dict[int, str] = {}
+    with transaction.atomic():
+        free = (
+            RemoteTask.objects.select_for_update(skip_locked=True)
+            .filter(pk__in=task_pks)
+            .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=now))
+            .values_list("pk", flat=True)
+        )
+        for task_pk in sorted(free):
+            token = acquire_lease(task_pk, owner)
+            if token is not None:
+                won[task_pk] = token
+    return won
+
+
 def renew_leases(tokens: set[str]) -> set[str]:
     """Extend every lease this process holds; returns the tokens still ours."""
     if not tokens:

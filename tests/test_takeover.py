@@ -1,0 +1,262 @@
+"""Taking over a dead worker's streams: in batches, without deadlocks, without losing our own.
+
+P2x (3,000 streams on three workers, one SIGKILLed) found three faults, each tested here in
+the order where it broke:
+
+- the reconciler sent one broker message per orphaned task, and the survivors took 20-40 s to
+  work through a thousand of them: it now sends ``watch_batch`` messages of twenty;
+- batches that overlap (two reconcile ticks, two workers) took their leases in a different
+  order and PostgreSQL aborted them as deadlocks: ``acquire_leases`` skips rows another
+  transaction holds;
+- the lease heartbeat was a coroutine on the loop, and a loop busy starting a thousand holders
+  woke it seconds late, so the survivors lost their *own* leases: it is a thread now, and
+  renews while the loop is blocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import random
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from django.conf import settings
+from django.utils import timezone
+
+from tasks_app import eventloop, relay, watchers
+from tasks_app.models import Agent, RemoteTask
+from tasks_app.runtime import shared_redis
+from tasks_app.services import tasks as task_services
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _working_tasks(count: int) -> list[int]:
+    agent = Agent.objects.create(name="takeover", base_url="http://127.0.0.1:9/takeover")
+    created = RemoteTask.objects.bulk_create(
+        RemoteTask(
+            agent=agent,
+            phase="task",
+            remote_id=f"r-{i}",
+            state="TASK_STATE_WORKING",
+            watch="poll",
+        )
+        for i in range(count)
+    )
+    return sorted(task.pk for task in created)
+
+
+def _queue() -> str:
+    return settings.CELERY_TASK_DEFAULT_QUEUE
+
+
+def _queued_messages() -> list[tuple[str, list]]:
+    """What waits on this test's Celery queue in Redis (no worker listens to it): (task, args)."""
+    client = shared_redis.client(settings.CELERY_BROKER_URL)
+    out = []
+    for raw in reversed(client.lrange(_queue(), 0, -1)):  # pushed left, taken from the right
+        message = json.loads(raw)
+        args, _kwargs, _embed = json.loads(base64.b64decode(message["body"]))
+        out.append((message["headers"]["task"], args))
+    return out
+
+
+@pytest.fixture
+def empty_queue() -> Iterator[None]:
+    client = shared_redis.client(settings.CELERY_BROKER_URL)
+    reconcile_key = f"dashboard:reconcile:{_queue()}"
+    client.delete(_queue(), reconcile_key)
+    yield
+    client.delete(_queue(), reconcile_key)
+
+
+def test_the_reconciler_hands_out_orphaned_tasks_twenty_to_a_message(empty_queue) -> None:
+    pks = _working_tasks(41)
+    assert watchers.reconcile_once() == 41
+    messages = _queued_messages()
+    assert [name for name, _ in messages] == [
+        "tasks_app.watchers.watch_batch",
+        "tasks_app.watchers.watch_batch",
+        "tasks_app.watchers.watch",  # the one left over goes alone
+    ]
+    batches = [args[0] for name, args in messages if name.endswith("watch_batch")]
+    assert [len(b) for b in batches] == [20, 20]
+    single = messages[2][1][0]
+    assert sorted([*batches[0], *batches[1], single]) == pks  # each task once
+
+
+def test_overlapping_batches_released_at_once_take_each_lease_once() -> None:
+    """Eight workers' batches over the same 60 tasks, each in its own order, started together:
+    every task is won by exactly one of them, and no batch fails (PostgreSQL aborted such
+    batches as deadlocks when they waited on each other's rows)."""
+    pks = _working_tasks(60)
+    barrier = threading.Barrier(8)
+    won: list[dict[int, str]] = []
+    errors: list[BaseException] = []
+
+    def take(seed: int) -> None:
+        order = pks[:]
+        random.Random(seed).shuffle(order)
+        barrier.wait()
+        try:
+            won.append(task_services.acquire_leases(order, f"worker-{seed}"))
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            from django.db import connection
+
+            connection.close()
+
+    threads = [threading.Thread(target=take, args=(seed,)) for seed in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    taken = [pk for batch in won for pk in batch]
+    # A row skipped because another batch held it is that batch's: together they took all.
+    assert sorted(taken) == pks
+    tokens = dict(RemoteTask.objects.filter(pk__in=pks).values_list("pk", "lease_token"))
+    for batch in won:
+        for pk, token in batch.items():
+            assert tokens[pk] == token
+
+
+def test_a_batch_takes_only_leases_nobody_holds() -> None:
+    pks = _working_tasks(5)
+    held = task_services.acquire_lease(pks[0], "someone else")
+    assert held is not None
+    won = task_services.acquire_leases(pks, "me")
+    assert sorted(won) == pks[1:]
+    assert RemoteTask.objects.get(pk=pks[0]).lease_token == held
+    assert task_services.acquire_leases(pks, "a third") == {}  # all held now
+
+
+@pytest.fixture
+def shared_loop() -> Iterator[None]:
+    eventloop.get_loop()
+    yield
+    if eventloop.running():
+        eventloop.submit(watchers.registry.shutdown()).result(timeout=15)
+        eventloop.stop()
+    relay.use_loop(None)
+
+
+def _hold_quietly(registry: watchers.Registry, task_pk: int, token: str) -> asyncio.Task[None]:
+    """Register a holder that does nothing but wait (what the heartbeat sees of a holder)."""
+
+    async def register() -> asyncio.Task[None]:
+        holder = watchers.Holder(task_pk, token, http=None)
+        waiting = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+        registry.holders[task_pk] = (holder, waiting)
+        registry.ensure_heartbeat()
+        return waiting
+
+    return eventloop.submit(register()).result(timeout=10)
+
+
+def test_leases_are_renewed_while_the_loop_is_blocked(shared_loop, settings) -> None:
+    settings.WATCH_LEASE_SECONDS = 1.0
+    (pk,) = _working_tasks(1)
+    token = task_services.acquire_lease(pk, watchers.OWNER)
+    assert token is not None
+    registry = watchers.Registry()
+    waiting = _hold_quietly(registry, pk, token)
+
+    async def busy() -> None:
+        time.sleep(3.5)  # the loop does nothing else for three and a half leases
+
+    blocked = eventloop.submit(busy())
+    soonest_expiry = None
+    while not blocked.done():
+        expires = RemoteTask.objects.get(pk=pk).lease_expires_at
+        left = (expires - timezone.now()).total_seconds()
+        soonest_expiry = left if soonest_expiry is None else min(soonest_expiry, left)
+        time.sleep(0.1)
+    blocked.result()
+    # Never lapsed: renewed every third of a lease while the loop was stuck.
+    assert soonest_expiry is not None and soonest_expiry > 0
+    assert RemoteTask.objects.get(pk=pk).lease_token == token
+    assert not waiting.done()
+    registry.stopping.set()
+    eventloop.submit(_cancel(waiting)).result(timeout=10)
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def test_a_holder_whose_lease_was_taken_is_stopped_by_the_heartbeat(shared_loop, settings) -> None:
+    settings.WATCH_LEASE_SECONDS = 1.0
+    (pk,) = _working_tasks(1)
+    token = task_services.acquire_lease(pk, watchers.OWNER)
+    assert token is not None
+    registry = watchers.Registry()
+    waiting = _hold_quietly(registry, pk, token)
+    # Another worker took it (as after a lapse): the next beat cancels our holder.
+    RemoteTask.objects.filter(pk=pk).update(lease_token="someone-else", lease_owner="other")
+    deadline = time.monotonic() + 5
+    while not waiting.done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert waiting.cancelled()
+    assert RemoteTask.objects.get(pk=pk).lease_token == "someone-else"  # not renewed by us
+    registry.stopping.set()
+
+
+def test_a_backlog_for_hundreds_of_groups_is_sent_with_a_bounded_number_of_connections(
+    shared_loop,
+) -> None:
+    """A worker that took over hundreds of streams relays to hundreds of groups at once: every
+    message arrives, with at most ``SENDS_IN_FLIGHT`` group sends (Redis connections) in flight.
+    Unbounded, the pool's limit failed most of them."""
+    from channels.layers import get_channel_layer
+
+    layer = get_channel_layer()
+    in_flight = peak = 0
+    real_send = layer.group_send
+
+    async def counting_send(group: str, message: dict) -> None:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            await real_send(group, message)
+        finally:
+            in_flight -= 1
+
+    groups = [f"takeover-{i}" for i in range(600)]
+
+    async def listen() -> str:
+        channel = await layer.new_channel()
+        for group in groups:
+            await layer.group_add(group, channel)
+        return channel
+
+    channel = eventloop.submit(listen()).result(timeout=60)
+    layer.group_send = counting_send
+    try:
+        relay.publish([(group, {"type": "task.watcher", "i": i}) for i, group in enumerate(groups)])
+
+        async def receive_all() -> set[int]:
+            got: set[int] = set()
+            while len(got) < len(groups):
+                message = await asyncio.wait_for(layer.receive(channel), 30)
+                got.add(message["i"])
+            return got
+
+        got = eventloop.submit(receive_all()).result(timeout=90)
+    finally:
+        layer.group_send = real_send
+
+        async def leave() -> None:
+            for group in groups:
+                await layer.group_discard(group, channel)
+
+        eventloop.submit(leave()).result(timeout=60)
+    assert got == set(range(len(groups)))
+    assert 1 < peak <= relay.SENDS_IN_FLIGHT <= 64
