@@ -267,6 +267,8 @@ class Received:
     # agent emit -> recorded (transport + queue + record transaction), recorded -> here (relay).
     to_record: list[float] = field(default_factory=list)
     to_client: list[float] = field(default_factory=list)
+    # (key, event index, emitted, latency, emit -> recorded or None): for BENCH_P1_DUMP.
+    samples: list[tuple[Any, int, float, float, float | None]] = field(default_factory=list)
 
     def add(self, key: Any, emitted: float, i: int, received_at: str = "") -> None:
         got = self.seen.setdefault(key, set())
@@ -275,11 +277,14 @@ class Received:
         got.add(i)
         now = time.time()
         self.latencies.append(now - emitted)
+        leg = None
         if received_at:
             with contextlib.suppress(ValueError):
                 recorded = datetime.fromisoformat(received_at).timestamp()
                 self.to_record.append(recorded - emitted)
                 self.to_client.append(now - recorded)
+                leg = recorded - emitted
+        self.samples.append((key, i, emitted, now - emitted, leg))
 
     def legs(self) -> str:
         """The latency split into its two legs, for the notes."""
@@ -394,6 +399,11 @@ def p1(db: str, quick: bool) -> list[Row]:
 
         ws_got, floor_got = asyncio.run(run())
         sampler.stop()
+    keep = os.environ.get("BENCH_P1_DUMP")  # a folder: each sample (task, i, emitted, latency, leg)
+    if keep:
+        os.makedirs(keep, exist_ok=True)
+        with open(os.path.join(keep, f"p1-{db}.json"), "w") as f:
+            json.dump({"browser": ws_got.samples, "floor": floor_got.samples}, f)
     lat, floor = ws_got.latencies, floor_got.latencies
     p50, p99, f50 = pct(lat, 0.5), pct(lat, 0.99), pct(floor, 0.5)
     lost = expected - ws_got.count()

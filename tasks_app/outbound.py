@@ -37,7 +37,14 @@ from tasks_app.models import Agent
 
 T = TypeVar("T")
 
-LIMITS = httpx.Limits(max_connections=4000, max_keepalive_connections=200, keepalive_expiry=30)
+# Keep-alive as high as the connection limit. httpcore 1.0 compares the number of *all* the
+# pool's connections (streams included) with max_keepalive_connections whenever a request
+# starts or ends: past it, every idle connection is closed at once, and the check is
+# repeated per connection (quadratic in the connections held). With 100-1,000 streams on a
+# worker's one client, a burst of GetTask calls (tasks ending together, a takeover) kept the
+# loop busy in that bookkeeping for seconds and relays waited behind it (P1, P2x, py-spy).
+# Idle connections still close after keepalive_expiry.
+LIMITS = httpx.Limits(max_connections=4000, max_keepalive_connections=4000, keepalive_expiry=30)
 
 
 def _entries(value: str | Iterable[str]) -> tuple[str, ...]:
@@ -173,11 +180,18 @@ def credentials_for(agent: Agent) -> Credentials | None:
     )
 
 
-def client_for(agent: Agent, http: httpx.AsyncClient, **options: float | None) -> A2AClient:
+def client_for(
+    agent: Agent,
+    http: httpx.AsyncClient,
+    *,
+    stream_http: httpx.AsyncClient | None = None,
+    **options: float | None,
+) -> A2AClient:
     """An A2A client for a stored agent, on its chosen interface.
 
     Whole-call deadlines come from the settings (a trickling agent must not
     hold a call past them); ``options`` override any A2AClient option.
+    ``stream_http`` carries the streams, apart from the other calls (see A2AClient).
     """
     options = {
         "call_deadline": settings.A2A_CALL_DEADLINE_SECONDS,
@@ -195,6 +209,7 @@ def client_for(agent: Agent, http: httpx.AsyncClient, **options: float | None) -
         http=http,
         credentials=credentials_for(agent),
         card=agent.card,
+        stream_http=stream_http,
         **options,  # type: ignore[arg-type]
     )
 

@@ -343,11 +343,14 @@ class Registry:
         self.holders: dict[int, tuple[Holder, asyncio.Task[None]]] = {}
         self.heartbeat: threading.Thread | None = None
         self.stopping = threading.Event()
+        # Two HTTP clients: streams in one pool, every other call in the other (see A2AClient).
         self.http: Any = None
+        self.stream_http: Any = None
 
     async def start(self, task_pk: int, token: str, loaded: RemoteTask | None = None) -> None:
         if self.http is None:
             self.http = outbound.new_http_client()
+            self.stream_http = outbound.new_http_client()
         self.ensure_heartbeat()
         existing = self.holders.get(task_pk)
         if existing and not existing[1].done():
@@ -356,7 +359,7 @@ class Registry:
             # than being interrupted, which could cut a send in half.
             existing[0].token = token
             return
-        holder = Holder(task_pk, token, self.http, loaded=loaded)
+        holder = Holder(task_pk, token, self.http, stream_http=self.stream_http, loaded=loaded)
         self.holders[task_pk] = (holder, asyncio.get_running_loop().create_task(self._run(holder)))
 
     async def _run(self, holder: Holder) -> None:
@@ -430,9 +433,10 @@ class Registry:
                 status=Status.IDLE,
                 note="worker stopped; waiting for another",
             )
-        if self.http is not None:
-            await self.http.aclose()
-            self.http = None
+        for http in (self.http, self.stream_http):
+            if http is not None:
+                await http.aclose()
+        self.http = self.stream_http = None
 
 
 registry = Registry()
@@ -529,11 +533,18 @@ class Outcome:
 
 class Holder:
     def __init__(
-        self, task_pk: int, token: str, http: Any, *, loaded: RemoteTask | None = None
+        self,
+        task_pk: int,
+        token: str,
+        http: Any,
+        *,
+        stream_http: Any = None,
+        loaded: RemoteTask | None = None,
     ) -> None:
         self.task_pk = task_pk
         self.token = token
         self.http = http
+        self.stream_http = stream_http
         self.loaded = loaded  # the row as read right after the lease was taken, if it was
         self.state = ""
         self.remote_id = ""
@@ -597,6 +608,7 @@ class Holder:
             client = outbound.client_for(
                 task.agent,
                 self.http,
+                stream_http=self.stream_http,
                 stream_idle_timeout=settings.WATCH_STREAM_IDLE_SECONDS,
                 # Keep-alives keep a quiet healthy stream open until the slice ends (a quiet
                 # task is not resubscribed every minute, which would turn its news into gaps);
@@ -1059,7 +1071,7 @@ class Holder:
                         await eventloop.db(task_services.clear_outbox, self.task_pk, clear_outbox)
                         clear_outbox = ""
                     if first and first_channel != channel:
-                        result = await eventloop.db(
+                        result = await eventloop.db_urgent(
                             record,
                             self.task_pk,
                             events_only[0].raw,
@@ -1069,7 +1081,7 @@ class Holder:
                         outcome.add(result)
                         events_only = events_only[1:]
                     if events_only:
-                        result = await eventloop.db(
+                        result = await eventloop.db_urgent(
                             record_many,
                             self.task_pk,
                             [e.raw for e in events_only],

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 import pytest
@@ -512,3 +512,35 @@ async def test_subscribe_to_unknown_task(
 ) -> None:
     with pytest.raises(TaskNotFoundError):
         await collect(client_for(agent, binding, http).subscribe_to_task(str(uuid.uuid4())))
+
+
+async def test_streams_go_through_their_own_pool(agent: AgentHandle, binding: str) -> None:
+    """With ``stream_http``, streams use that client and every other call the first one:
+    calls made beside hundreds of open streams must not pay for walking their pool."""
+    paths: dict[str, list[str]] = {"calls": [], "streams": []}
+
+    def hook(name: str) -> Callable[[httpx.Request], Awaitable[None]]:
+        async def record(request: httpx.Request) -> None:
+            paths[name].append(request.headers.get("accept", ""))
+
+        return record
+
+    async with (
+        httpx.AsyncClient(event_hooks={"request": [hook("calls")]}) as calls,
+        httpx.AsyncClient(event_hooks={"request": [hook("streams")]}) as streams,
+    ):
+        client = client_for(agent, binding, calls, stream_http=streams)
+        events = await collect(client.send_streaming_message(user_message("quick")))
+        assert events[-1].state == "TASK_STATE_COMPLETED"
+        task = await client.get_task(events[0].task_id)
+        assert task["status"]["state"] == "TASK_STATE_COMPLETED"
+        started = await client.send_message(user_message("long 30"), return_immediately=True)
+        stream = client.subscribe_to_task(started.task_id)
+        async for _ in stream:
+            break
+        await stream.aclose()
+        await client.cancel_task(started.task_id)
+    assert len(paths["streams"]) == 2  # the streamed send and the subscription
+    assert all("text/event-stream" in accept for accept in paths["streams"])
+    assert len(paths["calls"]) == 3  # GetTask, the plain send, CancelTask
+    assert not any("text/event-stream" in accept for accept in paths["calls"])

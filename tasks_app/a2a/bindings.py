@@ -62,9 +62,11 @@ class BaseBinding:
         query: Mapping[str, str] | None = None,
         max_response_bytes: int,
         max_event_bytes: int,
+        stream_http: httpx.AsyncClient | None = None,
     ) -> None:
         self.interface = interface
         self.http = http
+        self.stream_http = stream_http or http
         self.headers = dict(headers)
         self.query = dict(query or {})
         self.max_response_bytes = max_response_bytes
@@ -156,7 +158,7 @@ class BaseBinding:
                 async with deadline_scope(deadline, where):
                     source = await stack.enter_async_context(
                         aconnect_sse(
-                            self.http,
+                            self.stream_http,
                             verb,
                             url,
                             headers=headers,
@@ -526,6 +528,7 @@ def make_binding(
     query: Mapping[str, str] | None = None,
     max_response_bytes: int,
     max_event_bytes: int,
+    stream_http: httpx.AsyncClient | None = None,
 ) -> BaseBinding:
     cls: type[BaseBinding] = JsonRpcBinding if interface.binding == "JSONRPC" else RestBinding
     return cls(
@@ -535,4 +538,5 @@ def make_binding(
         query=query,
         max_response_bytes=max_response_bytes,
         max_event_bytes=max_event_bytes,
+        stream_http=stream_http,
     )

@@ -6,7 +6,10 @@ streams on one event loop, so one client is shared by all of them. Give that
 client ``httpx.Limits(max_connections=None)`` (or a limit above the number of
 streams you hold): httpx allows 100 connections by default and every open
 stream keeps one. All timeouts are set per request here; the injected client's
-own defaults do not matter.
+own defaults do not matter. ``stream_http``, when given, carries the streams
+and ``http`` the other calls: httpcore walks every connection of a pool (a
+system call for each idle one) whenever a request starts or ends, so calls made
+beside hundreds of open streams cost more in that bookkeeping than in the call.
 
 Results stay ProtoJSON dicts; replies that can be a Task *or* a Message come
 back as a :class:`StreamEvent` so callers branch on ``event.kind``.
@@ -209,6 +212,7 @@ class A2AClient:
         stream_event_gap: float | None = None,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+        stream_http: httpx.AsyncClient | None = None,
     ) -> None:
         self.interface = interface
         self.card = dict(card) if card is not None else None
@@ -239,6 +243,7 @@ class A2AClient:
             query=plan.query,
             max_response_bytes=max_response_bytes,
             max_event_bytes=max_event_bytes,
+            stream_http=stream_http,
         )
 
     @classmethod

@@ -1,0 +1,106 @@
+"""The holders' database threads: urgent calls first, order kept within a priority.
+
+P1 (100 streams, one SQLite thread) measured why: a hundred streams ending in the same second
+queued their settle work ahead of the last events of the streams still running, and those
+reached browsers 100-300 ms late. Recording a stream's events is urgent; the rest is routine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+
+from tasks_app.eventloop import ROUTINE, URGENT, DatabaseThreads
+
+
+def _busy_pool() -> tuple[DatabaseThreads, threading.Event, concurrent.futures.Future]:
+    """One thread, held by a call that waits until released: what comes next queues."""
+    pool = DatabaseThreads(1, "test-db")
+    release = threading.Event()
+    started = threading.Event()
+
+    def hold() -> str:
+        started.set()
+        release.wait(10)
+        return "held"
+
+    holding = pool.submit(hold, ROUTINE)
+    assert started.wait(10)
+    return pool, release, holding
+
+
+def test_urgent_calls_run_before_routine_ones_queued_earlier() -> None:
+    pool, release, holding = _busy_pool()
+    ran: list[str] = []
+    futures = [
+        pool.submit(lambda: ran.append("settle"), ROUTINE),
+        pool.submit(lambda: ran.append("release lease"), ROUTINE),
+        pool.submit(lambda: ran.append("events 1"), URGENT),
+        pool.submit(lambda: ran.append("events 2"), URGENT),
+    ]
+    release.set()
+    concurrent.futures.wait([holding, *futures], timeout=10)
+    assert holding.result() == "held"
+    assert ran == ["events 1", "events 2", "settle", "release lease"]
+    pool.shutdown()
+
+
+def test_results_and_errors_reach_the_caller() -> None:
+    pool = DatabaseThreads(2, "test-db")
+
+    def fails() -> None:
+        raise ValueError("no such task")
+
+    assert pool.submit(lambda: 41 + 1, URGENT).result(10) == 42
+    failed = pool.submit(fails, ROUTINE)
+    assert isinstance(failed.exception(10), ValueError)
+    pool.shutdown()
+
+
+def test_a_call_its_caller_stopped_waiting_for_never_runs() -> None:
+    pool, release, holding = _busy_pool()
+    ran: list[str] = []
+    abandoned = pool.submit(lambda: ran.append("abandoned"), URGENT)
+    kept = pool.submit(lambda: ran.append("kept"), ROUTINE)
+    assert abandoned.cancel()
+    release.set()
+    kept.result(10)
+    holding.result(10)
+    assert ran == ["kept"]
+    pool.shutdown()
+
+
+def test_shutdown_cancels_what_has_not_started_and_ends_the_threads() -> None:
+    pool, release, holding = _busy_pool()
+    waiting = pool.submit(lambda: "never", ROUTINE)
+    pool.shutdown()
+    assert waiting.cancelled()
+    release.set()
+    assert holding.result(10) == "held"  # the running call finishes
+    for thread in pool._threads:
+        thread.join(10)
+        assert not thread.is_alive()
+
+
+def test_awaited_from_a_loop_cancellation_reaches_the_queued_call() -> None:
+    """``eventloop.db`` awaits these futures; a holder cancelled while its call waits in the
+    queue must not have the call run later (it wraps the future, so the cancel goes through)."""
+    pool, release, holding = _busy_pool()
+    ran: list[str] = []
+
+    async def main() -> None:
+        waiting = asyncio.ensure_future(
+            asyncio.wrap_future(pool.submit(lambda: ran.append("late"), ROUTINE))
+        )
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+
+    asyncio.run(main())
+    after = pool.submit(lambda: ran.append("after"), ROUTINE)
+    release.set()
+    after.result(10)
+    holding.result(10)
+    assert ran == ["after"]
+    pool.shutdown()
