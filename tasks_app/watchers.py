@@ -321,11 +321,7 @@ def _reconcile() -> int:
     )
     # Small batches: few messages, yet spread over every worker that listens.
     for start in range(0, len(pks), DISPATCH_BATCH):
-        batch = pks[start : start + DISPATCH_BATCH]
-        if len(batch) == 1:
-            watch.delay(batch[0])
-        else:
-            watch_batch.delay(batch)
+        watch_batch.delay(pks[start : start + DISPATCH_BATCH])
     try:
         push_services.schedule_if_waiting()  # a drain whose scheduling was lost
     except Exception:

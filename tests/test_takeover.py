@@ -78,15 +78,10 @@ def test_the_reconciler_hands_out_orphaned_tasks_twenty_to_a_message(empty_queue
     pks = _working_tasks(41)
     assert watchers.reconcile_once() == 41
     messages = _queued_messages()
-    assert [name for name, _ in messages] == [
-        "tasks_app.watchers.watch_batch",
-        "tasks_app.watchers.watch_batch",
-        "tasks_app.watchers.watch",  # the one left over goes alone
-    ]
-    batches = [args[0] for name, args in messages if name.endswith("watch_batch")]
-    assert [len(b) for b in batches] == [20, 20]
-    single = messages[2][1][0]
-    assert sorted([*batches[0], *batches[1], single]) == pks  # each task once
+    assert [name for name, _ in messages] == ["tasks_app.watchers.watch_batch"] * 3
+    batches = [args[0] for _, args in messages]
+    assert [len(b) for b in batches] == [20, 20, 1]
+    assert sorted(pk for batch in batches for pk in batch) == pks  # each task once
 
 
 def test_overlapping_batches_released_at_once_take_each_lease_once() -> None:
@@ -159,13 +154,18 @@ def _hold_quietly(registry: watchers.Registry, task_pk: int, token: str) -> asyn
     return eventloop.submit(register()).result(timeout=10)
 
 
-def test_leases_are_renewed_while_the_loop_is_blocked(shared_loop, settings) -> None:
+def _one_held_task(settings) -> tuple[int, str, watchers.Registry, asyncio.Task[None]]:
+    """A task leased by this process for 1 s, a quiet holder of it, and a running heartbeat."""
     settings.WATCH_LEASE_SECONDS = 1.0
     (pk,) = _working_tasks(1)
     token = task_services.acquire_lease(pk, watchers.OWNER)
     assert token is not None
     registry = watchers.Registry()
-    waiting = _hold_quietly(registry, pk, token)
+    return pk, token, registry, _hold_quietly(registry, pk, token)
+
+
+def test_leases_are_renewed_while_the_loop_is_blocked(shared_loop, settings) -> None:
+    pk, token, registry, waiting = _one_held_task(settings)
 
     async def busy() -> None:
         time.sleep(3.5)  # the loop does nothing else for three and a half leases
@@ -192,12 +192,7 @@ async def _cancel(task: asyncio.Task[None]) -> None:
 
 
 def test_a_holder_whose_lease_was_taken_is_stopped_by_the_heartbeat(shared_loop, settings) -> None:
-    settings.WATCH_LEASE_SECONDS = 1.0
-    (pk,) = _working_tasks(1)
-    token = task_services.acquire_lease(pk, watchers.OWNER)
-    assert token is not None
-    registry = watchers.Registry()
-    waiting = _hold_quietly(registry, pk, token)
+    pk, _token, registry, waiting = _one_held_task(settings)
     # Another worker took it (as after a lapse): the next beat cancels our holder.
     RemoteTask.objects.filter(pk=pk).update(lease_token="someone-else", lease_owner="other")
     deadline = time.monotonic() + 5
