@@ -4,17 +4,19 @@ These run inside :mod:`bench.child`, whose settings already point at a
 migrated scratch database and a private Redis. Recording goes through the real
 ``record_many()`` with the relay on, the way a worker does it: the process's
 shared loop (``tasks_app.eventloop``) is started, so ``relay.publish()`` queues to
-the one relay coroutine, and a channel-layer listener in that loop counts what
-reaches the task's group - a row only counts as relayed when it arrived.
+the one relay coroutine, and a channel-layer listener in a process of its own
+(``bench.listen``, standing for the web process) counts what reaches the
+task's group - a row only counts as relayed when it arrived.
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import gc
 import json
 import statistics
+import subprocess
+import sys
 import time
 import tracemalloc
 import uuid
@@ -109,45 +111,43 @@ def relayed_events(message: dict) -> list[dict]:
 
 
 class RelayCounter:
-    """Joins ``task-<pk>`` on the worker-style shared loop and counts the messages that arrive."""
+    """Counts what reaches ``task-<pk>``, in a listener process of its own (``bench.listen``).
 
-    def __init__(self, task_pk: int) -> None:
-        from tasks_app import eventloop, relay
+    The listener stands for the web process a browser is connected to: in a
+    deployment the worker records and relays, and another process receives. A
+    listener inside the recording process would take the interpreter lock from
+    the recorder to decode every message, and charge that to record().
+    """
 
-        self.group = relay.task_group(task_pk)
+    def __init__(self, task_pk: int, expected: int, timeout: float) -> None:
+        from tasks_app import relay
+
         self.count = 0
         self.last_at = 0.0
-        self.loop = eventloop.get_loop()
-        self.channel = eventloop.submit(self._join()).result(10)
-        self.reader = asyncio.run_coroutine_threadsafe(self._read(), self.loop)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "bench.listen", relay.task_group(task_pk), str(expected),
+             str(timeout)],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert self.process.stdout is not None
+        if self.process.stdout.readline().strip() != "READY":
+            self.close()
+            raise RuntimeError("the relay listener did not start")
 
-    async def _join(self) -> str:
-        from channels.layers import get_channel_layer
-
-        layer = get_channel_layer()
-        channel = await layer.new_channel()
-        await layer.group_add(self.group, channel)
-        return channel
-
-    async def _read(self) -> None:
-        from channels.layers import get_channel_layer
-
-        layer = get_channel_layer()
-        while True:
-            message = await layer.receive(self.channel)
-            events = relayed_events(message)
-            if events:
-                self.count += len(events)
-                self.last_at = time.perf_counter()
-
-    def wait_for(self, n: int, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while self.count < n and time.monotonic() < deadline:
-            time.sleep(0.005)
-        return self.count >= n
+    def wait(self) -> None:
+        """Until the listener has its count, or its timeout passed: its count and last arrival."""
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith("DONE "):
+                _, count, last_at = line.split()
+                self.count, self.last_at = int(count), float(last_at)
+                break
+        self.process.wait(10)
 
     def close(self) -> None:
-        self.reader.cancel()
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
 
 
 def start_worker_loop() -> None:
@@ -167,13 +167,13 @@ def record_stream(task: Any, events: list[dict], batch: int = BATCH) -> tuple[fl
     """
     from tasks_app.services.record import record_many
 
-    counter = RelayCounter(task.pk)
+    counter = RelayCounter(task.pk, len(events), timeout=30 + len(events) / 500)
     try:
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         for start in range(0, len(events), batch):
             record_many(task.pk, events[start : start + batch], "stream")
-        recorded = time.perf_counter() - t0
-        counter.wait_for(len(events), timeout=30 + len(events) / 500)
+        recorded = time.monotonic() - t0
+        counter.wait()
         relayed = (counter.last_at - t0) if counter.count else float("nan")
         return recorded, max(relayed, recorded), counter.count
     finally:
@@ -327,10 +327,10 @@ def p8(db: str, quick: bool) -> list[Row]:
                 seconds = record_stream_only(task, events)
             else:
                 with (
-                    mock.patch.object(
-                        record_module, "event_hash", lambda previous, event, digest: ""
-                    ),
+                    mock.patch.object(record_module, "chain_hash", lambda previous, row: ""),
+                    mock.patch.object(record_module, "row_text", lambda **form: b""),
                     mock.patch.object(record_module, "content_digest", lambda raw: ("", 0)),
+                    mock.patch.object(record_module, "text_digest", lambda text: ("", 0)),
                 ):
                     seconds = record_stream_only(task, events)
             best[mode] = min(best[mode], seconds)

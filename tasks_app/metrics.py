@@ -118,8 +118,8 @@ def count(name: str, amount: float = 1, **labels: object) -> None:
         _pending.add(name, json.dumps([str(labels[k]) for k in COUNTERS[name][1]]), amount)
 
 
-def observe_relay_latency(received_at: str | datetime | None) -> None:
-    """One relayed entry: the time from its commit (``received_at``) to now."""
+def observe_relay_latency(received_at: str | datetime | None, entries: int = 1) -> None:
+    """``entries`` relayed entries committed at ``received_at``: the time from then to now."""
     if isinstance(received_at, str):
         try:
             received_at = datetime.fromisoformat(received_at)
@@ -129,8 +129,8 @@ def observe_relay_latency(received_at: str | datetime | None) -> None:
         return
     seconds = max(0.0, (timezone.now() - received_at).total_seconds())
     bucket = next((str(b) for b in LATENCY_BUCKETS if seconds <= b), "+Inf")
-    _pending.add("relay_latency_bucket", bucket, 1)
-    _pending.add("relay_latency_sum", "", seconds)
+    _pending.add("relay_latency_bucket", bucket, entries)
+    _pending.add("relay_latency_sum", "", seconds * entries)
 
 
 def flush() -> None:

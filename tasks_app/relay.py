@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Iterable
 
 from asgiref.sync import async_to_sync
@@ -92,8 +93,10 @@ def _observe(message: dict) -> None:
     if message.get("type") == "task.event":
         metrics.observe_relay_latency(message.get("received_at"))
     elif message.get("type") == "task.events":
-        for event in message.get("events", ()):
-            metrics.observe_relay_latency(event.get("received_at"))
+        # A batch's rows share their commit time: one observation per time, not per row.
+        times = Counter(event.get("received_at") for event in message.get("events", ()))
+        for received_at, entries in times.items():
+            metrics.observe_relay_latency(received_at, entries)
 
 
 def pack(messages: list[dict]) -> list[dict]:

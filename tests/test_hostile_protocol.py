@@ -178,11 +178,13 @@ def _storable(value: object) -> bool:
 def test_clean_replaces_and_counts() -> None:
     value = {
         "text": "a\ud800b\x00c",
-        "pair": "\ud83d\ude00",  # two code points forming a pair: joined, not replaced
+        # Two code points forming a pair: joined into the one character they encode, and
+        # counted, since what is stored differs from what was sent.
+        "pair": "\ud83d\ude00",
         "k\udc00": [math.nan, math.inf, -math.inf, 1.5, "ok", None, True],
     }
     cleaned, count = clean(value)
-    assert count == 6
+    assert count == 7
     assert cleaned == {
         "text": "a\ufffdb\ufffdc",
         "pair": "\U0001f600",

@@ -130,12 +130,13 @@ def _clean_str(s: str) -> tuple[str, int]:
         return s, 0
     had = s.count(REPLACEMENT)
     # Round-trip through UTF-16: adjacent high+low surrogates become the one
-    # character they encode, lone ones become U+FFFD (one each).
+    # character they encode (one character fewer each), lone ones become U+FFFD (one each).
     fixed = s.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    joined = len(s) - len(fixed)
     nul = fixed.count("\x00")
     if nul:
         fixed = fixed.replace("\x00", REPLACEMENT)
-    return fixed, fixed.count(REPLACEMENT) - had
+    return fixed, fixed.count(REPLACEMENT) - had + joined
 
 
 def _clean_scalar(value: Any) -> tuple[Any, int]:
@@ -182,6 +183,34 @@ def _needs_cleaning(value: Any) -> bool:
     return False
 
 
+# What, in a value's JSON text written with ASCII escapes (``ensure_ascii``), may need
+# cleaning: an escaped NUL or surrogate (lone or half of a pair: the text cannot tell
+# them apart), NaN or Infinity, and floats that jsonb reads back in another form (-0.0;
+# 2**53 and more: sixteen digits, or an exponent). Strings that merely contain such text
+# match too: the answer may be a false "maybe", never a false "no".
+_ESCAPES = re.compile(rb"\\u0000|\\ud[89a-f]")
+_DIGITS_AS_ZERO = bytes.maketrans(b"0123456789", b"0" * 10)
+_SIXTEEN_DIGITS = b"0" * 16
+
+
+def may_need_cleaning(ascii_json: bytes) -> bool:
+    """Whether the value whose ``ensure_ascii`` JSON text is ``ascii_json`` may need :func:`clean`.
+
+    A fast test for the usual case: the recorder writes that text anyway (to hash
+    the entry), and a few substring searches over it cost a fraction of walking
+    the value (a regular expression with the same alternatives cost four times
+    as much). ``False`` means :func:`clean` would return the value itself.
+    """
+    return bool(
+        (b"\\u" in ascii_json and _ESCAPES.search(ascii_json))
+        or b"NaN" in ascii_json
+        or b"Infinity" in ascii_json
+        or b"-0.0" in ascii_json
+        or b"e+" in ascii_json
+        or _SIXTEEN_DIGITS in ascii_json.translate(_DIGITS_AS_ZERO)
+    )
+
+
 def _unique_key(out: dict[str, Any], key: str) -> str:
     """A cleaned key may collide with a key already present: keep both values."""
     while key in out:
@@ -192,7 +221,8 @@ def _unique_key(out: dict[str, Any], key: str) -> str:
 def clean(value: Any) -> tuple[Any, int]:
     """A copy of a decoded JSON value that any UTF-8 store (and ``jsonb``) accepts.
 
-    Lone surrogates and NUL in strings (keys too) become U+FFFD; NaN and
+    Lone surrogates and NUL in strings (keys too) become U+FFFD, and a high and
+    a low surrogate side by side the one character they encode (both counted); NaN and
     +/-Infinity become the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``;
     floats that ``jsonb`` would read back in another form are stored in that
     form (see :func:`_stable_number`; not counted).

@@ -1,0 +1,110 @@
+"""The recorder's fast paths give exactly what the slow definitions give.
+
+``record()`` hashes every row it appends and checks every entry for content a
+database cannot store. Both have a plain definition (``chain.row_form`` +
+``canonical_json``; ``safejson.clean``) and a fast path written for the
+recorder. These properties hold the fast paths to the definitions, on
+generated input that includes what agents get wrong (lone surrogates, NUL,
+NaN, -0.0, floats past 2**53).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tasks_app.a2a import safejson
+from tasks_app.models import ArtifactPart, TaskEvent
+from tasks_app.services import record as record_module
+from tasks_app.services.chain import (
+    canonical_json,
+    content_digest,
+    row_form,
+    row_text,
+    text_digest,
+    timestamp_text,
+)
+
+awkward_text = st.text(max_size=12) | st.sampled_from(
+    ["\ud800", "a\x00b", "\udfff\ud800", "\u202e", "😀", '"\\', "NaN", "-0.0", "\\u0000"]
+)
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**30), max_value=10**30)
+    | st.floats()
+    | st.sampled_from([-0.0, 2.0**53, -(2.0**53), 1e16, 9007199254740993.0, math.inf, math.nan])
+    | awkward_text,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(awkward_text, inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    seq=st.integers(min_value=0, max_value=2**40),
+    moment=st.datetimes(timezones=st.just(dt.UTC)),
+    channel=awkward_text,
+    kind=awkward_text,
+    note=awkward_text,
+    state=awkward_text,
+    actor=st.none() | st.integers(min_value=0, max_value=2**40),
+)
+def test_a_row_written_directly_is_its_canonical_form(
+    seq, moment, channel, kind, note, state, actor
+):
+    form = row_form(
+        seq=seq, received_at=moment, channel=channel, kind=kind, raw_digest="ab" * 32,
+        note=note, state_after=state, actor_id=actor,
+    )  # fmt: skip
+    direct = row_text(
+        seq=seq, received_text=timestamp_text(moment), channel=channel, kind=kind,
+        raw_digest="ab" * 32, note=note, state_after=state, actor_id=actor,
+    )  # fmt: skip
+    assert direct == canonical_json(form)
+
+
+@settings(max_examples=600, deadline=None)
+@given(value=json_values)
+def test_text_that_shows_nothing_to_clean_is_never_wrong(value):
+    """``may_need_cleaning`` may say "maybe" for clean values, never "no" for unclean ones."""
+    text = canonical_json(value)
+    cleaned, replaced = safejson.clean(value)
+    if not safejson.may_need_cleaning(text):
+        assert replaced == 0
+        assert cleaned is value
+        assert canonical_json(cleaned) == text
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=json_values)
+def test_an_entry_is_stored_and_hashed_as_the_slow_path_would(value):
+    """parse_entry's fast path (one canonical text for the check and the digest) agrees with
+    cleaning first and hashing the cleaned value."""
+    obj = {
+        "statusUpdate": {
+            "taskId": "t",
+            "status": {"state": "TASK_STATE_WORKING"},
+            "metadata": {"v": value},
+        }
+    }
+    entry = record_module.parse_entry(obj)
+    cleaned, replaced = safejson.clean(obj)
+    assert canonical_json(entry.raw) == canonical_json(cleaned)
+    assert (entry.digest, entry.size) == content_digest(cleaned)
+    assert ("replaced by U+FFFD" in entry.note) == (replaced > 0)
+
+
+def test_text_digest_is_the_content_digest_of_the_value():
+    value = {"b": [1, 2.5, "é"], "a": None}
+    assert text_digest(canonical_json(value)) == content_digest(value)
+
+
+def test_rows_built_positionally_follow_the_models_fields():
+    """build_events and _add_parts build rows by position (faster than keywords)."""
+    assert tuple(f.attname for f in TaskEvent._meta.concrete_fields) == record_module.EVENT_FIELDS
+    assert tuple(f.attname for f in ArtifactPart._meta.concrete_fields) == record_module.PART_FIELDS
