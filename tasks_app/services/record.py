@@ -435,6 +435,9 @@ class _Fold:
         self.gap_check = gap_check
         self.fence = fence
         self.over_budget = False
+        # Read once per fold (settings are looked up on each access).
+        self.budget = settings.BUDGET_TASK_BYTES
+        self.inline_limit = settings.INLINE_CONTENT_BYTES
         self._digests: set[str] = set()
         # Artifact digests as the entries folded so far leave them (None: removed), so
         # that a batch folds exactly as the same entries recorded one by one.
@@ -519,7 +522,7 @@ class _Fold:
 
     def _within_budget(self, entry: Entry) -> bool:
         """Count the agent's bytes; past the task's budget, one entry says so and the rest is dropped."""
-        budget = settings.BUDGET_TASK_BYTES
+        budget = self.budget
         used = self.get("stored_bytes")
         if used + entry.size <= budget:
             self.set(stored_bytes=used + entry.size)
@@ -817,7 +820,11 @@ class _Fold:
                 row.entry.digest, row.entry.size = content_digest(row.entry.raw)
             notes = [row.note] + ([row.entry.note] if row.entry.note not in ("", row.note) else [])
             raw, raw_digest = row.entry.raw, row.entry.digest
-            if row.apply and row.kind in ("artifactUpdate", "task"):
+            if (
+                row.apply
+                and row.kind in ("artifactUpdate", "task")
+                and row.entry.size > self.inline_limit  # else no part content can be over it
+            ):
                 # Big part contents live once, in the part rows; the log keeps a reference.
                 raw, moved = by_reference(raw)
                 if moved:
