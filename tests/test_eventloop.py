@@ -12,6 +12,10 @@ import concurrent.futures
 import threading
 import time
 
+import pytest
+from django.db import DatabaseError, connection
+
+from tasks_app import eventloop
 from tasks_app.eventloop import ROUTINE, URGENT, DatabaseThreads
 
 
@@ -125,3 +129,38 @@ def test_threads_start_only_as_calls_need_them() -> None:
     for future in held:
         assert future.result(10) is True
     pool.shutdown()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_connection_upkeep_runs_once_a_second_or_after_a_database_error(monkeypatch) -> None:
+    """Django's per-request upkeep made every call on PostgreSQL run ``SELECT 1`` first (its
+    health check): a database thread does it at most once a second, or at once after an error."""
+    runs: list[float] = []
+    real = eventloop.close_old_connections
+
+    def counted() -> None:
+        runs.append(time.monotonic())
+        real()
+
+    monkeypatch.setattr(eventloop, "close_old_connections", counted)
+
+    def in_a_fresh_thread() -> list[int]:
+        seen = []
+        for _ in range(200):  # calls in quick succession: one upkeep
+            eventloop.upkeep_connections()
+            connection.ensure_connection()
+        seen.append(len(runs))
+        with pytest.raises(DatabaseError), connection.cursor() as cursor:
+            cursor.execute("SELECT * FROM no_such_table")
+        assert connection.errors_occurred
+        eventloop.upkeep_connections()  # after an error: at once, and the flag is cleared
+        seen.append(len(runs))
+        assert not connection.errors_occurred
+        time.sleep(eventloop.UPKEEP_EVERY + 0.1)
+        eventloop.upkeep_connections()
+        seen.append(len(runs))
+        connection.close()
+        return seen
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert pool.submit(in_a_fresh_thread).result(30) == [1, 2, 3]

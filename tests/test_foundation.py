@@ -112,6 +112,15 @@ def test_unparseable_database_url_names_the_setting() -> None:
 
 
 @pytest.mark.subprocess
+@pytest.mark.parametrize("value", ["0", "many", "-2"])
+def test_a_bad_database_thread_count_names_the_setting(value: str) -> None:
+    result = run_python(SETUP, WATCH_DB_THREADS=value)
+    assert result.returncode != 0
+    assert "ImproperlyConfigured" in result.stderr
+    assert "WATCH_DB_THREADS must be a whole number of at least 1" in result.stderr
+
+
+@pytest.mark.subprocess
 def test_production_needs_a_secret_key() -> None:
     result = run_python(SETUP, DASHBOARD_PRODUCTION="1", ALLOWED_HOSTS="example.org")
     assert result.returncode != 0
