@@ -280,7 +280,8 @@ def p3(db: str, quick: bool) -> list[Row]:
             note=(
                 f"record_many() in batches of {BATCH} (half statusUpdate, half appended artifact chunks), "
                 f"relay through the worker-style relay coroutine to Redis, clock stopped when the last "
-                f"message reached a listener in task-<pk>; relayed {count}/{n}; recording alone took "
+                f"message reached a listener process (standing for the web process) in task-<pk>; "
+                f"relayed {count}/{n}; recording alone took "
                 f"{recorded:.2f}s ({n / recorded:,.0f}/s); best of {rounds} alternating rounds each. "
                 f"Floor: the rows record() wrote (log rows, artifact parts, messages, the artifact and "
                 f"snapshot updates), read back and written again for another task by the same bulk "
