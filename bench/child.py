@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import traceback
 
@@ -23,6 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--db-label", default="sqlite")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
+    # The parent stops this process with SIGTERM (its own SIGTERM or Ctrl-C, a timeout): unwind,
+    # so that the rows' finally blocks stop the agents, workers and servers they started, which
+    # live in process groups of their own.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
     import django

@@ -7,12 +7,21 @@ are judged by ``manage.py bench`` on a quiet machine, not by the test suite.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 
 from tasks_app.management.commands.bench import ALL_ROWS, run_rows
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # The rows start what they measure: a private Redis, agents, workers, daphne.
 pytestmark = [
@@ -102,3 +111,43 @@ def test_webhook_ingest_row_records_every_accepted_notification(quick_rows: list
     assert beside.extra["accepted"] == beside.extra["sent"] > 0
     assert set(beside.extra["forged"]) <= {"401", "404", "429"}, beside.extra["forged"]
     assert beside.extra["refused_lines"] > 0
+
+
+def test_a_terminated_bench_leaves_no_process_behind() -> None:
+    """SIGTERM to ``manage.py bench`` (a closed terminal, a CI timeout) stops everything it
+    started: its row's child, and the agents, workers and private Redis the child started in
+    process groups of their own, which outlived a child that died at once."""
+    bench = subprocess.Popen(
+        [sys.executable, "manage.py", "bench", "P2x", "--quick", "--db", "sqlite"],
+        cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    family: dict[int, psutil.Process] = {}
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            for process in psutil.Process(bench.pid).children(recursive=True):
+                family.setdefault(process.pid, process)
+            if any("celery" in " ".join(p.cmdline()) for p in _running(family.values())):
+                break
+            time.sleep(0.2)
+        assert any("celery" in " ".join(p.cmdline()) for p in _running(family.values()))
+        assert any("bench.agent" in " ".join(p.cmdline()) for p in _running(family.values()))
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(120) != 0
+        deadline = time.monotonic() + 30
+        while _running(family.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [p.cmdline() for p in _running(family.values())] == []
+    finally:
+        bench.kill()
+        for process in _running(family.values()):
+            process.kill()
+
+
+def _running(processes) -> list[psutil.Process]:
+    alive = []
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process)
+    return alive

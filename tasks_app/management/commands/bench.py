@@ -108,13 +108,11 @@ def _run_child(
         try:
             out, _ = child.communicate(timeout=limit)
         except subprocess.TimeoutExpired:
-            proc.stop()
             out = b""
-        except BaseException:
-            proc.stop()
-            raise
         finally:
-            proc.stop()  # the child's own children live in their own groups and are stopped by it
+            # The child's own children live in their own groups and are stopped by it: give it
+            # time for that (each takes up to 10 s) before it is killed.
+            proc.stop(timeout=60)
     rows = []
     for line in out.decode(errors="replace").splitlines():
         if line.startswith("BENCHROW "):
