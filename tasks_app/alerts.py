@@ -264,23 +264,26 @@ def _send_failed() -> RuleSpec:
     return RuleSpec(Rule.SEND_FAILED, None, find, holds)
 
 
+def parked_scan() -> QuerySet[RemoteTask]:
+    """Parked live tasks without an open alert, in pk order (the partial index ``parked_tasks``)."""
+    return (
+        RemoteTask.objects.filter(_LIVE_TASK, watcher_status=RemoteTask.WatcherStatus.PARKED)
+        .filter(_not_alerted(Rule.PARKED))
+        .order_by("pk")
+    )
+
+
 def _parked() -> RuleSpec:
     def find(now: datetime) -> list[Found]:
-        # No index on watcher_status: parked tasks are read in one bounded scan.
-        rows = (
-            RemoteTask.objects.filter(_LIVE_TASK, watcher_status=RemoteTask.WatcherStatus.PARKED)
-            .filter(_not_alerted(Rule.PARKED))
-            .order_by("pk")
-            .values_list(
-                "pk",
-                "agent_id",
-                "watcher_since",
-                "updated_at",
-                "title",
-                "remote_id",
-                "watcher_note",
-            )[: _limit()]
-        )
+        rows = parked_scan().values_list(
+            "pk",
+            "agent_id",
+            "watcher_since",
+            "updated_at",
+            "title",
+            "remote_id",
+            "watcher_note",
+        )[: _limit()]
         return [
             Found(
                 key=f"{Rule.PARKED}:task:{pk}",

@@ -250,6 +250,14 @@ class RemoteTask(models.Model):
                     state__in=INTERRUPTED_STATES, abandoned_at__isnull=True, settled_at__isnull=True
                 ),
             ),
+            # The parked-task alert rule's scan (tasks_app/alerts.py): only parked live tasks.
+            models.Index(
+                fields=["id"],
+                name="parked_tasks",
+                condition=Q(
+                    watcher_status="parked", abandoned_at__isnull=True, gone_at__isnull=True
+                ),
+            ),
         ]
 
     def __str__(self) -> str:
