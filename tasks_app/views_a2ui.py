@@ -160,8 +160,10 @@ def task_surface_act(request: HttpRequest, pk: int) -> HttpResponse:
             request.user, task, surface_id, int(seq), request.POST.get("source", ""), request.POST
         )
     except a2ui_actions.ActionRefused as exc:
-        if exc.errors and back == reverse("task-detail", args=[task.pk]):
-            return _with_errors(request, task, surface_id, exc)
+        if exc.errors:
+            # Drawn again with what was typed (a redirect, to the inbox say, would lose it);
+            # the corrected form still goes back where the person came from.
+            return _with_errors(request, task, surface_id, exc, back)
         messages.error(request, str(exc))
     except a2ui_actions.task_services.TaskActionError as exc:
         messages.error(request, str(exc))
@@ -171,7 +173,11 @@ def task_surface_act(request: HttpRequest, pk: int) -> HttpResponse:
 
 
 def _with_errors(
-    request: HttpRequest, task: RemoteTask, surface_id: str, exc: a2ui_actions.ActionRefused
+    request: HttpRequest,
+    task: RemoteTask,
+    surface_id: str,
+    exc: a2ui_actions.ActionRefused,
+    back: str,
 ) -> HttpResponse:
     """The task page again, the refused form drawn with what was typed and each failing
     check next to its input (a page without the script, whose checks stop most of these)."""
@@ -190,7 +196,7 @@ def _with_errors(
                     shown,
                     task=task,
                     request=request,
-                    next_url=reverse("task-detail", args=[task.pk]),
+                    next_url=back,
                     errors=exc.errors,
                 )
             )

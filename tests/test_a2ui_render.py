@@ -383,6 +383,28 @@ def test_checks_stale_forms_and_roles_are_refused(agent, people, no_dispatch) ->
     assert model["booking"]["seat"] == []
 
 
+def test_a_refused_form_sent_from_the_inbox_keeps_what_was_typed(
+    agent, people, no_dispatch
+) -> None:
+    """The inbox's form posts with next=/inbox/: a failing check drew the form again there
+    only for the task page, and from the inbox a redirect lost what had been typed."""
+    task = waiting(agent)
+    surface = surface_of(task)
+    url = reverse("task-surface-act", args=[task.pk])
+    inbox = reverse("inbox")
+    resp = people["ann"].post(url, post_values(surface, v0="", v1="2027-01-02", next=inbox))
+    html = resp.content.decode()
+    assert resp.status_code == 400
+    errors = re.search(r'data-a2ui-errors-for="v0" role="alert">([^<]*)<', html)
+    assert errors and "Name is required" in errors.group(1)
+    assert 'name="v1" type="date" value="2027-01-02"' in html
+    assert f'name="next" value="{inbox}"' in html  # corrected, it goes back to the inbox
+    task.refresh_from_db()
+    assert not task.outbox and no_dispatch == []
+    resp = people["ann"].post(url, post_values(surface, next=inbox))
+    assert resp.status_code == 302 and resp["Location"] == inbox
+
+
 def test_one_action_per_surface_state_in_the_service(agent, django_user_model, no_dispatch) -> None:
     task = waiting(agent)
     surface = surface_of(task)
