@@ -917,7 +917,7 @@ def render_surface(
         "model_json": _model_json(surface.data_model),
         "next_url": next_url,
         "can_act": can_act,
-        "key": surface_key(surface),
+        "key": surface_key(surface, acting),
         "agent_name": _agent_name(surface),
     }
     return get_template("tasks_app/a2ui/surface.html").render(context, request)
@@ -934,11 +934,16 @@ def _earlier(action: Any) -> dict | None:
     }
 
 
-def surface_key(surface: Any) -> str:
-    """What changes when the drawing must change (the page's script swaps on it)."""
+def surface_key(surface: Any, acting: bool) -> str:
+    """What changes when the drawing must change (the page's script swaps on it).
+
+    ``acting`` (whether the form can be sent) is part of it: a surface drawn while the task
+    was still working is read-only, and the same surface once the task asks for input must
+    replace it, though the surface itself did not change.
+    """
     return (
         f"{getattr(surface, 'updated_seq', 0)}-{getattr(surface, 'action_seq', None) or 0}"
-        f"-{int(bool(getattr(surface, 'deleted', False)))}"
+        f"-{int(bool(getattr(surface, 'deleted', False)))}-{int(acting)}"
     )
 
 

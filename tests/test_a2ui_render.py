@@ -405,6 +405,29 @@ def test_a_refused_form_sent_from_the_inbox_keeps_what_was_typed(
     assert resp.status_code == 302 and resp["Location"] == inbox
 
 
+def test_a_surface_drawn_while_working_is_replaced_once_the_task_asks(agent, people) -> None:
+    """The page's script keeps a surface whose key did not change. A surface that arrived while
+    the task was still working was drawn read-only; when the task then asked for input, the same
+    key kept the read-only drawing, and nobody could fill the form until a reload (seen in CI)."""
+    task = waiting(agent)
+    surface_of(task)
+    RemoteTask.objects.filter(pk=task.pk).update(state="TASK_STATE_WORKING")
+    url = reverse("task-surfaces", args=[task.pk])
+    working = people["ann"].get(url).content.decode()
+    RemoteTask.objects.filter(pk=task.pk).update(state="TASK_STATE_INPUT_REQUIRED")
+    asking = people["ann"].get(url).content.decode()
+
+    def key(html: str) -> str:
+        found = re.search(r'data-a2ui-key="([^"]*)"', html)
+        assert found, html[:500]
+        return found.group(1)
+
+    assert 'name="v0"' in working and 'name="v0"' in asking
+    assert re.search(r'name="v0"[^>]* disabled', working)
+    assert not re.search(r'name="v0"[^>]* disabled', asking)
+    assert key(working) != key(asking)
+
+
 def test_one_action_per_surface_state_in_the_service(agent, django_user_model, no_dispatch) -> None:
     task = waiting(agent)
     surface = surface_of(task)
