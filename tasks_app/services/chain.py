@@ -71,6 +71,12 @@ def row_form(
     state_after: str,
     actor_id: int | None,
 ) -> dict[str, Any]:
+    """A row's canonical form as a value: ``canonical_json`` of it is what is hashed.
+
+    The definition the module's docstring gives, as code; recording and verifying
+    write the same bytes directly (:func:`row_text`), held to this by
+    ``tests/test_chain.py``.
+    """
     return {
         "actor": actor_id,
         "channel": channel,
@@ -81,10 +87,6 @@ def row_form(
         "seq": seq,
         "state": state_after,
     }
-
-
-def row_hash(previous: str, form: dict[str, Any]) -> str:
-    return chain_hash(previous, canonical_json(form))
 
 
 def chain_hash(previous: str, row: bytes) -> str:
