@@ -119,3 +119,28 @@ def test_webhook_refusals_are_counted(settings, django_user_model) -> None:
         staff.get("/metrics").content.decode(), "dashboard_webhook_rejections_total", 'status="404"'
     )
     assert after == before + 1
+
+
+def test_a_relayed_batch_counts_every_row_once(settings) -> None:
+    """A packed message's rows are observed once per commit time, each time with its row count:
+    the histogram still counts every relayed row once."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from tasks_app import metrics, relay
+    from tasks_app.runtime import shared_redis
+
+    r = shared_redis.client(settings.REDIS_URL)
+
+    def counted() -> float:
+        metrics.flush()
+        return sum(float(v) for v in r.hgetall(metrics._key("relay_latency_bucket")).values())
+
+    before = counted()
+    first = timezone.now() - timedelta(seconds=2)
+    later = first + timedelta(seconds=1)
+    events = [{"received_at": first.isoformat()}] * 3 + [{"received_at": later.isoformat()}]
+    relay._observe({"type": "task.events", "events": events})
+    relay._observe({"type": "task.event", "received_at": later.isoformat()})
+    assert counted() - before == 5
