@@ -302,6 +302,11 @@ class TaskListConsumer(AsyncJsonWebsocketConsumer):
         if await self._may_read(message.get("agent")):
             await self.send_json({**message, "type": "task"})
 
+    async def tasks_summaries(self, message: dict[str, Any]) -> None:
+        """Several tasks' summaries relayed in one message (``relay.summarize``)."""
+        for summary in message.get("summaries", ()):
+            await self.tasks_changed(summary)
+
     async def _may_read(self, agent_id: Any) -> bool:
         """Only summaries of readable agents' tasks go out (lists never show more)."""
         if self.agent_ids is None:

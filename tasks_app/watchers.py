@@ -339,14 +339,15 @@ class Registry:
         self.holders: dict[int, tuple[Holder, asyncio.Task[None]]] = {}
         self.heartbeat: threading.Thread | None = None
         self.stopping = threading.Event()
-        # Two HTTP clients: streams in one pool, every other call in the other (see A2AClient).
-        self.http: Any = None
-        self.stream_http: Any = None
+        # Streams in pools of their own, every other call in others (see A2AClient), each
+        # kind split into shards (see ClientShards).
+        self.http: outbound.ClientShards | None = None
+        self.stream_http: outbound.ClientShards | None = None
 
     async def start(self, task_pk: int, token: str, loaded: RemoteTask | None = None) -> None:
         if self.http is None:
-            self.http = outbound.new_http_client()
-            self.stream_http = outbound.new_http_client()
+            self.http = outbound.ClientShards()
+            self.stream_http = outbound.ClientShards()
         self.ensure_heartbeat()
         existing = self.holders.get(task_pk)
         if existing and not existing[1].done():
@@ -355,7 +356,14 @@ class Registry:
             # than being interrupted, which could cut a send in half.
             existing[0].token = token
             return
-        holder = Holder(task_pk, token, self.http, stream_http=self.stream_http, loaded=loaded)
+        assert self.stream_http is not None
+        holder = Holder(
+            task_pk,
+            token,
+            self.http.for_task(task_pk),
+            stream_http=self.stream_http.for_task(task_pk),
+            loaded=loaded,
+        )
         self.holders[task_pk] = (holder, asyncio.get_running_loop().create_task(self._run(holder)))
 
     async def _run(self, holder: Holder) -> None:
@@ -686,7 +694,8 @@ class Holder:
             )
         if task.state in TERMINAL_STATES:
             if task.settled_at is None:
-                await self._settle(client)
+                async with eventloop.later():
+                    await self._settle(client)
             return Turn(next_status(self.status, Event.ENDED), "task ended")
         if task.state == INPUT_REQUIRED:
             return Turn(next_status(self.status, Event.ENDED), "waiting for an answer")

@@ -231,6 +231,52 @@ async def test_list_consumer_forwards_summaries(task, user):
     await comm.disconnect()
 
 
+async def test_list_consumer_forwards_each_summary_of_a_batch_it_may_read(task, user):
+    """Summaries relayed together (``relay.summarize``) reach a list page one by one, in
+    order, and a task of an agent the person may not read is left out of the batch."""
+    from tasks_app.models import Project
+    from tasks_app.relay import LIST_GROUP, summarize
+
+    @database_sync_to_async
+    def other_task() -> RemoteTask:
+        hidden = Project.objects.create(name="hidden")
+        agent = Agent.objects.create(name="b", base_url="http://127.0.0.1:2/", project=hidden)
+        return RemoteTask.objects.create(agent=agent, title="not yours")
+
+    hidden = await other_task()
+    comm = await communicator("/ws/tasks/", user)
+    assert (await comm.connect())[0]
+    summaries = {
+        pk: {"type": "tasks.changed", "task": pk, "agent": agent, "last_seq": seq}
+        for pk, agent, seq in [
+            (task.pk, task.agent_id, 3),
+            (hidden.pk, hidden.agent_id, 5),
+            (task.pk + 1000, task.agent_id, 7),
+        ]
+    }
+    (message,) = summarize(summaries)
+    assert message["type"] == "tasks.summaries" and len(message["summaries"]) == 3
+    await get_channel_layer().group_send(LIST_GROUP, message)
+    got = [await comm.receive_json_from(timeout=5) for _ in range(2)]
+    assert [(m["type"], m["task"], m["last_seq"]) for m in got] == [
+        ("task", task.pk, 3),
+        ("task", task.pk + 1000, 7),
+    ]
+    assert await comm.receive_nothing(timeout=0.5)
+    await comm.disconnect()
+
+
+def test_summaries_of_a_batch_go_in_few_messages_of_bounded_size():
+    from tasks_app.relay import SUMMARIES_PER_MESSAGE, summarize
+
+    one = {7: {"type": "tasks.changed", "task": 7}}
+    assert summarize(one) == [one[7]]  # alone, as it always was
+    many = {pk: {"type": "tasks.changed", "task": pk} for pk in range(450)}
+    messages = summarize(many)
+    assert [len(m["summaries"]) for m in messages] == [SUMMARIES_PER_MESSAGE, 200, 50]
+    assert [s["task"] for m in messages for s in m["summaries"]] == list(range(450))
+
+
 def test_settings_use_redis_layer():
     assert settings.CHANNEL_LAYERS["default"]["BACKEND"].startswith("channels_redis")
 

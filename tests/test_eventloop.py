@@ -164,3 +164,26 @@ def test_connection_upkeep_runs_once_a_second_or_after_a_database_error(monkeypa
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         assert pool.submit(in_a_fresh_thread).result(30) == [1, 2, 3]
+
+
+def test_work_that_can_wait_runs_a_few_at_a_time_and_each_loop_has_its_own_gate() -> None:
+    """``eventloop.later()``: twelve callers released at once, at most LATER_AT_ONCE inside."""
+    inside, peak = 0, 0
+
+    async def settle_one() -> None:
+        nonlocal inside, peak
+        async with eventloop.later():
+            inside += 1
+            peak = max(peak, inside)
+            await asyncio.sleep(0.02)
+            inside -= 1
+
+    async def main() -> asyncio.Semaphore:
+        await asyncio.gather(*(settle_one() for _ in range(12)))
+        return eventloop.later()
+
+    first = asyncio.run(main())
+    assert peak == eventloop.LATER_AT_ONCE == 2
+    second = asyncio.run(main())  # a new loop (a restarted worker loop, a test): a new gate
+    assert second is not first
+    assert first not in eventloop._later_gates.values()  # the closed loop's gate is dropped

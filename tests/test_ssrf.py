@@ -516,3 +516,31 @@ def test_fetch_card_refuses_dot_segments_as_written() -> None:
 
     with pytest.raises(ProtocolError, match=r"'\.' or '\.\.' segment"):
         outbound.run(fetch)
+
+
+def test_every_shard_of_a_workers_clients_passes_the_guard(v4: CardServer, settings: Any) -> None:
+    """The holders' HTTP clients come in shards (``outbound.ClientShards``): each refuses by
+    itself, a task always gets the same one, and they share one SSL context."""
+    import asyncio
+
+    settings.OUTBOUND_ALLOW = []  # loopback refused too: the card server must see nothing
+    mark = len(loopback_hook.refused)
+
+    async def main() -> None:
+        shards = outbound.ClientShards(4)
+        try:
+            assert shards.for_task(5) is shards.for_task(9) is shards.clients[1]
+            assert len({id(shards.for_task(pk)) for pk in range(8)}) == 4
+            contexts = {id(c._transport._pool._ssl_context) for c in shards.clients}  # type: ignore[attr-defined]
+            assert len(contexts) == 1
+            for client in shards.clients:
+                with pytest.raises(httpx.ConnectError) as raw:
+                    await client.get(f"{v4.base}/.well-known/agent-card.json")
+                assert isinstance(raw.value.__cause__, GuardRefusal)
+        finally:
+            await shards.aclose()
+        assert all(client.is_closed for client in shards.clients)
+
+    asyncio.run(main())
+    assert v4.connections == 0
+    no_attempt_off_loopback(mark)
