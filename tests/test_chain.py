@@ -13,6 +13,8 @@ from __future__ import annotations
 import datetime as dt
 import math
 
+import pytest
+from django.utils import timezone
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -108,3 +110,30 @@ def test_rows_built_positionally_follow_the_models_fields():
     """build_events and _add_parts build rows by position (faster than keywords)."""
     assert tuple(f.attname for f in TaskEvent._meta.concrete_fields) == record_module.EVENT_FIELDS
     assert tuple(f.attname for f in ArtifactPart._meta.concrete_fields) == record_module.PART_FIELDS
+
+
+def test_rows_made_without_init_are_the_rows_init_makes():
+    """``_row_maker`` skips ``Model.__init__``: the same attributes and state, and nothing
+    listens to these models' construction (which skipping it would silence)."""
+    from django.db.models.signals import post_init, pre_init
+
+    now = timezone.now()
+    values = (None, 7, 3, now, "stream", "statusUpdate", {"a": 1}, "TASK_STATE_WORKING",
+              True, "a note", None, "d" * 64, "h" * 64)  # fmt: skip
+    made, built = record_module._new_event(*values), TaskEvent(*values)
+    assert made.__dict__.keys() - {"_state"} == built.__dict__.keys() - {"_state"}
+    assert all(getattr(made, name) == getattr(built, name) for name in record_module.EVENT_FIELDS)
+    assert (made._state.adding, made._state.db) == (built._state.adding, built._state.db)
+    assert made._state is not record_module._new_event(*values)._state  # each its own
+    part = record_module._new_part(None, 4, 0, {"text": "x"}, 3)
+    assert (part.artifact_id, part.index, part.part, part.seq, part.pk) == (
+        4,
+        0,
+        {"text": "x"},
+        3,
+        None,
+    )
+    for model in (TaskEvent, ArtifactPart):
+        assert not pre_init.has_listeners(model) and not post_init.has_listeners(model)
+    with pytest.raises(ValueError):
+        record_module._new_part(None, 4, 0)  # a value missing is an error, not a row

@@ -237,3 +237,41 @@ def test_default_valued_fields_do_not_make_a_snapshot_differ(task):
         task, snapshot("t-1", "TASK_STATE_COMPLETED", [verbose], ts="2026-01-01T00:00:01Z"), "poll"
     ).duplicate
     assert task_view(task)["artifacts"] == [lean]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_folds_first_read_is_what_the_orm_reads(task):
+    """``read_task``: the task and its artifacts as the ORM reads them (one compiled round
+    trip on PostgreSQL), ``relax`` only for that transaction, a missing task as None."""
+    from django.db import connection, transaction
+
+    from tasks_app.models import Artifact
+    from tasks_app.services.record import read_task
+
+    record_many(task.pk, [chunk("t-1", "x", append=False, aid=aid) for aid in ("a", "b")], "stream")
+    record(task.pk, status("t-1", "TASK_STATE_WORKING", text="busy"), "stream")
+
+    def fields(row) -> dict:
+        return {f.attname: getattr(row, f.attname) for f in type(row)._meta.concrete_fields}
+
+    def synchronous_commit() -> str:
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW synchronous_commit")
+            return cursor.fetchone()[0]
+
+    for _ in range(2):  # the second time from the statements compiled the first
+        with transaction.atomic():
+            current, held = read_task(task.pk, relax=True, artifacts=True)
+            if connection.vendor == "postgresql":
+                assert synchronous_commit() == "off"
+        assert fields(current) == fields(RemoteTask.objects.get(pk=task.pk))
+        assert current.status_message["parts"] == [{"text": "busy"}]  # JSON decoded
+        orm = {a.artifact_id: fields(a) for a in Artifact.objects.filter(task_id=task.pk)}
+        if connection.vendor == "postgresql":
+            assert {aid: fields(a) for aid, a in held.items()} == orm and len(orm) == 2
+            assert synchronous_commit() == "on"  # SET LOCAL: that transaction only
+        else:
+            assert held is None  # the fold reads them itself when it needs them
+    with transaction.atomic():
+        assert read_task(task.pk + 1000, relax=True, artifacts=True)[0] is None
+        assert read_task(task.pk)[1] is None

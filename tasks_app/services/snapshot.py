@@ -72,12 +72,16 @@ def artifact_json(artifact: Artifact) -> dict[str, Any]:
     return data
 
 
-def event_json(event: TaskEvent) -> dict[str, Any]:
-    """One log row as JSON: what exports, ``tasks show``, the relay and websockets carry."""
+def event_json(event: TaskEvent, received_at: str | None = None) -> dict[str, Any]:
+    """One log row as JSON: what exports, ``tasks show``, the relay and websockets carry.
+
+    ``received_at``: the row's time as ``isoformat()`` writes it, when the caller has it
+    (a batch's rows share one).
+    """
     return {
         "task": event.task_id,
         "seq": event.seq,
-        "received_at": event.received_at.isoformat(),
+        "received_at": received_at or event.received_at.isoformat(),
         "channel": event.channel,
         "kind": event.kind,
         "state": event.state_after,
