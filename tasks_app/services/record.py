@@ -89,6 +89,8 @@ class Entry:
     digest: str = ""
     # Bytes of agent content the entry stores (its canonical raw size).
     size: int = 0
+    # The canonical JSON of ``raw`` when it was written for the digest (see insert_rows).
+    text: bytes | None = None
 
 
 @dataclass
@@ -138,6 +140,7 @@ def parse_entry(obj: Any) -> Entry:
     entry = _parse(obj)
     if text is not None and entry.raw is obj:
         entry.digest, entry.size = text_digest(text)
+        entry.text = text
     else:
         entry.digest, entry.size = content_digest(entry.raw)
     if replaced:
@@ -865,7 +868,15 @@ class _Fold:
         for row, event in zip(self.rows, events, strict=True):
             if row.apply:
                 self._apply_row(row, event.seq, now)
-        insert_rows(TaskEvent, events)
+        # A row that keeps its entry's raw as it came is written from the entry's canonical
+        # text (parsing wrote it for the digest), not serialized a second time.
+        texts = [
+            row.entry.text.decode("ascii")
+            if row.entry.text is not None and event.raw is row.entry.raw
+            else None
+            for row, event in zip(self.rows, events, strict=True)
+        ]
+        insert_rows(TaskEvent, events, json_texts={"raw": texts})
         insert_rows(ArtifactPart, self._new_parts, batch_size=500)
         insert_rows(ConversationMessage, self._new_messages, batch_size=500)
         names = ["name", "description", "metadata", "extensions", "part_count",
@@ -1018,7 +1029,11 @@ COPY_FROM_ROWS = 10
 
 
 def insert_rows(
-    model: type[models.Model], objs: list[Any], *, batch_size: int | None = None
+    model: type[models.Model],
+    objs: list[Any],
+    *,
+    batch_size: int | None = None,
+    json_texts: dict[str, list[str | None]] | None = None,
 ) -> None:
     """Insert new rows of ``model`` in bulk, in the current transaction.
 
@@ -1029,6 +1044,10 @@ def insert_rows(
     fast stream's write time on (profiled, P3). The primary keys are not read
     back: nothing after a record needs them. Fewer than ``COPY_FROM_ROWS`` rows, and
     other databases: ``bulk_create`` (``batch_size``).
+
+    ``json_texts``: for a JSON field (by attname), each row's value as JSON text
+    already written (None: serialize the value), for COPY; a text must be JSON of
+    that very value (the rows keep the value).
     """
     if not objs:
         return
@@ -1049,6 +1068,11 @@ def insert_rows(
         ]
         for obj in objs
     ]
+    for name, texts in (json_texts or {}).items():
+        index = next(i for i, f in enumerate(fields) if f.attname == name)
+        for row, text in zip(rows, texts, strict=True):
+            if text is not None:
+                row[index] = text  # COPY's text form: the column parses it as JSON
     columns = ", ".join(connection.ops.quote_name(f.column) for f in fields)
     statement = f"COPY {connection.ops.quote_name(model._meta.db_table)} ({columns}) FROM STDIN"
     with (
