@@ -22,6 +22,7 @@
   (el.dataset.waiting || "").split(",").filter(Boolean).forEach((id) => known.set(id, { waiting: true, seq: 0 }));
   const listeners = [];
   const statusListeners = [];
+  let lastStatus = null; // a listener added after the socket opened still hears where it is
 
   function isWaiting(s) {
     return INTERRUPTED.includes(s.state) && s.watcher_status !== "abandoned";
@@ -52,6 +53,7 @@
   class QuietSocket extends Live.LiveSocket {
     status(state, text) {
       el.dataset.socket = state; // "open" once connected (tests wait for it)
+      lastStatus = [state, text];
       statusListeners.forEach((fn) => fn(state, text));
     }
   }
@@ -59,7 +61,10 @@
 
   window.InboxBadge = {
     subscribe: (fn) => listeners.push(fn),
-    onStatus: (fn) => statusListeners.push(fn),
+    onStatus: (fn) => {
+      statusListeners.push(fn);
+      if (lastStatus) fn(lastStatus[0], lastStatus[1]);
+    },
     isWaiting: isWaiting,
     count: () => count,
     capped: capped,

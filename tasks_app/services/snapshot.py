@@ -92,7 +92,12 @@ def event_json(event: TaskEvent, received_at: str | None = None) -> dict[str, An
 
 
 def task_document(task: RemoteTask) -> dict[str, Any]:
-    """Snapshot, bookkeeping and the whole event log: what ``tasks show --json`` prints."""
+    """Snapshot, bookkeeping and the event log: what ``tasks show --json`` prints.
+
+    The log is read up to the row's ``last_seq``: a row appended after the task was
+    read (a settle, a late event) is left for the next look rather than shown with a
+    snapshot that does not include it.
+    """
     return {
         "pk": task.pk,
         "agent": {"id": task.agent_id, "name": task.agent.name, "base_url": task.agent.base_url},
@@ -104,5 +109,7 @@ def task_document(task: RemoteTask) -> dict[str, Any]:
         "send_error": task.send_error,
         "last_seq": task.last_seq,
         "snapshot": task_view(task),
-        "events": [event_json(e) for e in task.events.order_by("seq")],
+        "events": [
+            event_json(e) for e in task.events.filter(seq__lte=task.last_seq).order_by("seq")
+        ],
     }
