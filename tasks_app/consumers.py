@@ -23,7 +23,11 @@
 and answers ``{"type": "sync", "since": ISO}`` with the summaries changed since
 then and ``{"type": "version", "version": ISO}`` (see ``TaskListConsumer``).
 
-Both reject anonymous users (close code 4401) before accepting.
+Both reject anonymous users (close code 4401) before accepting, and both join the
+person's group ``person-<id>``: told that the person's access changed
+(``tasks_app.access_changes``), a socket checks again and closes (4401 for a person
+made inactive, 4404 for a task no longer readable) or, for the list, follows the
+readable agents as they now are.
 A handshake from another origin never reaches them: ``tasks_app.routing`` closes it
 (4403) first.
 """
@@ -39,7 +43,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from tasks_app import access
 from tasks_app.models import RemoteTask, TaskEvent
-from tasks_app.relay import LIST_GROUP, task_group
+from tasks_app.relay import LIST_GROUP, person_group, task_group
 from tasks_app.services.record import task_summary
 from tasks_app.services.snapshot import event_json
 
@@ -58,6 +62,14 @@ def _authenticated(scope: dict) -> bool:
 
 def event_message(event: TaskEvent) -> dict[str, Any]:
     return {"type": "event", **event_json(event)}
+
+
+@database_sync_to_async
+def _person_now(user: Any) -> Any | None:
+    """The person as the database has them now (None: gone or made inactive); roles read afresh."""
+    from django.contrib.auth import get_user_model
+
+    return get_user_model().objects.filter(pk=user.pk, is_active=True).first()
 
 
 @database_sync_to_async
@@ -87,6 +99,7 @@ class TaskConsumer(AsyncJsonWebsocketConsumer):
 
     task_pk: int
     group: str | None = None
+    person: str | None = None
     last_sent: int | None = None  # None until the browser said where it is
 
     async def connect(self) -> None:
@@ -101,6 +114,8 @@ class TaskConsumer(AsyncJsonWebsocketConsumer):
         # Join first: whatever is appended from now on is queued for us.
         self.group = task_group(self.task_pk)
         await self.channel_layer.group_add(self.group, self.channel_name)
+        self.person = person_group(self.scope["user"].pk)
+        await self.channel_layer.group_add(self.person, self.channel_name)
         await self.accept()
         after = self._after_from_query()
         if after is not None:
@@ -109,6 +124,8 @@ class TaskConsumer(AsyncJsonWebsocketConsumer):
     async def disconnect(self, code: int) -> None:
         if self.group:
             await self.channel_layer.group_discard(self.group, self.channel_name)
+        if self.person:
+            await self.channel_layer.group_discard(self.person, self.channel_name)
 
     def _after_from_query(self) -> int | None:
         query = parse_qs((self.scope.get("query_string") or b"").decode())
@@ -197,6 +214,16 @@ class TaskConsumer(AsyncJsonWebsocketConsumer):
     async def task_watcher(self, message: dict[str, Any]) -> None:
         await self.send_json({**message, "type": "watcher"})
 
+    async def access_changed(self, message: dict[str, Any]) -> None:
+        """The person's access changed (``tasks_app.access_changes``): still allowed to read?"""
+        person = await _person_now(self.scope["user"])
+        if person is None:
+            await self.close(code=CLOSE_UNAUTHENTICATED)
+        elif not await _task_readable(person, self.task_pk):
+            await self.close(code=CLOSE_NOT_FOUND)
+        else:
+            self.scope["user"] = person
+
 
 def _parse_version(value: Any) -> datetime | None:
     if not isinstance(value, str) or len(value) > 64:
@@ -272,12 +299,26 @@ class TaskListConsumer(AsyncJsonWebsocketConsumer):
         self.agent_ids = await _readable_agent_ids(self.scope["user"])
         self.unreadable = set()
         await self.channel_layer.group_add(LIST_GROUP, self.channel_name)
+        await self.channel_layer.group_add(person_group(self.scope["user"].pk), self.channel_name)
         self.joined = True
         await self.accept()
 
     async def disconnect(self, code: int) -> None:
         if self.joined:
             await self.channel_layer.group_discard(LIST_GROUP, self.channel_name)
+            await self.channel_layer.group_discard(
+                person_group(self.scope["user"].pk), self.channel_name
+            )
+
+    async def access_changed(self, message: dict[str, Any]) -> None:
+        """The person's access changed: summaries follow the readable agents as they are now."""
+        person = await _person_now(self.scope["user"])
+        if person is None:
+            await self.close(code=CLOSE_UNAUTHENTICATED)
+            return
+        self.scope["user"] = person
+        self.agent_ids = await _readable_agent_ids(person)
+        self.unreadable = set()
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         if not isinstance(content, dict):

@@ -35,6 +35,11 @@ def task_group(task_pk: int) -> str:
     return f"task-{task_pk}"
 
 
+def person_group(user_pk: int) -> str:
+    """Every socket of one person: told when what that person may read changes."""
+    return f"person-{user_pk}"
+
+
 class _LoopRelay:
     """Sends queued messages from the loop: in order within a group, groups side by side.
 

@@ -489,3 +489,75 @@ async def test_task_sync_when_idle_is_one_query(task, user):
 
     assert await counted() == 1
     assert sent == [{"type": "synced", "last_seq": 1}]
+
+
+async def test_open_sockets_follow_a_change_of_access_at_once(task, user):
+    """A role taken away closes the person's task socket (as if the task did not exist) and
+    stops the list's summaries of that project; given back, they flow again; a person made
+    inactive is closed out. No reconnect is needed for any of it."""
+    from django.contrib.auth import get_user_model
+
+    from tasks_app.models import Membership
+    from tasks_app.relay import LIST_GROUP
+
+    summary = {"type": "tasks.changed", "task": task.pk, "agent": task.agent_id, "last_seq": 4}
+    task_socket = await communicator(f"/ws/tasks/{task.pk}/?after=0", user)
+    assert (await task_socket.connect())[0]
+    list_socket = await communicator("/ws/tasks/", user)
+    assert (await list_socket.connect())[0]
+    await get_channel_layer().group_send(LIST_GROUP, summary)
+    assert (await list_socket.receive_json_from(timeout=5))["task"] == task.pk
+
+    role = await database_sync_to_async(
+        lambda: Membership.objects.filter(user=user).values_list("project_id", "role").get()
+    )()
+    await database_sync_to_async(lambda: Membership.objects.filter(user=user).delete())()
+    closed = await task_socket.receive_output(timeout=5)
+    while closed["type"] != "websocket.close":  # the resume's own messages come first
+        closed = await task_socket.receive_output(timeout=5)
+    assert closed["code"] == 4404
+    await get_channel_layer().group_send(LIST_GROUP, summary)
+    assert await list_socket.receive_nothing(timeout=1)
+
+    await database_sync_to_async(
+        lambda: Membership.objects.create(user=user, project_id=role[0], role=role[1])
+    )()
+    await asyncio.sleep(0.5)  # the news reaches the socket before the next summary
+    await get_channel_layer().group_send(LIST_GROUP, summary)
+    assert (await list_socket.receive_json_from(timeout=5))["task"] == task.pk
+
+    def deactivate() -> None:
+        person = get_user_model().objects.get(pk=user.pk)
+        person.is_active = False
+        person.save()
+
+    await database_sync_to_async(deactivate)()
+    closed = await list_socket.receive_output(timeout=5)
+    assert closed == {"type": "websocket.close", "code": 4401}
+
+
+async def test_a_login_alone_tells_no_socket(task, user):
+    """Saving only ``last_login`` (every login does) changes nothing anyone may read."""
+    from django.contrib.auth.models import update_last_login
+
+    list_socket = await communicator("/ws/tasks/", user)
+    assert (await list_socket.connect())[0]
+    await database_sync_to_async(lambda: update_last_login(None, user))()
+    assert await list_socket.receive_nothing(timeout=1)
+    await list_socket.disconnect()
+
+
+async def test_an_agent_moved_to_another_project_closes_its_tasks_to_the_old_members(task, user):
+    from tasks_app.models import Project
+
+    task_socket = await communicator(f"/ws/tasks/{task.pk}/", user)
+    assert (await task_socket.connect())[0]
+
+    def move() -> None:
+        agent = Agent.objects.get(pk=task.agent_id)
+        agent.project = Project.objects.create(name="elsewhere")
+        agent.save()
+
+    await database_sync_to_async(move)()
+    closed = await task_socket.receive_output(timeout=5)
+    assert closed == {"type": "websocket.close", "code": 4404}
