@@ -211,26 +211,29 @@ async def _run_on(priority: int, func: Callable[..., T], *args: Any, **kwargs: A
     return await asyncio.wrap_future(_db_pool.submit(call, priority))
 
 
-# Calls that can wait seconds (settling an ended task) run this many at a time.
+# Calls that can wait seconds (settling an ended task) run this many at a time, per gate.
 LATER_AT_ONCE = 2
-_later_gates: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+_later_gates: dict[tuple[asyncio.AbstractEventLoop, str], asyncio.Semaphore] = {}
 
 
-def later() -> asyncio.Semaphore:
-    """The running loop's gate for work that can wait: ``async with eventloop.later(): ...``.
+def later(key: str = "") -> asyncio.Semaphore:
+    """The running loop's gate ``key`` for work that can wait: ``async with eventloop.later():``.
 
     Every thread running Python delays the loop, which needs the interpreter lock
     for each step of every stream and relay: with a hundred tasks ending in the
     same second, their settling (a GetTask each, then a fold of the agent's whole
-    task) on eight threads at once held the last events of the other streams back
-    by up to a second (P1 on PostgreSQL: p99 0.3-1.8 s; 68-117 ms with this gate).
+    task) all at once held the last events of the other streams back by up to a
+    second (P1 on PostgreSQL: p99 0.3-1.8 s; 59-127 ms with the gates). Work with a
+    bound of its own (the fold) shares the one unnamed gate; a call to an agent,
+    which a slow agent could make last, goes through a gate of that agent's own
+    (``f"agent-{pk}"``), so it never stalls anyone else's.
     """
     loop = asyncio.get_running_loop()
-    gate = _later_gates.get(loop)
+    gate = _later_gates.get((loop, key))
     if gate is None:
-        for old in [known for known in _later_gates if known.is_closed()]:
+        for old in [known for known in _later_gates if known[0].is_closed()]:
             del _later_gates[old]
-        gate = _later_gates[loop] = asyncio.Semaphore(LATER_AT_ONCE)
+        gate = _later_gates[(loop, key)] = asyncio.Semaphore(LATER_AT_ONCE)
     return gate
 
 

@@ -694,8 +694,7 @@ class Holder:
             )
         if task.state in TERMINAL_STATES:
             if task.settled_at is None:
-                async with eventloop.later():
-                    await self._settle(client)
+                await self._settle(client)
             return Turn(next_status(self.status, Event.ENDED), "task ended")
         if task.state == INPUT_REQUIRED:
             return Turn(next_status(self.status, Event.ENDED), "waiting for an answer")
@@ -707,17 +706,24 @@ class Holder:
         """A terminal state was seen: GetTask once, and let the mirror settle on it."""
         snapshot: dict | None = None
         note = ""
+        # A few at a time (see eventloop.later): the GetTasks per agent, so that a slow
+        # agent stalls only its own tasks' settling; the folds in the gate all share.
         try:
-            snapshot = await client.get_task(self.remote_id)
-            await eventloop.db(agent_services.mark_reachable, self.agent_id)
+            async with eventloop.later(f"agent-{self.agent_id}"):
+                snapshot = await client.get_task(self.remote_id)
+                await eventloop.db(agent_services.mark_reachable, self.agent_id)
         except A2AError as exc:
             note = f"GetTask after the end failed: {exc}"
-        result = await eventloop.db(
-            record_services.settle, self.task_pk, snapshot, fence=self.token, note=note
-        )
+        async with eventloop.later():
+            result = await eventloop.db(
+                record_services.settle, self.task_pk, snapshot, fence=self.token, note=note
+            )
         if result.fenced:
             raise Fenced
-        await push_services.forget_configs(client, self.task_pk, "deleted when the task settled")
+        async with eventloop.later(f"agent-{self.agent_id}"):
+            await push_services.forget_configs(
+                client, self.task_pk, "deleted when the task settled"
+            )
 
     # -- push: nothing held; poll only when the notifications fall silent
     async def _await_push(self, client: A2AClient) -> Turn:

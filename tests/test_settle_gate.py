@@ -10,6 +10,7 @@ more than ``eventloop.LATER_AT_ONCE`` run at once; every task still settles.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -63,3 +64,38 @@ def test_tasks_ending_together_settle_a_few_at_a_time(agent, monkeypatch, in_pro
     for task in tasks:
         task.refresh_from_db()
         assert task.state == "TASK_STATE_COMPLETED"
+
+
+def test_an_agent_slow_to_answer_the_settling_gettask_holds_back_only_its_own(
+    agent,
+    agent_nopush,
+    monkeypatch,
+    in_process_holders,  # noqa: F811
+):
+    """The GetTasks wait per agent, the folds together: an agent whose GetTask hangs (for as
+    many of its tasks as its gate lets through, and more) stops no other agent's settling."""
+    from tasks_app.a2a import A2AClient
+
+    real_get_task = A2AClient.get_task
+    hanging: list[str] = []
+
+    async def get_task(self, task_id: str, *args, **kwargs):
+        if str(agent_nopush.port) in self.interface.url:
+            hanging.append(task_id)
+            await asyncio.sleep(60)  # an agent that does not answer (the test ends first)
+        return await real_get_task(self, task_id, *args, **kwargs)
+
+    monkeypatch.setattr(A2AClient, "get_task", get_task)
+    monkeypatch.setattr(eventloop, "db_threads", lambda: TASKS)
+    monkeypatch.setattr(task_services, "dispatch", lambda pk: watchers.watch(pk))
+    slow = add_agent(agent_nopush.base_url, name="slow")
+    healthy = add_agent(agent.base_url, name="healthy")
+    stuck = [task_services.start_task(slow, "slow 2 0.3", mode="stream") for _ in range(3)]
+    fine = [task_services.start_task(healthy, "slow 2 0.3", mode="stream") for _ in range(TASKS)]
+
+    def settled(tasks: list) -> int:
+        return sum(RemoteTask.objects.get(pk=t.pk).settled_at is not None for t in tasks)
+
+    wait_for(lambda: settled(fine) == TASKS, timeout=60, what="the healthy agent's tasks to settle")
+    assert settled(stuck) == 0
+    assert len(hanging) == eventloop.LATER_AT_ONCE  # the third waits behind its own agent
