@@ -345,9 +345,8 @@ class Registry:
         self.stream_http: outbound.ClientShards | None = None
 
     async def start(self, task_pk: int, token: str, loaded: RemoteTask | None = None) -> None:
-        if self.http is None:
-            self.http = outbound.ClientShards()
-            self.stream_http = outbound.ClientShards()
+        if self.http is None or self.stream_http is None:
+            self.http, self.stream_http = outbound.ClientShards(), outbound.ClientShards()
         self.ensure_heartbeat()
         existing = self.holders.get(task_pk)
         if existing and not existing[1].done():
@@ -356,7 +355,6 @@ class Registry:
             # than being interrupted, which could cut a send in half.
             existing[0].token = token
             return
-        assert self.stream_http is not None
         holder = Holder(
             task_pk,
             token,

@@ -245,6 +245,27 @@ def test_task_list_is_live_and_filters(context, page, stack, demo_agent_pk):
     shot(page, "overview-narrow-dark")
 
 
+def test_list_pages_share_one_list_socket_with_the_inbox_badge(page, stack, demo_agent_pk):
+    """The task list and the overview take their summaries from the badge's socket: one
+    list socket per page, not two (each socket is a connection, and a copy of every summary)."""
+    for path in ("/tasks/", "/"):
+        opened: list[str] = []
+
+        def note(ws, opened=opened) -> None:
+            opened.append(ws.url)
+
+        page.on("websocket", note)
+        try:
+            page.goto(path)
+            page.wait_for_selector("#inbox-badge[data-socket=open]", state="attached")
+            if path == "/tasks/":  # the overview has no "live:" line
+                page.wait_for_selector("#live-status[data-state=open]")
+            page.wait_for_timeout(500)  # a second socket, if any, would be open by now
+        finally:
+            page.remove_listener("websocket", note)
+        assert [url.split("/ws/")[-1] for url in opened] == ["tasks/"], (path, opened)
+
+
 def test_a_polled_task_shows_its_artifacts_live(page, stack, demo_agent_pk):
     """Return-immediately: the task is polled (snapshots, no artifactUpdate events), and its
     artifact still appears and grows on the open page, and ends complete, with no reload."""

@@ -7,8 +7,9 @@
  * so an older summary never undoes a newer one) turns each summary into +1, -1 or
  * nothing. Over the cap the badge says "1000+" and stays so until a reload.
  *
- * Other scripts (the inbox page) listen through InboxBadge.subscribe(fn), so a page has
- * one list socket for both. No inline script: the CSP forbids it.
+ * Other scripts (the inbox, the task list, the overview) listen through
+ * InboxBadge.subscribe(fn) (Live.taskListFeed), so a page has one list socket for all.
+ * No inline script: the CSP forbids it.
  */
 (function () {
   "use strict";
@@ -57,7 +58,7 @@
       statusListeners.forEach((fn) => fn(state, text));
     }
   }
-  const { socket } = Live.taskListSocket(el.dataset.renderedAt, onTask, QuietSocket);
+  const { socket, version } = Live.taskListSocket(el.dataset.renderedAt, onTask, QuietSocket);
 
   window.InboxBadge = {
     subscribe: (fn) => listeners.push(fn),
@@ -69,5 +70,6 @@
     count: () => count,
     capped: capped,
     socket: socket,
+    version: version,
   };
 })();

@@ -20,6 +20,15 @@
     return proto + window.location.host + path;
   }
 
+  /* The page's "live:" line (tests wait for data-state=open). */
+  function showStatus(state, text) {
+    const el = document.getElementById("live-status");
+    if (el) {
+      el.dataset.state = state;
+      el.textContent = "live: " + (text || state);
+    }
+  }
+
   class LiveSocket {
     constructor(path, options) {
       this.path = path;
@@ -52,11 +61,7 @@
 
     status(state, text) {
       if (this.options.onStatus) this.options.onStatus(state, text);
-      const el = document.getElementById("live-status");
-      if (el) {
-        el.dataset.state = state;
-        el.textContent = "live: " + (text || state);
-      }
+      showStatus(state, text);
     }
 
     connect() {
@@ -185,5 +190,16 @@
     return d.toISOString().replace("T", " ").slice(0, 23) + " UTC";
   }
 
-  window.Live = { LiveSocket, taskListSocket, throttle, atBottom, ago, tickTimes, fullTime };
+  /* The page's feed of task summaries: the inbox badge's list socket when the page has
+   * the badge (one list socket per page, not two), else a socket of its own. Either way
+   * the page's "live:" line shows the socket's state and onTask gets every summary. */
+  function taskListFeed(renderedAt, onTask) {
+    const badge = window.InboxBadge;
+    if (!badge) return taskListSocket(renderedAt, onTask);
+    badge.subscribe((summary) => onTask(summary));
+    badge.onStatus(showStatus);
+    return { socket: badge.socket, version: badge.version };
+  }
+
+  window.Live = { LiveSocket, taskListSocket, taskListFeed, throttle, atBottom, ago, tickTimes, fullTime };
 })();

@@ -14,7 +14,7 @@
     if (resp.ok) body.innerHTML = await resp.text();
   }, 1000);
   const seen = new Map(); // task pk -> what its last summary said
-  Live.taskListSocket(body.dataset.version, (msg) => {
+  Live.taskListFeed(body.dataset.version, (msg) => {
     const key = [msg.last_seq, msg.state, msg.phase, msg.watcher_status].join("|");
     if (seen.get(msg.task) === key) return;
     seen.set(msg.task, key);

@@ -97,7 +97,7 @@
   // Re-sync by version: the newest updated_at we know of (the render time at
   // first). After a (re)connect and when idle we ask for the tasks changed since
   // then (see TaskListConsumer); rows already up to date are left alone.
-  const list = Live.taskListSocket(tbody.dataset.version, (msg) => {
+  const list = Live.taskListFeed(tbody.dataset.version, (msg) => {
     const key = String(msg.task);
     if ((queue.get(key) || {}).last_seq > msg.last_seq) return; // keep the newer one queued
     queue.set(key, msg);
