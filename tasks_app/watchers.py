@@ -349,12 +349,15 @@ class Registry:
             self.http, self.stream_http = outbound.ClientShards(), outbound.ClientShards()
         self.ensure_heartbeat()
         existing = self.holders.get(task_pk)
-        if existing and not existing[1].done():
+        previous = existing[1] if existing and not existing[1].done() else None
+        if existing and previous and not existing[0].releasing:
             # This process already holds the task (its lease lapsed under load and was
             # taken again, here): the running holder goes on under the new token rather
             # than being interrupted, which could cut a send in half.
             existing[0].token = token
             return
+        # A holder that is giving its lease back (its turn is over) ends without looking
+        # at the task again: the new turn (an answer's dispatch, say) starts once it has.
         holder = Holder(
             task_pk,
             token,
@@ -362,10 +365,15 @@ class Registry:
             stream_http=self.stream_http.for_task(task_pk),
             loaded=loaded,
         )
-        self.holders[task_pk] = (holder, asyncio.get_running_loop().create_task(self._run(holder)))
+        self.holders[task_pk] = (
+            holder,
+            asyncio.get_running_loop().create_task(self._run(holder, after=previous)),
+        )
 
-    async def _run(self, holder: Holder) -> None:
+    async def _run(self, holder: Holder, after: asyncio.Task[None] | None = None) -> None:
         try:
+            if after is not None:
+                await asyncio.gather(after, return_exceptions=True)
             await holder.run()
         finally:
             current = self.holders.get(holder.task_pk)
@@ -560,6 +568,8 @@ class Holder:
         # Events-per-second budget: the loop time until which recorded events are "paid for".
         self.paid_until = self.loop.time()
         self.throttled = False
+        # Set once the turn is over and the lease is being given back (see Registry.start).
+        self.releasing = False
 
     # -- the outline
     async def run(self) -> None:
@@ -578,6 +588,7 @@ class Holder:
             await self._note_problem(f"watcher error: {type(exc).__name__}: {exc}")
             turn = Turn(Status.LOST, f"watcher error: {exc}", hold_off=30)
         log.debug("turn ended: %s (%s)", turn.status, turn.note)
+        self.releasing = True  # from here on this holder never looks at the task again
         released = await eventloop.db(
             task_services.release_lease,
             self.task_pk,

@@ -128,3 +128,35 @@ def test_exactly_one_answer_reaches_the_agent(agent, monkeypatch, in_process_hol
     ]
     assert [m["parts"][0]["text"] for m in answers] == won
     assert f"You answered: {won[0]}" in str(snapshot.get("artifacts"))
+
+
+def test_an_answer_given_while_the_holder_lets_go_is_sent(agent, monkeypatch, in_process_holders):
+    """The window: the question's holder has given its lease back but not yet ended when the
+    answer's dispatch takes the lease again in the same process. The new turn must run
+    (it used to hand its token to the ending holder, and the answer waited for the lease to
+    run out and a reconciler; none runs here)."""
+    released = threading.Event()
+    resume = threading.Event()
+    original_release = task_services.release_lease
+
+    def release_then_pause(task_pk: int, token: str, **kwargs):
+        result = original_release(task_pk, token, **kwargs)
+        if kwargs.get("status") == watchers.Status.IDLE and not released.is_set():
+            released.set()
+            resume.wait(timeout=20)  # the injected pause: released, the holder not yet ended
+        return result
+
+    monkeypatch.setattr(task_services, "release_lease", release_then_pause)
+    monkeypatch.setattr(task_services, "dispatch", lambda pk: watchers.watch(pk))
+    demo = add_agent(agent.base_url, name="demo")
+    task = task_services.start_task(demo, "ask", mode="stream")
+    assert released.wait(timeout=30), "the question's holder never let go"
+    task.refresh_from_db()
+    assert task.state == "TASK_STATE_INPUT_REQUIRED" and task.lease_token == ""
+    task_services.answer_task(task, "green")  # dispatched while that holder is paused
+    resume.set()
+    wait_for(
+        lambda: RemoteTask.objects.get(pk=task.pk).state == "TASK_STATE_COMPLETED",
+        timeout=30,
+        what="the answer to reach the agent and the task to end",
+    )
