@@ -287,6 +287,7 @@ class TaskListConsumer(AsyncJsonWebsocketConsumer):
     """
 
     joined = False
+    person = ""
     # Agents whose tasks this person may read (None: all); an agent added later is looked
     # up once when its first summary arrives.
     agent_ids: set[int] | None = None
@@ -299,16 +300,15 @@ class TaskListConsumer(AsyncJsonWebsocketConsumer):
         self.agent_ids = await _readable_agent_ids(self.scope["user"])
         self.unreadable = set()
         await self.channel_layer.group_add(LIST_GROUP, self.channel_name)
-        await self.channel_layer.group_add(person_group(self.scope["user"].pk), self.channel_name)
+        self.person = person_group(self.scope["user"].pk)
+        await self.channel_layer.group_add(self.person, self.channel_name)
         self.joined = True
         await self.accept()
 
     async def disconnect(self, code: int) -> None:
         if self.joined:
             await self.channel_layer.group_discard(LIST_GROUP, self.channel_name)
-            await self.channel_layer.group_discard(
-                person_group(self.scope["user"].pk), self.channel_name
-            )
+            await self.channel_layer.group_discard(self.person, self.channel_name)
 
     async def access_changed(self, message: dict[str, Any]) -> None:
         """The person's access changed: summaries follow the readable agents as they are now."""

@@ -349,12 +349,12 @@ class Registry:
             self.http, self.stream_http = outbound.ClientShards(), outbound.ClientShards()
         self.ensure_heartbeat()
         existing = self.holders.get(task_pk)
-        previous = existing[1] if existing and not existing[1].done() else None
-        if existing and previous and not existing[0].releasing:
+        running = existing if existing and not existing[1].done() else None
+        if running and not running[0].releasing:
             # This process already holds the task (its lease lapsed under load and was
             # taken again, here): the running holder goes on under the new token rather
             # than being interrupted, which could cut a send in half.
-            existing[0].token = token
+            running[0].token = token
             return
         # A holder that is giving its lease back (its turn is over) ends without looking
         # at the task again: the new turn (an answer's dispatch, say) starts once it has.
@@ -367,7 +367,9 @@ class Registry:
         )
         self.holders[task_pk] = (
             holder,
-            asyncio.get_running_loop().create_task(self._run(holder, after=previous)),
+            asyncio.get_running_loop().create_task(
+                self._run(holder, after=running[1] if running else None)
+            ),
         )
 
     async def _run(self, holder: Holder, after: asyncio.Task[None] | None = None) -> None:

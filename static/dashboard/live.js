@@ -196,7 +196,7 @@
   function taskListFeed(renderedAt, onTask) {
     const badge = window.InboxBadge;
     if (!badge) return taskListSocket(renderedAt, onTask);
-    badge.subscribe((summary) => onTask(summary));
+    badge.subscribe(onTask);
     badge.onStatus(showStatus);
     return { socket: badge.socket, version: badge.version };
   }

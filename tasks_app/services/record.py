@@ -871,9 +871,7 @@ class _Fold:
         # A row that keeps its entry's raw as it came is written from the entry's canonical
         # text (parsing wrote it for the digest), not serialized a second time.
         texts = [
-            row.entry.text.decode("ascii")
-            if row.entry.text is not None and event.raw is row.entry.raw
-            else None
+            row.entry.text if event.raw is row.entry.raw else None
             for row, event in zip(self.rows, events, strict=True)
         ]
         insert_rows(TaskEvent, events, json_texts={"raw": texts})
@@ -1033,7 +1031,7 @@ def insert_rows(
     objs: list[Any],
     *,
     batch_size: int | None = None,
-    json_texts: dict[str, list[str | None]] | None = None,
+    json_texts: dict[str, list[bytes | None]] | None = None,
 ) -> None:
     """Insert new rows of ``model`` in bulk, in the current transaction.
 
@@ -1045,9 +1043,9 @@ def insert_rows(
     back: nothing after a record needs them. Fewer than ``COPY_FROM_ROWS`` rows, and
     other databases: ``bulk_create`` (``batch_size``).
 
-    ``json_texts``: for a JSON field (by attname), each row's value as JSON text
-    already written (None: serialize the value), for COPY; a text must be JSON of
-    that very value (the rows keep the value).
+    ``json_texts``: for a JSON field (by attname), each row's value as ASCII JSON text
+    already written (None: serialize the value), used by COPY only; a text must be
+    JSON of that very value (the rows keep the value).
     """
     if not objs:
         return
@@ -1072,7 +1070,7 @@ def insert_rows(
         index = next(i for i, f in enumerate(fields) if f.attname == name)
         for row, text in zip(rows, texts, strict=True):
             if text is not None:
-                row[index] = text  # COPY's text form: the column parses it as JSON
+                row[index] = text.decode("ascii")  # COPY's text form: parsed as JSON
     columns = ", ".join(connection.ops.quote_name(f.column) for f in fields)
     statement = f"COPY {connection.ops.quote_name(model._meta.db_table)} ({columns}) FROM STDIN"
     with (
@@ -1145,6 +1143,8 @@ def read_task(
     if artifacts:
         statements.append(reads.artifacts.sql)
     with connection.cursor() as cursor:
+        # Several statements with parameters in one execute: Django's default client-side
+        # binding on psycopg 3 (a server-side-binding cursor would refuse it).
         cursor.execute("; ".join(statements), [task_pk] * (1 + artifacts))
         if relax:
             cursor.nextset()
