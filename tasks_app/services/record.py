@@ -31,7 +31,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from django.conf import settings
-from django.db import connection, models, transaction
+from django.db import DEFAULT_DB_ALIAS, connection, connections, models, transaction
 from django.db.models import Max
 from django.db.models.base import ModelState
 from django.utils import timezone
@@ -265,8 +265,13 @@ def _messages_in(entry: Entry) -> list[dict]:
 # Digests ------------------------------------------------------------------------------------
 
 
+# What ``json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)``
+# writes, with the encoder made once: ``dumps`` builds a new one on each call given options.
+_PART_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def _canonical(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return _PART_ENCODER.encode(value).encode()
 
 
 def chain_digest(digest: str, parts: Sequence[Any]) -> str:
@@ -515,7 +520,8 @@ class _Fold:
         self._message_ids.update(m["messageId"] for m in messages)
 
     def get(self, name: str) -> Any:
-        return self.changes.get(name, getattr(self.task, name))
+        changes = self.changes  # asked about nine times an entry: no getattr when changed
+        return changes[name] if name in changes else getattr(self.task, name)
 
     def set(self, **values: Any) -> None:
         self.changes.update(values)
@@ -630,7 +636,8 @@ class _Fold:
         ]
         wanted = {a["artifactId"]: chain_digest("", a.get("parts") or []) for a in artifacts}
         held = self.held_digests()
-        status_same = self._status_same(status)
+        ts = _timestamp(status)
+        status_same = self._status_same(status, ts)
         artifacts_same = wanted == held
         status_message = status.get("message")
         candidates = history + (
@@ -659,7 +666,7 @@ class _Fold:
                 )
             )
         self._adopt(task["id"], task.get("contextId"))
-        self._set_status(status)
+        self._set_status(status, ts)
         if isinstance(task.get("metadata"), dict):
             self.set(metadata=task["metadata"])
         if not artifacts_same:
@@ -672,20 +679,20 @@ class _Fold:
         self.remember_messages(new_messages)
         self.rows.append(row)
 
-    def _status_same(self, status: dict) -> bool:
+    def _status_same(self, status: dict, ts: datetime | None) -> bool:
+        """Whether ``status`` (its timestamp ``ts``, see ``_timestamp``) is the one held."""
         if status["state"] != self.get("state"):
             return False
-        ts = _timestamp(status)
         current_ts = self.get("status_timestamp")
         if ts is not None and current_ts is not None:
             return ts == current_ts
         return (status.get("message") or None) == (self.get("status_message") or None)
 
-    def _set_status(self, status: dict) -> None:
+    def _set_status(self, status: dict, ts: datetime | None) -> None:
         self.set(
             state=status["state"],
             status_message=status.get("message") or None,
-            status_timestamp=_timestamp(status) or self.get("status_timestamp"),
+            status_timestamp=ts or self.get("status_timestamp"),
         )
 
     def _fold_statusUpdate(self, entry: Entry) -> None:
@@ -693,16 +700,18 @@ class _Fold:
         if self._wrong_task(entry, update["taskId"]):
             return
         status = update["status"]
-        if self.get("remote_id") and self._status_same(status):
+        ts = _timestamp(status)
+        if self.get("remote_id") and self._status_same(status, ts):
             return
-        if self.get("state") in TERMINAL_STATES and status["state"] == self.get("state"):
+        state = self.get("state")
+        if state in TERMINAL_STATES and status["state"] == state:
             self._after_end(entry, "a status update of the ended task")
             return
         problem = self._state_problem(status["state"])
         if problem:
             self.rows.append(_Row(entry, "protocol-error", problem, apply=False))
             return
-        ts, current_ts = _timestamp(status), self.get("status_timestamp")
+        current_ts = self.get("status_timestamp")
         if ts is not None and current_ts is not None and ts < current_ts:
             self.rows.append(
                 _Row(
@@ -714,7 +723,7 @@ class _Fold:
             )
             return
         self._adopt(update["taskId"], update.get("contextId"))
-        self._set_status(status)
+        self._set_status(status, ts)
         if isinstance(update.get("metadata"), dict) and update["metadata"]:
             # The agent merges a status update's metadata into the task's (as GetTask shows).
             self.set(metadata={**(self.get("metadata") or {}), **update["metadata"]})
@@ -828,7 +837,9 @@ class _Fold:
         for seq, row in enumerate(self.rows, start=first_seq):
             if not row.entry.digest:  # entries the fold made itself (gaps, notices)
                 row.entry.digest, row.entry.size = content_digest(row.entry.raw)
-            notes = [row.note] + ([row.entry.note] if row.entry.note not in ("", row.note) else [])
+            note = row.note
+            if row.entry.note and row.entry.note != note:
+                note = f"{note}; {row.entry.note}" if note else row.entry.note
             raw, raw_digest = row.entry.raw, row.entry.digest
             if (
                 row.apply
@@ -839,8 +850,8 @@ class _Fold:
                 raw, moved = by_reference(raw)
                 if moved:
                     raw_digest, _ = content_digest(raw)
-                    notes.append(f"{moved} characters of part content stored once, in the artifact")
-            note = "; ".join(n for n in notes if n)
+                    moved_note = f"{moved} characters of part content stored once, in the artifact"
+                    note = f"{note}; {moved_note}" if note else moved_note
             previous_hash = chain_hash(previous_hash, row_text(
                 seq=seq, received_text=received_text, channel=self.channel, kind=row.kind,
                 raw_digest=raw_digest, note=note, state_after=row.state_after, actor_id=actor_id,
@@ -1052,25 +1063,36 @@ def insert_rows(
     if connection.vendor != "postgresql" or len(objs) < COPY_FROM_ROWS:
         model.objects.bulk_create(objs, batch_size=batch_size)
         return
+    # The connection itself, not its proxy: preparing a JSON value asks the connection for
+    # its operations, a thread-local lookup per value through the proxy.
+    wrapper = connections[DEFAULT_DB_ALIAS]
     fields = [f for f in model._meta.concrete_fields if not f.primary_key]
     plain = [not isinstance(f, models.JSONField) for f in fields]
+    given = json_texts or {}
+    skipped = [f.attname in given for f in fields]  # filled in from the texts below
     rows = [
         [
             # A plain int, str or bool (exact types), or an aware datetime, is its own
             # database value for every field but JSON (``get_db_prep_save`` returns it as is).
             value
-            if simple and (type(value) in _AS_IS or (type(value) is datetime and value.tzinfo))
-            else f.get_db_prep_save(value, connection)
-            for f, simple in zip(fields, plain, strict=True)
-            for value in (f.pre_save(obj, True),)
+            if skip
+            or (simple and (type(value) in _AS_IS or (type(value) is datetime and value.tzinfo)))
+            else f.get_db_prep_save(value, wrapper)
+            for f, simple, skip in zip(fields, plain, skipped, strict=True)
+            for value in (None if skip else f.pre_save(obj, True),)
         ]
         for obj in objs
     ]
-    for name, texts in (json_texts or {}).items():
+    for name, texts in given.items():
         index = next(i for i, f in enumerate(fields) if f.attname == name)
-        for row, text in zip(rows, texts, strict=True):
-            if text is not None:
-                row[index] = text.decode("ascii")  # COPY's text form: parsed as JSON
+        for row, text, obj in zip(rows, texts, objs, strict=True):
+            # COPY's text form of a JSON column is parsed as JSON: a text at hand is written
+            # as it is, and only a row without one is serialized.
+            row[index] = (
+                text.decode("ascii")
+                if text is not None
+                else fields[index].get_db_prep_save(getattr(obj, name), wrapper)
+            )
     columns = ", ".join(connection.ops.quote_name(f.column) for f in fields)
     statement = f"COPY {connection.ops.quote_name(model._meta.db_table)} ({columns}) FROM STDIN"
     with (

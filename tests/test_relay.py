@@ -1,0 +1,120 @@
+"""The worker's relay loop: list summaries paced, task events never held back.
+
+A group send costs about a millisecond of the worker's CPU whatever it carries, and a
+fast stream sent a list summary beside every batch of its events. Summaries now go at
+most every ``relay.SUMMARIES_EVERY`` seconds: the first after a quiet spell at once, the
+rest of the spell coalesced (the newest per task) into one send at its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+from channels.layers import get_channel_layer
+
+from tasks_app import eventloop, relay
+
+
+@pytest.fixture
+def relay_loop() -> Iterator[None]:
+    eventloop.get_loop()  # registers the shared loop's relay
+    yield
+    if eventloop.running():
+        eventloop.stop()
+    relay.use_loop(None)
+
+
+def _listen(groups: list[str]) -> str:
+    layer = get_channel_layer()
+
+    async def join() -> str:
+        channel = await layer.new_channel()
+        for group in groups:
+            await layer.group_add(group, channel)
+        return channel
+
+    return eventloop.submit(join()).result(timeout=30)
+
+
+def _receive(channel: str, count: int) -> list[dict]:
+    layer = get_channel_layer()
+
+    async def take() -> list[dict]:
+        return [await asyncio.wait_for(layer.receive(channel), 10) for _ in range(count)]
+
+    return eventloop.submit(take()).result(timeout=30)
+
+
+def _nothing_more(channel: str, within: float) -> bool:
+    layer = get_channel_layer()
+
+    async def wait() -> bool:
+        try:
+            await asyncio.wait_for(layer.receive(channel), within)
+        except TimeoutError:
+            return True
+        return False
+
+    return eventloop.submit(wait()).result(timeout=within + 10)
+
+
+def _summary(task: int, seq: int) -> relay.Message:
+    return (relay.LIST_GROUP, {"type": "tasks.changed", "task": task, "last_seq": seq})
+
+
+def test_summaries_in_a_burst_go_as_one_send_with_the_newest_of_each_task(
+    relay_loop: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A spell far longer than the test's publishing takes: the burst is certainly inside it.
+    monkeypatch.setattr(relay, "SUMMARIES_EVERY", 3.0)
+    channel = _listen([relay.LIST_GROUP, relay.task_group(7)])
+    sends: list[str] = []
+    layer_class = type(get_channel_layer())
+    real_send = layer_class.group_send
+
+    async def counting_send(self: object, group: str, message: dict) -> None:
+        sends.append(group)
+        await real_send(self, group, message)
+
+    monkeypatch.setattr(layer_class, "group_send", counting_send)
+    relay.publish([_summary(7, 1)])  # after a quiet spell: at once
+    (first,) = _receive(channel, 1)
+    assert first == {"type": "tasks.changed", "task": 7, "last_seq": 1}
+    for seq in range(2, 12):  # a fast stream's batches, each with its summary
+        relay.publish([(relay.task_group(7), {"type": "task.event", "seq": seq}), _summary(7, seq)])
+    relay.publish([_summary(8, 1)])
+    relay.publish([_summary(8, 2)])
+    # Task events are not held back by the pacing: all ten arrive, in order (batches that
+    # queued together are packed into one ``task.events``).
+    # The burst's summaries: one send, after the spell, the newest of each task.
+    seqs: list[int] = []
+    summaries: list[dict] = []
+    while len(seqs) < 10 or not summaries:
+        (message,) = _receive(channel, 1)
+        if message["type"].startswith("tasks."):
+            summaries.append(message)
+        else:
+            seqs += [e["seq"] for e in message.get("events", [message])]
+    assert seqs == list(range(2, 12))
+    (second,) = summaries
+    assert second["type"] == "tasks.summaries"
+    assert second["summaries"] == [
+        {"type": "tasks.changed", "task": 7, "last_seq": 11},
+        {"type": "tasks.changed", "task": 8, "last_seq": 2},
+    ]
+    assert _nothing_more(channel, 1.0)
+    assert sends.count(relay.LIST_GROUP) == 2
+
+
+def test_a_summary_after_a_quiet_spell_is_not_held(
+    relay_loop: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(relay, "SUMMARIES_EVERY", 0.2)
+    list_channel = _listen([relay.LIST_GROUP])
+    relay.publish([_summary(3, 1)])
+    assert _receive(list_channel, 1) == [{"type": "tasks.changed", "task": 3, "last_seq": 1}]
+    assert _nothing_more(list_channel, 0.5)  # the spell passes with nothing held
+    relay.publish([_summary(3, 2)])
+    assert _receive(list_channel, 1) == [{"type": "tasks.changed", "task": 3, "last_seq": 2}]
