@@ -1145,37 +1145,38 @@ def read_task(
     """The task's row as a fold starts from it (None: no such task), in the current
     transaction, and with ``artifacts`` its artifacts by id (None: not read here).
 
-    On PostgreSQL the statements are compiled once per connection and sent in one
-    round trip, with the ``SET LOCAL`` of :func:`relax_commit` when ``relax``: a fast
-    stream's batch is a dozen statements, and compiling ``get()`` and the artifacts'
-    query, each in a round trip of its own, were about a sixth of its time
-    (profiled, P3). Other databases: ``get()``, and the fold reads the artifacts
-    when it needs them.
+    The statements are compiled once per connection: a fast stream's batch is a dozen
+    statements, and compiling ``get()`` and the artifacts' query each time was about
+    a sixth of its time (profiled, P3; on SQLite, where a statement costs no round
+    trip, more). On PostgreSQL they are sent in one round trip, with the
+    ``SET LOCAL`` of :func:`relax_commit` when ``relax``.
     """
-    if connection.vendor != "postgresql":
-        try:
-            return RemoteTask.objects.get(pk=task_pk), None  # get(): no ORDER BY to compile
-        except RemoteTask.DoesNotExist:
-            return None, None
     reads = getattr(connection, "_dashboard_reads", None)
     if reads is None:
         reads = connection._dashboard_reads = _Reads(connection)  # type: ignore[attr-defined]
-    statements = [RELAX] if relax else []
-    statements.append(reads.task.sql)
-    if artifacts:
-        statements.append(reads.artifacts.sql)
     with connection.cursor() as cursor:
-        # Several statements with parameters in one execute: Django's default client-side
-        # binding on psycopg 3 (a server-side-binding cursor would refuse it).
-        cursor.execute("; ".join(statements), [task_pk] * (1 + artifacts))
-        if relax:
-            cursor.nextset()
-        found = reads.task.rows(cursor)
-        if not artifacts:
+        if connection.vendor != "postgresql":
+            cursor.execute(reads.task.sql, [task_pk])
+            found = reads.task.rows(cursor)
+            if artifacts and found:
+                cursor.execute(reads.artifacts.sql, [task_pk])
+        else:
+            statements = [RELAX] if relax else []
+            statements.append(reads.task.sql)
+            if artifacts:
+                statements.append(reads.artifacts.sql)
+            # Several statements with parameters in one execute: Django's default client-side
+            # binding on psycopg 3 (a server-side-binding cursor would refuse it).
+            cursor.execute("; ".join(statements), [task_pk] * (1 + artifacts))
+            if relax:
+                cursor.nextset()
+            found = reads.task.rows(cursor)
+            if artifacts:
+                cursor.nextset()
+        if not artifacts or not found:
             return (found[0] if found else None), None
-        cursor.nextset()
         held = {artifact.artifact_id: artifact for artifact in reads.artifacts.rows(cursor)}
-    return (found[0] if found else None), held
+    return found[0], held
 
 
 class _Compiled:
