@@ -50,9 +50,9 @@ class _LoopRelay:
     List summaries are coalesced (only a task's newest matters) and sent at most
     every ``SUMMARIES_EVERY`` seconds: one that comes after a quiet spell goes at
     once, and those that follow within the spell wait for its end. A group send
-    costs about a millisecond of this process's CPU whatever it carries
-    (channels_redis and redis-py, measured), so a fast stream that sent a summary
-    beside every batch of its events spent half its relay on the list.
+    costs about a millisecond of this process's CPU whatever it carries (four Redis
+    round trips in channels_redis, measured alone), and a fast stream sent a list
+    summary beside every batch of its events: 200 sends for 10,000 events, 112 now.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
