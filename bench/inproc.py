@@ -252,7 +252,7 @@ def p3(db: str, quick: bool) -> list[Row]:
     record_stream(warm, mixed_events(warm, 50))
     # Record and floor alternate, best of each: a noisy neighbour on a shared machine
     # hurts both alike, and a pause in one round does not decide the row. Five rounds: on
-    # this two-core machine the same code measured 1.4x to 2.0x its floor within minutes.
+    # this two-core machine the same code measured 1.25x to 2.0x its floor within minutes.
     rounds = 1 if quick else 5
     recorded = relayed = floor = float("inf")
     count = n  # the fewest relayed in any round

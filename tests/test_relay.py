@@ -89,6 +89,7 @@ def test_summaries_in_a_burst_go_as_one_send_with_the_newest_of_each_task(
         if message["type"].startswith("tasks."):
             summaries.append(message)
         else:
+            assert not summaries, "a task row waited for the list's spell"
             seqs += [e["seq"] for e in message.get("events", [message])]
     assert seqs == list(range(2, 12))
     (second,) = summaries
