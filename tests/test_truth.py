@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
+from django.db import connections
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tasks_app.a2a import safejson
 from tasks_app.models import Agent, ArtifactPart, RemoteTask, TaskEvent
+from tasks_app.services import audit
+from tasks_app.services import record as record_module
 from tasks_app.services.audit import replay, verify
 from tasks_app.services.chain import content_digest
 from tasks_app.services.record import record, record_many, settle
@@ -313,6 +317,82 @@ def test_a_deleted_row_breaks_the_chain():
     TaskEvent.objects.filter(task=task, seq=2).delete()
     result = verify(task)
     assert not result.ok and result.broken_seq == 2 and "missing" in result.reason
+
+
+def working_task() -> RemoteTask:
+    task = new_task()
+    record_many(
+        task, [{"task": snapshot("TASK_STATE_WORKING")}, chunk("one", append=False)], "stream"
+    )
+    return task
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_verify_passes_while_the_task_records_between_its_reads(monkeypatch, when):
+    """A row committed before or after verify reads the log is not a broken chain."""
+    task = working_task()
+    real_rows = audit._rows
+
+    def rows_with_a_commit(task_pk: int, up_to: int | None = None):
+        if when == "before":
+            record(task_pk, chunk(" more"), "stream")
+        yield from real_rows(task_pk, up_to)
+        if when == "after":
+            record(task_pk, chunk(" more"), "stream")
+
+    monkeypatch.setattr(audit, "_rows", rows_with_a_commit)
+    checked = verify(task)
+    assert checked.ok, str(checked)
+    assert checked.rows == 2 and TaskEvent.objects.filter(task=task).count() == 3
+    monkeypatch.setattr(audit, "_rows", real_rows)
+    assert_sound(task)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_verify_still_finds_a_row_the_task_does_not_count():
+    task = working_task()
+    last = TaskEvent.objects.filter(task=task).order_by("-seq").first()
+    RemoteTask.objects.filter(pk=task.pk).update(
+        last_seq=1, last_hash=TaskEvent.objects.get(task=task, seq=1).hash
+    )
+    result = verify(task)
+    assert not result.ok and result.broken_seq == last.seq and "row 2 too" in result.reason
+
+
+@pytest.mark.django_db(transaction=True)
+def test_replay_reads_one_moment_while_another_process_records(monkeypatch):
+    """A commit landing after replay read the log's kinds does not show as a difference.
+
+    The other writer is a thread with its own connection: on SQLite it waits for the
+    replay's transaction; on PostgreSQL it commits and the replay does not see it.
+    """
+    task = working_task()
+    real_contents = record_module.stored_contents
+    writers: list[threading.Thread] = []
+
+    def record_elsewhere() -> None:
+        try:
+            record(task.pk, status("TASK_STATE_COMPLETED", "done"), "stream")
+        finally:
+            connections.close_all()
+
+    def contents_with_a_commit(task_pk: int):
+        writer = threading.Thread(target=record_elsewhere)
+        writers.append(writer)
+        writer.start()
+        writer.join(timeout=1)  # done on PostgreSQL; waiting for our transaction on SQLite
+        return real_contents(task_pk)
+
+    monkeypatch.setattr(record_module, "stored_contents", contents_with_a_commit)
+    replayed = replay(task)
+    writers[0].join(timeout=30)
+    assert not writers[0].is_alive()
+    assert replayed.ok, str(replayed)
+    task.refresh_from_db()
+    assert task.state == "TASK_STATE_COMPLETED" and task.last_seq == 3
+    monkeypatch.setattr(record_module, "stored_contents", real_contents)
+    assert_sound(task)
 
 
 def test_audit_commands_pass_on_a_sound_log():

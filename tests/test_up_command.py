@@ -24,6 +24,8 @@ import psutil
 import pytest
 from celery.app import trace
 
+from tasks_app.management.commands import up as up_command
+from tasks_app.management.commands.up import Runner
 from tasks_app.runtime.admin import PASSWORD_FILE, ensure_admin
 from tasks_app.runtime.net import free_port
 from tasks_app.runtime.supervisor import Backoff, Supervisor
@@ -363,6 +365,30 @@ def test_port_in_use_is_reported_with_the_port(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert f"Port {port} on 127.0.0.1 is already in use; pass --port" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
+
+
+@pytest.mark.agent
+def test_the_demo_agent_moves_to_another_port_when_its_port_is_taken_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The port after the web port was free when checked and taken before the agent bound it."""
+    output = io.StringIO()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        wanted = taken.getsockname()[1]
+        runner = Runner(host="127.0.0.1", port=wanted - 1, demo=True)
+        runner.supervisor = Supervisor(output=output)
+        monkeypatch.setattr(up_command, "port_available", lambda host, port: True)
+        try:
+            url = runner._start_demo(up_env(tmp_path))
+            card = httpx.get(f"{url}.well-known/agent-card.json", timeout=10)
+        finally:
+            runner.supervisor.stop_all()
+    assert url != f"http://127.0.0.1:{wanted}/" and card.status_code == 200, output.getvalue()
+    assert f"The demo agent could not listen on port {wanted}; trying another port." in (
+        output.getvalue()
+    )
 
 
 def test_unreachable_redis_is_one_sentence(tmp_path: Path) -> None:

@@ -326,6 +326,11 @@ class Supervisor:
         self._start_reader(child)
         self.write(f"{child.name} restarted (pid {popen.pid}).")
 
+    def discard(self, child: Child, timeout: float = 10.0) -> None:
+        """Stop ``child`` and forget it: it is not tended or restarted again."""
+        self.children.remove(child)
+        child.stop(timeout)
+
     def stop_all(self, timeout: float = 10.0) -> None:
         """Stop the application processes, then the infrastructure they were using.
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,16 +57,28 @@ class Verification:
 def verify(task: RemoteTask | int) -> Verification:
     """Recompute the chain of one task's log; the first row that does not match breaks it.
 
-    1. Read the rows in seq order, a batch at a time (constant memory).
-    2. Each seq must be the one after the previous (no gap, no duplicate).
-    3. Each row's hash must equal sha256(previous hash + canonical form), with
-       the raw content's digest recomputed from what is stored.
-    4. The task's ``last_seq`` and ``last_hash`` must name the newest row.
+    The task may be recording while this runs. ``record()`` commits a task's new rows and
+    its ``last_seq``/``last_hash`` together, so the head is read first and only the rows
+    it counts are checked: rows committed later are not mistaken for a broken chain.
+
+    1. Read the head (``last_seq``, ``last_hash``).
+    2. Read the rows up to ``last_seq`` in seq order, a batch at a time (constant memory).
+    3. Each seq must be the one after the previous (no gap, no duplicate).
+    4. Each row's hash must equal sha256(previous hash + canonical form), with the raw
+       content's digest recomputed from what is stored.
+    5. The last row must be seq ``last_seq`` with hash ``last_hash``.
+    6. A row after ``last_seq`` breaks the chain only while the head still says
+       ``last_seq``; had it moved, the row came with a later commit.
     """
     task_pk = task if isinstance(task, int) else task.pk
     result = Verification(task_pk)
+    head = _head(task_pk)
+    if head is None:
+        result.reason = "the task does not exist"
+        return result
+    last_seq, last_hash = head
     previous_hash, expected_seq = "", 1
-    for event in _rows(task_pk):
+    for event in _rows(task_pk, up_to=last_seq):
         if event.seq != expected_seq:
             result.broken_seq = expected_seq
             result.reason = f"row {expected_seq} is missing (next stored row is {event.seq})"
@@ -78,16 +91,28 @@ def verify(task: RemoteTask | int) -> Verification:
         previous_hash = event.hash
         expected_seq += 1
         result.rows += 1
-    head = RemoteTask.objects.filter(pk=task_pk).values("last_seq", "last_hash").first()
-    if head is None:
-        result.reason = "the task does not exist"
-    elif head["last_seq"] != result.rows:
+    if last_seq != result.rows:
         result.broken_seq = result.rows + 1
-        result.reason = f"the task counts {head['last_seq']} rows, the log holds {result.rows}"
-    elif head["last_hash"] != previous_hash:
+        result.reason = f"the task counts {last_seq} rows, the log holds {result.rows}"
+    elif last_hash != previous_hash:
         result.broken_seq = result.rows or None
         result.reason = "the task's newest hash is not the last row's"
+    else:
+        beyond = (
+            TaskEvent.objects.filter(task_id=task_pk, seq__gt=last_seq)
+            .order_by("seq")
+            .values_list("seq", flat=True)
+            .first()
+        )
+        if beyond is not None and _head(task_pk) == head:
+            result.broken_seq = beyond
+            result.reason = f"the task counts {last_seq} rows, the log holds row {beyond} too"
     return result
+
+
+def _head(task_pk: int) -> tuple[int, str] | None:
+    """The task's newest seq and hash, as ``record()`` last committed them."""
+    return RemoteTask.objects.filter(pk=task_pk).values_list("last_seq", "last_hash").first()
 
 
 def verify_for_page(task: RemoteTask) -> Verification | None:
@@ -142,8 +167,13 @@ def surfaces_view(task: RemoteTask) -> list[dict[str, Any]]:
 def replay(task: RemoteTask | int) -> Replay:
     """Fold the stored log from scratch and compare it with the stored view.
 
-    1. In a transaction that is always rolled back, make a scratch agent and a
-       scratch task that starts as every task starts (nothing known).
+    The task may be recording while this runs, so everything is read in one snapshot
+    (:func:`_one_snapshot`): a row committed between reading the log and reading the view
+    would otherwise show as a difference.
+
+    1. In a transaction that is always rolled back, read the stored log's kinds and the
+       stored view's task, then make a scratch agent and a scratch task that starts as
+       every task starts (nothing known).
     2. Feed every stored row, in seq order and on its own channel, to
        ``record_many()`` (runs of rows on one channel together), with big part
        contents the log keeps by reference put back from the part rows. ``gap``
@@ -153,17 +183,17 @@ def replay(task: RemoteTask | int) -> Replay:
     """
     from tasks_app.services.record import record_many, stored_contents, with_content
 
-    stored = task if isinstance(task, RemoteTask) else RemoteTask.objects.get(pk=task)
-    stored.refresh_from_db()
-    result = Replay(stored.pk)
-    expected = [
-        (kind, state)
-        for kind, state in stored.events.order_by("seq").values_list("kind", "state_after")
-        if kind != TaskEvent.Kind.GAP
-    ]
-    contents = stored_contents(stored.pk)
+    task_pk = task.pk if isinstance(task, RemoteTask) else task
+    result = Replay(task_pk)
     try:
-        with transaction.atomic():
+        with _one_snapshot():
+            stored = RemoteTask.objects.get(pk=task_pk)
+            expected = [
+                (kind, state)
+                for kind, state in stored.events.order_by("seq").values_list("kind", "state_after")
+                if kind != TaskEvent.Kind.GAP
+            ]
+            contents = stored_contents(stored.pk)
             agent = Agent.objects.create(
                 name="replay", base_url=f"http://replay.invalid/{uuid.uuid4().hex}"
             )
@@ -212,13 +242,33 @@ def replay(task: RemoteTask | int) -> Replay:
     return result
 
 
-def _rows(task_pk: int) -> Iterator[TaskEvent]:
-    """A task's log in seq order, a batch at a time (constant memory)."""
+@contextmanager
+def _one_snapshot() -> Iterator[None]:
+    """A transaction whose reads all see the database as of one moment.
+
+    SQLite's transactions start with ``BEGIN IMMEDIATE`` here (settings), so no other
+    writer commits until this one ends. PostgreSQL's default, READ COMMITTED, gives each
+    statement its own snapshot; REPEATABLE READ gives the whole transaction one. It can
+    only be set as a transaction's first statement, so a call nested in another
+    transaction (a test's) keeps the outer one's level.
+    """
+    connection = transaction.get_connection()
+    outermost = not connection.in_atomic_block
+    with transaction.atomic():
+        if outermost and connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        yield
+
+
+def _rows(task_pk: int, up_to: int | None = None) -> Iterator[TaskEvent]:
+    """A task's log in seq order (up to seq ``up_to``), a batch at a time (constant memory)."""
     after = 0
+    rows_of_task = TaskEvent.objects.filter(task_id=task_pk)
+    if up_to is not None:
+        rows_of_task = rows_of_task.filter(seq__lte=up_to)
     while True:
-        rows = list(
-            TaskEvent.objects.filter(task_id=task_pk, seq__gt=after).order_by("seq")[:BATCH]
-        )
+        rows = list(rows_of_task.filter(seq__gt=after).order_by("seq")[:BATCH])
         yield from rows
         if len(rows) < BATCH:
             return

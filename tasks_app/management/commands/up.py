@@ -16,12 +16,12 @@ Configuration mistakes end with one sentence naming the setting, never a traceba
 from __future__ import annotations
 
 import contextlib
+import http.client
 import importlib
 import importlib.util
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -56,6 +56,8 @@ SUPERVISE_EVERY_SECONDS = 0.5
 # A dead child comes back after 1 s, 2 s, 4 s ... at most 30 s; a minute up resets the delay.
 RESTART_BACKOFF = Backoff(first=1.0, maximum=30.0, stable_after=60.0)
 DEMO_AGENT_MODULE = "tasks_app.demo_agent"
+# Ports tried for the demo agent before giving up (a free port can be taken before it binds).
+DEMO_PORT_TRIES = 3
 ROLES = ("web", "worker", "beat", "webhook")
 # Without --only: everything on this machine. The web part answers /push/ too; the webhook
 # part (uvicorn, /push/ alone) is for deployments that route /push/ to processes of its own.
@@ -485,26 +487,40 @@ class Runner:
             )
 
     def _start_demo(self, env: dict[str, str]) -> str:
-        # Prefer the port after the web port so the registered URL stays the same across runs.
+        """Start the demo agent on a free port; return its URL.
+
+        1. Prefer the port after the web port, so the registered URL stays the same across runs.
+        2. A port found free can be taken before the agent binds it (another program's
+           outgoing connection, say). An agent that exits before it listens is discarded and
+           started again on a port the kernel hands out, up to ``DEMO_PORT_TRIES`` times.
+        """
         port = self.port + 1 if port_available("127.0.0.1", self.port + 1) else free_port()
-        child = self.supervisor.start(
-            "demo",
-            [sys.executable, "-m", DEMO_AGENT_MODULE, "--host", "127.0.0.1", "--port", str(port)],
-            env=env,
-            cwd=settings.BASE_DIR,
-            restart=RESTART_BACKOFF,
-        )
+        for _attempt in range(DEMO_PORT_TRIES):
+            child = self.supervisor.start(
+                "demo",
+                [sys.executable, "-m", DEMO_AGENT_MODULE, "--host", "127.0.0.1", "--port", str(port)],
+                env=env,
+                cwd=settings.BASE_DIR,
+                restart=RESTART_BACKOFF,
+            )  # fmt: skip
 
-        def accepting() -> bool:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                    return True
-            except OSError:
-                return False
+            def answering(port: int = port) -> bool:
+                # Its card, not a bare connect: another program may be listening there.
+                card = f"http://127.0.0.1:{port}/.well-known/agent-card.json"
+                try:
+                    with _NO_REDIRECTS.open(card, timeout=1) as response:
+                        return response.status == 200
+                except (OSError, ValueError, http.client.HTTPException):
+                    return False
 
-        started = wait_until(
-            accepting, 30, abort=lambda: not child.alive() or self.stopping.is_set()
-        )
+            started = wait_until(
+                answering, 30, abort=lambda child=child: not child.alive() or self.stopping.is_set()
+            )
+            if started or self.stopping.is_set() or child.alive():
+                break
+            self.supervisor.discard(child)
+            self.say(f"The demo agent could not listen on port {port}; trying another port.")
+            port = free_port()
         if not started and not self.stopping.is_set():
             raise StartupError(f"The demo agent did not start listening on port {port}.")
         return f"http://127.0.0.1:{port}/"
