@@ -27,7 +27,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -47,7 +47,7 @@ from tasks_app.runtime.redis_server import (
     ping_error,
     start_private_redis,
 )
-from tasks_app.runtime.supervisor import Backoff, Supervisor, describe_exit
+from tasks_app.runtime.supervisor import Backoff, Child, Supervisor, describe_exit
 
 HEALTH_TIMEOUT_SECONDS = 60.0
 STARTED_AFTER_SECONDS = 5.0  # a part without web that stays up this long has started
@@ -56,8 +56,8 @@ SUPERVISE_EVERY_SECONDS = 0.5
 # A dead child comes back after 1 s, 2 s, 4 s ... at most 30 s; a minute up resets the delay.
 RESTART_BACKOFF = Backoff(first=1.0, maximum=30.0, stable_after=60.0)
 DEMO_AGENT_MODULE = "tasks_app.demo_agent"
-# Ports tried for the demo agent before giving up (a free port can be taken before it binds).
-DEMO_PORT_TRIES = 3
+# Ports a private server (Redis, the demo agent) tries: a free port can be taken before it binds.
+PORT_TRIES = 3
 ROLES = ("web", "worker", "beat", "webhook")
 # Without --only: everything on this machine. The web part answers /push/ too; the webhook
 # part (uvicorn, /push/ alone) is for deployments that route /push/ to processes of its own.
@@ -411,17 +411,17 @@ class Runner:
             executable = find_redis_server()
         except RuntimeError as exc:
             raise StartupError(str(exc)) from None
-        port = free_port()
         workdir = Path(settings.DATA_DIR) / "redis"
-        child = start_private_redis(
-            self.supervisor, executable, port, workdir, restart=RESTART_BACKOFF
+        port, ready = self._start_listening(
+            "The private Redis",
+            lambda port: start_private_redis(
+                self.supervisor, executable, port, workdir, restart=RESTART_BACKOFF
+            ),
+            lambda port: ping_error(f"redis://127.0.0.1:{port}/0", timeout=0.5) is None,
+            free_port(),
+            timeout=15,
         )
         url = f"redis://127.0.0.1:{port}/0"
-        ready = wait_until(
-            lambda: ping_error(url, timeout=0.5) is None,
-            15,
-            abort=lambda: not child.alive() or self.stopping.is_set(),
-        )
         if self.stopping.is_set():
             return
         if not ready:
@@ -487,43 +487,73 @@ class Runner:
             )
 
     def _start_demo(self, env: dict[str, str]) -> str:
-        """Start the demo agent on a free port; return its URL.
+        """Start the demo agent; return its URL.
 
-        1. Prefer the port after the web port, so the registered URL stays the same across runs.
-        2. A port found free can be taken before the agent binds it (another program's
-           outgoing connection, say). An agent that exits before it listens is discarded and
-           started again on a port the kernel hands out, up to ``DEMO_PORT_TRIES`` times.
+        The port after the web port is preferred, so the registered URL stays the same
+        across runs. The agent is ready when its card answers: a bare connect could reach
+        another program listening there.
         """
-        port = self.port + 1 if port_available("127.0.0.1", self.port + 1) else free_port()
-        for _attempt in range(DEMO_PORT_TRIES):
-            child = self.supervisor.start(
+
+        def answering(port: int) -> bool:
+            card = f"http://127.0.0.1:{port}/.well-known/agent-card.json"
+            try:
+                with _NO_REDIRECTS.open(card, timeout=1) as response:
+                    return response.status == 200
+            except (OSError, ValueError, http.client.HTTPException):
+                return False
+
+        argv = [sys.executable, "-m", DEMO_AGENT_MODULE, "--host", "127.0.0.1"]
+        port, started = self._start_listening(
+            "The demo agent",
+            lambda port: self.supervisor.start(
                 "demo",
-                [sys.executable, "-m", DEMO_AGENT_MODULE, "--host", "127.0.0.1", "--port", str(port)],
+                [*argv, "--port", str(port)],
                 env=env,
                 cwd=settings.BASE_DIR,
                 restart=RESTART_BACKOFF,
-            )  # fmt: skip
-
-            def answering(port: int = port) -> bool:
-                # Its card, not a bare connect: another program may be listening there.
-                card = f"http://127.0.0.1:{port}/.well-known/agent-card.json"
-                try:
-                    with _NO_REDIRECTS.open(card, timeout=1) as response:
-                        return response.status == 200
-                except (OSError, ValueError, http.client.HTTPException):
-                    return False
-
-            started = wait_until(
-                answering, 30, abort=lambda child=child: not child.alive() or self.stopping.is_set()
-            )
-            if started or self.stopping.is_set() or child.alive():
-                break
-            self.supervisor.discard(child)
-            self.say(f"The demo agent could not listen on port {port}; trying another port.")
-            port = free_port()
+            ),
+            answering,
+            self.port + 1 if port_available("127.0.0.1", self.port + 1) else free_port(),
+            timeout=30,
+        )
         if not started and not self.stopping.is_set():
             raise StartupError(f"The demo agent did not start listening on port {port}.")
         return f"http://127.0.0.1:{port}/"
+
+    def _start_listening(
+        self,
+        what: str,
+        start: Callable[[int], Child],
+        ready: Callable[[int], bool],
+        port: int,
+        *,
+        timeout: float,
+    ) -> tuple[int, bool]:
+        """Start a server child on ``port``; return the port it serves on and whether it does.
+
+        A port found free can be taken before the child binds it (another program's
+        outgoing connection, say), and the child then exits.
+
+        1. Start the child with ``start(port)``; wait until ``ready(port)``, until it
+           exits, or until ``up`` is stopping.
+        2. Ready, stopping, or still running when the time ran out: done (the caller
+           says what a child that never got ready means).
+        3. It exited before it was ready: discard it (no restarts on that port), say so,
+           and go back to 1 with a port the kernel hands out, up to ``PORT_TRIES`` times.
+        """
+        for _attempt in range(PORT_TRIES):
+            child = start(port)
+            started = wait_until(
+                lambda port=port: ready(port),
+                timeout,
+                abort=lambda child=child: not child.alive() or self.stopping.is_set(),
+            )
+            if started or self.stopping.is_set() or child.alive():
+                return port, started
+            self.supervisor.discard(child)
+            self.say(f"{what} could not listen on port {port}; trying another port.")
+            port = free_port()
+        return port, False
 
     def _register_demo(self, url: str) -> None:
         try:
