@@ -237,7 +237,8 @@ def test_xss_payloads_in_a_surface_never_execute(page, stack, a2ui_agents):
     page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
     pk = start(page, agent_pk, "xss")
     wait_state(page, "input required")
-    surface = page.wait_for_selector("#a2ui-surfaces .a2ui-surface")
+    # The form to use, not the read-only drawing the page may have loaded with.
+    surface = page.wait_for_selector("#a2ui-surfaces .a2ui-surface:has(form.a2ui-form)")
     text = surface.inner_text()
     assert "<script>window.__xss=1</script>" in text  # shown as text
     # Use every part of it: tabs, the modal, the inputs (their checks run the agent's pattern).
@@ -260,3 +261,38 @@ def test_xss_payloads_in_a_surface_never_execute(page, stack, a2ui_agents):
     assert page.evaluate("window.__xss === undefined")
     assert dialogs == []
     shot(page, "a2ui-xss")
+
+
+def test_a_redrawn_surface_keeps_the_open_modal_the_chosen_tab_and_the_typed_text(
+    page, stack, a2ui_agents
+):
+    """The server draws the surface again (the agent changed it, or the task now asks): what
+    the person opened, chose and typed stays as they left it."""
+    agent_pk, _ = a2ui_agents["0.9.1"]
+    start(page, agent_pk, "xss")
+    wait_state(page, "input required")
+    surfaces = "#a2ui-surfaces .a2ui-surface"
+    page.wait_for_selector(f"{surfaces}:has(form.a2ui-form)")
+    page.fill(f"{surfaces} [data-a2ui-id=tf] input", "typed by a person")
+    page.locator(f"{surfaces} .a2ui-tab").nth(1).click()
+    page.locator(f"{surfaces} .a2ui-modal summary").click()
+    # As when the drawing changed on the server: the page's copy is out of date.
+    page.evaluate(
+        """() => {
+            const s = document.querySelector('#a2ui-surfaces .a2ui-surface');
+            s.dataset.a2uiKey = 'out-of-date';
+            s.dataset.drawnBefore = '1';
+            window.A2UI.refresh();
+        }"""
+    )
+    page.wait_for_function(
+        "() => { const s = document.querySelector('#a2ui-surfaces .a2ui-surface');"
+        " return s && !s.dataset.drawnBefore; }"
+    )
+    assert page.locator(f"{surfaces} details.a2ui-modal").evaluate("d => d.open")
+    page.locator(f"{surfaces} .a2ui-modal-close").click()  # visible: the Modal is open
+    assert not page.locator(f"{surfaces} details.a2ui-modal").evaluate("d => d.open")
+    tabs = page.locator(f"{surfaces} .a2ui-tab")
+    assert [tabs.nth(i).get_attribute("aria-selected") for i in range(2)] == ["false", "true"]
+    assert page.locator(f"{surfaces} [data-a2ui-id=sl]").is_visible()
+    assert page.input_value(f"{surfaces} [data-a2ui-id=tf] input") == "typed by a person"

@@ -91,9 +91,13 @@ def test_counters_move_while_a_worker_follows_a_task(
 
     # The worker adds its counts to Redis each second; the task is still held at that scrape.
     wait_for(moved_while_held, timeout=15, what="the counts to move while the stream is held")
+    # Settling is the holder's last write to the task; it gives the lease back just after,
+    # in a statement of its own (its turn ended): wait for both, then scrape.
     wait_for(
-        lambda: task_services.RemoteTask.objects.get(pk=task.pk).settled_at is not None,
-        what="the task to settle",
+        lambda: task_services.RemoteTask.objects.filter(
+            pk=task.pk, settled_at__isnull=False, lease_token=""
+        ).exists(),
+        what="the task to settle and its lease to be given back",
     )
     text = scraped()
     assert sample(text, "dashboard_tasks", 'state="TASK_STATE_COMPLETED"') >= 1

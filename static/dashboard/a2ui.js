@@ -11,7 +11,7 @@
  *   a Modal is a <details>).
  * - On the task page, events of the task's websocket (task.js) that carry A2UI make the
  *   surfaces be fetched again from the server and swapped in where they changed, keeping what
- *   the person typed.
+ *   the person typed, the Modals they opened and the tabs they chose.
  */
 (function () {
   "use strict";
@@ -190,7 +190,9 @@
       tabs.classList.add("a2ui-tabs-live");
       const list = tabs.querySelector(".a2ui-tablist");
       if (list) list.hidden = false;
-      select(tabs, 0);
+      const chosen = Number(tabs.dataset.a2uiChosen || 0);
+      delete tabs.dataset.a2uiChosen;
+      select(tabs, list && chosen < list.children.length ? chosen : 0);
     });
     (root || document).querySelectorAll(".a2ui-surface").forEach((s) => check(s, false));
   }
@@ -254,6 +256,34 @@
       showBound(fresh, path, valueOf(twin), twin);
     });
   }
+  // An open Modal and the chosen tab stay as the person left them (twins found by component
+  // id and occurrence: a list's template repeats ids).
+  function twins(old, fresh, selector) {
+    const byId = new Map();
+    fresh.querySelectorAll(selector).forEach((el) => {
+      const id = el.dataset.a2uiId || "";
+      if (!byId.has(id)) byId.set(id, []);
+      byId.get(id).push(el);
+    });
+    const seen = new Map();
+    const pairs = [];
+    old.querySelectorAll(selector).forEach((el) => {
+      const id = el.dataset.a2uiId || "";
+      const n = seen.get(id) || 0;
+      seen.set(id, n + 1);
+      const twin = (byId.get(id) || [])[n];
+      if (twin) pairs.push([el, twin]);
+    });
+    return pairs;
+  }
+  function carryView(old, fresh) {
+    twins(old, fresh, "details.a2ui-modal").forEach(([el, twin]) => { twin.open = el.open; });
+    twins(old, fresh, ".a2ui-tabs").forEach(([el, twin]) => {
+      const list = el.querySelector(":scope > .a2ui-tablist");
+      const chosen = list ? Array.from(list.children).findIndex((b) => b.getAttribute("aria-selected") === "true") : -1;
+      if (chosen > 0) twin.dataset.a2uiChosen = String(chosen);
+    });
+  }
   let timer = 0;
   let busy = false;
   let again = false;
@@ -273,7 +303,7 @@
       tmp.querySelectorAll(":scope > .a2ui-surface").forEach((el) => {
         const old = current.get(el.dataset.a2uiSurface);
         if (old && old.dataset.a2uiKey === el.dataset.a2uiKey) { next.push(old); return; }
-        if (old) carryTyped(old, el);
+        if (old) { carryTyped(old, el); carryView(old, el); }
         next.push(el);
       });
       box.replaceChildren(...next);
