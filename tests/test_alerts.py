@@ -39,6 +39,7 @@ from tasks_app.services import agents as agent_services
 from tasks_app.services import tasks as task_services
 from tasks_app.services.record import record
 from tests.people import member
+from tests.serving import serve_in_thread, stop_serving
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -372,15 +373,13 @@ class Receiver:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        serve_in_thread(self.server)
 
     def url(self, path: str = "/hooks/alerts") -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        stop_serving(self.server)
 
 
 @pytest.fixture

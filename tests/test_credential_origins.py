@@ -10,7 +10,6 @@ token does, and the task is read through it.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -25,6 +24,7 @@ from tasks_app.models import Agent, Membership, OperatorAction
 from tasks_app.services import agents as agent_services
 from tests.agents import AGENT_TOKEN, TcpProxy
 from tests.people import member
+from tests.serving import serve_in_thread, stop_serving
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -50,7 +50,7 @@ class CardServer:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        serve_in_thread(self.server)
 
     def point_at(self, base: str) -> None:
         """Rewrite every interface URL of the card to ``base`` (same path)."""
@@ -59,8 +59,7 @@ class CardServer:
             iface["url"] = base + path
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        stop_serving(self.server)
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from tasks_app.models import Agent, ImportJob, OperatorAction, RemoteTask
 from tasks_app.services import imports
 from tasks_app.services.tasks import TaskActionError
 from tests.people import member
+from tests.serving import serve_in_thread, stop_serving
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -74,7 +75,6 @@ class ListingAgent:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def answer(self, body: dict) -> dict:
         if body.get("method") != "ListTasks":
@@ -105,13 +105,12 @@ class ListingAgent:
         return {"jsonrpc": "2.0", "id": body.get("id"), "result": result}
 
     def start(self) -> ListingAgent:
-        self.thread.start()
+        serve_in_thread(self.server)
         return self
 
     def stop(self) -> None:
         self.gate.set()
-        self.server.shutdown()
-        self.server.server_close()
+        stop_serving(self.server)
 
     def register(self, name: str) -> Agent:
         url = f"http://127.0.0.1:{self.port}"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from django.test import Client
 
 from tasks_app.models import Agent, PushConfig, RemoteTask, TaskEvent
 from tasks_app.services import push
+from tests.serving import serve_in_thread, stop_serving
 
 pytestmark = pytest.mark.django_db
 ISSUER = "http://agent.test"
@@ -58,13 +58,11 @@ def jwks_url(keys: Keys) -> Iterator[str]:
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    serve_in_thread(server)
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}/jwks.json"
     finally:
-        server.shutdown()
-        server.server_close()
+        stop_serving(server)
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,6 +35,7 @@ from tasks_app.services import agents as agent_services
 from tasks_app.services import tasks as task_services
 from tests.agents import AgentHandle
 from tests.people import member
+from tests.serving import serve_in_thread, stop_serving
 
 pytestmark = [pytest.mark.django_db, pytest.mark.timeout(60)]
 
@@ -115,10 +115,7 @@ class CardServer:
         self._server = _Server(self, host)
         self.port = int(self._server.server_address[1])
         self.base = f"http://{'[::1]' if ':' in host else host}:{self.port}"
-        # A short poll: shutdown() waits for the loop to look (0.5 s by default, per server).
-        threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
-        ).start()
+        serve_in_thread(self._server)
 
     def card(self, body: dict[str, Any], path: str = "/.well-known/agent-card.json") -> None:
         self.routes[path] = (200, {"Content-Type": "application/json"}, json.dumps(body).encode())
@@ -132,8 +129,7 @@ class CardServer:
         )
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        stop_serving(self._server)
 
 
 @pytest.fixture
