@@ -208,3 +208,17 @@ def no_dispatch(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     monkeypatch.setattr(task_services, "dispatch", lambda pk: calls.append(pk))
     return calls
+
+
+@pytest.fixture
+def empty_push_queue(redis_url: str) -> Iterator[None]:
+    """No push notification waits, and no drain is scheduled, before and after the test.
+
+    The queue is one Redis list per session: what one test leaves in it, the next test's
+    reconciler tick finds and schedules a drain for.
+    """
+    from tasks_app.services import push
+
+    push._redis().delete(push.QUEUE_KEY, push.DRAIN_KEY)
+    yield
+    push._redis().delete(push.QUEUE_KEY, push.DRAIN_KEY)

@@ -23,7 +23,7 @@ from tasks_app.models import Agent, PushConfig, RemoteTask, TaskEvent
 from tasks_app.services import push
 from tests.serving import serve_in_thread, stop_serving
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("empty_push_queue")]
 ISSUER = "http://agent.test"
 
 
@@ -63,11 +63,6 @@ def jwks_url(keys: Keys) -> Iterator[str]:
         yield f"http://127.0.0.1:{server.server_address[1]}/jwks.json"
     finally:
         stop_serving(server)
-
-
-@pytest.fixture(autouse=True)
-def _empty_queue(redis_url: str) -> None:
-    push._redis().delete(push.QUEUE_KEY, push.DRAIN_KEY)
 
 
 @pytest.fixture

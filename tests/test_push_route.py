@@ -27,8 +27,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture(autouse=True)
-def _empty_queue(redis_url: str) -> None:
-    push._redis().delete(push.QUEUE_KEY, push.DRAIN_KEY)
+def _empty_queue(empty_push_queue: None) -> None:
     push._config_cache.clear()
 
 

@@ -18,12 +18,7 @@ from tasks_app.crypto import decrypt_json
 from tasks_app.models import Agent, PushConfig, RemoteTask, TaskEvent
 from tasks_app.services import push
 
-pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture(autouse=True)
-def _empty_queue(redis_url: str) -> None:
-    push._redis().delete(push.QUEUE_KEY, push.DRAIN_KEY)
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("empty_push_queue")]
 
 
 @pytest.fixture

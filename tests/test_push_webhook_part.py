@@ -60,8 +60,7 @@ def webhook_part(child_env: Callable[..., dict[str, str]], tmp_path) -> Iterator
 
 
 @pytest.fixture
-def config(redis_url: str) -> PushConfig:
-    push._redis().delete(push.QUEUE_KEY, push.DRAIN_KEY)
+def config(empty_push_queue: None) -> PushConfig:
     agent = Agent.objects.create(
         name="webhook part", base_url=f"http://127.0.0.1:1/{uuid.uuid4().hex}/", push=True
     )

@@ -66,7 +66,8 @@ def _queued_messages() -> list[tuple[str, list]]:
 
 
 @pytest.fixture
-def empty_queue() -> Iterator[None]:
+def empty_queue(empty_push_queue: None) -> Iterator[None]:
+    """No Celery message and no push notification waits (the reconciler's tick drains those)."""
     client = shared_redis.client(settings.CELERY_BROKER_URL)
     reconcile_key = f"dashboard:reconcile:{_queue()}"
     client.delete(_queue(), reconcile_key)
