@@ -98,4 +98,19 @@ def test_an_agent_slow_to_answer_the_settling_gettask_holds_back_only_its_own(
 
     wait_for(lambda: settled(fine) == TASKS, timeout=60, what="the healthy agent's tasks to settle")
     assert settled(stuck) == 0
+    # Each stuck stream has ended by now or soon (a loaded machine is slower to get there):
+    # all three want to settle, as many as the gate lets through ask, the third waits.
+    wait_for(
+        lambda: (
+            RemoteTask.objects.filter(
+                pk__in=[t.pk for t in stuck], state="TASK_STATE_COMPLETED"
+            ).count()
+            == 3
+        ),
+        timeout=30,
+        what="the slow agent's streams to end",
+    )
+    wait_for(lambda: len(hanging) == eventloop.LATER_AT_ONCE, timeout=30, what="two GetTasks")
+    time.sleep(1)
     assert len(hanging) == eventloop.LATER_AT_ONCE  # the third waits behind its own agent
+    assert settled(stuck) == 0
