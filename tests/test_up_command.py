@@ -25,7 +25,7 @@ import pytest
 from celery.app import trace
 
 from tasks_app.management.commands import up as up_command
-from tasks_app.management.commands.up import Runner
+from tasks_app.management.commands.up import Runner, StartupError
 from tasks_app.runtime.admin import PASSWORD_FILE, ensure_admin
 from tasks_app.runtime.net import free_port
 from tasks_app.runtime.supervisor import Backoff, Supervisor
@@ -367,11 +367,12 @@ def test_port_in_use_is_reported_with_the_port(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr + result.stdout
 
 
-@pytest.mark.agent
-def test_the_demo_agent_moves_to_another_port_when_its_port_is_taken_meanwhile(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The port after the web port was free when checked and taken before the agent bound it."""
+@pytest.fixture
+def demo_port_taken_meanwhile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[tuple[Runner, int, io.StringIO]]:
+    """A runner whose demo agent's port (the web port + 1) was free when checked and is
+    taken before the agent binds it; yields the runner, that port and what ``up`` said."""
     output = io.StringIO()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -381,14 +382,37 @@ def test_the_demo_agent_moves_to_another_port_when_its_port_is_taken_meanwhile(
         runner.supervisor = Supervisor(output=output)
         monkeypatch.setattr(up_command, "port_available", lambda host, port: True)
         try:
-            url = runner._start_demo(up_env(tmp_path))
-            card = httpx.get(f"{url}.well-known/agent-card.json", timeout=10)
+            yield runner, wanted, output
         finally:
             runner.supervisor.stop_all()
+
+
+@pytest.mark.agent
+def test_the_demo_agent_moves_to_another_port_when_its_port_is_taken_meanwhile(
+    tmp_path: Path, demo_port_taken_meanwhile: tuple[Runner, int, io.StringIO]
+) -> None:
+    runner, wanted, output = demo_port_taken_meanwhile
+    url = runner._start_demo(up_env(tmp_path))
+    card = httpx.get(f"{url}.well-known/agent-card.json", timeout=10)
     assert url != f"http://127.0.0.1:{wanted}/" and card.status_code == 200, output.getvalue()
     assert f"The demo agent could not listen on port {wanted}; trying another port." in (
         output.getvalue()
     )
+
+
+@pytest.mark.agent
+def test_the_demo_agent_gives_up_after_its_last_try_naming_that_port(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    demo_port_taken_meanwhile: tuple[Runner, int, io.StringIO],
+) -> None:
+    runner, wanted, output = demo_port_taken_meanwhile
+    monkeypatch.setattr(up_command, "PORT_TRIES", 1)
+    with pytest.raises(
+        StartupError, match=rf"^The demo agent did not start listening on port {wanted}\.$"
+    ):
+        runner._start_demo(up_env(tmp_path))
+    assert "trying another port" not in output.getvalue()
 
 
 def test_unreachable_redis_is_one_sentence(tmp_path: Path) -> None:

@@ -538,22 +538,24 @@ class Runner:
            exits, or until ``up`` is stopping.
         2. Ready, stopping, or still running when the time ran out: done (the caller
            says what a child that never got ready means).
-        3. It exited before it was ready: discard it (no restarts on that port), say so,
-           and go back to 1 with a port the kernel hands out, up to ``PORT_TRIES`` times.
+        3. It exited before it was ready: unless that was the last of ``PORT_TRIES``
+           tries, discard it (no restarts on that port), say so, and go back to 1 with a
+           port the kernel hands out.
         """
-        for _attempt in range(PORT_TRIES):
+        attempt = 1
+        while True:
             child = start(port)
             started = wait_until(
                 lambda port=port: ready(port),
                 timeout,
                 abort=lambda child=child: not child.alive() or self.stopping.is_set(),
             )
-            if started or self.stopping.is_set() or child.alive():
+            if started or self.stopping.is_set() or child.alive() or attempt == PORT_TRIES:
                 return port, started
             self.supervisor.discard(child)
             self.say(f"{what} could not listen on port {port}; trying another port.")
             port = free_port()
-        return port, False
+            attempt += 1
 
     def _register_demo(self, url: str) -> None:
         try:
