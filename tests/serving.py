@@ -10,13 +10,11 @@ import threading
 POLL_SECONDS = 0.02
 
 
-def serve_in_thread(server: socketserver.BaseServer) -> threading.Thread:
-    """Serve ``server`` on a daemon thread (started); stop it with :func:`stop_serving`."""
-    thread = threading.Thread(
+def serve_in_thread(server: socketserver.BaseServer) -> None:
+    """Serve ``server`` on a daemon thread; stop it with :func:`stop_serving`."""
+    threading.Thread(
         target=server.serve_forever, kwargs={"poll_interval": POLL_SECONDS}, daemon=True
-    )
-    thread.start()
-    return thread
+    ).start()
 
 
 def stop_serving(server: socketserver.BaseServer) -> None:

@@ -22,6 +22,7 @@ from typing import IO
 import httpx
 import psutil
 import pytest
+import redis
 from celery.app import trace
 
 from tasks_app.management.commands import up as up_command
@@ -413,6 +414,35 @@ def test_the_demo_agent_gives_up_after_its_last_try_naming_that_port(
     ):
         runner._start_demo(up_env(tmp_path))
     assert "trying another port" not in output.getvalue()
+
+
+@pytest.mark.subprocess
+def test_the_private_redis_moves_to_another_port_when_its_port_is_taken_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, settings
+) -> None:
+    """The kernel's free port is taken before redis-server binds it: the next try serves."""
+    output = io.StringIO()
+    settings.DATA_DIR = tmp_path
+    applied: list[str] = []
+    monkeypatch.setattr(up_command, "apply_redis_url", applied.append)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        wanted = taken.getsockname()[1]
+        ports = iter([wanted])
+        monkeypatch.setattr(up_command, "free_port", lambda: next(ports, None) or free_port())
+        runner = Runner(host="127.0.0.1", port=free_port(), demo=False)
+        runner.supervisor = Supervisor(output=output)
+        try:
+            runner._start_redis()
+            (url,) = applied
+            assert url != f"redis://127.0.0.1:{wanted}/0"
+            assert redis.Redis.from_url(url, socket_timeout=5).ping()
+        finally:
+            runner.supervisor.stop_all()
+    assert f"The private Redis could not listen on port {wanted}; trying another port." in (
+        output.getvalue()
+    )
 
 
 def test_unreachable_redis_is_one_sentence(tmp_path: Path) -> None:
