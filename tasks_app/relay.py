@@ -83,8 +83,7 @@ class _LoopRelay:
             by_group: dict[str, list[dict]] = {}
             for group, message in batch:
                 if group == LIST_GROUP and message.get("type") == "tasks.changed":
-                    self.summaries.pop(message.get("task"), None)
-                    self.summaries[message.get("task")] = message
+                    self._hold(message)
                 else:
                     by_group.setdefault(group, []).append(message)
             summaries = self._due_summaries()
@@ -93,6 +92,21 @@ class _LoopRelay:
             await asyncio.gather(
                 *(self._send(layer, group, items) for group, items in by_group.items())
             )
+
+    def _hold(self, summary: dict) -> None:
+        """Hold a summary until the spell's end, unless a newer one of its task is held.
+
+        Summaries are put from several threads (each ``record()`` and watcher change
+        publishes after its own commit), so the last one put can be the older: a watcher
+        change read before a record's commit and put after it. Browsers drop a summary
+        whose ``last_seq`` is behind one they showed, but a held summary that is replaced
+        never reaches them, and the list would show the older state until its re-sync.
+        """
+        task = summary.get("task")
+        held = self.summaries.pop(task, None)
+        if held is not None and _seq(held) > _seq(summary):
+            summary = held
+        self.summaries[task] = summary  # (re)inserted last: the send order follows change
 
     def _due_summaries(self) -> dict[object, dict]:
         """The held summaries when their time has come (the clock restarts); else none,
@@ -122,6 +136,11 @@ class _LoopRelay:
                 log.exception("relay to %s failed", group)
             else:
                 _observe(message)
+
+
+def _seq(summary: dict) -> int:
+    seq = summary.get("last_seq")
+    return seq if isinstance(seq, int) else 0
 
 
 def _observe(message: dict) -> None:

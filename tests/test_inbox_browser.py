@@ -11,6 +11,7 @@ import re
 
 import httpx
 import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from tests import test_ui_browser as ui
 from tests.test_ui_browser import shot, start_task, wait_state
@@ -56,6 +57,25 @@ def badge_count(page) -> int:
     return int(page.get_attribute("#inbox-badge", "data-count"))
 
 
+def wait_badge(page, count: int, stack, pk: int) -> None:
+    """Wait for the badge to count ``count``; on timeout, say what the page and the
+    database held (a flake under CI load is then diagnosable from its report)."""
+    try:
+        page.wait_for_selector(f"#inbox-badge[data-count='{count}']", state="attached")
+    except PlaywrightTimeout:
+        badge = page.evaluate(
+            "(() => { const b = document.getElementById('inbox-badge');"
+            " return {count: b.dataset.count, socket: b.dataset.socket,"
+            " version: window.InboxBadge && window.InboxBadge.version()}; })()"
+        )
+        row = stack.query(
+            "SELECT state, watcher_status, last_seq, updated_at FROM tasks_app_remotetask"
+            " WHERE id=?",
+            pk,
+        )
+        raise AssertionError(f"the badge did not count {count}: page {badge}, task {row}") from None
+
+
 def wait_badge_socket(page) -> None:
     # (Waits poll with selectors: a polled predicate string is an eval, which the CSP refuses.)
     page.wait_for_selector("#inbox-badge[data-socket=open]", state="attached")
@@ -73,7 +93,7 @@ def test_the_badge_changes_live_on_another_page_when_an_agent_asks(
         pk = start_task(other, "ask")
         wait_state(other, "input required")
         # The open page, on another URL, counts the question without a reload.
-        page.wait_for_selector(f"#inbox-badge[data-count='{before + 1}']", state="attached")
+        wait_badge(page, before + 1, stack, pk)
         assert page.is_visible("#inbox-badge") and page.inner_text("#inbox-badge") == str(
             before + 1
         )
@@ -83,7 +103,7 @@ def test_the_badge_changes_live_on_another_page_when_an_agent_asks(
         other.fill("#id_text", "Ada")
         other.click("#answer-form button[type=submit]")
         wait_state(other, "completed")
-        page.wait_for_selector(f"#inbox-badge[data-count='{before}']", state="attached")
+        wait_badge(page, before, stack, pk)
         assert page.evaluate("window.__sameDocument === true")
         assert stack.state(pk) == "TASK_STATE_COMPLETED"
     finally:

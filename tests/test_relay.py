@@ -21,6 +21,10 @@ from tasks_app import eventloop, relay
 def relay_loop() -> Iterator[None]:
     if eventloop.running():  # a loop an earlier test left: a relay of its own, its own clock
         eventloop.stop()
+    # The layer first: the relay's sender and this thread must share one. Asked for the
+    # first time from both threads at once, each could make its own (another client
+    # prefix: a channel made by one is refused by the other's receive).
+    get_channel_layer()
     eventloop.get_loop()  # registers the shared loop's relay, a new one
     yield
     if eventloop.running():
@@ -111,3 +115,25 @@ def test_a_summary_after_a_quiet_spell_is_not_held(
     assert _nothing_more(list_channel, 0.5)  # the spell passes with nothing held
     relay.publish([_summary(3, 2)])
     assert _receive(list_channel, 1) == [{"type": "tasks.changed", "task": 3, "last_seq": 2}]
+
+
+def test_a_held_summary_is_not_replaced_by_an_older_one_of_its_task(
+    relay_loop: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Summaries are put from several threads, so an older one can be put after a newer
+    one (a watcher change read before a record's commit). The spell keeps the newer."""
+    monkeypatch.setattr(relay, "SUMMARIES_EVERY", 3.0)
+    channel = _listen([relay.LIST_GROUP])
+    relay.publish([_summary(5, 1)])  # after a quiet spell: at once; the spell begins
+    assert _receive(channel, 1) == [{"type": "tasks.changed", "task": 5, "last_seq": 1}]
+    relay.publish([_summary(5, 4)])  # input-required, committed
+    relay.publish([_summary(5, 3)])  # read before that commit, put after it
+    parked = {"type": "tasks.changed", "task": 6, "last_seq": 2, "watcher_status": "parked"}
+    relay.publish([_summary(6, 2), (relay.LIST_GROUP, parked)])
+    (held,) = _receive(channel, 1)
+    assert held["summaries"] == [
+        {"type": "tasks.changed", "task": 5, "last_seq": 4},
+        # The same seq: the later one wins (a watcher change does not move last_seq).
+        parked,
+    ]
+    assert _nothing_more(channel, 0.5)
