@@ -13,6 +13,7 @@ import httpx
 import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
+from tasks_app.relay import LIST_GROUP
 from tests import test_ui_browser as ui
 from tests.test_ui_browser import shot, start_task, wait_state
 
@@ -106,6 +107,44 @@ def test_the_badge_changes_live_on_another_page_when_an_agent_asks(
         wait_badge(page, before, stack, pk)
         assert page.evaluate("window.__sameDocument === true")
         assert stack.state(pk) == "TASK_STATE_COMPLETED"
+    finally:
+        other.close()
+
+
+def test_a_question_whose_list_relay_was_lost_still_reaches_the_badge(
+    context, page, stack, demo_agent_pk, redis_url
+):
+    """A lost list summary is repaired by the badge socket's own re-sync (by version, when
+    it has been silent), not by a reload and not by a reconnect.
+
+    The loss: the list group's membership is deleted in Redis (a Redis restart loses
+    groups the same way), so the open page's socket hears no summary at all from then on.
+    """
+    import redis
+    from channels.layers import get_channel_layer
+
+    page.goto("/agents/")
+    wait_badge_socket(page)
+    before = badge_count(page)
+    page.evaluate("window.__sameDocument = true")
+    store = redis.Redis.from_url(redis_url)
+    group = get_channel_layer()._group_key(LIST_GROUP)  # the stack's key: same settings
+    dropped = set(store.zrange(group, 0, -1))
+    assert dropped, "the open page's list socket is a member of the list group"
+    store.delete(group)
+    other = context.new_page()
+    try:
+        pk = start_task(other, "ask")
+        wait_state(other, "input required")
+        wait_badge(page, before + 1, stack, pk)
+        other.fill("#id_text", "Ada")
+        other.click("#answer-form button[type=submit]")
+        wait_state(other, "completed")
+        wait_badge(page, before, stack, pk)
+        # Same document, and its socket never joined again (no reconnect): the re-sync did it.
+        assert page.evaluate("window.__sameDocument === true")
+        assert page.get_attribute("#inbox-badge", "data-socket") == "open"
+        assert not dropped & set(store.zrange(group, 0, -1))
     finally:
         other.close()
 
