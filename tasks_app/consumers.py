@@ -16,8 +16,9 @@
 * Re-sync: a relay message can be lost (a Redis hiccup, a worker killed after its
   commit), and a lost *last* event would leave the page stale forever. So the
   browser sends ``{"type": "sync"}`` when it has heard nothing for a few seconds
-  (and now and then anyway). The consumer reads the log rows after the last seq it
-  sent (one indexed range query, usually empty), sends them, then ``synced``.
+  (and now and then anyway). The consumer joins its groups again (a membership that
+  expired or a restarted Redis lost comes back), reads the log rows after the last
+  seq it sent (one indexed range query, usually empty), sends them, then ``synced``.
 
 ``ws/tasks/`` forwards ``tasks.changed`` summaries as ``{"type": "task", ...}``,
 and answers ``{"type": "sync", "since": ISO}`` with the summaries changed since
@@ -94,6 +95,20 @@ def _read_log(task_pk: int, after: int, upto: int | None, limit: int) -> list[di
     return [event_message(e) for e in qs.order_by("seq")[:limit]]
 
 
+async def _join(consumer: AsyncJsonWebsocketConsumer, *groups: str) -> None:
+    """Join ``groups``: on connect, and again on every re-sync the browser asks for.
+
+    Membership does not last: channels_redis forgets it after its group expiry (a day by
+    default) and a Redis restart forgets it at once, and a socket that lost its groups
+    hears nothing live again, only what its re-syncs read. Joining again is one sorted-set
+    add per group, and the browser asks for a re-sync at least every 30 s (``live.js``),
+    so such a socket is live again within that. It joins before it reads: whatever
+    commits after the read is then relayed to it.
+    """
+    for group in groups:
+        await consumer.channel_layer.group_add(group, consumer.channel_name)
+
+
 class TaskConsumer(AsyncJsonWebsocketConsumer):
     """Follows one task's log with resume-after-seq: no gap, no duplicate."""
 
@@ -113,9 +128,8 @@ class TaskConsumer(AsyncJsonWebsocketConsumer):
             return
         # Join first: whatever is appended from now on is queued for us.
         self.group = task_group(self.task_pk)
-        await self.channel_layer.group_add(self.group, self.channel_name)
         self.person = person_group(self.scope["user"].pk)
-        await self.channel_layer.group_add(self.person, self.channel_name)
+        await _join(self, self.group, self.person)
         await self.accept()
         after = self._after_from_query()
         if after is not None:
@@ -160,8 +174,11 @@ class TaskConsumer(AsyncJsonWebsocketConsumer):
         """Idle re-sync: send what the log holds beyond what we sent (a lost relay).
 
         Rows between the browser's seq and ours are on their way to it already, so
-        we read after our own ``last_sent``; before any resume, this is one.
+        we read after our own ``last_sent``; before any resume, this is one. The groups
+        are joined again first (see :func:`_join`), then the log is read.
         """
+        if self.group and self.person:
+            await _join(self, self.group, self.person)
         if self.last_sent is None:
             try:
                 await self._resume(max(0, int(after or 0)))
@@ -299,9 +316,8 @@ class TaskListConsumer(AsyncJsonWebsocketConsumer):
             return
         self.agent_ids = await _readable_agent_ids(self.scope["user"])
         self.unreadable = set()
-        await self.channel_layer.group_add(LIST_GROUP, self.channel_name)
         self.person = person_group(self.scope["user"].pk)
-        await self.channel_layer.group_add(self.person, self.channel_name)
+        await _join(self, LIST_GROUP, self.person)
         self.joined = True
         await self.accept()
 
@@ -324,6 +340,8 @@ class TaskListConsumer(AsyncJsonWebsocketConsumer):
         if not isinstance(content, dict):
             return
         if content.get("type") == "sync":
+            if self.joined:
+                await _join(self, LIST_GROUP, self.person)  # before the read: see _join
             since = _parse_version(content.get("since"))
             if since is not None:
                 since = min(

@@ -215,6 +215,57 @@ async def test_connect_while_a_writer_appends_gives_every_seq_once(task, user):
     await again.disconnect()
 
 
+async def forget_group(group: str) -> None:
+    """What a Redis restart, or channels_redis's group expiry, does to a group: its
+    membership is gone, and the sockets in it hear nothing more from it."""
+    import redis
+
+    layer = get_channel_layer()
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    try:
+        await sync_to_async(client.delete)(layer._group_key(group))
+    finally:
+        client.close()
+
+
+async def test_a_task_socket_that_lost_its_group_is_live_again_after_its_next_sync(task, user):
+    for i in range(1, 3):
+        await database_sync_to_async(write)(task.pk, i)
+    comm = await communicator(f"/ws/tasks/{task.pk}/?after=0", user)
+    assert (await comm.connect())[0]
+    assert [m["seq"] for m in await collect(comm, 2)] == [1, 2]
+    assert (await comm.receive_json_from(timeout=5)) == {"type": "synced", "last_seq": 2}
+    await forget_group(task_group(task.pk))
+    await database_sync_to_async(write)(task.pk, 3)
+    assert await comm.receive_nothing(timeout=0.5)  # relayed to a group it is no longer in
+    await comm.send_json_to({"type": "sync", "after": 2})  # the browser, silent for a while
+    events, synced = await until_type(comm, "synced")
+    assert [m["seq"] for m in events] == [3] and synced["last_seq"] == 3
+    # Joined again: the next row comes live, with no sync asked.
+    await database_sync_to_async(write)(task.pk, 4)
+    assert [m["seq"] for m in await collect(comm, 4, timeout=5)] == [4]
+    await comm.disconnect()
+
+
+async def test_a_list_socket_that_lost_its_group_is_live_again_after_its_next_sync(task, user):
+    from tasks_app.relay import LIST_GROUP
+
+    comm = await communicator("/ws/tasks/", user)
+    assert (await comm.connect())[0]
+    await forget_group(LIST_GROUP)
+    await database_sync_to_async(write)(task.pk, 1)
+    assert await comm.receive_nothing(timeout=0.5)
+    await comm.send_json_to({"type": "sync", "since": "2000-01-01T00:00:00+00:00"})
+    repaired, version = await until_type(comm, "version")
+    assert [(m["task"], m["last_seq"], m.get("resync")) for m in repaired] == [(task.pk, 1, True)]
+    assert version["version"] == repaired[0]["updated_at"]
+    await database_sync_to_async(write)(task.pk, 2)
+    live = await comm.receive_json_from(timeout=5)
+    assert (live["type"], live["task"], live["last_seq"]) == ("task", task.pk, 2)
+    assert "resync" not in live
+    await comm.disconnect()
+
+
 async def test_list_consumer_forwards_summaries(task, user):
     comm = await communicator("/ws/tasks/", user)
     assert (await comm.connect())[0]

@@ -114,12 +114,16 @@ def test_the_badge_changes_live_on_another_page_when_an_agent_asks(
 def test_a_question_whose_list_relay_was_lost_still_reaches_the_badge(
     context, page, stack, demo_agent_pk, redis_url
 ):
-    """A lost list summary is repaired by the badge socket's own re-sync (by version, when
+    """Lost list summaries are repaired by the badge socket's own re-sync (by version, when
     it has been silent), not by a reload and not by a reconnect.
 
     The loss: the list group's membership is deleted in Redis (a Redis restart loses
-    groups the same way), so the open page's socket hears no summary at all from then on.
+    groups the same way), and deleted again every 50 ms while the task runs, so the
+    socket's re-joins at its syncs (``consumers._join``) do not let summaries through:
+    what the badge learns, it learns from its re-syncs' answers.
     """
+    import threading
+
     import redis
     from channels.layers import get_channel_layer
 
@@ -129,9 +133,16 @@ def test_a_question_whose_list_relay_was_lost_still_reaches_the_badge(
     page.evaluate("window.__sameDocument = true")
     store = redis.Redis.from_url(redis_url)
     group = get_channel_layer()._group_key(LIST_GROUP)  # the stack's key: same settings
-    dropped = set(store.zrange(group, 0, -1))
-    assert dropped, "the open page's list socket is a member of the list group"
-    store.delete(group)
+    assert store.zcard(group), "the open page's list socket is a member of the list group"
+    done = threading.Event()
+
+    def keep_losing() -> None:
+        while not done.is_set():
+            store.delete(group)
+            done.wait(0.05)
+
+    loser = threading.Thread(target=keep_losing, daemon=True)
+    loser.start()
     opened: list[str] = []  # websockets the open page opens from now on (a reconnect would)
     page.on("websocket", lambda ws: opened.append(ws.url))
     other = context.new_page()
@@ -143,11 +154,12 @@ def test_a_question_whose_list_relay_was_lost_still_reaches_the_badge(
         other.click("#answer-form button[type=submit]")
         wait_state(other, "completed")
         wait_badge(page, before, stack, pk)
-        # Same document, and no new socket (a reconnect would have joined the group again):
-        # the re-sync did it.
+        # Same document, and no new socket: the re-syncs did it.
         assert page.evaluate("window.__sameDocument === true")
         assert opened == []
     finally:
+        done.set()
+        loser.join(5)
         other.close()
 
 
