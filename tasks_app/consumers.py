@@ -19,6 +19,8 @@
   (and now and then anyway). The consumer joins its groups again (a membership that
   expired or a restarted Redis lost comes back), reads the log rows after the last
   seq it sent (one indexed range query, usually empty), sends them, then ``synced``.
+  Once a minute a re-sync also checks the person's access again (a lost
+  ``access.changed``), and closes the socket as that message would.
 
 ``ws/tasks/`` forwards ``tasks.changed`` summaries as ``{"type": "task", ...}``,
 and answers ``{"type": "sync", "since": ISO}`` with the summaries changed since
@@ -35,6 +37,7 @@ A handshake from another origin never reaches them: ``tasks_app.routing`` closes
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import parse_qs
@@ -54,6 +57,10 @@ CLOSE_NOT_FOUND = 4404
 # List re-sync: how far before the browser's version to look again, and at most how many rows.
 LIST_OVERLAP = timedelta(seconds=30)
 LIST_SYNC_LIMIT = 200
+# How often a socket's re-syncs also check its person's access afresh (seconds): the news of
+# a change (``access.changed``) can be lost like any relay message. In between, an idle
+# re-sync stays one query.
+ACCESS_RECHECK_SECONDS = 60.0
 
 
 def _authenticated(scope: dict) -> bool:
@@ -95,6 +102,12 @@ def _read_log(task_pk: int, after: int, upto: int | None, limit: int) -> list[di
     return [event_message(e) for e in qs.order_by("seq")[:limit]]
 
 
+def _access_due(consumer: Any) -> bool:
+    """Whether a re-sync should check the person's access again (see ACCESS_RECHECK_SECONDS);
+    a socket counts from its connect, where access was checked."""
+    return time.monotonic() - consumer.access_checked_at >= ACCESS_RECHECK_SECONDS
+
+
 async def _join(consumer: AsyncJsonWebsocketConsumer, *groups: str) -> None:
     """Join ``groups``: on connect, and again on every re-sync the browser asks for.
 
@@ -116,6 +129,10 @@ class TaskConsumer(AsyncJsonWebsocketConsumer):
     group: str | None = None
     person: str | None = None
     last_sent: int | None = None  # None until the browser said where it is
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.access_checked_at = time.monotonic()  # connect checks it (see _access_due)
 
     async def connect(self) -> None:
         if not _authenticated(self.scope):
@@ -174,9 +191,16 @@ class TaskConsumer(AsyncJsonWebsocketConsumer):
         """Idle re-sync: send what the log holds beyond what we sent (a lost relay).
 
         Rows between the browser's seq and ours are on their way to it already, so
-        we read after our own ``last_sent``; before any resume, this is one. The groups
-        are joined again first (see :func:`_join`), then the log is read.
+        we read after our own ``last_sent``; before any resume, this is one.
+
+        1. The person's access is checked again when it is due (``ACCESS_RECHECK_SECONDS``):
+           a lost ``access.changed`` message (the same loss as a lost row) must not leave
+           a socket reading what it may not for longer than that.
+        2. The groups are joined again (see :func:`_join`).
+        3. The log is read.
         """
+        if _access_due(self) and not await self._still_allowed():
+            return
         if self.group and self.person:
             await _join(self, self.group, self.person)
         if self.last_sent is None:
@@ -233,13 +257,21 @@ class TaskConsumer(AsyncJsonWebsocketConsumer):
 
     async def access_changed(self, message: dict[str, Any]) -> None:
         """The person's access changed (``tasks_app.access_changes``): still allowed to read?"""
+        await self._still_allowed()
+
+    async def _still_allowed(self) -> bool:
+        """Whether the person may still read the task, as the database says now; when not,
+        the socket is closed (4401 for a person gone or made inactive, 4404 otherwise)."""
+        self.access_checked_at = time.monotonic()
         person = await _person_now(self.scope["user"])
         if person is None:
             await self.close(code=CLOSE_UNAUTHENTICATED)
-        elif not await _task_readable(person, self.task_pk):
+            return False
+        if not await _task_readable(person, self.task_pk):
             await self.close(code=CLOSE_NOT_FOUND)
-        else:
-            self.scope["user"] = person
+            return False
+        self.scope["user"] = person
+        return True
 
 
 def _parse_version(value: Any) -> datetime | None:
@@ -310,6 +342,10 @@ class TaskListConsumer(AsyncJsonWebsocketConsumer):
     agent_ids: set[int] | None = None
     unreadable: set[int]
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.access_checked_at = time.monotonic()  # connect reads it (see _access_due)
+
     async def connect(self) -> None:
         if not _authenticated(self.scope):
             await self.close(code=CLOSE_UNAUTHENTICATED)
@@ -328,20 +364,31 @@ class TaskListConsumer(AsyncJsonWebsocketConsumer):
 
     async def access_changed(self, message: dict[str, Any]) -> None:
         """The person's access changed: summaries follow the readable agents as they are now."""
+        await self._follow_access()
+
+    async def _follow_access(self) -> bool:
+        """Read the person's readable agents afresh; False (and closed, 4401) for a person
+        gone or made inactive."""
+        self.access_checked_at = time.monotonic()
         person = await _person_now(self.scope["user"])
         if person is None:
             await self.close(code=CLOSE_UNAUTHENTICATED)
-            return
+            return False
         self.scope["user"] = person
         self.agent_ids = await _readable_agent_ids(person)
         self.unreadable = set()
+        return True
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         if not isinstance(content, dict):
             return
         if content.get("type") == "sync":
+            # Access as it is now when due (a lost access change must not widen what is
+            # read for long), the groups joined again (see _join), then the read.
+            if _access_due(self) and not await self._follow_access():
+                return
             if self.joined:
-                await _join(self, LIST_GROUP, self.person)  # before the read: see _join
+                await _join(self, LIST_GROUP, self.person)
             since = _parse_version(content.get("since"))
             if since is not None:
                 since = min(

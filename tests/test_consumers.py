@@ -587,6 +587,45 @@ async def test_open_sockets_follow_a_change_of_access_at_once(task, user):
     assert closed == {"type": "websocket.close", "code": 4401}
 
 
+async def test_a_lost_change_of_access_is_caught_at_the_next_sync_when_due(task, user, monkeypatch):
+    """The news of a role taken away can be lost like any relay message (a Redis restart):
+    a re-sync checks access afresh once ``ACCESS_RECHECK_SECONDS`` have passed, so the task
+    socket closes as if the task did not exist and the list answers nothing of that
+    project. (Due at once here; the idle-sync tests above hold the other case: not due,
+    one query.)"""
+    from unittest import mock
+
+    from tasks_app import consumers
+    from tasks_app.models import Membership
+    from tasks_app.relay import LIST_GROUP
+
+    monkeypatch.setattr(consumers, "ACCESS_RECHECK_SECONDS", 0.0)
+
+    await database_sync_to_async(write)(task.pk, 1)
+    task_socket = await communicator(f"/ws/tasks/{task.pk}/?after=0", user)
+    assert (await task_socket.connect())[0]
+    await until_type(task_socket, "synced")
+    list_socket = await communicator("/ws/tasks/", user)
+    assert (await list_socket.connect())[0]
+
+    def take_the_role_silently() -> None:
+        with mock.patch("tasks_app.relay.publish", lambda messages: None):
+            Membership.objects.filter(user=user).delete()
+
+    await database_sync_to_async(take_the_role_silently)()
+    assert await task_socket.receive_nothing(timeout=0.5)  # the news is lost: still open
+    await task_socket.send_json_to({"type": "sync", "after": 1})
+    assert await task_socket.receive_output(timeout=5) == {"type": "websocket.close", "code": 4404}
+
+    await list_socket.send_json_to({"type": "sync", "since": "2000-01-01T00:00:00+00:00"})
+    answered = await list_socket.receive_json_from(timeout=5)
+    assert answered["type"] == "version"  # no summary of the task it may no longer read
+    summary = {"type": "tasks.changed", "task": task.pk, "agent": task.agent_id, "last_seq": 2}
+    await get_channel_layer().group_send(LIST_GROUP, summary)
+    assert await list_socket.receive_nothing(timeout=0.5)
+    await list_socket.disconnect()
+
+
 async def test_a_login_alone_tells_no_socket(task, user):
     """Saving only ``last_login`` (every login does) changes nothing anyone may read."""
     from django.contrib.auth.models import update_last_login
