@@ -48,7 +48,8 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -139,17 +140,71 @@ def _with_db(url: str, number: int) -> str:
     return urlunsplit(urlsplit(url)._replace(path=f"/{number}"))
 
 
-def _claim_database(base_url: str, owner: str) -> tuple[str, Callable[[], None]]:
-    """Lock a Redis database number 1-15 for this session; fall back to ``base_url``."""
-    client = redis.Redis.from_url(base_url, socket_timeout=2, socket_connect_timeout=2)
-    for number in range(1, 16):
+_CLAIM_SECONDS = 6 * 3600
+# Take a claim over only from the owner that was read (another session may be doing the same).
+_TAKE_OVER = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+  return redis.call('set', KEYS[1], ARGV[2], 'EX', ARGV[3])
+end
+return false
+"""
+
+
+def claim_owner(purpose: str = "session") -> str:
+    """Who holds a claim: this machine, this process (so that a dead one is recognized)."""
+    return f"{os.uname().nodename}:{os.getpid()}:{purpose}-{uuid.uuid4().hex[:8]}"
+
+
+def _owner_gone(owner: str) -> bool:
+    """Whether ``owner`` (see :func:`claim_owner`) was a process of this machine that is no
+    longer running: killed before it could give its claim back."""
+    host, _, rest = owner.partition(":")
+    pid = rest.partition(":")[0]
+    if host != os.uname().nodename or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
+
+
+def _claim_database(
+    base_url: str, owner: str, numbers: Iterable[int] = range(1, 16)
+) -> tuple[str, Callable[[], None]]:
+    """Lock a Redis database number (1-15) for ``owner``; fall back to ``base_url``.
+
+    1. The locks are keys of database 0 of ``base_url``'s server, whichever database
+       ``base_url`` names: a claim made from a session's own database (the scale-out
+       test's) must see the sessions' claims. (It once looked in its session's database,
+       found nothing, took another running session's number, and emptied it at the end.)
+    2. A free number is locked with SET NX and an expiry.
+    3. A number whose owner was a process of this machine that died (a run killed before
+       it could release) is taken over, compare-and-set on that owner, and its database
+       emptied: what the dead session left there (channel groups, queues) is not ours.
+    4. With no number to have (every one held by a live owner, or a server with fewer
+       databases), the session shares ``base_url`` and says so.
+    """
+    client = redis.Redis.from_url(_with_db(base_url, 0), socket_timeout=2, socket_connect_timeout=2)
+    for number in numbers:
         key = f"{_LOCK_PREFIX}{number}"
-        if not client.set(key, owner, nx=True, ex=6 * 3600):
-            continue
+        taken_over = False
+        if not client.set(key, owner, nx=True, ex=_CLAIM_SECONDS):
+            holder = client.get(key)
+            if holder is None or not _owner_gone(holder.decode(errors="replace")):
+                continue
+            if not client.eval(_TAKE_OVER, 1, key, holder, owner, _CLAIM_SECONDS):
+                continue
+            taken_over = True
         url = _with_db(base_url, number)
         if ping_error(url) is not None:  # e.g. a server configured with fewer databases
             client.delete(key)
             break
+        if taken_over:
+            with contextlib.closing(redis.Redis.from_url(url, socket_timeout=5)) as left:
+                left.flushdb()
 
         def release(key: str = key) -> None:
             with contextlib.suppress(redis.RedisError):
@@ -159,6 +214,11 @@ def _claim_database(base_url: str, owner: str) -> tuple[str, Callable[[], None]]
 
         return url, release
     client.close()
+    warnings.warn(
+        f"no Redis database of 1-15 to claim: sharing {redact_url(base_url)} with other "
+        "test sessions (their channel groups and queues can mix)",
+        stacklevel=2,
+    )
     return base_url, lambda: None
 
 
@@ -179,8 +239,7 @@ def _session_redis() -> Iterator[None]:
         yield
         return
     saved = {name: os.environ.get(name) for name in ("REDIS_URL", "CELERY_QUEUE")}
-    owner = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    url, release = _claim_database(base, owner)
+    url, release = _claim_database(base, claim_owner())
     queue = f"test-{uuid.uuid4().hex[:10]}"
     apply_redis_url(url, queue=queue)
     _redis_state["url"] = url

@@ -45,7 +45,7 @@ from tasks_app.a2a.client import A2AClient
 from tasks_app.runtime.net import free_port
 from tasks_app.runtime.supervisor import Child, Supervisor
 from tests.agents import AgentHandle, start_agent
-from tests.infra import REPO_ROOT, _claim_database
+from tests.infra import REPO_ROOT, _claim_database, claim_owner
 from tests.test_metrics import sample
 from tests.test_up_command import log_in
 
@@ -108,7 +108,7 @@ def scratch_database() -> Iterator[str]:
 def own_redis(redis_url: str) -> Iterator[str]:
     """A Redis database number for this test alone (the channel layer's groups are named by
     task pk, which a scratch database numbers from 1 like every other)."""
-    url, release = _claim_database(redis_url, f"scale-out:{os.getpid()}:{uuid.uuid4().hex[:8]}")
+    url, release = _claim_database(redis_url, claim_owner("scale-out"))
     try:
         yield url
     finally:
