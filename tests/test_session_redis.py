@@ -50,16 +50,18 @@ def test_a_claim_made_from_a_sessions_own_database_sees_every_sessions_claims(re
 
 def test_a_claim_left_by_a_killed_session_is_taken_over_and_emptied(redis_url):
     # A number of our own to play the dead session's: claimed, then made to look abandoned.
-    url, release = _claim_database(redis_url, claim_owner("test"))
+    # The highest free one: sessions starting meanwhile claim from the lowest up, so none
+    # takes it over in between.
+    url, release = _claim_database(redis_url, claim_owner("test"), numbers=range(15, 0, -1))
     number = int(url.rsplit("/", 1)[1])
     key = f"{_LOCK_PREFIX}{number}"
     locks = redis.Redis.from_url(_with_db(redis_url, 0))
     left = redis.Redis.from_url(url)
     try:
-        dead = f"{os.uname().nodename}:{_dead_pid()}:session-0000"
-        locks.set(key, dead)
         left.set("asgi:group:tasks", "what the killed session left")
+        dead = f"{os.uname().nodename}:{_dead_pid()}:session-0000"
         owner = claim_owner("test")
+        locks.set(key, dead)
         again, release_again = _claim_database(redis_url, owner, numbers=[number])
         assert again == url and locks.get(key) == owner.encode()
         assert left.get("asgi:group:tasks") is None  # emptied for its new owner
