@@ -102,12 +102,6 @@ def _read_log(task_pk: int, after: int, upto: int | None, limit: int) -> list[di
     return [event_message(e) for e in qs.order_by("seq")[:limit]]
 
 
-def _access_due(consumer: Any) -> bool:
-    """Whether a re-sync should check the person's access again (see ACCESS_RECHECK_SECONDS);
-    a socket counts from its connect, where access was checked."""
-    return time.monotonic() - consumer.access_checked_at >= ACCESS_RECHECK_SECONDS
-
-
 async def _join(consumer: AsyncJsonWebsocketConsumer, *groups: str) -> None:
     """Join ``groups``: on connect, and again on every re-sync the browser asks for.
 
@@ -122,17 +116,25 @@ async def _join(consumer: AsyncJsonWebsocketConsumer, *groups: str) -> None:
         await consumer.channel_layer.group_add(group, consumer.channel_name)
 
 
-class TaskConsumer(AsyncJsonWebsocketConsumer):
+class _ResyncingConsumer(AsyncJsonWebsocketConsumer):
+    """What both sockets' re-syncs share: when the person's access is due a fresh check."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.access_checked_at = time.monotonic()  # connect checks it
+
+    def access_due(self) -> bool:
+        """Whether a re-sync should check access again (see ``ACCESS_RECHECK_SECONDS``)."""
+        return time.monotonic() - self.access_checked_at >= ACCESS_RECHECK_SECONDS
+
+
+class TaskConsumer(_ResyncingConsumer):
     """Follows one task's log with resume-after-seq: no gap, no duplicate."""
 
     task_pk: int
     group: str | None = None
     person: str | None = None
     last_sent: int | None = None  # None until the browser said where it is
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.access_checked_at = time.monotonic()  # connect checks it (see _access_due)
 
     async def connect(self) -> None:
         if not _authenticated(self.scope):
@@ -199,7 +201,7 @@ class TaskConsumer(AsyncJsonWebsocketConsumer):
         2. The groups are joined again (see :func:`_join`).
         3. The log is read.
         """
-        if _access_due(self) and not await self._still_allowed():
+        if self.access_due() and not await self._still_allowed():
             return
         if self.group and self.person:
             await _join(self, self.group, self.person)
@@ -314,7 +316,7 @@ def _changed_since(
     return [task_summary(t) for t in tasks], (tasks[0].updated_at if tasks else None)
 
 
-class TaskListConsumer(AsyncJsonWebsocketConsumer):
+class TaskListConsumer(_ResyncingConsumer):
     """Forwards task summaries for lists and the overview, and re-syncs them by version.
 
     The list's version is the newest ``RemoteTask.updated_at`` the browser knows
@@ -341,10 +343,6 @@ class TaskListConsumer(AsyncJsonWebsocketConsumer):
     # up once when its first summary arrives.
     agent_ids: set[int] | None = None
     unreadable: set[int]
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.access_checked_at = time.monotonic()  # connect reads it (see _access_due)
 
     async def connect(self) -> None:
         if not _authenticated(self.scope):
@@ -385,7 +383,7 @@ class TaskListConsumer(AsyncJsonWebsocketConsumer):
         if content.get("type") == "sync":
             # Access as it is now when due (a lost access change must not widen what is
             # read for long), the groups joined again (see _join), then the read.
-            if _access_due(self) and not await self._follow_access():
+            if self.access_due() and not await self._follow_access():
                 return
             if self.joined:
                 await _join(self, LIST_GROUP, self.person)

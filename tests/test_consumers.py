@@ -228,13 +228,19 @@ async def forget_group(group: str) -> None:
         client.close()
 
 
-async def test_a_task_socket_that_lost_its_group_is_live_again_after_its_next_sync(task, user):
+async def socket_after_two_rows(task, user) -> WebsocketCommunicator:
+    """A task socket that has read the task's two rows from the log and is synced."""
     for i in range(1, 3):
         await database_sync_to_async(write)(task.pk, i)
     comm = await communicator(f"/ws/tasks/{task.pk}/?after=0", user)
     assert (await comm.connect())[0]
     assert [m["seq"] for m in await collect(comm, 2)] == [1, 2]
     assert (await comm.receive_json_from(timeout=5)) == {"type": "synced", "last_seq": 2}
+    return comm
+
+
+async def test_a_task_socket_that_lost_its_group_is_live_again_after_its_next_sync(task, user):
+    comm = await socket_after_two_rows(task, user)
     await forget_group(task_group(task.pk))
     await database_sync_to_async(write)(task.pk, 3)
     assert await comm.receive_nothing(timeout=0.5)  # relayed to a group it is no longer in
@@ -394,12 +400,7 @@ async def until_type(
 
 
 async def test_idle_sync_delivers_a_last_event_whose_relay_was_lost(task, user):
-    for i in range(1, 3):
-        await database_sync_to_async(write)(task.pk, i)
-    comm = await communicator(f"/ws/tasks/{task.pk}/?after=0", user)
-    assert (await comm.connect())[0]
-    assert [m["seq"] for m in await collect(comm, 2)] == [1, 2]
-    assert (await comm.receive_json_from(timeout=5)) == {"type": "synced", "last_seq": 2}
+    comm = await socket_after_two_rows(task, user)
     # An idle sync with nothing new: just "synced", no rows.
     await comm.send_json_to({"type": "sync", "after": 2})
     assert (await comm.receive_json_from(timeout=5)) == {"type": "synced", "last_seq": 2}
