@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import itertools
 import logging
 import queue
@@ -147,10 +148,44 @@ def _run(loop: asyncio.AbstractEventLoop, ready: threading.Event) -> None:
     loop.close()
 
 
+# CPython collects its young generation after this many new container objects (700 by
+# default); see tune_gc().
+GC_YOUNG_THRESHOLD = 10_000
+_gc_tuned = False
+
+
+def tune_gc() -> None:
+    """Make the cyclic garbage collector cheap for a process that records streams (once).
+
+    A fast stream's batch allocates thousands of short-lived objects (parsed events,
+    rows, relay messages). With CPython's defaults that made about 160 young and one
+    full collection per 10,000 events, and each full one walked every object the
+    process had loaded (Django, the app and its libraries, about 135,000): 12-19 us
+    an event in all, a tenth of ``record()``'s time (P3, timed with ``gc.callbacks``).
+
+    1. What exists when the loop starts (the code and settings loaded at start-up,
+       which live as long as the process) moves to the permanent generation
+       (``gc.freeze``): full collections no longer walk it.
+    2. The young generation is collected every ``GC_YOUNG_THRESHOLD`` allocations, so a
+       batch's objects are mostly gone before a collection looks at them and are not
+       promoted to be walked again later. Together: 2.6-3.2 us an event, no full
+       collection in 10,000 events.
+    """
+    global _gc_tuned
+    if _gc_tuned:
+        return
+    _gc_tuned = True
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
+
+
 def get_loop() -> asyncio.AbstractEventLoop:
     """The process's shared loop, started on first use in a daemon thread."""
     global _loop, _thread, _db_pool
     with _lock:
+        if _loop is None:
+            tune_gc()  # the first start: this process holds streams from now on
         if _loop is None or (
             not _loop.is_running() and _thread is not None and not _thread.is_alive()
         ):

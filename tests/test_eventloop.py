@@ -187,3 +187,34 @@ def test_work_that_can_wait_runs_a_few_at_a_time_and_each_loop_has_its_own_gate(
     second = asyncio.run(main())  # a new loop (a restarted worker loop, a test): a new gate
     assert second is not first
     assert first not in eventloop._later_gates.values()  # the closed loop's gate is dropped
+
+
+@pytest.mark.subprocess
+def test_the_first_loop_of_a_process_makes_the_collector_cheap_once() -> None:
+    """A fast stream's batches allocate thousands of short-lived objects; with CPython's
+    defaults the full collections walked everything the process had loaded. In a fresh
+    process: the loop's first start freezes what is loaded and raises the young
+    generation's threshold; later calls freeze nothing more."""
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import gc, json, django; django.setup()\n"
+        "from tasks_app import eventloop\n"
+        "before = (gc.get_freeze_count(), gc.get_threshold())\n"
+        "eventloop.get_loop()\n"
+        "first = (gc.get_freeze_count(), gc.get_threshold())\n"
+        "junk = [[i] for i in range(1000)]\n"
+        "eventloop.tune_gc()\n"
+        "print(json.dumps([before, first, gc.get_freeze_count()]))\n"
+        "eventloop.stop()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    before, first, again = json.loads(done.stdout.splitlines()[-1])
+    assert before[0] == 0 and before[1][0] == 700, before  # CPython's defaults
+    assert first[0] > 10_000, first  # Django, the app and the libraries loaded so far
+    assert first[1] == [eventloop.GC_YOUNG_THRESHOLD, before[1][1], before[1][2]]
+    assert again == first[0]  # the second call froze nothing (the junk stays collectable)

@@ -1,9 +1,11 @@
-"""The worker's relay loop: list summaries paced, task events never held back.
+"""The worker's relay loop: each group's sends paced, nothing lost or reordered.
 
 A group send costs about a millisecond of the worker's CPU whatever it carries, and a
-fast stream sent a list summary beside every batch of its events. Summaries now go at
-most every ``relay.SUMMARIES_EVERY`` seconds: the first after a quiet spell at once, the
-rest of the spell coalesced (the newest per task) into one send at its end.
+fast stream sent its rows and a list summary after every batch of its events. A group
+now gets at most one send per spell (``relay.SUMMARIES_EVERY`` for the list,
+``relay.ROWS_EVERY`` for a task's rows): the first after a quiet spell at once, the rest
+of the spell in one send at its end (summaries coalesced to the newest per task, rows
+all of them, in order).
 """
 
 from __future__ import annotations
@@ -135,3 +137,32 @@ def test_a_held_summary_is_not_replaced_by_an_older_one_of_its_task(relay_loop: 
     (held,) = _receive(channel, 1)
     assert held["summaries"] == [{"type": "tasks.changed", "task": 5, "last_seq": 4}, parked]
     assert _nothing_more(channel, 0.3)
+
+
+def _row(task: int, seq: int) -> relay.Message:
+    return (relay.task_group(task), {"type": "task.event", "task": task, "seq": seq})
+
+
+def _seqs(messages: list[dict]) -> list[int]:
+    return [e["seq"] for message in messages for e in message.get("events", [message])]
+
+
+def test_rows_of_a_fast_task_go_once_per_spell_in_order_and_other_tasks_are_not_held(
+    relay_loop: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A spell far longer than the test's publishing takes: the burst is certainly inside it.
+    monkeypatch.setattr(relay, "ROWS_EVERY", 1.5)
+    fast = _listen([relay.task_group(1)])
+    other = _listen([relay.task_group(2)])
+    relay.publish([_row(1, 1)])  # after a quiet spell: at once
+    assert _seqs(_receive(fast, 1)) == [1]
+    for seq in range(2, 7):  # a fast stream's batches, one publish each
+        relay.publish([_row(1, seq)])
+    relay.publish([_row(2, 1)])  # another task's group has no spell running: at once
+    assert _seqs(_receive(other, 1)) == [1]
+    assert _nothing_more(fast, 0.5)  # the rest of task 1's spell waits for its end...
+    (burst,) = _receive(fast, 1)  # ...and goes as one send, every row, in order
+    assert burst["type"] == "task.events" and _seqs([burst]) == [2, 3, 4, 5, 6]
+    assert _nothing_more(fast, 2.0)  # nothing held is sent twice; no wake-up sends more
+    relay.publish([_row(1, 7)])  # the spell has passed with nothing held: at once again
+    assert _seqs(_receive(fast, 1)) == [7]
