@@ -11,6 +11,7 @@ all of them, in order).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -151,18 +152,25 @@ def test_rows_of_a_fast_task_go_once_per_spell_in_order_and_other_tasks_are_not_
     relay_loop: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A spell far longer than the test's publishing takes: the burst is certainly inside it.
-    monkeypatch.setattr(relay, "ROWS_EVERY", 1.5)
+    monkeypatch.setattr(relay, "ROWS_EVERY", 1.0)
     fast = _listen([relay.task_group(1)])
     other = _listen([relay.task_group(2)])
+
+    def at_once(channel: str) -> list[int]:
+        started = time.monotonic()
+        seqs = _seqs(_receive(channel, 1))
+        assert time.monotonic() - started < 0.7, "held for a spell"
+        return seqs
+
     relay.publish([_row(1, 1)])  # after a quiet spell: at once
-    assert _seqs(_receive(fast, 1)) == [1]
+    assert at_once(fast) == [1]
     for seq in range(2, 7):  # a fast stream's batches, one publish each
         relay.publish([_row(1, seq)])
     relay.publish([_row(2, 1)])  # another task's group has no spell running: at once
-    assert _seqs(_receive(other, 1)) == [1]
-    assert _nothing_more(fast, 0.5)  # the rest of task 1's spell waits for its end...
+    assert at_once(other) == [1]
+    assert _nothing_more(fast, 0.2)  # the rest of task 1's spell waits for its end...
     (burst,) = _receive(fast, 1)  # ...and goes as one send, every row, in order
     assert burst["type"] == "task.events" and _seqs([burst]) == [2, 3, 4, 5, 6]
-    assert _nothing_more(fast, 2.0)  # nothing held is sent twice; no wake-up sends more
+    assert _nothing_more(fast, 1.2)  # nothing is sent twice, and no wake-up sends more
     relay.publish([_row(1, 7)])  # the spell has passed with nothing held: at once again
-    assert _seqs(_receive(fast, 1)) == [7]
+    assert at_once(fast) == [7]
