@@ -54,8 +54,13 @@ def test_tasks_ending_together_settle_a_few_at_a_time(agent, monkeypatch, in_pro
     monkeypatch.setattr(task_services, "dispatch", lambda pk: watchers.watch(pk))
     demo = add_agent(agent.base_url, name="demo")
     tasks = [task_services.start_task(demo, "slow 2 0.3", mode="stream") for _ in range(TASKS)]
+    # A settle's commit is seen a moment before its wrapper notes it (the ``finally`` above
+    # runs after the commit): wait for both.
     wait_for(
-        lambda: all(RemoteTask.objects.get(pk=t.pk).settled_at is not None for t in tasks),
+        lambda: (
+            all(RemoteTask.objects.get(pk=t.pk).settled_at is not None for t in tasks)
+            and len(settled) >= TASKS
+        ),
         timeout=60,
         what="every task to settle",
     )
