@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from tests import test_ui_browser as ui
 from tests.a2ui_agents import PAYLOAD, a2ui_agent
@@ -195,6 +196,29 @@ def database_write_lock(stack) -> Iterator[None]:
         conn.close()
 
 
+def wait_flash(page, who: str, heard: list[str], stack, pk: int) -> None:
+    """Wait for the page's flash; on timeout, say what the page and the database held (a
+    flake seen under CI load is then diagnosable from its report)."""
+    try:
+        page.wait_for_selector(".flash")
+    except PlaywrightTimeout:
+        form = page.evaluate(
+            "(() => { const f = document.querySelector('#a2ui-surfaces form.a2ui-form');"
+            " return f ? {sending: f.dataset.sending || null} : null; })()"
+        )
+        actions = stack.query(
+            "SELECT actor_id, created_at FROM tasks_app_operatoraction"
+            " WHERE task_id=? AND action='a2ui-action'",
+            pk,
+        )
+        state = stack.query("SELECT state, last_seq FROM tasks_app_remotetask WHERE id=?", pk)
+        responses = [h for h in heard if "/static/" not in h][-10:]
+        raise AssertionError(
+            f"no flash for {who}: url {page.url}, form {form}, responses {responses},"
+            f" actions {actions}, task {state}"
+        ) from None
+
+
 def test_two_people_submitting_at_once_yield_one_action(page, second_context, stack, a2ui_agents):
     agent_pk, executor = a2ui_agents["0.9.1"]
     before = len(executor.actions())
@@ -209,12 +233,18 @@ def test_two_people_submitting_at_once_yield_one_action(page, second_context, st
             p.fill("#a2ui-surfaces [data-a2ui-id=name] input", who)
         # Both press at once: both requests pass every check and wait inside the window
         # (at the compare-and-set's transaction) until the lock is released.
+        heard: dict[str, list[str]] = {who: [] for who in pages}
+        for who, p in pages.items():  # for the report below, should a flash never come
+            p.on(
+                "response",
+                lambda r, w=who: heard[w].append(f"{r.request.method} {r.url} {r.status}"),
+            )
         with database_write_lock(stack):
             for p in pages.values():
                 p.click("#a2ui-surfaces button.a2ui-button", no_wait_after=True)
             time.sleep(2)
-        for p in pages.values():
-            p.wait_for_selector(".flash")
+        for who, p in pages.items():
+            wait_flash(p, who, heard[who], stack, pk)
         flashes = {who: p.inner_text(".flash") for who, p in pages.items()}
         winners = [who for who, text in flashes.items() if "Sent to the agent" in text]
         assert len(winners) == 1, flashes
