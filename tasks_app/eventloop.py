@@ -184,11 +184,10 @@ def get_loop() -> asyncio.AbstractEventLoop:
     """The process's shared loop, started on first use in a daemon thread."""
     global _loop, _thread, _db_pool
     with _lock:
-        if _loop is None:
-            tune_gc()  # the first start: this process holds streams from now on
         if _loop is None or (
             not _loop.is_running() and _thread is not None and not _thread.is_alive()
         ):
+            tune_gc()  # this process holds streams from now on (once: a restart changes nothing)
             loop = asyncio.new_event_loop()
             ready = threading.Event()
             _db_pool = DatabaseThreads(db_threads(), "watch-db")

@@ -115,7 +115,7 @@ class _LoopRelay:
         1. Spells that have ended are forgotten.
         2. A group with held messages and no spell running goes now, and starts one.
         3. The held list summaries go the same way, as one message per
-           ``SUMMARIES_PER_MESSAGE`` (``summarize``), after any other list messages.
+           ``SUMMARIES_PER_MESSAGE`` (``summarize``), with the list's own spell.
         4. If anything is still held, the loop is woken when the first of their spells ends
            (an empty batch: ``_run`` then sends what is due).
         """
@@ -128,7 +128,7 @@ class _LoopRelay:
                 due[group] = self.held.pop(group)
                 self.spells[group] = now + ROWS_EVERY
         if self.summaries and self.spells.get(LIST_GROUP, 0.0) <= now:  # 3
-            due[LIST_GROUP] = [*due.get(LIST_GROUP, []), *summarize(self.summaries)]
+            due[LIST_GROUP] = summarize(self.summaries)
             self.summaries = {}
             self.spells[LIST_GROUP] = now + SUMMARIES_EVERY
         waiting = [self.spells[group] for group in self.held]  # 4
