@@ -26,6 +26,7 @@ from tasks_app.services.chain import (
     content_digest,
     row_form,
     row_text,
+    sorted_compact_encoder,
     text_digest,
     timestamp_text,
 )
@@ -113,6 +114,30 @@ def test_a_parts_canonical_form_is_what_dumps_writes(value):
             record_module._canonical(value)
         return
     assert record_module._canonical(value) == slow.encode()
+
+
+@settings(max_examples=400, deadline=None)
+@given(value=json_values, ensure_ascii=st.booleans())
+def test_the_encoder_made_once_writes_what_dumps_writes(value, ensure_ascii):
+    """``sorted_compact_encoder`` calls the C encoder directly; the text is ``json.dumps``'s."""
+    import json
+
+    slow = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=ensure_ascii)
+    assert sorted_compact_encoder(ensure_ascii=ensure_ascii)(value) == slow
+
+
+def test_a_failed_encoding_leaves_nothing_behind_for_the_next_value():
+    """An encoding that fails half-way (a value that is not JSON) does not make the next
+    value that holds the same containers look circular, and a circular value still fails."""
+    held: list = [object()]
+    with pytest.raises(TypeError):
+        canonical_json({"a": held})
+    held[0] = 1  # the list the failure left half-written is JSON now
+    assert canonical_json({"a": held}) == b'{"a":[1]}'
+    loop: list = []
+    loop.append(loop)
+    with pytest.raises((ValueError, RecursionError)):
+        canonical_json(loop)
 
 
 def test_text_digest_is_the_content_digest_of_the_value():

@@ -55,6 +55,7 @@ from tasks_app.services.chain import (
     chain_hash,
     content_digest,
     row_text,
+    sorted_compact_encoder,
     text_digest,
     timestamp_text,
 )
@@ -265,13 +266,12 @@ def _messages_in(entry: Entry) -> list[dict]:
 # Digests ------------------------------------------------------------------------------------
 
 
-# What ``json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)``
-# writes, with the encoder made once: ``dumps`` builds a new one on each call given options.
-_PART_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+# What ``json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)`` writes.
+_encode_part = sorted_compact_encoder(ensure_ascii=False)
 
 
 def _canonical(value: Any) -> bytes:
-    return _PART_ENCODER.encode(value).encode()
+    return _encode_part(value).encode()
 
 
 def chain_digest(digest: str, parts: Sequence[Any]) -> str:
@@ -1102,8 +1102,9 @@ def insert_rows(
     ):
         for row in rows:
             copy.write_row(row)
+    alias = wrapper.alias  # read once: through the proxy it was a thread-local lookup per row
     for obj in objs:
-        obj._state.adding, obj._state.db = False, connection.alias
+        obj._state.adding, obj._state.db = False, alias
 
 
 # 3. The transaction, and the relay after it --------------------------------------------------
