@@ -136,10 +136,13 @@ def _run(loop: asyncio.AbstractEventLoop, ready: threading.Event) -> None:
 
     loop.run_until_complete(setup())
     loop.run_forever()
-    # Stopped (see stop()). What is still pending (the relay's sender, a holder that did
-    # not end in time) is cancelled and given its turn to unwind, so nothing is destroyed
-    # while pending and the loop closes; relays after this go the synchronous way.
-    relay.release_loop(loop)
+    # Stopped (see stop()). Relays after this go the synchronous way; what the loop's relay
+    # still queues or holds is sent first (bounded: relay.CLOSE_SECONDS). Then what is still
+    # pending (a holder that did not end in time) is cancelled and given its turn to unwind,
+    # so nothing is destroyed while pending and the loop closes.
+    released = relay.release_loop(loop)
+    if released is not None:
+        loop.run_until_complete(released.close())
     pending = asyncio.all_tasks(loop)
     for task in pending:
         task.cancel()

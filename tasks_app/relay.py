@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import Counter
 from collections.abc import Iterable
 
@@ -33,6 +34,8 @@ SUMMARIES_PER_MESSAGE = 200
 # (a task's rows, a person's news); see _LoopRelay.
 SUMMARIES_EVERY = 0.2
 ROWS_EVERY = 0.025
+# When the loop stops: how long what is still queued or held may take to go (see close()).
+CLOSE_SECONDS = 2.0
 
 
 def task_group(task_pk: int) -> str:
@@ -61,7 +64,7 @@ class _LoopRelay:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[list[Message]] = asyncio.Queue()
+        self.queue: asyncio.Queue[list[Message] | None] = asyncio.Queue()  # None: closing
         self.task: asyncio.Task[None] | None = None
         # Group sends in flight at once: each holds a Redis connection. Unbounded, a backlog
         # of a thousand tasks' messages (a worker taking over another's streams) asked for
@@ -79,18 +82,38 @@ class _LoopRelay:
     def put(self, messages: list[Message]) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, messages)
 
+    async def close(self, timeout: float = CLOSE_SECONDS) -> None:
+        """Send what is queued and held now, spells or not: the loop is stopping.
+
+        Called in the loop once it stopped running and the relay was released (later
+        messages go the synchronous way): the rows of a fast stream's last spell and the
+        list's last summaries reach browsers instead of waiting for their re-sync.
+        Everything put before the release is queued ahead of the closing mark. What is
+        not sent within ``timeout`` is dropped (a Redis that does not answer must not
+        hold a worker's shutdown).
+        """
+        if self.task is None or self.task.done():
+            return
+        self.queue.put_nowait(None)
+        await asyncio.wait({self.task}, timeout=timeout)
+
     async def _run(self) -> None:
         layer = get_channel_layer()
-        while True:
-            batch = list(await self.queue.get())
-            while not self.queue.empty():
-                batch.extend(self.queue.get_nowait())
+        closing = False
+        while not closing:
+            batch: list[Message] = []
+            first = await self.queue.get()
+            for messages in [first, *(self.queue.get_nowait() for _ in range(self.queue.qsize()))]:
+                if messages is None:
+                    closing = True
+                else:
+                    batch.extend(messages)
             for group, message in batch:
                 if group == LIST_GROUP and message.get("type") == "tasks.changed":
                     self._hold(message)
                 else:
                     self.held.setdefault(group, []).append(message)
-            due = self._due()
+            due = self._due(closing=closing)
             await asyncio.gather(*(self._send(layer, group, items) for group, items in due.items()))
 
     def _hold(self, summary: dict) -> None:
@@ -108,9 +131,9 @@ class _LoopRelay:
             summary = held
         self.summaries[task] = summary  # (re)inserted last: the send order follows change
 
-    def _due(self) -> dict[str, list[dict]]:
+    def _due(self, *, closing: bool = False) -> dict[str, list[dict]]:
         """What may go now, by group (each such group's spell starts again); for what must
-        wait, a wake-up at the earliest end of its spell.
+        wait, a wake-up at the earliest end of its spell. ``closing``: everything held.
 
         1. Spells that have ended are forgotten.
         2. A group with held messages and no spell running goes now, and starts one.
@@ -119,7 +142,7 @@ class _LoopRelay:
         4. If anything is still held, the loop is woken when the first of their spells ends
            (an empty batch: ``_run`` then sends what is due).
         """
-        now = self.loop.time()
+        now = math.inf if closing else self.loop.time()
         if len(self.spells) > len(self.held) + 1:  # 1 (cheap while few groups are busy)
             self.spells = {group: end for group, end in self.spells.items() if end > now}
         due: dict[str, list[dict]] = {}
@@ -222,12 +245,15 @@ def use_loop(loop: asyncio.AbstractEventLoop | None) -> None:
         _loop_relay.start()
 
 
-def release_loop(loop: asyncio.AbstractEventLoop) -> None:
+def release_loop(loop: asyncio.AbstractEventLoop) -> _LoopRelay | None:
     """Unregister ``loop`` if it is still the one registered (a stopped loop's thread calls
-    this; a loop started since then keeps its registration)."""
+    this; a loop started since then keeps its registration). Returns the relay released,
+    for its :meth:`_LoopRelay.close`."""
     global _loop_relay
     if _loop_relay is not None and _loop_relay.loop is loop:
-        _loop_relay = None
+        released, _loop_relay = _loop_relay, None
+        return released
+    return None
 
 
 def publish(messages: Iterable[Message]) -> None:

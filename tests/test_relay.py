@@ -11,11 +11,14 @@ all of them, in order).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
-from channels.layers import get_channel_layer
+from channels import DEFAULT_CHANNEL_LAYER
+from channels.layers import channel_layers, get_channel_layer
 
 from tasks_app import eventloop, relay
 
@@ -174,3 +177,60 @@ def test_rows_of_a_fast_task_go_once_per_spell_in_order_and_other_tasks_are_not_
     assert _nothing_more(fast, 1.2)  # nothing is sent twice, and no wake-up sends more
     relay.publish([_row(1, 7)])  # the spell has passed with nothing held: at once again
     assert at_once(fast) == [7]
+
+
+class _Listener:
+    """A layer of its own on a loop of its own: it outlives the shared loop it listens to."""
+
+    def __init__(self) -> None:
+        self.layer = channel_layers.make_backend(DEFAULT_CHANNEL_LAYER)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
+
+    def join(self, group: str) -> str:
+        async def join() -> str:
+            channel = await self.layer.new_channel()
+            await self.layer.group_add(group, channel)
+            return channel
+
+        return self.run(join())
+
+    def take(self, channel: str, within: float = 10) -> dict:
+        return self.run(asyncio.wait_for(self.layer.receive(channel), within))
+
+    def close(self) -> None:
+        self.run(self.layer.flush())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def test_what_is_held_when_the_loop_stops_is_sent_not_dropped(
+    relay_loop: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that shuts down sends the rest of its spells: the rows and the newest list
+    summary of a fast stream's last moments reach browsers, not only their re-sync."""
+    monkeypatch.setattr(relay, "ROWS_EVERY", 60.0)  # held far longer than the test takes
+    monkeypatch.setattr(relay, "SUMMARIES_EVERY", 60.0)
+    listener = _Listener()
+    try:
+        rows = listener.join(relay.task_group(1))
+        summaries = listener.join(relay.LIST_GROUP)
+        relay.publish([_row(1, 1), _summary(1, 1)])  # after a quiet spell: at once
+        assert _seqs([listener.take(rows)]) == [1]
+        assert listener.take(summaries)["last_seq"] == 1
+        for seq in range(2, 6):
+            relay.publish([_row(1, seq), _summary(1, seq)])
+        with pytest.raises(TimeoutError):  # held for the spell
+            listener.take(rows, within=0.3)
+        started = time.monotonic()
+        eventloop.stop()
+        assert time.monotonic() - started < relay.CLOSE_SECONDS + 1
+        burst = listener.take(rows)
+        assert burst["type"] == "task.events" and _seqs([burst]) == [2, 3, 4, 5]
+        assert listener.take(summaries)["last_seq"] == 5
+    finally:
+        listener.close()
