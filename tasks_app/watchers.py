@@ -520,6 +520,8 @@ class Turn:
     note: str
     hold_off: float = 0
     continue_elsewhere: bool = False
+    # The turn ended because the task asks for input: an answer may be committed meanwhile.
+    awaits_answer: bool = False
 
 
 @dataclass
@@ -600,7 +602,13 @@ class Holder:
             hold_off=turn.hold_off,
             fruitless_turns=self.fruitless,
         )
-        if released and turn.continue_elsewhere:
+        if released and (
+            turn.continue_elsewhere
+            # An answer committed while this turn was ending found the lease still held (its
+            # dispatch said "held elsewhere"): it goes on now rather than at the next
+            # reconcile tick. Committed after this look, its own dispatch takes the lease.
+            or (turn.awaits_answer and await eventloop.db(task_services.has_outbox, self.task_pk))
+        ):
             await eventloop.db(task_services.dispatch, self.task_pk)
 
     async def _load(self) -> RemoteTask | None:
@@ -708,7 +716,9 @@ class Holder:
                 await self._settle(client)
             return Turn(next_status(self.status, Event.ENDED), "task ended")
         if task.state == INPUT_REQUIRED:
-            return Turn(next_status(self.status, Event.ENDED), "waiting for an answer")
+            return Turn(
+                next_status(self.status, Event.ENDED), "waiting for an answer", awaits_answer=True
+            )
         if not task.remote_id:
             return Turn(next_status(self.status, Event.ENDED), "no task to follow")
         return None

@@ -160,3 +160,38 @@ def test_an_answer_given_while_the_holder_lets_go_is_sent(agent, monkeypatch, in
         timeout=30,
         what="the answer to reach the agent and the task to end",
     )
+
+
+def test_an_answer_given_before_the_holder_lets_go_is_sent(agent, monkeypatch, in_process_holders):
+    """The other side of that window: the question's turn is over but its holder has not yet
+    given the lease back when the answer is committed, so the answer's own dispatch finds the
+    lease held. The holder, once it has let go, sends the task on itself (the answer used to
+    wait for a reconciler; none runs here)."""
+    ending = threading.Event()
+    resume = threading.Event()
+    original_release = task_services.release_lease
+
+    def pause_then_release(task_pk: int, token: str, **kwargs):
+        if kwargs.get("status") == watchers.Status.IDLE and not ending.is_set():
+            ending.set()
+            resume.wait(timeout=20)  # the injected pause: the turn is over, the lease still held
+        return original_release(task_pk, token, **kwargs)
+
+    dispatched: list[str] = []
+    monkeypatch.setattr(task_services, "release_lease", pause_then_release)
+    monkeypatch.setattr(task_services, "dispatch", lambda pk: dispatched.append(watchers.watch(pk)))
+    demo = add_agent(agent.base_url, name="demo")
+    task = task_services.start_task(demo, "ask", mode="stream")
+    assert ending.wait(timeout=30), "the question's turn never ended"
+    task.refresh_from_db()
+    assert task.state == "TASK_STATE_INPUT_REQUIRED" and task.lease_token != ""
+    dispatched.clear()
+    task_services.answer_task(task, "green")
+    assert dispatched == ["held elsewhere"]  # the answer's own dispatch: the lease is held
+    resume.set()
+    wait_for(
+        lambda: RemoteTask.objects.get(pk=task.pk).state == "TASK_STATE_COMPLETED",
+        timeout=30,
+        what="the answer to reach the agent and the task to end",
+    )
+    assert dispatched[1:] == ["started"]
