@@ -44,7 +44,7 @@ def sorted_compact_encoder(*, ensure_ascii: bool) -> Callable[[Any], str]:
     the cost for the small values the recorder writes several times per event
     (profiled, P3: 2.4 us of 3.3 for an artifact part). Here the C encoder is built
     once and called directly; without one (another Python), the encoder's own
-    ``encode``. It keeps no circular-reference markers: a dict left in them by an
+    ``encode``. It keeps no circular-reference markers: a container left in them by an
     encoding that failed half-way would make a later, unrelated value "circular".
     A circular value (never JSON's) ends in ``RecursionError`` instead of ``ValueError``.
     """
