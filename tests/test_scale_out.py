@@ -397,16 +397,19 @@ def test_two_web_three_workers_two_beats_survive_a_worker_and_a_beat_killed(
             cluster.logs,
         )
 
-        # Everything completes, with a gapless log, the same on both web parts' sockets.
+        # Everything completes, with a gapless log, the same on both web parts' sockets. Settled
+        # too: the settle's row comes after the completion, and a log still growing would be
+        # compared with sockets that have not heard its last row yet.
         def all_completed() -> bool:
             rows = db.execute(
                 "SELECT count(*) FROM tasks_app_remotetask"
-                " WHERE state = 'TASK_STATE_COMPLETED' AND id = ANY(%s)",
+                " WHERE state = 'TASK_STATE_COMPLETED' AND settled_at IS NOT NULL"
+                " AND id = ANY(%s)",
                 [task_pks],
             ).fetchone()
             return bool(rows and rows[0] == TASKS)
 
-        until(all_completed, 90, "every task to complete", cluster.logs)
+        until(all_completed, 90, "every task to complete and settle", cluster.logs)
 
         def log_and_last_seq(pk: int) -> tuple[list[int], int, list[Any]]:
             """The task's log and its ``last_seq`` from one statement, so one snapshot: a row
