@@ -206,6 +206,9 @@ class _Listener:
         self.run(self.layer.flush())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        # Closed here: a loop left to the garbage collector is closed wherever that happens,
+        # and channels_redis's close then runs this loop inside whatever loop runs there.
+        self.loop.close()
 
 
 def test_what_is_held_when_the_loop_stops_is_sent_not_dropped(
