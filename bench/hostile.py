@@ -31,7 +31,8 @@ Behaviours (the ways of issue 9):
 method and the bytes it sent, so the benchmark reports what the dashboard's
 watchers made each agent do.
 
-Usage: ``python -m bench.hostile --control-port P --agent NAME:BEHAVIOUR:PORT ...``
+Usage: ``python -m bench.hostile --control-port P --agent NAME:BEHAVIOUR:PORT ...
+[--ports-file F]`` (a port of 0: any free one, written to F).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import json
 import time
 import uuid
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 WORKING = "TASK_STATE_WORKING"
@@ -330,11 +332,24 @@ class HostileAgent:
             await asyncio.sleep(1.0)
 
 
-async def serve(specs: list[tuple[str, str, int]], control_port: int, huge_bytes: int) -> None:
+async def serve(
+    specs: list[tuple[str, str, int]],
+    control_port: int,
+    huge_bytes: int,
+    ports_file: Path | None = None,
+) -> None:
+    """Serve every agent and the control port; port 0 means "any free one".
+
+    With ``ports_file``, the ports bound are written there (JSON, the control port under
+    ``"control"``) once every socket listens: a parent that picks free ports itself and
+    passes them in can lose one to another process between the pick and the bind.
+    """
     agents = [HostileAgent(name, behaviour, port, huge_bytes) for name, behaviour, port in specs]
-    servers = [
-        await asyncio.start_server(a.handle, "127.0.0.1", a.port, backlog=1024) for a in agents
-    ]
+    servers = []
+    for a in agents:
+        server = await asyncio.start_server(a.handle, "127.0.0.1", a.port, backlog=1024)
+        a.port = server.sockets[0].getsockname()[1]
+        servers.append(server)
 
     async def control(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -354,7 +369,15 @@ async def serve(specs: list[tuple[str, str, int]], control_port: int, huge_bytes
             with contextlib.suppress(Exception):
                 writer.close()
 
-    servers.append(await asyncio.start_server(control, "127.0.0.1", control_port))
+    control_server = await asyncio.start_server(control, "127.0.0.1", control_port)
+    servers.append(control_server)
+    if ports_file is not None:
+        bound = {a.name: a.port for a in agents}
+        bound["control"] = control_server.sockets[0].getsockname()[1]
+        # Written whole, then renamed: a reader never sees half of it.
+        partial = ports_file.with_suffix(".partial")
+        partial.write_text(json.dumps(bound))
+        partial.replace(ports_file)
     await asyncio.gather(*(s.serve_forever() for s in servers))
 
 
@@ -374,8 +397,9 @@ def main(argv: list[str] | None = None) -> None:
         "--agent", type=parse_spec, action="append", required=True, help="NAME:BEHAVIOUR:PORT"
     )
     parser.add_argument("--huge-bytes", type=int, default=7 * 1024 * 1024)
+    parser.add_argument("--ports-file", type=Path, help="write the ports bound here (JSON)")
     args = parser.parse_args(argv)
-    asyncio.run(serve(args.agent, args.control_port, args.huge_bytes))
+    asyncio.run(serve(args.agent, args.control_port, args.huge_bytes, args.ports_file))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ def wait_port(port: int, timeout: float, proc: subprocess.Popen | None = None) -
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
+            # The code first: a caller may cut the message short, and argv can be long.
+            raise RuntimeError(f"exited with {proc.returncode} before listening: {proc.args!r}")
         with socket.socket() as s:
             s.settimeout(0.5)
             if s.connect_ex(("127.0.0.1", port)) == 0:

@@ -80,8 +80,22 @@ def log_kinds(task: RemoteTask) -> list[str]:
 
 
 def assert_log_is_gapless(task: RemoteTask) -> None:
-    seqs = list(TaskEvent.objects.filter(task=task).order_by("seq").values_list("seq", flat=True))
-    task.refresh_from_db()
+    """The log holds exactly seqs 1..last_seq, read between two equal reads of last_seq.
+
+    A settled task may still record (a last GetTask after the stream's end): a log read
+    between two different ``last_seq`` reads would compare two moments, so it is read again.
+    """
+    for _ in range(50):
+        task.refresh_from_db()
+        before = task.last_seq
+        seqs = list(
+            TaskEvent.objects.filter(task=task).order_by("seq").values_list("seq", flat=True)
+        )
+        task.refresh_from_db()
+        if task.last_seq == before:
+            break
+        time.sleep(0.1)
+    assert task.last_seq == before, "the task kept recording for 5 s"
     assert seqs == list(range(1, task.last_seq + 1))
 
 
