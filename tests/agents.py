@@ -121,8 +121,38 @@ def start_agent(
     port: int | None = None,
     startup_timeout: float = 20.0,
 ) -> AgentHandle:
-    """Start ``python -m tasks_app.demo_agent`` on a free loopback port; wait for its card."""
-    port = port or free_port()
+    """Start ``python -m tasks_app.demo_agent`` on a free loopback port; wait for its card.
+
+    A port picked here can be taken by another process (CI runs two suites at once) before
+    the agent binds it: the agent then exits at once, and a picked port is picked again.
+    """
+    options = dict(streaming=streaming, push=push, delay=delay, auth_delay=auth_delay,
+                   token=token, startup_timeout=startup_timeout)  # fmt: skip
+    if port:
+        return _start_agent_on(port, **options)
+    for attempt in range(3):
+        try:
+            return _start_agent_on(free_port(), **options)
+        except PortTaken:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class PortTaken(RuntimeError):
+    """The agent could not bind its port: another process had it."""
+
+
+def _start_agent_on(
+    port: int,
+    *,
+    streaming: bool,
+    push: bool,
+    delay: float,
+    auth_delay: float,
+    token: str | None,
+    startup_timeout: float,
+) -> AgentHandle:
     cmd = [
         sys.executable, "-m", "tasks_app.demo_agent",
         "--host", "127.0.0.1", "--port", str(port),
@@ -145,7 +175,8 @@ def start_agent(
         while True:
             if proc.poll() is not None:
                 err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-                raise RuntimeError(f"demo agent exited with {proc.returncode}: {err[-2000:]}")
+                error = PortTaken if "address already in use" in err.lower() else RuntimeError
+                raise error(f"demo agent exited with {proc.returncode}: {err[-2000:]}")
             try:
                 if http.get(handle.card_url).status_code == 200:
                     break
