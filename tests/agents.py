@@ -130,13 +130,10 @@ def start_agent(
                    token=token, startup_timeout=startup_timeout)  # fmt: skip
     if port:
         return _start_agent_on(port, **options)
-    for attempt in range(3):
-        try:
+    for _ in range(2):
+        with contextlib.suppress(PortTaken):
             return _start_agent_on(free_port(), **options)
-        except PortTaken:
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+    return _start_agent_on(free_port(), **options)  # a third taken port is an error
 
 
 class PortTaken(RuntimeError):
