@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -38,6 +37,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from tasks_app.runtime.net import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 AGENT_TOKEN = "demo-secret-token"
@@ -60,13 +61,6 @@ __all__ = [
     "tcp_proxy",
     "webhook",
 ]
-
-
-def free_port() -> int:
-    """A currently free loopback TCP port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

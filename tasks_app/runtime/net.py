@@ -2,17 +2,57 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 from collections.abc import Callable
 from urllib.parse import urlsplit, urlunsplit
 
+# Ports are picked below this when the kernel's range for outgoing connections allows it.
+LOWEST_PICKED_PORT = 15000
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+_picker = random.SystemRandom()  # not the global generator, which tests may seed alike
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel considers free right now (there is a small race until it is bound)."""
+    """A port that nothing listens on right now, for a server that will bind it soon.
+
+    Binding port 0 returns a port from the kernel's ephemeral range, from which it
+    also gives the local port of every outgoing connection: on a busy machine (a
+    test run's database and Redis connections, two passes side by side) a connection
+    could take the port before the server it was meant for bound it. Ports below that
+    range go only to whoever binds them by number, so one is picked there at random
+    and checked; port 0's answer is the fallback when no room or no free port is found.
+    There is still a window until the server binds: callers that can, retry.
+    """
+    low = _ephemeral_low()
+    if low - LOWEST_PICKED_PORT >= 1000:
+        for _ in range(50):
+            port = _picker.randrange(LOWEST_PICKED_PORT, low)
+            if _bindable(host, port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for outgoing connections (32768 when unknown)."""
+    try:
+        with open(EPHEMERAL_RANGE_FILE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Nothing holds ``host:port``, not even a connection in TIME_WAIT (no SO_REUSEADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def port_available(host: str, port: int) -> bool:
