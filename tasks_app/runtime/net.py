@@ -1,4 +1,4 @@
-"""Small network helpers shared by ``manage.py up`` and the test fixtures."""
+"""Small network helpers shared by ``manage.py up``, the test fixtures and the benchmarks."""
 
 from __future__ import annotations
 
