@@ -169,12 +169,45 @@ def run_checks(deadline_seconds: float = HEALTH_DEADLINE_SECONDS) -> dict[str, R
     return {check.name: _verdict(check, future, started, deadline) for check, future in futures}
 
 
+# The previous answer's verdict in this process (None: no answer yet), for log_change().
+_last_ok: bool | None = None
+
+
+def log_change(results: dict[str, Result]) -> None:
+    """One log line when the verdict changes, naming what is down; none while it holds.
+
+    Pollers ask every few seconds, and Django logged every 503 as an ERROR that named no
+    check: a worker still starting made one on every clean start of ``manage.py up``, and a
+    part that stays down one per poll. Now: the first answer of a process, if not ok, is
+    INFO ("not ready yet": parts start side by side); a failure after an ok answer is a
+    WARNING; the return to ok is INFO. The messages are the checks' fixed sentences.
+    """
+    global _last_ok
+    ok = all(result.ok for result in results.values())
+    previous, _last_ok = _last_ok, ok
+    if ok == previous:
+        return
+    down = "; ".join(f"{name}: {r.message}" for name, r in results.items() if not r.ok)
+    if ok:
+        if previous is not None:
+            logger.info("Health: every check answers again")
+    elif previous is None:
+        logger.info("Health: not ready yet (%s)", down)
+    else:
+        logger.warning("Health: not ok (%s)", down)
+
+
 @never_cache
 def healthz(request: HttpRequest) -> JsonResponse:
     results = run_checks()
+    log_change(results)
     ok = all(result.ok for result in results.values())
     body: dict[str, object] = {"ok": ok}
     user = getattr(request, "user", None)
     if user is not None and user.is_authenticated and user.is_staff:
         body["checks"] = {name: result.as_dict() for name, result in results.items()}
-    return JsonResponse(body, status=200 if ok else 503)
+    response = JsonResponse(body, status=200 if ok else 503)
+    # Said once by log_change(), not once per poll by Django's request logger (the flag is
+    # the one Django sets itself on a response it has logged).
+    response._has_been_logged = True  # type: ignore[attr-defined]
+    return response

@@ -8,6 +8,7 @@ server that accepts connections and never answers, to stand for a hung dependenc
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
@@ -152,6 +153,57 @@ def test_a_check_that_ignores_its_timeout_is_cut_off_and_not_started_twice(
         "ok": False,
         "message": "it hung (ConnectionRefusedError)",
     }
+
+
+def _switchable_check(state: dict[str, bool]) -> health.Check:
+    """A check that passes or fails as ``state["up"]`` says, with a fixed sentence."""
+
+    def run(timeout: float) -> None:
+        if not state["up"]:
+            raise health.CheckFailed("the part is down")
+
+    return health.Check("part", run, 0.5, "the part failed")
+
+
+@pytest.mark.django_db
+def test_health_is_logged_once_per_change_and_polls_are_not(monkeypatch, caplog) -> None:
+    state = {"up": False}
+    database = next(check for check in health.CHECKS if check.name == "database")
+    monkeypatch.setattr(health, "CHECKS", (_switchable_check(state), database))
+    monkeypatch.setattr(health, "_last_ok", None)  # a process that has not answered yet
+    caplog.set_level(logging.INFO)
+
+    def poll_and_take_log(expected_status: int) -> list[tuple[str, int, str]]:
+        caplog.clear()
+        assert Client().get("/healthz").status_code == expected_status
+        return [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+
+    # Not ok before anything was: a part still starting (INFO), and Django's request logger
+    # does not add an ERROR for the 503.
+    assert poll_and_take_log(503) == [
+        ("tasks_app.health", logging.INFO, "Health: not ready yet (part: the part is down)")
+    ]
+    assert poll_and_take_log(503) == []  # unchanged: nothing, however often it is polled
+    state["up"] = True
+    assert poll_and_take_log(200) == [
+        ("tasks_app.health", logging.INFO, "Health: every check answers again")
+    ]
+    assert poll_and_take_log(200) == []
+    state["up"] = False  # down after having been up: a warning, once
+    assert poll_and_take_log(503) == [
+        ("tasks_app.health", logging.WARNING, "Health: not ok (part: the part is down)")
+    ]
+    assert poll_and_take_log(503) == []
+
+
+@pytest.mark.django_db
+def test_a_first_answer_that_is_ok_logs_nothing(monkeypatch, caplog) -> None:
+    database = next(check for check in health.CHECKS if check.name == "database")
+    monkeypatch.setattr(health, "CHECKS", (database,))
+    monkeypatch.setattr(health, "_last_ok", None)
+    caplog.set_level(logging.INFO)
+    assert Client().get("/healthz").status_code == 200
+    assert [r for r in caplog.records if r.name.startswith(("tasks_app", "django"))] == []
 
 
 # --- 2. headers -----------------------------------------------------------------------------
