@@ -169,8 +169,10 @@ def run_checks(deadline_seconds: float = HEALTH_DEADLINE_SECONDS) -> dict[str, R
     return {check.name: _verdict(check, future, started, deadline) for check, future in futures}
 
 
-# The previous answer's verdict in this process (None: no answer yet), for log_change().
+# The previous answer's verdict in this process (None: no answer yet), and whether any answer
+# was ok, for log_change().
 _last_ok: bool | None = None
+_been_ok = False
 
 
 def log_change(results: dict[str, Result]) -> None:
@@ -179,18 +181,20 @@ def log_change(results: dict[str, Result]) -> None:
     Pollers ask every few seconds, and Django logged every 503 as an ERROR that named no
     check: a worker still starting made one on every clean start of ``manage.py up``, and a
     part that stays down one per poll. Now: the first answer of a process, if not ok, is
-    INFO ("not ready yet": parts start side by side); a failure after an ok answer is a
-    WARNING; the return to ok is INFO. The messages are the checks' fixed sentences.
+    INFO ("not ready yet": parts start side by side, and "ready" once they answer); a
+    failure after an ok answer is a WARNING, the return to ok INFO. The messages are the
+    checks' fixed sentences.
     """
-    global _last_ok
+    global _last_ok, _been_ok
     ok = all(result.ok for result in results.values())
     previous, _last_ok = _last_ok, ok
+    been_ok, _been_ok = _been_ok, _been_ok or ok
     if ok == previous:
         return
     down = "; ".join(f"{name}: {r.message}" for name, r in results.items() if not r.ok)
     if ok:
         if previous is not None:
-            logger.info("Health: every check answers again")
+            logger.info("Health: " + ("every check answers again" if been_ok else "ready"))
     elif previous is None:
         logger.info("Health: not ready yet (%s)", down)
     else:

@@ -171,6 +171,7 @@ def test_health_is_logged_once_per_change_and_polls_are_not(monkeypatch, caplog)
     database = next(check for check in health.CHECKS if check.name == "database")
     monkeypatch.setattr(health, "CHECKS", (_switchable_check(state), database))
     monkeypatch.setattr(health, "_last_ok", None)  # a process that has not answered yet
+    monkeypatch.setattr(health, "_been_ok", False)
     caplog.set_level(logging.INFO)
 
     def poll_and_take_log(expected_status: int) -> list[tuple[str, int, str]]:
@@ -185,15 +186,17 @@ def test_health_is_logged_once_per_change_and_polls_are_not(monkeypatch, caplog)
     ]
     assert poll_and_take_log(503) == []  # unchanged: nothing, however often it is polled
     state["up"] = True
-    assert poll_and_take_log(200) == [
-        ("tasks_app.health", logging.INFO, "Health: every check answers again")
-    ]
+    assert poll_and_take_log(200) == [("tasks_app.health", logging.INFO, "Health: ready")]
     assert poll_and_take_log(200) == []
     state["up"] = False  # down after having been up: a warning, once
     assert poll_and_take_log(503) == [
         ("tasks_app.health", logging.WARNING, "Health: not ok (part: the part is down)")
     ]
     assert poll_and_take_log(503) == []
+    state["up"] = True
+    assert poll_and_take_log(200) == [
+        ("tasks_app.health", logging.INFO, "Health: every check answers again")
+    ]
 
 
 @pytest.mark.django_db
@@ -201,6 +204,7 @@ def test_a_first_answer_that_is_ok_logs_nothing(monkeypatch, caplog) -> None:
     database = next(check for check in health.CHECKS if check.name == "database")
     monkeypatch.setattr(health, "CHECKS", (database,))
     monkeypatch.setattr(health, "_last_ok", None)
+    monkeypatch.setattr(health, "_been_ok", False)
     caplog.set_level(logging.INFO)
     assert Client().get("/healthz").status_code == 200
     assert [r for r in caplog.records if r.name.startswith(("tasks_app", "django"))] == []
