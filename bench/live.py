@@ -24,7 +24,7 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -33,6 +33,7 @@ from typing import Any
 from bench.inproc import relayed_events
 from bench.procs import Proc, Procs, free_port, wait_port
 from bench.report import Row
+from tasks_app.runtime.net import wait_until
 
 # Helpers ------------------------------------------------------------------------------------
 
@@ -48,15 +49,6 @@ def pct(samples: list[float], q: float) -> float:
 
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds == seconds else "n/a"
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 def emitted_of(raw: Any) -> tuple[float, int] | None:

@@ -86,15 +86,11 @@ def start_hostile(s: Stack, huge_bytes: int, names: list[str]) -> tuple[int, dic
     for name in names:
         argv += ["--agent", f"{name}:{name}:0"]
     proc = s.procs.start("hostile", argv, s.env)
-    deadline = time.monotonic() + 30
-    while not ports_file.exists():
-        if not proc.alive():
-            raise RuntimeError(
-                f"the hostile agents exited with {proc.popen.returncode}: {proc.log_tail()}"
-            )
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the hostile agents did not listen within 30 s: {proc.log_tail()}")
-        time.sleep(0.05)
+    if not wait_until(ports_file.exists, 30, interval=0.05, abort=lambda: not proc.alive()):
+        why = (
+            "did not listen within 30 s" if proc.alive() else f"exited with {proc.popen.returncode}"
+        )
+        raise RuntimeError(f"the hostile agents {why}: {proc.log_tail()}")
     # The file is written once every socket listens: nothing left to wait for.
     ports = json.loads(ports_file.read_text())
     return ports.pop("control"), ports

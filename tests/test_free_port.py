@@ -16,14 +16,20 @@ import pytest
 from tasks_app.runtime import net
 
 
+def bind_as_a_server_does(port: int) -> None:
+    """Bind 127.0.0.1:port with SO_REUSEADDR, as daphne, uvicorn and Redis do."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+
+
 def test_a_picked_port_is_below_the_outgoing_range_and_bindable() -> None:
     low = net._ephemeral_low()
     picked = {net.free_port() for _ in range(20)}
     assert all(net.LOWEST_PICKED_PORT <= port < low for port in picked)
     assert len(picked) > 1  # picked at random, not the same one each time
     for port in picked:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", port))
+        bind_as_a_server_does(port)
 
 
 def test_a_port_something_listens_on_is_not_picked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,9 +55,7 @@ def test_without_room_below_the_range_the_kernel_picks(
     monkeypatch.setattr(net, "EPHEMERAL_RANGE_FILE", str(ranges))
     assert net._ephemeral_low() == 1024
     monkeypatch.setattr(net._picker, "randrange", lambda *_: pytest.fail("no room to pick in"))
-    port = net.free_port()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", port))
+    bind_as_a_server_does(net.free_port())
 
 
 def test_an_unreadable_range_is_taken_as_linux_default(

@@ -29,7 +29,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     if low - LOWEST_PICKED_PORT >= 1000:
         for _ in range(50):
             port = _picker.randrange(LOWEST_PICKED_PORT, low)
-            if _bindable(host, port):
+            if port_available(host, port):
                 return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -43,16 +43,6 @@ def _ephemeral_low() -> int:
             return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768
-
-
-def _bindable(host: str, port: int) -> bool:
-    """Nothing holds ``host:port``, not even a connection in TIME_WAIT (no SO_REUSEADDR)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def port_available(host: str, port: int) -> bool:
