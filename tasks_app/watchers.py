@@ -64,6 +64,7 @@ from tasks_app.a2a import (
     TaskNotFoundError,
     TransportError,
     UnsupportedOperationError,
+    safejson,
 )
 from tasks_app.models import TERMINAL_STATES, RemoteTask, TaskEvent
 from tasks_app.runtime import logs, shared_redis
@@ -287,7 +288,7 @@ def reconcile_once() -> int:
         claimed = True
     if not claimed:
         return 0
-    metrics.count("reconcile_ticks")  # at most one per period however many ask: /metrics shows it
+    metrics.count("reconcile_ticks")  # about one per period however many ask: /metrics shows it
     return _reconcile()
 
 
@@ -585,12 +586,10 @@ class Holder:
         except Fenced:
             return  # the lease moved on: the new holder speaks for the task
         except A2AError as exc:  # agent misbehaviour that escaped a turn: recorded, no traceback
-            await self._note_problem(str(exc))
-            turn = Turn(Status.LOST, f"watcher stopped: {exc}", hold_off=30)
+            turn = await self._failed(f"watcher stopped: {exc}")
         except Exception as exc:  # a bug must not kill the worker
             log.exception("watcher of task %s failed", self.task_pk)
-            await self._note_problem(f"watcher error: {type(exc).__name__}: {exc}")
-            turn = Turn(Status.LOST, f"watcher error: {exc}", hold_off=30)
+            turn = await self._failed(f"watcher error: {type(exc).__name__}: {exc}")
         log.debug("turn ended: %s (%s)", turn.status, turn.note)
         self.releasing = True  # from here on this holder never looks at the task again
         released = await eventloop.db(
@@ -600,7 +599,8 @@ class Holder:
             status=turn.status,
             note=turn.note,
             hold_off=turn.hold_off,
-            fruitless_turns=self.fruitless,
+            # Unknown until the task was read: the stored count is kept.
+            fruitless_turns=self.fruitless if self.agent_id else None,
         )
         if released and (
             turn.continue_elsewhere
@@ -610,6 +610,46 @@ class Holder:
             or (turn.awaits_answer and await eventloop.db(task_services.has_outbox, self.task_pk))
         ):
             await eventloop.db(task_services.dispatch, self.task_pk)
+
+    async def _failed(self, problem: str) -> Turn:
+        """A turn that ended in an error is fruitless: the same error turn after turn parks the task.
+
+        Such an error is the agent's input meeting a case nothing handles (or the database
+        refusing it): retrying every 30 s forever, a traceback and a log row each time,
+        would be a loop no operator asked for. ``WATCH_MAX_FRUITLESS_TURNS`` in a row park
+        it like any fruitless series, with the error as the reason. Before the task was
+        read (``agent_id`` unset) it is nobody's fault yet: retried as before.
+        """
+        problem = safejson.clean_text(problem)
+        await self._note_problem(problem)
+        if not self.agent_id:
+            return Turn(Status.LOST, problem, hold_off=30)
+        self.fruitless += 1
+        if self.was_parked or self.fruitless >= settings.WATCH_MAX_FRUITLESS_TURNS:
+            try:
+                return await self._park(
+                    f"{self.fruitless} fruitless turns in a row; last: {problem}"
+                )
+            except Exception:  # the parked note could not be written: park all the same
+                log.exception("could not note that task %s is parked", self.task_pk)
+                return Turn(
+                    Status.PARKED,
+                    f"needs attention: {problem}"[:500],
+                    hold_off=PARKED_RECHECK_SECONDS,
+                )
+        return Turn(
+            next_status(self.status, Event.FRUITLESS),
+            f"{problem} (fruitless turn {self.fruitless})"[:500],
+            hold_off=max(30.0, backoff(self.fruitless)),
+        )
+
+    def _take(self, task: RemoteTask) -> None:
+        """What the turn starts from: the task's watcher status and its fruitless series."""
+        self.status = task.watcher_status
+        self.was_parked = task.watcher_status == Status.PARKED
+        self.fruitless = task.fruitless_turns
+        self.agent_id = task.agent_id
+        logs.bind(agent=task.agent_id)
 
     async def _load(self) -> RemoteTask | None:
         return await eventloop.db(
@@ -622,11 +662,7 @@ class Holder:
             return Turn(Status.IDLE, "task deleted")
         if task.abandoned_at is not None:
             return Turn(Status.ABANDONED, task.watcher_note or "abandoned")
-        self.status = task.watcher_status
-        self.was_parked = task.watcher_status == Status.PARKED
-        self.fruitless = task.fruitless_turns
-        self.agent_id = task.agent_id
-        logs.bind(agent=task.agent_id)
+        self._take(task)
         try:
             client = outbound.client_for(
                 task.agent,

@@ -22,6 +22,7 @@ from django.conf import settings as django_settings
 from django.test import Client
 
 from tasks_app import health
+from tasks_app.runtime.net import free_port
 from tests import pages
 from tests.ui_stack import chromium
 
@@ -197,6 +198,26 @@ def test_health_is_logged_once_per_change_and_polls_are_not(monkeypatch, caplog)
     assert poll_and_take_log(200) == [
         ("tasks_app.health", logging.INFO, "Health: every check answers again")
     ]
+
+
+@pytest.mark.django_db
+def test_a_driver_error_is_said_once_with_its_class_not_once_per_poll(
+    monkeypatch, caplog, settings
+) -> None:
+    """Redis refusing connections: one WARNING naming the check and the error's class."""
+    database = next(check for check in health.CHECKS if check.name == "database")
+    redis_check = next(check for check in health.CHECKS if check.name == "redis")
+    monkeypatch.setattr(health, "CHECKS", (database, redis_check))
+    monkeypatch.setattr(health, "_last_ok", True)  # a process that has answered ok
+    monkeypatch.setattr(health, "_been_ok", True)
+    settings.REDIS_URL = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    caplog.set_level(logging.INFO)
+    for _ in range(3):
+        assert Client().get("/healthz").status_code == 503
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
+        ("tasks_app.health", logging.WARNING,
+         "Health: not ok (redis: Redis did not answer (ConnectionError))"),
+    ]  # fmt: skip
 
 
 @pytest.mark.django_db

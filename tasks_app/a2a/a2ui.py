@@ -116,7 +116,10 @@ def declared_version(card: Any) -> str | None:
     extensions = caps.get("extensions") if isinstance(caps, Mapping) else None
     if not isinstance(extensions, list):
         return None
-    uris = {e.get("uri") for e in extensions if isinstance(e, Mapping)}
+    # A card's values are the agent's: only string uris count (a list would not even hash).
+    uris = {
+        e.get("uri") for e in extensions if isinstance(e, Mapping) and isinstance(e.get("uri"), str)
+    }
     return next((version for version, uri in EXTENSION_URIS.items() if uri in uris), None)
 
 

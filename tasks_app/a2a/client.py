@@ -103,7 +103,8 @@ def _card_scheme(card: Mapping[str, Any] | None, kind: str) -> dict[str, Any] | 
     schemes = (card or {}).get("securitySchemes") or {}
     schemes = schemes if isinstance(schemes, dict) else {}
     preferred: list[str] = []
-    for req in (card or {}).get("securityRequirements") or []:
+    requirements = (card or {}).get("securityRequirements") or []
+    for req in requirements if isinstance(requirements, list) else []:
         if isinstance(req, dict) and isinstance(req.get("schemes"), dict):
             preferred.extend(req["schemes"])
     ordered = [n for n in preferred if n in schemes] + [n for n in schemes if n not in preferred]

@@ -23,7 +23,14 @@ A2A_DOMAIN = "a2a-protocol.org"
 
 
 def _one_line(text: str, limit: int = 300) -> str:
-    text = " ".join(str(text).split())
+    """One line of at most ``limit`` characters that any database can store.
+
+    Error texts come from agents, and end up in watcher notes, log rows and pages:
+    lone surrogates and NUL (which neither database accepts) become U+FFFD.
+    """
+    from .safejson import clean_text  # here: safejson imports this module's ProtocolError
+
+    text = clean_text(" ".join(str(text).split()))
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
@@ -132,7 +139,8 @@ class RemoteError(A2AError):
         super().__init__(message or self.__class__.__name__)
         if code is not None:
             self.code = code
-        self.reason = reason or self.default_reason or None
+        # The agent's ErrorInfo reason: only a string is one (it is joined into str(err)).
+        self.reason = (reason if isinstance(reason, str) else None) or self.default_reason or None
         self.http_status = http_status
         self.details = list(details or [])
         self.data = data
@@ -283,7 +291,7 @@ def error_class_for(code: int | None = None, reason: str | None = None) -> type[
     """Pick the most specific class: numeric code first, then ErrorInfo reason."""
     if code is not None and code in _BY_CODE:
         return _BY_CODE[code]
-    if reason and reason.upper() in _BY_REASON:
+    if isinstance(reason, str) and reason.upper() in _BY_REASON:
         return _BY_REASON[reason.upper()]
     return RemoteError
 

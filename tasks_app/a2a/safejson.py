@@ -139,6 +139,11 @@ def _clean_str(s: str) -> tuple[str, int]:
     return fixed, fixed.count(REPLACEMENT) - had + joined
 
 
+def clean_text(text: str) -> str:
+    """``text`` with lone surrogates and NUL replaced (U+FFFD), as :func:`clean` stores strings."""
+    return _clean_str(text)[0]
+
+
 def _clean_scalar(value: Any) -> tuple[Any, int]:
     if isinstance(value, str):
         return _clean_str(value)

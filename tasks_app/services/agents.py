@@ -16,6 +16,7 @@ from tasks_app.a2a import (
     IncompatibleAgentError,
     choose_interface,
     fetch_card,
+    safejson,
     validate_card,
 )
 from tasks_app.a2a.client import api_key_placement
@@ -66,9 +67,10 @@ def preview_card(url: str) -> CardPreview:
         )
     except A2AError as exc:
         raise AgentError(f"Could not read an agent card at {url}: {exc}") from exc
-    card = result.card or {}
+    # The card is the agent's text: stored (and shown) only in a form every database takes.
+    card, _ = safejson.clean(result.card or {})
     preview = CardPreview(url=result.url, card=card, etag=result.etag or "")
-    preview.problems = [_problem_text(p) for p in validate_card(card)]
+    preview.problems = [safejson.clean_text(_problem_text(p)) for p in validate_card(card)]
     refused: list[str] = []
 
     def check_url(interface_url: str) -> str | None:

@@ -1098,6 +1098,10 @@ def record_batch(items: list[bytes]) -> dict[int, str]:
         except RecordError as exc:
             log.warning("push notifications for task %s not recorded: %s", task_pk, exc)
             continue
+        except Exception as exc:  # one task's notifications must not lose the rest of the batch
+            log.exception("push notifications for task %s not recorded", task_pk)
+            _note_unrecorded(task_pk, len(objs), exc)
+            continue
         touched[task_pk] = result.state
         for pk, _ in entries:
             if pk in live:
@@ -1111,6 +1115,15 @@ def record_batch(items: list[bytes]) -> dict[int, str]:
         )
     heard(set(touched))
     return touched
+
+
+def _note_unrecorded(task_pk: int, count: int, exc: Exception) -> None:
+    """Say in the task's log that notifications were dropped (they were taken off the queue)."""
+    note = f"{count} push notification(s) could not be recorded ({type(exc).__name__}); see the log"
+    try:
+        record_many(task_pk, [{"protocolError": {"message": note}}], "system")
+    except Exception:  # saying so must not become a second failure
+        log.warning("could not note the unrecorded notifications of task %s", task_pk)
 
 
 _http: httpx.AsyncClient | None = None

@@ -27,7 +27,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from django.conf import settings
@@ -204,28 +204,90 @@ def _normalized(kind: str, payload: dict) -> dict:
     return payload
 
 
+# Ids are stored in columns of this many characters (RemoteTask, Artifact, ConversationMessage).
+MAX_ID_CHARS = 300
+
+
+def _id_problem(value: Any, name: str, *, required: bool = True) -> str:
+    """Why ``value`` cannot be the id ``name`` (empty: it can). Absent is fine unless required.
+
+    The fold keys dicts and sets by ids and stores them in columns: an id that is a
+    list would raise in the fold, a longer one in the database, for every later
+    entry of the task. Said here, it is one protocol-error row.
+    """
+    if value is None or value == "":
+        return f"missing {name}" if required else ""
+    if not isinstance(value, str):
+        return f"{name} is not a string"
+    if len(value) > MAX_ID_CHARS:
+        return f"{name} is longer than {MAX_ID_CHARS} characters"
+    return ""
+
+
 def _check(kind: str, payload: dict) -> str:
+    """What makes an A2A payload unusable (empty: nothing); its shape, not its story."""
     if kind == "task":
-        if not payload.get("id"):
-            return "missing id"
-        return _check_status(payload.get("status"))
+        return (
+            _id_problem(payload.get("id"), "id")
+            or _id_problem(payload.get("contextId"), "contextId", required=False)
+            or _check_status(payload.get("status"))
+            or _check_list(payload, "artifacts", _check_artifact)
+            or _check_list(payload, "history", _check_message)
+        )
     if kind == "statusUpdate":
-        if not payload.get("taskId"):
-            return "missing taskId"
-        return _check_status(payload.get("status"))
+        return (
+            _id_problem(payload.get("taskId"), "taskId")
+            or _id_problem(payload.get("contextId"), "contextId", required=False)
+            or _check_status(payload.get("status"))
+        )
     if kind == "artifactUpdate":
-        if not payload.get("taskId"):
-            return "missing taskId"
+        problem = _id_problem(payload.get("taskId"), "taskId") or _id_problem(
+            payload.get("contextId"), "contextId", required=False
+        )
         artifact = payload.get("artifact")
-        if not isinstance(artifact, dict) or not artifact.get("artifactId"):
-            return "missing artifact.artifactId"
-        if not isinstance(artifact.get("parts", []), list):
-            return "artifact.parts is not a list"
+        if problem or not isinstance(artifact, dict):
+            return problem or "missing artifact.artifactId"
+        return _check_artifact(artifact, "artifact.")
     if kind == "message":
-        if not payload.get("messageId"):
-            return "missing messageId"
-        if not isinstance(payload.get("parts", []), list):
-            return "parts is not a list"
+        return _check_message(payload)
+    return ""
+
+
+def _check_list(payload: dict, key: str, check: Callable[..., str]) -> str:
+    """Each item of ``payload[key]`` (a list, or absent) that is an object passes ``check``.
+
+    Items that are not objects, or name no id, are skipped by the fold (a snapshot is not
+    refused for them); an id of the wrong type or length refuses it.
+    """
+    items = payload.get(key)
+    if items is None:
+        return ""
+    if not isinstance(items, list):
+        return f"{key} is not a list"
+    for index, item in enumerate(items):
+        problem = check(item, f"{key}[{index}].", required=False) if isinstance(item, dict) else ""
+        if problem:
+            return problem
+    return ""
+
+
+def _check_artifact(artifact: dict, where: str = "", *, required: bool = True) -> str:
+    problem = _id_problem(artifact.get("artifactId"), f"{where}artifactId", required=required)
+    if problem:
+        return problem
+    if not isinstance(artifact.get("parts", []), list):
+        return f"{where}parts is not a list"
+    return ""
+
+
+def _check_message(message: dict, where: str = "", *, required: bool = True) -> str:
+    problem = _id_problem(
+        message.get("messageId"), f"{where}messageId", required=required
+    ) or _id_problem(message.get("contextId"), f"{where}contextId", required=False)
+    if problem:
+        return problem
+    if not isinstance(message.get("parts", []), list):
+        return f"{where}parts is not a list"
     return ""
 
 
@@ -233,12 +295,15 @@ def _check_status(status: Any) -> str:
     if not isinstance(status, dict):
         return "missing status"
     state = status.get("state")
-    if state not in KNOWN_STATES:
-        return f"unknown state {state!r}"
+    if not isinstance(state, str) or state not in KNOWN_STATES:
+        return f"unknown state {state!r}"[:300]
     message = status.get("message")
-    if message is not None and not isinstance(message, dict):
+    if message is None:
+        return ""
+    if not isinstance(message, dict):
         return "status.message is not an object"
-    return ""
+    # A status message without an id is shown, never stored as a message.
+    return _check_message(message, "status.message.", required=False)
 
 
 def _jsonable(value: Any) -> Any:
@@ -291,10 +356,14 @@ def _parse_timestamp(value: str) -> datetime | None:
     """A status timestamp as an aware datetime; cached, as a fold asks for one status's up to three times."""
     try:
         parsed = parse_datetime(value)
-    except ValueError:
+        if parsed is None:
+            return None
+        if timezone.is_naive(parsed):
+            parsed = timezone.make_aware(parsed, timezone.UTC)
+        # Stored in UTC: a moment that has none (year 1 at +01:00) is no timestamp.
+        parsed.astimezone(UTC)
+    except (ValueError, OverflowError):
         return None
-    if parsed is not None and timezone.is_naive(parsed):
-        parsed = timezone.make_aware(parsed, timezone.UTC)
     return parsed
 
 
@@ -905,7 +974,7 @@ class _Fold:
                 ConversationMessage(
                     task_id=self.task.pk,
                     message_id=message["messageId"],
-                    role=str(message.get("role", "")),
+                    role=str(message.get("role", ""))[:20],  # the column's length
                     message=message,
                     seq=seq,
                     created_at=now,

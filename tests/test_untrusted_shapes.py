@@ -1,0 +1,206 @@
+"""Agent JSON of the right syntax and the wrong shape: one clear row or message, never a crash.
+
+An agent decides every value it sends. Before these checks a list where a string was
+expected (a state, an id), an id longer than its column, a timestamp with no UTC
+moment, or a lone surrogate in an error message raised deep in the fold or in the
+database: the push drain lost its whole batch, and a watcher retried the same turn
+every 30 s for ever.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from tasks_app import eventloop, relay, watchers
+from tasks_app.a2a import a2ui, errors, safejson
+from tasks_app.a2a.client import api_key_placement
+from tasks_app.models import Agent, PushConfig, RemoteTask, TaskEvent
+from tasks_app.services import push
+from tasks_app.services import tasks as task_services
+from tasks_app.services.record import MAX_ID_CHARS, record
+
+LONG_ID = "x" * (MAX_ID_CHARS + 1)
+
+
+@pytest.fixture
+def task(db) -> RemoteTask:
+    agent = Agent.objects.create(name="shapes", base_url=f"http://127.0.0.1:1/{uuid.uuid4().hex}/")
+    return RemoteTask.objects.create(
+        agent=agent, title="t", remote_id="t-1", context_id="c-1", phase=RemoteTask.Phase.TASK,
+        state="TASK_STATE_WORKING",
+    )  # fmt: skip
+
+
+def status(state: object = "TASK_STATE_WORKING", **extra: object) -> dict:
+    return {"statusUpdate": {"taskId": "t-1", "status": {"state": state}, **extra}}
+
+
+BAD = [
+    (status(["TASK_STATE_WORKING"]), "unknown state"),
+    (status({"x": 1}), "unknown state"),
+    ({"statusUpdate": {"taskId": ["t-1"], "status": {"state": "TASK_STATE_WORKING"}}}, "taskId is not a string"),
+    ({"statusUpdate": {"taskId": LONG_ID, "status": {"state": "TASK_STATE_WORKING"}}}, "taskId is longer than 300"),
+    (status(contextId={"c": 1}), "contextId is not a string"),
+    (status(state="TASK_STATE_WORKING") | {"statusUpdate": {"taskId": "t-1", "status": {
+        "state": "TASK_STATE_WORKING", "message": {"messageId": ["m"], "parts": []}}}},
+     "status.message.messageId is not a string"),
+    ({"artifactUpdate": {"taskId": "t-1", "artifact": {"artifactId": ["a"], "parts": []}}},
+     "artifact.artifactId is not a string"),
+    ({"artifactUpdate": {"taskId": "t-1", "artifact": {"artifactId": LONG_ID, "parts": []}}},
+     "artifact.artifactId is longer than 300"),
+    ({"message": {"messageId": {"id": 1}, "role": "ROLE_AGENT", "parts": []}}, "messageId is not a string"),
+    ({"message": {"messageId": "m-1", "contextId": 7, "parts": []}}, "contextId is not a string"),
+    ({"task": {"id": "t-1", "status": {"state": "TASK_STATE_WORKING"},
+               "artifacts": [{"artifactId": 5, "parts": []}]}}, "artifacts[0].artifactId is not a string"),
+    ({"task": {"id": "t-1", "status": {"state": "TASK_STATE_WORKING"},
+               "history": [{"messageId": "m", "parts": {}}]}}, "history[0].parts is not a list"),
+    ({"task": {"id": "t-1", "status": {"state": "TASK_STATE_WORKING"}, "history": "all of it"}},
+     "history is not a list"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("obj", "problem"), BAD, ids=[problem for _, problem in BAD])
+def test_a_wrongly_shaped_entry_is_one_protocol_error_row_and_the_task_goes_on(task, obj, problem):
+    result = record(task, obj, "stream")
+    event = TaskEvent.objects.get(task=task)
+    assert event.kind == "protocol-error"
+    assert problem in event.note
+    assert event.raw == obj  # what the agent said is kept, as it came
+    fresh = RemoteTask.objects.get(pk=task.pk)
+    assert (fresh.state, fresh.remote_id, fresh.context_id) == ("TASK_STATE_WORKING", "t-1", "c-1")
+    assert result.kinds == ["protocol-error"]
+    # The next well-formed entry is taken as usual.
+    record(task, status("TASK_STATE_COMPLETED"), "stream")
+    assert RemoteTask.objects.get(pk=task.pk).state == "TASK_STATE_COMPLETED"
+
+
+def test_items_that_name_no_id_are_still_skipped_not_refused(task):
+    """A snapshot whose history holds a message without an id is taken (the message is not)."""
+    snapshot = {"task": {"id": "t-1", "status": {"state": "TASK_STATE_INPUT_REQUIRED"},
+                         "history": [{"role": "ROLE_AGENT", "parts": []}, "noise"],
+                         "artifacts": [{"parts": []}]}}  # fmt: skip
+    record(task, snapshot, "poll")
+    assert list(TaskEvent.objects.filter(task=task).values_list("kind", flat=True)) == ["task"]
+    assert RemoteTask.objects.get(pk=task.pk).state == "TASK_STATE_INPUT_REQUIRED"
+    assert not task.messages.exists() and not task.artifacts.exists()
+
+
+@pytest.mark.parametrize("stamp", ["0001-01-01T00:00:00+01:00", "9999-12-31T23:59:59-01:00"])
+def test_a_timestamp_with_no_utc_moment_counts_as_none(task, stamp):
+    record(task, status("TASK_STATE_INPUT_REQUIRED") | {"statusUpdate": {
+        "taskId": "t-1", "status": {"state": "TASK_STATE_INPUT_REQUIRED", "timestamp": stamp}}}, "stream")  # fmt: skip
+    fresh = RemoteTask.objects.get(pk=task.pk)
+    assert fresh.state == "TASK_STATE_INPUT_REQUIRED"
+    assert fresh.status_timestamp is None
+    assert TaskEvent.objects.get(task=task).kind == "statusUpdate"
+
+
+def test_a_long_role_is_cut_to_its_column(task):
+    message = {"message": {"messageId": "m-1", "role": "R" * 500, "parts": [{"text": "hi"}]}}
+    record(task, message, "stream")
+    stored = task.messages.get()
+    assert stored.role == "R" * 20
+    assert stored.message["role"] == "R" * 500  # the message itself is kept as it came
+
+
+@pytest.mark.usefixtures("empty_push_queue")
+def test_a_badly_shaped_notification_does_not_cost_the_batch_the_other_tasks_notifications(task):
+    other = RemoteTask.objects.create(
+        agent=task.agent, title="o", remote_id="o-1", phase=RemoteTask.Phase.TASK,
+        state="TASK_STATE_WORKING",
+    )  # fmt: skip
+    configs = {t.pk: push.new_config(t) for t in (task, other)}
+    bad = {"statusUpdate": {"taskId": "t-1", "status": {"state": ["x"]}}}
+    good = {"statusUpdate": {"taskId": "o-1", "status": {"state": "TASK_STATE_COMPLETED"}}}
+    items = [
+        json.dumps({"t": task.pk, "c": configs[task.pk].pk, "e": bad}).encode(),
+        json.dumps({"t": other.pk, "c": configs[other.pk].pk, "e": good}).encode(),
+    ]
+    touched = push.record_batch(items)
+    assert touched == {task.pk: "TASK_STATE_WORKING", other.pk: "TASK_STATE_COMPLETED"}
+    assert TaskEvent.objects.get(task=task).kind == "protocol-error"
+    assert TaskEvent.objects.get(task=other).kind == "statusUpdate"
+    assert sorted(PushConfig.objects.values_list("received", flat=True)) == [1, 1]
+
+
+def test_error_texts_from_agents_are_one_storable_line():
+    err = errors.from_jsonrpc_error(
+        {"code": -32603, "message": "bad\ud800\x00 end", "data": [{"reason": 1}]}
+    )
+    text = str(err)
+    text.encode("utf-8")  # a lone surrogate would raise here, and in every database
+    assert "bad\ufffd\ufffd end" in text and "INTERNAL_ERROR" in text
+    # A reason that is not a string picks no class and is not joined into the text.
+    http = errors.from_http_error(500, {"error": {"message": "m", "details": [{"reason": ["X"]}]}})
+    assert str(http) == "A2A error HTTP 500: m"
+    assert safejson.clean_text("a\udc00b") == "a\ufffdb"
+
+
+def test_card_fields_of_the_wrong_type_are_ignored_not_raised():
+    assert (
+        a2ui.declared_version({"capabilities": {"extensions": [{"uri": []}, {"uri": 3}]}}) is None
+    )
+    card = {"securityRequirements": 1, "securitySchemes": {"k": {"apiKeySecurityScheme": {
+        "location": "header", "name": "X-Key"}}}}  # fmt: skip
+    assert api_key_placement(card) == ("header", "X-Key")
+
+
+# A turn that ends in an error ---------------------------------------------------------------
+
+
+@pytest.fixture
+def shared_loop():
+    eventloop.get_loop()
+    yield
+    if eventloop.running():
+        eventloop.submit(watchers.registry.shutdown()).result(timeout=15)
+        eventloop.stop()
+    relay.use_loop(None)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_turns_that_end_in_errors_back_off_then_park_the_task(shared_loop, settings):
+    """The same error turn after turn is a fruitless series: backing off, then parked once."""
+    settings.WATCH_MAX_FRUITLESS_TURNS = 3
+    agent = Agent.objects.create(name="err", base_url=f"http://127.0.0.1:1/{uuid.uuid4().hex}/")
+    pk = RemoteTask.objects.create(
+        agent=agent, title="t", remote_id="t-1", phase=RemoteTask.Phase.TASK,
+        state="TASK_STATE_WORKING", watch=RemoteTask.Watch.POLL,
+        watcher_status=RemoteTask.WatcherStatus.POLLING,
+    ).pk  # fmt: skip
+
+    async def failing_turn(token: str) -> watchers.Turn:
+        holder = watchers.Holder(pk, token, http=None)
+        holder._take(await eventloop.db(RemoteTask.objects.get, pk=pk))  # as _hold does
+        turn = await holder._failed("watcher error: TypeError: unhashable type: 'list'")
+        await eventloop.db(
+            task_services.release_lease, pk, token, status=turn.status, note=turn.note,
+            hold_off=turn.hold_off, fruitless_turns=holder.fruitless,
+        )  # fmt: skip
+        return turn
+
+    seen = []
+    for _ in range(4):
+        RemoteTask.objects.filter(pk=pk).update(lease_expires_at=None)
+        token = task_services.acquire_lease(pk, watchers.OWNER)
+        assert token is not None
+        turn = eventloop.submit(failing_turn(token)).result(timeout=30)
+        fresh = RemoteTask.objects.get(pk=pk)
+        seen.append((fresh.watcher_status, fresh.fruitless_turns))
+        assert turn.hold_off >= 30
+    assert seen == [
+        ("reconnecting", 1),
+        ("reconnecting", 2),
+        ("parked", 3),
+        ("parked", 4),  # a parked task's look that fails again stays parked, no second note
+    ]
+    kinds = list(TaskEvent.objects.filter(task_id=pk).values_list("kind", "raw"))
+    assert sum(kind == "protocol-error" for kind, _ in kinds) == 4
+    parked = [
+        raw for kind, raw in kinds if kind == "system" and raw["system"].get("event") == "parked"
+    ]
+    assert len(parked) == 1 and "3 fruitless turns in a row" in parked[0]["system"]["detail"]
+    assert "needs attention" in RemoteTask.objects.get(pk=pk).watcher_note
