@@ -73,7 +73,10 @@ def artifact_json(artifact: Artifact) -> dict[str, Any]:
 
 
 def event_json(event: TaskEvent, received_at: str | None = None) -> dict[str, Any]:
-    """One log row as JSON: what exports, ``tasks show``, the relay and websockets carry.
+    """One log row as JSON: what ``tasks show``, the relay and websockets carry.
+
+    Exports write ``exports.event_record`` instead (``state_after``, the actor's username
+    and ``actor_id``, and the row's ``hash``).
 
     ``received_at``: the row's time as ``isoformat()`` writes it, when the caller has it
     (a batch's rows share one).
