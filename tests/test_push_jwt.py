@@ -202,3 +202,133 @@ def test_unsigned_and_unsafe_algorithms_are_refused(keys, config):
     assert deliver(config, body, hmac_signed) == 401
     assert deliver(config, body, sign(keys, config, body), token="wrong") == 401
     assert nothing_recorded(config)
+
+
+# The agent's key set is the agent's: bounded like any call to it ---------------------------
+
+
+def _jwks_server(respond) -> tuple[ThreadingHTTPServer, list[float]]:
+    """A JWKS server answering with ``respond(handler)``; the times it was asked."""
+    asked: list[float] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append(time.monotonic())
+            respond(self)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    serve_in_thread(server)
+    return server, asked
+
+
+def _answer(body: bytes):
+    def respond(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    return respond
+
+
+def _trickler(seen: dict[str, int]):
+    """Headers, then a byte every half second: each read is quick, the whole would take a
+    minute. ``seen["hung_up"]`` counts the bytes sent before the dashboard hung up."""
+
+    def respond(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", "60000")
+        handler.end_headers()
+        for sent in range(120):
+            try:
+                handler.wfile.write(b" ")
+                handler.wfile.flush()
+            except OSError:
+                seen["hung_up"] = sent
+                return
+            time.sleep(0.5)
+
+    return respond
+
+
+def _config_at(url: str) -> PushConfig:
+    agent = Agent.objects.create(
+        name="signer", base_url=f"http://127.0.0.1:1/{uuid.uuid4().hex}/", push=True
+    )
+    task = RemoteTask.objects.create(
+        agent=agent, title="t", remote_id="t-1", phase=RemoteTask.Phase.TASK,
+        state="TASK_STATE_SUBMITTED", watch=RemoteTask.Watch.PUSH,
+    )  # fmt: skip
+    return push.new_config(task, jwks_url=url, jwt_issuer=ISSUER)
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b"[1, 2]", "ValueError"),
+        (b'{"keys": 5}', None),  # whatever the JWT library raises for it
+        (b"[" * 5000 + b"]" * 5000, "ProtocolError"),  # deeper than any JSON we read
+        (b"not json", "ProtocolError"),
+    ],
+    ids=["a list", "keys not a list", "too deep", "not JSON"],
+)
+def test_a_key_set_of_the_wrong_shape_is_a_refusal_not_an_error(keys, body, why, caplog):
+    server, asked = _jwks_server(_answer(body))
+    try:
+        config = _config_at(f"http://127.0.0.1:{server.server_address[1]}/jwks.json")
+        signed_body = body_of()
+        with caplog.at_level("WARNING", logger="tasks_app.security"):
+            assert deliver(config, signed_body, sign(keys, config, signed_body)) == 401
+        reasons = [r.getMessage() for r in caplog.records if r.name == "tasks_app.security"]
+        assert len(reasons) == 1 and "the agent's JWKS could not be read (" in reasons[0]
+        if why:
+            assert f"could not be read ({why})" in reasons[0]
+        assert nothing_recorded(config)
+        assert len(asked) == 1
+    finally:
+        stop_serving(server)
+
+
+def test_a_trickling_key_set_is_cut_off_and_not_asked_again_at_once(keys, monkeypatch):
+    monkeypatch.setattr(push, "JWKS_DEADLINE_SECONDS", 1.5)
+    seen: dict[str, int] = {}
+    server, asked = _jwks_server(_trickler(seen))
+    try:
+        config = _config_at(f"http://127.0.0.1:{server.server_address[1]}/jwks.json")
+        body = body_of()
+        assert deliver(config, body, sign(keys, config, body)) == 401
+        # Each byte came within any per-read timeout; the whole fetch's deadline ended it:
+        # the dashboard hung up a few bytes in, not after the 120 the server had.
+        for _ in range(100):
+            if "hung_up" in seen:
+                break
+            time.sleep(0.1)
+        assert 0 < seen["hung_up"] < 20, seen
+        # The next signed delivery is refused from what was learned, without a second fetch.
+        assert deliver(config, body, sign(keys, config, body)) == 401
+        assert len(asked) == 1
+        assert nothing_recorded(config)
+    finally:
+        stop_serving(server)
+
+
+def test_a_key_set_that_recovers_is_read_again_after_the_failure_pause(keys, monkeypatch):
+    monkeypatch.setattr(push, "JWKS_FAILURE_SECONDS", 0.5)
+    good = json.dumps(keys.jwks()).encode()
+    bodies = [b"[]", good]
+    server, asked = _jwks_server(lambda handler: _answer(bodies[min(len(asked) - 1, 1)])(handler))
+    try:
+        config = _config_at(f"http://127.0.0.1:{server.server_address[1]}/jwks.json")
+        first, second = body_of("2026-01-01T00:00:01Z"), body_of("2026-01-01T00:00:02Z")
+        assert deliver(config, first, sign(keys, config, first)) == 401
+        time.sleep(0.6)  # the pause after a failure is over
+        assert deliver(config, second, sign(keys, config, second)) == 202
+        assert len(asked) == 2
+    finally:
+        stop_serving(server)

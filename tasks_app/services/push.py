@@ -113,6 +113,11 @@ JWT_ALGORITHMS = ("RS256", "RS384", "RS512", "PS256", "ES256", "ES384", "EdDSA")
 JWKS_MAX_BYTES = 64 * 1024
 # An unknown key id makes us fetch the JWKS again, but not more often than this.
 JWKS_REFETCH_SECONDS = 30.0
+# A whole JWKS fetch (connect to last byte): a server trickling its keys is cut off.
+JWKS_DEADLINE_SECONDS = 10.0
+# A JWKS that could not be read is not fetched again for this long: every signed delivery
+# would otherwise hold one of the webhook's few threads for up to the deadline.
+JWKS_FAILURE_SECONDS = 30.0
 
 
 # Availability and our configs -------------------------------------------------------------
@@ -916,11 +921,23 @@ _jwks_cache: OrderedDict[str, tuple[float, jwt.PyJWKSet]] = OrderedDict()
 _jwks_lock = threading.Lock()
 
 
+class JWKSUnreadable(Exception):
+    """The agent's key set could not be read; ``str()`` is the reason's class, never its text."""
+
+
 def _fetch_jwks(url: str) -> jwt.PyJWKSet:
-    """The key set at ``url``, through the outbound client (its guard, its limits)."""
+    """The key set at ``url``, through the outbound client (its guard, its limits).
+
+    Bounded as any call to an agent: ``JWKS_DEADLINE_SECONDS`` for the whole fetch,
+    ``JWKS_MAX_BYTES``, and the JSON's depth. Whatever goes wrong (the agent's keys are
+    its own text) is one :class:`JWKSUnreadable`.
+    """
 
     async def get(http: httpx.AsyncClient) -> bytes:
-        async with http.stream("GET", url, timeout=10.0) as response:
+        async with (
+            asyncio.timeout(JWKS_DEADLINE_SECONDS),
+            http.stream("GET", url, timeout=JWKS_DEADLINE_SECONDS) as response,
+        ):
             response.raise_for_status()
             data = b""
             async for chunk in response.aiter_bytes():
@@ -929,20 +946,39 @@ def _fetch_jwks(url: str) -> jwt.PyJWKSet:
                     raise ValueError("JWKS larger than 64 KB")
             return data
 
-    data = outbound.run(get)
-    return jwt.PyJWKSet.from_dict(json.loads(data))
+    try:
+        keys = safejson.loads(outbound.run(get))
+        if not isinstance(keys, dict):
+            raise ValueError("the JWKS is not a JSON object")
+        return jwt.PyJWKSet.from_dict(keys)
+    except Exception as exc:
+        raise JWKSUnreadable(type(exc).__name__) from exc
+
+
+_jwks_failed: OrderedDict[str, tuple[float, JWKSUnreadable]] = OrderedDict()
 
 
 def _keyset(url: str, *, fresh: bool = False) -> jwt.PyJWKSet:
     now = time.monotonic()
     with _jwks_lock:
         cached = _jwks_cache.get(url)
+        failed = _jwks_failed.get(url)
     if cached is not None:
         age = now - cached[0]
         if age < settings.PUSH_JWKS_CACHE_SECONDS and not (fresh and age > JWKS_REFETCH_SECONDS):
             return cached[1]
-    keyset = _fetch_jwks(url)
+    if failed is not None and now - failed[0] < JWKS_FAILURE_SECONDS:
+        raise failed[1]
+    try:
+        keyset = _fetch_jwks(url)
+    except JWKSUnreadable as exc:
+        with _jwks_lock:
+            _jwks_failed[url] = (now, exc)
+            while len(_jwks_failed) > 256:
+                _jwks_failed.popitem(last=False)
+        raise
     with _jwks_lock:
+        _jwks_failed.pop(url, None)
         _jwks_cache[url] = (now, keyset)
         while len(_jwks_cache) > 256:
             _jwks_cache.popitem(last=False)
@@ -974,8 +1010,8 @@ def verify_signed(config: _Config, token: str, body: bytes) -> str:
             return "signature algorithm not allowed"
         try:
             key = _key_for(config.jwks_url, header.get("kid"))
-        except (httpx.HTTPError, ValueError, jwt.PyJWKError, A2AError) as exc:
-            return f"the agent's JWKS could not be read ({type(exc).__name__})"
+        except JWKSUnreadable as exc:
+            return f"the agent's JWKS could not be read ({exc})"
         if key is None:
             return "signed with a key the agent's JWKS does not hold"
         claims = jwt.decode(
