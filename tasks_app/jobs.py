@@ -1,9 +1,9 @@
 """Celery tasks for jobs that are not watchers: importing an agent's tasks, draining push notifications.
 
 Registered by ``dashboard/celery.py`` (autodiscovered like ``tasks_app.watchers``).
-The job itself is bounded (page cap, repeated-token guard, deadline, see
-``tasks_app.services.imports``); a message the broker delivers twice finds the job
-already claimed and does nothing.
+The job itself is bounded (page cap, tasks per page and per job, repeated-token guard,
+deadline, see ``tasks_app.services.imports``); a message the broker delivers twice finds
+the job already claimed and does nothing.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from urllib.parse import urlencode
 
@@ -25,6 +26,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
 from tasks_app import access, answers, crypto, cursors, views_a2ui
+from tasks_app.a2a import validate_card
 from tasks_app.access import Perm, get_agent_for_user, get_task_for_user
 from tasks_app.forms import (
     AgentAddForm,
@@ -66,6 +68,8 @@ from tasks_app.services import imports as import_services
 from tasks_app.services import tasks as task_services
 from tasks_app.services.record import task_summary
 from tasks_app.svg import timeline_svg
+
+log = logging.getLogger(__name__)
 
 PAGE_SIZE = 50
 COUNT_LIMIT = 1000
@@ -214,49 +218,120 @@ def agent_add(request: HttpRequest) -> HttpResponse:
                     form.add_error("url", str(exc))
     else:
         form = AgentAddForm(initial={"url": request.GET.get("url", "")}, projects=projects)
-    return render(request, "tasks_app/agent_add.html", {"form": form, "preview": preview})
+    # The fetched card through the same type-checked view as the agent page.
+    card = _card_view(preview.card) if preview is not None else None
+    return render(
+        request, "tasks_app/agent_add.html", {"form": form, "preview": preview, "card": card}
+    )
 
 
-def _card_view(card: dict) -> dict:
-    """The parts of a card the agent page shows (all rendered escaped by templates)."""
-    card = card if isinstance(card, dict) else {}
-    capabilities = card.get("capabilities") if isinstance(card.get("capabilities"), dict) else {}
-    skills = [s for s in card.get("skills") or [] if isinstance(s, dict)]
-    interfaces = [i for i in card.get("supportedInterfaces") or [] if isinstance(i, dict)]
-    schemes = card.get("securitySchemes") if isinstance(card.get("securitySchemes"), dict) else {}
+# A stored card is the agent's JSON as it came: any field may have any type. These read
+# it with a type check at every step (a wrong type is skipped; validate_card says why).
+CARD_PROBLEMS_SHOWN = 100
+
+
+def _obj(value: object) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _objs(value: object) -> list[dict]:
+    return [item for item in value if isinstance(item, dict)] if isinstance(value, list) else []
+
+
+def _text(value: object) -> str:
+    """A scalar as text; a list or object (the wrong type for a text field) as nothing."""
+    if isinstance(value, str):
+        return value
+    return str(value) if isinstance(value, int | float) else ""
+
+
+def _texts(value: object) -> list[str]:
+    return [item for item in value if isinstance(item, str)] if isinstance(value, list) else []
+
+
+def _card_problems(card: object, known: object = ()) -> list[str]:
+    """The problems found when the card was stored, then those the card itself has now."""
+    problems = _texts(list(known)) if isinstance(known, list | tuple) else []
+    try:
+        found = [str(p) for p in validate_card(card)]
+    except Exception:  # a page must render whatever the card holds
+        log.exception("could not check a stored agent card")
+        found = ["the card could not be checked (see the server log)"]
+    listed = set(problems)
+    problems += [p for p in found if p not in listed]
+    if len(problems) > CARD_PROBLEMS_SHOWN:  # a card of 10k bad skills: a page, not a book
+        more = len(problems) - CARD_PROBLEMS_SHOWN
+        problems = [*problems[:CARD_PROBLEMS_SHOWN], f"… and {more} more problems"]
+    return problems
+
+
+def _skill_view(skill: dict) -> dict:
+    return {
+        "id": _text(skill.get("id")),
+        "name": _text(skill.get("name")),
+        "description": _text(skill.get("description")),
+        "tags": _texts(skill.get("tags")),
+        "examples": _texts(skill.get("examples")),
+    }
+
+
+def _card_view(card: object, known_problems: object = ()) -> dict:
+    """The parts of a card the agent page and the card preview show (templates escape them)."""
+    raw = card
+    card = _obj(card)
+    capabilities = _obj(card.get("capabilities"))
     scheme_rows = []
-    for name, scheme in schemes.items():
+    for name, scheme in _obj(card.get("securitySchemes")).items():
         kind = next(iter(scheme), "") if isinstance(scheme, dict) and scheme else ""
         detail = scheme.get(kind) if isinstance(scheme, dict) else None
         scheme_rows.append({"name": name, "kind": kind, "detail": pretty_json(detail)})
-    provider = card.get("provider") if isinstance(card.get("provider"), dict) else {}
+    provider = _obj(card.get("provider"))
     return {
-        "name": str(card.get("name") or ""),
-        "description": str(card.get("description") or ""),
-        "version": str(card.get("version") or ""),
-        "provider": provider,
+        "name": _text(card.get("name")),
+        "description": _text(card.get("description")),
+        "version": _text(card.get("version")),
+        "provider": {
+            "organization": _text(provider.get("organization")),
+            "url": _text(provider.get("url")),
+        },
         "capabilities": [
             {"name": k, "value": v}
             for k, v in capabilities.items()
             if not isinstance(v, list | dict)
         ],
-        "extensions": capabilities.get("extensions") or [],
-        "skills": skills,
-        "interfaces": interfaces,
+        "streaming": capabilities.get("streaming") is True,
+        "push": capabilities.get("pushNotifications") is True,
+        "extensions": [
+            {
+                "uri": _text(e.get("uri")),
+                "required": e.get("required") is True,
+                "description": _text(e.get("description")),
+            }
+            for e in _objs(capabilities.get("extensions"))
+        ],
+        "skills": [_skill_view(s) for s in _objs(card.get("skills"))],
+        "interfaces": [
+            {
+                key: _text(i.get(key))
+                for key in ("protocolBinding", "protocolVersion", "url", "tenant")
+            }
+            for i in _objs(card.get("supportedInterfaces"))
+        ],
         "schemes": scheme_rows,
         "requirements": pretty_json(card.get("securityRequirements"))
         if card.get("securityRequirements")
         else "",
-        "input_modes": card.get("defaultInputModes") or [],
-        "output_modes": card.get("defaultOutputModes") or [],
-        "raw": pretty_json(card),
+        "input_modes": _texts(card.get("defaultInputModes")),
+        "output_modes": _texts(card.get("defaultOutputModes")),
+        "problems": _card_problems(raw, known_problems),
+        "raw": pretty_json(raw),
     }
 
 
 def _agent_context(request: HttpRequest, agent: Agent, **extra: object) -> dict:
     return {
         "agent": agent,
-        "card": _card_view(agent.card),
+        "card": _card_view(agent.card, agent.card_problems),
         "credentials_set": bool(agent.credentials_encrypted),
         "credentials_unreadable": not crypto.readable(agent.credentials_encrypted),
         "credentials_form": CredentialsForm(),
@@ -459,15 +534,15 @@ def task_row(request: HttpRequest, pk: int) -> HttpResponse:
 def _skills_by_agent(agents) -> list[dict]:
     out = []
     for agent in agents:
-        for skill in (agent.card or {}).get("skills") or []:
-            if isinstance(skill, dict) and skill.get("id"):
+        for skill in map(_skill_view, _objs(_obj(agent.card).get("skills"))):
+            if skill["id"]:
                 out.append(
                     {
                         "agent": agent.pk,
-                        "id": str(skill.get("id")),
-                        "name": str(skill.get("name") or skill.get("id")),
-                        "description": str(skill.get("description") or ""),
-                        "examples": [str(e) for e in skill.get("examples") or []][:5],
+                        "id": skill["id"],
+                        "name": skill["name"] or skill["id"],
+                        "description": skill["description"],
+                        "examples": skill["examples"][:5],
                     }
                 )
     return out

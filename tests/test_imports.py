@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -45,12 +46,23 @@ class ListingAgent:
     """A JSON-RPC agent whose ListTasks gives ``next_token(n)`` on its n-th answer.
 
     ``gate`` holds every ListTasks answer while it is clear (set it to let them go).
+    With ``listed``, the n-th answer lists ``listed(n)`` distinct completed tasks
+    whatever pageSize asked (else the one task ``listed-1``); ``delay`` seconds
+    pass before each answer.
     """
 
-    def __init__(self, next_token: Callable[[int], str]) -> None:
+    def __init__(
+        self,
+        next_token: Callable[[int], str],
+        listed: Callable[[int], int] | None = None,
+        delay: float = 0.0,
+    ) -> None:
         self.next_token = next_token
+        self.listed = listed
+        self.delay = delay
         self.list_requests = 0
         self.tokens_received: list[str | None] = []
+        self.page_sizes_received: list[int | None] = []
         self.gate = threading.Event()
         self.gate.set()
         self._lock = threading.Lock()
@@ -87,7 +99,16 @@ class ListingAgent:
             self.list_requests += 1
             n = self.list_requests
             self.tokens_received.append((body.get("params") or {}).get("pageToken"))
+            self.page_sizes_received.append((body.get("params") or {}).get("pageSize"))
         self.gate.wait(HOLD_LIMIT)
+        time.sleep(self.delay)
+        if self.listed is not None:
+            tasks = [
+                {"id": f"listed-{n}-{i}", "status": {"state": "TASK_STATE_COMPLETED"}}
+                for i in range(self.listed(n))
+            ]
+            result = {"tasks": tasks, "nextPageToken": self.next_token(n)}
+            return {"jsonrpc": "2.0", "id": body.get("id"), "result": result}
         task = {
             "id": "listed-1",
             "contextId": "ctx-1",
@@ -121,11 +142,11 @@ class ListingAgent:
 
 
 @pytest.fixture
-def listing_agent() -> Iterator[Callable[[Callable[[int], str]], ListingAgent]]:
+def listing_agent() -> Iterator[Callable[..., ListingAgent]]:
     started: list[ListingAgent] = []
 
-    def make(next_token: Callable[[int], str]) -> ListingAgent:
-        server = ListingAgent(next_token).start()
+    def make(next_token: Callable[[int], str], **behaviour: Any) -> ListingAgent:
+        server = ListingAgent(next_token, **behaviour).start()
         started.append(server)
         return server
 
@@ -273,3 +294,78 @@ def test_cli_import_walks_a_healthy_agent_page_by_page(agent):
         == f"done: {job.pages} pages, seen {job.seen}, new {job.created}, changed {job.changed}"
     )
     assert RemoteTask.objects.filter(agent=demo, mode="imported").count() >= 3
+
+
+def import_audit(agent: Agent) -> dict:
+    return OperatorAction.objects.get(agent=agent, action="import").payload
+
+
+def test_a_page_larger_than_asked_is_cut_to_the_page_size(listing_agent):
+    # The agent ignores pageSize: 60 tasks on each of two pages where 10 were asked for.
+    server = listing_agent(lambda n: "next" if n == 1 else "", listed=lambda n: 60)
+    agent = server.register("oversized")
+    with pytest.raises(TaskActionError) as failure:
+        imports.import_tasks(agent, page_size=10)
+    error = str(failure.value)
+    assert (
+        "The agent ignored pageSize" in error and "10 tasks asked for on 2 page(s) (1, 2)" in error
+    )
+    assert "the 100 tasks beyond that were not imported" in error
+    assert server.list_requests == 2 and server.page_sizes_received == [10, 10]
+    job = ImportJob.objects.get(agent=agent)
+    assert job.status == "failed" and job.pages == 2 and job.seen == 20
+    # The first ten of each page are mirrored, nothing beyond them.
+    assert set(RemoteTask.objects.filter(agent=agent).values_list("remote_id", flat=True)) == {
+        f"listed-{n}-{i}" for n in (1, 2) for i in range(10)
+    }
+    assert import_audit(agent)["dropped"] == {"over-page-size": 100}
+
+
+def test_a_page_size_asked_is_never_above_the_per_page_cap(listing_agent, monkeypatch):
+    monkeypatch.setattr(imports, "MAX_TASKS_PER_PAGE", 5)
+    server = listing_agent(lambda n: "", listed=lambda n: 5)  # as many as the cap: well-behaved
+    agent = server.register("capped-ask")
+    job = imports.import_tasks(agent, page_size=1000)
+    assert server.page_sizes_received == [5]
+    assert job.status == "done" and job.error == "" and job.seen == 5
+    assert import_audit(agent)["dropped"] == {}
+
+
+@pytest.mark.parametrize(
+    ("cap", "requests", "message"),
+    [
+        (25, 3, "MAX_TASKS_PER_IMPORT): 5 tasks of page 3 were not imported"),
+        (20, 2, "MAX_TASKS_PER_IMPORT) while the agent still offered more"),
+    ],
+)
+def test_the_task_cap_stops_an_import(listing_agent, monkeypatch, cap, requests, message):
+    monkeypatch.setattr(imports, "MAX_TASKS_PER_IMPORT", cap)
+    # Well-behaved pages of 10, forever: only the task cap ends the walk.
+    server = listing_agent(lambda n: f"token-{n}", listed=lambda n: 10)
+    agent = server.register(f"many-{cap}")
+    with pytest.raises(TaskActionError) as failure:
+        imports.import_tasks(agent, page_size=10)
+    assert f"task cap ({cap} tasks per import, {message}" in str(failure.value)
+    assert f"{cap} tasks listed in {requests} pages were imported" in str(failure.value)
+    assert server.list_requests == requests
+    assert RemoteTask.objects.filter(agent=agent).count() == cap
+    job = ImportJob.objects.get(agent=agent)
+    assert job.status == "failed" and job.seen == cap
+    assert import_audit(agent)["dropped"] == ({"over-task-cap": 5} if cap == 25 else {})
+
+
+def test_the_deadline_is_checked_between_the_tasks_of_a_page(listing_agent):
+    # The page arrives a second before the deadline; recording 1000 tasks takes longer.
+    server = listing_agent(lambda n: "", listed=lambda n: 1000, delay=2.0)
+    agent = server.register("slow-page")
+    started = time.monotonic()
+    with override_settings(IMPORT_DEADLINE_SECONDS=3), pytest.raises(TaskActionError) as failure:
+        imports.import_tasks(agent, page_size=1000)
+    elapsed = time.monotonic() - started
+    assert "deadline (3 s, IMPORT_DEADLINE_SECONDS) while recording page 1" in str(failure.value)
+    job = ImportJob.objects.get(agent=agent)
+    assert job.status == "failed" and job.pages == 1 and 0 < job.seen < 1000
+    assert f"{1000 - job.seen} of its tasks were not imported" in job.error
+    assert RemoteTask.objects.filter(agent=agent).count() == job.seen
+    assert import_audit(agent)["dropped"] == {"at-deadline": 1000 - job.seen}
+    assert elapsed < 3 + 2  # stopped near the deadline, not after the whole page

@@ -3,10 +3,13 @@
 Why a job: a ListTasks walk lasts as long as the agent makes it, and an agent
 may repeat its ``nextPageToken`` forever. So the web request only creates an
 ``ImportJob``; a worker runs it (``tasks_app.jobs.run_import``), or the command
-line runs it in its own process. Three bounds stop any walk: a page cap
-(``IMPORT_MAX_PAGES``), a guard against a token the agent already gave, and a
-deadline for the whole walk (``IMPORT_DEADLINE_SECONDS``, which also bounds each
-request). Progress is saved after every page, so the agent page can show it.
+line runs it in its own process. Bounds stop any walk: a page cap
+(``IMPORT_MAX_PAGES``), a guard against a token the agent already gave, a cap on
+tasks per import (``MAX_TASKS_PER_IMPORT``), and a deadline for the whole walk
+(``IMPORT_DEADLINE_SECONDS``, which bounds each request and is checked between
+tasks too). The agent may ignore ``pageSize``: at most the size asked for (never
+above ``MAX_TASKS_PER_PAGE``) is taken from one page, and the job says how many it
+dropped. Progress is saved after every page, so the agent page can show it.
 
 At most one import per agent runs at a time: a job is claimed by compare-and-set
 (queued -> running), and a claimer that then finds another running job of the
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -39,6 +43,11 @@ ACTIVE = (Status.QUEUED, Status.RUNNING)
 # A job still queued or running this long after its deadline lost its worker.
 STALE_GRACE_SECONDS = 60
 PAGE_SIZE = 100
+# Tasks taken from one ListTasks page (and the most pageSize asked for): an agent may
+# ignore pageSize and send one 32 MB page of ~600k tasks, each a row and a watcher.
+MAX_TASKS_PER_PAGE = 1000
+# Tasks one import job records in all (IMPORT_MAX_PAGES pages of PAGE_SIZE by default).
+MAX_TASKS_PER_IMPORT = 20_000
 
 Progress = Callable[[ImportJob], None]
 
@@ -172,8 +181,9 @@ def run_job(
     if not claim(job_pk):
         return ImportJob.objects.get(pk=job_pk)
     job = ImportJob.objects.select_related("agent").get(pk=job_pk)
+    walk = _Walk(job, page_size, progress)
     try:
-        error = _walk(job, page_size, progress)
+        error = walk.run()
     except Exception as exc:  # a bug must not leave the job "running" until it goes stale
         log.exception("import job %s stopped", job_pk)
         error = (
@@ -194,6 +204,8 @@ def run_job(
                 "seen": job.seen,
                 "created": job.created,
                 "changed": job.changed,
+                # listed by the agent but not imported, by why (see the job's error)
+                "dropped": walk.dropped,
             },
             outcome=(job.error or job.status)[:500],
         )
@@ -237,75 +249,141 @@ def _short(token: str) -> str:
     return repr(token[:60] + ("…" if len(token) > 60 else ""))
 
 
-def _walk(job: ImportJob, page_size: int, progress: Progress | None) -> str:
-    """ListTasks page by page; returns "" when the listing ended, else why it stopped."""
-    agent = job.agent
-    limit = settings.IMPORT_DEADLINE_SECONDS
-    deadline = time.monotonic() + limit
-    max_pages = settings.IMPORT_MAX_PAGES
-    given: dict[str, int] = {}  # token -> the page that gave it
-    token: str | None = None
+class _Walk:
+    """ListTasks page by page; ``run()`` returns "" when the listing ended, else why it stopped.
 
-    async def page(http, token: str | None) -> dict:
-        client = outbound.client_for(agent, http)
-        return await client.list_tasks(
-            page_size=page_size, page_token=token, include_artifacts=True
-        )
+    ``dropped`` counts tasks the agent listed that were not imported, by reason.
+    """
 
-    def so_far() -> str:
+    def __init__(self, job: ImportJob, page_size: int, progress: Progress | None) -> None:
+        self.job = job
+        self.progress = progress
+        # What we ask for is what we take: a page never brings more rows than this.
+        self.per_page = max(1, min(page_size, MAX_TASKS_PER_PAGE))
+        self.limit = settings.IMPORT_DEADLINE_SECONDS
+        self.deadline = time.monotonic() + self.limit
+        self.dropped: dict[str, int] = {}
+        self.oversized: list[int] = []  # pages that ignored pageSize
+
+    def so_far(self) -> str:
+        job = self.job
         return f"{job.seen} tasks listed in {job.pages} pages were imported"
 
-    while True:
-        if job.pages >= max_pages:
-            return (
-                f"Stopped at the page cap ({max_pages} pages, IMPORT_MAX_PAGES) while the agent "
-                f"still offered more; {so_far()}."
+    def at_deadline(self, where: str = "") -> str:
+        said = f"Stopped at the deadline ({self.limit:g} s, IMPORT_DEADLINE_SECONDS)"
+        return f"{said} {where}" if where else said
+
+    def run(self) -> str:
+        reason = self._pages()
+        if not self.oversized:
+            return reason
+        pages = ", ".join(str(n) for n in self.oversized[:5])
+        if len(self.oversized) > 5:
+            pages += f" and {len(self.oversized) - 5} more"
+        note = (
+            f"The agent ignored pageSize: it listed more than the {self.per_page} tasks asked "
+            f"for on {len(self.oversized)} page(s) ({pages}); the "
+            f"{self.dropped['over-page-size']} tasks beyond that were not imported."
+        )
+        return f"{reason} {note}" if reason else f"{note} {self.so_far()}."
+
+    def _drop(self, why: str, count: int) -> None:
+        if count > 0:
+            self.dropped[why] = self.dropped.get(why, 0) + count
+
+    def _pages(self) -> str:
+        job, agent = self.job, self.job.agent
+        max_pages = settings.IMPORT_MAX_PAGES
+        given: dict[str, int] = {}  # token -> the page that gave it
+        token: str | None = None
+
+        async def page(http, token: str | None) -> dict:
+            client = outbound.client_for(agent, http)
+            return await client.list_tasks(
+                page_size=self.per_page, page_token=token, include_artifacts=True
             )
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return f"Stopped at the deadline ({limit:g} s, IMPORT_DEADLINE_SECONDS); {so_far()}."
-        try:
-            listing = outbound.run(
-                lambda http, token=token, remaining=remaining: asyncio.wait_for(
-                    page(http, token), remaining
+
+        while True:
+            if job.pages >= max_pages:
+                return (
+                    f"Stopped at the page cap ({max_pages} pages, IMPORT_MAX_PAGES) while the "
+                    f"agent still offered more; {self.so_far()}."
                 )
-            )
-        except TimeoutError:
-            return (
-                f"Stopped at the deadline ({limit:g} s, IMPORT_DEADLINE_SECONDS) waiting for page "
-                f"{job.pages + 1}; {so_far()}."
-            )
-        except A2AError as exc:
-            return f"ListTasks failed on page {job.pages + 1}: {exc}; {so_far()}."
-        _record_page(job, listing.get("tasks") or [])
-        job.pages += 1
-        if not ImportJob.objects.filter(pk=job.pk, status=Status.RUNNING).update(
-            pages=job.pages, seen=job.seen, created=job.created, changed=job.changed
-        ):
-            return ""  # canceled meanwhile: it keeps its own status and reason
-        if progress is not None:
-            progress(job)
-        following = listing.get("nextPageToken") or None
-        if following is None:
-            return ""
-        if not isinstance(following, str):
-            return (
-                f"ListTasks page {job.pages} gave a nextPageToken that is not a string; {so_far()}."
-            )
-        if following in given:
-            return (
-                f"The agent repeated nextPageToken {_short(following)} (given on page "
-                f"{given[following]}, again on page {job.pages}): following it would loop forever; "
-                f"{so_far()}."
-            )
-        given[following] = job.pages
-        token = following
+            if job.seen >= MAX_TASKS_PER_IMPORT:
+                return (
+                    f"Stopped at the task cap ({MAX_TASKS_PER_IMPORT} tasks per import, "
+                    f"MAX_TASKS_PER_IMPORT) while the agent still offered more; {self.so_far()}."
+                )
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                return f"{self.at_deadline()}; {self.so_far()}."
+            try:
+                listing = outbound.run(
+                    lambda http, token=token, remaining=remaining: asyncio.wait_for(
+                        page(http, token), remaining
+                    )
+                )
+            except TimeoutError:
+                return f"{self.at_deadline(f'waiting for page {job.pages + 1}')}; {self.so_far()}."
+            except A2AError as exc:
+                return f"ListTasks failed on page {job.pages + 1}: {exc}; {self.so_far()}."
+            tasks = listing.get("tasks") or []
+            if len(tasks) > self.per_page:
+                self.oversized.append(job.pages + 1)
+                self._drop("over-page-size", len(tasks) - self.per_page)
+                tasks = tasks[: self.per_page]
+            # Never more than the job's cap, however the page's items turn out.
+            room = MAX_TASKS_PER_IMPORT - job.seen
+            over_cap = max(0, len(tasks) - room)
+            self._drop("over-task-cap", over_cap)
+            batch = tasks[:room] if over_cap else tasks
+            taken = _record_page(job, batch, self.deadline)
+            self._drop("at-deadline", len(batch) - taken)
+            job.pages += 1
+            if not ImportJob.objects.filter(pk=job.pk, status=Status.RUNNING).update(
+                pages=job.pages, seen=job.seen, created=job.created, changed=job.changed
+            ):
+                return ""  # canceled meanwhile: it keeps its own status and reason
+            if self.progress is not None:
+                self.progress(job)
+            if taken < len(batch):
+                return (
+                    f"{self.at_deadline(f'while recording page {job.pages}')}: "
+                    f"{len(batch) - taken} of its tasks were not imported; {self.so_far()}."
+                )
+            if over_cap:
+                return (
+                    f"Stopped at the task cap ({MAX_TASKS_PER_IMPORT} tasks per import, "
+                    f"MAX_TASKS_PER_IMPORT): {over_cap} tasks of page {job.pages} were not "
+                    f"imported; {self.so_far()}."
+                )
+            following = listing.get("nextPageToken") or None
+            if following is None:
+                return ""
+            if not isinstance(following, str):
+                return (
+                    f"ListTasks page {job.pages} gave a nextPageToken that is not a string; "
+                    f"{self.so_far()}."
+                )
+            if following in given:
+                return (
+                    f"The agent repeated nextPageToken {_short(following)} (given on page "
+                    f"{given[following]}, again on page {job.pages}): following it would loop "
+                    f"forever; {self.so_far()}."
+                )
+            given[following] = job.pages
+            token = following
 
 
-def _record_page(job: ImportJob, tasks: list) -> None:
-    """Mirror one page of listed tasks, each through ``record()``."""
+def _record_page(job: ImportJob, tasks: list, deadline: float = math.inf) -> int:
+    """Mirror listed tasks, each through ``record()``; returns how many were taken.
+
+    Stops early at the deadline: one page must not outlast the whole import.
+    """
     agent = job.agent
-    for remote in tasks:
+    for taken, remote in enumerate(tasks):
+        if time.monotonic() >= deadline:
+            return taken
         if (
             not isinstance(remote, dict)
             or not isinstance(remote.get("id"), str)
@@ -335,6 +413,7 @@ def _record_page(job: ImportJob, tasks: list) -> None:
         task.refresh_from_db()
         if not task.is_terminal and task.state != "TASK_STATE_INPUT_REQUIRED":
             dispatch(task.pk)
+    return len(tasks)
 
 
 def _ours_unnamed(agent: Agent, remote: dict) -> RemoteTask | None:
