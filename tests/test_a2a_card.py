@@ -18,6 +18,7 @@ from tasks_app.a2a import (
     is_v03_card,
     validate_card,
 )
+from tasks_app.a2a.card import MAX_INTERFACES_CHECKED, MAX_INTERFACES_NAMED
 from tests.agents import V03_CARD, AgentHandle, BadServer
 
 pytestmark = pytest.mark.timeout(30)
@@ -131,6 +132,32 @@ def test_no_usable_interface() -> None:
     assert "GRPC 1.0" in str(err.value) and "JSONRPC 0.3" in str(err.value)
     with pytest.raises(ValueError):
         choose_interface(GOOD, binding="grpc")
+
+
+def test_a_card_of_thousands_of_interfaces_is_tried_a_bounded_number_of_times() -> None:
+    """Each check may resolve a name; a 1 MB card must not make thousands of lookups."""
+    card = copy.deepcopy(GOOD)
+    card["supportedInterfaces"] = [
+        {"url": f"https://h{i}.test/rpc", "protocolBinding": "JSONRPC", "protocolVersion": "1.0"}
+        for i in range(5000)
+    ]
+    checked: list[str] = []
+
+    def refuse(url: str) -> str:
+        checked.append(url)
+        return "refused here"
+
+    with pytest.raises(IncompatibleAgentError) as err:
+        choose_interface(card, check_url=refuse)
+    assert checked == [f"https://h{i}.test/rpc" for i in range(MAX_INTERFACES_CHECKED)]
+    text = err.value.message  # str() is one line of 300 characters at most
+    assert f"only the first {MAX_INTERFACES_CHECKED} usable interfaces are tried" in text
+    assert text.count("JSONRPC 1.0") <= MAX_INTERFACES_NAMED and ", …)" in text
+    # A usable interface within the bound is still chosen.
+    card["supportedInterfaces"][3]["url"] = "https://ok.test/rpc"
+    assert choose_interface(card, check_url=lambda url: None if "ok" in url else "no").url == (
+        "https://ok.test/rpc"
+    )
 
 
 def test_validate_lists_every_problem() -> None:

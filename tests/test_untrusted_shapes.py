@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -21,6 +22,7 @@ from tasks_app.models import Agent, PushConfig, RemoteTask, TaskEvent
 from tasks_app.services import push
 from tasks_app.services import tasks as task_services
 from tasks_app.services.record import MAX_ID_CHARS, record
+from tests.serving import serve_in_thread, stop_serving
 
 LONG_ID = "x" * (MAX_ID_CHARS + 1)
 
@@ -204,3 +206,45 @@ def test_turns_that_end_in_errors_back_off_then_park_the_task(shared_loop, setti
     ]
     assert len(parked) == 1 and "3 fruitless turns in a row" in parked[0]["system"]["detail"]
     assert "needs attention" in RemoteTask.objects.get(pk=pk).watcher_note
+
+
+def test_an_agent_listing_endless_push_configs_is_shown_a_bounded_page(task):
+    """Pages of 150 configs, each with a next page: two pages are read, 200 rows shown."""
+    asked: list[str | None] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+            params = body.get("params") or {}
+            asked.append(params.get("pageToken"))
+            configs = [
+                {"id": f"c-{len(asked)}-{i}", "taskId": "t-1", "url": f"https://h.test/{i}"}
+                for i in range(150)
+            ]
+            result = {"configs": configs, "nextPageToken": f"p{len(asked)}"}
+            data = json.dumps({"jsonrpc": "2.0", "id": body.get("id"), "result": result}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    serve_in_thread(server)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        Agent.objects.filter(pk=task.agent_id).update(
+            base_url=url, interface_url=f"{url}/jsonrpc", binding="JSONRPC",
+            protocol_version="1.0", push=True,
+        )  # fmt: skip
+        task.refresh_from_db()
+        listing = push.list_at_agent(task)
+    finally:
+        stop_serving(server)
+    assert asked == [None, "p1"]
+    assert len(listing.configs) == push.MAX_LISTED_CONFIGS
+    assert listing.configs[-1]["id"] == "c-2-49"
+    assert "the first 200 are shown" in listing.problem

@@ -526,6 +526,12 @@ def _major_minor(version: str) -> tuple[int, int] | None:
         return None
 
 
+# Candidate interfaces (our binding and version) checked before giving up, and interfaces
+# named in the error: a card may list thousands (it may be 1 MB).
+MAX_INTERFACES_CHECKED = 16
+MAX_INTERFACES_NAMED = 20
+
+
 def choose_interface(
     card: dict[str, Any],
     *,
@@ -552,6 +558,7 @@ def choose_interface(
     target = _major_minor(A2A_VERSION)
     offered: list[str] = []
     refused: list[str] = []
+    checked, cut = 0, False
     ifaces = card.get("supportedInterfaces")
     for i, iface in enumerate(ifaces if isinstance(ifaces, list) else []):
         if not isinstance(iface, dict):
@@ -559,11 +566,21 @@ def choose_interface(
         b = iface.get("protocolBinding")
         v = iface.get("protocolVersion")
         url = iface.get("url")
-        offered.append(f"{b} {v}")
+        if len(offered) < MAX_INTERFACES_NAMED:
+            offered.append(f"{str(b)[:40]} {str(v)[:20]}")
         if not isinstance(b, str) or not isinstance(v, str) or not isinstance(url, str) or not url:
             continue
         if b.upper() not in wanted or _major_minor(v) != target:
             continue
+        if checked == MAX_INTERFACES_CHECKED:
+            # Each check may resolve a name: a card of thousands of refused interfaces must
+            # not hold the request (or the worker) for as many lookups.
+            refused.insert(
+                0, f"only the first {MAX_INTERFACES_CHECKED} usable interfaces are tried"
+            )
+            cut = True
+            break
+        checked += 1
         if card_url and not http_url_problem(url, relative_ok=True):
             url = urljoin(card_url, url)
         problem = http_url_problem(url) or (check_url(url) if check_url else None)
@@ -574,9 +591,10 @@ def choose_interface(
         return Interface(url=url, binding=b.upper(), protocol_version=A2A_VERSION, tenant=tenant)  # type: ignore[arg-type]
     want = " or ".join(wanted)
     why = f"; {'; '.join(refused)}" if refused else ""
+    more = ", …" if cut or len(offered) == MAX_INTERFACES_NAMED else ""
     raise IncompatibleAgentError(
         f"no {want} interface for A2A {A2A_VERSION} in the card "
-        f"(offered: {', '.join(offered) or 'none'}){why}"
+        f"(offered: {', '.join(offered) or 'none'}{more}){why}"
     )
 
 

@@ -1257,7 +1257,14 @@ class Listing:
     problem: str = ""
 
 
+# Configs shown from the agent's list (its pages may hold 32 MB each): a page, not a book.
+MAX_LISTED_CONFIGS = 200
+LISTED_PAGES = 10
+
+
 def list_at_agent(task: RemoteTask) -> Listing:
+    """The task's configs at the agent (at most ``LISTED_PAGES`` pages, ``MAX_LISTED_CONFIGS``
+    configs), each marked as ours or not."""
     local = list(task.push_configs.order_by("created_at"))
     if not task.remote_id:
         return Listing([], local, "the agent has not named the task yet")
@@ -1269,11 +1276,11 @@ def list_at_agent(task: RemoteTask) -> Listing:
         client = outbound.client_for(task.agent, http)
         found: list[dict[str, Any]] = []
         token = ""
-        for _ in range(10):  # pages; an agent that pages forever is cut off here
+        for _ in range(LISTED_PAGES):  # an agent that pages forever is cut off here
             page = await client.list_push_configs(task.remote_id, page_token=token or None)
             found.extend(c for c in page["configs"] if isinstance(c, dict))
             token = page.get("nextPageToken") or ""
-            if not token:
+            if not token or len(found) > MAX_LISTED_CONFIGS:
                 break
         return found
 
@@ -1281,6 +1288,12 @@ def list_at_agent(task: RemoteTask) -> Listing:
         configs = outbound.run(call)
     except A2AError as exc:
         return Listing([], local, f"the agent's list could not be read: {exc}")
+    problem = ""
+    if len(configs) > MAX_LISTED_CONFIGS:
+        configs = configs[:MAX_LISTED_CONFIGS]
+        problem = (
+            f"the agent lists more configs for this task: the first {MAX_LISTED_CONFIGS} are shown"
+        )
     rows = [
         {
             "id": str(c.get("id", ""))[:200],
@@ -1289,7 +1302,7 @@ def list_at_agent(task: RemoteTask) -> Listing:
         }
         for c in configs
     ]
-    return Listing(rows, local)
+    return Listing(rows, local, problem)
 
 
 def delete_config(task: RemoteTask, config_id: str, *, actor_id: int | None = None) -> None:
