@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.db.models import Q
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
@@ -37,11 +38,14 @@ def alert_list(request: HttpRequest) -> HttpResponse:
     may_test = alerts.may_test(user)
     deliveries = []
     if may_test:
-        deliveries = list(
-            AlertDelivery.objects.select_related("alert").order_by("-attempted_at", "-id")[
-                :DELIVERIES_SHOWN
-            ]
-        )
+        shown = AlertDelivery.objects.select_related("alert")
+        if ids is not None:
+            # An alert's message names its task or agent: only those of projects this person
+            # reads (and the test alerts, which name none).
+            shown = shown.filter(
+                Q(alert__agent__project_id__in=ids) | Q(alert__rule=Alert.Rule.TEST)
+            )
+        deliveries = list(shown.order_by("-attempted_at", "-id")[:DELIVERIES_SHOWN])
     context = {
         "open_alerts": list(open_qs[:500]),
         "resolved": list(

@@ -1321,10 +1321,12 @@ def delete_config(task: RemoteTask, config_id: str, *, actor_id: int | None = No
         outbound.run(call)
     except A2AError as exc:
         raise TaskActionError(f"The agent did not delete the push config: {exc}") from None
-    PushConfig.objects.filter(task=task, config_id=config_id, deleted_at__isnull=True).update(
+    # Only this task's own config is forgotten by the webhook: the id comes from the URL, and
+    # another task's (another project's) config must keep taking its deliveries.
+    if PushConfig.objects.filter(task=task, config_id=config_id, deleted_at__isnull=True).update(
         deleted_at=timezone.now(), deleted_note="deleted by an operator"
-    )
-    forget_cached(config_id)
+    ):
+        forget_cached(config_id)
     record(
         task,
         {"operator": {"action": "delete-push-config", "config": config_id[:200]}},

@@ -1,0 +1,119 @@
+"""What one project's people can do to, or learn of, another project's tasks.
+
+The per-user lookups keep every task and agent page inside the person's projects; these
+are the paths where an id from the URL or a list across projects could still reach out.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+
+from tasks_app.crypto import decrypt_json
+from tasks_app.models import Agent, Alert, AlertDelivery, Membership, Project, RemoteTask
+from tasks_app.services import push
+from tests.people import member
+from tests.serving import serve_in_thread, stop_serving
+
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("empty_push_queue")]
+
+
+@pytest.fixture
+def agreeable_agent() -> Iterator[str]:
+    """A JSON-RPC agent that answers every call with an empty success (as many stores answer
+    a delete of an id they do not hold); its base URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+            data = json.dumps({"jsonrpc": "2.0", "id": body.get("id"), "result": {}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    serve_in_thread(server)
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        stop_serving(server)
+
+
+def project_task(project: str, base_url: str) -> RemoteTask:
+    agent = Agent.objects.create(
+        name=f"{project} agent", base_url=base_url, interface_url=f"{base_url}/jsonrpc",
+        binding="JSONRPC", protocol_version="1.0", push=True,
+        project=Project.objects.get_or_create(name=project)[0],
+    )  # fmt: skip
+    return RemoteTask.objects.create(
+        agent=agent, title=f"{project} secret title", remote_id=f"{project}-1",
+        phase=RemoteTask.Phase.TASK, state="TASK_STATE_WORKING", watch=RemoteTask.Watch.PUSH,
+    )  # fmt: skip
+
+
+def deliver(config, body: bytes) -> int:
+    values = decrypt_json(config.secrets_encrypted)
+    return Client().post(
+        f"/push/{config.config_id}/", data=body, content_type="application/json",
+        REMOTE_ADDR=f"10.9.{uuid.uuid4().int % 250}.{uuid.uuid4().int % 250}",
+        HTTP_X_A2A_NOTIFICATION_TOKEN=values["token"],
+        HTTP_AUTHORIZATION=f"{values['scheme']} {values['credentials']}",
+    ).status_code  # fmt: skip
+
+
+def test_deleting_another_projects_config_through_ones_own_task_leaves_it_working(
+    agreeable_agent,
+):
+    mine = project_task("mine", agreeable_agent)
+    theirs = project_task("theirs", f"http://127.0.0.1:1/{uuid.uuid4().hex}")
+    their_config = push.new_config(theirs)
+    operator = member(User.objects.create_user("op"), Membership.Role.OPERATOR, "mine")
+    client = Client()
+    client.force_login(operator)
+
+    def status(n: int) -> bytes:
+        return json.dumps({"statusUpdate": {"taskId": "theirs-1", "status": {
+            "state": "TASK_STATE_WORKING", "timestamp": f"2026-01-01T00:00:0{n}Z"}}}).encode()  # fmt: skip
+
+    assert deliver(their_config, status(1)) == 202  # the webhook knows the config
+    response = client.post(f"/tasks/{mine.pk}/push/{their_config.config_id}/delete/")
+    assert response.status_code in (200, 302)
+    their_config.refresh_from_db()
+    assert their_config.deleted_at is None
+    # Their deliveries are still taken: the webhook did not forget their config.
+    assert deliver(their_config, status(2)) == 202
+
+
+def test_the_alert_deliveries_a_tester_sees_are_of_their_own_projects(client):
+    theirs = project_task("theirs", f"http://127.0.0.1:1/{uuid.uuid4().hex}")
+    mine = project_task("mine", f"http://127.0.0.1:1/{uuid.uuid4().hex}")
+    for task in (theirs, mine):
+        alert = Alert.objects.create(
+            rule=Alert.Rule.PARKED, task=task, agent=task.agent, key=f"parked:{task.pk}",
+            message=f"The watcher parked task {task.title}",
+        )  # fmt: skip
+        AlertDelivery.objects.create(
+            alert=alert, channel=AlertDelivery.Channel.EMAIL, event="opened",
+            target="ops@example.test", outcome=AlertDelivery.Outcome.SENT,
+        )  # fmt: skip
+    test_alert = Alert.objects.create(rule=Alert.Rule.TEST, key="test:1", message="a test alert")
+    AlertDelivery.objects.create(
+        alert=test_alert, channel=AlertDelivery.Channel.EMAIL, event="test",
+        target="ops@example.test", outcome=AlertDelivery.Outcome.SENT,
+    )  # fmt: skip
+    admin = member(User.objects.create_user("admin-of-mine"), Membership.Role.AGENT_ADMIN, "mine")
+    client.force_login(admin)
+    html = client.get("/alerts/").content.decode()
+    assert "mine secret title" in html and "a test alert" in html
+    assert "theirs secret title" not in html
