@@ -4,11 +4,13 @@ The event log, the snapshot folded from it (tasks, artifacts, parts,
 conversation) and the operator actions are append-only records: the admin may
 view them, never add, change or delete them (the log's hash chain and
 ``audit replay`` would otherwise break). Agents stay editable. Credentials are
-never shown (the encrypted field is excluded).
+never shown (the encrypted field is excluded). It is for superusers only: it edits
+across every project, outside the role table, and its changes write no operator action.
 """
 
 from django.contrib import admin
 from django.db import models
+from django.http import HttpRequest
 
 from tasks_app.models import (
     Agent,
@@ -22,6 +24,14 @@ from tasks_app.models import (
     Surface,
     TaskEvent,
 )
+
+
+def _superusers_only(request: HttpRequest) -> bool:
+    """Staff status and model permissions alone do not open the admin (see the docstring)."""
+    return request.user.is_active and request.user.is_superuser
+
+
+admin.site.has_permission = _superusers_only  # type: ignore[method-assign]
 
 
 class MembershipInline(admin.TabularInline):

@@ -117,3 +117,18 @@ def test_the_alert_deliveries_a_tester_sees_are_of_their_own_projects(client):
     html = client.get("/alerts/").content.decode()
     assert "mine secret title" in html and "a test alert" in html
     assert "theirs secret title" not in html
+
+
+def test_the_admin_opens_for_superusers_only():
+    from django.contrib.auth.models import Permission
+
+    staff = User.objects.create_user("staff", is_staff=True)
+    staff.user_permissions.set(Permission.objects.all())  # every model permission there is
+    client = Client()
+    client.force_login(staff)
+    assert client.get("/admin/").status_code == 302  # to the admin's login
+    assert client.get("/admin/tasks_app/agent/").status_code == 302
+    root = User.objects.create_superuser("root")
+    client.force_login(root)
+    assert client.get("/admin/").status_code == 200
+    assert client.get("/admin/tasks_app/agent/").status_code == 200
