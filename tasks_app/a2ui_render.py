@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -30,7 +31,10 @@ from django.template.loader import get_template
 from django.utils.safestring import SafeString, mark_safe
 
 from tasks_app import answers
+from tasks_app.a2a.safejson import whole_number
 from tasks_app.rendering import markdown_html, safe_http_url
+
+log = logging.getLogger(__name__)
 
 MAX_DEPTH = 24
 MAX_NODES = 1500
@@ -168,9 +172,10 @@ def _lookup(model: Any, pointer: str | None) -> Any:
                 return _MISSING
             node = node[token]
         elif isinstance(node, list):
-            if not token.isdigit() or int(token) >= len(node):
+            index = whole_number(token)
+            if index is None or index >= len(node):
                 return _MISSING
-            node = node[int(token)]
+            node = node[index]
         else:
             return _MISSING
     return node
@@ -183,8 +188,9 @@ def assign(model: dict, pointer: str, value: Any) -> dict:
         return value if isinstance(value, dict) else model
     node: Any = model
     for token in tokens[:-1]:
-        if isinstance(node, list) and token.isdigit() and int(token) < len(node):
-            node = node[int(token)]
+        index = whole_number(token)
+        if isinstance(node, list) and index is not None and index < len(node):
+            node = node[index]
             continue
         if not isinstance(node, dict):
             return model
@@ -192,10 +198,11 @@ def assign(model: dict, pointer: str, value: Any) -> dict:
             node[token] = {}
         node = node[token]
     last = tokens[-1]
+    index = whole_number(last)
     if isinstance(node, dict):
         node[last] = value
-    elif isinstance(node, list) and last.isdigit() and int(last) < len(node):
-        node[int(last)] = value
+    elif isinstance(node, list) and index is not None and index < len(node):
+        node[index] = value
     elif isinstance(node, list) and last in ("-", str(len(node))):
         node.append(value)
     return model
@@ -901,6 +908,9 @@ def render_surface(
             body = w.run(root_of(surface))
         except RecursionError:
             problem = "nested too deep to draw"
+        except Exception as exc:  # the agent's surface must not take the page down with it
+            log.exception("could not draw surface %s", getattr(surface, "pk", None))
+            problem = f"could not be drawn ({type(exc).__name__})"
     context = {
         "surface": surface,
         "task": task,

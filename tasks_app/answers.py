@@ -38,6 +38,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 from jsonschema.validators import validator_for
 
+from tasks_app.a2a.safejson import whole_number
 from tasks_app.forms import AnswerForm
 from tasks_app.models import RemoteTask
 from tasks_app.services import tasks as task_services
@@ -762,9 +763,10 @@ def submit(request: HttpRequest, task: RemoteTask, form: forms.Form) -> tuple[bo
     another schema) is not read at all: a fresh form for the new question comes back,
     with a notice.
     """
-    posted = form.data.get(form.add_prefix("question")) if form.is_bound else None
-    stale = posted is not None and str(posted).isdigit() and int(posted) != task.asked_seq
-    if stale and task.answered_seq < int(posted):
+    raw = form.data.get(form.add_prefix("question")) if form.is_bound else None
+    posted = whole_number(str(raw)) if raw is not None else None
+    stale = posted is not None and posted != task.asked_seq
+    if stale and task.answered_seq < posted:
         fresh = answer_form(task, prefix=form.prefix)
         fresh.notice = "The agent has asked something else since; read its new question."
         return False, fresh

@@ -20,6 +20,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from tasks_app import access
 from tasks_app.a2a import a2ui as protocol
+from tasks_app.a2a.safejson import whole_number
 from tasks_app.a2ui_render import render_surface
 from tasks_app.access import Perm, get_task_for_user
 from tasks_app.models import OperatorAction, RemoteTask, Surface
@@ -150,14 +151,14 @@ def task_surface_act(request: HttpRequest, pk: int) -> HttpResponse:
     if not url_has_allowed_host_and_scheme(back, allowed_hosts={request.get_host()}):
         back = ""
     back = back or reverse("task-detail", args=[task.pk])
-    seq = request.POST.get("seq", "")
+    seq = whole_number(request.POST.get("seq", ""))
     surface_id = request.POST.get("surface", "")[:200]
-    if not seq.isdigit():
+    if seq is None:
         messages.error(request, "This form is incomplete; reload the page.")
         return redirect(back)
     try:
         a2ui_actions.act(
-            request.user, task, surface_id, int(seq), request.POST.get("source", ""), request.POST
+            request.user, task, surface_id, seq, request.POST.get("source", ""), request.POST
         )
     except a2ui_actions.ActionRefused as exc:
         if exc.errors:

@@ -496,3 +496,51 @@ def test_a_folded_surface_of_each_version_is_drawn_and_acted_on(
     body = sent["data"]["userAction"] if version == "0.8" else sent["data"][0]["action"]
     assert body["context"] == {"name": "Lin", "guests": 3, "meal": ["fish"], "ok": True}
     assert sent["mediaType"] == media
+
+
+# Numbers that str.isdigit() takes and int() does not -----------------------------------------
+
+
+def test_a_pointer_with_a_digit_int_refuses_draws_as_missing_and_the_pages_keep_working(
+    agent, people
+) -> None:
+    """ "²" is a digit to ``isdigit()``, not to ``int()``: it raised in the drawing, and the task
+    page and everyone's inbox answered 500 while the task waited."""
+    task = waiting(agent)
+    components = {
+        "root": {"id": "root", "component": "Column", "children": ["t1", "t2"]},
+        "t1": {"id": "t1", "component": "Text",
+               "text": {"call": "formatString", "args": {"value": "first: ${/a/²} end"}}},
+        "t2": {"id": "t2", "component": "Text", "text": {"path": "/a/" + "9" * 5000}},
+    }  # fmt: skip
+    surface_of(task, surface_id="digits", components=components, data_model={"a": [1]})
+    page = people["ann"].get(reverse("task-detail", args=[task.pk]))
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert 'data-a2ui-surface="digits"' in html and "first:" in html and "end" in html
+    assert people["ann"].get(reverse("inbox")).status_code == 200
+    assert a2ui.lookup({"a": [1]}, "/a/²") == (False, None)
+    assert a2ui.lookup({"a": [1]}, "/a/0") == (True, 1)
+
+
+def test_a_posted_seq_or_question_int_refuses_is_an_incomplete_form_not_a_500(
+    agent, people, no_dispatch
+) -> None:
+    task = waiting(agent)
+    surface = surface_of(task)
+    for seq in ("²", "9" * 5000, "-1", ""):
+        resp = people["ann"].post(
+            reverse("task-surface-act", args=[task.pk]), post_values(surface, seq=seq), follow=True
+        )
+        assert resp.status_code == 200, seq
+        assert "This form is incomplete; reload the page." in resp.content.decode(), seq
+    prefix = f"t{task.pk}"
+    for question in ("²", "9" * 5000):
+        resp = people["ann"].post(
+            reverse("task-answer", args=[task.pk]),
+            {f"{prefix}-question": question, f"{prefix}-text": "yes"},
+        )
+        # The form drawn again with its error (400), as for any invalid answer.
+        assert resp.status_code == 400, question
+        assert 'id="answer-form"' in resp.content.decode(), question
+    assert not OperatorAction.objects.filter(action="a2ui-action").exists()

@@ -28,7 +28,7 @@ from .errors import (
     from_http_error,
 )
 from .guard import refusal_in
-from .safejson import loads
+from .safejson import loads, whole_number
 
 JSON_MEDIA_TYPES = ("application/json", "application/a2a+json", "application/problem+json")
 SSE_MEDIA_TYPE = "text/event-stream"
@@ -97,10 +97,10 @@ async def deadline(seconds: float | None, where: str) -> AsyncIterator[None]:
 
 async def read_bounded(response: httpx.Response, limit: int, where: str) -> bytes:
     """Read a streamed response body, refusing more than ``limit`` bytes."""
-    length = response.headers.get("content-length")
-    if length and length.isdigit() and int(length) > limit:
+    declared = whole_number(response.headers.get("content-length") or "")
+    if declared is not None and declared > limit:
         raise PayloadTooLarge(
-            f"response of {int(length)} bytes exceeds the {limit}-byte limit", where=where
+            f"response of {declared} bytes exceeds the {limit}-byte limit", where=where
         )
     chunks: list[bytes] = []
     size = 0

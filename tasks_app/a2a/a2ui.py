@@ -38,6 +38,8 @@ import referencing
 from jsonschema.exceptions import best_match
 from referencing.jsonschema import DRAFT202012
 
+from .safejson import whole_number
+
 __all__ = [
     "BASIC_CATALOG_IDS",
     "EXTENSION_URIS",
@@ -479,8 +481,12 @@ def lookup(data: Any, pointer: str) -> tuple[bool, Any]:
     for token in _tokens(pointer):
         if isinstance(current, dict) and token in current:
             current = current[token]
-        elif isinstance(current, list) and token.isdigit() and int(token) < len(current):
-            current = current[int(token)]
+        elif (
+            isinstance(current, list)
+            and (index := whole_number(token)) is not None
+            and (index < len(current))
+        ):
+            current = current[index]
         else:
             return False, None
     return True, current
@@ -513,9 +519,10 @@ def _set(data: dict[str, Any], pointer: str, value: Any = _MISSING) -> dict[str,
 def _set_in(node: Any, tokens: list[str], value: Any) -> Any:
     token, rest = tokens[0], tokens[1:]
     if isinstance(node, list):
-        if not token.isdigit() or int(token) > len(node) or (rest and int(token) == len(node)):
+        index = whole_number(token)
+        if index is None or index > len(node) or (rest and index == len(node)):
             raise _NoFit
-        index, items = int(token), list(node)
+        items = list(node)
         if rest:
             child = items[index]
             items[index] = _set_in(child if isinstance(child, dict | list) else {}, rest, value)

@@ -139,6 +139,18 @@ def _clean_str(s: str) -> tuple[str, int]:
     return fixed, fixed.count(REPLACEMENT) - had + joined
 
 
+def whole_number(text: str, *, max_digits: int = 18) -> int | None:
+    """``text`` as a non-negative integer when it is only ASCII digits (at most ``max_digits``).
+
+    ``str.isdigit()`` alone is no test: it is true of "²" and other digits ``int()``
+    refuses, and ``int()`` refuses more than 4,300 digits. A list index in an agent's
+    JSON Pointer, or a number a browser posts, is read with this.
+    """
+    if 0 < len(text) <= max_digits and text.isascii() and text.isdigit():
+        return int(text)
+    return None
+
+
 def clean_text(text: str) -> str:
     """``text`` with lone surrogates and NUL replaced (U+FFFD), as :func:`clean` stores strings."""
     return _clean_str(text)[0]
