@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from datetime import datetime, time, timedelta
+from datetime import UTC, datetime, time, timedelta
 from typing import Any
 
 from django import forms
@@ -148,10 +148,12 @@ def _parse_moment(text: str, *, end: bool) -> datetime:
             moment = parse_datetime(text)
             if moment is None:
                 raise ValueError
+        if timezone.is_naive(moment):
+            moment = timezone.make_aware(moment, timezone.get_current_timezone())
+        # Compared in UTC by the database: a moment with none (year 1 at +05:00) is no date.
+        moment.astimezone(UTC)
     except (ValueError, OverflowError):
         raise forms.ValidationError(f"“{text[:40]}” is not {DATE_HELP}.") from None
-    if timezone.is_naive(moment):
-        moment = timezone.make_aware(moment, timezone.get_current_timezone())
     return moment
 
 

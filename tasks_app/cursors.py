@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from datetime import datetime
+from datetime import UTC, datetime
 
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
@@ -25,6 +25,10 @@ def decode(cursor: str) -> tuple[datetime, int] | None:
         text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
         stamp, pk = text.rsplit("|", 1)
         moment = parse_datetime(stamp)
-        return (moment, int(pk)) if moment and timezone.is_aware(moment) else None
-    except (ValueError, binascii.Error, UnicodeDecodeError):
+        if moment is None or not timezone.is_aware(moment):
+            return None
+        # Compared in UTC by the database: a moment with none (year 1 at +05:00) is no cursor.
+        moment.astimezone(UTC)
+        return moment, int(pk)
+    except (ValueError, OverflowError, binascii.Error, UnicodeDecodeError):
         return None

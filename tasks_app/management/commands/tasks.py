@@ -8,6 +8,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from tasks_app.a2a.safejson import whole_number
 from tasks_app.models import Agent, ImportJob, RemoteTask
 from tasks_app.services import imports
 from tasks_app.services import tasks as task_services
@@ -17,9 +18,10 @@ MODES = ["auto", "stream", "return-immediately", "blocking", "push"]
 
 
 def find_agent(ref: str) -> Agent:
+    pk = whole_number(ref)
     agent = (
-        Agent.objects.filter(pk=int(ref)).first()
-        if ref.isdigit()
+        Agent.objects.filter(pk=pk).first()
+        if pk is not None
         else Agent.objects.filter(name=ref).first() or Agent.objects.filter(base_url=ref).first()
     )
     if agent is None:
@@ -28,7 +30,8 @@ def find_agent(ref: str) -> Agent:
 
 
 def find_task(ref: str) -> RemoteTask:
-    task = RemoteTask.objects.filter(pk=int(ref)).first() if ref.isdigit() else None
+    pk = whole_number(ref)
+    task = RemoteTask.objects.filter(pk=pk).first() if pk is not None else None
     task = task or RemoteTask.objects.filter(remote_id=ref).first()
     if task is None:
         raise CommandError(f"No task {ref!r}.")
