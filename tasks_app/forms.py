@@ -11,6 +11,7 @@ from django.db.models import QuerySet
 
 from tasks_app.models import STATE_CHOICES, Agent, Channel, Project, RemoteTask, TaskEvent
 from tasks_app.rendering import safe_filename
+from tasks_app.services import agents as agent_services
 
 MAX_UPLOAD_BYTES = 10 * 1024 * 1024
 
@@ -47,6 +48,20 @@ class AgentAddForm(forms.Form):
         """``projects``: where the person may add agents (``access.projects_for``)."""
         super().__init__(*args, **kwargs)
         self.fields["project"].queryset = projects
+
+    def clean_url(self) -> str:
+        """The URL, unless it holds a user name or password (``agents.preview_card`` says why).
+
+        Such a URL is not drawn back into the field either: the form would show the secret.
+        """
+        url = self.cleaned_data["url"]
+        try:
+            agent_services.check_agent_url(url)
+        except agent_services.AgentError as exc:
+            self.data = self.data.copy()
+            self.data[self.add_prefix("url")] = ""
+            raise forms.ValidationError(str(exc)) from None
+        return url
 
     def clean_project(self) -> Project:
         """The chosen project; may be left out when the person can add agents to only one."""

@@ -67,3 +67,23 @@ def test_a_date_filter_with_no_utc_moment_is_a_message_next_to_the_field(person,
 def test_a_task_or_agent_reference_int_refuses_is_not_found(ref):
     with pytest.raises(CommandError, match="No task"):
         call_command("tasks", "show", ref)
+
+
+def test_an_agent_url_with_a_password_is_refused_and_not_shown_back(django_user_model):
+    from tasks_app.models import Agent, Membership, OperatorAction
+
+    admin = member(django_user_model.objects.create_user("ada"), Membership.Role.AGENT_ADMIN)
+    client = Client()
+    client.force_login(admin)
+    url = "https://someone:s3cret-pass@127.0.0.1:9/agent"
+    for action in ("preview", "save"):
+        answer = client.post("/agents/add/", {"url": url, "action": action})
+        html = answer.content.decode()
+        assert answer.status_code == 200
+        assert "must not hold a user name or password" in html
+        assert "s3cret-pass" not in html and "someone" not in html
+    with pytest.raises(CommandError, match="must not hold a user name or password") as err:
+        call_command("agents", "add", url)
+    assert "s3cret-pass" not in str(err.value)
+    assert not Agent.objects.exists()
+    assert not any("s3cret" in str(a.payload) for a in OperatorAction.objects.all())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import transaction
@@ -51,6 +52,25 @@ def _problem_text(problem: CardProblem | Any) -> str:
     return f"{path}: {message}" if path else str(message)
 
 
+def check_agent_url(url: str) -> None:
+    """Refuse an agent URL that holds a user name or password (said without the URL).
+
+    The URL is shown to everyone who reads the project and kept in the audit log, and
+    httpx would send what it holds as Basic credentials, past the encrypted store and
+    the approved origins.
+    """
+    try:
+        netloc = urlsplit(url.strip()).netloc
+    except ValueError:
+        return  # not a URL at all: the outbound guard says so
+    if "@" in netloc:
+        raise AgentError(
+            "An agent URL must not hold a user name or password: the URL is shown to everyone "
+            "who reads the project and kept in the audit log. Add the agent by its URL "
+            "alone, then set the password under Credentials (stored encrypted)."
+        )
+
+
 def preview_card(url: str) -> CardPreview:
     """Fetch and check a card without saving anything.
 
@@ -58,6 +78,7 @@ def preview_card(url: str) -> CardPreview:
     interface at an address it refuses is not chosen (the problems say why), so
     nothing refused is ever saved.
     """
+    check_agent_url(url)
     problem = outbound.url_problem(url)
     if problem:
         raise AgentError(f"Could not read an agent card at {url}: {problem}")
