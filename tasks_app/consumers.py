@@ -32,11 +32,15 @@ person's group ``person-<id>``: told that the person's access changed
 made inactive, 4404 for a task no longer readable) or, for the list, follows the
 readable agents as they now are.
 A handshake from another origin never reaches them: ``tasks_app.routing`` closes it
-(4403) first.
+(4403) first. A frame that is not a JSON object is dropped (the protocol has no error
+message); a malformed seq resumes from the start, a malformed ``since`` answers only the
+version.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -61,6 +65,11 @@ LIST_SYNC_LIMIT = 200
 # a change (``access.changed``) can be lost like any relay message. In between, an idle
 # re-sync stays one query.
 ACCESS_RECHECK_SECONDS = 60.0
+# The largest seq the log can hold (``TaskEvent.seq`` is a PositiveIntegerField).
+SEQ_MAX = 2**31 - 1
+# No task changed before this: an older ``since`` asks for the same rows, and stays clear
+# of datetime's range (``since - LIST_OVERLAP`` near year 1 overflows).
+VERSION_FLOOR = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def _authenticated(scope: dict) -> bool:
@@ -70,6 +79,42 @@ def _authenticated(scope: dict) -> bool:
 
 def event_message(event: TaskEvent) -> dict[str, Any]:
     return {"type": "event", **event_json(event)}
+
+
+def _seq(value: Any) -> int | None:
+    """A seq as a browser sent it (number or digits); None when it is not one the log can hold.
+
+    JSON from a browser may hold anything Python's json accepts: ``1e400`` and ``Infinity``
+    (``int()`` raises OverflowError), ``NaN``, ``true``, a list. None and 0 both mean "none yet".
+    """
+    if value is None:
+        return 0
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return None
+        value = int(value)
+    elif isinstance(value, str):
+        try:
+            value = int(value.strip() or "0")
+        except ValueError:  # not digits, or more digits than int() will read
+            return None
+    if not isinstance(value, int):
+        return None
+    return max(0, value) if value <= SEQ_MAX else None
+
+
+def _decode_frame(text_data: str | None) -> dict[str, Any] | None:
+    """A browser frame's JSON object; None for anything else (binary, empty, not JSON, not an
+    object, nested too deep to parse)."""
+    if not text_data:
+        return None
+    try:
+        content = json.loads(text_data)
+    except (ValueError, RecursionError):
+        return None
+    return content if isinstance(content, dict) else None
 
 
 @database_sync_to_async
@@ -117,11 +162,22 @@ async def _join(consumer: AsyncJsonWebsocketConsumer, *groups: str) -> None:
 
 
 class _ResyncingConsumer(AsyncJsonWebsocketConsumer):
-    """What both sockets' re-syncs share: when the person's access is due a fresh check."""
+    """What both sockets share: malformed frames dropped, and when the person's access is due
+    a fresh check on a re-sync."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.access_checked_at = time.monotonic()  # connect checks it
+
+    async def receive(
+        self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
+    ) -> None:
+        """Only JSON objects reach ``receive_json``; anything else is dropped. The base class
+        raises on it, which ends the socket (1011) and can skip the groups' discard. The
+        protocol has no error message (the pages ignore unknown types), so none is sent."""
+        content = _decode_frame(text_data)
+        if content is not None:
+            await self.receive_json(content, **kwargs)
 
     def access_due(self) -> bool:
         """Whether a re-sync should check access again (see ``ACCESS_RECHECK_SECONDS``)."""
@@ -165,20 +221,15 @@ class TaskConsumer(_ResyncingConsumer):
         values = query.get("after")
         if not values:
             return None
-        try:
-            return max(0, int(values[0]))
-        except ValueError:
-            return 0
+        after = _seq(values[0])
+        return 0 if after is None else after  # malformed: everything (nothing is lost)
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         if not isinstance(content, dict):
             return
         if content.get("type") == "resume":
-            try:
-                after = max(0, int(content.get("after") or 0))
-            except (TypeError, ValueError):
-                after = 0
-            await self._resume(after)
+            after = _seq(content.get("after"))
+            await self._resume(0 if after is None else after)  # malformed: everything
         elif content.get("type") == "sync":
             await self._resync(content.get("after"))
         elif content.get("type") == "ping":
@@ -206,10 +257,8 @@ class TaskConsumer(_ResyncingConsumer):
         if self.group and self.person:
             await _join(self, self.group, self.person)
         if self.last_sent is None:
-            try:
-                await self._resume(max(0, int(after or 0)))
-            except (TypeError, ValueError):
-                await self._resume(0)
+            seq = _seq(after)
+            await self._resume(0 if seq is None else seq)  # malformed: everything
             return
         await self._send_from_log(upto=None)
         await self.send_json({"type": "synced", "last_seq": self.last_sent})
@@ -277,13 +326,25 @@ class TaskConsumer(_ResyncingConsumer):
 
 
 def _parse_version(value: Any) -> datetime | None:
+    """The browser's ``since`` in UTC, between ``VERSION_FLOOR`` and now; None if malformed.
+
+    A version from the future would hide changes, so it is now. Clamped before converting
+    to UTC: a time near either end of datetime's range with an offset overflows there.
+    """
     if not isinstance(value, str) or len(value) > 64:
         return None
     try:
         parsed = datetime.fromisoformat(value)
     except ValueError:
         return None
-    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=UTC)
+    now = datetime.now(UTC)
+    if parsed > now:
+        return now
+    if parsed < VERSION_FLOOR:
+        return VERSION_FLOOR
+    return parsed.astimezone(UTC)
 
 
 @database_sync_to_async
@@ -388,10 +449,6 @@ class TaskListConsumer(_ResyncingConsumer):
             if self.joined:
                 await _join(self, LIST_GROUP, self.person)
             since = _parse_version(content.get("since"))
-            if since is not None:
-                since = min(
-                    since, datetime.now(UTC)
-                )  # a version from the future would hide changes
             summaries, newest = await _changed_since(self.agent_ids, since)
             for summary in summaries:
                 await self.send_json({**summary, "type": "task", "resync": True})

@@ -7,6 +7,8 @@ real record() calls: the relay after commit is what the consumer forwards.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import threading
 import time
 import uuid
@@ -652,3 +654,181 @@ async def test_an_agent_moved_to_another_project_closes_its_tasks_to_the_old_mem
     await database_sync_to_async(move)()
     closed = await task_socket.receive_output(timeout=5)
     assert closed == {"type": "websocket.close", "code": 4404}
+
+
+# Malformed frames from a browser: dropped, the socket stays open and keeps working ----------
+
+# Frames that are not a JSON object: channels' JSON consumer raised on each (daphne logged
+# "Exception inside application" and closed the socket with 1011).
+NOT_AN_OBJECT = [
+    "not json",
+    "",
+    "{",
+    "[1, 2]",
+    "5",
+    '"sync"',
+    "null",
+    "[" * 100_000,  # nested too deep for json (RecursionError)
+    '{"type": "resume", "after": ' + "9" * 5000 + "}",  # more digits than int() reads
+]
+# Seq values Python's json accepts that are no seq the log can hold: a resume (or a first
+# sync) with one of them starts from the beginning, as a missing one does.
+BAD_SEQS = [
+    "1e400",
+    "-1e400",
+    "Infinity",
+    "-Infinity",
+    "NaN",
+    "true",
+    "[3]",
+    '{"n": 1}',
+    '"abc"',
+    '"1e400"',
+    str(2**31),
+    "9" * 30,
+]
+
+
+def no_errors_logged(caplog: pytest.LogCaptureFixture) -> None:
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == []
+
+
+async def send_junk(comm: WebsocketCommunicator) -> None:
+    """Every kind of malformed frame; each is dropped without an answer."""
+    # As daphne hands frames over (send_to refuses an empty one).
+    for text in NOT_AN_OBJECT:
+        await comm.send_input({"type": "websocket.receive", "text": text})
+    for data in (b'{"type": "sync"}', b""):
+        await comm.send_input({"type": "websocket.receive", "bytes": data})
+    for seq in BAD_SEQS:
+        await comm.send_to(text_data=f'{{"type": {seq}, "after": 0}}')  # a type of no kind
+    assert await comm.receive_nothing(timeout=0.3)
+
+
+async def test_malformed_frames_leave_a_task_socket_open_and_working(task, user, caplog):
+    for i in range(1, 3):
+        await database_sync_to_async(write)(task.pk, i)
+    comm = await communicator(f"/ws/tasks/{task.pk}/", user)
+    assert (await comm.connect())[0]
+    await send_junk(comm)  # before any resume: nothing is sent, nothing breaks
+    await comm.send_json_to({"type": "resume", "after": 1})
+    events, synced = await until_type(comm, "synced")
+    assert [m["seq"] for m in events] == [2] and synced == {"type": "synced", "last_seq": 2}
+    await send_junk(comm)  # and after it
+    await comm.send_json_to({"type": "sync", "after": 2})
+    assert (await comm.receive_json_from(timeout=5)) == {"type": "synced", "last_seq": 2}
+    await comm.send_json_to({"type": "ping"})
+    assert (await comm.receive_json_from(timeout=5)) == {"type": "pong"}
+    await comm.disconnect()
+    no_errors_logged(caplog)
+
+
+async def test_a_seq_that_is_no_seq_resumes_from_the_start(task, user, caplog):
+    """``1e400`` or ``Infinity`` made ``int()`` raise OverflowError, ``NaN`` ValueError; a
+    seq past the column's range is no seq either. Each resumes from the start (nothing lost)."""
+    for i in range(1, 3):
+        await database_sync_to_async(write)(task.pk, i)
+    comm = await communicator(f"/ws/tasks/{task.pk}/", user)
+    assert (await comm.connect())[0]
+    for seq in BAD_SEQS:
+        await comm.send_to(text_data=f'{{"type": "resume", "after": {seq}}}')
+        events, synced = await until_type(comm, "synced")
+        assert ([m["seq"] for m in events], synced["last_seq"]) == ([1, 2], 2), seq
+    await comm.send_json_to({"type": "resume", "after": 1})  # a good one still answers as ever
+    events, synced = await until_type(comm, "synced")
+    assert [m["seq"] for m in events] == [2] and synced["last_seq"] == 2
+    await comm.disconnect()
+
+    # A first sync (before any resume) with one of them, and the same in the query string.
+    for seq in BAD_SEQS:
+        comm = await communicator(f"/ws/tasks/{task.pk}/", user)
+        assert (await comm.connect())[0]
+        await comm.send_to(text_data=f'{{"type": "sync", "after": {seq}}}')
+        events, synced = await until_type(comm, "synced")
+        assert ([m["seq"] for m in events], synced["last_seq"]) == ([1, 2], 2), seq
+        await comm.send_json_to({"type": "sync", "after": 2})
+        assert (await comm.receive_json_from(timeout=5)) == {"type": "synced", "last_seq": 2}
+        await comm.disconnect()
+    for query in ("1e400", "inf", "nan", "-3", "9" * 30, "x"):
+        comm = await communicator(f"/ws/tasks/{task.pk}/?after={query}", user)
+        assert (await comm.connect())[0]
+        events, synced = await until_type(comm, "synced")
+        assert ([m["seq"] for m in events], synced["last_seq"]) == ([1, 2], 2), query
+        await comm.disconnect()
+    no_errors_logged(caplog)
+
+
+async def test_a_list_socket_answers_a_since_at_the_edges_of_time(task, user, caplog):
+    """``since - LIST_OVERLAP`` overflowed for a ``since`` near year 1, and so did converting
+    one with an offset to UTC near either end of datetime's range. An early one asks for
+    everything, a future one for now; malformed frames are dropped."""
+    comm = await communicator("/ws/tasks/", user)
+    assert (await comm.connect())[0]
+    await send_junk(comm)
+    for since in (
+        "0001-01-01",
+        "0001-01-01T00:00:00",
+        "0001-01-01T00:00:00+05:00",
+        "0001-01-01T00:00:00-23:59",
+        "1969-12-31T23:59:59Z",
+    ):
+        await comm.send_json_to({"type": "sync", "since": since})
+        rows, answer = await until_type(comm, "version")
+        assert [m["task"] for m in rows] == [task.pk], since
+        assert answer["version"] == task.updated_at.isoformat(), since
+    for since in (
+        "9999-12-31T23:59:59.999999",
+        "9999-12-31T23:59:59.999999-23:59",
+        "9999-12-31T23:59:59+05:00",
+    ):
+        await comm.send_json_to({"type": "sync", "since": since})
+        rows, answer = await until_type(comm, "version")
+        assert [m["task"] for m in rows] == [task.pk], since  # changed within the overlap
+        assert task.updated_at.isoformat() <= answer["version"] < "9999", since
+    await send_junk(comm)
+    await comm.send_json_to({"type": "sync", "since": task.updated_at.isoformat()})
+    rows, answer = await until_type(comm, "version")
+    assert [m["task"] for m in rows] == [task.pk]
+    assert answer["version"] == task.updated_at.isoformat()
+    await comm.disconnect()
+    no_errors_logged(caplog)
+
+
+def test_daphne_keeps_a_socket_open_through_malformed_frames(task, user, start_daphne, client):
+    """The same through a real daphne: no "Exception inside application", no 1011 close."""
+    from websockets.sync.client import connect as ws_connect
+
+    client.force_login(user)
+    record(task.pk, status(1), "stream")
+    server = start_daphne()
+    cookie = f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}"
+    url = server.url.replace("http://", "ws://")
+    with ws_connect(
+        f"{url}/ws/tasks/{task.pk}/",
+        origin=server.url,
+        additional_headers={"Cookie": cookie},
+        open_timeout=10,
+    ) as ws:
+        for text in NOT_AN_OBJECT:
+            ws.send(text)
+        ws.send(b'{"type": "resume", "after": 0}')
+        ws.send('{"type": "resume", "after": 1e400}')
+        first, synced = json.loads(ws.recv(timeout=10)), json.loads(ws.recv(timeout=10))
+        assert (first["type"], first["seq"]) == ("event", 1)
+        assert synced == {"type": "synced", "last_seq": 1}
+        ws.send('{"type": "sync", "after": NaN}')
+        assert json.loads(ws.recv(timeout=10)) == {"type": "synced", "last_seq": 1}
+    with ws_connect(
+        f"{url}/ws/tasks/",
+        origin=server.url,
+        additional_headers={"Cookie": cookie},
+        open_timeout=10,
+    ) as ws:
+        ws.send("[]")
+        ws.send(b"\x00")
+        ws.send('{"type": "sync", "since": "0001-01-01T00:00:00+05:00"}')
+        assert json.loads(ws.recv(timeout=10))["task"] == task.pk
+        assert json.loads(ws.recv(timeout=10))["type"] == "version"
+    log = server.log_tail(400)
+    assert "Exception inside application" not in log and "Traceback" not in log, log
