@@ -9,6 +9,7 @@ from typing import Any
 from django import forms
 from django.db.models import QuerySet
 
+from tasks_app import kept_uploads
 from tasks_app.models import STATE_CHOICES, Agent, Channel, Project, RemoteTask, TaskEvent
 from tasks_app.rendering import safe_filename
 from tasks_app.services import agents as agent_services
@@ -144,16 +145,20 @@ class StartTaskForm(forms.Form):
         widget=forms.Textarea(attrs={"rows": 4, "placeholder": '{"key": "value"}', "spellcheck": "false"}),
     )  # fmt: skip
     mode = forms.ChoiceField(choices=MODE_CHOICES, initial=RemoteTask.Mode.AUTO)
-    # A file already uploaded with a form that had another error: kept, so it is not lost.
-    kept_file = forms.CharField(required=False, widget=forms.HiddenInput)
+    # A file already uploaded with a form that had another error: kept (``kept_uploads``) under
+    # this token, so it is not lost; its name is shown.
+    kept_file = forms.CharField(required=False, widget=forms.HiddenInput, max_length=100)
     kept_file_name = forms.CharField(required=False, widget=forms.HiddenInput, max_length=200)
-    kept_file_type = forms.CharField(required=False, widget=forms.HiddenInput, max_length=200)
     drop_kept_file = forms.BooleanField(required=False, label="Remove the kept file")
 
-    def __init__(self, *args: Any, agents: QuerySet[Agent], **kwargs: Any) -> None:
-        """``agents``: those the person may start tasks on (``access.readable_agents``)."""
+    def __init__(
+        self, *args: Any, agents: QuerySet[Agent], person_id: int | None = None, **kwargs: Any
+    ) -> None:
+        """``agents``: those the person may start tasks on (``access.readable_agents``);
+        ``person_id``: whose kept file this form may carry."""
         super().__init__(*args, **kwargs)
         self.fields["agent"].queryset = agents
+        self.person_id = person_id
         self._offer_push()
 
     def _offer_push(self) -> None:
@@ -194,26 +199,39 @@ class StartTaskForm(forms.Form):
                 "mediaType": (upload.content_type or "application/octet-stream")[:200],
             }
         elif data.get("kept_file") and not data.get("drop_kept_file"):
-            part = {
-                "raw": data["kept_file"],
-                "filename": safe_filename(data.get("kept_file_name"), "upload"),
-                "mediaType": data.get("kept_file_type") or "application/octet-stream",
-            }
+            part = self._kept(data["kept_file"])
         data["file_part"] = part
         empty = not (data.get("text") or "").strip() and data.get("data") is None and part is None
         if empty and "data" not in self.errors:
             self.add_error("text", "Write a message, add JSON data or attach a file.")
         return data
 
+    def _kept(self, token: str) -> dict[str, str] | None:
+        try:
+            part = kept_uploads.take(self.person_id, token) if self.person_id else None
+        except kept_uploads.KeptUploadError:
+            part = None
+        if part is None:
+            self.add_error(
+                "file",
+                "The file kept from before is no longer kept (for an hour, one per person); "
+                "attach it again.",
+            )
+        return part
+
     def keep_file(self) -> None:
-        """After an error elsewhere, carry the uploaded file in hidden fields."""
+        """After an error elsewhere, keep the uploaded file for the next try (a token in the form)."""
         part = getattr(self, "cleaned_data", {}).get("file_part")
-        if not part:
+        if not part or not self.person_id:
             return
         self.data = self.data.copy()
-        self.data["kept_file"] = part["raw"]
+        try:
+            self.data["kept_file"] = kept_uploads.keep(self.person_id, part)
+        except kept_uploads.KeptUploadError:
+            self.add_error("file", "The file could not be kept for the next try; attach it again.")
+            self.data.pop("kept_file", None)
+            return
         self.data["kept_file_name"] = part["filename"]
-        self.data["kept_file_type"] = part["mediaType"]
         self.data.pop("drop_kept_file", None)
 
     @property

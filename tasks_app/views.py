@@ -25,7 +25,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
-from tasks_app import access, answers, crypto, cursors, views_a2ui
+from tasks_app import access, answers, crypto, cursors, kept_uploads, views_a2ui
 from tasks_app.a2a import validate_card
 from tasks_app.access import Perm, get_agent_for_user, get_task_for_user
 from tasks_app.forms import (
@@ -555,7 +555,9 @@ def task_new(request: HttpRequest) -> HttpResponse:
     if not agents and not access.projects_for(request.user, Perm.OPERATE).exists():
         raise access.refuse(request.user, Perm.OPERATE, what=access.describe(request))
     if request.method == "POST":
-        form = StartTaskForm(request.POST, request.FILES, agents=operable)
+        form = StartTaskForm(
+            request.POST, request.FILES, agents=operable, person_id=request.user.id
+        )
         if form.is_valid():
             data = form.cleaned_data
             metadata = {"skill": data["skill"]} if data.get("skill") else None
@@ -576,6 +578,8 @@ def task_new(request: HttpRequest) -> HttpResponse:
                     "mode" if "mode" in message or "stream" in message else None, message
                 )
             else:
+                if data.get("kept_file"):
+                    kept_uploads.drop(request.user.id)
                 return redirect("task-detail", pk=task.pk)
         form.keep_file()
         status = 400

@@ -87,3 +87,57 @@ def test_an_agent_url_with_a_password_is_refused_and_not_shown_back(django_user_
     assert "s3cret-pass" not in str(err.value)
     assert not Agent.objects.exists()
     assert not any("s3cret" in str(a.payload) for a in OperatorAction.objects.all())
+
+
+def test_a_large_file_kept_after_a_form_error_goes_with_the_next_try(
+    django_user_model, no_dispatch, django_capture_on_commit_callbacks
+):
+    """A 3 MB file: sent back in the form (base64), it made the next try a form Django
+    refused (over DATA_UPLOAD_MAX_MEMORY_SIZE), and the file and the message were lost."""
+    import re
+
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    from tasks_app.models import Agent, Membership, RemoteTask
+
+    agent = Agent.objects.create(
+        name="files", base_url="http://127.0.0.1:9/files", interface_url="http://127.0.0.1:9/rpc",
+        binding="JSONRPC", streaming=True,
+    )  # fmt: skip
+    content = bytes(range(256)) * (3 * 1024 * 4)  # 3 MB
+    people = {}
+    for name in ("ann", "bob"):
+        user = member(django_user_model.objects.create_user(name), Membership.Role.OPERATOR)
+        people[name] = Client()
+        people[name].force_login(user)
+    form = {"agent": agent.pk, "text": "please read", "mode": "auto"}
+    first = people["ann"].post(
+        "/tasks/new",
+        {
+            **form,
+            "data": "{bad",
+            "file": SimpleUploadedFile("big.bin", content, "application/x-big"),
+        },
+    )
+    html = first.content.decode()
+    assert first.status_code == 400 and "Not valid JSON" in html
+    assert "Kept from before: <b>big.bin</b>" in html
+    token = re.search(r'name="kept_file" value="([^"]+)"', html).group(1)
+    assert len(token) < 100  # a token, not the file
+    # Someone else's form cannot carry it.
+    other = people["bob"].post("/tasks/new", {**form, "data": "{}", "kept_file": token})
+    assert other.status_code == 400 and "no longer kept" in other.content.decode()
+    with django_capture_on_commit_callbacks(execute=True):
+        fixed = people["ann"].post(
+            "/tasks/new",
+            {**form, "data": '{"a": 1}', "kept_file": token, "kept_file_name": "big.bin"},
+        )
+    assert fixed.status_code == 302
+    task = RemoteTask.objects.get()
+    part = task.request["message"]["parts"][2]
+    assert (part["filename"], part["mediaType"]) == ("big.bin", "application/x-big")
+    assert base64.b64decode(part["raw"]) == content
+    assert no_dispatch == [task.pk]
+    # Used: gone from Redis, so the token carries nothing any more.
+    again = people["ann"].post("/tasks/new", {**form, "data": "{}", "kept_file": token})
+    assert again.status_code == 400 and "no longer kept" in again.content.decode()
