@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
+import math
 import os
 import secrets
 from datetime import timedelta
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
@@ -39,17 +42,106 @@ from tasks_app.runtime.logs import FORMATS, formatter_config
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 
+_on_words = ("1", "true", "yes", "on")
+_off_words = ("0", "false", "no", "off")
+
+
 def env_flag(name: str, default: bool = False) -> bool:
-    value = os.environ.get(name)
-    if value is None or value == "":
+    """On/off; a typo is an error, not "off" (``DASHBOARD_PRODUCTION=ture`` must not run insecure)."""
+    text = os.environ.get(name, "").strip()
+    value = text.lower()
+    if not value:
         return default
-    return value.strip().lower() in {"1", "true", "yes", "on"}
+    if value in _on_words or value in _off_words:
+        return value in _on_words
+    raise ImproperlyConfigured(
+        f"{name} must be 1, true, yes or on (or 0, false, no or off), not {_shown(text)}."
+    )
 
 
 def env_list(name: str, default: list[str]) -> list[str]:
     value = os.environ.get(name, "")
     items = [item.strip() for item in value.split(",") if item.strip()]
     return items or default
+
+
+def _shown(text: str) -> str:
+    """The bad value, quoted and cut short (a pasted secret should not fill the screen)."""
+    return repr(text if len(text) <= 40 else f"{text[:37]}...")
+
+
+# Longest duration taken, per unit: past about this, timedelta arithmetic overflows at use.
+_century = {"seconds": 100 * 365 * 24 * 3600, "minutes": 100 * 365 * 24 * 60, "days": 100 * 365}
+
+
+def env_int(name: str, default: int, *, minimum: int, maximum: int | None = None) -> int:
+    """A whole number in range, or ImproperlyConfigured naming the setting; empty: the default."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value: int | None = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum or (maximum is not None and value > maximum):
+        bounds = f"of at least {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+        raise ImproperlyConfigured(f"{name} must be a whole number {bounds}, not {_shown(text)}.")
+    return value
+
+
+def _number(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None  # nan and inf pass float()
+
+
+def env_number(name: str, default: float, *, minimum: float = 0) -> float:
+    """A finite number of at least ``minimum`` (a rate, where 0 means off)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return float(default)
+    value = _number(text)
+    if value is None or value < minimum:
+        raise ImproperlyConfigured(
+            f"{name} must be a number of at least {minimum:g}, not {_shown(text)}."
+        )
+    return value
+
+
+def env_duration(
+    name: str, default: float, unit: str = "seconds", *, zero_ok: bool = False
+) -> float:
+    """A duration: more than 0 (or at least 0 where 0 means something), at most a century."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return float(default)
+    value = _number(text)
+    longest = _century[unit]
+    if value is None or value > longest or value < 0 or (value == 0 and not zero_ok):
+        bounds = f"from 0 to {longest}" if zero_ok else f"more than 0 and at most {longest}"
+        raise ImproperlyConfigured(
+            f"{name} must be a number of {unit} {bounds}, not {_shown(text)}."
+        )
+    return value
+
+
+def env_duration_or_off(name: str, default: float | None, unit: str = "seconds") -> float | None:
+    """A duration, or None for 0/off/false/no (the feature it times is off)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    value = _number(text)
+    if text.lower() in _off_words or value == 0:
+        return None
+    longest = _century[unit]
+    if value is None or not 0 < value <= longest:
+        raise ImproperlyConfigured(
+            f"{name} must be a number of {unit} more than 0 and at most {longest}, "
+            f"or 0 or off to turn it off, not {_shown(text)}."
+        )
+    return value
 
 
 PRODUCTION = env_flag("DASHBOARD_PRODUCTION")
@@ -204,8 +296,8 @@ AUTHENTICATION_BACKENDS = [
 # LOGIN_FAILURE_LIMIT failed logins for one username from one address lock that pair out for
 # LOGIN_COOLOFF_MINUTES; a good login before that resets the count. The address is REMOTE_ADDR:
 # behind a proxy run daphne with --proxy-headers so that it is the client's.
-AXES_FAILURE_LIMIT = int(os.environ.get("LOGIN_FAILURE_LIMIT", "10"))
-AXES_COOLOFF_TIME = timedelta(minutes=float(os.environ.get("LOGIN_COOLOFF_MINUTES", "15")))
+AXES_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 10, minimum=1)
+AXES_COOLOFF_TIME = timedelta(minutes=env_duration("LOGIN_COOLOFF_MINUTES", 15, "minutes"))
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_CALLABLE = "tasks_app.login_throttle.locked_out"
@@ -276,7 +368,7 @@ if PRODUCTION:
     CSRF_COOKIE_SECURE = True
     # Browsers remember to use https only; the proxy in front terminates TLS (and usually
     # redirects http), so the redirect here is off unless asked for.
-    SECURE_HSTS_SECONDS = int(os.environ.get("SECURE_HSTS_SECONDS", str(365 * 24 * 3600)))
+    SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 365 * 24 * 3600, minimum=0)
     SECURE_HSTS_INCLUDE_SUBDOMAINS = env_flag("SECURE_HSTS_INCLUDE_SUBDOMAINS")
     SECURE_SSL_REDIRECT = env_flag("SECURE_SSL_REDIRECT")
 
@@ -291,6 +383,13 @@ LOG_FORMAT = os.environ.get("LOG_FORMAT", "text").strip().lower() or "text"
 if LOG_FORMAT not in FORMATS:
     raise ImproperlyConfigured(
         f"LOG_FORMAT must be one of {', '.join(FORMATS)}, not {LOG_FORMAT!r}."
+    )
+# Checked here: logging would otherwise fail later with "Unable to configure root logger".
+_log_level = os.environ.get("LOG_LEVEL", "").strip()
+LOG_LEVEL = _log_level.upper() or "INFO"  # logging itself takes only upper-case names
+if LOG_LEVEL not in logging.getLevelNamesMapping():
+    raise ImproperlyConfigured(
+        f"LOG_LEVEL must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, not {_shown(_log_level)}."
     )
 LOGGING = {
     "version": 1,
@@ -311,7 +410,7 @@ LOGGING = {
             "filters": ["context_ids"],
         }
     },
-    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
     "loggers": {
         "httpx": {"level": "WARNING"},
         "daphne": {"level": "WARNING"},
@@ -324,70 +423,57 @@ LOGGING = {
 
 # Watcher tuning (see tasks_app/watchers.py); tests shorten these.
 # A killed worker's streams are taken over within about lease + reconcile period.
-WATCH_LEASE_SECONDS = float(os.environ.get("WATCH_LEASE_SECONDS", "4"))
-WATCH_SLICE_SECONDS = float(os.environ.get("WATCH_SLICE_SECONDS", "300"))
-WATCH_POLL_MIN_SECONDS = float(os.environ.get("WATCH_POLL_MIN_SECONDS", "1"))
-WATCH_POLL_MAX_SECONDS = float(os.environ.get("WATCH_POLL_MAX_SECONDS", "30"))
-RECONCILE_EVERY_SECONDS = float(os.environ.get("RECONCILE_EVERY_SECONDS", "2"))
-
-
-def _db_threads() -> int:
-    value = os.environ.get("WATCH_DB_THREADS", "8").strip()
-    if not value.isdigit() or int(value) < 1:
-        raise ImproperlyConfigured(
-            f"WATCH_DB_THREADS must be a whole number of at least 1, not {value!r}."
-        )
-    return int(value)
+WATCH_LEASE_SECONDS = env_duration("WATCH_LEASE_SECONDS", 4)
+WATCH_SLICE_SECONDS = env_duration("WATCH_SLICE_SECONDS", 300)
+WATCH_POLL_MIN_SECONDS = env_duration("WATCH_POLL_MIN_SECONDS", 1)
+WATCH_POLL_MAX_SECONDS = env_duration("WATCH_POLL_MAX_SECONDS", 30)
+RECONCILE_EVERY_SECONDS = env_duration("RECONCILE_EVERY_SECONDS", 2)
 
 
 # Threads per worker process for the watchers' database calls on PostgreSQL (SQLite always
 # uses one). Fewer threads leave more of the interpreter lock to the loop that reads the
 # streams and relays (P1's end burst: p99 52-62 ms with one), more keep up with many streams
 # starting at once (P2: 1,000 streams need several); docs/performance.md has the figures.
-WATCH_DB_THREADS = _db_threads()
+WATCH_DB_THREADS = env_int("WATCH_DB_THREADS", 8, minimum=1)
 # PostgreSQL: what agents say is committed without waiting for the WAL flush (synchronous_commit
 # off; a server crash may lose the last fraction of a second, never half a transaction): the
 # same durability as SQLite's WAL with synchronous=NORMAL above. "false" waits for every flush.
-RECORD_ASYNC_COMMIT = os.environ.get("RECORD_ASYNC_COMMIT", "true").strip().lower() != "false"
+RECORD_ASYNC_COMMIT = env_flag("RECORD_ASYNC_COMMIT", True)
 # SQLite: how often beat refreshes the query planner's statistics (tasks_app/runtime/sqlite_stats.py).
-SQLITE_ANALYZE_EVERY_SECONDS = float(os.environ.get("SQLITE_ANALYZE_EVERY_SECONDS", "3600"))
+SQLITE_ANALYZE_EVERY_SECONDS = env_duration("SQLITE_ANALYZE_EVERY_SECONDS", 3600)
 # /metrics answers a staff login, or this bearer token (for Prometheus); unset: staff only.
 METRICS_TOKEN = os.environ.get("METRICS_TOKEN", "").strip()
 # Workers also tick the reconciler (claimed once per period in Redis), so beat is no single point.
-RECONCILE_IN_WORKERS = os.environ.get("RECONCILE_IN_WORKERS", "1").strip().lower() not in (
-    "0",
-    "false",
-    "no",
-)
-WATCH_STREAM_IDLE_SECONDS = float(os.environ.get("WATCH_STREAM_IDLE_SECONDS", "60"))
-WATCH_BACKOFF_BASE_SECONDS = float(os.environ.get("WATCH_BACKOFF_BASE_SECONDS", "0.5"))
-WATCH_BACKOFF_MAX_SECONDS = float(os.environ.get("WATCH_BACKOFF_MAX_SECONDS", "30"))
-WATCH_MAX_EVENT_BYTES = int(os.environ.get("WATCH_MAX_EVENT_BYTES", str(8 * 1024 * 1024)))
+RECONCILE_IN_WORKERS = env_flag("RECONCILE_IN_WORKERS", True)
+WATCH_STREAM_IDLE_SECONDS = env_duration("WATCH_STREAM_IDLE_SECONDS", 60)
+WATCH_BACKOFF_BASE_SECONDS = env_duration("WATCH_BACKOFF_BASE_SECONDS", 0.5)
+WATCH_BACKOFF_MAX_SECONDS = env_duration("WATCH_BACKOFF_MAX_SECONDS", 30)
+WATCH_MAX_EVENT_BYTES = env_int("WATCH_MAX_EVENT_BYTES", 8 * 1024 * 1024, minimum=1)
 # A watcher that records nothing new this many turns in a row parks the task ("needs attention").
-WATCH_MAX_FRUITLESS_TURNS = int(os.environ.get("WATCH_MAX_FRUITLESS_TURNS", "8"))
+WATCH_MAX_FRUITLESS_TURNS = env_int("WATCH_MAX_FRUITLESS_TURNS", 8, minimum=1)
 
 # Budgets: what one agent may make us do (see docs/architecture.md, "Budgets").
 # Per task: events recorded per second, bytes of agent content stored in all.
-BUDGET_TASK_EVENTS_PER_SECOND = float(os.environ.get("BUDGET_TASK_EVENTS_PER_SECOND", "50"))
-BUDGET_TASK_BYTES = int(os.environ.get("BUDGET_TASK_BYTES", str(64 * 1024 * 1024)))
+BUDGET_TASK_EVENTS_PER_SECOND = env_number("BUDGET_TASK_EVENTS_PER_SECOND", 50)
+BUDGET_TASK_BYTES = env_int("BUDGET_TASK_BYTES", 64 * 1024 * 1024, minimum=1)
 # Per agent: protocol errors per minute before its tasks are parked.
-BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE = int(
-    os.environ.get("BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE", "20")
+BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE = env_int(
+    "BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE", 20, minimum=0
 )
 # A part's content larger than this is stored once (in the part row); the log row keeps a
 # reference (its digest and size) instead of a second copy.
-INLINE_CONTENT_BYTES = int(os.environ.get("INLINE_CONTENT_BYTES", str(64 * 1024)))
+INLINE_CONTENT_BYTES = env_int("INLINE_CONTENT_BYTES", 64 * 1024, minimum=0)
 
 # Retention (tasks_app/retention.py, manage.py prune): settled tasks older than this many
 # days are removed by a beat job every RETENTION_EVERY_SECONDS; unset or empty keeps every
 # task forever. With RETENTION_EXPORT_DIR each task is exported there first (JSON Lines).
-RETENTION_DAYS = float(os.environ.get("RETENTION_DAYS") or 0) or None
+RETENTION_DAYS = env_duration_or_off("RETENTION_DAYS", None, "days")
 RETENTION_EXPORT_DIR = os.environ.get("RETENTION_EXPORT_DIR", "").strip()
-RETENTION_EVERY_SECONDS = float(os.environ.get("RETENTION_EVERY_SECONDS", str(24 * 3600)))
+RETENTION_EVERY_SECONDS = env_duration("RETENTION_EVERY_SECONDS", 24 * 3600)
 
 # Deadlines on whole outbound calls (not only per read): a trickling answer fails.
-A2A_CALL_DEADLINE_SECONDS = float(os.environ.get("A2A_CALL_DEADLINE_SECONDS", "60"))
-A2A_SEND_DEADLINE_SECONDS = float(os.environ.get("A2A_SEND_DEADLINE_SECONDS", "600"))
+A2A_CALL_DEADLINE_SECONDS = env_duration("A2A_CALL_DEADLINE_SECONDS", 60)
+A2A_SEND_DEADLINE_SECONDS = env_duration("A2A_SEND_DEADLINE_SECONDS", 600)
 
 # The outbound (SSRF) guard: non-public addresses every server-side fetch may reach, as
 # CIDRs and host names (comma-separated). Empty: public addresses only. Link-local and
@@ -395,73 +481,100 @@ A2A_SEND_DEADLINE_SECONDS = float(os.environ.get("A2A_SEND_DEADLINE_SECONDS", "6
 OUTBOUND_ALLOW = env_list("OUTBOUND_ALLOW", [])
 
 # Import (ListTasks) jobs: at most this many pages, and this long in all.
-IMPORT_MAX_PAGES = int(os.environ.get("IMPORT_MAX_PAGES", "200"))
-IMPORT_DEADLINE_SECONDS = float(os.environ.get("IMPORT_DEADLINE_SECONDS", "600"))
+IMPORT_MAX_PAGES = env_int("IMPORT_MAX_PAGES", 200, minimum=1)
+IMPORT_DEADLINE_SECONDS = env_duration("IMPORT_DEADLINE_SECONDS", 600)
 
 # How much of an artifact the task page shows inline; the rest is a download.
-ARTIFACT_PREVIEW_BYTES = int(os.environ.get("ARTIFACT_PREVIEW_BYTES", str(64 * 1024)))
+ARTIFACT_PREVIEW_BYTES = env_int("ARTIFACT_PREVIEW_BYTES", 64 * 1024, minimum=1)
 
 # Push notifications (tasks_app/services/push.py, tasks_app/webhooks.py).
 # The dashboard's externally reachable base URL; without it push is not offered (agents
 # need somewhere to deliver). ``manage.py up --demo`` sets it to the local address.
 PUBLIC_URL = os.environ.get("PUBLIC_URL", "").strip().rstrip("/")
 # A webhook body larger than this is refused (413) before it is parsed.
-PUSH_MAX_BODY_BYTES = int(os.environ.get("PUSH_MAX_BODY_BYTES", str(1024 * 1024)))
+PUSH_MAX_BODY_BYTES = env_int("PUSH_MAX_BODY_BYTES", 1024 * 1024, minimum=1)
 # Accepted notifications per config, and requests per source address, per second (429 past it).
-PUSH_RATE_PER_CONFIG = int(os.environ.get("PUSH_RATE_PER_CONFIG", "200"))
-PUSH_RATE_PER_SOURCE = int(os.environ.get("PUSH_RATE_PER_SOURCE", "5000"))
+PUSH_RATE_PER_CONFIG = env_int("PUSH_RATE_PER_CONFIG", 200, minimum=1)
+PUSH_RATE_PER_SOURCE = env_int("PUSH_RATE_PER_SOURCE", 5000, minimum=1)
 # Refused requests (unknown config, bad credentials) per source address per minute: past it
 # that address gets 429 at once, before any lookup (a forger cannot make us work).
-PUSH_REFUSED_PER_SOURCE = int(os.environ.get("PUSH_REFUSED_PER_SOURCE", "60"))
+PUSH_REFUSED_PER_SOURCE = env_int("PUSH_REFUSED_PER_SOURCE", 60, minimum=1)
 # A push-watched task that hears nothing this long is polled (backing off up to the max).
-PUSH_SILENCE_SECONDS = float(os.environ.get("PUSH_SILENCE_SECONDS", "120"))
-PUSH_POLL_MAX_SECONDS = float(os.environ.get("PUSH_POLL_MAX_SECONDS", "600"))
+PUSH_SILENCE_SECONDS = env_duration("PUSH_SILENCE_SECONDS", 120)
+PUSH_POLL_MAX_SECONDS = env_duration("PUSH_POLL_MAX_SECONDS", 600)
 # Signed notifications: clock skew allowed on iat/exp, and the longest token life taken.
-PUSH_JWT_SKEW_SECONDS = float(os.environ.get("PUSH_JWT_SKEW_SECONDS", "30"))
-PUSH_JWT_MAX_LIFETIME_SECONDS = float(os.environ.get("PUSH_JWT_MAX_LIFETIME_SECONDS", "300"))
-PUSH_JWKS_CACHE_SECONDS = float(os.environ.get("PUSH_JWKS_CACHE_SECONDS", "300"))
+PUSH_JWT_SKEW_SECONDS = env_duration("PUSH_JWT_SKEW_SECONDS", 30, zero_ok=True)
+PUSH_JWT_MAX_LIFETIME_SECONDS = env_duration("PUSH_JWT_MAX_LIFETIME_SECONDS", 300)
+PUSH_JWKS_CACHE_SECONDS = env_duration("PUSH_JWKS_CACHE_SECONDS", 300, zero_ok=True)
 # A delivery seen within this long (same config, same body) is a repeat: it appends nothing.
-PUSH_DEDUPE_SECONDS = int(os.environ.get("PUSH_DEDUPE_SECONDS", str(24 * 3600)))
+PUSH_DEDUPE_SECONDS = env_int(
+    "PUSH_DEDUPE_SECONDS", 24 * 3600, minimum=1, maximum=_century["seconds"]
+)
 # The GetTask after notifications waits until the task's notifications pause this long
 # (a GetTask made at once is often ahead of notifications still in flight), at most the max.
-PUSH_REFRESH_DELAY_SECONDS = float(os.environ.get("PUSH_REFRESH_DELAY_SECONDS", "1"))
-PUSH_REFRESH_MAX_WAIT_SECONDS = float(os.environ.get("PUSH_REFRESH_MAX_WAIT_SECONDS", "10"))
+PUSH_REFRESH_DELAY_SECONDS = env_duration("PUSH_REFRESH_DELAY_SECONDS", 1, zero_ok=True)
+PUSH_REFRESH_MAX_WAIT_SECONDS = env_duration("PUSH_REFRESH_MAX_WAIT_SECONDS", 10, zero_ok=True)
 
 
 # Alerts (tasks_app/alerts.py): a beat job every ALERT_EVERY_SECONDS opens and resolves them.
 # A threshold of 0 (or "off") turns its rule off; ALERT_SEND_FAILED and ALERT_PARKED are on/off.
-def env_seconds(name: str, default: float) -> float | None:
-    value = os.environ.get(name, "").strip().lower()
-    if value in {"0", "off", "false", "no"}:
-        return None
-    return float(value) if value else default
-
-
-ALERT_EVERY_SECONDS = float(os.environ.get("ALERT_EVERY_SECONDS", "30"))
-ALERT_SILENT_WORKING_SECONDS = env_seconds("ALERT_SILENT_WORKING_SECONDS", 30 * 60)
-ALERT_QUESTION_WAITING_SECONDS = env_seconds("ALERT_QUESTION_WAITING_SECONDS", 60 * 60)
-ALERT_AGENT_UNREACHABLE_SECONDS = env_seconds("ALERT_AGENT_UNREACHABLE_SECONDS", 10 * 60)
+# ALERT_EVERY_SECONDS=0 leaves the job out of beat's schedule.
+ALERT_EVERY_SECONDS = env_duration("ALERT_EVERY_SECONDS", 30, zero_ok=True)
+ALERT_SILENT_WORKING_SECONDS = env_duration_or_off("ALERT_SILENT_WORKING_SECONDS", 30 * 60)
+ALERT_QUESTION_WAITING_SECONDS = env_duration_or_off("ALERT_QUESTION_WAITING_SECONDS", 60 * 60)
+ALERT_AGENT_UNREACHABLE_SECONDS = env_duration_or_off("ALERT_AGENT_UNREACHABLE_SECONDS", 10 * 60)
 ALERT_SEND_FAILED = env_flag("ALERT_SEND_FAILED", True)
 ALERT_PARKED = env_flag("ALERT_PARKED", True)
 # At most this many subjects per rule per evaluation (each rule is one bounded query).
-ALERT_MAX_PER_RULE = int(os.environ.get("ALERT_MAX_PER_RULE", "500"))
+ALERT_MAX_PER_RULE = env_int("ALERT_MAX_PER_RULE", 500, minimum=1)
 # Delivery, when set: one e-mail (Django's mail, EMAIL_* below) to these comma-separated
 # addresses, and/or one JSON POST to this URL (through the outbound guard: a webhook on a
 # private network needs OUTBOUND_ALLOW), each within the timeout. With the secret the body
 # is signed: X-Dashboard-Signature: sha256=<HMAC-SHA256 of the body, hex>.
 ALERT_EMAIL_TO = env_list("ALERT_EMAIL_TO", [])
 ALERT_EMAIL_FROM = os.environ.get("ALERT_EMAIL_FROM", "").strip()
-ALERT_WEBHOOK_URL = os.environ.get("ALERT_WEBHOOK_URL", "").strip()
+
+
+def _webhook_url() -> str:
+    """ALERT_WEBHOOK_URL, checked now: a bad port would otherwise fail every alerts page and
+    delivery. The message never shows the URL (its path, query or user part may be a secret)."""
+    url = os.environ.get("ALERT_WEBHOOK_URL", "").strip()
+    if not url:
+        return ""
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # e.g. an IPv6 address without its closing "]"
+        wrong = "it cannot be read as a URL"
+    else:
+        try:
+            port = parts.port
+        except ValueError:  # not a number, or past 65535
+            port = 0
+        if parts.scheme not in ("http", "https"):
+            wrong = "its scheme is not http or https"
+        elif not parts.hostname:
+            wrong = "it has no host"
+        elif port == 0:
+            wrong = "its port is not a number from 1 to 65535"
+        else:
+            return url
+    raise ImproperlyConfigured(
+        "ALERT_WEBHOOK_URL must be an http:// or https:// URL with a host and a valid port, "
+        f"but {wrong} (the value is not shown: it may hold a secret)."
+    )
+
+
+ALERT_WEBHOOK_URL = _webhook_url()
 ALERT_WEBHOOK_SECRET = os.environ.get("ALERT_WEBHOOK_SECRET", "")
-ALERT_DELIVERY_TIMEOUT_SECONDS = float(os.environ.get("ALERT_DELIVERY_TIMEOUT_SECONDS", "10"))
+ALERT_DELIVERY_TIMEOUT_SECONDS = env_duration("ALERT_DELIVERY_TIMEOUT_SECONDS", 10)
 ALERT_NOTIFY_RESOLVED = env_flag("ALERT_NOTIFY_RESOLVED", True)
 # How often an open overview or inbox page asks whether its alerts changed.
-ALERT_REFRESH_SECONDS = float(os.environ.get("ALERT_REFRESH_SECONDS", "5"))
+ALERT_REFRESH_SECONDS = env_duration("ALERT_REFRESH_SECONDS", 5)
 
 # Django's e-mail, from the environment (used by alert delivery).
 EMAIL_BACKEND = os.environ.get("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend")
 EMAIL_HOST = os.environ.get("EMAIL_HOST", "localhost")
-EMAIL_PORT = int(os.environ.get("EMAIL_PORT", "25"))
+EMAIL_PORT = env_int("EMAIL_PORT", 25, minimum=1, maximum=65535)
 EMAIL_HOST_USER = os.environ.get("EMAIL_HOST_USER", "")
 EMAIL_HOST_PASSWORD = os.environ.get("EMAIL_HOST_PASSWORD", "")
 EMAIL_USE_TLS = env_flag("EMAIL_USE_TLS")

@@ -452,12 +452,18 @@ def may_test(user: Any) -> bool:
 
 
 def webhook_origin(url: str) -> str:
-    """What of a webhook URL may be shown and stored: its origin (the rest may be a secret)."""
-    parts = urlsplit(url.strip())
+    """What of a webhook URL may be shown and stored: its origin (the rest may be a secret).
+
+    Never raises: the alerts page and delivery show it, and settings refuse a bad URL anyway.
+    """
+    try:
+        parts = urlsplit(url.strip())
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:  # a port that is no number or past 65535, an unclosed "[": no origin
+        return "(not a URL)"
     host = parts.hostname or ""
     if ":" in host:
         host = f"[{host}]"
-    port = f":{parts.port}" if parts.port else ""
     return f"{parts.scheme}://{host}{port}" if parts.scheme and host else "(not a URL)"
 
 

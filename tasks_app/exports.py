@@ -241,7 +241,11 @@ def write_atomically(path: Path, chunks: Iterable[bytes], mode: int = 0o600) -> 
     Returns the bytes written.
     """
     path = Path(path)
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    try:
+        fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    except OSError as exc:
+        # mkstemp's error names its random temporary file; the folder is what to fix.
+        raise type(exc)(exc.errno, exc.strerror, str(path.parent)) from exc
     written = 0
     try:
         os.fchmod(fd, mode)

@@ -110,7 +110,7 @@ class Command(BaseCommand):
 
     def _write(self, chunks: Iterator[bytes], output: str) -> None:
         if output:
-            written = exports.write_atomically(Path(output), chunks)
+            written = _write_file(Path(output), chunks)
             self.stderr.write(f"wrote {written} bytes to {output}")
             return
         out = getattr(self.stdout, "_out", sys.stdout)
@@ -121,6 +121,23 @@ class Command(BaseCommand):
             else:
                 out.write(chunk.decode("utf-8"))
         (binary or out).flush()
+
+
+def _write_file(path: Path, chunks: Iterator[bytes]) -> int:
+    """``--output``: the file, or a CommandError saying what is wrong with where it goes."""
+    folder = path.parent
+    # Checked before the first row is read: an operator's typo, not a traceback.
+    if not folder.is_dir():
+        missing = "does not exist" if not folder.exists() else "is not a folder"
+        raise CommandError(f"Cannot write --output {path}: the folder {folder} {missing}.")
+    if path.is_dir():
+        raise CommandError(f"Cannot write --output {path}: it is a folder; name a file in it.")
+    try:
+        return exports.write_atomically(path, chunks)
+    except OSError as exc:  # no permission to write in the folder, a full disk
+        raise CommandError(
+            f"Cannot write --output {path}: {exc.strerror or exc} (in the folder {folder})."
+        ) from exc
 
 
 def _line(row: Any) -> bytes:
