@@ -141,3 +141,11 @@ def test_a_large_file_kept_after_a_form_error_goes_with_the_next_try(
     # Used: gone from Redis, so the token carries nothing any more.
     again = people["ann"].post("/tasks/new", {**form, "data": "{}", "kept_file": token})
     assert again.status_code == 400 and "no longer kept" in again.content.decode()
+
+
+@pytest.mark.parametrize("ref", ["²", "9" * 5000])
+def test_audit_commands_take_a_reference_int_refuses_as_a_name(ref):
+    with pytest.raises(CommandError, match="matches|No task|no task"):
+        call_command("audit", "actions", "--agent", ref)
+    with pytest.raises(CommandError):
+        call_command("audit", "verify", ref)

@@ -21,6 +21,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import Q
 
 from tasks_app import actionlog, exports
+from tasks_app.a2a.safejson import whole_number
 from tasks_app.models import Agent, Project, RemoteTask
 from tasks_app.services.audit import replay, verify
 
@@ -161,7 +162,8 @@ def _line(row: Any) -> bytes:
 
 def _named(model: type, text: str, what: str) -> int:
     """An agent or project by id or exact name."""
-    query = Q(name=text) | (Q(pk=int(text)) if text.isdigit() else Q())
+    pk = whole_number(text)
+    query = Q(name=text) | (Q(pk=pk) if pk is not None else Q())
     pks = list(model.objects.filter(query).values_list("pk", flat=True)[:2])
     if len(pks) != 1:
         raise CommandError(f"{'no' if not pks else 'more than one'} {what} matches {text!r}.")
@@ -179,6 +181,7 @@ def _one_task(text: str) -> RemoteTask:
 
 def _lookup(text: str) -> Q:
     query = Q(remote_id=text)
-    if text.isdigit():
-        query |= Q(pk=int(text))
+    pk = whole_number(text)
+    if pk is not None:
+        query |= Q(pk=pk)
     return query
