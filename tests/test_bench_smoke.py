@@ -55,7 +55,8 @@ def by_row(rows: list, name: str) -> list:
 def test_in_process_rows_are_sane(quick_rows: list) -> None:
     (p3,) = by_row(quick_rows, "P3")
     assert p3.extra["relayed"] == p3.extra["n"]
-    assert p3.extra["rate"] > 0 and p3.extra["floor_rate"] > p3.extra["rate"] / 100
+    # Figures, not verdicts: how fast is for the benchmark to say, on a quiet machine.
+    assert p3.extra["rate"] > 0 and p3.extra["floor_rate"] > 0
     (p4,) = by_row(quick_rows, "P4")
     assert p4.extra["lost"] == 0 and p4.extra["t_large"] > 0
     p5 = by_row(quick_rows, "P5")
@@ -67,7 +68,8 @@ def test_in_process_rows_are_sane(quick_rows: list) -> None:
 def test_end_to_end_rows_lose_nothing(quick_rows: list) -> None:
     (p1,) = by_row(quick_rows, "P1")
     assert p1.extra["lost"] == 0 and p1.extra["samples"] > 0 and p1.extra["floor_samples"] > 0
-    assert 0 < p1.extra["p50"] < 10 and not math.isnan(p1.extra["floor_p50"])
+    assert p1.extra["p50"] > 0 and math.isfinite(p1.extra["p50"])
+    assert math.isfinite(p1.extra["floor_p50"])
     (p6,) = by_row(quick_rows, "P6")
     assert p6.extra["complete"] == p6.extra["browsers"]
     (p7,) = by_row(quick_rows, "P7")
