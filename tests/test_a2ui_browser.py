@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from urllib.parse import parse_qs
 
 import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
@@ -230,7 +231,12 @@ def test_two_people_submitting_at_once_yield_one_action(page, second_context, st
         pages = {ui.USERNAME: page, SECOND: other}
         for who, p in pages.items():
             p.wait_for_selector("#a2ui-surfaces .a2ui-surface form.a2ui-form")
-            p.fill("#a2ui-surfaces [data-a2ui-id=name] input", who)
+            # Typed once a2ui.js has looked at the surfaces after the socket synced (see
+            # test_typing_keeps_its_place_while_events_arrive for what a redraw must keep).
+            p.wait_for_selector("#a2ui-surfaces[data-refreshed]", state="attached")
+            name = p.locator("#a2ui-surfaces [data-a2ui-id=name] input")
+            name.fill(who)
+            assert name.get_attribute("data-a2ui-dirty") == "1"  # the script saw it typed
         # Both press at once: both requests pass every check and wait inside the window
         # (at the compare-and-set's transaction) until the lock is released.
         heard: dict[str, list[str]] = {who: [] for who in pages}
@@ -239,12 +245,36 @@ def test_two_people_submitting_at_once_yield_one_action(page, second_context, st
                 "response",
                 lambda r, w=who: heard[w].append(f"{r.request.method} {r.url} {r.status}"),
             )
+        act_url = f"{stack.base_url}/tasks/{pk}/surfaces/act/"
+
+        def is_submit(request) -> bool:
+            return request.method == "POST" and request.url == act_url
+
+        answered: dict[str, list[int]] = {who: [] for who in pages}
+        for who, p in pages.items():
+            p.on(
+                "response",
+                lambda r, w=who: answered[w].append(r.status) if is_submit(r.request) else None,
+            )
+        submits = {}
         with database_write_lock(stack):
-            for p in pages.values():
-                p.click("#a2ui-surfaces button.a2ui-button", no_wait_after=True)
-            time.sleep(2)
+            for who, p in pages.items():
+                with p.expect_request(is_submit) as submit:
+                    p.click("#a2ui-surfaces button.a2ui-button", no_wait_after=True)
+                form = parse_qs(submit.value.post_data or "")
+                assert [who] in form.values(), form  # this person's form, with their name
+                submits[who] = submit.value
+            released = time.time()  # both submits are on their way; the lock goes now
         for who, p in pages.items():
             wait_flash(p, who, heard[who], stack, pk)
+        assert answered == {who: [302] for who in pages}, answered  # each sent back to the task
+        # Both were in flight together: each was sent while the lock was held (its request
+        # was seen above) and answered only after the lock went (the browser's clock, the
+        # machine's, as ours), so the two raced the window, not one after the other.
+        for who, request in submits.items():
+            timing = request.timing
+            answered_at = (timing["startTime"] + timing["responseStart"]) / 1000
+            assert timing["responseStart"] > 0 and answered_at > released, (who, timing, released)
         flashes = {who: p.inner_text(".flash") for who, p in pages.items()}
         winners = [who for who, text in flashes.items() if "Sent to the agent" in text]
         assert len(winners) == 1, flashes
@@ -259,6 +289,39 @@ def test_two_people_submitting_at_once_yield_one_action(page, second_context, st
         ) == [(1,)]
     finally:
         other.close()
+
+
+def test_typing_keeps_its_place_while_events_arrive(page, stack, a2ui_agents):
+    """Every event on the task page makes a2ui.js ask the server for the surfaces again. It
+    put the block back even when nothing had changed, which took the focus from the input
+    being typed in: the rest of the word went nowhere (the two-people test lost a name so)."""
+    agent_pk, _ = a2ui_agents["0.9.1"]
+    start(page, agent_pk, "form")
+    wait_state(page, "input required")
+    box = page.locator("#a2ui-surfaces")
+    page.wait_for_selector("#a2ui-surfaces[data-refreshed]", state="attached")
+    name = page.locator("#a2ui-surfaces [data-a2ui-id=name] input")
+    name.click()
+    page.keyboard.type("Ada ")
+    for _ in range(3):  # the surfaces looked at again, unchanged, as each event makes them
+        seen = int(box.get_attribute("data-refreshed") or 0)
+        page.evaluate("() => window.A2UI.refresh()")
+        page.wait_for_function(
+            f"() => Number(document.getElementById('a2ui-surfaces').dataset.refreshed) > {seen}"
+        )
+        assert name.evaluate("el => el === document.activeElement")
+    page.keyboard.type("Lovelace")
+    assert name.input_value() == "Ada Lovelace"
+    # A surface drawn anew (the server's drawing changed) keeps what was typed, and the focus.
+    page.evaluate(
+        "() => { document.querySelector('#a2ui-surfaces .a2ui-surface').dataset.a2uiKey = 'old';"
+        " window.A2UI.refresh(); }"
+    )
+    page.wait_for_function(
+        "() => document.querySelector('#a2ui-surfaces .a2ui-surface').dataset.a2uiKey !== 'old'"
+    )
+    fresh = page.locator("#a2ui-surfaces [data-a2ui-id=name] input")
+    assert fresh.input_value() == "Ada Lovelace"
 
 
 def test_xss_payloads_in_a_surface_never_execute(page, stack, a2ui_agents):

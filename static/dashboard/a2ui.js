@@ -306,8 +306,17 @@
         if (old) { carryTyped(old, el); carryView(old, el); }
         next.push(el);
       });
-      box.replaceChildren(...next);
+      // Put in only what changed: taking out a surface kept as it was would take the focus
+      // (and the keys being typed) from its input on every event that arrives.
+      const kept = Array.from(box.children);
+      const unchanged = next.length === kept.length && next.every((el, i) => kept[i] === el);
+      if (!unchanged) {
+        const focused = box.contains(document.activeElement) ? document.activeElement : null;
+        box.replaceChildren(...next);
+        if (focused && focused.isConnected) focused.focus();
+      }
       upgrade(box);
+      box.dataset.refreshed = String(Number(box.dataset.refreshed || 0) + 1);
     } finally {
       busy = false;
       if (again) { again = false; schedule(); }
