@@ -19,6 +19,7 @@ from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from django.core.mail.utils import DNS_NAME
 from django.db import connection
 from django.test import Client
 from django.urls import reverse
@@ -70,8 +71,12 @@ def status(task_id: str, state: str, text: str) -> dict:
 
 
 @pytest.fixture(autouse=True)
-def alert_settings(settings) -> None:
-    """Every rule on with known thresholds; no channel unless a test sets one."""
+def alert_settings(settings, monkeypatch) -> None:
+    """Every rule on with known thresholds; no channel unless a test sets one.
+
+    The host name Django's mail code gives (Message-ID, the SMTP greeting) is set here: left
+    alone it is ``socket.getfqdn()``, a real lookup the loopback hook refuses."""
+    monkeypatch.setattr(DNS_NAME, "_fqdn", "dashboard.test", raising=False)
     settings.ALERT_SILENT_WORKING_SECONDS = 60
     settings.ALERT_QUESTION_WAITING_SECONDS = 120
     settings.ALERT_AGENT_UNREACHABLE_SECONDS = 300

@@ -21,7 +21,7 @@ from tasks_app.models import PushConfig, RemoteTask, TaskEvent
 from tasks_app.services import push as push_services
 from tasks_app.services import tasks as task_services
 from tasks_app.services.agents import add_agent
-from tests.agents import AgentHandle, free_port
+from tests.agents import REPO_ROOT, AgentHandle, free_port
 from tests.test_mirror import agent_call, assert_converged, assert_log_is_gapless, wait_for
 
 # agent: the signing agent is a demo agent started here (signing_agent).
@@ -38,11 +38,13 @@ def web(start_daphne, settings):
 def start_signing_agent() -> AgentHandle:
     """The demo agent with ``--sign-push``: its notifications carry an ES256 JWT."""
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    env = dict(os.environ)
+    # Prepended: the loopback-only hook's folder (tests/conftest.py) stays on the path.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.Popen(
         [sys.executable, "-m", "tasks_app.demo_agent", "--host", "127.0.0.1", "--port", str(port),
          "--delay", "0.05", "--sign-push"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     handle = AgentHandle(base_url=f"http://127.0.0.1:{port}", port=port, process=proc)
     deadline = time.monotonic() + 20

@@ -197,13 +197,30 @@ def test_the_connect_hook_stops_connects_off_loopback(tmp_path: Path) -> None:
         sock.setblocking(False)
         with pytest.raises(loopback_hook.OffLoopback, match=r"10\.0\.0\.1:9"):
             sock.connect(("10.0.0.1", 9))
-    with pytest.raises(loopback_hook.OffLoopback, match="must be stubbed"):
-        socket.getaddrinfo("metadata.internal.test", 80)
+    # Every name but localhost, whatever its TLD. AI_NUMERICHOST: were the hook not to stop
+    # the lookup, the resolver would fail it in place rather than ask a DNS server.
+    looked_up = ["metadata.internal.test", "example.org", "e.org", "dash.example.com"]
+    for name in looked_up:
+        with pytest.raises(loopback_hook.OffLoopback, match="must be stubbed"):
+            socket.getaddrinfo(name, 80, flags=socket.AI_NUMERICHOST)
     assert loopback_hook.refused[mark:] == [
         "connect to 10.0.0.1:9",
-        "real name lookup of metadata.internal.test",
+        *(f"real name lookup of {name}" for name in looked_up),
     ]
     del loopback_hook.refused[mark:]  # expected here; any other would fail the test
+    # localhost and IP literals (parsed, not looked up) resolve; so does a wildcard bind.
+    for host in ("localhost", "127.0.0.1", "::1", "10.0.0.1", None):
+        assert socket.getaddrinfo(host, 80, type=socket.SOCK_STREAM), host
+    # The other lookups, judged without calling them (a real one could ask DNS).
+    lookup = loopback_hook.real_lookup
+    assert lookup("socket.gethostbyname", ("example.org",)) == "example.org"
+    assert lookup("socket.gethostbyname_ex", ("e.org",)) == "e.org"
+    assert lookup("socket.gethostbyname", ("localhost",)) is None
+    assert lookup("socket.gethostbyaddr", ("93.184.216.34",)) == "93.184.216.34"  # PTR: DNS
+    assert lookup("socket.gethostbyaddr", ("127.0.0.1",)) is None
+    assert lookup("socket.getnameinfo", (("10.0.0.1", 80),)) == "10.0.0.1"
+    assert lookup("socket.getnameinfo", (("::1", 80, 0, 0),)) is None
+    assert loopback_hook.refused[mark:] == []
 
     # Children get it through sitecustomize (PYTHONPATH); their log is checked after each test.
     log = tmp_path / "child.log"

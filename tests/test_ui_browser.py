@@ -12,12 +12,15 @@ Screenshots of the main pages go to ``test-artifacts/screenshots/``.
 from __future__ import annotations
 
 import re
+import socket
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from tests.agents import REPO_ROOT
+from tests.serving import serve_in_thread, stop_serving
 from tests.ui_stack import Stack, chromium, running_stack
 
 # The stack (tests/ui_stack.py): migrate and a login made by commands, daphne, a Celery worker.
@@ -67,6 +70,68 @@ def page(context):
     p = context.new_page()
     yield p
     p.close()
+
+
+class _HostEcho(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        if self.path != "/":  # the browser's own /favicon.ico
+            self.send_error(404)
+            return
+        self.server.hosts.append(self.headers["Host"])  # type: ignore[attr-defined]
+        body = f"reached {self.headers['Host']}".encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class _HostEcho6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
+def test_chromium_resolves_no_name_but_localhost() -> None:
+    """CHROMIUM_ARGS keep the browser on loopback: 127.0.0.1, [::1] and localhost load, any
+    other name resolves to nothing. The names tried are ones Chromium would otherwise send to
+    loopback itself (``*.localhost``) or find in /etc/hosts' loopback lines, never a DNS
+    server, so a broken flag could not send a packet off this machine either."""
+    v4 = ThreadingHTTPServer(("127.0.0.1", 0), _HostEcho)
+    v6 = _HostEcho6(("::1", 0, 0, 0), _HostEcho)
+    for server in (v4, v6):
+        server.hosts = []  # type: ignore[attr-defined]
+        serve_in_thread(server)
+    port4, port6 = v4.server_address[1], v6.server_address[1]
+    local_hosts = [socket.gethostname()] if _on_loopback(socket.gethostname()) else []
+    try:
+        with chromium() as browser:
+            page = browser.new_page()
+            for host, port in (("127.0.0.1", port4), ("localhost", port4), ("[::1]", port6)):
+                page.goto(f"http://{host}:{port}/", timeout=15_000)
+                assert page.inner_text("body") == f"reached {host}:{port}"
+            for name in ["dash.localhost", *local_hosts]:
+                with pytest.raises(Exception, match="ERR_NAME_NOT_RESOLVED"):
+                    page.goto(f"http://{name}:{port4}/", timeout=15_000)
+    finally:
+        stop_serving(v4)
+        stop_serving(v6)
+    assert v4.hosts == [f"127.0.0.1:{port4}", f"localhost:{port4}"]  # type: ignore[attr-defined]
+    assert v6.hosts == [f"[::1]:{port6}"]  # type: ignore[attr-defined]
+
+
+def _on_loopback(name: str) -> bool:
+    """Whether /etc/hosts maps ``name`` to a loopback address (read here: no lookup)."""
+    try:
+        lines = open("/etc/hosts", encoding="utf-8").read().splitlines()  # noqa: SIM115
+    except OSError:
+        return False
+    for line in lines:
+        address, *names = line.split("#", 1)[0].split() or [""]
+        if name in names and (address.startswith("127.") or address == "::1"):
+            return True
+    return False
 
 
 def shot(page, name: str) -> None:

@@ -5,7 +5,9 @@ worker are stubbed where noted (the browser tests run the real thing)."""
 from __future__ import annotations
 
 import base64
+import json
 import re
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from html.parser import HTMLParser
 
@@ -350,7 +352,21 @@ def test_add_agent_preview_lists_card_problems(client_in, bad_server):
         "/agents/add/", {"url": bad_server.url_for("card03"), "action": "preview"}
     )
     html = response.content.decode()
-    assert "Problems found" in html or "Could not read" in html
+    # The card was read (a 0.3 card): its preview lists what is wrong with it.
+    assert "Could not read" not in html
+    assert "<h2>Card preview: Old Agent</h2>" in html
+    problems = re.search(
+        r'<div class="problems" role="alert">\s*<h3>Problems found</h3>\s*<ul>(.*?)</ul>',
+        html,
+        re.S,
+    )
+    assert problems, "no list of problems in the preview"
+    items = re.findall(r"<li>(.*?)</li>", problems.group(1))
+    assert (
+        "agent speaks A2A 0.3 (top-level url/preferredTransport, no supportedInterfaces); "
+        "0.3 is not supported yet"
+    ) in items
+    assert "No interface this dashboard speaks: the agent cannot be saved." in html
     assert 'value="save"' not in html
 
 
@@ -413,14 +429,14 @@ def test_new_task_bad_json_keeps_everything(
     assert "my long message" in html and "{&quot;a&quot;: 1," in html
     assert "Kept from before: <b>notes.txt</b>" in html
     kept = re.search(r'name="kept_file" value="([^"]+)"', html).group(1)
-    assert base64.b64decode(kept) == b"hello file"
+    assert "hello file" not in html and len(kept) < 100  # a token: the file waits in Redis
     assert not RemoteTask.objects.exists()
     # Fix the JSON: the kept file goes with the message.
     with django_capture_on_commit_callbacks(execute=True):
         fixed = client_in.post(
             "/tasks/new",
             {"agent": demo_agent_row.pk, "text": "my long message", "data": '{"a": 1}', "mode": "auto",
-             "kept_file": kept, "kept_file_name": "notes.txt", "kept_file_type": "text/plain"},
+             "kept_file": kept, "kept_file_name": "notes.txt"},
         )  # fmt: skip
     task = RemoteTask.objects.get()
     assert fixed.status_code == 302 and fixed["Location"] == f"/tasks/{task.pk}/"
@@ -467,7 +483,7 @@ def test_task_page_sanitizes_agent_content(client_in, rich_task):
     assert response.status_code == 200
     # Nothing from the agent becomes a script or a javascript: link.
     assert_safe_html(html)
-    assert "&lt;script&gt;alert(" in html  # shown as text, not run
+    assert "<p>&lt;script&gt;alert('xss')&lt;/script&gt;</p>" in html  # shown as text, not run
     assert (
         '<a href="https://example.org/" target="_blank" rel="noopener noreferrer">safe link</a>'
         in html
@@ -481,7 +497,13 @@ def test_task_page_sanitizes_agent_content(client_in, rich_task):
     assert html.count('class="artifact"') == 4
     # The log and its raw JSON, escaped.
     assert html.count('<tr data-seq="') == rich_task.last_seq
-    assert "&lt;script&gt;alert(&#x27;xss&#x27;)&lt;/script&gt;" in html or "&lt;script&gt;" in html
+    # The raw JSON keeps the agent's text, escaped (quotes too): the markdown artifact...
+    assert (
+        "&quot;text&quot;: &quot;# Demo report\\n\\nSome **bold** text and a [safe link]"
+        "(https://example.org/).\\n\\n&lt;script&gt;alert(&#x27;xss&#x27;)&lt;/script&gt;\\n"
+    ) in html
+    # ... and the question of the status update.
+    assert "&quot;text&quot;: &quot;Your **name**? &lt;script&gt;bad()&lt;/script&gt;&quot;" in html
 
 
 def test_live_fragments_are_sanitized(client_in, rich_task):
@@ -673,13 +695,17 @@ COLUMNS = """remote_id, context_id, title, phase, mode, state, metadata, request
              created_at, updated_at, agent_id"""
 BULK_TASKS_SQL = {
     # 100,000 rows in one statement (Django's bulk_create would take half a minute).
+    # SQLite compares the stored text, so it is written as Django writes the same moment (a
+    # cursor's bound is compared with it): "...:05.250000". Django writes a whole second as
+    # "...:05"; stored as "...:05.000000" it sorted after that bound, and the last row of a page
+    # of an oldest-first list came back on the next page.
     "sqlite": f"""
         WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < 99999)
         INSERT INTO tasks_app_remotetask ({COLUMNS})
         SELECT '', '', 'bulk ' || i, 'task', 'auto', {STATE_CASE},
             '{{}}', '{{}}', '', 'none', 'idle', '', '', '', 0,
-            strftime('%%Y-%%m-%%d %%H:%%M:%%S', 'now', '-' || i || ' seconds') || '.000000',
-            strftime('%%Y-%%m-%%d %%H:%%M:%%S', 'now', '-' || i || ' seconds') || '.000000',
+            strftime('%%Y-%%m-%%d %%H:%%M:%%S', 'now', '-' || i || ' seconds') || '.250000',
+            strftime('%%Y-%%m-%%d %%H:%%M:%%S', 'now', '-' || i || ' seconds') || '.250000',
             CASE i %% 2 WHEN 1 THEN %s ELSE %s END
         FROM n""",
     "postgresql": f"""
@@ -701,13 +727,25 @@ def test_task_list_pages_through_100k_tasks(client_in, demo_agent_row):
     with connection.cursor() as cursor:
         cursor.execute(BULK_TASKS_SQL[connection.vendor], [demo_agent_row.pk, other.pk])
     assert RemoteTask.objects.count() == 100_000
-    urls = [
-        "/tasks/",
-        "/tasks/?state=TASK_STATE_INPUT_REQUIRED",
-        f"/tasks/?agent={demo_agent_row.pk}&state=TASK_STATE_WORKING",
-        "/tasks/?sort=created",
-    ]
-    for url in urls:
+    # Task i ("bulk i"): state by i % 4 (STATE_CASE), the demo agent's when i is odd, updated
+    # and created i seconds ago. So each list's order is known: the newest first (i up), or
+    # with sort=created the oldest first (i down).
+    states = ["TASK_STATE_COMPLETED", "TASK_STATE_WORKING", "TASK_STATE_FAILED",
+              "TASK_STATE_INPUT_REQUIRED"]  # fmt: skip
+    demo, other_name = "Demo &lt;b&gt;agent&lt;/b&gt;", "other"
+
+    def row(i: int) -> tuple[int, str, str]:
+        return i, demo if i % 2 else other_name, states[i % 4]
+
+    newest_first, oldest_first = range(100_000), range(99_999, -1, -1)
+    lists = [
+        ("/tasks/", newest_first, lambda i: True),
+        ("/tasks/?state=TASK_STATE_INPUT_REQUIRED", newest_first, lambda i: i % 4 == 3),
+        (f"/tasks/?agent={demo_agent_row.pk}&state=TASK_STATE_WORKING", newest_first,
+         lambda i: i % 4 == 1),
+        ("/tasks/?sort=created", oldest_first, lambda i: True),
+    ]  # fmt: skip
+    for url, order, matches in lists:
         html = client_in.get(url).content.decode()
         assert "More than 1000 tasks match" in html
         next_url = (
@@ -716,6 +754,162 @@ def test_task_list_pages_through_100k_tasks(client_in, demo_agent_row):
             .replace("&amp;", "&")
         )
         page2 = client_in.get("/tasks/" + next_url).content.decode()
+        first, second = list_rows(html), list_rows(page2)
+        assert first and second, url
+        # Page 2 goes on where page 1 stopped: the next matching tasks, in order, no repeats.
+        expected = [row(i) for i in order if matches(i)][: len(first) + len(second)]
+        assert first + second == expected, url
+        assert not {r[0] for r in first} & {r[0] for r in second}, url
         if url == "/tasks/":
-            assert re.findall(r">bulk (\d+)<", page2)[:2] == ["50", "51"]
+            assert [r[0] for r in second[:2]] == [50, 51]
     assert client_in.get("/").status_code == 200
+
+
+def list_rows(html: str) -> list[tuple[int, str, str]]:
+    """(n, agent, state) of each "bulk n" row of the task list, as the page shows them."""
+    rows = []
+    for chunk in html.split('<tr id="task-row-')[1:]:
+        chunk = chunk.split("</tr>", 1)[0]
+        found = re.search(
+            r'<td><a href="/tasks/\d+/">bulk (\d+)</a>.*?</td>\s*<td>(.*?)</td>\s*'
+            r'<td class="state-cell"><span [^>]*data-state="([A-Z_]+)"',
+            chunk,
+            re.S,
+        )
+        assert found, f"a task row without title, agent or state: {chunk[:300]}"
+        rows.append((int(found.group(1)), found.group(2), found.group(3)))
+    return rows
+
+
+# Cards with wrongly typed fields (an agent's JSON, stored as it came) -----------------------
+
+ODD_CARD = {
+    "name": "Odd card",
+    "description": "types all wrong",
+    "version": "1",
+    "provider": "x",
+    "capabilities": [],
+    "supportedInterfaces": "x",
+    "defaultInputModes": 4,
+    "securitySchemes": [1],
+    "securityRequirements": 7,
+    "skills": [1, "x", {"id": "fine", "name": "Fine skill", "tags": 5, "examples": 7}],
+}
+ODD_CARDS = [
+    ODD_CARD,
+    {**ODD_CARD, "skills": 1, "supportedInterfaces": 1, "provider": {"organization": ["o"]}},
+    {**ODD_CARD, "capabilities": {"extensions": 3, "streaming": "yes"}, "skills": {"a": 1}},
+    {**ODD_CARD, "supportedInterfaces": [1, {"url": 5, "protocolBinding": ["JSONRPC"]}]},
+    [1, 2],
+    "a card",
+]
+
+
+def odd_agent(card: object) -> Agent:
+    # card_problems empty: as if stored before they were checked (or edited by hand).
+    n = Agent.objects.count()
+    return Agent.objects.create(
+        name=f"odd {n}",
+        base_url=f"http://127.0.0.1:9/{n}/",
+        interface_url="",
+        binding="",
+        card=card,
+    )
+
+
+@pytest.mark.parametrize("card", ODD_CARDS)
+def test_agent_page_shows_a_wrongly_typed_card_and_its_problems(client_in, card):
+    agent = odd_agent(card)
+    response = client_in.get(f"/agents/{agent.pk}/")
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert_safe_html(html)
+    assert "Card problems" in html
+    if isinstance(card, dict):
+        assert "Odd card" in html
+        if isinstance(card["skills"], list):
+            # The one well-formed skill is shown; the items of the wrong type are skipped.
+            assert "Fine skill" in html and "skills[0]: must be an object, got int" in html
+            assert "skills[2].tags: must be an array of strings, got int" in html
+        else:
+            assert "skills: must be an array" in html
+    else:
+        assert "agent card must be a JSON object" in html
+
+
+def test_agent_page_keeps_the_stored_problems_and_adds_the_card_own(client_in):
+    agent = odd_agent({**ODD_CARD, "skills": 1})
+    agent.card_problems = ["interface http://x/: refused", "skills: must be an array"]
+    agent.save()
+    html = client_in.get(f"/agents/{agent.pk}/").content.decode()
+    assert "interface http://x/: refused" in html and "provider: must be an object" in html
+    assert html.count("skills: must be an array") == 1  # once, though both lists have it
+
+
+def test_new_task_page_skips_skills_of_the_wrong_type(client_in):
+    odd_agent({**ODD_CARD, "skills": 1})
+    odd_agent(ODD_CARD)
+    odd_agent([1, 2])
+    response = client_in.get("/tasks/new")
+    assert response.status_code == 200 and "Fine skill" in response.content.decode()
+
+
+@pytest.fixture
+def odd_card_server() -> Iterator[Callable[[object], str]]:
+    """A card server on 127.0.0.1 whose card is whatever the test sets; gives its URL."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tests.serving import serve_in_thread, stop_serving
+
+    served: dict[str, object] = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:  # keep test output quiet
+            pass
+
+        def do_GET(self) -> None:
+            data = json.dumps(served["card"]).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    serve_in_thread(server)
+
+    def serve(card: object) -> str:
+        served["card"] = card
+        return f"http://127.0.0.1:{server.server_address[1]}/"
+
+    yield serve
+    stop_serving(server)
+
+
+@pytest.mark.parametrize("card", [c for c in ODD_CARDS if isinstance(c, dict)])
+def test_card_preview_shows_a_wrongly_typed_card_and_its_problems(client_in, odd_card_server, card):
+    url = odd_card_server(card)
+    response = client_in.post("/agents/add/", {"url": url, "action": "preview"})
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert_safe_html(html)
+    assert 'id="card-preview"' in html and "Problems found" in html
+    assert "supportedInterfaces: must be an array" in html or "supportedInterfaces[0]" in html
+    assert 'value="save"' not in html  # no interface: nothing to save
+    if isinstance(card["skills"], list):
+        assert "Fine skill" in html
+    assert not Agent.objects.exists()
+
+
+def test_agent_page_bounds_the_problems_of_a_card(client_in):
+    from tasks_app.a2a import validate_card
+
+    card = {**ODD_CARD, "skills": list(range(5000))}
+    problems = len(validate_card(card))
+    assert problems > 5000
+    agent = odd_agent(card)
+    html = client_in.get(f"/agents/{agent.pk}/").content.decode()
+    shown = re.search(r'id="card-problems">(.*?)</div>', html, re.S).group(1)
+    assert shown.count("<li>") == 101 and "skills[0]: must be an object, got int" in shown
+    assert f"… and {problems - 100} more problems" in shown

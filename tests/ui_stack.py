@@ -26,7 +26,15 @@ from tests.agents import REPO_ROOT, free_port
 from tests.people import MEMBER_SOURCE
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's chromium; .ci/run installs it
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+# The Python connect hook (tests/loopback_only) does not reach Chromium: these flags keep it on
+# loopback. Every name but localhost resolves to nothing, and so does every IP literal but the
+# loopback ones the tests use (Chromium maps literals too: without "EXCLUDE ::1", [::1] fails).
+# No DNS prefetch, no background requests (updates, safe browsing, ...).
+LOOPBACK_RESOLVER_RULES = "MAP * ~NOTFOUND, EXCLUDE 127.0.0.1, EXCLUDE ::1, EXCLUDE localhost"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    f"--host-resolver-rules={LOOPBACK_RESOLVER_RULES}", "--dns-prefetch-disable",
+]  # fmt: skip
 
 
 @contextlib.contextmanager

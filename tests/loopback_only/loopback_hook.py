@@ -8,9 +8,13 @@ stops the connect before any packet. Installed in the pytest process by
 ``PYTHONPATH`` (its ``sitecustomize.py``); children append what they refused to the file
 named by ``LOOPBACK_ONLY_LOG``, which the conftest checks after each test.
 
-Name resolution is covered too: the test names (``*.test``, ``*.internal``, ...) are
-stubbed in the tests; should a stub not be in place, resolving such a name for real is
-refused here instead of asking a DNS server off this machine.
+Name resolution is covered too: every real lookup of a name other than ``localhost``
+(``getaddrinfo``, ``gethostbyname``, ``gethostbyaddr``, ``getnameinfo``) is refused, since it
+could ask a DNS server off this machine. The names the tests use (``*.test``, ``example.org``,
+``dash.example.com``, ...) are stubbed where a lookup is meant to happen; should a stub not be
+in place, the lookup is refused here. IP literals are "resolved" without the network and
+pass (a connect to one off loopback is refused above), except reverse lookups of addresses
+off loopback, which ask DNS.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ import sys
 from typing import Any
 
 LOG_ENV = "LOOPBACK_ONLY_LOG"
-# Names the tests make up; resolving one for real would ask a DNS server off loopback.
-TEST_SUFFIXES = (".test", ".internal", ".invalid", ".example")
+# The only name resolved for real (from /etc/hosts): every other one could ask a DNS server.
+LOCAL_NAMES = frozenset({"localhost"})
 
 refused: list[str] = []  # what this process was stopped from doing (never cleared by the hook)
 # Every inet connect attempted here, allowed or not (the latest ones).
@@ -32,7 +36,7 @@ _installed = False
 
 
 class OffLoopback(ConnectionRefusedError):
-    """Raised by the hook: a connect off loopback (or a real lookup of a test name)."""
+    """Raised by the hook: a connect off loopback (or a real lookup of a name)."""
 
 
 def off_loopback(address: Any) -> str | None:
@@ -54,6 +58,49 @@ def off_loopback(address: Any) -> str | None:
     if ip.is_loopback or (mapped is not None and mapped.is_loopback):
         return None
     return f"{ip}:{address[1]}"
+
+
+def _text(host: Any) -> str | None:
+    if isinstance(host, bytes | bytearray):
+        return bytes(host).decode(errors="replace")
+    return host if isinstance(host, str) else None
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return None
+
+
+def _is_loopback(host: str) -> bool:
+    if host.rstrip(".").lower() in LOCAL_NAMES:
+        return True
+    ip = _ip(host)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip is not None and (ip.is_loopback or (mapped is not None and mapped.is_loopback))
+
+
+def real_lookup(event: str, args: tuple[Any, ...]) -> str | None:
+    """The name an audit event would look up for real (possibly over DNS), else ``None``.
+
+    Forward lookups (``getaddrinfo``, ``gethostbyname[_ex]``) pass for ``localhost``, an IP
+    literal (no lookup: parsed in place) and no host at all (a wildcard bind); reverse ones
+    (``gethostbyaddr``, ``getnameinfo``) only for loopback. Anything else is a name.
+    """
+    if event in ("socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyname_ex"):
+        host = _text(args[0]) if args else None
+        if host is None or host == "" or host.rstrip(".").lower() in LOCAL_NAMES:
+            return None
+        return None if _ip(host) is not None else host
+    if event == "socket.gethostbyaddr":
+        host = _text(args[0]) if args else None
+        return None if host is None or _is_loopback(host) else host
+    if event == "socket.getnameinfo":
+        sockaddr = args[0] if args else None
+        host = _text(sockaddr[0]) if isinstance(sockaddr, tuple) and sockaddr else None
+        return None if host is None or _is_loopback(host) else host
+    return None
 
 
 def _record(what: str) -> None:
@@ -78,10 +125,9 @@ def _hook(event: str, args: tuple[Any, ...]) -> None:
             raise OffLoopback(
                 f"test connect hook: refused to connect to {bad} (tests stay on loopback)"
             )
-    elif event == "socket.getaddrinfo":
-        host = args[0]
-        name = host.decode() if isinstance(host, bytes) else host
-        if isinstance(name, str) and name.rstrip(".").lower().endswith(TEST_SUFFIXES):
+    elif event.startswith(("socket.getaddrinfo", "socket.gethostby", "socket.getnameinfo")):
+        name = real_lookup(event, args)
+        if name is not None:
             _record(f"real name lookup of {name}")
             raise OffLoopback(f"test connect hook: {name} must be stubbed, not resolved for real")
 
