@@ -295,6 +295,7 @@ def test_a_key_set_of_the_wrong_shape_is_a_refusal_not_an_error(keys, body, why,
         stop_serving(server)
 
 
+@pytest.mark.slow  # waits for the fetch's deadline by design
 def test_a_trickling_key_set_is_cut_off_and_not_asked_again_at_once(keys, monkeypatch):
     monkeypatch.setattr(push, "JWKS_DEADLINE_SECONDS", 1.5)
     seen: dict[str, int] = {}
