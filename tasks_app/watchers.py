@@ -895,11 +895,16 @@ class Holder:
                 outcome = await self._pump(events, "stream", "stream", clear_outbox=message_id)
                 if await eventloop.db(task_services.has_outbox, self.task_pk):
                     # The agent took the request and closed the stream without a word: never
-                    # send it again blindly (a first send is looked up by its contextId next).
-                    await eventloop.db(task_services.clear_outbox, self.task_pk, message_id)
-                    if not is_first:
+                    # send it again blindly (a first send is looked up by its contextId next;
+                    # an answer's question is open again for a person to answer).
+                    if is_first:
+                        await eventloop.db(task_services.clear_outbox, self.task_pk, message_id)
+                    else:
+                        await eventloop.db(task_services.answer_failed, self.task_pk, message_id)
                         await self._system(
-                            "answer-failed", "the agent closed the stream without any event"
+                            "answer-failed",
+                            "the agent closed the stream without any event; the question is "
+                            "open again",
                         )
                 if outcome.over_budget:  # record() said so in the log, once
                     return await self._park("the task is over its storage budget", announce=False)
@@ -950,9 +955,10 @@ class Holder:
             if refreshed.phase == RemoteTask.Phase.MESSAGE:
                 return Turn(next_status(self.status, Event.ENDED), "answered with a message")
             if refreshed.outbox:
-                # An answer the agent refused (or never got): say so; a person may answer again.
-                await eventloop.db(task_services.clear_outbox, self.task_pk, message_id)
-                await self._system("answer-failed", str(exc))
+                # An answer the agent refused (or never got): say so, and open the question
+                # again, so that a person may answer again.
+                await eventloop.db(task_services.answer_failed, self.task_pk, message_id)
+                await self._system("answer-failed", f"{exc}; the question is open again")
             elif isinstance(exc, TransportError):
                 await self._system("stream-dropped", str(exc))
             elif isinstance(exc, ProtocolError):

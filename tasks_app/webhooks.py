@@ -120,9 +120,12 @@ def task_watch_mode(request: HttpRequest, pk: int) -> HttpResponse:
     except task_services.TaskActionError as exc:
         messages.error(request, str(exc))
     else:
-        messages.success(
-            request, f"Now followed by {'streaming' if watch == 'stream' else 'polling'}."
-        )
+        how = "streaming" if watch == "stream" else "polling"
+        if task.watcher_status == task.WatcherStatus.PARKED:
+            # Parked stays parked (its hold-off too): the switch applies when it is watched again.
+            messages.success(request, f"Will be followed by {how}: use Watch again to start now.")
+        else:
+            messages.success(request, f"Now followed by {how}.")
     return redirect("task-detail", pk=task.pk)
 
 

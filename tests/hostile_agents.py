@@ -21,6 +21,8 @@ Behaviours:
                  TaskNotFound (the agent restarted without its tasks)
 ``authwait``     tasks wait in AUTH_REQUIRED until a follow-up message on them
                  arrives; then they complete (``answered`` records when)
+``refuseonce``   as ``authwait``, but the first follow-up message on a task is refused
+                 (a JSON-RPC error); the next one is taken
 ``garbage``      GetTask answers a body that is not JSON
 ``trickle``      every answer about a task (SendMessage, GetTask, and the events of
                  SendStreamingMessage and SubscribeToTask) trickles whitespace,
@@ -98,6 +100,7 @@ class HostileAgent:
         self.calls: Counter[str] = Counter()
         self.call_times: list[tuple[float, str]] = []
         self.answered: dict[str, float] = {}
+        self.refused: set[str] = set()  # tasks whose first follow-up was refused (refuseonce)
         self.port = 0
         self._lt: _LoopThread | None = None
         self._server: asyncio.base_events.Server | None = None
@@ -346,6 +349,10 @@ class HostileAgent:
             message = params.get("message") or {}
             existing = self.tasks.get(message.get("taskId") or "")
             if existing is not None:  # a follow-up (an answer)
+                if b == "refuseonce" and existing["id"] not in self.refused:
+                    self.refused.add(existing["id"])
+                    error(-32602, "this answer is refused (the next one will be taken)")
+                    return
                 self.answered[existing["id"]] = time.monotonic()
                 existing["status"] = {"state": COMPLETED}
                 existing["history"].append(message)
@@ -354,9 +361,8 @@ class HostileAgent:
                 else:
                     self._sse(writer, rpc_id, [{"task": existing}])
                 return
-            state = {"lostreply": COMPLETED, "authwait": AUTH_REQUIRED, "badtext": COMPLETED}.get(
-                b, WORKING
-            )
+            waits = {"authwait": AUTH_REQUIRED, "refuseonce": AUTH_REQUIRED}
+            state = {"lostreply": COMPLETED, "badtext": COMPLETED, **waits}.get(b, WORKING)
             task = self._new_task(message, state)
             if await self._misbehave(method, rpc_id, task, reader, writer):
                 return

@@ -149,3 +149,77 @@ def test_audit_commands_take_a_reference_int_refuses_as_a_name(ref):
         call_command("audit", "actions", "--agent", ref)
     with pytest.raises(CommandError):
         call_command("audit", "verify", ref)
+
+
+@pytest.mark.parametrize("action", ["refresh", "cancel"])
+def test_refresh_or_cancel_of_an_unnamed_task_with_credentials_withheld_says_why(
+    django_user_model, action
+):
+    """The task was never named and the agent's credentials wait for an approval: the lookup
+    by contextId cannot be made. That was a 500; it is the sentence saying why."""
+    from tasks_app.crypto import encrypt_json
+    from tasks_app.models import Agent, Membership, RemoteTask
+
+    row = Agent.objects.create(
+        name="moved", base_url="http://127.0.0.1:9/moved", interface_url="http://127.0.0.1:9/rpc",
+        binding="JSONRPC", credentials_encrypted=encrypt_json({"token": "planted-secret-6"}),
+        credential_origins=["http://127.0.0.1:1"], pending_origin="http://127.0.0.1:9",
+    )  # fmt: skip
+    message = {"messageId": "m-1", "role": "ROLE_USER", "parts": [{"text": "x"}], "contextId": "c"}
+    task = RemoteTask.objects.create(agent=row, title="t", phase="sending",
+                                     request={"message": message})  # fmt: skip
+    operator = member(django_user_model.objects.create_user("op"), Membership.Role.OPERATOR)
+    client = Client()
+    client.force_login(operator)
+    answer = client.post(f"/tasks/{task.pk}/{action}/", follow=True)
+    html = answer.content.decode()
+    assert answer.status_code == 200
+    assert "Credentials withheld" in html and "approve the new origin" in html
+    assert "planted-secret-6" not in html
+
+
+def test_watch_again_takes_a_lost_task_whose_dead_worker_still_names_it(
+    no_dispatch, django_capture_on_commit_callbacks
+):
+    """The reconciler marks a task lost but leaves the dead worker's token; a task that is not
+    watchable (waiting for an answer) kept it, and "Watch again" said it was being watched."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from tasks_app.models import Agent, RemoteTask
+    from tasks_app.services import tasks as task_services
+
+    row = Agent.objects.create(name="w", base_url="http://127.0.0.1:9/w")
+    task = RemoteTask.objects.create(
+        agent=row, title="t", phase="task", remote_id="r-1", state="TASK_STATE_INPUT_REQUIRED",
+        watch="poll", watcher_status="lost", lease_token="dead-worker", lease_owner="w1",
+        lease_expires_at=timezone.now() - timedelta(minutes=5),
+    )  # fmt: skip
+    with django_capture_on_commit_callbacks(execute=True):
+        task_services.watch_again(task)
+    task.refresh_from_db()
+    assert (task.watcher_status, task.lease_token, task.lease_owner) == ("idle", "", "")
+    assert no_dispatch == [task.pk]
+    # A lease that still runs is someone's: refused as before.
+    RemoteTask.objects.filter(pk=task.pk).update(
+        watcher_status="lost", lease_token="alive", lease_expires_at=timezone.now() + timedelta(minutes=5)
+    )  # fmt: skip
+    with pytest.raises(task_services.TaskActionError, match="being watched already"):
+        task_services.watch_again(task)
+
+
+def test_an_abandoned_task_stays_abandoned_when_the_agent_forgot_it():
+    from django.utils import timezone
+
+    from tasks_app.models import Agent, RemoteTask
+    from tasks_app.services import tasks as task_services
+
+    row = Agent.objects.create(name="g", base_url="http://127.0.0.1:9/g")
+    task = RemoteTask.objects.create(
+        agent=row, title="t", phase="task", remote_id="r-1", state="TASK_STATE_WORKING",
+        watcher_status="abandoned", abandoned_at=timezone.now(),
+    )  # fmt: skip
+    assert not task_services.mark_gone(task.pk, None, "TaskNotFound")
+    task.refresh_from_db()
+    assert task.watcher_status == "abandoned" and task.gone_at is None

@@ -482,6 +482,31 @@ def test_an_answer_to_an_auth_required_task_is_sent_at_once(
     assert auth.calls["SendMessage"] + auth.calls["SendStreamingMessage"] == 2
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
+def test_an_answer_the_agent_refuses_opens_the_question_again(hostile, start_celery_worker):
+    """The agent refuses the answer: the question is open again (form, inbox), not marked
+    answered for ever with nothing a person can do but cancel; the next answer is taken."""
+    start_celery_worker(**dict(FAST, WATCH_POLL_MIN_SECONDS="60", WATCH_POLL_MAX_SECONDS="120"))
+    agent = hostile("refuseonce")
+    task = task_services.start_task(hostile_row(agent, streaming=False), "needs a login",
+                                    mode="return-immediately")  # fmt: skip
+    wait_for(lambda: settled(task, ("TASK_STATE_AUTH_REQUIRED",)), what="auth-required")
+    task.refresh_from_db()
+    asked = task.asked_seq
+    task_services.answer_task(task, "a wrong token")
+    wait_for(lambda: kinds(task, "system", "answer-failed"), what="the refusal to be recorded")
+    task.refresh_from_db()
+    assert task.outbox is None and task.answered_seq < task.asked_seq == asked
+    (failed,) = kinds(task, "system", "answer-failed")
+    assert "the question is open again" in failed.raw["system"]["detail"]
+    assert 'id="answer-form"' in page(task)  # a person can answer again
+    task_services.answer_task(task, "the right token")  # taken: the question was open
+    wait_for(lambda: agent.answered, timeout=10, what="the second answer to reach the agent")
+    wait_for(lambda: settled(task), what="the task to complete")
+    assert task.state == "TASK_STATE_COMPLETED"
+
+
 # The command line: every phase has a way out there too ------------------------------------
 
 

@@ -340,7 +340,10 @@ async def find_sent_task(client: A2AClient, message: dict, *, hint: str = "") ->
 def _lookup_now(task: RemoteTask) -> Lookup:
     message = (task.request or {}).get("message") or {}
     agent = task.agent
-    return outbound.run(lambda http: find_sent_task(outbound.client_for(agent, http), message))
+    try:
+        return outbound.run(lambda http: find_sent_task(outbound.client_for(agent, http), message))
+    except A2AError as exc:  # credentials withheld, say: the action says why, not a 500
+        return Lookup(problem=str(exc))
 
 
 # Actions on a known task ---------------------------------------------------------------------
@@ -478,9 +481,12 @@ def watch_again(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask:
     """An operator asks for a parked (or lost) task to be watched again, from a clean slate."""
     require(actor_id, task.agent.project_id, Perm.OPERATE)
     with transaction.atomic():
+        # Nobody holds it: no lease, or one that ran out (a "lost" task keeps the dead
+        # worker's token until a watcher takes it, and one that is not watchable never is).
+        free = Q(lease_token="") | Q(lease_expires_at__lt=timezone.now())
         won = RemoteTask.objects.filter(
+            free,
             pk=task.pk,
-            lease_token="",
             abandoned_at__isnull=True,
             gone_at__isnull=True,
             watcher_status__in=[
@@ -491,6 +497,8 @@ def watch_again(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask:
             ],
         ).update(
             fruitless_turns=0,
+            lease_token="",
+            lease_owner="",
             lease_expires_at=None,
             watcher_status=RemoteTask.WatcherStatus.IDLE,
             watcher_note="watch again asked",
@@ -774,7 +782,10 @@ def mark_gone(task_pk: int, token: str | None, detail: str) -> bool:
     now = timezone.now()
     with transaction.atomic():
         guard = {"lease_token": token} if token is not None else {}
-        won = RemoteTask.objects.filter(pk=task_pk, gone_at__isnull=True, **guard).update(
+        # An abandoned task stays abandoned (an operator's refresh may still ask the agent).
+        won = RemoteTask.objects.filter(
+            pk=task_pk, gone_at__isnull=True, abandoned_at__isnull=True, **guard
+        ).update(
             gone_at=now,
             watcher_since=now,
             watcher_status=RemoteTask.WatcherStatus.GONE,
@@ -825,6 +836,24 @@ def mark_send_attempted(task_pk: int, token: str) -> bool:
         RemoteTask.objects.filter(pk=task_pk, lease_token=token).update(
             send_attempted_at=timezone.now()
         )
+    )
+
+
+def answer_failed(task_pk: int, message_id: str) -> bool:
+    """An answer the agent refused (or never got): not sent again, and its question open again.
+
+    The answer's compare-and-set marked the question answered (``answered_seq = asked_seq``).
+    Left so, the page offered no answer form, the inbox and the "question waiting" alert no
+    longer counted it, and a person could only cancel. One guarded update reopens it, only
+    while the outbox still holds this answer (``answered_seq`` then says "answered before
+    this question"). False when the outbox held another message or none.
+    """
+    return bool(
+        RemoteTask.objects.filter(
+            pk=task_pk, outbox__message__messageId=message_id, answered_seq=F("asked_seq")
+        )
+        .exclude(asked_seq=0)
+        .update(outbox=None, answered_seq=F("asked_seq") - 1)
     )
 
 
