@@ -368,3 +368,44 @@ def test_starting_in_push_mode_on_an_agent_without_push_says_so_under_the_mode_f
         "no-push does not declare push notifications: choose another mode."
     ], errors
     assert not RemoteTask.objects.filter(agent=agent).exists()
+
+
+@pytest.fixture
+def shared_loop():
+    from tasks_app import eventloop, relay, watchers
+
+    eventloop.get_loop()
+    yield
+    if eventloop.running():
+        eventloop.submit(watchers.registry.shutdown()).result(timeout=15)
+        eventloop.stop()
+    relay.use_loop(None)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_notifications_drained_while_the_database_is_down_wait_for_the_next_drain(
+    task, config, shared_loop, monkeypatch
+):
+    """The drain pops its batch before recording it: with the database down they were lost
+    (and the agent's retries refused as already seen). They go back to the queue, in order."""
+    from django.db import OperationalError
+
+    for n in range(1, 4):
+        assert good(config, status_update(ts=f"2026-01-01T00:00:0{n}Z"))[0] == 202
+    queued_before = push._redis().lrange(push.QUEUE_KEY, 0, -1)
+    assert len(queued_before) == 3
+    real_record_batch = push.record_batch
+
+    def database_down(items):  # what every query raises while PostgreSQL restarts
+        raise OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(push, "record_batch", database_down)
+    push._redis().set(push.DRAIN_KEY, 1)
+    assert push.drain(max_seconds=5) == 0
+    assert push._redis().lrange(push.QUEUE_KEY, 0, -1) == queued_before  # back, in order
+    assert not push._redis().exists(push.DRAIN_KEY)  # the next tick schedules a drain again
+    assert not TaskEvent.objects.filter(task=task).exists()
+    monkeypatch.setattr(push, "record_batch", real_record_batch)  # the database is back
+    assert push.drain(max_seconds=5) == 3
+    assert TaskEvent.objects.filter(task=task, channel="push").count() == 3
+    assert queued() == 0

@@ -1065,13 +1065,25 @@ async def _drain(max_seconds: float) -> int:
             if r.llen(QUEUE_KEY) and r.set(DRAIN_KEY, 1, nx=True, ex=60):
                 continue
             return total
-        total += len(items)
         groups = _by_task(items, DRAIN_PARALLEL if eventloop.db_threads() > 1 else 1)
         touched: dict[int, str] = {}
-        for recorded in await asyncio.gather(
-            *(eventloop.db(record_batch, group) for group in groups)
-        ):
+        results = await asyncio.gather(
+            *(eventloop.db(record_batch, group) for group in groups), return_exceptions=True
+        )
+        down = next((x for x in results if isinstance(x, OperationalError | InterfaceError)), None)
+        if down is not None:
+            # The database is down: the batch goes back to the head of the queue, in order, for
+            # the next drain (a group recorded already is recorded again: that appends nothing).
+            await asyncio.to_thread(r.lpush, QUEUE_KEY, *reversed(items))
+            r.delete(DRAIN_KEY)
+            log.warning("push drain: the database is unreachable (%s); %d notifications wait "
+                        "for the next drain", type(down).__name__, len(items))  # fmt: skip
+            return total
+        for recorded in results:
+            if isinstance(recorded, BaseException):
+                raise recorded
             touched.update(recorded)
+        total += len(items)
         _want_refresh(touched)
         if DRAIN_GATHER_FROM <= len(items) < DRAIN_BATCH:
             await _gather(r, min(DRAIN_BATCH, DRAIN_GATHER_PER_TASK * len(touched)))
@@ -1134,6 +1146,8 @@ def record_batch(items: list[bytes]) -> dict[int, str]:
         except RecordError as exc:
             log.warning("push notifications for task %s not recorded: %s", task_pk, exc)
             continue
+        except (OperationalError, InterfaceError):
+            raise  # the database is down, not this task's fault: the drain puts the batch back
         except Exception as exc:  # one task's notifications must not lose the rest of the batch
             log.exception("push notifications for task %s not recorded", task_pk)
             _note_unrecorded(task_pk, len(objs), exc)
