@@ -237,3 +237,62 @@ def test_what_is_held_when_the_loop_stops_is_sent_not_dropped(
         assert listener.take(summaries)["last_seq"] == 5
     finally:
         listener.close()
+
+
+@pytest.mark.subprocess  # starts a redis-server of its own, to take it down and bring it back
+def test_a_redis_outage_logs_one_traceback_then_a_count_not_one_per_send(
+    tmp_path, caplog, monkeypatch
+) -> None:
+    """Every group send fails at once while Redis is down, and a busy worker sends for
+    hundreds of groups a second: a traceback each flooded the log."""
+    import logging
+    import subprocess
+
+    from channels_redis.core import RedisChannelLayer
+
+    from tasks_app.runtime.net import free_port, wait_until
+    from tasks_app.runtime.redis_server import find_redis_server, redis_server_argv
+
+    if eventloop.running():
+        eventloop.stop()
+    port = free_port()  # nothing listens there yet: the outage
+    layer = RedisChannelLayer(hosts=[{"address": f"redis://127.0.0.1:{port}/0"}])
+    monkeypatch.setitem(channel_layers.backends, DEFAULT_CHANNEL_LAYER, layer)
+    monkeypatch.setattr(relay, "ROWS_EVERY", 0.0)  # every publish is a send of its own
+    caplog.set_level(logging.WARNING, logger="tasks_app.relay")
+    eventloop.get_loop()  # the relay takes the layer above
+    server = None
+    try:
+        for task in range(60):
+            relay.publish([_row(task, 1)])
+        assert wait_until(lambda: relay._loop_relay.failed_sends >= 60, 30)
+        failures = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(failures) == 1 and failures[0].exc_info is not None
+        assert "further failures are counted" in failures[0].getMessage()
+        # Redis is back: the next send works, and one line says how many failed.
+        workdir = tmp_path / "redis"
+        workdir.mkdir()
+        server = subprocess.Popen(
+            redis_server_argv(find_redis_server(), port, workdir), cwd=workdir,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        back = []
+
+        def works() -> bool:
+            relay.publish([_row(1000 + len(back), 1)])
+            back.append(1)
+            time.sleep(0.2)
+            return any("relay works again" in r.getMessage() for r in caplog.records)
+
+        assert wait_until(works, 30)
+        (again,) = [r for r in caplog.records if "relay works again" in r.getMessage()]
+        assert again.levelno == logging.WARNING and "sends failed over" in again.getMessage()
+        assert int(again.getMessage().split(": ")[1].split()[0]) >= 60
+        assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
+    finally:
+        if eventloop.running():
+            eventloop.stop()
+        relay.use_loop(None)
+        if server is not None:
+            server.kill()
+            server.wait(10)
