@@ -28,7 +28,7 @@ import redis
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.conf import settings
-from django.db import connection
+from django.db import DatabaseError, connection
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.cache import never_cache
 
@@ -200,14 +200,23 @@ def log_change(results: dict[str, Result]) -> None:
         logger.warning("Health: not ok (%s)", down)
 
 
+def _is_staff(request: HttpRequest) -> bool:
+    """Whether the checks may be shown. The session is read from the database, which may be
+    the part that is down: then only ``{"ok": false}``, never a 500 for the staff."""
+    user = getattr(request, "user", None)
+    try:
+        return bool(user is not None and user.is_authenticated and user.is_staff)
+    except DatabaseError:
+        return False
+
+
 @never_cache
 def healthz(request: HttpRequest) -> JsonResponse:
     results = run_checks()
     log_change(results)
     ok = all(result.ok for result in results.values())
     body: dict[str, object] = {"ok": ok}
-    user = getattr(request, "user", None)
-    if user is not None and user.is_authenticated and user.is_staff:
+    if _is_staff(request):
         body["checks"] = {name: result.as_dict() for name, result in results.items()}
     response = JsonResponse(body, status=200 if ok else 503)
     # Said once by log_change(), not once per poll by Django's request logger (the flag is

@@ -52,7 +52,9 @@ class NoStoreForUsersMiddleware:
 
     def __call__(self, request: HttpRequest) -> HttpResponseBase:
         response = self.get_response(request)
+        if response.has_header("Cache-Control"):
+            return response  # the view chose (asked first: the user may cost a session read)
         user = getattr(request, "user", None)
-        if user is not None and user.is_authenticated and not response.has_header("Cache-Control"):
+        if user is not None and user.is_authenticated:
             response["Cache-Control"] = "no-store"
         return response

@@ -40,6 +40,7 @@ import os
 import random
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -48,7 +49,7 @@ from typing import Any
 from celery import shared_task
 from celery.signals import worker_ready, worker_shutting_down
 from django.conf import settings
-from django.db import close_old_connections, connection
+from django.db import InterfaceError, OperationalError, close_old_connections, connection
 from django.db.models import Q
 from django.utils import timezone
 
@@ -546,6 +547,24 @@ class Outcome:
         self.over_budget = self.over_budget or getattr(result, "over_budget", False)
 
 
+# The database unreachable (restarting, the network): no agent's fault, so no fruitless turn.
+DATABASE_DOWN = (OperationalError, InterfaceError)
+# How often a process says so, however many holders meet it (a thousand streams at once).
+DATABASE_DOWN_LOG_SECONDS = 10.0
+_database_down_logged = [0.0, 0]  # when it was last said; holders that met it since
+
+
+def _database_down(exc: Exception) -> None:
+    """One warning per ``DATABASE_DOWN_LOG_SECONDS`` for the holders that met the outage."""
+    now = time.monotonic()
+    _database_down_logged[1] += 1
+    if now - _database_down_logged[0] >= DATABASE_DOWN_LOG_SECONDS:
+        log.warning("the database is unreachable (%s): %d watcher turn(s) stopped; their leases "
+                    "lapse and the tasks are taken up again once it answers",
+                    type(exc).__name__, _database_down_logged[1])  # fmt: skip
+        _database_down_logged[:] = [now, 0]
+
+
 class Holder:
     def __init__(
         self,
@@ -585,6 +604,9 @@ class Holder:
             raise
         except Fenced:
             return  # the lease moved on: the new holder speaks for the task
+        except DATABASE_DOWN as exc:
+            _database_down(exc)
+            return  # not the agent's fault: the lease lapses, a new holder follows it later
         except A2AError as exc:  # agent misbehaviour that escaped a turn: recorded, no traceback
             turn = await self._failed(f"watcher stopped: {exc}")
         except Exception as exc:  # a bug must not kill the worker
@@ -592,16 +614,20 @@ class Holder:
             turn = await self._failed(f"watcher error: {type(exc).__name__}: {exc}")
         log.debug("turn ended: %s (%s)", turn.status, turn.note)
         self.releasing = True  # from here on this holder never looks at the task again
-        released = await eventloop.db(
-            task_services.release_lease,
-            self.task_pk,
-            self.token,
-            status=turn.status,
-            note=turn.note,
-            hold_off=turn.hold_off,
-            # Unknown until the task was read: the stored count is kept.
-            fruitless_turns=self.fruitless if self.agent_id else None,
-        )
+        try:
+            released = await eventloop.db(
+                task_services.release_lease,
+                self.task_pk,
+                self.token,
+                status=turn.status,
+                note=turn.note,
+                hold_off=turn.hold_off,
+                # Unknown until the task was read: the stored count is kept.
+                fruitless_turns=self.fruitless if self.agent_id else None,
+            )
+        except DATABASE_DOWN as exc:
+            _database_down(exc)
+            return  # the lease lapses instead
         if released and (
             turn.continue_elsewhere
             # An answer committed while this turn was ending found the lease still held (its

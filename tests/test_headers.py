@@ -459,3 +459,21 @@ def test_no_page_reports_a_policy_violation_in_chromium(
         finally:
             context.close()
     assert reported == {}, reported
+
+
+@pytest.mark.django_db
+def test_a_staff_session_that_cannot_be_read_gets_the_plain_answer_not_a_500(
+    django_user_model, monkeypatch
+) -> None:
+    """The staff's session is read from the database, which may be the part that is down."""
+    from django.db import connection
+
+    database = next(check for check in health.CHECKS if check.name == "database")
+    monkeypatch.setattr(health, "CHECKS", (database,))
+    staff = client_for(django_user_model, is_staff=True)
+    assert "checks" in staff.get("/healthz").json()
+    with connection.cursor() as cursor:  # as when the session's table cannot be read
+        cursor.execute("ALTER TABLE django_session RENAME TO django_session_away")
+    answer = staff.get("/healthz")
+    assert answer.status_code in (200, 503)
+    assert "checks" not in answer.json()

@@ -9,6 +9,7 @@ every 30 s for ever.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -248,3 +249,43 @@ def test_an_agent_listing_endless_push_configs_is_shown_a_bounded_page(task):
     assert len(listing.configs) == push.MAX_LISTED_CONFIGS
     assert listing.configs[-1]["id"] == "c-2-49"
     assert "the first 200 are shown" in listing.problem
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_database_outage_is_no_agents_fault_and_logs_once(shared_loop, monkeypatch, caplog):
+    """Every holder meets the outage at once. Counted as a fruitless turn it would park healthy
+    tasks; logged per holder it was thousands of tracebacks. The leases lapse instead."""
+    import logging
+
+    from django.db import OperationalError
+
+    agent = Agent.objects.create(name="db", base_url=f"http://127.0.0.1:1/{uuid.uuid4().hex}/")
+    pks = [
+        RemoteTask.objects.create(
+            agent=agent, title=f"t{i}", remote_id=f"t-{i}", phase=RemoteTask.Phase.TASK,
+            state="TASK_STATE_WORKING", watch=RemoteTask.Watch.POLL,
+            watcher_status=RemoteTask.WatcherStatus.POLLING, fruitless_turns=2,
+        ).pk
+        for i in range(20)
+    ]  # fmt: skip
+    tokens = {pk: task_services.acquire_lease(pk, watchers.OWNER) for pk in pks}
+
+    async def database_down(self):  # what every query raises while PostgreSQL restarts
+        raise OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(watchers.Holder, "_hold", database_down)
+    monkeypatch.setattr(watchers, "_database_down_logged", [0.0, 0])
+    caplog.set_level(logging.WARNING, logger="tasks_app.watchers")
+
+    async def run_all() -> None:
+        await asyncio.gather(*(watchers.Holder(pk, tokens[pk], http=None).run() for pk in pks))
+
+    eventloop.submit(run_all()).result(timeout=30)
+    lines = [r for r in caplog.records if r.name == "tasks_app.watchers"]
+    assert len(lines) == 1 and "the database is unreachable" in lines[0].getMessage()
+    assert lines[0].exc_info is None
+    for task in RemoteTask.objects.filter(pk__in=pks):
+        # Untouched: still its holder's lease (to lapse), status and fruitless count.
+        assert task.lease_token == tokens[task.pk]
+        assert (task.watcher_status, task.fruitless_turns) == ("polling", 2)
+    assert not TaskEvent.objects.filter(task_id__in=pks).exists()

@@ -1061,10 +1061,11 @@ async def _drain(max_seconds: float) -> int:
     while time.monotonic() < deadline:
         items = await asyncio.to_thread(r.lpop, QUEUE_KEY, DRAIN_BATCH)
         if not items:
-            r.delete(DRAIN_KEY)
-            if r.llen(QUEUE_KEY) and r.set(DRAIN_KEY, 1, nx=True, ex=60):
-                continue
-            return total
+            # Off the loop, as every Redis call here: a Redis that hangs must not stall the
+            # streams the loop holds.
+            if await asyncio.to_thread(_cleared_and_empty, r):
+                return total
+            continue
         groups = _by_task(items, DRAIN_PARALLEL if eventloop.db_threads() > 1 else 1)
         touched: dict[int, str] = {}
         results = await asyncio.gather(
@@ -1075,7 +1076,7 @@ async def _drain(max_seconds: float) -> int:
             # The database is down: the batch goes back to the head of the queue, in order, for
             # the next drain (a group recorded already is recorded again: that appends nothing).
             await asyncio.to_thread(r.lpush, QUEUE_KEY, *reversed(items))
-            r.delete(DRAIN_KEY)
+            await asyncio.to_thread(r.delete, DRAIN_KEY)
             log.warning("push drain: the database is unreachable (%s); %d notifications wait "
                         "for the next drain", type(down).__name__, len(items))  # fmt: skip
             return total
@@ -1088,9 +1089,16 @@ async def _drain(max_seconds: float) -> int:
         if DRAIN_GATHER_FROM <= len(items) < DRAIN_BATCH:
             await _gather(r, min(DRAIN_BATCH, DRAIN_GATHER_PER_TASK * len(touched)))
     # Out of time: the next drain goes on.
-    r.delete(DRAIN_KEY)
-    schedule_if_waiting()
+    await asyncio.to_thread(r.delete, DRAIN_KEY)
+    await asyncio.to_thread(schedule_if_waiting)
     return total
+
+
+def _cleared_and_empty(r: redis.Redis) -> bool:
+    """The queue looked empty: clear the drain flag, and look once more (a notification pushed
+    in between would otherwise wait for no drain). False: go on draining (the flag is ours)."""
+    r.delete(DRAIN_KEY)
+    return not (r.llen(QUEUE_KEY) and r.set(DRAIN_KEY, 1, nx=True, ex=60))
 
 
 async def _gather(r: redis.Redis, enough: int) -> None:
