@@ -409,3 +409,28 @@ def test_notifications_drained_while_the_database_is_down_wait_for_the_next_drai
     assert push.drain(max_seconds=5) == 3
     assert TaskEvent.objects.filter(task=task, channel="push").count() == 3
     assert queued() == 0
+
+
+def test_a_config_made_while_redis_is_down_is_kept_and_known_once_redis_answers(
+    task, settings, caplog
+):
+    """Making a config runs inside a watcher's send: a Redis that is down made it a failed
+    turn, and the webhook refused the config's deliveries until its known set was filled."""
+    import logging
+
+    from tasks_app.runtime.net import free_port
+
+    working = settings.REDIS_URL
+    settings.REDIS_URL = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens: Redis is down
+    settings.PUBLIC_URL = "https://dash.example.test"
+    with caplog.at_level(logging.WARNING, logger="tasks_app.services.push"):
+        config = push.new_config(task)
+        push.forget_cached("no-such-config")  # a deletion's mark: said, not raised
+    assert PushConfig.objects.filter(pk=config.pk).exists()
+    said = [r.getMessage() for r in caplog.records]
+    assert any("not added to the webhook's known set (ConnectionError)" in m for m in said)
+    assert any("deletion mark was not set (ConnectionError)" in m for m in said)
+    settings.REDIS_URL = working  # Redis is back: the next send with the config adds it
+    push._redis().srem(push.KNOWN_KEY, config.config_id)
+    assert push.config_for_send(task.pk)["id"] == config.config_id
+    assert push._redis().sismember(push.KNOWN_KEY, config.config_id)

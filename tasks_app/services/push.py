@@ -174,8 +174,22 @@ def new_config(task: RemoteTask, *, jwks_url: str = "", jwt_issuer: str = "") ->
         jwks_url=jwks_url,
         jwt_issuer=jwt_issuer or (task.agent.base_url if jwks_url else ""),
     )
-    _redis().sadd(KNOWN_KEY, config.config_id)
+    remember(config.config_id)
     return config
+
+
+def remember(config_id: str) -> None:
+    """Add a live config to the webhook's set of known ids (idempotent).
+
+    Best effort: this runs inside a watcher's database work, and a Redis that is down must
+    not turn a send into a failed turn. The config is in the database; the set is filled
+    from it again within KNOWN_READY_SECONDS, and a send that reuses the config adds it then.
+    """
+    try:
+        _redis().sadd(KNOWN_KEY, config_id)
+    except redis.RedisError as exc:
+        log.warning("push config %s not added to the webhook's known set (%s); it is once "
+                    "Redis answers", config_id, type(exc).__name__)  # fmt: skip
 
 
 def wire_config(config: PushConfig) -> dict[str, Any]:
@@ -197,7 +211,11 @@ def config_for_send(task_pk: int) -> dict[str, Any] | None:
     if not settings.PUBLIC_URL:
         return None
     task = RemoteTask.objects.select_related("agent").get(pk=task_pk)
-    config = task.push_configs.filter(deleted_at__isnull=True).first() or new_config(task)
+    config = task.push_configs.filter(deleted_at__isnull=True).first()
+    if config is None:
+        config = new_config(task)
+    else:
+        remember(config.config_id)  # an earlier add may have met a Redis that was down
     return wire_config(config)
 
 
@@ -327,7 +345,12 @@ def forget_cached(config_id: str) -> None:
     pipe = _redis().pipeline(transaction=False)
     pipe.set(f"{DELETED_PREFIX}{config_id}", 1, ex=DELETED_MARK_SECONDS)
     pipe.srem(KNOWN_KEY, config_id)
-    pipe.execute()
+    try:
+        pipe.execute()
+    except redis.RedisError as exc:  # the row says deleted: caches that expire read it there
+        log.warning("push config %s: the webhook's deletion mark was not set (%s); other "
+                    "processes refuse it once their cache expires", config_id,
+                    type(exc).__name__)  # fmt: skip
 
 
 _fill_lock = threading.Lock()
