@@ -230,6 +230,25 @@ def next_status(current: str, event: Event, *, streaming: bool = False) -> str:
     return target
 
 
+# The database unreachable (restarting, the network): no agent's fault, so no fruitless turn.
+DATABASE_DOWN = (OperationalError, InterfaceError)
+# How often a process says so, however many holders meet it (a thousand streams at once).
+DATABASE_DOWN_LOG_SECONDS = 10.0
+_database_down_logged = [0.0, 0]  # when it was last said; holders that met it since
+
+
+def _database_down(exc: Exception) -> None:
+    """One warning per ``DATABASE_DOWN_LOG_SECONDS`` for what met the outage (holders' turns,
+    lease renewals, reconcile ticks), with how many did."""
+    now = time.monotonic()
+    _database_down_logged[1] += 1
+    if now - _database_down_logged[0] >= DATABASE_DOWN_LOG_SECONDS:
+        log.warning("the database is unreachable (%s), %d time(s) since the last word: watcher "
+                    "turns stop and their leases lapse; the tasks are taken up again once it "
+                    "answers", type(exc).__name__, _database_down_logged[1])  # fmt: skip
+        _database_down_logged[:] = [now, 0]
+
+
 # Celery tasks ---------------------------------------------------------------------------------
 
 
@@ -414,6 +433,10 @@ class Registry:
             try:
                 close_old_connections()
                 kept = task_services.renew_leases({token for _, _, token in held})
+            except DATABASE_DOWN as exc:
+                _database_down(exc)  # said once per DATABASE_DOWN_LOG_SECONDS, not per beat
+                connection.close()
+                continue
             except Exception:
                 log.exception("lease renewal failed")
                 connection.close()
@@ -473,6 +496,8 @@ class _ReconcileTimer:
         while not self.stop.wait(settings.RECONCILE_EVERY_SECONDS * random.uniform(1.0, 1.5)):
             try:
                 reconcile_once()
+            except DATABASE_DOWN as exc:
+                _database_down(exc)  # the next period tries again, said once in a while
             except Exception:  # the next period tries again; the worker goes on
                 log.exception("reconcile tick failed")
             finally:
@@ -545,24 +570,6 @@ class Outcome:
         else:
             self.confirmed = True
         self.over_budget = self.over_budget or getattr(result, "over_budget", False)
-
-
-# The database unreachable (restarting, the network): no agent's fault, so no fruitless turn.
-DATABASE_DOWN = (OperationalError, InterfaceError)
-# How often a process says so, however many holders meet it (a thousand streams at once).
-DATABASE_DOWN_LOG_SECONDS = 10.0
-_database_down_logged = [0.0, 0]  # when it was last said; holders that met it since
-
-
-def _database_down(exc: Exception) -> None:
-    """One warning per ``DATABASE_DOWN_LOG_SECONDS`` for the holders that met the outage."""
-    now = time.monotonic()
-    _database_down_logged[1] += 1
-    if now - _database_down_logged[0] >= DATABASE_DOWN_LOG_SECONDS:
-        log.warning("the database is unreachable (%s): %d watcher turn(s) stopped; their leases "
-                    "lapse and the tasks are taken up again once it answers",
-                    type(exc).__name__, _database_down_logged[1])  # fmt: skip
-        _database_down_logged[:] = [now, 0]
 
 
 class Holder:

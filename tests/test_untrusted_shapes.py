@@ -289,3 +289,37 @@ def test_a_database_outage_is_no_agents_fault_and_logs_once(shared_loop, monkeyp
         assert task.lease_token == tokens[task.pk]
         assert (task.watcher_status, task.fruitless_turns) == ("polling", 2)
     assert not TaskEvent.objects.filter(task_id__in=pks).exists()
+
+
+def test_the_reconcile_timer_says_a_database_outage_once_in_a_while(settings, monkeypatch, caplog):
+    """A worker's reconcile timer ticks every few seconds: a traceback each while the
+    database restarts was noise, bounded but useless."""
+    import logging
+    import time
+
+    from django.db import OperationalError
+
+    settings.RECONCILE_IN_WORKERS = True
+    settings.RECONCILE_EVERY_SECONDS = 0.05
+    ticks = []
+
+    def database_down() -> None:  # what a tick meets while PostgreSQL restarts
+        ticks.append(1)
+        raise OperationalError("the database system is starting up")
+
+    monkeypatch.setattr(watchers, "reconcile_once", database_down)
+    monkeypatch.setattr(watchers, "_database_down_logged", [0.0, 0])
+    caplog.set_level(logging.WARNING, logger="tasks_app.watchers")
+    timer = watchers._ReconcileTimer()
+    timer.start()
+    try:
+        deadline = time.monotonic() + 20
+        while len(ticks) < 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        timer.stop.set()
+        timer.thread.join(10)
+    assert len(ticks) >= 10
+    lines = [r for r in caplog.records if r.name == "tasks_app.watchers"]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING and not lines[0].exc_info
+    assert "the database is unreachable (OperationalError)" in lines[0].getMessage()
