@@ -658,11 +658,9 @@ class Holder:
         if not self.agent_id:
             return Turn(Status.LOST, problem, hold_off=30)
         self.fruitless += 1
-        if self.was_parked or self.fruitless >= settings.WATCH_MAX_FRUITLESS_TURNS:
+        if self._series_over():
             try:
-                return await self._park(
-                    f"{self.fruitless} fruitless turns in a row; last: {problem}"
-                )
+                return await self._park_series(problem)
             except Exception:  # the parked note could not be written: park all the same
                 log.exception("could not note that task %s is parked", self.task_pk)
                 return Turn(
@@ -869,8 +867,8 @@ class Holder:
         self.fruitless += 1
         await eventloop.db(task_services.set_fruitless, self.task_pk, self.token, self.fruitless)
         reason = outcome.problem or "nothing new"
-        if self.was_parked or self.fruitless >= settings.WATCH_MAX_FRUITLESS_TURNS:
-            return await self._park(f"{self.fruitless} fruitless turns in a row; last: {reason}")
+        if self._series_over():
+            return await self._park_series(reason)
         if outcome.problem and await self._agent_over_error_budget():
             return await self._park(
                 f"the agent sent more than {settings.BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE} "
@@ -889,6 +887,14 @@ class Holder:
             )[: budget + 1].count()
 
         return budget > 0 and await eventloop.db(count) > budget
+
+    def _series_over(self) -> bool:
+        """Whether the fruitless series (just counted) parks the task: it reached the limit,
+        or this was a parked task's one look."""
+        return self.was_parked or self.fruitless >= settings.WATCH_MAX_FRUITLESS_TURNS
+
+    async def _park_series(self, last: str) -> Turn:
+        return await self._park(f"{self.fruitless} fruitless turns in a row; last: {last}")
 
     async def _park(self, reason: str, *, announce: bool = True) -> Turn:
         """Needs attention: one system entry (not one per turn), then a long hold-off."""

@@ -211,6 +211,20 @@ def no_dispatch(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 @pytest.fixture
+def shared_loop() -> Iterator[None]:
+    """The worker's shared loop (``tasks_app.eventloop``) in this process, for holders and the
+    push drain run here; stopped, with its watchers, after the test."""
+    from tasks_app import eventloop, relay, watchers
+
+    eventloop.get_loop()
+    yield
+    if eventloop.running():
+        eventloop.submit(watchers.registry.shutdown()).result(timeout=15)
+        eventloop.stop()
+    relay.use_loop(None)
+
+
+@pytest.fixture
 def empty_push_queue(redis_url: str) -> Iterator[None]:
     """No push notification waits, and no drain is scheduled, before and after the test.
 

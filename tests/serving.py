@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import socketserver
 import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 # How often the serving loop looks for shutdown(): the default (0.5 s) made every stop wait
 # half a second, in every test with such a peer.
@@ -20,3 +25,29 @@ def serve_in_thread(server: socketserver.BaseServer) -> None:
 def stop_serving(server: socketserver.BaseServer) -> None:
     server.shutdown()
     server.server_close()
+
+
+@contextlib.contextmanager
+def json_rpc_peer(answer: Callable[[dict], Any]) -> Iterator[str]:
+    """A JSON-RPC agent whose every call is answered ``{"result": answer(request)}``; its URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+            reply = {"jsonrpc": "2.0", "id": body.get("id"), "result": answer(body)}
+            data = json.dumps(reply).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    serve_in_thread(server)
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        stop_serving(server)

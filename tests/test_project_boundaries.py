@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from django.contrib.auth.models import User
@@ -19,7 +18,7 @@ from tasks_app.crypto import decrypt_json
 from tasks_app.models import Agent, Alert, AlertDelivery, Membership, Project, RemoteTask
 from tasks_app.services import push
 from tests.people import member
-from tests.serving import serve_in_thread, stop_serving
+from tests.serving import json_rpc_peer
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("empty_push_queue")]
 
@@ -28,26 +27,8 @@ pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("empty_push_queue")
 def agreeable_agent() -> Iterator[str]:
     """A JSON-RPC agent that answers every call with an empty success (as many stores answer
     a delete of an id they do not hold); its base URL."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
-            data = json.dumps({"jsonrpc": "2.0", "id": body.get("id"), "result": {}}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    serve_in_thread(server)
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        stop_serving(server)
+    with json_rpc_peer(lambda request: {}) as url:
+        yield url
 
 
 def project_task(project: str, base_url: str) -> RemoteTask:

@@ -44,21 +44,7 @@ def keys() -> Keys:
 
 @pytest.fixture
 def jwks_url(keys: Keys) -> Iterator[str]:
-    body = json.dumps(keys.jwks()).encode()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    serve_in_thread(server)
+    server, _ = _jwks_server(_answer(json.dumps(keys.jwks()).encode()))
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}/jwks.json"
     finally:

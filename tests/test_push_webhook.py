@@ -370,18 +370,6 @@ def test_starting_in_push_mode_on_an_agent_without_push_says_so_under_the_mode_f
     assert not RemoteTask.objects.filter(agent=agent).exists()
 
 
-@pytest.fixture
-def shared_loop():
-    from tasks_app import eventloop, relay, watchers
-
-    eventloop.get_loop()
-    yield
-    if eventloop.running():
-        eventloop.submit(watchers.registry.shutdown()).result(timeout=15)
-        eventloop.stop()
-    relay.use_loop(None)
-
-
 @pytest.mark.django_db(transaction=True)
 def test_notifications_drained_while_the_database_is_down_wait_for_the_next_drain(
     task, config, shared_loop, monkeypatch

@@ -132,16 +132,6 @@ def test_a_batch_takes_only_leases_nobody_holds() -> None:
     assert task_services.acquire_leases(pks, "a third") == {}  # all held now
 
 
-@pytest.fixture
-def shared_loop() -> Iterator[None]:
-    eventloop.get_loop()
-    yield
-    if eventloop.running():
-        eventloop.submit(watchers.registry.shutdown()).result(timeout=15)
-        eventloop.stop()
-    relay.use_loop(None)
-
-
 def _hold_quietly(registry: watchers.Registry, task_pk: int, token: str) -> asyncio.Task[None]:
     """Register a holder that does nothing but wait (what the heartbeat sees of a holder)."""
 

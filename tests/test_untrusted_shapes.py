@@ -12,18 +12,17 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tasks_app import eventloop, relay, watchers
+from tasks_app import eventloop, watchers
 from tasks_app.a2a import a2ui, errors, safejson
 from tasks_app.a2a.client import api_key_placement
 from tasks_app.models import Agent, PushConfig, RemoteTask, TaskEvent
 from tasks_app.services import push
 from tasks_app.services import tasks as task_services
 from tasks_app.services.record import MAX_ID_CHARS, record
-from tests.serving import serve_in_thread, stop_serving
+from tests.serving import json_rpc_peer
 
 LONG_ID = "x" * (MAX_ID_CHARS + 1)
 
@@ -154,16 +153,6 @@ def test_card_fields_of_the_wrong_type_are_ignored_not_raised():
 # A turn that ends in an error ---------------------------------------------------------------
 
 
-@pytest.fixture
-def shared_loop():
-    eventloop.get_loop()
-    yield
-    if eventloop.running():
-        eventloop.submit(watchers.registry.shutdown()).result(timeout=15)
-        eventloop.stop()
-    relay.use_loop(None)
-
-
 @pytest.mark.django_db(transaction=True)
 def test_turns_that_end_in_errors_back_off_then_park_the_task(shared_loop, settings):
     """The same error turn after turn is a fruitless series: backing off, then parked once."""
@@ -213,38 +202,21 @@ def test_an_agent_listing_endless_push_configs_is_shown_a_bounded_page(task):
     """Pages of 150 configs, each with a next page: two pages are read, 200 rows shown."""
     asked: list[str | None] = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
-            params = body.get("params") or {}
-            asked.append(params.get("pageToken"))
-            configs = [
-                {"id": f"c-{len(asked)}-{i}", "taskId": "t-1", "url": f"https://h.test/{i}"}
-                for i in range(150)
-            ]
-            result = {"configs": configs, "nextPageToken": f"p{len(asked)}"}
-            data = json.dumps({"jsonrpc": "2.0", "id": body.get("id"), "result": result}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def pages(request: dict) -> dict:
+        asked.append((request.get("params") or {}).get("pageToken"))
+        configs = [
+            {"id": f"c-{len(asked)}-{i}", "taskId": "t-1", "url": f"https://h.test/{i}"}
+            for i in range(150)
+        ]
+        return {"configs": configs, "nextPageToken": f"p{len(asked)}"}
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    serve_in_thread(server)
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    with json_rpc_peer(pages) as url:
         Agent.objects.filter(pk=task.agent_id).update(
             base_url=url, interface_url=f"{url}/jsonrpc", binding="JSONRPC",
             protocol_version="1.0", push=True,
         )  # fmt: skip
         task.refresh_from_db()
         listing = push.list_at_agent(task)
-    finally:
-        stop_serving(server)
     assert asked == [None, "p1"]
     assert len(listing.configs) == push.MAX_LISTED_CONFIGS
     assert listing.configs[-1]["id"] == "c-2-49"
@@ -323,3 +295,35 @@ def test_the_reconcile_timer_says_a_database_outage_once_in_a_while(settings, mo
     lines = [r for r in caplog.records if r.name == "tasks_app.watchers"]
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING and not lines[0].exc_info
     assert "the database is unreachable (OperationalError)" in lines[0].getMessage()
+
+
+@pytest.mark.usefixtures("empty_push_queue")
+def test_a_task_whose_notifications_fail_to_record_says_so_and_the_batch_goes_on(task, monkeypatch):
+    """What no check foresaw (a bug, say) fails one task's notifications: they are taken off the
+    queue, so the task's log says how many were lost; the other tasks' are recorded."""
+    from tasks_app.services import record as record_services
+
+    other = RemoteTask.objects.create(
+        agent=task.agent, title="o", remote_id="o-1", phase=RemoteTask.Phase.TASK,
+        state="TASK_STATE_WORKING",
+    )  # fmt: skip
+    configs = {t.pk: push.new_config(t) for t in (task, other)}
+    real = record_services.record_many
+
+    def failing_for_task(task_pk, objs, channel, **kwargs):
+        if task_pk == task.pk and channel == "push":
+            raise KeyError("a case nothing handles")
+        return real(task_pk, objs, channel, **kwargs)
+
+    monkeypatch.setattr(push, "record_many", failing_for_task)
+    ok = {"statusUpdate": {"taskId": "x", "status": {"state": "TASK_STATE_COMPLETED"}}}
+    items = [
+        json.dumps({"t": t.pk, "c": configs[t.pk].pk, "e": {"statusUpdate": {
+            **ok["statusUpdate"], "taskId": t.remote_id}}}).encode()
+        for t in (task, task, other)
+    ]  # fmt: skip
+    assert push.record_batch(items) == {other.pk: "TASK_STATE_COMPLETED"}
+    (note,) = TaskEvent.objects.filter(task=task)
+    assert note.kind == "protocol-error"
+    assert "2 push notification(s) could not be recorded (KeyError)" in note.note
+    assert TaskEvent.objects.get(task=other).kind == "statusUpdate"
