@@ -919,6 +919,13 @@ class Holder:
             return await self._recover_send(
                 client, task, "the worker stopped while sending, before the agent answered"
             )
+        if task.send_attempted_at is not None:
+            # This answer was sent before and its acknowledgement never saved.
+            try:
+                if await self._answer_arrived(client, task, message_id):
+                    return None
+            except TaskNotFoundError as exc:
+                return await self._gone(str(exc))
         if not await eventloop.db(task_services.mark_send_attempted, self.task_pk, self.token):
             raise Fenced  # the lease is no longer ours: someone else sends
         metadata = outbox.get("metadata") or None
@@ -1006,6 +1013,55 @@ class Holder:
                 await self._system("agent-error", str(exc))
             self.state, self.remote_id = refreshed.state, refreshed.remote_id
             return None
+
+    async def _answer_arrived(self, client: A2AClient, task: RemoteTask, message_id: str) -> bool:
+        """Whether an answer sent before (its clearing from the outbox never saved) reached the agent.
+
+        The worker or the database stopped between the agent taking the answer and the
+        outbox being cleared. Sent again blindly, the agent would get it twice, or refuse
+        it and the question would open again though it was answered. GetTask decides:
+
+        1. our message is in the task's history: it arrived;
+        2. the task no longer waits in the state, on the status message, that it waited on
+           when the answer was given: it moved on, and the answer is not sent again (an
+           agent that keeps no history cannot tell more; a new question is recorded as
+           one, and can be answered);
+        3. otherwise it still waits for this answer: False, and it is sent.
+
+        In 1 and 2 the snapshot is recorded, the outbox cleared and a ``found-again``
+        entry says which. A lookup that fails raises: the turn fails and is retried, the
+        answer kept in the outbox.
+        """
+        snapshot = await client.get_task(self.remote_id)
+        history = snapshot.get("history")
+        arrived = isinstance(history, list) and any(
+            isinstance(m, dict) and m.get("messageId") == message_id for m in history
+        )
+        status = snapshot.get("status")
+        status = status if isinstance(status, dict) else {}
+        waiting = status.get("state") == task.state and _message_id(
+            status.get("message")
+        ) == _message_id(task.status_message)
+        if waiting and not arrived:
+            return False
+        await self._system(
+            "found-again",
+            "the worker stopped while sending an answer; "
+            + (
+                "the agent has it, so it is not sent again"
+                if arrived
+                else "the task has moved on since, so it is not sent again"
+            ),
+        )
+        result = await eventloop.db(
+            record, self.task_pk, {"task": snapshot}, "poll", fence=self.token
+        )
+        if result.fenced:
+            raise Fenced
+        await eventloop.db(task_services.clear_outbox, self.task_pk, message_id)
+        await eventloop.db(agent_services.mark_reachable, task.agent_id)
+        self.state = result.state
+        return True
 
     async def _recover_send(
         self, client: A2AClient, task: RemoteTask, reason: str, *, hint: str = ""
@@ -1338,6 +1394,11 @@ def _event_size(event: Any) -> int:
         return len(json.dumps(getattr(event, "raw", None)))
     except (TypeError, ValueError):
         return 0
+
+
+def _message_id(message: Any) -> Any:
+    """A status message's id (None when there is no message, or it has none)."""
+    return message.get("messageId") if isinstance(message, dict) else None
 
 
 def backoff(failures: int) -> float:

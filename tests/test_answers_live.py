@@ -195,3 +195,90 @@ def test_an_answer_given_before_the_holder_lets_go_is_sent(agent, monkeypatch, i
         what="the answer to reach the agent and the task to end",
     )
     assert dispatched[1:] == ["started"]
+
+
+@pytest.mark.parametrize("fails", ["after the agent took it", "before it was sent"])
+def test_an_answer_whose_send_was_cut_by_the_database_reaches_the_agent_once(
+    agent, monkeypatch, in_process_holders, fails
+):
+    """The database fails while an answer is being sent: before the send, or between the
+    agent taking it and the outbox being cleared.
+
+    The holder stops (an unreachable database is nobody's fault: the lease lapses); the
+    next holder finds the answer still in the outbox, marked as sent before. It asks the
+    agent (GetTask) instead of sending it blindly: sent again only when the agent does not
+    have it, so the agent gets it exactly once, the question is not opened again, and the
+    log says why.
+    """
+    from django.db import OperationalError
+
+    from tasks_app.a2a.client import A2AClient
+    from tasks_app.models import TaskEvent
+
+    failed = threading.Event()
+    original_clear = task_services.clear_outbox
+    answering = threading.Event()
+
+    def clear_fails_once(task_pk: int, message_id: str) -> None:
+        if answering.is_set() and fails == "after the agent took it" and not failed.is_set():
+            failed.set()
+            raise OperationalError("the database went away")  # the injected failure
+        original_clear(task_pk, message_id)
+
+    sent: list[str] = []
+    original_send = A2AClient.send_streaming_message
+
+    def counting_send(self, message, **kwargs):
+        if answering.is_set() and fails == "before it was sent" and not failed.is_set():
+            failed.set()
+            raise OperationalError("the database went away")  # before anything left
+        sent.append(message.get("messageId", ""))
+        return original_send(self, message, **kwargs)
+
+    monkeypatch.setattr(A2AClient, "send_streaming_message", counting_send)
+    monkeypatch.setattr(task_services, "clear_outbox", clear_fails_once)
+    monkeypatch.setattr(task_services, "dispatch", lambda pk: watchers.watch(pk))
+    demo = add_agent(agent.base_url, name="demo")
+    task = task_services.start_task(demo, "ask", mode="stream")
+    wait_for(
+        lambda: RemoteTask.objects.get(pk=task.pk).state == "TASK_STATE_INPUT_REQUIRED",
+        what="the question",
+    )
+    task.refresh_from_db()
+    answering.set()
+    task_services.answer_task(task, "green", question_seq=task.asked_seq)
+    assert failed.wait(timeout=20), "the holder never began sending the answer"
+    stuck = RemoteTask.objects.get(pk=task.pk)
+    answer_id = stuck.outbox["message"]["messageId"]  # the clearing was lost, or never came
+    assert stuck.send_attempted_at is not None
+    # No reconciler runs here: the next holder starts once the stopped one's lease lapsed.
+    wait_for(lambda: watchers.watch(task.pk) == "started", timeout=20, what="the lease to lapse")
+    wait_for(
+        lambda: RemoteTask.objects.get(pk=task.pk).state == "TASK_STATE_COMPLETED",
+        timeout=30,
+        what="the task to end",
+    )
+    assert sent.count(answer_id) == 1  # sent once, by whichever holder found it unsent
+
+    async def remote() -> dict:
+        async with http_client() as http:
+            return await client_for(demo, http).get_task(task.remote_id)
+
+    close_old_connections()
+    history = asyncio.run(remote()).get("history", [])
+    assert [m["messageId"] for m in history if m["messageId"] == answer_id] == [answer_id]
+    final = RemoteTask.objects.get(pk=task.pk)
+    assert final.outbox is None and final.answered_seq == final.asked_seq
+    found = [
+        e.raw["system"]["detail"]
+        for e in TaskEvent.objects.filter(
+            task_id=task.pk, raw__system__event="found-again"
+        ).order_by("seq")
+    ]
+    if fails == "after the agent took it":
+        assert found == [
+            "the worker stopped while sending an answer; the agent has it, so it is not sent again"
+        ]
+    else:
+        assert found == []
+    assert not TaskEvent.objects.filter(task_id=task.pk, raw__system__event="answer-failed")

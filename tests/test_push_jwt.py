@@ -37,6 +37,21 @@ class Keys:
         return {"keys": [{**public, "kid": self.kid, "use": "sig", "alg": "ES256"}]}
 
 
+@pytest.fixture(autouse=True)
+def no_remembered_key_sets() -> Iterator[None]:
+    """Each test starts with no key set, and no failure to read one, remembered by URL.
+
+    The caches live for the process, and a test's JWKS server may get the port an earlier
+    test's server had: that test's failure, remembered for its URL, would answer for this
+    one's first fetch.
+    """
+    push._jwks_cache.clear()
+    push._jwks_failed.clear()
+    yield
+    push._jwks_cache.clear()
+    push._jwks_failed.clear()
+
+
 @pytest.fixture
 def keys() -> Keys:
     return Keys()
