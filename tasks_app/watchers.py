@@ -432,7 +432,7 @@ class Registry:
                 continue
             try:
                 close_old_connections()
-                kept = task_services.renew_leases({token for _, _, token in held})
+                kept = task_services.renew_leases({token: h.status for h, _, token in held})
             except DATABASE_DOWN as exc:
                 _database_down(exc)  # said once per DATABASE_DOWN_LOG_SECONDS, not per beat
                 connection.close()

@@ -246,3 +246,36 @@ def test_a_backlog_for_hundreds_of_groups_is_sent_with_a_bounded_number_of_conne
         eventloop.submit(leave()).result(timeout=60)
     assert got == set(range(len(groups)))
     assert 1 < peak <= relay.SENDS_IN_FLIGHT <= 64
+
+
+def test_a_holder_that_renews_after_its_lease_ran_out_shows_its_own_status_again(
+    shared_loop, settings, empty_queue
+) -> None:
+    """The renewals met an outage: the lease ran out, a reconcile tick marked the row lost
+    and dispatched a watcher, and the holder renewed before that watcher came. The holder
+    goes on, so its row must say what it does, not "lost" until its status next changes
+    (a quiet stream's does not change for a whole slice)."""
+    pk, token, registry, waiting = _one_held_task(settings)
+    holder, _ = registry.holders[pk]
+    holder.status = watchers.Status.STREAMING
+    RemoteTask.objects.filter(pk=pk).update(watcher_status=watchers.Status.STREAMING)
+    registry.stopping.set()  # the renewals stop (the database is unreachable, say)
+    deadline = time.monotonic() + 5
+    while RemoteTask.objects.get(pk=pk).lease_expires_at > timezone.now():
+        assert time.monotonic() < deadline, "the lease never ran out"
+        time.sleep(0.05)
+    assert watchers.reconcile_once() == 1  # the tick: marked lost, a watcher dispatched
+    row = RemoteTask.objects.get(pk=pk)
+    assert (row.watcher_status, row.lease_token) == (watchers.Status.LOST, token)
+    registry.ensure_heartbeat()  # the database answers again: the next beat renews first
+    deadline = time.monotonic() + 5
+    while RemoteTask.objects.get(pk=pk).watcher_status == watchers.Status.LOST:
+        assert time.monotonic() < deadline, "the row still says lost"
+        time.sleep(0.05)
+    row = RemoteTask.objects.get(pk=pk)
+    assert (row.watcher_status, row.lease_token) == (watchers.Status.STREAMING, token)
+    assert row.watcher_note == "its watcher answers again"
+    assert row.lease_expires_at > timezone.now()
+    assert not waiting.done()
+    registry.stopping.set()
+    eventloop.submit(_cancel(waiting)).result(timeout=10)

@@ -704,15 +704,35 @@ def acquire_leases(task_pks: list[int], owner: str) -> dict[int, str]:
     return won
 
 
-def renew_leases(tokens: set[str]) -> set[str]:
-    """Extend every lease this process holds; returns the tokens still ours."""
-    if not tokens:
+def renew_leases(statuses: dict[str, str]) -> set[str]:
+    """Extend every lease this process holds; returns the tokens still ours.
+
+    ``statuses`` maps each token to its holder's watcher status. A lease that ran out while
+    its holder went on (its renewals met a database outage) and that nobody took meanwhile is
+    renewed like any other; but a reconcile tick may have marked the row ``lost`` in between.
+    Its holder's status is written back (guarded by the token and ``lost``), or the row
+    would say "lost" of a healthy stream until the holder's status next changes.
+    """
+    if not statuses:
         return set()
-    until = timezone.now() + timedelta(seconds=settings.WATCH_LEASE_SECONDS)
-    RemoteTask.objects.filter(lease_token__in=tokens).update(lease_expires_at=until)
-    return set(
-        RemoteTask.objects.filter(lease_token__in=tokens).values_list("lease_token", flat=True)
-    )
+    now = timezone.now()
+    until = now + timedelta(seconds=settings.WATCH_LEASE_SECONDS)
+    RemoteTask.objects.filter(lease_token__in=statuses).update(lease_expires_at=until)
+    kept = set()
+    lost = RemoteTask.WatcherStatus.LOST
+    # A holder that has not read its row yet (idle) has no status of its own to give.
+    unknown = (lost, RemoteTask.WatcherStatus.IDLE)
+    for token, row_status in RemoteTask.objects.filter(lease_token__in=statuses).values_list(
+        "lease_token", "watcher_status"
+    ):
+        kept.add(token)
+        if row_status == lost and statuses[token] not in unknown:
+            RemoteTask.objects.filter(lease_token=token, watcher_status=lost).update(
+                watcher_status=statuses[token],
+                watcher_note="its watcher answers again",
+                watcher_since=now,
+            )
+    return kept
 
 
 def _since(status: str) -> Case:
