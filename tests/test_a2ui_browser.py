@@ -18,14 +18,12 @@ from collections.abc import Iterator
 from urllib.parse import parse_qs
 
 import pytest
-from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from tests import test_ui_browser as ui
-from tests.a2ui_agents import PAYLOAD, a2ui_agent
 from tests.agents import REPO_ROOT
 from tests.people import MEMBER_SOURCE
 from tests.test_ui_browser import shot, wait_state
-from tests.ui_stack import stack_env
+from tests.ui_stack import playwright_timeout, stack_env
 
 stack, browser, context, page, demo_agent_pk = (
     ui.stack,
@@ -57,6 +55,9 @@ def add_agent_through_the_page(context, url: str) -> int:
 @pytest.fixture(scope="module")
 def a2ui_agents(context, stack, demo_agent_pk) -> Iterator[dict]:
     """The v0.8 and v0.9.1 agents, added through the page: {version: (agent pk, executor)}."""
+    # Imported here: the a2a and A2UI servers cost a second to import, at every collection.
+    from tests.a2ui_agents import a2ui_agent
+
     with a2ui_agent("0.8") as (base08, ex08), a2ui_agent("0.9.1") as (base091, ex091):
         yield {
             "0.8": (add_agent_through_the_page(context, base08), ex08),
@@ -202,7 +203,7 @@ def wait_flash(page, who: str, heard: list[str], stack, pk: int) -> None:
     flake seen under CI load is then diagnosable from its report)."""
     try:
         page.wait_for_selector(".flash")
-    except PlaywrightTimeout:
+    except playwright_timeout():
         form = page.evaluate(
             "(() => { const f = document.querySelector('#a2ui-surfaces form.a2ui-form');"
             " return f ? {sending: f.dataset.sending || null} : null; })()"
@@ -325,6 +326,8 @@ def test_typing_keeps_its_place_while_events_arrive(page, stack, a2ui_agents):
 
 
 def test_xss_payloads_in_a_surface_never_execute(page, stack, a2ui_agents):
+    from tests.a2ui_agents import PAYLOAD
+
     agent_pk, executor = a2ui_agents["0.9.1"]
     dialogs: list[str] = []
     page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))

@@ -11,11 +11,11 @@ import re
 
 import httpx
 import pytest
-from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from tasks_app.relay import LIST_GROUP
 from tests import test_ui_browser as ui
 from tests.test_ui_browser import shot, start_task, wait_state
+from tests.ui_stack import playwright_timeout
 
 # The browser stack's fixtures (module scope: this module gets a stack of its own).
 stack, browser, context, page, demo_agent_pk = (
@@ -63,7 +63,7 @@ def wait_badge(page, count: int, stack, pk: int) -> None:
     database held (a flake under CI load is then diagnosable from its report)."""
     try:
         page.wait_for_selector(f"#inbox-badge[data-count='{count}']", state="attached")
-    except PlaywrightTimeout:
+    except playwright_timeout():
         badge = page.evaluate(
             "(() => { const b = document.getElementById('inbox-badge');"
             " return {count: b.dataset.count, socket: b.dataset.socket,"

@@ -37,6 +37,17 @@ CHROMIUM_ARGS = [
 ]  # fmt: skip
 
 
+def playwright_timeout() -> type[Exception]:
+    """Playwright's ``TimeoutError``, imported when an ``except`` clause asks for it.
+
+    ``except playwright_timeout():`` is evaluated only when an exception reaches it, so a
+    module that names it is collected without importing Playwright.
+    """
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    return PlaywrightTimeout
+
+
 @contextlib.contextmanager
 def chromium() -> Iterator[Any]:
     """A headless Chromium (a Playwright ``Browser``), closed on exit.
