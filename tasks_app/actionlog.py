@@ -172,6 +172,8 @@ class ActionFilterForm(forms.Form):
     def __init__(self, *args: Any, user: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.user = user
+        # The projects whose log this person audits (None: all, for a superuser or a command).
+        self.audited = access.projects_with(user, Perm.AUDIT) if user is not None else None
         projects = (
             access.projects_for(user, Perm.AUDIT) if user is not None else Project.objects.all()
         )
@@ -197,20 +199,41 @@ class ActionFilterForm(forms.Form):
         if self.is_bound:
             wanted = (self.data.get("action") or "").strip()
             known = wanted in KNOWN_ACTIONS or len(wanted) > 40
-            if wanted and not known and OperatorAction.objects.filter(action=wanted).exists():
+            if wanted and not known and self._audited_actions().filter(action=wanted).exists():
                 self.fields["action"].choices = [*self.fields["action"].choices, (wanted, wanted)]
             self.fields["action"].error_messages["invalid_choice"] = (
                 f"Unknown action “{wanted[:40]}”: choose one from the list."
             )
         super().full_clean()
 
+    def _audited_actions(self) -> QuerySet[OperatorAction]:
+        if self.audited is None:
+            return OperatorAction.objects.all()
+        return OperatorAction.objects.filter(
+            Q(agent__project_id__in=self.audited)
+            | Q(agent__isnull=True, task__agent__project_id__in=self.audited)
+        )
+
     def clean_person(self) -> Any:
+        """The person named, among those this auditor can meet in the log.
+
+        Members of the audited projects, and whoever acted in them (a superuser, a former
+        member). Anyone else is "no person" too, in the same words: whether a name exists
+        elsewhere is not this auditor's to learn.
+        """
         name = (self.cleaned_data.get("person") or "").strip()
         if not name:
             return None
-        person = get_user_model().objects.filter(username=name).first()
+        people = get_user_model().objects.filter(username=name)
+        if self.audited is not None:
+            actors = self._audited_actions().values("actor_id")
+            people = people.filter(
+                Q(memberships__project_id__in=self.audited) | Q(pk__in=actors)
+            ).distinct()
+        person = people.first()
         if person is None:
-            raise forms.ValidationError(f"No person named “{name[:40]}”.")
+            where = "" if self.audited is None else " in the projects you audit"
+            raise forms.ValidationError(f"No person named “{name[:40]}”{where}.")
         return person
 
     def clean_since(self) -> datetime | None:

@@ -194,6 +194,38 @@ def test_an_auditor_cannot_filter_on_another_projects_agent(world) -> None:
     assert response.status_code == 400 and "No such agent" in response.content.decode()
 
 
+def test_an_auditor_learns_nothing_of_people_outside_the_projects_they_audit(world) -> None:
+    """bob is a member of beta only: to alpha's auditor he is no person, in the same words
+    as a name nobody has (and the action only beta's log holds is unknown the same way)."""
+    from django.contrib.auth import get_user_model
+
+    auditor = world["clients"]["auditor"]
+
+    def person_error(name: str) -> str:
+        response = auditor.get(reverse("audit") + f"?person={name}")
+        assert response.status_code == 400
+        found = re.search(
+            r'<ul class="errorlist" id="person-errors">(.*?)</ul>', response.content.decode(), re.S
+        )
+        assert found, response.content.decode()[:2000]
+        return found.group(1).replace(name, "NAME")
+
+    assert person_error("bob") == person_error("nobody-here")
+    assert "No person named" in person_error("bob")
+    # A superuser who acted in alpha, and alpha's own members, can be filtered on.
+    get_user_model().objects.create_superuser("admin2", "", "pw-12345678")
+    OperatorAction.objects.create(
+        action="cancel", agent=world["a1"], actor=get_user_model().objects.get(username="admin2")
+    )
+    for name in ("ann", "admin2"):
+        assert auditor.get(reverse("audit") + f"?person={name}").status_code == 200
+    # An unknown action that only beta's log holds is as unknown as one nobody took.
+    OperatorAction.objects.create(action="beta-only", agent=world["b1"])
+    refused = auditor.get(reverse("audit") + "?action=beta-only")
+    assert refused.status_code == 400 and "Unknown action" in refused.content.decode()
+    assert world["clients"]["root"].get(reverse("audit") + "?action=beta-only").status_code == 200
+
+
 def test_a_broken_cursor_is_a_message(world) -> None:
     response = world["clients"]["root"].get(reverse("audit") + "?cursor=not-a-cursor!!")
     assert response.status_code == 400 and 'id="audit-bad-cursor"' in response.content.decode()
