@@ -33,7 +33,8 @@ How subprocesses share the test database
 pytest-django creates the test database (``test_<name>`` on PostgreSQL; on SQLite the file
 named by ``DATABASES["default"]["TEST"]["NAME"]``, which this module sets to a fresh file in
 the session's temporary folder unless ``DASHBOARD_TEST_DB_FILE`` is set; never SQLite's
-in-memory database, which other processes cannot open). After creation Django's connection
+in-memory database, which other processes cannot open; under xdist the file starts as a copy
+of the run's one migrated template, see ``SQLiteTemplate``). After creation Django's connection
 settings name the test database, and :func:`test_database_url` turns them back into a
 ``DATABASE_URL`` that the subprocess's settings parse like any other. Subprocesses only see
 committed data: use ``@pytest.mark.django_db(transaction=True)`` in tests that start
