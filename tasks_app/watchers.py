@@ -1033,23 +1033,15 @@ class Holder:
         answer kept in the outbox.
         """
         snapshot = await client.get_task(self.remote_id)
-        history = snapshot.get("history")
-        arrived = isinstance(history, list) and any(
-            isinstance(m, dict) and m.get("messageId") == message_id for m in history
-        )
-        status = snapshot.get("status")
-        status = status if isinstance(status, dict) else {}
-        waiting = status.get("state") == task.state and _message_id(
-            status.get("message")
-        ) == _message_id(task.status_message)
-        if waiting and not arrived:
+        fate = answer_fate(snapshot, message_id, task.state, task.status_message)
+        if fate == "waiting":
             return False
         await self._system(
             "found-again",
             "the worker stopped while sending an answer; "
             + (
                 "the agent has it, so it is not sent again"
-                if arrived
+                if fate == "arrived"
                 else "the task has moved on since, so it is not sent again"
             ),
         )
@@ -1399,6 +1391,29 @@ def _event_size(event: Any) -> int:
 def _message_id(message: Any) -> Any:
     """A status message's id (None when there is no message, or it has none)."""
     return message.get("messageId") if isinstance(message, dict) else None
+
+
+def answer_fate(snapshot: Any, message_id: str, state: str, status_message: Any) -> str:
+    """What became of an answer sent before, by the agent's snapshot (see ``_answer_arrived``).
+
+    ``"arrived"``: the message is in the task's history. ``"moved on"``: the task no
+    longer waits in ``state`` on ``status_message`` (the question the answer was for).
+    ``"waiting"``: neither, so it is sent. The snapshot is the agent's JSON: anything of
+    the wrong shape counts as absent.
+    """
+    snapshot = snapshot if isinstance(snapshot, dict) else {}
+    history = snapshot.get("history")
+    if isinstance(history, list) and any(
+        isinstance(m, dict) and m.get("messageId") == message_id for m in history
+    ):
+        return "arrived"
+    status = snapshot.get("status")
+    status = status if isinstance(status, dict) else {}
+    if status.get("state") == state and _message_id(status.get("message")) == _message_id(
+        status_message
+    ):
+        return "waiting"
+    return "moved on"
 
 
 def backoff(failures: int) -> float:

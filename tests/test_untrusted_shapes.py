@@ -14,6 +14,8 @@ import json
 import uuid
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tasks_app import eventloop, watchers
 from tasks_app.a2a import a2ui, errors, safejson
@@ -23,6 +25,7 @@ from tasks_app.services import push
 from tasks_app.services import tasks as task_services
 from tasks_app.services.record import MAX_ID_CHARS, record
 from tests.serving import json_rpc_peer
+from tests.test_chain import json_values
 
 LONG_ID = "x" * (MAX_ID_CHARS + 1)
 
@@ -327,3 +330,44 @@ def test_a_task_whose_notifications_fail_to_record_says_so_and_the_batch_goes_on
     assert note.kind == "protocol-error"
     assert "2 push notification(s) could not be recorded (KeyError)" in note.note
     assert TaskEvent.objects.get(task=other).kind == "statusUpdate"
+
+
+# -- an answer sent before: what the agent's snapshot says became of it ----------------------
+
+ASKED = {"messageId": "q-1", "role": "ROLE_AGENT", "parts": [{"text": "Name?"}]}
+WAITING = {"state": "TASK_STATE_INPUT_REQUIRED", "message": ASKED}
+
+
+@pytest.mark.parametrize(
+    ("snapshot", "fate"),
+    [
+        ({"status": WAITING, "history": [ASKED, {"messageId": "a-1"}]}, "arrived"),
+        # Arrived and answered: the state moved on as well; the history decides first.
+        ({"status": {"state": "TASK_STATE_WORKING"}, "history": [{"messageId": "a-1"}]}, "arrived"),
+        ({"status": WAITING, "history": [ASKED]}, "waiting"),
+        ({"status": WAITING}, "waiting"),  # an agent that keeps no history
+        ({"status": {"state": "TASK_STATE_COMPLETED"}}, "moved on"),
+        # Asked again: the same state, another question.
+        ({"status": {**WAITING, "message": {**ASKED, "messageId": "q-2"}}}, "moved on"),
+        # Wrong shapes count as absent, never as an error.
+        ({"status": WAITING, "history": "a-1"}, "waiting"),
+        ({"status": WAITING, "history": [["a-1"], None, 7]}, "waiting"),
+        ({"status": ["TASK_STATE_INPUT_REQUIRED"], "history": None}, "moved on"),
+        ([], "moved on"),
+    ],
+)
+def test_what_became_of_an_answer_sent_before(snapshot, fate):
+    assert watchers.answer_fate(snapshot, "a-1", "TASK_STATE_INPUT_REQUIRED", ASKED) == fate
+
+
+@settings(max_examples=200, deadline=None)
+@given(snapshot=json_values, history=st.lists(json_values, max_size=5))
+def test_any_snapshot_gives_an_answer_a_fate_never_an_exception(snapshot, history):
+    shaped = {"status": snapshot, "history": history}
+    for value in (snapshot, shaped):
+        fate = watchers.answer_fate(value, "a-1", "TASK_STATE_INPUT_REQUIRED", ASKED)
+        assert fate in ("arrived", "moved on", "waiting")
+    arrived = any(isinstance(m, dict) and m.get("messageId") == "a-1" for m in history)
+    assert (
+        watchers.answer_fate(shaped, "a-1", "TASK_STATE_INPUT_REQUIRED", ASKED) == "arrived"
+    ) == arrived
