@@ -9,13 +9,13 @@ question with nothing to send, which offers no form and sends nothing.
 
 from __future__ import annotations
 
-import threading
+import functools
 
 import pytest
-from django.db import close_old_connections
 
 from tasks_app.models import Agent, RemoteTask
 from tasks_app.services import tasks as task_services
+from tests.races import release_together
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -39,45 +39,21 @@ def _answered_task(agent: Agent, n: int) -> RemoteTask:
     )
 
 
-def _race(task_pk: int) -> tuple[list[bool], list[str], list[str]]:
+def _race(task_pk: int) -> tuple[list[object], list[str], list[str]]:
     """``answer_failed`` and ANSWERERS people released together: (reopened, won, refused)."""
-    barrier = threading.Barrier(ANSWERERS + 1)
-    won: list[str] = []
-    refused: list[str] = []
-    reopened: list[bool] = []
-    errors: list[BaseException] = []
-
-    def fail() -> None:
-        try:
-            barrier.wait(timeout=10)
-            reopened.append(task_services.answer_failed(task_pk, "refused"))
-        except BaseException as exc:  # collected and asserted below
-            errors.append(exc)
-        finally:
-            close_old_connections()
-
-    def answer(i: int) -> None:
-        text = f"again {i}"
-        try:
-            current = RemoteTask.objects.select_related("agent").get(pk=task_pk)
-            barrier.wait(timeout=10)
-            task_services.answer_task(current, text, question_seq=QUESTION)
-            won.append(text)
-        except task_services.TaskActionError as exc:
-            refused.append(str(exc))
-        except BaseException as exc:  # collected and asserted below
-            errors.append(exc)
-        finally:
-            close_old_connections()
-
-    threads = [threading.Thread(target=fail)]
-    threads += [threading.Thread(target=answer, args=(i,)) for i in range(ANSWERERS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    assert errors == []
-    return reopened, won, refused
+    tasks = [RemoteTask.objects.select_related("agent").get(pk=task_pk) for _ in range(ANSWERERS)]
+    texts = [f"again {i}" for i in range(ANSWERERS)]
+    reopened, *answers = release_together(
+        functools.partial(task_services.answer_failed, task_pk, "refused"),
+        *(
+            functools.partial(task_services.answer_task, task, text, question_seq=QUESTION)
+            for task, text in zip(tasks, texts, strict=True)
+        ),
+    )
+    assert all(isinstance(o, RemoteTask | task_services.TaskActionError) for o in answers), answers
+    won = [text for text, o in zip(texts, answers, strict=True) if isinstance(o, RemoteTask)]
+    refused = [str(o) for o in answers if isinstance(o, task_services.TaskActionError)]
+    return [reopened], won, refused
 
 
 def test_a_reopened_question_takes_at_most_one_new_answer_and_never_loses_it(monkeypatch):

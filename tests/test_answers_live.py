@@ -12,19 +12,19 @@ one answer.
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import threading
 from collections.abc import Iterator
 
 import pytest
-from django.db import close_old_connections, connection
+from django.db import close_old_connections
 
 from tasks_app import eventloop, relay, watchers
-from tasks_app.models import RemoteTask
-from tasks_app.outbound import client_for, http_client
+from tasks_app.models import Agent, RemoteTask
 from tasks_app.services import tasks as task_services
 from tasks_app.services.agents import add_agent
-from tests.test_mirror import wait_for
+from tests.races import release_together
+from tests.test_mirror import agent_call, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -32,29 +32,41 @@ ANSWERERS = 6
 
 
 def race(task_pk: int, question: int, label: str) -> tuple[list[str], list[str]]:
-    """Release ANSWERERS threads at once; return the texts that won and the refusals."""
-    barrier = threading.Barrier(ANSWERERS)
-    won: list[str] = []
-    refused: list[str] = []
-
-    def answer(i: int) -> None:
-        text = f"{label} {i}"
-        try:
-            task = RemoteTask.objects.select_related("agent").get(pk=task_pk)
-            barrier.wait(timeout=10)
-            task_services.answer_task(task, text, question_seq=question)
-            won.append(text)
-        except task_services.TaskActionError as exc:
-            refused.append(str(exc))
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=answer, args=(i,)) for i in range(ANSWERERS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
+    """Release ANSWERERS answerers at once; return the texts that won and the refusals."""
+    tasks = [RemoteTask.objects.select_related("agent").get(pk=task_pk) for _ in range(ANSWERERS)]
+    texts = [f"{label} {i}" for i in range(ANSWERERS)]
+    outcomes = release_together(
+        *(
+            functools.partial(task_services.answer_task, task, text, question_seq=question)
+            for task, text in zip(tasks, texts, strict=True)
+        )
+    )
+    refused = [str(o) for o in outcomes if isinstance(o, task_services.TaskActionError)]
+    assert all(isinstance(o, RemoteTask | task_services.TaskActionError) for o in outcomes), (
+        outcomes
+    )
+    won = [text for text, o in zip(texts, outcomes, strict=True) if isinstance(o, RemoteTask)]
     return won, refused
+
+
+def asked(agent) -> tuple[Agent, RemoteTask]:
+    """The demo agent added, and a task of it that waits on its question."""
+    demo = add_agent(agent.base_url, name="demo")
+    task = task_services.start_task(demo, "ask", mode="stream")
+    wait_for(
+        lambda: RemoteTask.objects.get(pk=task.pk).state == "TASK_STATE_INPUT_REQUIRED",
+        what="the question",
+    )
+    task.refresh_from_db()
+    return demo, task
+
+
+def at_agent(demo: Agent, task: RemoteTask) -> dict:
+    """The task as the agent's own GetTask gives it."""
+    close_old_connections()
+    snapshot = agent_call(demo, lambda client: client.get_task(task.remote_id))
+    assert isinstance(snapshot, dict)
+    return snapshot
 
 
 @pytest.fixture
@@ -82,13 +94,7 @@ def test_exactly_one_answer_reaches_the_agent(agent, monkeypatch, in_process_hol
     monkeypatch.setattr(task_services, "dispatch", lambda pk: watchers.watch(pk))
 
     resume.set()  # the first send's acknowledgement needs no pause
-    demo = add_agent(agent.base_url, name="demo")
-    task = task_services.start_task(demo, "ask", mode="stream")
-    wait_for(
-        lambda: RemoteTask.objects.get(pk=task.pk).state == "TASK_STATE_INPUT_REQUIRED",
-        what="the question",
-    )
-    task.refresh_from_db()
+    demo, task = asked(agent)
     question = task.asked_seq
     assert question > 0
 
@@ -115,12 +121,7 @@ def test_exactly_one_answer_reaches_the_agent(agent, monkeypatch, in_process_hol
     after_won, _ = race(task.pk, question, "after the reply")
     assert after_won == []
 
-    async def remote() -> dict:
-        async with http_client() as http:
-            return await client_for(demo, http).get_task(task.remote_id)
-
-    close_old_connections()
-    snapshot = asyncio.run(remote())
+    snapshot = at_agent(demo, task)
     answers = [
         m
         for m in snapshot.get("history", [])
@@ -238,13 +239,7 @@ def test_an_answer_whose_send_was_cut_by_the_database_reaches_the_agent_once(
     monkeypatch.setattr(A2AClient, "send_streaming_message", counting_send)
     monkeypatch.setattr(task_services, "clear_outbox", clear_fails_once)
     monkeypatch.setattr(task_services, "dispatch", lambda pk: watchers.watch(pk))
-    demo = add_agent(agent.base_url, name="demo")
-    task = task_services.start_task(demo, "ask", mode="stream")
-    wait_for(
-        lambda: RemoteTask.objects.get(pk=task.pk).state == "TASK_STATE_INPUT_REQUIRED",
-        what="the question",
-    )
-    task.refresh_from_db()
+    demo, task = asked(agent)
     answering.set()
     task_services.answer_task(task, "green", question_seq=task.asked_seq)
     assert failed.wait(timeout=20), "the holder never began sending the answer"
@@ -260,12 +255,7 @@ def test_an_answer_whose_send_was_cut_by_the_database_reaches_the_agent_once(
     )
     assert sent.count(answer_id) == 1  # sent once, by whichever holder found it unsent
 
-    async def remote() -> dict:
-        async with http_client() as http:
-            return await client_for(demo, http).get_task(task.remote_id)
-
-    close_old_connections()
-    history = asyncio.run(remote()).get("history", [])
+    history = at_agent(demo, task).get("history", [])
     assert [m["messageId"] for m in history if m["messageId"] == answer_id] == [answer_id]
     final = RemoteTask.objects.get(pk=task.pk)
     assert final.outbox is None and final.answered_seq == final.asked_seq
