@@ -33,8 +33,8 @@ How subprocesses share the test database
 pytest-django creates the test database (``test_<name>`` on PostgreSQL; on SQLite the file
 named by ``DATABASES["default"]["TEST"]["NAME"]``, which this module sets to a fresh file in
 the session's temporary folder unless ``DASHBOARD_TEST_DB_FILE`` is set; never SQLite's
-in-memory database, which other processes cannot open; under xdist the file starts as a copy
-of the run's one migrated template, see ``SQLiteTemplate``). After creation Django's connection
+in-memory database, which other processes cannot open; the file starts as a copy of one
+migrated template kept for the migrations it was built from, see ``SQLiteTemplate``). After creation Django's connection
 settings name the test database, and :func:`test_database_url` turns them back into a
 ``DATABASE_URL`` that the subprocess's settings parse like any other. Subprocesses only see
 committed data: use ``@pytest.mark.django_db(transaction=True)`` in tests that start
@@ -94,26 +94,28 @@ def django_db_modify_db_settings(
 
 
 class SQLiteTemplate:
-    """One migrated SQLite test database per run, copied by every xdist process of the run.
+    """One migrated SQLite test database per set of migrations, copied by every test process.
 
     Each process of a ``-n 4`` run migrated a database of its own: 1.5 s of CPU alone, 3.4 s
-    each with four at once on two cores, all at the start of the run. The first process to
-    take the run's lock migrates and leaves a copy (``template.sqlite3`` in the run's shared
-    temporary folder); the others wait for it and start from a copy, which Django then keeps
-    (``keepdb``: its migrate finds nothing to apply). Only for the SQLite file this module
-    names, and only under xdist (one process has nothing to share).
+    each with four at once on two cores, all at the start of the run, and again at every
+    run. The first process to take the lock migrates and leaves a copy; the others (of this
+    run and of later ones) wait for it and start from a copy, which Django then keeps
+    (``keepdb``: its migrate finds nothing to apply). The copy is named by
+    :func:`migrations_key`, so a changed or added migration (or another Django or SQLite)
+    builds a new one. Only for the SQLite file this module names.
     """
 
-    def __init__(self, database: Path | None, shared: Path | None) -> None:
+    def __init__(self, database: Path | None, folder: Path, key: str) -> None:
         self.database = database
         self.copied = False
         self._lock: Any = None
-        self._template = shared / "template.sqlite3" if shared else None
-        if database is None or shared is None:
+        self._template = folder / f"dash-template-{key}.sqlite3"
+        if database is None:
             return
         import fcntl
 
-        self._lock = open(shared / "template.lock", "w")  # noqa: SIM115 (held until built)
+        # Held until built; the lock file stays (removing it would let two builders race).
+        self._lock = open(folder / f"dash-template-{key}.lock", "w")  # noqa: SIM115
         fcntl.flock(self._lock, fcntl.LOCK_EX)
         if self._template is not None and self._template.exists():
             import shutil
@@ -128,7 +130,6 @@ class SQLiteTemplate:
             return
         import sqlite3
 
-        assert self._template is not None
         partial = self._template.with_suffix(".partial")
         with (
             contextlib.closing(sqlite3.connect(self.database)) as source,
@@ -157,12 +158,31 @@ def sqlite_template(
         and name
         and not os.environ.get("DASHBOARD_TEST_DB_FILE")
     )
-    shared = (
-        tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else None
-    )
-    template = SQLiteTemplate(Path(name) if ours else None, shared)
+    # pytest's own folder for this user (``pytest-of-<user>``), above each run's numbered one.
+    base = tmp_path_factory.getbasetemp()
+    folder = base.parent.parent if os.environ.get("PYTEST_XDIST_WORKER") else base.parent
+    template = SQLiteTemplate(Path(name) if ours else None, folder, migrations_key())
     yield template
     template.release()
+
+
+def migrations_key() -> str:
+    """What a migrated database depends on: every installed app's migration files, and the
+    versions of Django and SQLite (migrate builds from migrations alone, never from models;
+    ``tests/test_migrations.py`` checks that the two agree)."""
+    import hashlib
+    import sqlite3
+
+    import django
+    from django.apps import apps
+
+    digest = hashlib.sha256(f"{django.__version__} {sqlite3.sqlite_version}".encode())
+    for config in sorted(apps.get_app_configs(), key=lambda config: config.label):
+        folder = Path(config.path) / "migrations"
+        for path in sorted(folder.glob("*.py")) if folder.is_dir() else ():
+            digest.update(f"{config.label}/{path.name}".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 @pytest.fixture(scope="session")

@@ -308,14 +308,14 @@ def _last_conn(server: HostileServer, mode: str) -> Conn:
 async def test_trickling_reply_fails_at_the_call_deadline(
     hostile: HostileServer, http: httpx.AsyncClient, binding: str
 ) -> None:
-    client = hostile_client(hostile, "trickle", binding, http, call_deadline=2.0, timeout=30.0)
+    client = hostile_client(hostile, "trickle", binding, http, call_deadline=1.0, timeout=30.0)
     trickle_seconds = hostile.trickle_bytes * hostile.interval  # 40 s to finish the reply
     start = time.monotonic()
     with pytest.raises(DeadlineExceeded) as info:
         await client.get_task(TASK_ID)
     elapsed = time.monotonic() - start
     assert isinstance(info.value, TransportError)
-    assert "no complete response after 2 s" in str(info.value)
+    assert "no complete response after 1 s" in str(info.value)
     assert elapsed < trickle_seconds / 4  # well under the trickle, though bytes kept coming
     conn = _last_conn(hostile, "trickle")
     assert hostile.wait_peer_closed(conn), "the client kept the connection open"
@@ -326,10 +326,10 @@ async def test_trickling_blocking_send_uses_the_send_deadline(
     hostile: HostileServer, http: httpx.AsyncClient
 ) -> None:
     client = hostile_client(
-        hostile, "trickle", "JSONRPC", http, call_deadline=60.0, send_deadline=2.0
+        hostile, "trickle", "JSONRPC", http, call_deadline=60.0, send_deadline=1.0
     )
     start = time.monotonic()
-    with pytest.raises(DeadlineExceeded, match=r"SendMessage.*no complete response after 2 s"):
+    with pytest.raises(DeadlineExceeded, match=r"SendMessage.*no complete response after 1 s"):
         await client.send_message(user_message("hello"))
     assert time.monotonic() - start < hostile.trickle_bytes * hostile.interval / 4
     assert hostile.wait_peer_closed(_last_conn(hostile, "trickle"))
@@ -339,8 +339,8 @@ async def test_trickling_card_fails_at_its_deadline(
     hostile: HostileServer, http: httpx.AsyncClient
 ) -> None:
     start = time.monotonic()
-    with pytest.raises(DeadlineExceeded, match=r"card fetch .* no complete response after 2 s"):
-        await fetch_card(hostile.url_for("trickle"), http=http, deadline=2.0)
+    with pytest.raises(DeadlineExceeded, match=r"card fetch .* no complete response after 1 s"):
+        await fetch_card(hostile.url_for("trickle"), http=http, deadline=1.0)
     assert time.monotonic() - start < hostile.trickle_bytes * hostile.interval / 4
     conn = _last_conn(hostile, "trickle")
     assert conn.path.endswith("/.well-known/agent-card.json")
@@ -352,9 +352,9 @@ async def test_trickling_card_fails_at_its_deadline(
 async def test_stream_of_keepalives_only_ends_at_the_idle_bound(
     hostile: HostileServer, http: httpx.AsyncClient, binding: str, mode: str
 ) -> None:
-    # Bytes arrive every 0.25 s, so httpx's read timeout (1.5 s) never fires;
+    # Bytes arrive every 0.25 s, so httpx's read timeout (0.8 s) never fires;
     # the gap between complete events is what ends the stream.
-    client = hostile_client(hostile, mode, binding, http, stream_idle_timeout=1.5)
+    client = hostile_client(hostile, mode, binding, http, stream_idle_timeout=0.8)
     events = []
     start = time.monotonic()
     with pytest.raises(StreamIdleTimeout) as info:
@@ -363,7 +363,7 @@ async def test_stream_of_keepalives_only_ends_at_the_idle_bound(
                 events.append(event)
     elapsed = time.monotonic() - start
     assert not isinstance(info.value, DeadlineExceeded)
-    assert "no complete event for 1.5 s (only keep-alives or partial data)" in str(info.value)
+    assert "no complete event for 0.8 s (only keep-alives or partial data)" in str(info.value)
     assert events == []
     assert elapsed < 10
     conn = _last_conn(hostile, mode)
@@ -376,7 +376,7 @@ async def test_event_that_never_finishes_fails_at_the_call_deadline(
     hostile: HostileServer, http: httpx.AsyncClient, binding: str
 ) -> None:
     client = hostile_client(
-        hostile, "slowevent", binding, http, call_deadline=2.0, stream_idle_timeout=30.0
+        hostile, "slowevent", binding, http, call_deadline=1.0, stream_idle_timeout=30.0
     )
     events = []
     start = time.monotonic()
@@ -385,7 +385,7 @@ async def test_event_that_never_finishes_fails_at_the_call_deadline(
             async for event in stream:
                 events.append(event)
     elapsed = time.monotonic() - start
-    assert "no complete response after 2 s (an SSE event started and did not finish)" in str(
+    assert "no complete response after 1 s (an SSE event started and did not finish)" in str(
         info.value
     )
     assert [e.kind for e in events] == ["task"]  # the complete event before it got through

@@ -80,7 +80,7 @@ def test_summaries_in_a_burst_go_as_one_send_with_the_newest_of_each_task(
     relay_loop: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A spell far longer than the test's publishing takes: the burst is certainly inside it.
-    monkeypatch.setattr(relay, "SUMMARIES_EVERY", 3.0)
+    monkeypatch.setattr(relay, "SUMMARIES_EVERY", 1.0)
     channel = _listen([relay.LIST_GROUP, relay.task_group(7)])
     relay.publish([_summary(7, 1)])  # after a quiet spell: at once
     (first,) = _receive(channel, 1)
