@@ -117,10 +117,11 @@ class SQLiteTemplate:
         # Held until built; the lock file stays (removing it would let two builders race).
         self._lock = open(folder / f"dash-template-{key}.lock", "w")  # noqa: SIM115
         fcntl.flock(self._lock, fcntl.LOCK_EX)
-        if self._template is not None and self._template.exists():
+        if self._template.exists():
             import shutil
 
             shutil.copyfile(self._template, database)
+            self._template.touch()  # in use: not forgotten (see _forget_old)
             self.copied = True
             self.release()
 
@@ -138,6 +139,16 @@ class SQLiteTemplate:
             source.backup(copy)
         partial.replace(self._template)
         self.release()
+        self._forget_old()
+
+    def _forget_old(self) -> None:
+        """Templates of other migrations not used for a day: another branch's, or superseded."""
+        a_day_ago = time.time() - 86400
+        for path in self._template.parent.glob("dash-template-*"):
+            if path.stem != self._template.stem:
+                with contextlib.suppress(OSError):
+                    if path.stat().st_mtime < a_day_ago:
+                        path.unlink()
 
     def release(self) -> None:
         if self._lock is not None:
@@ -167,9 +178,9 @@ def sqlite_template(
 
 
 def migrations_key() -> str:
-    """What a migrated database depends on: every installed app's migration files, and the
-    versions of Django and SQLite (migrate builds from migrations alone, never from models;
-    ``tests/test_migrations.py`` checks that the two agree)."""
+    """What a migrated database depends on: every installed app's migration files and models
+    module (migrations use its field classes), and the versions of Django and SQLite.
+    (``tests/test_migrations.py`` checks that models and migrations agree.)"""
     import hashlib
     import sqlite3
 
@@ -179,7 +190,10 @@ def migrations_key() -> str:
     digest = hashlib.sha256(f"{django.__version__} {sqlite3.sqlite_version}".encode())
     for config in sorted(apps.get_app_configs(), key=lambda config: config.label):
         folder = Path(config.path) / "migrations"
-        for path in sorted(folder.glob("*.py")) if folder.is_dir() else ():
+        if not folder.is_dir():
+            continue
+        models_file = getattr(config.models_module, "__file__", None)
+        for path in [*sorted(folder.glob("*.py")), *([Path(models_file)] if models_file else [])]:
             digest.update(f"{config.label}/{path.name}".encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
