@@ -201,8 +201,9 @@ class ActionFilterForm(forms.Form):
             known = wanted in KNOWN_ACTIONS or len(wanted) > 40
             if wanted and not known and self._audited_actions().filter(action=wanted).exists():
                 self.fields["action"].choices = [*self.fields["action"].choices, (wanted, wanted)]
+            # A template Django fills with the value (a "%" typed in the filter stays text).
             self.fields["action"].error_messages["invalid_choice"] = (
-                f"Unknown action “{wanted[:40]}”: choose one from the list."
+                "Unknown action “%(value).40s”: choose one from the list."
             )
         super().full_clean()
 

@@ -173,6 +173,9 @@ def test_each_filter_and_combined(world) -> None:
         ("since=2026-03-12&until=2026-03-01", "until", "must be after"),
         ("person=nobody-here", "person", "No person named"),
         ("action=launch-missiles", "action", "Unknown action"),
+        # A "%" in the filter is text, not a format directive of the message (was a 500).
+        ("action=50%25%E2%80%9D+off", "action", "Unknown action “50%” off”"),
+        ("person=100%25%E2%80%9D", "person", "No person named “100%””"),
         ("agent=abc", "agent", "No such agent"),
         ("agent=999999", "agent", "No such agent"),
         ("project=999999", "project", "No such project"),
