@@ -11,8 +11,7 @@ from typing import Any
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.http import HttpRequest, HttpResponse
-from django.shortcuts import redirect
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.utils.safestring import SafeString, mark_safe
@@ -148,14 +147,16 @@ def task_surface_act(request: HttpRequest, pk: int) -> HttpResponse:
     """A Button of a surface was pressed: send its action (or say why not), then go back."""
     task = get_task_for_user(request, pk, Perm.OPERATE)
     back = request.POST.get("next") or ""
-    if not url_has_allowed_host_and_scheme(back, allowed_hosts={request.get_host()}):
-        back = ""
-    back = back or reverse("task-detail", args=[task.pk])
+    # A path of this site, nothing else (redirect() would also read other text as a view name).
+    if not back.startswith("/") or not url_has_allowed_host_and_scheme(
+        back, allowed_hosts={request.get_host()}
+    ):
+        back = reverse("task-detail", args=[task.pk])
     seq = whole_number(request.POST.get("seq", ""))
     surface_id = request.POST.get("surface", "")[:200]
     if seq is None:
         messages.error(request, "This form is incomplete; reload the page.")
-        return redirect(back)
+        return HttpResponseRedirect(back)
     try:
         a2ui_actions.act(
             request.user, task, surface_id, seq, request.POST.get("source", ""), request.POST
@@ -170,7 +171,7 @@ def task_surface_act(request: HttpRequest, pk: int) -> HttpResponse:
         messages.error(request, str(exc))
     else:
         messages.success(request, f"Sent to the agent: {task.title or task}.")
-    return redirect(back)
+    return HttpResponseRedirect(back)
 
 
 def _with_errors(

@@ -544,3 +544,20 @@ def test_a_posted_seq_or_question_int_refuses_is_an_incomplete_form_not_a_500(
         assert resp.status_code == 400, question
         assert 'id="answer-form"' in resp.content.decode(), question
     assert not OperatorAction.objects.filter(action="a2ui-action").exists()
+
+
+@pytest.mark.parametrize("crafted", ["task-list", "-1", "https://elsewhere.example/", "//x"])
+def test_a_next_that_is_no_path_of_this_site_goes_back_to_the_task(
+    agent, people, no_dispatch, crafted
+) -> None:
+    """``next`` is text from the form: a view name ("task-list") or a word ("-1") made
+    redirect() look it up and fail (500); another site is never where a button leads."""
+    task = waiting(agent)
+    surface = surface_of(task)
+    url = reverse("task-surface-act", args=[task.pk])
+    resp = people["ann"].post(url, post_values(surface, seq="", next=crafted))
+    assert resp.status_code == 302 and resp["Location"] == reverse("task-detail", args=[task.pk])
+    resp = people["ann"].post(url, post_values(surface, next=crafted))
+    assert resp.status_code == 302 and resp["Location"] == reverse("task-detail", args=[task.pk])
+    task.refresh_from_db()
+    assert task.outbox  # the action itself went ahead

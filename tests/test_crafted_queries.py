@@ -1,14 +1,17 @@
-"""Every page, given any query string a person can type: an answer, never a 500.
+"""Every page, given any query string or form a person can craft: an answer, never a 500.
 
 The routes, the people and the objects they name come from ``tests/test_access_matrix.py``
 (every route of the URL conf). Each GET route is asked with every query parameter the views
-and filter forms read set to values a form or a hand-edited URL can hold: bytes that are not
-UTF-8, a NUL, text longer than any field, numbers past any column, a parameter given twice.
+and filter forms read, and each POST route is sent every field the views and forms read, set
+to values a form or a hand-edited URL can hold: bytes that are not UTF-8, a NUL, text longer
+than any field, numbers past any column, a parameter given twice. None of the values is a URL
+a guard would have to refuse: the agents named here listen nowhere (127.0.0.1:9).
 """
 
 from __future__ import annotations
 
 import pytest
+from django.urls import reverse
 
 from tests.test_access_matrix import RULES, app_routes, url_for, world  # noqa: F401 (fixture)
 
@@ -36,10 +39,19 @@ VALUES = (
 )
 
 
-def _queries() -> list[str]:
-    queries = ["&".join(f"{name}={value}" for name in PARAMETERS) for value in VALUES]
+# What the views read from ``request.POST`` and the forms' fields (agents, tasks, answers).
+FIELDS = (
+    "next", "watch", "username", "password", "surface", "source", "seq", "origin", "action",
+    "url", "name", "project", "kind", "token", "api_key", "api_key_name", "api_key_location",
+    "agent", "skill", "text", "data", "mode", "kept_file", "kept_file_name", "drop_kept_file",
+    "reason", "question",
+)  # fmt: skip
+
+
+def _queries(names: tuple[str, ...] = PARAMETERS) -> list[str]:
+    queries = ["&".join(f"{name}={value}" for name in names) for value in VALUES]
     # Each parameter twice, with two different values.
-    queries.append("&".join(f"{name}=1&{name}=%00" for name in PARAMETERS))
+    queries.append("&".join(f"{name}=1&{name}=%00" for name in names))
     return queries
 
 
@@ -60,3 +72,28 @@ def test_every_page_answers_any_query_string_without_an_error(world, person) -> 
                 errors.append(f"{name} ?{query[:80]}…: {response.status_code}")
     assert asked > 100  # the routes were found and asked
     assert not errors, "\n".join(errors)
+    assert client.get(reverse("overview")).status_code == 200  # asked as this person throughout
+
+
+@pytest.mark.parametrize("person", ["agent admin", "auditor"])
+def test_every_form_answers_any_crafted_body_without_an_error(world, person) -> None:  # noqa: F811
+    client = world["people"][person]
+    errors: list[str] = []
+    asked = 0
+    for name, pattern in app_routes():
+        rule = RULES[name]
+        # The forms of three GET pages are posted to the same route; the webhook takes JSON
+        # (tests/test_push_webhook.py); logging out would end the session for what follows.
+        if (rule.method != "POST" and name not in ("agent-add", "task-new", "login")) or rule.json:
+            continue
+        if name == "logout":
+            continue
+        url = url_for(name, pattern, world)
+        for body in _queries(FIELDS):
+            response = client.post(url, body, content_type="application/x-www-form-urlencoded")
+            asked += 1
+            if response.status_code >= 500:
+                errors.append(f"POST {name} {body[:80]}…: {response.status_code}")
+    assert asked > 100
+    assert not errors, "\n".join(errors)
+    assert client.get(reverse("overview")).status_code == 200  # asked as this person throughout
