@@ -194,6 +194,8 @@ MIDDLEWARE = [
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
+    # A NUL in a query string or form: 400 before any view looks it up (tasks_app/middleware.py).
+    "tasks_app.middleware.RefuseNulCharactersMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     # After authentication: what a logged-in user gets is never cached (tasks_app/middleware.py).
@@ -301,6 +303,7 @@ AXES_COOLOFF_TIME = timedelta(minutes=env_duration("LOGIN_COOLOFF_MINUTES", 15, 
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_CALLABLE = "tasks_app.login_throttle.locked_out"
+AXES_USERNAME_CALLABLE = "tasks_app.login_throttle.throttled_username"
 AXES_VERBOSE = False  # no "AXES: BEGIN" line from every process; lockouts still log warnings
 AXES_ENABLE_ACCESS_FAILURE_LOG = True  # each failed login (name, address, time) for the admin
 LOGIN_URL = "/accounts/login/"

@@ -12,12 +12,30 @@ from __future__ import annotations
 from typing import Any
 
 from axes.helpers import get_cool_off
+from django.contrib.auth import get_user_model
 from django.contrib.auth.forms import AuthenticationForm
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.utils.cache import add_never_cache_headers
 
 STATUS = 429
+
+
+def throttled_username(request: HttpRequest, credentials: dict | None = None) -> str | None:
+    """The username axes counts failures for (``AXES_USERNAME_CALLABLE``): as typed, without
+    NUL characters and cut to the longest username there can be.
+
+    Django's login form calls ``authenticate`` without checking the name's length, and axes
+    stored it as it came: a name over 255 characters, or one holding a NUL, made PostgreSQL
+    refuse the failure's row and the login page answer 500. No account has such a name, so
+    cutting it changes nobody's count.
+    """
+    source = credentials if credentials else getattr(request, "POST", {})
+    username = source.get("username")
+    if not isinstance(username, str):
+        return None
+    longest = get_user_model()._meta.get_field("username").max_length or 150
+    return username.replace("\x00", "")[:longest]
 
 
 def lockout_message(request: HttpRequest | None = None) -> str:

@@ -1,4 +1,5 @@
-"""Response headers the whole site shares: the Content-Security-Policy and ``no-store``.
+"""What the whole site shares: two response headers (the Content-Security-Policy and
+``no-store``) and one check of requests (no NUL character in a query string or form).
 
 The policy is static (no nonces: no page has inline script or style, see
 ``static/dashboard/``), so a few lines here do what a library would: the header is
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from django.conf import settings
-from django.http import HttpRequest, HttpResponseBase
+from django.http import HttpRequest, HttpResponseBadRequest, HttpResponseBase, QueryDict
 
 CSP_HEADER = "Content-Security-Policy"
 
@@ -58,3 +59,28 @@ class NoStoreForUsersMiddleware:
         if user is not None and user.is_authenticated:
             response["Cache-Control"] = "no-store"
         return response
+
+
+class RefuseNulCharactersMiddleware:
+    """A query string or form holding a NUL character is refused (400) before any view.
+
+    No field takes one (Django's form fields refuse it too), and PostgreSQL refuses it in a
+    query, so a view that looked such a value up answered 500 on PostgreSQL only (an audit
+    filter, an origin to approve). One check here instead of one in every view that reads
+    ``request.GET`` or ``request.POST``. Only form bodies are parsed (as the view would parse
+    them); a JSON body (the webhook) is left to its view.
+    """
+
+    MESSAGE = "A value in this request holds a NUL character, which no field takes."
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponseBase]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponseBase:
+        if _holds_nul(request.GET) or (request.method == "POST" and _holds_nul(request.POST)):
+            return HttpResponseBadRequest(self.MESSAGE, content_type="text/plain; charset=utf-8")
+        return self.get_response(request)
+
+
+def _holds_nul(data: QueryDict) -> bool:
+    return any("\x00" in key or any("\x00" in value for value in data.getlist(key)) for key in data)

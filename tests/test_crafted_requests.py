@@ -223,3 +223,36 @@ def test_an_abandoned_task_stays_abandoned_when_the_agent_forgot_it():
     assert not task_services.mark_gone(task.pk, None, "TaskNotFound")
     task.refresh_from_db()
     assert task.watcher_status == "abandoned" and task.gone_at is None
+
+
+def test_a_nul_in_a_query_string_or_form_is_refused_before_any_view(person, django_user_model):
+    """PostgreSQL refuses a NUL in a query: a view looking such a value up answered 500
+    there (an audit filter, an origin to approve). Now no view sees one."""
+    from django.urls import reverse
+
+    from tasks_app.middleware import RefuseNulCharactersMiddleware
+    from tasks_app.models import Agent, OperatorAction, Project
+
+    for url in ("/tasks/?q=a%00b", "/audit/?action=x%00", "/tasks/?a%00=1"):
+        answer = person.get(url)
+        assert answer.status_code == 400, url
+        assert answer.content.decode() == RefuseNulCharactersMiddleware.MESSAGE
+    agent = Agent.objects.create(
+        project=Project.objects.get_or_create(name="nul")[0], name="moved", base_url="http://127.0.0.1:9/m",
+        pending_origin="http://127.0.0.1:9",
+    )  # fmt: skip
+    admin = django_user_model.objects.create_superuser("root", "", "pw-12345678")
+    client = Client()
+    client.force_login(admin)
+    url = reverse("agent-approve-origin", args=[agent.pk])
+    answer = client.post(url, {"origin": "http://127.0.0.1:9\x00"})
+    assert answer.status_code == 400
+    agent.refresh_from_db()
+    assert agent.pending_origin == "http://127.0.0.1:9" and agent.credential_origins == []
+    assert not OperatorAction.objects.filter(action="approve-origin").exists()
+    # A JSON body is its view's to read: the webhook answers as for any unknown config.
+    answer = Client().post(
+        reverse("push-webhook", args=["0" * 32]), '{"statusUpdate": {"taskId": "a\\u0000"}}',
+        content_type="application/a2a+json",
+    )  # fmt: skip
+    assert answer.status_code == 404

@@ -528,6 +528,25 @@ def test_a_good_login_resets_the_count(django_user_model, settings):
         assert answer.status_code == 302
 
 
+@pytest.mark.django_db
+def test_a_login_with_a_name_longer_than_any_is_a_wrong_login_and_is_counted(settings):
+    """Django's form calls authenticate() whatever the name's length, and axes stored the
+    name as it came: past 255 characters PostgreSQL refused the failure's row (500)."""
+    from axes.models import AccessAttempt
+
+    name = "m" * 1000
+    for path in (LOGIN, "/admin/login/"):
+        answer, client = try_login("127.0.0.5", name, "whatever-1", path)
+        assert answer.status_code == 200, path
+        assert "_auth_user_id" not in client.session
+    attempt = AccessAttempt.objects.get(ip_address="127.0.0.5")
+    assert attempt.username == "m" * 150 and attempt.failures_since_start == 2
+    # The count goes on to the lockout as for any name.
+    for attempt_number in range(settings.AXES_FAILURE_LIMIT - 2):
+        answer, _ = try_login("127.0.0.5", name, f"whatever-{attempt_number}")
+    assert answer.status_code == 429
+
+
 # --- 2b. private files: beat's schedule and the private Redis -------------------------------
 
 
