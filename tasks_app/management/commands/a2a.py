@@ -45,6 +45,7 @@ from tasks_app.a2a import (
     user_message,
     validate_card,
 )
+from tasks_app.management.arguments import float_between, int_between
 from tasks_app.management.commands.agents import read_secret
 
 SECRETS = (  # (option key, refused flag, file flag, environment variable)
@@ -126,7 +127,7 @@ class Command(BaseCommand):
         )
         common.add_argument(
             "--timeout",
-            type=float,
+            type=float_between(0, 3600, more_than_low=True),
             default=None,
             help="seconds; bounds every call, a blocking send and stream silence",
         )
@@ -150,12 +151,12 @@ class Command(BaseCommand):
         p = sub.add_parser("get", parents=[common], help="GetTask")
         p.add_argument("url")
         p.add_argument("task_id")
-        p.add_argument("--history-length", type=int)
+        p.add_argument("--history-length", type=int_between(0, 2**31 - 1))  # int32
         p = sub.add_parser("list", parents=[common], help="ListTasks")
         p.add_argument("url")
         p.add_argument("--context", dest="context_id")
         p.add_argument("--status", type=_state_arg, help="e.g. working, input-required, completed")
-        p.add_argument("--page-size", type=int)
+        p.add_argument("--page-size", type=int_between(1, 100))  # A2A: 1-100
         p.add_argument("--page-token")
         p = sub.add_parser("cancel", parents=[common], help="CancelTask")
         p.add_argument("url")

@@ -48,6 +48,13 @@ class Command(BaseCommand):
         return self._remove(user, options["project"])
 
     def _add(self, user: Any, project_name: str, role: str) -> None:
+        longest = Project._meta.get_field("name").max_length or 100
+        if not project_name.strip() or len(project_name) > longest:
+            # Checked here: adding a member creates the project when it does not exist.
+            raise CommandError(
+                f"A project name is 1 to {longest} characters, not only spaces"
+                f" (this one has {len(project_name)})."
+            )
         with transaction.atomic():
             project, created = Project.objects.get_or_create(name=project_name)
             Membership.objects.update_or_create(project=project, user=user, defaults={"role": role})

@@ -15,15 +15,20 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from tasks_app import retention
+from tasks_app.management.arguments import int_between
+
+MAX_DAYS = 36_525
 
 
-def _days(text: str) -> float:
+def _days(text: str, source: str) -> float:
+    """``text`` as a number of days; ``source`` names where it came from, for the error."""
     try:
         value = float(text)
     except ValueError:
-        raise CommandError(f"--older-than takes a number of days, not {text!r}.") from None
-    if not value > 0 or value != value or value == float("inf"):
-        raise CommandError("--older-than must be a number of days more than 0.")
+        raise CommandError(f"{source} takes a number of days, not {text!r}.") from None
+    # At most a century: far older is before any date the database can compare with.
+    if not 0 < value <= MAX_DAYS:
+        raise CommandError(f"{source} must be a number of days more than 0, at most {MAX_DAYS:,}.")
     return value
 
 
@@ -41,7 +46,10 @@ class Command(BaseCommand):
             "--dry-run", action="store_true", help="count what would be removed, remove nothing"
         )
         parser.add_argument(
-            "--batch", type=int, default=retention.BATCH, help="tasks per transaction"
+            "--batch",
+            type=int_between(1, 10_000),
+            default=retention.BATCH,
+            help="tasks per transaction",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -50,9 +58,7 @@ class Command(BaseCommand):
         )
         if not text:
             raise CommandError("Say how old: --older-than DAYS (or set RETENTION_DAYS).")
-        days = _days(text)
-        if options["batch"] < 1:
-            raise CommandError("--batch must be at least 1.")
+        days = _days(text, "--older-than" if options["older_than"] else "RETENTION_DAYS")
         export_to = Path(options["export_to"]) if options["export_to"] else None
         if export_to is not None and export_to.exists() and not export_to.is_dir():
             raise CommandError(f"--export-to {export_to} is not a folder.")

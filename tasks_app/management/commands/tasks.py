@@ -9,6 +9,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from tasks_app.a2a.safejson import whole_number
+from tasks_app.management.arguments import float_between, int_between
 from tasks_app.models import Agent, ImportJob, RemoteTask
 from tasks_app.services import imports
 from tasks_app.services import tasks as task_services
@@ -47,16 +48,21 @@ class Command(BaseCommand):
         start.add_argument("agent", help="agent id, name or base URL")
         start.add_argument("text")
         start.add_argument("--mode", choices=MODES, default="auto")
-        start.add_argument("--wait", type=float, default=0, help="seconds to wait for it to settle")
+        start.add_argument(
+            "--wait",
+            type=float_between(0, 86400),
+            default=0,
+            help="seconds to wait for it to settle",
+        )
         imp = sub.add_parser("import", help="mirror the tasks an agent lists (ListTasks)")
         imp.add_argument("agent")
         imp.add_argument("--json", action="store_true", help="print the finished job as JSON")
-        imp.add_argument("--page-size", type=int, default=100)
+        imp.add_argument("--page-size", type=int_between(1, 100), default=100)  # A2A: 1-100
         show = sub.add_parser("show", help="a task's snapshot and event log")
         show.add_argument("task", help="local id or remote task id")
         show.add_argument("--json", action="store_true")
         listing = sub.add_parser("list", help="newest tasks")
-        listing.add_argument("--limit", type=int, default=20)
+        listing.add_argument("--limit", type=int_between(1, 10_000), default=20)
         cancel = sub.add_parser("cancel")
         cancel.add_argument("task")
         cancel.add_argument("--reason", default="")

@@ -38,6 +38,7 @@ from django.core.management.base import BaseCommand, CommandParser
 from django.db import connection
 
 from tasks_app.health import run_checks
+from tasks_app.management.arguments import int_between
 from tasks_app.runtime import sqlite_stats
 from tasks_app.runtime.admin import ensure_admin
 from tasks_app.runtime.net import free_port, port_available, redact_url, wait_until
@@ -215,7 +216,9 @@ class Command(BaseCommand):
     help = "Run the dashboard: migrate, then start Redis (if needed), the worker, beat and daphne."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+        parser.add_argument(
+            "--port", type=int_between(1, 65535), default=8000, help="HTTP port (default 8000)"
+        )
         parser.add_argument(
             "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)"
         )

@@ -1,0 +1,48 @@
+"""Argument types for the management commands: numbers within the bounds they are used in.
+
+A plain ``type=int`` took anything: ``tasks list --limit -3`` ended in a ValueError,
+``prune --batch 99999999999999999999`` in PostgreSQL's "bigint out of range" and ``up --port
+99999`` in an OverflowError, each a traceback. A type from here refuses such a value the way
+argparse refuses any: ``manage.py tasks list: error: argument --limit: …`` in one sentence,
+exit 2, before the command starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+def int_between(low: int, high: int) -> Callable[[str], int]:
+    """An int from ``low`` to ``high`` (both included)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a whole number is needed, not {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"from {low:,} to {high:,}, not {text.strip()}")
+        return value
+
+    return parse
+
+
+def float_between(
+    low: float, high: float, *, more_than_low: bool = False
+) -> Callable[[str], float]:
+    """A finite float from ``low`` (excluded when ``more_than_low``) to ``high``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a number is needed, not {text!r}") from None
+        above_low = value > low if more_than_low else value >= low
+        if not math.isfinite(value) or not above_low or value > high:
+            span = f"more than {low:,g} and at most" if more_than_low else f"from {low:,g} to"
+            raise argparse.ArgumentTypeError(f"{span} {high:,g}, not {text.strip()}")
+        return value
+
+    return parse

@@ -1,0 +1,62 @@
+"""Numbers and names given to the management commands: out of bounds is one sentence, never a
+traceback, and nothing is changed.
+
+Before: ``tasks list --limit -3`` ended in a ValueError, ``prune --batch`` past a bigint and
+``members add`` with a 400-character project in PostgreSQL's DataError, ``up --port 99999`` in
+an OverflowError, ``prune --older-than 99999999999`` in another. ``call_command`` turns an
+argparse refusal into a CommandError; from the command line it is ``manage.py …: error: …``
+and exit 2.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from tasks_app.models import OperatorAction, Project
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["tasks", "list", "--limit", "-3"], "argument --limit: from 1 to 10,000, not -3"),
+        (["tasks", "list", "--limit", "9" * 20], "argument --limit: from 1 to 10,000"),
+        (["tasks", "list", "--limit", "ten"], "argument --limit: a whole number is needed"),
+        (["tasks", "import", "any", "--page-size", "0"], "argument --page-size: from 1 to 100"),
+        (["tasks", "start", "any", "hi", "--wait", "nan"], "argument --wait: from 0 to 86,400"),
+        (["tasks", "start", "any", "hi", "--wait", "-1"], "argument --wait: from 0 to 86,400"),
+        (["prune", "--batch", "9" * 20, "--older-than", "5"], "argument --batch: from 1 to"),
+        (["prune", "--older-than", "99999999999"], "at most 36,525"),
+        (["up", "--port", "99999"], "argument --port: from 1 to 65,535, not 99999"),
+        (
+            ["a2a", "get", "http://127.0.0.1:9/", "t", "--timeout", "1e999"],
+            "argument --timeout: more than 0 and at most 3,600, not 1e999",
+        ),
+        (["a2a", "get", "http://127.0.0.1:9/", "t", "--timeout", "0"], "more than 0"),
+        (["a2a", "list", "http://127.0.0.1:9/", "--page-size", "101"], "from 1 to 100"),
+        (["a2a", "get", "http://127.0.0.1:9/", "t", "--history-length", "-1"], "from 0 to"),
+    ],
+)
+def test_a_number_out_of_bounds_is_one_sentence(args: list[str], said: str) -> None:
+    with pytest.raises(CommandError) as refused:
+        call_command(*args, stdout=io.StringIO(), stderr=io.StringIO())
+    assert said in str(refused.value)
+    assert "\n" not in str(refused.value).strip()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("name", ["p" * 101, "", "   "])
+def test_adding_a_member_to_a_project_no_project_can_be_named_changes_nothing(
+    django_user_model, name: str
+) -> None:
+    django_user_model.objects.create_user("pat")
+    with pytest.raises(CommandError, match="A project name is 1 to 100 characters"):
+        call_command("members", "add", "pat", name, "viewer", stdout=io.StringIO())
+    assert not Project.objects.filter(name=name).exists()
+    assert not OperatorAction.objects.filter(action="member-add").exists()
+    # At the limit, the project is made as before.
+    call_command("members", "add", "pat", "p" * 100, "viewer", stdout=io.StringIO())
+    assert Project.objects.filter(name="p" * 100).exists()
