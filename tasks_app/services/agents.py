@@ -59,6 +59,9 @@ def check_agent_url(url: str) -> None:
     httpx would send what it holds as Basic credentials, past the encrypted store and
     the approved origins.
     """
+    longest = _longest("base_url")
+    if len(url.strip()) > longest:
+        raise AgentError(f"An agent URL is at most {longest} characters.")
     try:
         netloc = urlsplit(url.strip()).netloc
     except ValueError:
@@ -88,14 +91,23 @@ def preview_card(url: str) -> CardPreview:
         )
     except A2AError as exc:
         raise AgentError(f"Could not read an agent card at {url}: {exc}") from exc
+    if len(result.url) > _longest("card_url"):
+        raise AgentError(f"The agent card at {url} was found at a URL too long to keep.")
     # The card is the agent's text: stored (and shown) only in a form every database takes.
     card, _ = safejson.clean(result.card or {})
-    preview = CardPreview(url=result.url, card=card, etag=result.etag or "")
+    # An ETag too long to keep is not kept: the next refresh fetches the whole card.
+    etag = result.etag or ""
+    preview = CardPreview(
+        url=result.url, card=card, etag=etag if len(etag) <= _longest("card_etag") else ""
+    )
     preview.problems = [safejson.clean_text(_problem_text(p)) for p in validate_card(card)]
     refused: list[str] = []
 
     def check_url(interface_url: str) -> str | None:
         why = outbound.url_problem(interface_url)
+        if not why and len(interface_url) > _longest("interface_url"):
+            why = f"longer than {_longest('interface_url')} characters"
+            interface_url = interface_url[:80] + "…"
         if why:
             refused.append(f"interface {interface_url}: {why}")
         return why
@@ -105,14 +117,24 @@ def preview_card(url: str) -> CardPreview:
     except IncompatibleAgentError as exc:
         preview.problems.append(str(exc))
     else:
-        preview.interface = {
-            "url": iface.url,
-            "binding": iface.binding,
-            "protocol_version": iface.protocol_version,
-            "tenant": iface.tenant,
-        }
+        if len(iface.tenant) > _longest("tenant"):
+            preview.problems.append(
+                f"The interface's tenant is longer than {_longest('tenant')} characters."
+            )
+        else:
+            preview.interface = {
+                "url": iface.url,
+                "binding": iface.binding,
+                "protocol_version": iface.protocol_version,
+                "tenant": iface.tenant,
+            }
     preview.problems.extend(refused)  # in full (the sentence above may be cut short)
     return preview
+
+
+def _longest(field: str) -> int:
+    """The longest text an agent's ``field`` can keep: a card is the agent's text, of any length."""
+    return Agent._meta.get_field(field).max_length or 0
 
 
 def _apply_preview(agent: Agent, preview: CardPreview) -> None:
