@@ -256,3 +256,30 @@ def test_a_nul_in_a_query_string_or_form_is_refused_before_any_view(person, djan
         content_type="application/a2a+json",
     )  # fmt: skip
     assert answer.status_code == 404
+
+
+def test_abandoning_with_the_longest_name_and_a_long_reason_keeps_what_fits(django_user_model):
+    """The note is "abandoned by <name>: <reason>": the reason alone was cut, and a
+    150-character username with a long reason overran the column (500 on PostgreSQL)."""
+    from django.urls import reverse
+
+    from tasks_app.models import Agent, Membership, OperatorAction, Project, RemoteTask
+
+    agent = Agent.objects.create(
+        project=Project.objects.get_or_create(name="long")[0], name="g",
+        base_url="http://127.0.0.1:9/long",
+    )  # fmt: skip
+    task = RemoteTask.objects.create(
+        agent=agent, title="t", phase="task", remote_id="r-1", state="TASK_STATE_WORKING"
+    )
+    name = "n" * 150
+    operator = member(django_user_model.objects.create_user(name), Membership.Role.OPERATOR, "long")
+    client = Client()
+    client.force_login(operator)
+    reason = ("because " * 60).strip()  # 479 characters: the form takes up to 500
+    answer = client.post(reverse("task-abandon", args=[task.pk]), {"reason": reason})
+    assert answer.status_code == 302
+    task.refresh_from_db()
+    assert task.abandoned_at is not None
+    assert task.watcher_note == f"abandoned by {name}: {reason}"[:500]
+    assert OperatorAction.objects.get(action="abandon").payload["reason"] == reason

@@ -584,7 +584,8 @@ def abandon_task(
             lease_owner="",
             lease_expires_at=None,
             watcher_status=RemoteTask.WatcherStatus.ABANDONED,
-            watcher_note=f"abandoned by {who}" + (f": {reason}" if reason else "")[:400],
+            # Cut as a whole: a 150-character username and a long reason overran the column.
+            watcher_note=(f"abandoned by {who}" + (f": {reason}" if reason else ""))[:500],
             watcher_since=now,
         )
         if not won:
