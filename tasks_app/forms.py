@@ -10,6 +10,8 @@ from django import forms
 from django.db.models import QuerySet
 
 from tasks_app import kept_uploads
+from tasks_app.a2a import safejson
+from tasks_app.a2a.errors import ProtocolError
 from tasks_app.models import STATE_CHOICES, Agent, Channel, Project, RemoteTask, TaskEvent
 from tasks_app.rendering import safe_filename
 from tasks_app.services import agents as agent_services
@@ -123,13 +125,30 @@ class CredentialsForm(forms.Form):
 
 
 def parse_json_text(text: str) -> Any:
-    """JSON from a text box, with a plain error message."""
+    """JSON from a text box, with a plain error message; standard JSON only.
+
+    Python's parser recursed until it failed on text nested a few thousand levels deep (a
+    500), and it reads ``NaN`` and ``Infinity`` (and ``1e999`` as infinity), which JSON does
+    not have: the agent's parser would refuse what was sent.
+    """
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
+        value = safejson.loads(text)
+    except ProtocolError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, json.JSONDecodeError):
+            raise forms.ValidationError(
+                f"Not valid JSON: {cause.msg} at line {cause.lineno}, column {cause.colno}."
+            ) from None
         raise forms.ValidationError(
-            f"Not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}."
-        ) from exc
+            f"Not taken: JSON nested deeper than {safejson.DEFAULT_MAX_DEPTH} levels."
+        ) from None
+    try:
+        json.dumps(value, allow_nan=False)
+    except ValueError:
+        raise forms.ValidationError(
+            "Not valid JSON: NaN and Infinity are not JSON numbers (nor is one as large as 1e999)."
+        ) from None
+    return value
 
 
 class StartTaskForm(forms.Form):

@@ -913,3 +913,27 @@ def test_agent_page_bounds_the_problems_of_a_card(client_in):
     shown = re.search(r'id="card-problems">(.*?)</div>', html, re.S).group(1)
     assert shown.count("<li>") == 101 and "skills[0]: must be an object, got int" in shown
     assert f"… and {problems - 100} more problems" in shown
+
+
+@pytest.mark.parametrize(
+    ("data", "said"),
+    [
+        ("[" * 5000 + "]" * 5000, "nested deeper than 256 levels"),  # was a RecursionError: 500
+        ('{"score": NaN}', "NaN and Infinity are not JSON numbers"),
+        ("[Infinity]", "NaN and Infinity are not JSON numbers"),
+        ('{"big": 1e999}', "NaN and Infinity are not JSON numbers"),
+        ("[" * 256 + "]" * 256, None),  # as deep as is taken
+    ],
+)
+def test_new_task_json_data_is_standard_json_within_a_depth(
+    client_in, demo_agent_row, no_dispatch, data, said
+):
+    response = client_in.post(
+        "/tasks/new", {"agent": demo_agent_row.pk, "text": "", "data": data, "mode": "auto"}
+    )
+    if said is None:
+        assert response.status_code == 302 and RemoteTask.objects.count() == 1
+        return
+    html = response.content.decode()
+    assert response.status_code == 400 and 'id="id_data-errors"' in html and said in html
+    assert not RemoteTask.objects.exists()
