@@ -321,6 +321,40 @@ def test_a_page_larger_than_asked_is_cut_to_the_page_size(listing_agent):
     assert import_audit(agent)["dropped"] == {"over-page-size": 100}
 
 
+class OddIdsAgent(ListingAgent):
+    """Lists tasks whose ids no column keeps, between tasks that are fine."""
+
+    def answer(self, body: dict) -> dict:
+        done = {"state": "TASK_STATE_COMPLETED"}
+        tasks = [
+            {"id": "i" * 301, "status": done},
+            {"id": "fine-1", "status": done},
+            {"id": "nul\u0000id", "status": done},
+            {"id": "fine-2", "contextId": "c" * 301, "status": done},
+            {"id": "fine-3", "contextId": "ctx", "status": done, "history": [
+                {"role": "ROLE_USER", "messageId": "m", "parts": [{"text": "a\u0000title"}]}
+            ]},
+        ]  # fmt: skip
+        result = {"tasks": tasks, "nextPageToken": "", "pageSize": 5, "totalSize": 5}
+        return {"jsonrpc": "2.0", "id": body.get("id"), "result": result}
+
+
+def test_listed_tasks_whose_ids_no_column_keeps_are_dropped_and_the_rest_imported() -> None:
+    """An id over 300 characters or holding a NUL made PostgreSQL refuse the row, and the
+    whole import failed on its internal error; SQLite kept the id as it came."""
+    server = OddIdsAgent(lambda n: "").start()
+    try:
+        agent = server.register("odd ids")
+        job = imports.import_tasks(agent, page_size=10)
+    finally:
+        server.stop()
+    assert job.status == "done" and job.seen == 2 and job.created == 2
+    rows = {t.remote_id: t for t in RemoteTask.objects.filter(agent=agent)}
+    assert set(rows) == {"fine-1", "fine-3"}
+    assert rows["fine-3"].title == "a\ufffdtitle" and rows["fine-3"].context_id == "ctx"
+    assert import_audit(agent)["dropped"] == {"unusable-id": 3}
+
+
 def test_a_page_size_asked_is_never_above_the_per_page_cap(listing_agent, monkeypatch):
     monkeypatch.setattr(imports, "MAX_TASKS_PER_PAGE", 5)
     server = listing_agent(lambda n: "", listed=lambda n: 5)  # as many as the cap: well-behaved

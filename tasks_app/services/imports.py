@@ -30,10 +30,10 @@ from django.db import transaction
 from django.utils import timezone
 
 from tasks_app import outbound
-from tasks_app.a2a import A2AError
+from tasks_app.a2a import A2AError, safejson
 from tasks_app.access import Perm, require
 from tasks_app.models import Agent, ImportJob, OperatorAction, RemoteTask
-from tasks_app.services.record import record, settle_if_ended
+from tasks_app.services.record import MAX_ID_CHARS, record, settle_if_ended
 from tasks_app.services.tasks import TaskActionError, dispatch
 
 log = logging.getLogger(__name__)
@@ -337,6 +337,9 @@ class _Walk:
             over_cap = max(0, len(tasks) - room)
             self._drop("over-task-cap", over_cap)
             batch = tasks[:room] if over_cap else tasks
+            usable = [remote for remote in batch if _usable(remote)]
+            self._drop("unusable-id", len(batch) - len(usable))
+            batch = usable
             taken = _record_page(job, batch, self.deadline)
             self._drop("at-deadline", len(batch) - taken)
             job.pages += 1
@@ -384,12 +387,6 @@ def _record_page(job: ImportJob, tasks: list, deadline: float = math.inf) -> int
     for taken, remote in enumerate(tasks):
         if time.monotonic() >= deadline:
             return taken
-        if (
-            not isinstance(remote, dict)
-            or not isinstance(remote.get("id"), str)
-            or not remote["id"]
-        ):
-            continue
         job.seen += 1
         task, created = _ours_unnamed(agent, remote), False
         if task is None:
@@ -414,6 +411,27 @@ def _record_page(job: ImportJob, tasks: list, deadline: float = math.inf) -> int
         if not task.is_terminal and task.state != "TASK_STATE_INPUT_REQUIRED":
             dispatch(task.pk)
     return len(tasks)
+
+
+def _usable(remote: object) -> bool:
+    """Whether a listed task can be mirrored: an object whose ``id`` (and ``contextId``, when
+    given) is text the task's columns keep as it is.
+
+    An id over ``MAX_ID_CHARS`` characters, or holding a NUL or a lone surrogate, made
+    PostgreSQL refuse the task's row and stopped the whole import; cleaned or cut, it would
+    no longer name the agent's task. Such tasks are counted as dropped (``unusable-id``).
+    """
+    if not isinstance(remote, dict):
+        return False
+    for name, required in (("id", True), ("contextId", False)):
+        value = remote.get(name)
+        if value is None and not required:
+            continue
+        if not isinstance(value, str) or (required and not value):
+            return False
+        if len(value) > MAX_ID_CHARS or safejson.clean_text(value) != value:
+            return False
+    return True
 
 
 def _ours_unnamed(agent: Agent, remote: dict) -> RemoteTask | None:
@@ -442,7 +460,6 @@ def _title_of(remote: dict) -> str:
         if isinstance(message, dict) and message.get("role") == "ROLE_USER":
             for part in message.get("parts") or []:
                 if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    return (
-                        part["text"].strip().splitlines()[0][:300] if part["text"].strip() else ""
-                    )
+                    text = safejson.clean_text(part["text"]).strip()  # no NUL for the column
+                    return text.splitlines()[0][:300] if text else ""
     return ""
