@@ -10,7 +10,11 @@ a guard would have to refuse: the agents named here listen nowhere (127.0.0.1:9)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
+from django.http import HttpResponseBase
+from django.test import Client
 from django.urls import reverse
 
 from tests.test_access_matrix import RULES, app_routes, url_for, world  # noqa: F401 (fixture)
@@ -48,52 +52,62 @@ FIELDS = (
 )  # fmt: skip
 
 
-def _queries(names: tuple[str, ...] = PARAMETERS) -> list[str]:
+def _queries(names: tuple[str, ...]) -> list[str]:
     queries = ["&".join(f"{name}={value}" for name in names) for value in VALUES]
     # Each parameter twice, with two different values.
     queries.append("&".join(f"{name}=1&{name}=%00" for name in names))
     return queries
 
 
-@pytest.mark.parametrize("person", ["agent admin", "auditor"])
-def test_every_page_answers_any_query_string_without_an_error(world, person) -> None:  # noqa: F811
-    client = world["people"][person]
+Asker = Callable[[Client, str, str], HttpResponseBase]
+
+
+def _ask_every_route(
+    client: Client, objects: dict, wanted: Callable[[str], bool], ask: Asker, names: tuple[str, ...]
+) -> None:
+    """Ask every route ``wanted`` takes with each crafted query or body: none answers 500."""
     errors: list[str] = []
     asked = 0
     for name, pattern in app_routes():
-        # /healthz reads no parameter, and answers 503 here by design (no worker runs).
-        if RULES[name].method != "GET" or name in ("logout", "healthz"):
+        if not wanted(name):
             continue
-        url = url_for(name, pattern, world)
-        for query in _queries():
-            response = client.get(f"{url}?{query}")
+        url = url_for(name, pattern, objects)
+        for crafted in _queries(names):
+            response = ask(client, url, crafted)
             asked += 1
             if response.status_code >= 500:
-                errors.append(f"{name} ?{query[:80]}…: {response.status_code}")
+                errors.append(f"{name} {crafted[:80]}…: {response.status_code}")
     assert asked > 100  # the routes were found and asked
     assert not errors, "\n".join(errors)
     assert client.get(reverse("overview")).status_code == 200  # asked as this person throughout
 
 
+def _get(client: Client, url: str, query: str) -> HttpResponseBase:
+    return client.get(f"{url}?{query}")
+
+
+def _post(client: Client, url: str, body: str) -> HttpResponseBase:
+    return client.post(url, body, content_type="application/x-www-form-urlencoded")
+
+
+def _page(name: str) -> bool:
+    # /healthz reads no parameter, and answers 503 here by design (no worker runs).
+    return RULES[name].method == "GET" and name not in ("logout", "healthz")
+
+
+def _form(name: str) -> bool:
+    # The forms of three GET pages are posted to the same route; the webhook takes JSON
+    # (tests/test_push_webhook.py); logging out would end the session for what follows.
+    rule = RULES[name]
+    posted = rule.method == "POST" or name in ("agent-add", "task-new", "login")
+    return posted and not rule.json and name != "logout"
+
+
+@pytest.mark.parametrize("person", ["agent admin", "auditor"])
+def test_every_page_answers_any_query_string_without_an_error(world, person) -> None:  # noqa: F811
+    _ask_every_route(world["people"][person], world, _page, _get, PARAMETERS)
+
+
 @pytest.mark.parametrize("person", ["agent admin", "auditor"])
 def test_every_form_answers_any_crafted_body_without_an_error(world, person) -> None:  # noqa: F811
-    client = world["people"][person]
-    errors: list[str] = []
-    asked = 0
-    for name, pattern in app_routes():
-        rule = RULES[name]
-        # The forms of three GET pages are posted to the same route; the webhook takes JSON
-        # (tests/test_push_webhook.py); logging out would end the session for what follows.
-        if (rule.method != "POST" and name not in ("agent-add", "task-new", "login")) or rule.json:
-            continue
-        if name == "logout":
-            continue
-        url = url_for(name, pattern, world)
-        for body in _queries(FIELDS):
-            response = client.post(url, body, content_type="application/x-www-form-urlencoded")
-            asked += 1
-            if response.status_code >= 500:
-                errors.append(f"POST {name} {body[:80]}…: {response.status_code}")
-    assert asked > 100
-    assert not errors, "\n".join(errors)
-    assert client.get(reverse("overview")).status_code == 200  # asked as this person throughout
+    _ask_every_route(world["people"][person], world, _form, _post, FIELDS)

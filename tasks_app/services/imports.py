@@ -33,7 +33,7 @@ from tasks_app import outbound
 from tasks_app.a2a import A2AError, safejson
 from tasks_app.access import Perm, require
 from tasks_app.models import Agent, ImportJob, OperatorAction, RemoteTask
-from tasks_app.services.record import MAX_ID_CHARS, record, settle_if_ended
+from tasks_app.services.record import id_problem, record, settle_if_ended
 from tasks_app.services.tasks import TaskActionError, dispatch
 
 log = logging.getLogger(__name__)
@@ -417,21 +417,16 @@ def _usable(remote: object) -> bool:
     """Whether a listed task can be mirrored: an object whose ``id`` (and ``contextId``, when
     given) is text the task's columns keep as it is.
 
-    An id over ``MAX_ID_CHARS`` characters, or holding a NUL or a lone surrogate, made
+    An id over ``record.MAX_ID_CHARS`` characters, or holding a NUL or a lone surrogate, made
     PostgreSQL refuse the task's row and stopped the whole import; cleaned or cut, it would
     no longer name the agent's task. Such tasks are counted as dropped (``unusable-id``).
     """
     if not isinstance(remote, dict):
         return False
-    for name, required in (("id", True), ("contextId", False)):
-        value = remote.get(name)
-        if value is None and not required:
-            continue
-        if not isinstance(value, str) or (required and not value):
-            return False
-        if len(value) > MAX_ID_CHARS or safejson.clean_text(value) != value:
-            return False
-    return True
+    ids = (remote.get("id"), remote.get("contextId"))
+    if id_problem(ids[0], "id") or id_problem(ids[1], "contextId", required=False):
+        return False
+    return all(not value or safejson.clean_text(value) == value for value in ids)
 
 
 def _ours_unnamed(agent: Agent, remote: dict) -> RemoteTask | None:

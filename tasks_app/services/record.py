@@ -208,7 +208,7 @@ def _normalized(kind: str, payload: dict) -> dict:
 MAX_ID_CHARS = 300
 
 
-def _id_problem(value: Any, name: str, *, required: bool = True) -> str:
+def id_problem(value: Any, name: str, *, required: bool = True) -> str:
     """Why ``value`` cannot be the id ``name`` (empty: it can). Absent is fine unless required.
 
     The fold keys dicts and sets by ids and stores them in columns: an id that is a
@@ -228,20 +228,20 @@ def _check(kind: str, payload: dict) -> str:
     """What makes an A2A payload unusable (empty: nothing); its shape, not its story."""
     if kind == "task":
         return (
-            _id_problem(payload.get("id"), "id")
-            or _id_problem(payload.get("contextId"), "contextId", required=False)
+            id_problem(payload.get("id"), "id")
+            or id_problem(payload.get("contextId"), "contextId", required=False)
             or _check_status(payload.get("status"))
             or _check_list(payload, "artifacts", _check_artifact)
             or _check_list(payload, "history", _check_message)
         )
     if kind == "statusUpdate":
         return (
-            _id_problem(payload.get("taskId"), "taskId")
-            or _id_problem(payload.get("contextId"), "contextId", required=False)
+            id_problem(payload.get("taskId"), "taskId")
+            or id_problem(payload.get("contextId"), "contextId", required=False)
             or _check_status(payload.get("status"))
         )
     if kind == "artifactUpdate":
-        problem = _id_problem(payload.get("taskId"), "taskId") or _id_problem(
+        problem = id_problem(payload.get("taskId"), "taskId") or id_problem(
             payload.get("contextId"), "contextId", required=False
         )
         artifact = payload.get("artifact")
@@ -272,7 +272,7 @@ def _check_list(payload: dict, key: str, check: Callable[..., str]) -> str:
 
 
 def _check_artifact(artifact: dict, where: str = "", *, required: bool = True) -> str:
-    problem = _id_problem(artifact.get("artifactId"), f"{where}artifactId", required=required)
+    problem = id_problem(artifact.get("artifactId"), f"{where}artifactId", required=required)
     if problem:
         return problem
     if not isinstance(artifact.get("parts", []), list):
@@ -281,9 +281,9 @@ def _check_artifact(artifact: dict, where: str = "", *, required: bool = True) -
 
 
 def _check_message(message: dict, where: str = "", *, required: bool = True) -> str:
-    problem = _id_problem(
+    problem = id_problem(
         message.get("messageId"), f"{where}messageId", required=required
-    ) or _id_problem(message.get("contextId"), f"{where}contextId", required=False)
+    ) or id_problem(message.get("contextId"), f"{where}contextId", required=False)
     if problem:
         return problem
     if not isinstance(message.get("parts", []), list):
