@@ -15,7 +15,15 @@ from django.contrib.auth.models import User
 from django.test import Client
 
 from tasks_app.crypto import decrypt_json
-from tasks_app.models import Agent, Alert, AlertDelivery, Membership, Project, RemoteTask
+from tasks_app.models import (
+    Agent,
+    Alert,
+    AlertDelivery,
+    Membership,
+    OperatorAction,
+    Project,
+    RemoteTask,
+)
 from tasks_app.services import push
 from tests.people import member
 from tests.serving import json_rpc_peer
@@ -98,6 +106,25 @@ def test_the_alert_deliveries_a_tester_sees_are_of_their_own_projects(client):
     html = client.get("/alerts/").content.decode()
     assert "mine secret title" in html and "a test alert" in html
     assert "theirs secret title" not in html
+
+
+def test_a_test_alert_sent_in_another_project_names_no_one_there(client):
+    from tasks_app import alerts
+
+    sender = member(User.objects.create_user("theirs-admin-name"), Membership.Role.AGENT_ADMIN,
+                    "theirs")  # fmt: skip
+    alert, _ = alerts.send_test(sender)
+    AlertDelivery.objects.create(
+        alert=alert, channel=AlertDelivery.Channel.EMAIL, event="test",
+        target="ops@example.test", outcome=AlertDelivery.Outcome.SENT,
+    )  # fmt: skip
+    admin = member(User.objects.create_user("admin-of-mine"), Membership.Role.AGENT_ADMIN, "mine")
+    client.force_login(admin)
+    html = client.get("/alerts/").content.decode()
+    assert alert.message in html  # the delivery is listed (test alerts name no task)...
+    assert "theirs-admin-name" not in html  # ...and not who sent it
+    # Who sent it stays in the audit log.
+    assert OperatorAction.objects.get(action="alert-test").actor_id == sender.pk
 
 
 def test_the_admin_opens_for_superusers_only():
