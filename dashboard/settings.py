@@ -59,6 +59,11 @@ def env_flag(name: str, default: bool = False) -> bool:
     )
 
 
+def env_text(name: str, default: str) -> str:
+    """A word or address; empty (or only spaces) means the default, as for every variable."""
+    return os.environ.get(name, "").strip() or default
+
+
 def env_list(name: str, default: list[str]) -> list[str]:
     value = os.environ.get(name, "")
     items = [item.strip() for item in value.split(",") if item.strip()]
@@ -275,12 +280,12 @@ CHANNEL_LAYERS = {
     }
 }
 
-CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", REDIS_URL)
+CELERY_BROKER_URL = env_text("CELERY_BROKER_URL", REDIS_URL)
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
-CELERY_TASK_DEFAULT_QUEUE = os.environ.get("CELERY_QUEUE", "dashboard")
+CELERY_TASK_DEFAULT_QUEUE = env_text("CELERY_QUEUE", "dashboard")
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
 # beat's schedule in the private data folder (not the working directory), owner-only
 # (dashboard.celery.PrivateScheduler); `--schedule` overrides it.
@@ -318,7 +323,7 @@ USE_TZ = True
 STATIC_URL = "/static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 # ``collectstatic`` target for deployments behind a front proxy; local runs serve from the app folders.
-STATIC_ROOT = os.environ.get("STATIC_ROOT") or None
+STATIC_ROOT = env_text("STATIC_ROOT", "") or None
 WHITENOISE_USE_FINDERS = True
 WHITENOISE_AUTOREFRESH = DEBUG
 
@@ -575,11 +580,11 @@ ALERT_NOTIFY_RESOLVED = env_flag("ALERT_NOTIFY_RESOLVED", True)
 ALERT_REFRESH_SECONDS = env_duration("ALERT_REFRESH_SECONDS", 5)
 
 # Django's e-mail, from the environment (used by alert delivery).
-EMAIL_BACKEND = os.environ.get("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend")
-EMAIL_HOST = os.environ.get("EMAIL_HOST", "localhost")
+EMAIL_BACKEND = env_text("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend")
+EMAIL_HOST = env_text("EMAIL_HOST", "localhost")
 EMAIL_PORT = env_int("EMAIL_PORT", 25, minimum=1, maximum=65535)
 EMAIL_HOST_USER = os.environ.get("EMAIL_HOST_USER", "")
 EMAIL_HOST_PASSWORD = os.environ.get("EMAIL_HOST_PASSWORD", "")
 EMAIL_USE_TLS = env_flag("EMAIL_USE_TLS")
 EMAIL_USE_SSL = env_flag("EMAIL_USE_SSL")
-DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "a2a-dashboard@localhost")
+DEFAULT_FROM_EMAIL = env_text("DEFAULT_FROM_EMAIL", "a2a-dashboard@localhost")

@@ -165,6 +165,37 @@ def test_defaults_load_unchanged(child_env: ChildEnv) -> None:
     assert all(type(loaded[name]) is type(value) for name, value in DEFAULTS.items())
 
 
+# Words and addresses with a default (an empty value must give it too).
+TEXT_DEFAULTS = {
+    "CELERY_QUEUE": "dashboard", "EMAIL_BACKEND": "django.core.mail.backends.smtp.EmailBackend",
+    "EMAIL_HOST": "localhost", "DEFAULT_FROM_EMAIL": "a2a-dashboard@localhost",
+}  # fmt: skip
+
+
+def test_an_empty_value_means_the_default(child_env: ChildEnv) -> None:
+    """As the README says: an env file that writes ``NAME=`` gets the default, not an empty
+    setting (an empty broker URL made Celery look for RabbitMQ; an empty queue name started
+    the worker on no queue)."""
+    empty = dict.fromkeys((*UNSET, *TEXT_DEFAULTS, "CELERY_BROKER_URL", "STATIC_ROOT"), " ")
+    code = (
+        "import json; from django.conf import settings as s; "
+        f"print(json.dumps({{n: getattr(s, n) for n in {list(DEFAULTS)!r}}} | "
+        "{'AXES_FAILURE_LIMIT': s.AXES_FAILURE_LIMIT, 'PRODUCTION': s.PRODUCTION, "
+        "'cooloff': s.AXES_COOLOFF_TIME.total_seconds(), 'level': s.LOGGING['root']['level'], "
+        "'CELERY_QUEUE': s.CELERY_TASK_DEFAULT_QUEUE, 'EMAIL_BACKEND': s.EMAIL_BACKEND, "
+        "'EMAIL_HOST': s.EMAIL_HOST, 'DEFAULT_FROM_EMAIL': s.DEFAULT_FROM_EMAIL, "
+        "'broker_is_redis': s.CELERY_BROKER_URL == s.REDIS_URL, 'STATIC_ROOT': s.STATIC_ROOT}))"
+    )
+    result = manage(child_env, "shell", "-c", code, **empty)
+    assert result.returncode == 0, result.stderr
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    assert loaded == DEFAULTS | TEXT_DEFAULTS | {
+        "AXES_FAILURE_LIMIT": 10, "PRODUCTION": False, "cooloff": 900.0, "level": "INFO",
+        "broker_is_redis": True, "STATIC_ROOT": None,
+    }  # fmt: skip
+    assert all(type(loaded[name]) is type(value) for name, value in DEFAULTS.items())
+
+
 def test_documented_spellings_are_accepted(child_env: ChildEnv) -> None:
     """0/off turn a rule (or retention) off; flags take 1/true/yes/on and 0/false/no/off in any case."""
     accepted = {

@@ -102,7 +102,7 @@ def apply_redis_url(url: str, *, queue: str | None = None) -> None:
 
     os.environ["REDIS_URL"] = url
     settings.REDIS_URL = url
-    if "CELERY_BROKER_URL" not in os.environ:
+    if not os.environ.get("CELERY_BROKER_URL", "").strip():  # empty: the default, REDIS_URL
         settings.CELERY_BROKER_URL = url
     if queue is not None:
         os.environ["CELERY_QUEUE"] = queue
