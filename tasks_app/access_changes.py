@@ -48,6 +48,10 @@ def _person_saved(sender: Any, instance: Any, update_fields: Any = None, **kwarg
     announce([instance.pk])
 
 
+def _person_deleted(sender: Any, instance: Any, **kwargs: Any) -> None:
+    announce([instance.pk])
+
+
 def _agent_saving(sender: Any, instance: Agent, update_fields: Any = None, **kwargs: Any) -> None:
     """Remember the project an agent is leaving (its old members may lose its tasks)."""
     if instance.pk is None or (update_fields is not None and "project" not in update_fields):
@@ -72,5 +76,9 @@ def connect() -> None:
         _membership_changed, sender=Membership, dispatch_uid="access-membership-deleted"
     )
     post_save.connect(_person_saved, sender=get_user_model(), dispatch_uid="access-person-saved")
+    # A person deleted: a superuser has no memberships whose deletion would tell the sockets.
+    post_delete.connect(
+        _person_deleted, sender=get_user_model(), dispatch_uid="access-person-deleted"
+    )
     pre_save.connect(_agent_saving, sender=Agent, dispatch_uid="access-agent-saving")
     post_save.connect(_agent_saved, sender=Agent, dispatch_uid="access-agent-saved")

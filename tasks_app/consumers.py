@@ -4,6 +4,9 @@
 
 * The browser connects with ``?after=<last seq it has>``, or connects without it
   and sends ``{"type": "resume", "after": N}``. Before a resume nothing is sent.
+  A socket resumes once: a later ``resume`` is answered as a ``sync`` (the rows after
+  the last one this socket sent), so a frame of a few bytes cannot ask for the whole
+  log again and again. An ``after`` beyond the log's end counts from its end.
 * The consumer joins the group ``task-<pk>`` *first* (live messages queue up
   behind the handler that runs), *then* reads the log rows with ``seq > after``
   and sends them in order as ``{"type": "event", ...}``, then
@@ -19,8 +22,9 @@
   (and now and then anyway). The consumer joins its groups again (a membership that
   expired or a restarted Redis lost comes back), reads the log rows after the last
   seq it sent (one indexed range query, usually empty), sends them, then ``synced``.
-  Once a minute a re-sync also checks the person's access again (a lost
-  ``access.changed``), and closes the socket as that message would.
+  Once a minute (``ACCESS_RECHECK_SECONDS``) the person's access is checked again
+  before anything more is sent, whatever the browser sends or not (a lost
+  ``access.changed``), and the socket closes as that message would.
 
 ``ws/tasks/`` forwards ``tasks.changed`` summaries as ``{"type": "task", ...}``,
 and answers ``{"type": "sync", "since": ISO}`` with the summaries changed since
@@ -32,7 +36,8 @@ person's group ``person-<id>``: told that the person's access changed
 made inactive, 4404 for a task no longer readable) or, for the list, follows the
 readable agents as they now are.
 A handshake from another origin never reaches them: ``tasks_app.routing`` closes it
-(4403) first. A frame that is not a JSON object is dropped (the protocol has no error
+(4403) first; a path that is neither is refused by ``NoSuchSocket``. A socket whose
+browser went away in the middle of a long send stops sending and still leaves its groups. A frame that is not a JSON object is dropped (the protocol has no error
 message); a malformed seq resumes from the start, a malformed ``since`` answers only the
 version.
 """
@@ -40,20 +45,25 @@ version.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import parse_qs
 
+from autobahn.exception import Disconnected
 from channels.db import database_sync_to_async
-from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from channels.generic.websocket import AsyncJsonWebsocketConsumer, AsyncWebsocketConsumer
 
 from tasks_app import access
 from tasks_app.models import RemoteTask, TaskEvent
 from tasks_app.relay import LIST_GROUP, person_group, task_group
 from tasks_app.services.record import task_summary
 from tasks_app.services.snapshot import event_json
+
+log = logging.getLogger(__name__)
 
 BATCH = 500
 CLOSE_UNAUTHENTICATED = 4401
@@ -96,13 +106,17 @@ def _seq(value: Any) -> int | None:
             return None
         value = int(value)
     elif isinstance(value, str):
-        try:
-            value = int(value.strip() or "0")
-        except ValueError:  # not digits, or more digits than int() will read
+        # ASCII digits only: int() also reads "1_000" and other scripts' digits.
+        text = value.strip() or "0"
+        if not _SEQ_TEXT.fullmatch(text):
             return None
+        value = int(text)
     if not isinstance(value, int):
         return None
     return max(0, value) if value <= SEQ_MAX else None
+
+
+_SEQ_TEXT = re.compile(r"-?[0-9]{1,12}")
 
 
 def _decode_frame(text_data: str | None) -> dict[str, Any] | None:
@@ -140,6 +154,11 @@ def _readable_agent_ids(user: Any) -> set[int] | None:
 
 
 @database_sync_to_async
+def _last_seq(task_pk: int) -> int:
+    return RemoteTask.objects.filter(pk=task_pk).values_list("last_seq", flat=True).first() or 0
+
+
+@database_sync_to_async
 def _read_log(task_pk: int, after: int, upto: int | None, limit: int) -> list[dict[str, Any]]:
     qs = TaskEvent.objects.filter(task_id=task_pk, seq__gt=after)
     if upto is not None:
@@ -162,12 +181,55 @@ async def _join(consumer: AsyncJsonWebsocketConsumer, *groups: str) -> None:
 
 
 class _ResyncingConsumer(AsyncJsonWebsocketConsumer):
-    """What both sockets share: malformed frames dropped, and when the person's access is due
-    a fresh check on a re-sync."""
+    """What both sockets share: malformed frames dropped; the person's access checked afresh
+    when due; sends stopped once the socket is closed or its browser gone; groups left
+    however the socket ends."""
+
+    joined: tuple[str, ...] = ()
+    # Closed by us, or the browser went away: nothing more is sent.
+    gone = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.access_checked_at = time.monotonic()  # connect checks it
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        """Run the consumer with a send that knows when the socket is gone, and leave the
+        groups at the end even when a handler failed (channels then skips ``disconnect``,
+        and the groups would keep a dead channel until their expiry, a day)."""
+
+        async def guarded_send(message: dict[str, Any]) -> None:
+            if self.gone:
+                return
+            try:
+                await send(message)
+            except (Disconnected, OSError):
+                # daphne raises Disconnected for a send after the browser left (a long
+                # resume outlives the tab); ASGI servers in general raise an OSError.
+                self.gone = True
+                return
+            if message.get("type") == "websocket.close":
+                self.gone = True
+
+        try:
+            await super().__call__(scope, receive, guarded_send)
+        finally:
+            await self._leave()
+
+    async def join(self, *groups: str) -> None:
+        self.joined = groups
+        await _join(self, *groups)
+
+    async def _leave(self) -> None:
+        joined, self.joined = self.joined, ()
+        for group in joined:
+            try:
+                await self.channel_layer.group_discard(group, self.channel_name)
+            except Exception:  # Redis away: the group's expiry drops the channel instead
+                log.warning("could not leave %s", group, exc_info=True)
+
+    async def disconnect(self, code: int) -> None:
+        await self._leave()
 
     async def receive(
         self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
@@ -180,16 +242,27 @@ class _ResyncingConsumer(AsyncJsonWebsocketConsumer):
             await self.receive_json(content, **kwargs)
 
     def access_due(self) -> bool:
-        """Whether a re-sync should check access again (see ``ACCESS_RECHECK_SECONDS``)."""
+        """Whether access should be checked again before more is sent (``ACCESS_RECHECK_SECONDS``)."""
         return time.monotonic() - self.access_checked_at >= ACCESS_RECHECK_SECONDS
+
+    async def may_go_on(self) -> bool:
+        """Before anything is sent: False when the socket is gone, or when access was due a
+        check and failed it (the socket is closed then). Live rows and summaries pass here
+        too, so a socket whose browser never asks for a re-sync is checked all the same."""
+        if self.gone:
+            return False
+        if self.access_due():
+            return await self.check_access()
+        return True
+
+    async def check_access(self) -> bool:
+        raise NotImplementedError
 
 
 class TaskConsumer(_ResyncingConsumer):
     """Follows one task's log with resume-after-seq: no gap, no duplicate."""
 
     task_pk: int
-    group: str | None = None
-    person: str | None = None
     last_sent: int | None = None  # None until the browser said where it is
 
     async def connect(self) -> None:
@@ -202,19 +275,11 @@ class TaskConsumer(_ResyncingConsumer):
             await self.close(code=CLOSE_NOT_FOUND)
             return
         # Join first: whatever is appended from now on is queued for us.
-        self.group = task_group(self.task_pk)
-        self.person = person_group(self.scope["user"].pk)
-        await _join(self, self.group, self.person)
+        await self.join(task_group(self.task_pk), person_group(self.scope["user"].pk))
         await self.accept()
         after = self._after_from_query()
         if after is not None:
             await self._resume(after)
-
-    async def disconnect(self, code: int) -> None:
-        if self.group:
-            await self.channel_layer.group_discard(self.group, self.channel_name)
-        if self.person:
-            await self.channel_layer.group_discard(self.person, self.channel_name)
 
     def _after_from_query(self) -> int | None:
         query = parse_qs((self.scope.get("query_string") or b"").decode())
@@ -225,9 +290,12 @@ class TaskConsumer(_ResyncingConsumer):
         return 0 if after is None else after  # malformed: everything (nothing is lost)
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
-        if not isinstance(content, dict):
+        if not isinstance(content, dict) or not await self.may_go_on():
             return
         if content.get("type") == "resume":
+            if self.last_sent is not None:  # resumed already: only what is new (see above)
+                await self._resync(None)
+                return
             after = _seq(content.get("after"))
             await self._resume(0 if after is None else after)  # malformed: everything
         elif content.get("type") == "sync":
@@ -236,6 +304,10 @@ class TaskConsumer(_ResyncingConsumer):
             await self.send_json({"type": "pong"})
 
     async def _resume(self, after: int) -> None:
+        if after > 0:
+            # Past the log's end (a stale page, or a page of a task whose number was used
+            # again) counts from the end: rows appended later must not be taken as sent.
+            after = min(after, await _last_seq(self.task_pk))
         self.last_sent = after
         await self._send_from_log(upto=None)
         await self.send_json({"type": "synced", "last_seq": self.last_sent})
@@ -246,16 +318,14 @@ class TaskConsumer(_ResyncingConsumer):
         Rows between the browser's seq and ours are on their way to it already, so
         we read after our own ``last_sent``; before any resume, this is one.
 
-        1. The person's access is checked again when it is due (``ACCESS_RECHECK_SECONDS``):
-           a lost ``access.changed`` message (the same loss as a lost row) must not leave
-           a socket reading what it may not for longer than that.
+        1. The person's access was checked again if it was due (``may_go_on``): a lost
+           ``access.changed`` message (the same loss as a lost row) must not leave a
+           socket reading what it may not for longer than ``ACCESS_RECHECK_SECONDS``.
         2. The groups are joined again (see :func:`_join`).
         3. The log is read.
         """
-        if self.access_due() and not await self._still_allowed():
-            return
-        if self.group and self.person:
-            await _join(self, self.group, self.person)
+        if self.joined:
+            await _join(self, *self.joined)
         if self.last_sent is None:
             seq = _seq(after)
             await self._resume(0 if seq is None else seq)  # malformed: everything
@@ -266,9 +336,11 @@ class TaskConsumer(_ResyncingConsumer):
     async def _send_from_log(self, upto: int | None) -> None:
         """Send every row after ``last_sent`` (up to ``upto``) from the log, in order."""
         assert self.last_sent is not None
-        while True:
+        while not self.gone:
             rows = await _read_log(self.task_pk, self.last_sent, upto, BATCH)
             for row in rows:
+                if self.gone:
+                    return
                 if row["seq"] != self.last_sent + 1:
                     # The log itself has a hole (should not happen): say so, carry on.
                     await self.send_json(
@@ -284,6 +356,8 @@ class TaskConsumer(_ResyncingConsumer):
     async def task_event(self, message: dict[str, Any]) -> None:
         if self.last_sent is None:
             return  # not resumed yet: the resume reads it from the log
+        if not await self.may_go_on():
+            return
         seq = int(message.get("seq") or 0)
         if seq <= self.last_sent:
             return  # already sent (from the log, or a duplicate relay)
@@ -304,13 +378,15 @@ class TaskConsumer(_ResyncingConsumer):
             await self.task_event(event)
 
     async def task_watcher(self, message: dict[str, Any]) -> None:
-        await self.send_json({**message, "type": "watcher"})
+        if await self.may_go_on():
+            await self.send_json({**message, "type": "watcher"})
 
     async def access_changed(self, message: dict[str, Any]) -> None:
         """The person's access changed (``tasks_app.access_changes``): still allowed to read?"""
-        await self._still_allowed()
+        if not self.gone:
+            await self.check_access()
 
-    async def _still_allowed(self) -> bool:
+    async def check_access(self) -> bool:
         """Whether the person may still read the task, as the database says now; when not,
         the socket is closed (4401 for a person gone or made inactive, 4404 otherwise)."""
         self.access_checked_at = time.monotonic()
@@ -398,8 +474,6 @@ class TaskListConsumer(_ResyncingConsumer):
     waits for the task's next change.
     """
 
-    joined = False
-    person = ""
     # Agents whose tasks this person may read (None: all); an agent added later is looked
     # up once when its first summary arrives.
     agent_ids: set[int] | None = None
@@ -411,21 +485,15 @@ class TaskListConsumer(_ResyncingConsumer):
             return
         self.agent_ids = await _readable_agent_ids(self.scope["user"])
         self.unreadable = set()
-        self.person = person_group(self.scope["user"].pk)
-        await _join(self, LIST_GROUP, self.person)
-        self.joined = True
+        await self.join(LIST_GROUP, person_group(self.scope["user"].pk))
         await self.accept()
-
-    async def disconnect(self, code: int) -> None:
-        if self.joined:
-            await self.channel_layer.group_discard(LIST_GROUP, self.channel_name)
-            await self.channel_layer.group_discard(self.person, self.channel_name)
 
     async def access_changed(self, message: dict[str, Any]) -> None:
         """The person's access changed: summaries follow the readable agents as they are now."""
-        await self._follow_access()
+        if not self.gone:
+            await self.check_access()
 
-    async def _follow_access(self) -> bool:
+    async def check_access(self) -> bool:
         """Read the person's readable agents afresh; False (and closed, 4401) for a person
         gone or made inactive."""
         self.access_checked_at = time.monotonic()
@@ -439,15 +507,13 @@ class TaskListConsumer(_ResyncingConsumer):
         return True
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
-        if not isinstance(content, dict):
+        # Access as it is now when due (a lost access change must not widen what is read
+        # for long: may_go_on), then for a sync the groups joined again (see _join) and the read.
+        if not isinstance(content, dict) or not await self.may_go_on():
             return
         if content.get("type") == "sync":
-            # Access as it is now when due (a lost access change must not widen what is
-            # read for long), the groups joined again (see _join), then the read.
-            if self.access_due() and not await self._follow_access():
-                return
             if self.joined:
-                await _join(self, LIST_GROUP, self.person)
+                await _join(self, *self.joined)
             since = _parse_version(content.get("since"))
             summaries, newest = await _changed_since(self.agent_ids, since)
             for summary in summaries:
@@ -460,7 +526,7 @@ class TaskListConsumer(_ResyncingConsumer):
             await self.send_json({"type": "pong"})
 
     async def tasks_changed(self, message: dict[str, Any]) -> None:
-        if await self._may_read(message.get("agent")):
+        if await self.may_go_on() and await self._may_read(message.get("agent")):
             await self.send_json({**message, "type": "task"})
 
     async def tasks_summaries(self, message: dict[str, Any]) -> None:
@@ -481,3 +547,11 @@ class TaskListConsumer(_ResyncingConsumer):
                 self.unreadable.add(agent_id)
                 return False
         return True
+
+
+class NoSuchSocket(AsyncWebsocketConsumer):
+    """Any other websocket path: the handshake is refused (no route used to raise, which
+    daphne logged as an error with its traceback, for anyone who asked)."""
+
+    async def connect(self) -> None:
+        await self.close(code=CLOSE_NOT_FOUND)

@@ -18,7 +18,7 @@ from channels.auth import AuthMiddlewareStack
 from channels.routing import URLRouter
 from django.conf import settings
 from django.http.request import is_same_domain, split_domain_port, validate_host
-from django.urls import path
+from django.urls import path, re_path
 
 from . import consumers
 
@@ -27,6 +27,7 @@ CLOSE_FORBIDDEN_ORIGIN = 4403
 websocket_urlpatterns = [
     path("ws/tasks/<int:task_id>/", consumers.TaskConsumer.as_asgi()),
     path("ws/tasks/", consumers.TaskListConsumer.as_asgi()),
+    re_path(r"", consumers.NoSuchSocket.as_asgi()),  # anything else: refused, not an error
 ]
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}

@@ -337,7 +337,7 @@ def test_lists_and_counts_only_show_what_the_person_may_read(world) -> None:
 # Websockets --------------------------------------------------------------------------------
 
 CLOSE = {"anonymous": 4401, "outsider": 4404}
-WS_RULES = {"ws/tasks/<int:task_id>/": "task", "ws/tasks/": "list"}
+WS_RULES = {"ws/tasks/<int:task_id>/": "task", "ws/tasks/": "list", "": "no route"}
 
 
 def _user_of(client: Client):
@@ -362,10 +362,13 @@ async def test_every_websocket_route_answers_as_the_role_allows(world, person, s
     app = URLRouter(websocket_urlpatterns)
     for pattern in websocket_urlpatterns:
         kind = WS_RULES[str(pattern.pattern)]
-        path = f"/ws/tasks/{world['task'].pk}/" if kind == "task" else "/ws/tasks/"
+        path = {"task": f"/ws/tasks/{world['task'].pk}/", "list": "/ws/tasks/"}.get(kind, "/ws/x/")
         comm = WebsocketCommunicator(app, path)
         comm.scope["user"] = user
         connected, code = await comm.connect(timeout=10)
+        if kind == "no route":
+            assert not connected and code == 4404, (person, path, code)  # whoever asks
+            continue
         if person == "anonymous" or (person == "outsider" and kind == "task"):
             assert not connected and code == CLOSE[person], (person, path, code)
             continue

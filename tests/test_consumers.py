@@ -729,12 +729,16 @@ async def test_a_seq_that_is_no_seq_resumes_from_the_start(task, user, caplog):
     seq past the column's range is no seq either. Each resumes from the start (nothing lost)."""
     for i in range(1, 3):
         await database_sync_to_async(write)(task.pk, i)
-    comm = await communicator(f"/ws/tasks/{task.pk}/", user)
-    assert (await comm.connect())[0]
-    for seq in BAD_SEQS:
+    for seq in (*BAD_SEQS, '"1_1"', '"\u0661"', '" 2 "'):  # only ASCII digits are a seq
+        comm = await communicator(f"/ws/tasks/{task.pk}/", user)
+        assert (await comm.connect())[0]
         await comm.send_to(text_data=f'{{"type": "resume", "after": {seq}}}')
         events, synced = await until_type(comm, "synced")
-        assert ([m["seq"] for m in events], synced["last_seq"]) == ([1, 2], 2), seq
+        expected = [] if seq == '" 2 "' else [1, 2]
+        assert ([m["seq"] for m in events], synced["last_seq"]) == (expected, 2), seq
+        await comm.disconnect()
+    comm = await communicator(f"/ws/tasks/{task.pk}/", user)
+    assert (await comm.connect())[0]
     await comm.send_json_to({"type": "resume", "after": 1})  # a good one still answers as ever
     events, synced = await until_type(comm, "synced")
     assert [m["seq"] for m in events] == [2] and synced["last_seq"] == 2
@@ -832,3 +836,149 @@ def test_daphne_keeps_a_socket_open_through_malformed_frames(task, user, start_d
         assert json.loads(ws.recv(timeout=10))["type"] == "version"
     log = server.log_tail(400)
     assert "Exception inside application" not in log and "Traceback" not in log, log
+
+
+# -- what one socket may make the server do (found by crafted frames) ------------------------
+
+
+def write_many(task_pk: int, first: int, last: int) -> None:
+    from tasks_app.services.record import record_many
+
+    for start in range(first, last + 1, 100):
+        record_many(
+            task_pk, [status(i) for i in range(start, min(start + 100, last + 1))], "stream"
+        )
+
+
+async def test_a_socket_resumes_once_and_a_later_resume_sends_only_what_is_new(task, user):
+    """A resume frame is a few bytes and made the whole log be sent again: twenty of them
+    on a log of 3,000 rows sent 60,000 messages. A later resume is now a sync."""
+    await database_sync_to_async(write_many)(task.pk, 1, 600)  # more than one read's BATCH
+    comm = await communicator(f"/ws/tasks/{task.pk}/?after=0", user)
+    assert (await comm.connect())[0]
+    events, synced = await until_type(comm, "synced", timeout=30)
+    assert [m["seq"] for m in events] == list(range(1, 601)) and synced["last_seq"] == 600
+    for _ in range(20):
+        await comm.send_json_to({"type": "resume", "after": 0})
+    for _ in range(20):
+        assert await comm.receive_json_from(timeout=5) == {"type": "synced", "last_seq": 600}
+    assert await comm.receive_nothing(timeout=0.3)
+    await database_sync_to_async(record_with_relay_lost)(task.pk, status(601))
+    await comm.send_json_to({"type": "resume", "after": 0})
+    events, synced = await until_type(comm, "synced")
+    assert [m["seq"] for m in events] == [601] and synced["last_seq"] == 601
+    await comm.disconnect()
+
+
+async def test_a_resume_past_the_end_of_the_log_counts_from_its_end(task, user):
+    """A stale page (or a task number used again) asking after seq 11 of a 2-row log was
+    told "synced 11", and rows 3 to 11 were then dropped as already sent."""
+    await database_sync_to_async(write_many)(task.pk, 1, 2)
+    comm = await communicator(f"/ws/tasks/{task.pk}/?after=11", user)
+    assert (await comm.connect())[0]
+    assert await comm.receive_json_from(timeout=5) == {"type": "synced", "last_seq": 2}
+    await database_sync_to_async(write)(task.pk, 3)
+    events = await collect(comm, 3)
+    assert [m["seq"] for m in events] == [3]
+    await comm.disconnect()
+
+
+async def test_a_lost_change_of_access_is_caught_before_anything_more_is_sent(
+    task, user, monkeypatch
+):
+    """A socket that never asks for a re-sync (only resumes, or only listens) was never
+    checked again: access is now checked, when due, before any frame is answered and before
+    any live row or summary goes out."""
+    from unittest import mock
+
+    from tasks_app import consumers
+    from tasks_app.models import Membership
+    from tasks_app.relay import LIST_GROUP
+
+    await database_sync_to_async(write)(task.pk, 1)
+    resuming = await communicator(f"/ws/tasks/{task.pk}/?after=0", user)
+    listening = await communicator(f"/ws/tasks/{task.pk}/?after=0", user)
+    list_socket = await communicator("/ws/tasks/", user)
+    for socket in (resuming, listening):
+        assert (await socket.connect())[0]
+        await until_type(socket, "synced")
+    assert (await list_socket.connect())[0]
+
+    def take_the_role_silently() -> None:
+        with mock.patch("tasks_app.relay.publish", lambda messages: None):
+            Membership.objects.filter(user=user).delete()
+
+    await database_sync_to_async(take_the_role_silently)()
+    monkeypatch.setattr(consumers, "ACCESS_RECHECK_SECONDS", 0.0)
+    await resuming.send_json_to({"type": "resume", "after": 0})
+    assert await resuming.receive_output(timeout=5) == {"type": "websocket.close", "code": 4404}
+    await database_sync_to_async(write)(task.pk, 2)  # relayed live to the listening socket
+    assert await listening.receive_output(timeout=5) == {"type": "websocket.close", "code": 4404}
+    summary = {"type": "tasks.changed", "task": task.pk, "agent": task.agent_id, "last_seq": 2}
+    await get_channel_layer().group_send(LIST_GROUP, summary)
+    assert await list_socket.receive_nothing(timeout=0.5)
+    await list_socket.disconnect()
+
+
+async def test_a_deleted_person_is_closed_out_even_with_no_membership(task, django_user_model):
+    """A superuser has no memberships, whose deletion told the sockets of anyone else."""
+    boss = await database_sync_to_async(
+        lambda: django_user_model.objects.create_superuser(username="boss", password="pw-1234567")
+    )()
+    task_socket = await communicator(f"/ws/tasks/{task.pk}/?after=0", boss)
+    list_socket = await communicator("/ws/tasks/", boss)
+    assert (await task_socket.connect())[0] and (await list_socket.connect())[0]
+    await until_type(task_socket, "synced")
+    await database_sync_to_async(lambda: django_user_model.objects.filter(pk=boss.pk).delete())()
+    for socket in (task_socket, list_socket):
+        assert await socket.receive_output(timeout=5) == {"type": "websocket.close", "code": 4401}
+
+
+@pytest.mark.parametrize("path", ["/ws/tasks/abc/", "/ws/tasks/1", "/ws/tasks/-1/", "/ws/x/", "/"])
+async def test_a_socket_path_that_is_no_route_is_refused_without_an_error(path, user, caplog):
+    """No route used to raise ValueError, which daphne logs as an error with a traceback."""
+    comm = await communicator(path, user)
+    assert await comm.connect() == (False, 4404)
+    no_errors_logged(caplog)
+
+
+def leaving_after(sends: int):
+    """The websocket app with a send that fails as daphne's does once the browser has left
+    (autobahn's Disconnected, "Attempt to send on a closed protocol") after ``sends`` frames.
+    daphne drops most such sends itself; this is the window in which it does not."""
+    from autobahn.exception import Disconnected
+
+    async def application(scope, receive, send):
+        count = 0
+
+        async def send_until_gone(message):
+            nonlocal count
+            if message["type"] == "websocket.send":
+                count += 1
+                if count > sends:
+                    raise Disconnected("Attempt to send on a closed protocol")
+            await send(message)
+
+        return await app(scope, receive, send_until_gone)
+
+    return application
+
+
+async def test_a_browser_that_leaves_during_a_long_resume_ends_the_socket_cleanly(task, user):
+    """The tab closed while its resume was sending 3,000 rows: the failed send ended the
+    consumer with "Exception inside application", and its groups kept the dead channel for
+    a day (channels skips ``disconnect`` then). Now the sends stop and the groups are left."""
+    import redis
+
+    await database_sync_to_async(write_many)(task.pk, 1, 3000)
+    layer = get_channel_layer()
+    members = redis.Redis.from_url(settings.REDIS_URL)
+    key = f"{layer.prefix}:group:{task_group(task.pk)}"
+    comm = WebsocketCommunicator(leaving_after(5), f"/ws/tasks/{task.pk}/?after=0")
+    comm.scope["user"] = user
+    assert (await comm.connect())[0]
+    assert [(await comm.receive_json_from(timeout=5))["seq"] for _ in range(5)] == [1, 2, 3, 4, 5]
+    assert members.zcard(key) == 1
+    assert await comm.receive_nothing(timeout=0.5)  # nothing more is sent, nothing raised
+    await comm.disconnect()  # re-raises what the application raised
+    assert members.zcard(key) == 0
