@@ -33,6 +33,7 @@ import contextlib
 import json
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,7 @@ class Conn:
 
     method: str = ""
     path: str = ""
+    accept_encoding: str | None = None  # the request's Accept-Encoding header, if any
     body_bytes_sent: int = 0
     body_sent: bytearray = field(default_factory=bytearray)  # first 256 KB only
     peer_closed_at: float | None = None
@@ -137,6 +139,7 @@ class HostileServer:
                 k.strip().lower(): v.strip()
                 for k, _, v in (line.partition(":") for line in lines[1:] if line)
             }
+            conn.accept_encoding = headers.get("accept-encoding")
             length = int(headers.get("content-length") or 0)
             body = await reader.readexactly(length) if length else b""
             await self._route(conn, body, reader, writer)
@@ -227,6 +230,17 @@ class HostileServer:
         elif mode == "blanklines":
             writer.write(sse_head)
             await self._forever(conn, reader, writer, b"\n")
+        elif mode in ("gzip", "gzipsse"):
+            # Compressed whatever was asked: 64 KB of gzip that would decode to 64 MB of line
+            # breaks (a stream of empty events) or of spaces before a JSON reply.
+            filler = b"\n" if mode == "gzipsse" else b" "
+            packer = zlib.compressobj(9, zlib.DEFLATED, 31)
+            payload = packer.compress(filler * (64 * 1024 * 1024))
+            payload += packer.compress(reply_text(json.dumps(task_json()))) + packer.flush()
+            content_type = "text/event-stream" if mode == "gzipsse" else "application/json"
+            head = self._head("200 OK", content_type, len(payload))
+            writer.write(head.replace(b"\r\n\r\n", b"\r\nContent-Encoding: gzip\r\n\r\n", 1))
+            await self._send(conn, writer, payload)
         elif mode == "slowevent":
             writer.write(sse_head)
             await self._send(conn, writer, event_text(json.dumps({"task": task_json()})))

@@ -28,6 +28,7 @@ from tasks_app.a2a import (
     DeadlineExceeded,
     IncompatibleAgentError,
     Interface,
+    PayloadTooLarge,
     ProtocolError,
     StreamIdleTimeout,
     TransportError,
@@ -37,8 +38,9 @@ from tasks_app.a2a import (
     validate_card,
 )
 from tasks_app.a2a._http import decode_json, error_for_status
+from tasks_app.a2a.guard import GuardedTransport, Policy
 from tasks_app.a2a.safejson import clean, loads
-from tasks_app.a2a.streams import iter_sse
+from tasks_app.a2a.streams import LINES_PER_TURN, iter_sse
 from tests.hostile_servers import TASK_ID, Conn, HostileServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -577,3 +579,82 @@ async def test_comment_lines_alone_end_at_the_gap() -> None:
         async for _ in iter_sse(_chunks([b": ping\n"] * 1000, 0.01), event_gap=0.3, where="t"):
             pass
     assert time.monotonic() - start < 5  # 1000 pings would take 10 s
+
+
+# --------------------------------------------------------------------------- compressed replies
+
+
+@pytest.fixture
+async def guarded() -> AsyncIterator[httpx.AsyncClient]:
+    """A client on the outbound guard's transport (loopback allowed), as the dashboard's are."""
+    transport = GuardedTransport(
+        lambda: Policy.from_entries(["127.0.0.0/8"]), limits=httpx.Limits()
+    )
+    async with httpx.AsyncClient(transport=transport) as client:
+        yield client
+
+
+@pytest.mark.parametrize("binding", BINDINGS)
+async def test_a_compressed_reply_is_refused_before_it_is_decoded(
+    hostile: HostileServer, guarded: httpx.AsyncClient, binding: str
+) -> None:
+    """64 KB of gzip decoded to 64 MB at once in httpx, and a stream of such line breaks held
+    the event loop for a minute. Only ``identity`` is asked for; a compressed reply is the
+    agent's protocol error, refused before a byte of it is decoded."""
+    for mode in ("gzip", "gzipsse"):
+        client = hostile_client(hostile, mode, binding, guarded)
+        with pytest.raises(ProtocolError, match=r"the reply is compressed \('gzip'\) although"):
+            if mode == "gzip":
+                await client.get_task(TASK_ID)
+            else:
+                async with aclosing(client.subscribe_to_task(TASK_ID)) as stream:
+                    async for _ in stream:
+                        pass
+        conn = _last_conn(hostile, mode)
+        assert conn.accept_encoding == "identity"
+
+
+# --------------------------------------------------------------------------- SSE without events
+
+
+@pytest.mark.parametrize(
+    "unit",
+    [b"\n", b": ping\n", b"event: x\n", b"data: \n\n", b"datax: 1\n", b"id: 7\n\n", b"\r\n"],
+)
+async def test_a_stream_of_anything_but_events_ends_at_the_event_limit(unit: bytes) -> None:
+    """Line breaks, comments, other fields and empty events made no event and were never
+    counted: a stream of them ran without end. Bytes since the last event now count
+    against the event limit."""
+    body = [unit * 1000] * 20  # 20 chunks of 1,000 units, no event
+    with pytest.raises(PayloadTooLarge, match="more than 2000 bytes without an event"):
+        async for _ in iter_sse(_chunks(body), max_event_bytes=2000, where="t"):
+            pass
+    # Events in between reset the count: a long quiet stream with keep-alives is fine.
+    body = [b": keep-alive\n\n" * 100 + b'data: {"n": 1}\n\n'] * 20
+    got = [m.data async for m in iter_sse(_chunks(body), max_event_bytes=2000, where="t")]
+    assert len(got) == 20
+
+
+async def test_a_chunk_of_many_lines_lets_the_loop_run() -> None:
+    """One chunk of 200,000 line breaks was split and read without ever giving the event
+    loop back (a worker's other streams waited); the reader now yields every
+    ``LINES_PER_TURN`` lines."""
+    turns = 0
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal turns
+        while not stop.is_set():
+            turns += 1
+            await asyncio.sleep(0)
+
+    running = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    before = turns
+    body = [b"\n" * 200_000 + b'data: {"n": 1}\n\n']
+    got = [m.data async for m in iter_sse(_chunks(body), max_event_bytes=1_000_000, where="t")]
+    during = turns - before
+    stop.set()
+    await running
+    assert got == ['{"n": 1}']
+    assert during >= 200_000 // LINES_PER_TURN // 2, during

@@ -63,6 +63,8 @@ def map_transport_error(exc: httpx.HTTPError, where: str, *, streaming: bool = F
         return RequestTimeout(f"{where}: timed out ({exc.__class__.__name__})")
     if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError):
         return ConnectionDropped(f"{where}: connection dropped ({detail})")
+    if isinstance(exc, httpx.DecodingError):  # the agent's body could not be taken as sent
+        return ProtocolError(f"{where}: {detail}")
     if isinstance(exc, httpx.InvalidURL | httpx.UnsupportedProtocol):
         return TransportError(f"{where}: bad URL ({detail})")
     return TransportError(f"{where}: {detail}")

@@ -360,6 +360,29 @@ class GuardedTransport(httpx.AsyncHTTPTransport):
             network_backend=GuardedBackend(policy),
         )
 
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """Ask for the body as it is, and refuse one that comes compressed anyway.
+
+        httpx decodes gzip and deflate a network chunk at a time with no bound on the
+        output: 65 KB of gzip became 64 MB in memory at once, and an SSE stream of such
+        blank lines held the event loop for a minute before any time bound could look.
+        A server must honour ``identity`` (RFC 9110, 12.5.3), so a compressed reply is
+        the agent's error, said as such (``COMPRESSED_REPLY``) before a byte is decoded.
+        """
+        request.headers["Accept-Encoding"] = "identity"
+        response = await super().handle_async_request(request)
+        encoding = response.headers.get("content-encoding", "").strip().lower()
+        if encoding not in ("", "identity"):
+            await response.aclose()
+            raise httpx.DecodingError(
+                f"{COMPRESSED_REPLY} ({encoding[:40]!r}) although only identity was accepted",
+                request=request,
+            )
+        return response
+
+
+COMPRESSED_REPLY = "the reply is compressed"
+
 
 def refusal_in(exc: BaseException) -> GuardRefusal | None:
     """The guard's refusal behind an httpx exception (its cause chain), if that is what it was."""

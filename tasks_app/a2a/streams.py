@@ -45,6 +45,8 @@ class SSEMessage:
 
 
 _EOL = re.compile(rb"\r\n|\r|\n")
+# The SSE reader lets the event loop run at least once per this many lines.
+LINES_PER_TURN = 1000
 _LINE_BREAK_BYTES = b"\r\n"
 
 
@@ -197,17 +199,31 @@ async def iter_sse(
     event = ""
     data: list[str] = []
     size = 0
+    # Bytes since the last event dispatched, blank and comment lines included: a stream of
+    # nothing but line breaks (or comments) made no event and cost a step per line without
+    # end. Keep-alives are a few bytes every few seconds, far below the limit.
+    idle_bytes = 0
+    lines = 0
     clock = _Clock(event_deadline, event_gap, where)
     async for raw in _iter_lines(chunks, max_event_bytes, where, clock):
+        lines += 1
+        if lines % LINES_PER_TURN == 0:
+            await asyncio.sleep(0)  # a chunk of many lines: let the loop's other tasks run
         if not raw:
             payload = "\n".join(data) if data else ""
             dispatched = bool(payload.strip())
             clock.event_done(dispatched=dispatched)
             if dispatched:
+                idle_bytes = 0
                 yield SSEMessage(event=event, data=payload)
+            else:
+                idle_bytes += size + 1  # the blank line, and the empty event it ended
+                _bound_idle(idle_bytes, max_event_bytes, where)
             event, data, size = "", [], 0
             continue
         if raw.startswith(b":"):
+            idle_bytes += len(raw) + 1
+            _bound_idle(idle_bytes, max_event_bytes, where)
             continue  # comment / keep-alive
         try:
             line = raw.decode("utf-8")
@@ -216,6 +232,9 @@ async def iter_sse(
         name, _, value = line.partition(":")
         if value.startswith(" "):
             value = value[1:]
+        if name != "data":  # other fields count as idle (data lines count in ``size``)
+            idle_bytes += len(raw) + 1
+            _bound_idle(idle_bytes, max_event_bytes, where)
         if name == "data":
             size += len(raw) + 1
             if size > max_event_bytes:
@@ -226,6 +245,13 @@ async def iter_sse(
         elif name == "event":
             event = value
         # id / retry have no meaning in A2A (§7); unknown fields are ignored.
+
+
+def _bound_idle(idle_bytes: int, limit: int, where: str) -> None:
+    if idle_bytes > limit:
+        raise PayloadTooLarge(
+            f"SSE stream sent more than {limit} bytes without an event", where=where
+        )
 
 
 async def iter_sse_response(
