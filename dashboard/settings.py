@@ -457,6 +457,10 @@ WATCH_STREAM_IDLE_SECONDS = env_duration("WATCH_STREAM_IDLE_SECONDS", 60)
 WATCH_BACKOFF_BASE_SECONDS = env_duration("WATCH_BACKOFF_BASE_SECONDS", 0.5)
 WATCH_BACKOFF_MAX_SECONDS = env_duration("WATCH_BACKOFF_MAX_SECONDS", 30)
 WATCH_MAX_EVENT_BYTES = env_int("WATCH_MAX_EVENT_BYTES", 8 * 1024 * 1024, minimum=1)
+# Rows one entry may make: artifact parts and history messages, and artifacts (each costs
+# several statements). Bytes alone let one 8 MB event ask for millions of part rows.
+WATCH_MAX_EVENT_ROWS = env_int("WATCH_MAX_EVENT_ROWS", 10_000, minimum=1)
+WATCH_MAX_EVENT_ARTIFACTS = env_int("WATCH_MAX_EVENT_ARTIFACTS", 1_000, minimum=1)
 # A watcher that records nothing new this many turns in a row parks the task ("needs attention").
 WATCH_MAX_FRUITLESS_TURNS = env_int("WATCH_MAX_FRUITLESS_TURNS", 8, minimum=1)
 

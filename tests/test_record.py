@@ -323,3 +323,92 @@ def test_a_document_shows_the_log_up_to_the_row_it_was_read_with(task):
         2,
         3,
     ]
+
+
+# -- rows one entry may make (bytes alone let 3 MB of empty parts make a million rows) -----------
+
+
+def _message(i: int) -> dict:
+    return {"messageId": f"h-{i}", "role": "ROLE_AGENT", "parts": [{"text": f"m {i}"}]}
+
+
+@pytest.fixture
+def few_rows(settings):
+    settings.WATCH_MAX_EVENT_ROWS = 50
+    settings.WATCH_MAX_EVENT_ARTIFACTS = 5
+
+
+def _rows_written(task: RemoteTask) -> tuple[int, int, int]:
+    from tasks_app.models import Artifact, ArtifactPart, ConversationMessage
+
+    return (
+        Artifact.objects.filter(task=task).count(),
+        ArtifactPart.objects.filter(artifact__task=task).count(),
+        ConversationMessage.objects.filter(task=task).count(),
+    )
+
+
+@pytest.mark.parametrize(
+    ("parts", "artifacts", "history", "refused"),
+    [
+        (50, 1, 0, ""),  # at the limit: taken
+        (51, 1, 0, "51 artifact parts and 0 history messages; at most 50 an entry"),
+        (10, 5, 0, ""),
+        (1, 6, 0, "6 artifacts; at most 5 an entry (WATCH_MAX_EVENT_ARTIFACTS)"),
+        (0, 0, 51, "0 artifact parts and 51 history messages; at most 50"),
+        (25, 1, 26, "25 artifact parts and 26 history messages"),
+    ],
+)
+def test_a_snapshot_asking_for_more_rows_than_an_entry_may_make_is_a_protocol_error(
+    task, few_rows, parts, artifacts, history, refused
+):
+    task_json = snapshot(
+        "t-1",
+        "TASK_STATE_WORKING",
+        [{"artifactId": f"a-{n}", "parts": [{}] * parts} for n in range(artifacts)],
+    )
+    task_json["task"]["history"] = [_message(i) for i in range(history)]
+    record(task, task_json, "poll")
+    event = TaskEvent.objects.get(task=task)
+    if refused:
+        assert event.kind == "protocol-error" and refused in event.note
+        assert _rows_written(task) == (0, 0, 0)
+    else:
+        assert event.kind == "task"
+        assert _rows_written(task) == (artifacts, artifacts * parts, history)
+
+
+def test_an_artifact_update_asking_for_more_rows_than_an_entry_may_make_is_a_protocol_error(
+    task, few_rows
+):
+    record(task, snapshot("t-1", "TASK_STATE_WORKING"), "stream")
+    update = chunk("t-1", "x", append=False)
+    update["artifactUpdate"]["artifact"]["parts"] = [{"text": "x"}] * 51
+    record(task, update, "stream")
+    update["artifactUpdate"]["artifact"]["parts"] = [{"text": "y"}] * 50
+    record(task, update, "stream")
+    kinds = list(TaskEvent.objects.filter(task=task).order_by("seq").values_list("kind", "note"))
+    assert [k for k, _ in kinds] == ["task", "protocol-error", "artifactUpdate"]
+    assert "51 artifact parts" in kinds[1][1]
+    assert _rows_written(task) == (1, 50, 0)
+
+
+def test_history_ids_are_looked_up_in_slices_and_each_kept_once(task, monkeypatch):
+    """A database takes only so many values in one query: SQLite refused 260,000 ids, and the
+    error was taken for the database being down (the task polled for ever). One entry now
+    holds at most WATCH_MAX_EVENT_ROWS, and a batch's lookup goes in slices: the same
+    result as one query."""
+    from tasks_app.models import ConversationMessage
+    from tasks_app.services import record as record_module
+
+    monkeypatch.setattr(record_module, "LOOKUP_SLICE", 7)
+    first = snapshot("t-1", "TASK_STATE_WORKING")
+    first["task"]["history"] = [_message(i) for i in range(0, 30, 2)]  # the even ones
+    record(task, first, "poll")
+    again = snapshot("t-1", "TASK_STATE_WORKING")
+    again["task"]["history"] = [_message(i) for i in range(30)]
+    record(task, again, "poll")
+    stored = list(
+        ConversationMessage.objects.filter(task=task).values_list("message_id", flat=True)
+    )
+    assert sorted(stored) == sorted(f"h-{i}" for i in range(30))  # each once

@@ -204,6 +204,9 @@ def _normalized(kind: str, payload: dict) -> dict:
     return payload
 
 
+# Message ids looked up in one query at most (see _Fold._lookup_messages).
+LOOKUP_SLICE = 5_000
+
 # Ids are stored in columns of this many characters (RemoteTask, Artifact, ConversationMessage).
 MAX_ID_CHARS = 300
 
@@ -233,6 +236,7 @@ def _check(kind: str, payload: dict) -> str:
             or _check_status(payload.get("status"))
             or _check_list(payload, "artifacts", _check_artifact)
             or _check_list(payload, "history", _check_message)
+            or _rows_problem(payload.get("artifacts"), payload.get("history"))
         )
     if kind == "statusUpdate":
         return (
@@ -247,9 +251,29 @@ def _check(kind: str, payload: dict) -> str:
         artifact = payload.get("artifact")
         if problem or not isinstance(artifact, dict):
             return problem or "missing artifact.artifactId"
-        return _check_artifact(artifact, "artifact.")
+        return _check_artifact(artifact, "artifact.") or _rows_problem([artifact], None)
     if kind == "message":
         return _check_message(payload)
+    return ""
+
+
+def _rows_problem(artifacts: Any, history: Any) -> str:
+    """Whether an entry asks for more rows than one entry may make (``WATCH_MAX_EVENT_ROWS``
+    parts and messages, ``WATCH_MAX_EVENT_ARTIFACTS`` artifacts): a million empty parts are
+    3 MB of JSON, well within an event's bytes, and took 22 s and 760 MB to write."""
+    artifacts = [a for a in artifacts if isinstance(a, dict)] if isinstance(artifacts, list) else []
+    if len(artifacts) > settings.WATCH_MAX_EVENT_ARTIFACTS:
+        return (
+            f"{len(artifacts):,} artifacts; at most {settings.WATCH_MAX_EVENT_ARTIFACTS:,} "
+            "an entry (WATCH_MAX_EVENT_ARTIFACTS)"
+        )
+    parts = sum(len(a["parts"]) for a in artifacts if isinstance(a.get("parts"), list))
+    messages = len(history) if isinstance(history, list) else 0
+    if parts + messages > settings.WATCH_MAX_EVENT_ROWS:
+        return (
+            f"{parts:,} artifact parts and {messages:,} history messages; at most "
+            f"{settings.WATCH_MAX_EVENT_ROWS:,} an entry (WATCH_MAX_EVENT_ROWS)"
+        )
     return ""
 
 
@@ -564,12 +588,15 @@ class _Fold:
         if self._message_ids is None:
             self._message_ids = set()
         ids -= self._checked_ids
-        if ids:
+        # In slices: a database takes only so many values in one query (SQLite refused a
+        # history of 260,000 ids, and its error was taken for the database being down).
+        listed = sorted(ids)
+        for start in range(0, len(listed), LOOKUP_SLICE):
             stored = ConversationMessage.objects.filter(
-                task_id=self.task.pk, message_id__in=ids
+                task_id=self.task.pk, message_id__in=listed[start : start + LOOKUP_SLICE]
             ).order_by()
             self._message_ids.update(stored.values_list("message_id", flat=True))
-            self._checked_ids |= ids
+        self._checked_ids |= ids
 
     def unknown_messages(self, messages: list[dict]) -> list[dict]:
         """The messages (by messageId) that neither the mirror nor this fold holds yet."""
