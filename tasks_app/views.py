@@ -228,6 +228,9 @@ def agent_add(request: HttpRequest) -> HttpResponse:
 # A stored card is the agent's JSON as it came: any field may have any type. These read
 # it with a type check at every step (a wrong type is skipped; validate_card says why).
 CARD_PROBLEMS_SHOWN = 100
+# Skills, interfaces and extensions of a card listed on a page (a 1 MB card can hold
+# a hundred thousand): the rest is counted.
+CARD_ITEMS_SHOWN = 100
 
 
 def _obj(value: object) -> dict:
@@ -275,6 +278,11 @@ def _skill_view(skill: dict) -> dict:
     }
 
 
+def _more(items: object) -> int:
+    """How many of a card's listed objects are past ``CARD_ITEMS_SHOWN``."""
+    return max(0, len(_objs(items)) - CARD_ITEMS_SHOWN)
+
+
 def _card_view(card: object, known_problems: object = ()) -> dict:
     """The parts of a card the agent page and the card preview show (templates escape them)."""
     raw = card
@@ -307,16 +315,19 @@ def _card_view(card: object, known_problems: object = ()) -> dict:
                 "required": e.get("required") is True,
                 "description": _text(e.get("description")),
             }
-            for e in _objs(capabilities.get("extensions"))
+            for e in _objs(capabilities.get("extensions"))[:CARD_ITEMS_SHOWN]
         ],
-        "skills": [_skill_view(s) for s in _objs(card.get("skills"))],
+        "extensions_more": _more(capabilities.get("extensions")),
+        "skills": [_skill_view(s) for s in _objs(card.get("skills"))[:CARD_ITEMS_SHOWN]],
+        "skills_more": _more(card.get("skills")),
         "interfaces": [
             {
                 key: _text(i.get(key))
                 for key in ("protocolBinding", "protocolVersion", "url", "tenant")
             }
-            for i in _objs(card.get("supportedInterfaces"))
+            for i in _objs(card.get("supportedInterfaces"))[:CARD_ITEMS_SHOWN]
         ],
+        "interfaces_more": _more(card.get("supportedInterfaces")),
         "schemes": scheme_rows,
         "requirements": pretty_json(card.get("securityRequirements"))
         if card.get("securityRequirements")
@@ -534,7 +545,7 @@ def task_row(request: HttpRequest, pk: int) -> HttpResponse:
 def _skills_by_agent(agents) -> list[dict]:
     out = []
     for agent in agents:
-        for skill in map(_skill_view, _objs(_obj(agent.card).get("skills"))):
+        for skill in map(_skill_view, _objs(_obj(agent.card).get("skills"))[:CARD_ITEMS_SHOWN]):
             if skill["id"]:
                 out.append(
                     {

@@ -67,3 +67,37 @@ def test_an_agent_url_too_long_to_keep_is_refused_before_any_fetch(server: CardS
     with pytest.raises(agent_services.AgentError, match="at most 1000 characters"):
         agent_services.add_agent(f"{server.base}/" + "a" * 1000)
     assert server.connections == 0 and not Agent.objects.exists()
+
+
+def test_a_card_of_many_bad_skills_keeps_a_hundred_problems_and_pages_list_a_hundred(
+    server: CardServer,
+) -> None:
+    """A 1 MB card of skills that are not objects made 524,090 problems (21 MB), stored with
+    the agent and read on every watcher turn; its pages listed every skill."""
+    from django.contrib.auth.models import User
+    from django.test import Client
+
+    from tasks_app.models import Membership
+    from tests.people import member
+
+    served = card(f"{server.base}/rpc")
+    served["skills"] = [0] * 5_000 + [
+        {"id": f"s{i}", "name": f"skill number {i}", "description": "d", "tags": ["t"]}
+        for i in range(300)
+    ]
+    server.card(served)
+    agent = agent_services.add_agent(server.base)
+    assert len(agent.card_problems) == agent_services.PROBLEMS_KEPT + 1
+    assert (
+        agent.card_problems[-1].startswith("… and ") and "more problems" in agent.card_problems[-1]
+    )
+
+    admin = member(User.objects.create_user("admin"), Membership.Role.AGENT_ADMIN)
+    agent.project = Membership.objects.get(user=admin).project
+    agent.save()
+    client = Client()
+    client.force_login(admin)
+    page = client.get(f"/agents/{agent.pk}/").content.decode()
+    assert page.count('<article class="skill">') == 100 and "… and 200 more skills" in page
+    new_task = client.get(f"/tasks/new?agent={agent.pk}").content.decode()
+    assert new_task.count('data-agent="') == 100

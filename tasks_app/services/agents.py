@@ -100,7 +100,12 @@ def preview_card(url: str) -> CardPreview:
     preview = CardPreview(
         url=result.url, card=card, etag=etag if len(etag) <= _longest("card_etag") else ""
     )
-    preview.problems = [safejson.clean_text(_problem_text(p)) for p in validate_card(card)]
+    found = validate_card(card)
+    # Kept with the agent and read with it on every watcher turn: a 1 MB card of bad skills
+    # made 524,090 problems (21 MB). The first ones say what is wrong; the rest are counted.
+    preview.problems = [safejson.clean_text(_problem_text(p)) for p in found[:PROBLEMS_KEPT]]
+    if len(found) > PROBLEMS_KEPT:
+        preview.problems.append(f"… and {len(found) - PROBLEMS_KEPT:,} more problems")
     refused: list[str] = []
 
     def check_url(interface_url: str) -> str | None:
@@ -130,6 +135,9 @@ def preview_card(url: str) -> CardPreview:
             }
     preview.problems.extend(refused)  # in full (the sentence above may be cut short)
     return preview
+
+
+PROBLEMS_KEPT = 100
 
 
 def _longest(field: str) -> int:
