@@ -17,7 +17,9 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -82,6 +84,22 @@ MARKDOWN_CACHE_SIZE = 256
 MARKDOWN_MAX_CHARS = 20_000
 _markdown_cache: OrderedDict[bytes, SafeString] = OrderedDict()
 _markdown_lock = threading.Lock()
+# Markdown characters one page may render (not counting what the cache holds): the limit
+# above is per text, and a page of a hundred messages, each of runs of ``![`` (the slowest
+# pattern found, ~15 us a character against ~2 for prose), took 100 s. Past it, plain text.
+PAGE_MARKDOWN_CHARS = 100_000
+_page_markdown: ContextVar[list[int] | None] = ContextVar("page_markdown", default=None)
+
+
+@contextmanager
+def markdown_budget(chars: int | None = None) -> Iterator[None]:
+    """Within this block, markdown rendered in all costs at most ``chars`` characters
+    (``PAGE_MARKDOWN_CHARS`` by default)."""
+    token = _page_markdown.set([PAGE_MARKDOWN_CHARS if chars is None else chars])
+    try:
+        yield
+    finally:
+        _page_markdown.reset(token)
 
 
 def markdown_html(text: str) -> SafeString:
@@ -94,6 +112,11 @@ def markdown_html(text: str) -> SafeString:
         if key in _markdown_cache:
             _markdown_cache.move_to_end(key)
             return _markdown_cache[key]
+    budget = _page_markdown.get()
+    if budget is not None:
+        if budget[0] < len(text):
+            return plain_text_html(text)
+        budget[0] -= len(text)
     html = sanitize_html(_md.render(text))
     with _markdown_lock:
         _markdown_cache[key] = html
@@ -189,19 +212,40 @@ def part_kind(part: Any) -> str:
 def parts_html(
     parts: Iterable[Any],
     download_url: Callable[[int], str] | None = None,
+    *,
+    max_chars: int | None = None,
 ) -> SafeString:
     """Render a list of parts. Consecutive text parts are one markdown document
 
-    (a streamed artifact's chunks split words and lines anywhere)."""
+    (a streamed artifact's chunks split words and lines anywhere).
+
+    ``max_chars``: at most about this many characters of text and data are shown, and at
+    most ``PARTS_SHOWN`` parts; what is left out is counted (the log and the export hold
+    it). Artifact previews come cut to their byte budget already.
+    """
     out: list[str] = []
     text_run: list[str] = []
+    left = max_chars
+    parts = list(parts)
+
+    def shown(text: str) -> str:
+        nonlocal left
+        if left is None:
+            return text
+        cut, left = text[: max(left, 0)], max(left - len(text), 0)
+        return cut
 
     def flush() -> None:
         if text_run:
-            out.append(format_html('<div class="md">{}</div>', markdown_html("".join(text_run))))
+            text = "".join(text_run)
+            kept = shown(text)
+            out.append(format_html('<div class="md">{}</div>', markdown_html(kept)))
+            if len(kept) < len(text):
+                out.append(_left_out(f"{len(text) - len(kept):,} more characters"))
             text_run.clear()
 
-    for index, part in enumerate(parts):
+    limit = len(parts) if max_chars is None else min(len(parts), PARTS_SHOWN)
+    for index, part in enumerate(parts[:limit]):
         kind = part_kind(part)
         if kind == "text":
             text_run.append(str(part.get("text") or ""))
@@ -218,7 +262,11 @@ def parts_html(
                 )
             )
         elif kind == "data":
-            out.append(format_html('<pre class="json">{}</pre>', pretty_json(part.get("data"))))
+            data = pretty_json(part.get("data"))
+            kept = shown(data)
+            out.append(format_html('<pre class="json">{}</pre>', kept))
+            if len(kept) < len(data):
+                out.append(_left_out(f"{len(data) - len(kept):,} more characters"))
         elif kind == "raw":
             name = safe_filename(part.get("filename"), f"part-{index}")
             media = str(part.get("mediaType") or "application/octet-stream")
@@ -264,16 +312,35 @@ def parts_html(
                     )
                 )
         else:
-            out.append(format_html('<pre class="json unknown-part">{}</pre>', pretty_json(part)))
+            out.append(
+                format_html('<pre class="json unknown-part">{}</pre>', shown(pretty_json(part)))
+            )
     flush()
+    if limit < len(parts):
+        out.append(_left_out(f"{len(parts) - limit:,} more parts"))
     return mark_safe("".join(str(x) for x in out))  # every piece escaped/sanitized
+
+
+# What one message shows (parts_html's ``max_chars``, and at most PARTS_SHOWN parts): an
+# agent's message of 8 MB was a page of 8 MB.
+MESSAGE_SHOWN_CHARS = 64_000
+PARTS_SHOWN = 500
+
+
+def _left_out(what: str) -> SafeString:
+    return format_html(
+        '<p class="muted small left-out">… {} not shown here (the log and the export hold '
+        "them)</p>",
+        what,
+    )
 
 
 def message_html(message: Any, download_url: Callable[[int], str] | None = None) -> SafeString:
     if not isinstance(message, dict):
-        return format_html('<pre class="json">{}</pre>', pretty_json(message))
+        text = pretty_json(message)
+        return format_html('<pre class="json">{}</pre>', text[:MESSAGE_SHOWN_CHARS])
     parts = message.get("parts") if isinstance(message.get("parts"), list) else []
-    return parts_html(parts, download_url)
+    return parts_html(parts, download_url, max_chars=MESSAGE_SHOWN_CHARS)
 
 
 def message_text(message: Any, limit: int = 300) -> str:

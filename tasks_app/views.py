@@ -58,6 +58,7 @@ from tasks_app.previews import (
 from tasks_app.rendering import (
     decode_raw,
     download_content_type,
+    markdown_budget,
     message_html,
     pretty_json,
     safe_filename,
@@ -617,13 +618,19 @@ def _message_download_url(task: RemoteTask, message: ConversationMessage):
     return lambda index: reverse("message-download", args=[task.pk, message.pk, index])
 
 
+# Artifacts previewed on a task page (each up to ARTIFACT_PREVIEW_BYTES): a task of 2,000
+# artifacts made a 2.8 s page. The rest are counted; the export holds them all.
+ARTIFACTS_ON_PAGE = 100
+
+
 def artifact_blocks(task: RemoteTask, only: list[str] | None = None) -> list[dict]:
-    """Each artifact as a bounded preview (ARTIFACT_PREVIEW_BYTES); the whole is a download."""
+    """The first ``ARTIFACTS_ON_PAGE`` artifacts (of ``only``, when given) as bounded previews
+    (ARTIFACT_PREVIEW_BYTES); the whole of each is a download."""
     qs = Artifact.objects.filter(task=task)
     if only is not None:
-        qs = qs.filter(artifact_id__in=only)
+        qs = qs.filter(artifact_id__in=only[:ARTIFACTS_ON_PAGE])
     blocks = []
-    for artifact in qs:
+    for artifact in qs[:ARTIFACTS_ON_PAGE]:
         preview = artifact_preview(artifact, _download_url(task, artifact))
         blocks.append(
             {
@@ -676,7 +683,15 @@ def _status_html(task: RemoteTask):
     return message_html(task.status_message) if task.status_message else ""
 
 
-def _task_context(request: HttpRequest, task: RemoteTask) -> dict:
+def _artifacts_not_shown(task: RemoteTask, shown: list[dict]) -> int:
+    if len(shown) < ARTIFACTS_ON_PAGE:
+        return 0
+    return Artifact.objects.filter(task=task).count() - len(shown)
+
+
+def _task_context(request: HttpRequest, task: RemoteTask, *, artifacts: bool = True) -> dict:
+    """What the task page and its live redraws show; ``artifacts=False`` for the redraws,
+    which preview only the artifacts asked for."""
     can = access.can(request.user, task.agent.project_id)
     # Buttons a person may not use are not shown (the server refuses them anyway).
     actions = {
@@ -689,7 +704,8 @@ def _task_context(request: HttpRequest, task: RemoteTask) -> dict:
         "status_html": _status_html(task),
         "conversation": _conversation(task),
         "timeline": _timeline(task),
-        "artifacts": artifact_blocks(task),
+        "artifacts": (shown := artifact_blocks(task) if artifacts else []),
+        "artifacts_more": _artifacts_not_shown(task, shown) if artifacts else 0,
         "cancel_form": CancelForm(),
         "answer_form": answers.answer_form(task),  # from the agent's answer schema, or free text
         # A2UI forms the agent drew; drawn only where a template shows them (the full page).
@@ -725,6 +741,11 @@ def _watch_actions(task: RemoteTask) -> dict:
 @login_required
 def task_detail(request: HttpRequest, pk: int) -> HttpResponse:
     task = get_task_for_user(request, pk, related=("started_by",))
+    with markdown_budget():  # agents' markdown: a bounded cost per page
+        return _task_page(request, task)
+
+
+def _task_page(request: HttpRequest, task: RemoteTask) -> HttpResponse:
     events = list(with_raw_preview(task.events).order_by("-seq")[:EVENTS_ON_TASK_PAGE])
     events.reverse()
     context = _task_context(request, task)
@@ -751,7 +772,12 @@ def _chain(request: HttpRequest, task: RemoteTask) -> audit.Verification | None:
 def task_live(request: HttpRequest, pk: int) -> JsonResponse:
     """Server-rendered (sanitized) fragments of the task page, for live redraws."""
     task = get_task_for_user(request, pk)
-    context = _task_context(request, task)
+    with markdown_budget():
+        return _task_live(request, task)
+
+
+def _task_live(request: HttpRequest, task: RemoteTask) -> JsonResponse:
+    context = _task_context(request, task, artifacts=False)
     wanted = request.GET.getlist("artifact")
     artifacts = artifact_blocks(task, None if request.GET.get("all_artifacts") else wanted)
     return JsonResponse(
@@ -896,6 +922,11 @@ def task_answer(request: HttpRequest, pk: int) -> HttpResponse:
 
 
 def _render_task_with(request: HttpRequest, task: RemoteTask, **forms) -> HttpResponse:
+    with markdown_budget():
+        return _render_task_page_with(request, task, **forms)
+
+
+def _render_task_page_with(request: HttpRequest, task: RemoteTask, **forms) -> HttpResponse:
     events = list(with_raw_preview(task.events).order_by("-seq")[:EVENTS_ON_TASK_PAGE])
     events.reverse()
     context = _task_context(request, task)

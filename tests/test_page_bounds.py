@@ -1,0 +1,95 @@
+"""What an agent's content may cost one task page: its artifacts, messages and markdown.
+
+Found by an audit of what agents can make us do: a task of 2,000 artifacts made a 2.8 s page
+(every artifact previewed); a message of two hundred runs of ``![`` separated by data parts
+took 100 s to render (the markdown limit was per run of text); a message of 8 MB made a
+page of 8 MB. Each is bounded now, and what is left out is said.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+
+from tasks_app import rendering, views
+from tasks_app.models import Agent, Membership, RemoteTask
+from tasks_app.services.record import record
+from tests.people import member
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def task() -> RemoteTask:
+    agent = Agent.objects.create(name="a", base_url="http://127.0.0.1:1/")
+    task = RemoteTask.objects.create(agent=agent, title="t")
+    record(task, {"task": {"id": "t-1", "contextId": "c-1", "status": {"state": "TASK_STATE_WORKING"}}}, "stream")  # fmt: skip
+    return task
+
+
+def client_as(role: str) -> Client:
+    client = Client()
+    client.force_login(member(User.objects.create_user(f"u-{role}"), role))
+    return client
+
+
+def say(task: RemoteTask, parts: list[dict], mid: str = "m-1") -> None:
+    message = {"messageId": mid, "role": "ROLE_AGENT", "contextId": "c-1", "parts": parts}
+    record(task, {"message": message}, "stream")
+
+
+def test_a_task_page_previews_its_first_artifacts_and_counts_the_rest(task, monkeypatch):
+    monkeypatch.setattr(views, "ARTIFACTS_ON_PAGE", 10)
+    artifacts = [{"artifactId": f"a-{n:03d}", "parts": [{"text": f"body {n}"}]} for n in range(13)]
+    snapshot = {"id": "t-1", "contextId": "c-1", "status": {"state": "TASK_STATE_WORKING"}}
+    record(task, {"task": {**snapshot, "artifacts": artifacts}}, "poll")
+
+    page = client_as(Membership.Role.VIEWER).get(f"/tasks/{task.pk}/").content.decode()
+    assert page.count('<article class="artifact"') == 10
+    assert "… and 3 more artifacts, not shown here." in page  # a viewer may not export
+    auditor_page = client_as(Membership.Role.AUDITOR).get(f"/tasks/{task.pk}/").content.decode()
+    assert f'<a href="/tasks/{task.pk}/export/">export</a> holds them all' in auditor_page
+
+    live = client_as(Membership.Role.OPERATOR).get(
+        f"/tasks/{task.pk}/live/", {"all_artifacts": "1", "artifact": ["a-001"] * 50}
+    )
+    assert len(live.json()["artifacts"]) == 10
+
+
+def test_markdown_on_one_page_costs_at_most_its_budget(task, monkeypatch):
+    """Runs of text split by other parts are each a markdown document: two hundred of them
+    each took the whole per-text allowance. One page now has one budget; past it, plain text."""
+    monkeypatch.setattr(rendering, "PAGE_MARKDOWN_CHARS", 1_000)
+    rendering._markdown_cache.clear()
+    runs = []
+    for n in range(20):
+        runs += [{"text": f"**bold {n:02d}** " + "x" * 580}, {"data": {"n": n}}]
+    say(task, runs)
+    rendered = []
+    monkeypatch.setattr(
+        rendering._md,
+        "render",
+        lambda text, real=rendering._md.render: rendered.append(text) or real(text),
+    )
+    page = client_as(Membership.Role.VIEWER).get(f"/tasks/{task.pk}/").content.decode()
+    assert sum(len(text) for text in rendered) <= 1_000 and len(rendered) == 1
+    assert "<strong>bold 00</strong>" in page  # the first run fits, as markdown
+    assert "**bold 19**" in page  # the others are shown as they are, escaped
+    assert page.count('<pre class="plain-text">') >= 19
+
+
+def test_a_huge_message_is_shown_cut_with_what_was_left_out(task, monkeypatch):
+    monkeypatch.setattr(rendering, "MESSAGE_SHOWN_CHARS", 5_000)
+    monkeypatch.setattr(rendering, "PARTS_SHOWN", 30)
+    say(task, [{"text": "y" * 12_000}], mid="m-big")
+    say(task, [{"data": {"k": "z" * 9_000}}], mid="m-data")
+    say(task, [{"url": f"https://example.test/{n}"} for n in range(45)], mid="m-many")
+    page = client_as(Membership.Role.VIEWER).get(f"/tasks/{task.pk}/").content.decode()
+    longest_run = max(len(run) for run in re.findall(r"y+", page))
+    assert longest_run == 5_000 and "… 7,000 more characters not shown here" in page
+    assert "z" * 5_000 not in page and "more characters not shown here" in page
+    assert page.count('href="https://example.test/') == 30
+    assert "… 15 more parts not shown here" in page
