@@ -37,7 +37,8 @@ made inactive, 4404 for a task no longer readable) or, for the list, follows the
 readable agents as they now are.
 A handshake from another origin never reaches them: ``tasks_app.routing`` closes it
 (4403) first; a path that is neither is refused by ``NoSuchSocket``. A socket whose
-browser went away in the middle of a long send stops sending and still leaves its groups. A frame that is not a JSON object is dropped (the protocol has no error
+browser went away in the middle of a long send stops sending and still leaves its
+groups. A frame that is not a JSON object is dropped (the protocol has no error
 message); a malformed seq resumes from the start, a malformed ``since`` answers only the
 version.
 """
