@@ -27,6 +27,14 @@ def drain_push() -> int:
     return push.drain()
 
 
+@shared_task(name="tasks_app.jobs.forget_push_configs", ignore_result=True)
+def forget_push_configs(task_pk: int, note: str) -> int:
+    """Delete a task's live push configs, at the agent and here (push.forget_later)."""
+    from tasks_app.services import push
+
+    return push.forget_configs_now(task_pk, note)
+
+
 @shared_task(name="tasks_app.jobs.prune_settled", ignore_result=True)
 def prune_settled() -> str:
     """Retention on the beat schedule: settled tasks older than RETENTION_DAYS (``tasks_app.retention``)."""

@@ -7,6 +7,7 @@ end-to-end case with the demo agent signing is in ``test_push_live.py``.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import time
@@ -203,6 +204,46 @@ def test_unsigned_and_unsafe_algorithms_are_refused(keys, config):
     assert deliver(config, body, hmac_signed) == 401
     assert deliver(config, body, sign(keys, config, body), token="wrong") == 401
     assert nothing_recorded(config)
+
+
+def _b64(value: dict) -> str:
+    return base64.urlsafe_b64encode(json.dumps(value).encode()).rstrip(b"=").decode()
+
+
+def test_a_header_naming_an_algorithm_of_another_key_type_is_a_refusal(keys, config, caplog):
+    """An RS256 header over the agent's EC key made PyJWT raise TypeError: a 500 (503 and a
+    traceback on the ASGI route) for anyone with the config's token, never counted."""
+    body = body_of()
+    for alg in ("RS256", "PS256", "EdDSA", "ES384"):
+        forged = f"{_b64({'alg': alg, 'kid': keys.kid})}.e30.AAAA"
+        assert deliver(config, body, forged) == 401, alg
+    assert nothing_recorded(config)
+    assert "Traceback" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    "times",
+    [{"exp": 10**400}, {"iat": -(10**400)}, {"iat": 1.5e300, "exp": 1.5e300 + 1}],
+    ids=["exp past a float", "iat past a float", "times past exact floats"],
+)
+def test_a_signed_time_no_float_holds_is_a_refusal(keys, config, times):
+    """A signed exp of 10**400 passed PyJWT (int() takes it), then float() raised: a 500."""
+    body = body_of()
+    assert deliver(config, body, sign(keys, config, body, **times)) == 401
+    assert nothing_recorded(config)
+
+
+def test_a_token_turned_away_for_the_config_rate_may_be_sent_again(keys, config, settings):
+    """The jti was taken before the rate check: the retry of a 429 was refused as a replay
+    (401, counted against the agent's address). It is taken with the delivery now."""
+    settings.PUSH_RATE_PER_CONFIG = 1
+    first, second = body_of(), body_of("2026-01-01T00:00:02Z")
+    assert deliver(config, first, sign(keys, config, first)) == 202
+    signed = sign(keys, config, second)
+    assert deliver(config, second, signed) == 429
+    time.sleep(1.1)  # the per-config window is one second
+    assert deliver(config, second, signed) == 202
+    assert deliver(config, second, signed) == 401  # and then it is a replay
 
 
 # The agent's key set is the agent's: bounded like any call to it ---------------------------

@@ -422,3 +422,58 @@ def test_a_config_made_while_redis_is_down_is_kept_and_known_once_redis_answers(
     push._redis().srem(push.KNOWN_KEY, config.config_id)
     assert push.config_for_send(task.pk)["id"] == config.config_id
     assert push._redis().sismember(push.KNOWN_KEY, config.config_id)
+
+
+def test_bodies_their_agent_got_wrong_are_counted_against_the_address(task, config, settings):
+    """With the config cached, a body with good credentials and bad JSON (or another task's)
+    was answered 400 before any count: a parse of up to a megabyte each, without limit."""
+    settings.PUSH_REFUSED_PER_SOURCE = 5
+    addr = source()
+    answers = [good(config, b'{"statusUpdate": {"taskId": "other"}}', addr=addr)[0]]
+    answers += [good(config, b"{not json", addr=addr)[0] for _ in range(9)]
+    assert answers[:5] == [400] * 5 and set(answers[5:]) == {429}
+    unchanged(task)
+
+
+def test_a_refusal_names_the_config_id_as_a_quoted_value(config, caplog):
+    """A config id with a line break wrote a second, forged line into the security log."""
+    with caplog.at_level(logging.WARNING, logger="tasks_app.security"):
+        deliver("abc%0A2026-01-01 ERROR fake: forged", status_update())
+    lines = [r.getMessage() for r in caplog.records if "push webhook refused" in r.getMessage()]
+    assert lines and all("\n" not in line for line in lines)
+
+
+@pytest.mark.parametrize("how", ["abandoned", "canceled"])
+def test_a_task_abandoned_or_settled_by_an_operator_has_its_configs_deleted(
+    task, config, monkeypatch, django_user_model, django_capture_on_commit_callbacks, how
+):
+    """Only a watcher's settle deleted the configs: an abandoned task's agent went on
+    pushing, and a push changed its state; a settled one's each appended a protocol error."""
+    from tasks_app import jobs
+    from tasks_app.services import tasks as task_services
+    from tests.people import member
+
+    ran: list[int] = []
+
+    def run_now(task_pk: int, note: str) -> None:  # the worker that would take the job
+        ran.append(task_pk)
+        jobs.forget_push_configs(task_pk, note)
+
+    monkeypatch.setattr(jobs.forget_push_configs, "delay", run_now)
+    person = member(django_user_model.objects.create_user(username="op", password="pw-12345678"))
+    if how == "abandoned":
+        with django_capture_on_commit_callbacks(execute=True):
+            task_services.abandon_task(task, actor_id=person.pk, actor_name="op")
+    else:
+        canceled = {"id": "t-1", "contextId": "c", "status": {"state": "TASK_STATE_CANCELED"}}
+        monkeypatch.setattr(task_services.outbound, "run", lambda call: canceled)
+        with django_capture_on_commit_callbacks(execute=True):
+            task_services.cancel_task(task, actor_id=person.pk)
+    assert ran == [task.pk]
+    config.refresh_from_db()
+    assert config.deleted_at is not None
+    before = RemoteTask.objects.get(pk=task.pk)
+    status, _ = good(config, status_update(state="TASK_STATE_COMPLETED", ts="2026-01-01T00:05:00Z"))
+    assert status == 404 and queued() == 0
+    after = RemoteTask.objects.get(pk=task.pk)
+    assert (after.state, after.last_seq) == (before.state, before.last_seq)

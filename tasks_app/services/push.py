@@ -46,7 +46,7 @@ import jwt
 import redis
 import redis.asyncio
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, connection
+from django.db import InterfaceError, OperationalError, connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -326,6 +326,62 @@ async def forget_configs(client: A2AClient, task_pk: int, note: str) -> int:
     return deleted
 
 
+def forget_later(task_pk: int, note: str) -> None:
+    """After the commit, have a worker delete the task's live configs (at the agent, then
+    here): the task was abandoned, or settled by an operator's cancel or refresh.
+
+    Before, only a watcher's settle did: an abandoned task's agent went on pushing, and a
+    push changed the task's state; a settled one's pushes each appended a protocol error.
+    Deleted here only, the agent's pushes would be refused (404) and counted against its
+    address, cutting off its other tasks' notifications.
+    """
+
+    def dispatch() -> None:
+        if not PushConfig.objects.filter(task_id=task_pk, deleted_at__isnull=True).exists():
+            return
+        from tasks_app.jobs import forget_push_configs
+
+        try:
+            forget_push_configs.delay(task_pk, note)
+        except Exception:  # no broker: deleted here at least (the webhook refuses them)
+            log.exception("could not schedule deleting the push configs of task %s", task_pk)
+            for config_id in _live_config_ids(task_pk):
+                mark_deleted(config_id, note)
+
+    transaction.on_commit(dispatch)
+
+
+def _live_config_ids(task_pk: int) -> list[str]:
+    return list(
+        PushConfig.objects.filter(task_id=task_pk, deleted_at__isnull=True).values_list(
+            "config_id", flat=True
+        )
+    )
+
+
+def forget_configs_now(task_pk: int, note: str) -> int:
+    """The worker's side of :func:`forget_later`: at the agent (best effort), then here."""
+    task = RemoteTask.objects.select_related("agent").filter(pk=task_pk).first()
+    if task is None:
+        return 0
+    live = _live_config_ids(task_pk)
+    if live and task.remote_id:
+
+        async def call(http: httpx.AsyncClient) -> None:
+            client = outbound.client_for(task.agent, http)
+            for config_id in live:
+                try:
+                    await client.delete_push_config(task.remote_id, config_id)
+                except A2AError as exc:  # ours is deleted anyway
+                    log.info("deleting push config %s at the agent failed: %s", config_id, exc)
+
+        try:
+            outbound.run(call)
+        except Exception:
+            log.exception("deleting the push configs of task %s at the agent failed", task_pk)
+    return sum(mark_deleted(config_id, note) for config_id in live)
+
+
 def mark_deleted(config_id: str, note: str) -> int:
     deleted = PushConfig.objects.filter(config_id=config_id, deleted_at__isnull=True).update(
         deleted_at=timezone.now(), deleted_note=note[:500]
@@ -562,6 +618,7 @@ if redis.call('EXISTS', KEYS[3]) == 1 then return 404 end
 local c = redis.call('INCR', KEYS[4])
 if c == 1 then redis.call('EXPIRE', KEYS[4], 5) end
 if c > tonumber(ARGV[4]) then return 429 end
+if ARGV[7] ~= '' and not redis.call('SET', ARGV[7], 1, 'NX', 'EX', ARGV[8]) then return 4011 end
 if not redis.call('SET', KEYS[5], 1, 'NX', 'EX', ARGV[5]) then return 200 end
 redis.call('RPUSH', KEYS[6], ARGV[6])
 if redis.call('SET', KEYS[7], 1, 'NX', 'EX', 60) then return 203 end
@@ -634,16 +691,20 @@ def _decide(
     problem = _credentials_problem(config, authorization, token)
     if problem:
         return (yield from _refused(by_source, [*limits, counted], source, config_id, 401, problem))
+    # A body its own agent got wrong is counted against the address like a refusal: with
+    # the config cached nothing else counted it, and each cost a parse of up to a megabyte.
     try:
         event = safejson.loads(body)
     except ProtocolError:
-        return Verdict(400, "malformed JSON")
-    problem = _event_problem(event, config.remote_id)
+        problem = "malformed JSON"
+    else:
+        problem = _event_problem(event, config.remote_id)
     if problem:
-        return Verdict(400, problem)
+        return (yield from _refused(by_source, [*limits, counted], source, config_id, 400, problem))
+    jti_key, jti_seconds = "", 0
     if config.jwks_url:
         scheme, _, signed = authorization.partition(" ")
-        problem = yield (
+        problem, jti_key, jti_seconds = yield (
             "verify",
             config,
             signed.strip() if scheme.lower() == "bearer" else "",
@@ -658,9 +719,17 @@ def _decide(
     keys = [*by_source, f"{DELETED_PREFIX}{config.config_id}", _window(f"push:rc:{config.config_id}", 1),
             f"push:seen:{config.config_id}:{digest}", QUEUE_KEY, DRAIN_KEY]  # fmt: skip
     outcome = yield ("script", "queue", keys, [*limits, counted, settings.PUSH_RATE_PER_CONFIG,
-                                               settings.PUSH_DEDUPE_SECONDS, item])  # fmt: skip
+                                               settings.PUSH_DEDUPE_SECONDS, item, jti_key,
+                                               jti_seconds])  # fmt: skip
     if outcome in OVER_LIMIT:
         return OVER_LIMIT[outcome]
+    if outcome == 4011:  # the same signed token at the same moment: one of them is a replay
+        return (
+            yield from _refused(
+                by_source, [*limits, 1], source, config_id, 401,
+                "replayed signed token (jti seen before)",
+            )
+        )  # fmt: skip
     if outcome == 404:
         _config_cache.pop(config.config_id, None)
         return (
@@ -700,7 +769,7 @@ def _refused(
     if over:
         return OVER_LIMIT[over]
     security_log.warning(
-        "push webhook refused: status=%s reason=%s config=%s source=%s",
+        "push webhook refused: status=%s reason=%s config=%r source=%r",
         status, reason, config_id[:64], source[:64],
     )  # fmt: skip
     return Verdict(status, reason)
@@ -1017,26 +1086,34 @@ def _key_for(url: str, kid: str | None) -> Any:
     return None
 
 
-def verify_signed(config: _Config, token: str, body: bytes) -> str:
-    """Check a notification's signed token; empty when good, else why not.
+def verify_signed(config: _Config, token: str, body: bytes) -> tuple[str, str, int]:
+    """Check a notification's signed token: (why not, or empty when good; its ``jti`` key;
+    seconds to remember that key).
 
     The token (a JWS from the agent's JWKS) must name us as audience (the config's
     id) and the agent as issuer, be within its ``iat``/``exp`` (a small skew, and no
     longer a life than ``PUSH_JWT_MAX_LIFETIME_SECONDS``), carry the sha256 of this
     body (``request_body_sha256``), and its ``jti`` must be new: a replay is refused.
+    The ``jti`` is taken by the queue script, with the delivery: one turned away for the
+    config's rate (429) may be sent again, and of two copies at once one is a replay.
     """
+    problem, jti_key, ttl = _verify_signed(config, token, body)
+    return problem, ("" if problem else jti_key), ttl
+
+
+def _verify_signed(config: _Config, token: str, body: bytes) -> tuple[str, str, int]:
     if not token:
-        return "unsigned notification for a config that requires a signature"
+        return "unsigned notification for a config that requires a signature", "", 0
     try:
         header = jwt.get_unverified_header(token)
         if header.get("alg") not in JWT_ALGORITHMS:
-            return "signature algorithm not allowed"
+            return "signature algorithm not allowed", "", 0
         try:
             key = _key_for(config.jwks_url, header.get("kid"))
         except JWKSUnreadable as exc:
-            return f"the agent's JWKS could not be read ({exc})"
+            return f"the agent's JWKS could not be read ({exc})", "", 0
         if key is None:
-            return "signed with a key the agent's JWKS does not hold"
+            return "signed with a key the agent's JWKS does not hold", "", 0
         claims = jwt.decode(
             token,
             key,
@@ -1046,22 +1123,38 @@ def verify_signed(config: _Config, token: str, body: bytes) -> str:
             leeway=settings.PUSH_JWT_SKEW_SECONDS,
             options={"require": ["iss", "aud", "iat", "exp", "jti"]},
         )
-    except jwt.PyJWTError as exc:
-        return f"bad signed token: {type(exc).__name__}"
-    lifetime = float(claims["exp"]) - float(claims["iat"])
-    if lifetime > settings.PUSH_JWT_MAX_LIFETIME_SECONDS:
-        return "signed token lives too long"
-    if float(claims["iat"]) > time.time() + settings.PUSH_JWT_SKEW_SECONDS:
-        return "signed token issued in the future"
+    except (jwt.PyJWTError, TypeError, ValueError, OverflowError) as exc:
+        # TypeError: a key of another type than the header's alg (an RS256 header on the
+        # agent's EC key), which PyJWT reports only that way. Whatever the token holds is
+        # a refusal (401, counted), never an error of ours.
+        return f"bad signed token: {type(exc).__name__}", "", 0
+    issued, expires = _claim_time(claims.get("iat")), _claim_time(claims.get("exp"))
+    if issued is None or expires is None:
+        return "bad signed token: iat and exp must be times", "", 0
+    if expires - issued > settings.PUSH_JWT_MAX_LIFETIME_SECONDS:
+        return "signed token lives too long", "", 0
+    if issued > time.time() + settings.PUSH_JWT_SKEW_SECONDS:
+        return "signed token issued in the future", "", 0
     claimed = claims.get("request_body_sha256")
     if not isinstance(claimed, str) or not _same(claimed, hashlib.sha256(body).hexdigest()):
-        return "signed token does not cover this body"
-    ttl = max(1, int(float(claims["exp"]) - time.time() + settings.PUSH_JWT_SKEW_SECONDS) + 1)
-    if not _redis().set(
-        f"push:jti:{config.config_id}:{str(claims['jti'])[:200]}", 1, nx=True, ex=ttl
-    ):
-        return "replayed signed token (jti seen before)"
-    return ""
+        return "signed token does not cover this body", "", 0
+    jti_key = _jti_key(config, claims)
+    if _redis().exists(jti_key):
+        return "replayed signed token (jti seen before)", "", 0
+    return "", jti_key, max(1, int(expires - time.time() + settings.PUSH_JWT_SKEW_SECONDS) + 1)
+
+
+def _jti_key(config: _Config, claims: dict) -> str:
+    return f"push:jti:{config.config_id}:{str(claims['jti'])[:200]}"
+
+
+def _claim_time(value: Any) -> float | None:
+    """A JWT time claim as seconds; None unless a finite number a float holds exactly."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if not -(2**53) <= value <= 2**53:  # also NaN (fails both comparisons) and infinities
+        return None
+    return float(value)
 
 
 # Draining the queue ------------------------------------------------------------------------------

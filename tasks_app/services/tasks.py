@@ -420,7 +420,15 @@ def cancel_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = No
     task.refresh_from_db()
     if not task.is_terminal:
         dispatch(task.pk)  # make sure a watcher sees it through
+    elif task.settled_at is not None:
+        _forget_push_later(task.pk, "deleted when the task settled")
     return task
+
+
+def _forget_push_later(task_pk: int, note: str) -> None:
+    from tasks_app.services import push  # push imports this module
+
+    push.forget_later(task_pk, note)
 
 
 def refresh_task(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask:
@@ -455,6 +463,8 @@ def refresh_task(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask
     agent_services.mark_reachable(agent.pk)
     record(task, {"task": result}, "poll", actor_id=actor_id)
     settle_if_ended(task, result, note="reconciled with the agent's GetTask (refresh)")
+    if RemoteTask.objects.filter(pk=task.pk, settled_at__isnull=False).exists():
+        _forget_push_later(task.pk, "deleted when the task settled")
     if task.gone_at is not None:
         back = RemoteTask.objects.filter(
             pk=task.pk, gone_at__isnull=False, abandoned_at__isnull=True
@@ -604,6 +614,7 @@ def abandon_task(
             actor_id=actor_id,
         )
         transaction.on_commit(lambda: _relay_watcher(task.pk))
+        _forget_push_later(task.pk, "deleted when the task was abandoned")
     task.refresh_from_db()
     return task
 
