@@ -310,8 +310,10 @@ class TaskEvent(models.Model):
     state_changed = models.BooleanField(default=False)
     # Why an event changed nothing, or what was wrong with it.
     note = models.TextField(blank=True)
+    # PROTECT: the actor is part of the row's hash, and the log is append-only; a person who
+    # acted is deactivated, not deleted (SET_NULL rewrote their rows and broke the chain).
     actor = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT
     )
     # sha256 of the canonical raw content alone (recognizes a chunk delivered twice).
     digest = models.CharField(max_length=64, blank=True)
@@ -438,8 +440,9 @@ class OperatorAction(models.Model):
         RemoteTask, null=True, blank=True, on_delete=models.CASCADE, related_name="actions"
     )
     agent = models.ForeignKey(Agent, null=True, blank=True, on_delete=models.CASCADE)
+    # PROTECT, as the log's: who did what is the audit trail (deactivate a person instead).
     actor = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT
     )
     action = models.CharField(max_length=40)
     payload = models.JSONField(default=dict, blank=True)

@@ -694,3 +694,28 @@ def test_a_recently_ended_unsettled_task_is_watched_once_more():
     assert RemoteTask.objects.filter(watchable(), pk=task.pk).exists()
     settle(task, None, note="test")
     assert not RemoteTask.objects.filter(watchable(), pk=task.pk).exists()
+
+
+def test_a_person_who_acted_cannot_be_deleted_and_the_chain_stays_whole(client):
+    """The actor is part of each row's hash: deleting a person (the admin's Delete) set
+    their rows' actor to NULL, and verify then said the chain was broken, for a routine
+    admin action. People who acted are kept (deactivated instead); the admin says why."""
+    from django.db.models import ProtectedError
+
+    from tasks_app.models import OperatorAction
+
+    ann = get_user_model().objects.create_user("ann")
+    task = new_task()
+    record(task, {"task": snapshot("TASK_STATE_WORKING")}, "stream")
+    record(task, {"operator": {"action": "cancel", "reason": "r"}}, "operator", actor_id=ann.pk)
+    OperatorAction.objects.create(task=task, agent=task.agent, actor=ann, action="cancel")
+    assert verify(task).ok
+    with pytest.raises(ProtectedError):
+        ann.delete()
+    root = get_user_model().objects.create_superuser("root")
+    client.force_login(root)
+    page = client.post(f"/admin/auth/user/{ann.pk}/delete/", {"post": "yes"})
+    assert page.status_code == 200 and "Cannot delete user" in page.content.decode()
+    assert get_user_model().objects.filter(pk=ann.pk).exists()
+    assert verify(task).ok
+    assert TaskEvent.objects.get(task=task, kind="operator").actor_id == ann.pk
