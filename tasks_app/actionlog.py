@@ -23,6 +23,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_date, parse_datetime
 
 from tasks_app import access, cursors
+from tasks_app.a2a import safejson
 from tasks_app.access import Perm
 from tasks_app.models import Agent, OperatorAction, Project
 
@@ -97,6 +98,7 @@ def sanitize(value: Any, depth: int = 0) -> Any:
     if isinstance(value, str):
         if SECRET_VALUE.match(value):
             return "(withheld)"
+        value = safejson.clean_text(value)  # rows stored before payloads were cleaned
         return value if len(value) <= MAX_TEXT else value[:MAX_TEXT] + "..."
     if value is None or isinstance(value, bool | int | float):
         return value

@@ -26,6 +26,7 @@ from asgiref.sync import sync_to_async
 from django.db.models import QuerySet
 from django.utils import timezone
 
+from tasks_app.a2a import safejson
 from tasks_app.actionlog import after_cursor, sanitize
 from tasks_app.models import OperatorAction, RemoteTask, TaskEvent
 from tasks_app.services.chain import timestamp_text
@@ -165,7 +166,8 @@ def task_chunks(task: RemoteTask, fmt: str) -> Iterator[bytes]:
 
 def _cell(value: Any) -> str:
     """A CSV cell that a spreadsheet will not run as a formula (agent names come from outside)."""
-    text = "" if value is None else str(value)
+    # Cleaned: a lone surrogate in an older row stopped the CSV midway (UTF-8 has none).
+    text = "" if value is None else safejson.clean_text(str(value))
     return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
 
 

@@ -13,7 +13,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from tasks_app.a2a import states
+from tasks_app.a2a import safejson, states
 
 # The protocol's sets, as tuples for queries (``state__in``).
 TERMINAL_STATES = tuple(sorted(states.TERMINAL_STATES))
@@ -459,6 +459,14 @@ class OperatorAction(models.Model):
             models.Index(fields=["action", "created_at", "id"], name="action_log_by_action"),
             models.Index(fields=["agent", "created_at", "id"], name="action_log_by_agent"),
         ]
+
+    def save(self, *args: object, **kwargs: object) -> None:
+        """Payload and outcome in a form every store and page takes: a reason typed with a
+        byte that is not UTF-8 reached Python as a lone surrogate, and the audit page
+        answered 500 (its CSV stopped midway; PostgreSQL refused the row)."""
+        self.payload, _ = safejson.clean(self.payload)
+        self.outcome = safejson.clean_text(self.outcome)
+        super().save(*args, **kwargs)
 
 
 class ImportJob(models.Model):

@@ -10,6 +10,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.db import connection
 from django.test import Client
 from django.urls import reverse
 
@@ -324,3 +325,27 @@ def test_the_command_lists_with_the_same_filters(world) -> None:
         call_command("audit", "actions", "--since", "soon", stdout=io.StringIO())
     with pytest.raises(CommandError, match="No person named"):
         call_command("audit", "actions", "--person", "ghost", stdout=io.StringIO())
+
+
+def test_an_action_with_text_no_page_can_hold_is_stored_clean_and_old_rows_are_shown(
+    world,
+) -> None:
+    """A reason typed with a byte that is not UTF-8 (``manage.py tasks cancel --reason``)
+    reaches Python as a lone surrogate: the audit page answered 500 for every row page that
+    held it, the CSV stopped midway, and PostgreSQL refused the row."""
+    odd = OperatorAction.objects.create(
+        action="cancel", agent=world["a1"], payload={"reason": "\udcff bad"}, outcome="no\ud800"
+    )
+    odd.refresh_from_db()
+    assert odd.payload == {"reason": "\ufffd bad"} and odd.outcome == "no\ufffd"
+    # A row written before, straight to the table: SQLite kept the JSON escape (PostgreSQL
+    # refuses it), and it reads back as a lone surrogate.
+    if connection.vendor == "sqlite":
+        OperatorAction.objects.filter(pk=odd.pk).update(payload={"reason": "old\udcff"})
+    root = world["clients"]["root"]
+    page = root.get(reverse("audit"))
+    assert page.status_code == 200 and odd.pk in shown(page)
+    rows = list(
+        csv.reader(io.StringIO(b"".join(root.get(reverse("audit-csv")).streaming_content).decode()))
+    )
+    assert len(rows) == 1 + len(world["rows"]) + 1
