@@ -130,9 +130,12 @@ _EMAIL = re.compile(r"^[^@\s]{1,200}@[^@\s.]{1,200}(\.[^@\s.]{1,200})+$")
 # Patterns the server runs: the answers' rule (no quantified group, a short pattern) plus no
 # back-references or look-arounds, and few repetitions for the length of the value, since
 # Python's re has no timeout and adjacent repetitions backtrack polynomially. Otherwise the
-# check is left to the browser and to the agent (which checks what it receives anyway).
+# check is left to the agent (which checks what it receives anyway): the page's script
+# (static/dashboard/a2ui.js, usablePattern) runs the same patterns only, or a viewer's tab
+# hung on an agent's pattern and the value it filled in.
 _BACKREF = re.compile(r"\\[1-9]|\(\?P=|\(\?<?[=!]")
 _CLASS_OR_ESCAPE = re.compile(r"\\.|\[(?:\\.|[^\]\\])*\]")
+_QUANTIFIER = re.compile(r"[*+?{]")
 
 
 # JSON Pointer ---------------------------------------------------------------------------------
@@ -311,7 +314,9 @@ def usable_pattern(pattern: str, chars: int = 0) -> bool:
         or _BACKREF.search(pattern)
     ):
         return False
-    repeats = len(re.findall(r"[*+{]", _CLASS_OR_ESCAPE.sub("x", pattern)))
+    # Every quantifier counts, ``?`` too: ``a?a?…aaa…`` (``?`` only) backtracks
+    # exponentially; ``(?`` opens a group and is not one.
+    repeats = len(_QUANTIFIER.findall(_CLASS_OR_ESCAPE.sub("x", pattern).replace("(?", "(")))
     if repeats > 2 or (repeats == 2 and chars > 300) or chars > 2000:
         return False
     try:
@@ -672,7 +677,9 @@ class Walk:
         return self._render("tabs", {**common, "tabs": drawn, "uid": self._uid(common["cid"])})
 
     def _modal(self, comp: dict, scope: str, depth: int, stack: tuple) -> SafeString:
-        trigger = self.components.get(comp.get("trigger"))
+        # An id is a string: a list here raised TypeError (unhashable) on every draw.
+        trigger_id = comp.get("trigger")
+        trigger = self.components.get(trigger_id) if isinstance(trigger_id, str) else None
         # A Button as the trigger opens the modal: its label is drawn, its action is not sent.
         if isinstance(trigger, dict) and trigger.get("component") == "Button":
             opener = self.node(trigger.get("child"), scope, depth, (*stack, comp.get("trigger")))
@@ -745,7 +752,9 @@ class Walk:
                 **ctx,
                 "value": display(ctx["value"]),
                 "variant": variant,
-                "pattern": pattern[:300] if isinstance(pattern, str) else "",
+                # Only a pattern the server would run: the page's script runs it on each
+                # keystroke (and on the value the agent filled in, for every viewer).
+                "pattern": pattern if isinstance(pattern, str) and usable_pattern(pattern) else "",
                 "max_chars": MAX_INPUT_CHARS,
             },
         )

@@ -33,6 +33,7 @@ from django.views.decorators.http import require_GET, require_POST
 from tasks_app import access, answers, cursors, views_a2ui
 from tasks_app.access import Perm, get_task_for_user
 from tasks_app.models import INTERRUPTED_STATES, RemoteTask
+from tasks_app.rendering import markdown_budgeted
 
 COUNT_LIMIT = 1000
 PAGE_SIZE = 20
@@ -149,12 +150,14 @@ def _page(
 
 @login_required
 @require_GET
+@markdown_budgeted
 def inbox(request: HttpRequest) -> HttpResponse:
     return render(request, "tasks_app/inbox.html", _page(request))
 
 
 @login_required
 @require_GET
+@markdown_budgeted
 def inbox_row(request: HttpRequest, pk: int) -> HttpResponse:
     """One task as an inbox row (server-rendered, for live inserts)."""
     task = get_task_for_user(request, pk, related=("agent", "answered_by"))
@@ -163,6 +166,7 @@ def inbox_row(request: HttpRequest, pk: int) -> HttpResponse:
 
 @login_required
 @require_POST
+@markdown_budgeted
 def inbox_answer(request: HttpRequest, pk: int) -> HttpResponse:
     """Answer from the inbox: back to the inbox when sent, else the inbox with the errors."""
     task = get_task_for_user(request, pk, Perm.OPERATE, related=("agent", "answered_by"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import json
 import threading
@@ -100,6 +101,17 @@ def markdown_budget(chars: int | None = None) -> Iterator[None]:
         yield
     finally:
         _page_markdown.reset(token)
+
+
+def markdown_budgeted(view: Callable[..., Any]) -> Callable[..., Any]:
+    """A view whose whole response (its template included) renders within one budget."""
+
+    @functools.wraps(view)
+    def budgeted(*args: Any, **kwargs: Any) -> Any:
+        with markdown_budget():
+            return view(*args, **kwargs)
+
+    return budgeted
 
 
 def markdown_html(text: str) -> SafeString:

@@ -59,6 +59,7 @@ from tasks_app.rendering import (
     decode_raw,
     download_content_type,
     markdown_budget,
+    markdown_budgeted,
     message_html,
     pretty_json,
     safe_filename,
@@ -739,13 +740,9 @@ def _watch_actions(task: RemoteTask) -> dict:
 
 
 @login_required
+@markdown_budgeted  # agents' markdown: a bounded cost per page
 def task_detail(request: HttpRequest, pk: int) -> HttpResponse:
     task = get_task_for_user(request, pk, related=("started_by",))
-    with markdown_budget():  # agents' markdown: a bounded cost per page
-        return _task_page(request, task)
-
-
-def _task_page(request: HttpRequest, task: RemoteTask) -> HttpResponse:
     events = list(with_raw_preview(task.events).order_by("-seq")[:EVENTS_ON_TASK_PAGE])
     events.reverse()
     context = _task_context(request, task)
@@ -769,14 +766,10 @@ def _chain(request: HttpRequest, task: RemoteTask) -> audit.Verification | None:
 
 @login_required
 @require_GET
+@markdown_budgeted
 def task_live(request: HttpRequest, pk: int) -> JsonResponse:
     """Server-rendered (sanitized) fragments of the task page, for live redraws."""
     task = get_task_for_user(request, pk)
-    with markdown_budget():
-        return _task_live(request, task)
-
-
-def _task_live(request: HttpRequest, task: RemoteTask) -> JsonResponse:
     context = _task_context(request, task, artifacts=False)
     wanted = request.GET.getlist("artifact")
     artifacts = artifact_blocks(task, None if request.GET.get("all_artifacts") else wanted)

@@ -23,6 +23,7 @@ from tasks_app.a2a.safejson import whole_number
 from tasks_app.a2ui_render import render_surface
 from tasks_app.access import Perm, get_task_for_user
 from tasks_app.models import OperatorAction, RemoteTask, Surface
+from tasks_app.rendering import markdown_budgeted
 from tasks_app.services import a2ui_actions
 
 SURFACES_ON_PAGE = 20
@@ -133,6 +134,7 @@ def add_conversation_surfaces(task: RemoteTask, items: list[dict]) -> list[dict]
 
 @login_required
 @require_GET
+@markdown_budgeted  # the agent's surfaces: a bounded cost per draw, as the task page's
 def task_surfaces(request: HttpRequest, pk: int) -> HttpResponse:
     """The task's surfaces, server-drawn, for the page's script to swap in live."""
     task = get_task_for_user(request, pk)

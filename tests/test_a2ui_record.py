@@ -451,3 +451,33 @@ def test_a_batch_folds_as_its_entries_one_by_one(db, steps):
 
     assert seqs(batch) == seqs(single)
     assert replay(batch).ok
+
+
+@pytest.mark.parametrize("shape", ["v0.9 tabs", "v0.8 tabItems", "v0.8 options", "v0.8 context"])
+def test_a_list_property_given_as_a_number_is_folded_not_an_error(task, shape, caplog):
+    """``"tabs": 5`` raised TypeError in the fold: a traceback, one 'could not be folded'
+    row, and the row's valid createSurface lost with it."""
+    from tasks_app.models import Surface
+
+    if shape == "v0.9 tabs":
+        messages = [
+            {"version": "v0.9", "createSurface": {"surfaceId": "x", "catalogId": "urn:custom"}},
+            {"version": "v0.9", "updateComponents": {"surfaceId": "x", "components": [
+                {"id": "root", "component": "Tabs", "tabs": 5}]}},
+        ]  # fmt: skip
+        media = NEW
+    else:
+        prop = {"v0.8 tabItems": {"Tabs": {"tabItems": 5}},
+                "v0.8 options": {"MultipleChoice": {"options": 5}},
+                "v0.8 context": {"Button": {"child": "t", "action": {"name": "go", "context": 5}}},
+                }[shape]  # fmt: skip
+        messages = [
+            {"beginRendering": {"surfaceId": "x", "root": "root", "catalogId": "urn:custom"}},
+            {"surfaceUpdate": {"surfaceId": "x", "components": [
+                {"id": "root", "component": prop}]}},
+        ]  # fmt: skip
+        media = OLD
+    record(task, status([part(messages, media)], mid="m-1"), "stream")
+    assert Surface.objects.filter(task=task, surface_id="x").exists()
+    assert not any("could not be folded" in note for note in errors(task))
+    assert "Traceback" not in caplog.text

@@ -561,3 +561,86 @@ def test_a_next_that_is_no_path_of_this_site_goes_back_to_the_task(
     assert resp.status_code == 302 and resp["Location"] == reverse("task-detail", args=[task.pk])
     task.refresh_from_db()
     assert task.outbox  # the action itself went ahead
+
+
+# What an agent's surface may make the server and the page do (found by a probe) -------------
+
+
+@pytest.mark.parametrize(
+    ("pattern", "usable"),
+    [
+        ("a?" * 30 + "a" * 30, False),  # exponential with ``?`` alone
+        ("\\d*\\d*\\d*\\d*\\d*x", False),
+        ("(?:ab)?c*d+", False),  # three quantifiers: ``(?`` itself is not one
+        ("^[A-Z]{2}[0-9]+$", True),
+        ("(?:ab)c+", True),
+    ],
+)
+def test_only_patterns_that_cannot_backtrack_for_long_are_run(pattern, usable) -> None:
+    assert a2ui_render.usable_pattern(pattern, 30) is usable
+
+
+@pytest.mark.timeout(30)
+def test_a_surface_whose_pattern_backtracks_is_drawn_without_running_it(agent, people) -> None:
+    """``a?``*n ``a``*n on n ``a``: the repeat count ignored ``?``, and each draw ran it (n=27
+    took 3.7 s, n=33 four minutes), on the task page and the inbox of every viewer. The page's
+    script is not given such a pattern either (it hung a viewer's tab on the agent's value)."""
+    task = waiting(agent)
+    n = 40
+    components = {
+        "root": {"id": "root", "component": "Column", "children": ["t", "f"]},
+        "t": {"id": "t", "component": "Text", "text": {"call": "regex", "args": {
+            "value": {"path": "/v"}, "pattern": "a?" * n + "a" * n}}},
+        "f": {"id": "f", "component": "TextField", "label": "code", "value": {"path": "/d"},
+              "validationRegexp": "\\d*\\d*\\d*\\d*\\d*x"},
+    }  # fmt: skip
+    surface_of(
+        task, surface_id="r", components=components, data_model={"v": "a" * n, "d": "1" * 300}
+    )
+    page = people["vic"].get(reverse("task-surfaces", args=[task.pk])).content.decode()
+    assert 'data-a2ui-id="t"' in page and 'data-a2ui-id="f"' in page
+    assert "data-a2ui-pattern" not in page
+    assert people["vic"].get(reverse("inbox")).status_code == 200
+
+
+def test_an_action_on_an_abandoned_task_is_refused_and_claims_nothing(
+    agent, people, no_dispatch, django_user_model
+) -> None:
+    """The form was not drawn, but a post was taken: the outbox set (no watcher would ever
+    send it), the surface shown as submitted, an a2ui-action logged."""
+    from tasks_app.services import tasks as task_services
+
+    task = waiting(agent)
+    surface = surface_of(task)
+    ann = django_user_model.objects.get(username="ann")
+    task_services.abandon_task(task, actor_id=ann.pk, actor_name="ann")
+    resp = people["ann"].post(reverse("task-surface-act", args=[task.pk]), post_values(surface))
+    assert resp.status_code in (200, 302, 400, 409)
+    task.refresh_from_db()
+    surface.refresh_from_db()
+    assert task.outbox is None and surface.action_seq is None
+    assert not OperatorAction.objects.filter(task=task, action="a2ui-action").exists()
+
+
+def test_a_modal_whose_trigger_is_no_id_is_drawn_and_a_post_on_it_is_refused(
+    agent, people, no_dispatch, caplog
+) -> None:
+    """A list as a Modal's trigger raised TypeError on every draw (a traceback each time),
+    and a post on that surface answered 500."""
+    task = waiting(agent)
+    components = {
+        "root": {"id": "root", "component": "Column", "children": ["mod", "b"]},
+        "mod": {"id": "mod", "component": "Modal", "trigger": ["x"], "content": "t"},
+        "t": {"id": "t", "component": "Text", "text": "inside"},
+        "b": {"id": "b", "component": "Button", "child": "bt", "action": {"event": {"name": "go"}}},
+        "bt": {"id": "bt", "component": "Text", "text": "Go"},
+    }  # fmt: skip
+    surface = surface_of(task, surface_id="m", components=components, data_model={})
+    html = draw(surface)
+    assert "inside" in html and "could not be drawn" not in html
+    resp = people["ann"].post(
+        reverse("task-surface-act", args=[task.pk]),
+        {"surface": "m", "seq": str(surface.updated_seq), "source": "b0"},
+    )
+    assert resp.status_code < 500
+    assert "Traceback" not in caplog.text

@@ -67,11 +67,19 @@
     return Number.isFinite(n) ? n : null;
   }
   const KNOWN = ["required", "regex", "length", "numeric", "email", "and", "or", "not"];
-  // The agent's pattern runs here only when it cannot backtrack for long (the server's rule:
-  // short, no repeated group); otherwise the check passes here and the server decides.
+  // The agent's pattern runs here only when it cannot backtrack for long; otherwise the check
+  // passes here and the agent decides. The server's rule (a2ui_render.usable_pattern): short, no quantified group, no
+  // back-reference or look-around, at most two quantifiers (one past 300 characters of
+  // value), values up to 2,000 characters. Any other pattern is not run (counts as met).
+  function usablePattern(pattern, chars) {
+    if (typeof pattern !== "string" || pattern.length > 100 || /\)\s*[*+?{]/.test(pattern)) return false;
+    if (/\\[1-9]|\(\?P=|\(\?<?[=!]/.test(pattern)) return false;
+    const bare = pattern.replace(/\\.|\[(?:\\.|[^\]\\])*\]/g, "x").split("(?").join("(");
+    const repeats = (bare.match(/[*+?{]/g) || []).length;
+    return !(repeats > 2 || (repeats === 2 && chars > 300) || chars > 2000);
+  }
   function patternTest(pattern, value) {
-    if (typeof pattern !== "string" || pattern.length > 100 || /\)\s*[*+?{]/.test(pattern)) return true;
-    if (value.length > 2000) return true;
+    if (!usablePattern(pattern, value.length)) return true;
     try { return new RegExp(pattern).test(value); } catch (e) { return true; }
   }
   function call(fn, model, depth) {

@@ -609,7 +609,7 @@ def _children08(children: Any) -> Any:
 def _action08(action: Any) -> dict[str, Any]:
     action = action if isinstance(action, Mapping) else {}
     context: dict[str, Any] = {}
-    for item in action.get("context") or []:
+    for item in _list(action.get("context")):
         if isinstance(item, Mapping) and isinstance(item.get("key"), str):
             value = item.get("value") or {}
             if isinstance(value, Mapping) and isinstance(value.get("path"), str):
@@ -685,7 +685,7 @@ def convert_component08(item: Mapping[str, Any], surface: dict[str, Any]) -> dic
     elif name == "Tabs":
         out["tabs"] = [
             {"title": _value08(t.get("title")), "child": str(t.get("child", ""))}
-            for t in props.get("tabItems") or []
+            for t in _list(props.get("tabItems"))
             if isinstance(t, Mapping)
         ]
     elif name == "TextField":
@@ -700,7 +700,7 @@ def convert_component08(item: Mapping[str, Any], surface: dict[str, Any]) -> dic
     elif name == "MultipleChoice":
         out["options"] = [
             {"label": _value08(o.get("label")), "value": str(o.get("value", ""))}
-            for o in props.get("options") or []
+            for o in _list(props.get("options"))
             if isinstance(o, Mapping)
         ]
         out["variant"] = (
@@ -947,10 +947,16 @@ def _references(component: Mapping[str, Any]) -> list[tuple[str, str, bool]]:
     for prop in ("child", "trigger", "content"):
         if isinstance(component.get(prop), str):
             refs.append((prop, component[prop], False))
-    for tab in component.get("tabs") or []:
+    for tab in _list(component.get("tabs")):
         if isinstance(tab, Mapping) and isinstance(tab.get("child"), str):
             refs.append(("tabs", tab["child"], False))
     return refs
+
+
+def _list(value: Any) -> list:
+    """``value`` when it is a list, else nothing: an agent's ``"tabs": 5`` is not iterated
+    (it raised TypeError, and the whole row's messages were lost)."""
+    return value if isinstance(value, list) else []
 
 
 def _bindings(component: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -969,7 +975,7 @@ def _bindings(component: Mapping[str, Any]) -> list[tuple[str, str]]:
         ):
             found.append((prop, value["path"]))
     for key in ("tabs", "options"):
-        for item in component.get(key) or []:
+        for item in _list(component.get(key)):
             inner = item.get("title", item.get("label")) if isinstance(item, Mapping) else None
             if isinstance(inner, Mapping) and isinstance(inner.get("path"), str):
                 found.append((key, inner["path"]))

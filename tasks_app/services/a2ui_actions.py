@@ -82,7 +82,11 @@ def act(
         raise ActionRefused(
             "The agent changed this form since it was shown; review it and submit again."
         )
-    model, walk = a2ui_render.apply_post(surface, values)
+    try:
+        model, walk = a2ui_render.apply_post(surface, values)
+    except Exception as exc:  # the agent's components in a shape nothing draws: not sendable
+        log.warning("surface %s of task %s could not be read back: %r", surface_id, task.pk, exc)
+        raise ActionRefused("This form could not be drawn, so it cannot be submitted.") from exc
     button = next((b for b in walk.buttons if f"b{b.index}" == source), None)
     if button is None:
         raise ActionRefused("That button does not send anything.")

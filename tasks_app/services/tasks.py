@@ -221,6 +221,9 @@ def answer_task(
     require(actor_id, task.agent.project_id, Perm.OPERATE)
     if task.state not in ("TASK_STATE_INPUT_REQUIRED", "TASK_STATE_AUTH_REQUIRED"):
         raise TaskActionError("This task is not waiting for an answer.")
+    if task.abandoned_at is not None:
+        # Never watched again: nobody would send it (the A2UI action's claim rolls back too).
+        raise TaskActionError("This task was abandoned; an answer would never be sent.")
     asked = task.asked_seq if question_seq is None else question_seq
     if not (text or data is not None or files):
         raise TaskActionError("An answer needs text, data or a file.")
@@ -240,6 +243,7 @@ def answer_task(
             asked_seq=asked,
             answered_seq__lt=asked,
             state__in=("TASK_STATE_INPUT_REQUIRED", "TASK_STATE_AUTH_REQUIRED"),
+            abandoned_at__isnull=True,
         ).update(
             outbox={"message": message},
             send_attempted_at=None,
@@ -267,6 +271,8 @@ def _answer_refused(task_pk: int, asked: int) -> TaskActionError:
     current = RemoteTask.objects.select_related("answered_by").filter(pk=task_pk).first()
     if current is None:
         return TaskActionError("This task no longer exists.")
+    if current.abandoned_at is not None:
+        return TaskActionError("This task was abandoned; an answer would never be sent.")
     if current.answered_seq >= asked and current.answered_at is not None:
         who = current.answered_by.get_username() if current.answered_by else "a command-line user"
         when = timezone.localtime(current.answered_at).strftime("%Y-%m-%d %H:%M:%S %Z")
