@@ -99,15 +99,21 @@ def event_record(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def event_rows(task_pk: int, batch: int = EVENT_BATCH) -> Iterator[dict[str, Any]]:
-    """The task's log in seq order, one keyset batch at a time (never the whole log)."""
+def event_rows(
+    task_pk: int, batch: int = EVENT_BATCH, up_to: int | None = None
+) -> Iterator[dict[str, Any]]:
+    """The task's log in seq order, one keyset batch at a time (never the whole log).
+
+    ``up_to``: the last seq the export's header counts (its ``last_seq``). Rows recorded
+    while a long export streams would otherwise follow a header whose ``last_hash`` they
+    pass, and the offline check would take the export for a tampered one.
+    """
     after = 0
     while True:
-        rows = list(
-            TaskEvent.objects.filter(task_id=task_pk, seq__gt=after)
-            .order_by("seq")
-            .values(*EVENT_FIELDS)[:batch]
-        )
+        rows_qs = TaskEvent.objects.filter(task_id=task_pk, seq__gt=after)
+        if up_to is not None:
+            rows_qs = rows_qs.filter(seq__lte=up_to)
+        rows = list(rows_qs.order_by("seq").values(*EVENT_FIELDS)[:batch])
         for row in rows:
             yield event_record(row)
         if len(rows) < batch:
@@ -128,7 +134,7 @@ def jsonl_chunks(task: RemoteTask, batch: int = EVENT_BATCH) -> Iterator[bytes]:
     """JSON Lines: a first line describing the task, then one line per event, in seq order."""
     yield (_ENCODER.encode(_header(task)) + "\n").encode("ascii")
     lines: list[str] = []
-    for event in event_rows(task.pk, batch):
+    for event in event_rows(task.pk, batch, up_to=task.last_seq):
         lines.append(_ENCODER.encode(event))
         if len(lines) >= batch:
             yield ("\n".join(lines) + "\n").encode("ascii")
@@ -143,7 +149,7 @@ def json_chunks(task: RemoteTask, batch: int = EVENT_BATCH) -> Iterator[bytes]:
     yield (head[:-1] + ',"events":[\n').encode("ascii")
     count, last_hash = 0, ""
     lines: list[str] = []
-    for event in event_rows(task.pk, batch):
+    for event in event_rows(task.pk, batch, up_to=task.last_seq):
         lines.append(("," if count else "") + _ENCODER.encode(event))
         count += 1
         last_hash = event["hash"]

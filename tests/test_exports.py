@@ -233,3 +233,30 @@ def test_the_command_exports_to_stdout_and_to_a_private_file(world, tmp_path) ->
 
     with pytest.raises(CommandError, match="no task"):
         call_command("audit", "export", "no-such-task", stdout=io.StringIO())
+
+
+@pytest.mark.parametrize("fmt", ["json", "jsonl"])
+def test_rows_recorded_while_an_export_streams_are_left_to_the_next_one(world, fmt) -> None:
+    """The header names last_seq and last_hash as read first; rows recorded between two
+    batches followed it, and the offline check (the last hash is the header's) failed as
+    if the export had been tampered with."""
+    from tasks_app import exports
+
+    task = world["task"]
+    bulk_log(task, 450)
+    task.refresh_from_db()
+    chunks = exports.json_chunks(task, 200) if fmt == "json" else exports.jsonl_chunks(task, 200)
+    first = [next(chunks), next(chunks)]  # the header and the first batch
+    for i in range(2):
+        record(task, {"statusUpdate": {"taskId": "t-big", "contextId": "c-1", "status": {
+            "state": "TASK_STATE_WORKING", "message": {"messageId": f"late-{i}",
+            "role": "ROLE_AGENT", "parts": [{"text": "late"}]}}}}, "stream")  # fmt: skip
+    body = b"".join(first + list(chunks))
+    if fmt == "json":
+        doc = json.loads(body)
+        header, events = doc["task"], doc["events"]
+    else:
+        lines = [json.loads(line) for line in body.splitlines()]
+        header, events = lines[0]["task"], lines[1:]
+    assert header["last_seq"] == 450 and len(events) == 450
+    assert verify_offline(events) == header["last_hash"]
