@@ -403,3 +403,25 @@ def test_the_deadline_is_checked_between_the_tasks_of_a_page(listing_agent):
     assert RemoteTask.objects.filter(agent=agent).count() == job.seen
     # Stopped inside the page (0 < seen < 1000 above), not after the whole of it.
     assert import_audit(agent)["dropped"] == {"at-deadline": 1000 - job.seen}
+
+
+def test_an_import_canceled_in_the_middle_of_a_page_counts_what_it_did(listing_agent, monkeypatch):
+    """The page's progress was saved only while the job ran: canceled as its tasks were
+    recorded, the job and its audit entry said 0 created although the tasks existed."""
+    monkeypatch.setattr(imports, "dispatch", lambda pk: None)
+    agent = listing_agent(lambda n: "", listed=lambda n: 5).register("canceled-mid-page")
+    job = imports.create_job(agent)
+    real = imports._record_page
+
+    def page_then_cancel(running, tasks, deadline=float("inf")):
+        taken = real(running, tasks, deadline)
+        assert imports.cancel_job(ImportJob.objects.get(pk=running.pk)) is True
+        return taken
+
+    monkeypatch.setattr(imports, "_record_page", page_then_cancel)
+    imports.run_job(job.pk)
+    job.refresh_from_db()
+    assert job.status == "canceled"
+    assert RemoteTask.objects.filter(agent=agent).count() == 5
+    assert (job.pages, job.seen, job.created) == (1, 5, 5)
+    assert import_audit(agent)["created"] == 5

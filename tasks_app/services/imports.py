@@ -343,10 +343,15 @@ class _Walk:
             taken = _record_page(job, batch, self.deadline)
             self._drop("at-deadline", len(batch) - taken)
             job.pages += 1
-            if not ImportJob.objects.filter(pk=job.pk, status=Status.RUNNING).update(
-                pages=job.pages, seen=job.seen, created=job.created, changed=job.changed
-            ):
-                return ""  # canceled meanwhile: it keeps its own status and reason
+            counts = {
+                "pages": job.pages, "seen": job.seen, "created": job.created,
+                "changed": job.changed,
+            }  # fmt: skip
+            if not ImportJob.objects.filter(pk=job.pk, status=Status.RUNNING).update(**counts):
+                # Canceled meanwhile: it keeps its own status and reason, and what this page
+                # did is still counted (its tasks exist; the job and its audit entry said 0).
+                ImportJob.objects.filter(pk=job.pk).update(**counts)
+                return ""
             if self.progress is not None:
                 self.progress(job)
             if taken < len(batch):
