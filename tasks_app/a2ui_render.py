@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 MAX_DEPTH = 24
 MAX_NODES = 1500
+# What one surface's drawing may write (each node's own markup, its children not counted
+# twice): with the strings and JSON each node may show, 1,500 nodes could be tens of MB.
+MAX_HTML_BYTES = 2_000_000
 MAX_TEMPLATE_ITEMS = 200
 MAX_STRING = 10_000
 MAX_JSON_SHOWN = 20_000
@@ -488,6 +491,8 @@ class Walk:
     buttons: list[ButtonRef] = field(default_factory=list)
     nodes: int = 0
     cut: str = ""
+    html_bytes: int = 0
+    _child_bytes: list[int] = field(default_factory=list)  # per node being drawn
 
     def run(self, root_id: str) -> SafeString:
         return self.node(root_id, "", 0, ())
@@ -501,6 +506,9 @@ class Walk:
         if self.nodes >= MAX_NODES:
             self.cut = self.cut or f"more than {MAX_NODES} components"
             return mark_safe("")
+        if self.html_bytes >= MAX_HTML_BYTES:
+            self.cut = self.cut or f"more than {MAX_HTML_BYTES:,} bytes of drawing"
+            return mark_safe("")
         if cid in stack:
             return self._note("cycle", f"Component {cid} contains itself; not drawn again.", None)
         comp = self.components.get(cid)
@@ -509,8 +517,22 @@ class Walk:
         self.nodes += 1
         kind = comp.get("component")
         if kind not in KNOWN:
-            return self._note("unknown", f"Unknown component: {str(kind)[:100]}", comp)
-        return getattr(self, "_" + kind.lower())(comp, scope, depth + 1, (*stack, cid))
+            return self._counted(
+                self._note("unknown", f"Unknown component: {str(kind)[:100]}", comp)
+            )
+        self._child_bytes.append(0)
+        try:
+            out = getattr(self, "_" + kind.lower())(comp, scope, depth + 1, (*stack, cid))
+        finally:
+            children = self._child_bytes.pop()
+        return self._counted(out, children)
+
+    def _counted(self, out: SafeString, children: int = 0) -> SafeString:
+        """Count a node's own markup (its children's counted as they were drawn)."""
+        self.html_bytes += max(len(out) - children, 0)
+        if self._child_bytes:
+            self._child_bytes[-1] += len(out)
+        return out
 
     # -- helpers
 

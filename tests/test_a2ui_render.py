@@ -644,3 +644,30 @@ def test_a_modal_whose_trigger_is_no_id_is_drawn_and_a_post_on_it_is_refused(
     )
     assert resp.status_code < 500
     assert "Traceback" not in caplog.text
+
+
+def test_one_surface_draws_at_most_its_byte_budget(agent) -> None:
+    """Child ids may repeat, so one component can be drawn 1,500 times: with 10,000
+    characters of text each, a 41 KB surface drew 15 MB (and a long path in each, 60 MB)."""
+    task = waiting(agent)
+    components = {
+        "root": {"id": "root", "component": "Column", "children": ["m"] * 8},
+        "m": {"id": "m", "component": "Column", "children": ["t"] * 200},
+        "t": {"id": "t", "component": "Text", "text": "x" * 10_000},
+    }
+    html = draw(surface_of(task, surface_id="big", components=components, data_model={}))
+    assert a2ui_render.MAX_HTML_BYTES <= len(html) < a2ui_render.MAX_HTML_BYTES + 100_000
+    assert "bytes of drawing" in html
+
+
+def test_a_data_path_too_long_to_write_into_a_page_is_a_problem(agent) -> None:
+    from tasks_app.a2a import a2ui
+
+    components = {
+        "root": {"id": "root", "component": "Text", "text": {"path": "/" + "a" * 1_000}},
+    }
+    surface = {"components": components, "root_id": "root", "ready": True, "deleted": False,
+               "data_model": {}}  # fmt: skip
+    assert "a data path longer than 1000 characters" in a2ui.problem_of(surface)
+    shorter = {"root": {**components["root"], "text": {"path": "/" + "a" * 999}}}
+    assert a2ui.problem_of({**surface, "components": shorter}) == ""

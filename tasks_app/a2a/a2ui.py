@@ -100,6 +100,7 @@ MAX_MESSAGES_PER_EVENT = 200  # A2UI messages folded from one log row (each is v
 MAX_REASON = 500  # characters of a problem / reason
 MAX_ID_CHARS = 200  # a surfaceId or root id (the Surface row's columns)
 MAX_CATALOG_ID_CHARS = 500
+MAX_PATH_CHARS = 1000  # a data path (a JSON pointer; a deep form's are a few dozen)
 
 SCHEMA_DIR = Path(__file__).with_name("a2ui_schemas")
 V08_KEYS = ("beginRendering", "surfaceUpdate", "dataModelUpdate", "deleteSurface")
@@ -1056,6 +1057,12 @@ def _walk(components: Mapping[str, Any], root: str) -> tuple[str, list[tuple[str
     bindings: list[tuple[str, str, str]] = []
     for cid in state:
         component = components[cid]
+        long_path = _long_path(component)
+        if long_path:
+            return (
+                f"a data path longer than {MAX_PATH_CHARS} characters ({long_path[:40]!r}…, "
+                f"component {cid!r})"
+            ), []
         for prop, path in _bindings(component):
             if cid not in templated or path.startswith("/"):
                 bindings.append((cid, prop, path))
@@ -1063,6 +1070,23 @@ def _walk(components: Mapping[str, Any], root: str) -> tuple[str, list[tuple[str
         if isinstance(children, Mapping) and cid not in templated:
             bindings.append((cid, "children template", str(children.get("path", ""))))
     return "", bindings
+
+
+def _long_path(component: Mapping[str, Any]) -> str:
+    """A ``path`` in the component longer than ``MAX_PATH_CHARS`` ("" when none): every drawn
+    copy writes its paths into the page, and one 40,000-character path drawn 1,500 times
+    (repeated child ids) was a response of 60 MB."""
+    todo: list[Any] = [component]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, Mapping):
+            path = node.get("path")
+            if isinstance(path, str) and len(path) > MAX_PATH_CHARS:
+                return path
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return ""
 
 
 def _under_templates(components: Mapping[str, Any], reachable: set[str]) -> set[str]:
