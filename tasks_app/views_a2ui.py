@@ -107,12 +107,17 @@ def add_conversation_surfaces(task: RemoteTask, items: list[dict]) -> list[dict]
     in their current state (the latest message naming a surface only; the form to act on is
     in the progress section)."""
     named = [(item, surface_ids_in(item["m"].message)) for item in items]
-    wanted = {sid for _, ids in named for sid in ids}
+    # The most recently named first, at most SURFACES_ON_PAGE, as in the progress section
+    # (fifty drawn here as well made a task page of 15 s).
+    wanted: list[str] = []
+    for _, ids in reversed(named):
+        wanted += [sid for sid in ids if sid not in wanted]
+    wanted = wanted[:SURFACES_ON_PAGE]
     if not wanted:
         return items
     by_id = {
         s.surface_id: s
-        for s in Surface.objects.filter(task=task, surface_id__in=list(wanted)[:100])
+        for s in Surface.objects.filter(task=task, surface_id__in=wanted)
         .select_related("action_by")
         .order_by("id")
     }

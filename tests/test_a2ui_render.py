@@ -466,6 +466,28 @@ def test_the_conversation_shows_the_surface_its_message_carried(agent, people) -
     assert "a2ui-readonly" in conv
 
 
+def test_the_conversation_draws_the_latest_named_surfaces_up_to_the_page_limit(
+    agent, people, monkeypatch
+) -> None:
+    """Fifty surfaces named in the conversation were all drawn (besides twenty in the
+    progress section): a task page of 15 s. The most recently named are drawn, as many as
+    SURFACES_ON_PAGE."""
+    from tasks_app import views_a2ui
+
+    monkeypatch.setattr(views_a2ui, "SURFACES_ON_PAGE", 3)
+    task = waiting(agent)
+    for n in range(6):
+        surface_of(task, surface_id=f"s{n}")
+        msg = {"messageId": f"m-{n}", "role": "ROLE_AGENT", "parts": [
+            {"data": [{"version": "v0.9", "createSurface": {"surfaceId": f"s{n}", "catalogId": "x"}}],
+             "mediaType": "application/a2ui+json"}]}  # fmt: skip
+        record(task, {"message": {**msg, "taskId": "t-booking", "contextId": "c"}}, "poll")
+    html = people["ann"].get(reverse("task-detail", args=[task.pk])).content.decode()
+    conv = html[html.index('id="conversation"') :]
+    drawn = re.findall(r'id="a2ui-conv\d+-[^"]*" data-a2ui-surface="([^"]+)"', conv)
+    assert sorted(set(drawn)) == ["s3", "s4", "s5"], drawn
+
+
 @pytest.mark.parametrize("version", ["0.8", "0.9.1"])
 def test_a_folded_surface_of_each_version_is_drawn_and_acted_on(
     agent, people, no_dispatch, version
