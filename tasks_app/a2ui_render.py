@@ -1015,8 +1015,16 @@ def posted_value(ref: InputRef, post: Any) -> Any:
         options = (
             ref.component.get("options") if isinstance(ref.component.get("options"), list) else []
         )
-        allowed = {str(o.get("value", "")) for o in options[:MAX_OPTIONS] if isinstance(o, dict)}
-        values = [v for v in post.getlist(name)[:MAX_OPTIONS] if v in allowed]
+        # As drawn (each value cut to 500 characters), back to the agent's own value.
+        allowed = {
+            str(o.get("value", ""))[:500]: str(o.get("value", ""))
+            for o in options[:MAX_OPTIONS]
+            if isinstance(o, dict)
+        }
+        values: list[str] = []
+        for v in post.getlist(name)[:MAX_OPTIONS]:
+            if v in allowed and allowed[v] not in values:  # each option once
+                values.append(allowed[v])
         if ref.component.get("variant") != "multipleSelection":
             values = values[:1]
         return values
@@ -1041,11 +1049,51 @@ def apply_post(surface: Any, post: Any) -> tuple[dict, Walk]:
     return model, walk(surface, model=model)
 
 
+_DATETIME_FORMS = {
+    "date": re.compile(r"\d{4}-\d{2}-\d{2}"),
+    "time": re.compile(r"\d{2}:\d{2}(:\d{2})?"),
+    "datetime-local": re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}(:\d{2})?"),
+}
+
+
+def _value_problem(ref: InputRef, value: Any, model: Any) -> str:
+    """What the input's own kind refuses in the person's value ("" when fine): a form's
+    fields can be posted with anything, and the agent got a slider's -99999999 and
+    ``<script>`` as a date. An empty value is left to the ``required`` check."""
+    comp = ref.component
+    if ref.kind == "Slider":
+        lo = _number(comp.get("min"))
+        hi = _number(comp.get("max"))
+        lo = 0 if lo is None else lo
+        hi = lo + 100 if hi is None or hi < lo else hi
+        if value is None or not lo <= value <= hi:
+            return f"Choose a value from {display(lo)} to {display(hi)}."
+    elif ref.kind == "DateTimeInput" and value not in (None, ""):
+        kind = datetime_kind(comp)
+        if not isinstance(value, str) or not _DATETIME_FORMS[kind].fullmatch(value):
+            return "This is not a date or time in the form asked."
+        for bound, word in (("min", "before"), ("max", "after")):
+            limit = datetime_value(evaluate(comp.get(bound), model, ref.scope), kind)
+            if limit and (value < limit if bound == "min" else value > limit):
+                return f"This is {word} the {'earliest' if bound == 'min' else 'latest'} allowed."
+    elif (
+        ref.kind == "TextField"
+        and comp.get("variant") == "number"
+        and value not in (None, "")
+        and _number(value) is None
+    ):
+        return "Enter a number."
+    return ""
+
+
 def errors_of(w: Walk, model: Any) -> dict[str, list[str]]:
     """Failing checks per input (``v<n>``) and button (``b<n>``), with the person's values."""
     errors: dict[str, list[str]] = {}
     for ref in w.inputs:
         failed = check_failures(ref.component.get("checks"), model, ref.scope)
+        value_problem = _value_problem(ref, lookup(model, ref.path), model) if ref.path else ""
+        if value_problem:
+            failed.append(value_problem)
         pattern = ref.component.get("validationRegexp")
         if ref.kind == "TextField" and isinstance(pattern, str):
             value = lookup(model, ref.path) if ref.path else None

@@ -693,3 +693,51 @@ def test_a_data_path_too_long_to_write_into_a_page_is_a_problem(agent) -> None:
     assert "a data path longer than 1000 characters" in a2ui.problem_of(surface)
     shorter = {"root": {**components["root"], "text": {"path": "/" + "a" * 999}}}
     assert a2ui.problem_of({**surface, "components": shorter}) == ""
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("v2", "-99999999", "Choose a value from 1 to 12."),
+        ("v2", "13", "Choose a value from 1 to 12."),
+        ("v2", "many", "Choose a value from 1 to 12."),
+        ("v1", "<script>not a date</script>", "This is not a date or time in the form asked."),
+        ("v1", "2026-13", "This is not a date or time in the form asked."),
+    ],
+)
+def test_a_value_its_input_would_never_give_is_refused_next_to_it(
+    agent, people, no_dispatch, field, value, message
+) -> None:
+    """Any field can be posted with anything: the agent got a slider's -99999999 and
+    ``<script>`` as a date. Each input's own kind is checked with the form's checks."""
+    task = waiting(agent)
+    surface = surface_of(task)
+    resp = people["ann"].post(
+        reverse("task-surface-act", args=[task.pk]), post_values(surface, **{field: value})
+    )
+    assert message in resp.content.decode()
+    task.refresh_from_db()
+    assert task.outbox is None
+
+
+def test_a_long_option_can_be_chosen_and_each_option_is_sent_once(
+    agent, people, no_dispatch, django_capture_on_commit_callbacks
+) -> None:
+    """An option's value is drawn cut to 500 characters, and was compared uncut: it could
+    never be chosen. The same option posted twice was sent twice."""
+    task = waiting(agent)
+    components = booking_components()
+    long_value = "x" * 700
+    components["seat"] = {
+        **components["seat"], "variant": "multipleSelection",
+        "options": [{"label": "Long", "value": long_value}, {"label": "Terrace", "value": "terrace"}],
+    }  # fmt: skip
+    surface = surface_of(task, components=components)
+    post = post_values(surface)
+    post["v3"] = [long_value[:500], "terrace", "terrace"]
+    with django_capture_on_commit_callbacks(execute=True):
+        resp = people["ann"].post(reverse("task-surface-act", args=[task.pk]), post)
+    assert resp.status_code == 302
+    task.refresh_from_db()
+    model = json.dumps(task.outbox["message"])  # the data model goes with the action
+    assert long_value in model and model.count('"terrace"') == 1
