@@ -505,6 +505,9 @@ ARTIFACT_PREVIEW_BYTES = env_int("ARTIFACT_PREVIEW_BYTES", 64 * 1024, minimum=1)
 PUBLIC_URL = os.environ.get("PUBLIC_URL", "").strip().rstrip("/")
 # A webhook body larger than this is refused (413) before it is parsed.
 PUSH_MAX_BODY_BYTES = env_int("PUSH_MAX_BODY_BYTES", 1024 * 1024, minimum=1)
+# Bytes of notifications waiting in Redis to be recorded; past it the webhook answers 503
+# (the agent retries later). Bounds Redis's memory and what one drain takes at once.
+PUSH_QUEUE_MAX_BYTES = env_int("PUSH_QUEUE_MAX_BYTES", 256 * 1024 * 1024, minimum=1)
 # Accepted notifications per config, and requests per source address, per second (429 past it).
 PUSH_RATE_PER_CONFIG = env_int("PUSH_RATE_PER_CONFIG", 200, minimum=1)
 PUSH_RATE_PER_SOURCE = env_int("PUSH_RATE_PER_SOURCE", 5000, minimum=1)

@@ -71,7 +71,7 @@ def receive(request: HttpRequest, config_id: str) -> HttpResponse:
         source=_source(request),
     )
     payload = {"status": verdict.reason} if verdict.accepted else {"error": verdict.reason}
-    headers = {"Retry-After": "1"} if verdict.status == 429 else None
+    headers = {"Retry-After": "1"} if verdict.status in (429, 503) else None
     if verdict.status >= 400:
         metrics.count("webhook_rejections", status=verdict.status)
     return JsonResponse(payload, status=verdict.status, headers=headers)
@@ -199,7 +199,10 @@ class PushRoute:
             return
         payload = {"status": verdict.reason} if verdict.accepted else {"error": verdict.reason}
         await _answer(
-            send, verdict.status, payload, [(b"retry-after", b"1")] if verdict.status == 429 else []
+            send,
+            verdict.status,
+            payload,
+            [(b"retry-after", b"1")] if verdict.status in (429, 503) else [],
         )
 
 

@@ -477,3 +477,28 @@ def test_a_task_abandoned_or_settled_by_an_operator_has_its_configs_deleted(
     assert status == 404 and queued() == 0
     after = RemoteTask.objects.get(pk=task.pk)
     assert (after.state, after.last_seq) == (before.state, before.last_seq)
+
+
+def test_the_queue_takes_notifications_up_to_its_bytes_and_a_drain_takes_a_bounded_batch(
+    task, config, settings, monkeypatch
+):
+    """Nothing bounded what waited in Redis: sixty 1 MB notifications were 63 MB queued, and
+    a drain popped 5,000 at once (5 GB in one worker at that size)."""
+    settings.PUSH_QUEUE_MAX_BYTES = 5_000
+    pad = "x" * 900
+
+    def body_of(i: int) -> bytes:
+        status = {"state": "TASK_STATE_WORKING", "timestamp": f"2026-01-01T00:00:{i:02d}Z"}
+        update = {"taskId": "t-1", "contextId": "c", "status": status, "metadata": {"pad": pad}}
+        return json.dumps({"statusUpdate": update}).encode()
+
+    bodies = [body_of(i) for i in range(8)]
+    answers = [good(config, body)[0] for body in bodies]
+    assert answers[:5] == [202] * 5 and answers[5:] == [503] * 3  # ~1 KB each, 5 KB in all
+    waiting = int(push._redis().get(push.QUEUE_BYTES_KEY))
+    assert 5_000 <= waiting < 6_000 and queued() == 5
+    assert deliver(config.config_id, bodies[6], token="nope")[0] == 401  # refusals come first
+    monkeypatch.setattr(push, "DRAIN_BATCH_BYTES", 2_500)  # about two of them a batch
+    taken = push._take(push._redis())
+    assert len(taken) == 2 and int(push._redis().get(push.QUEUE_BYTES_KEY)) < waiting
+    assert good(config, bodies[5])[0] == 202  # room again

@@ -63,6 +63,9 @@ security_log = logging.getLogger("tasks_app.security")
 CONTENT_TYPES = ("application/a2a+json", "application/json")
 EVENT_KINDS = ("task", "message", "statusUpdate", "artifactUpdate")
 QUEUE_KEY = "push:queue"
+# Bytes the queue holds (added by the queue script, taken off by the drain; set to 0 when
+# the drain finds the queue empty, so a drain that died between the two cannot leave it high).
+QUEUE_BYTES_KEY = "push:queue:bytes"
 DRAIN_KEY = "push:drain"
 # Notifications taken from the queue at once. Each task's share is one record_many()
 # transaction, whose fixed cost (read the task, commit, relay) dominates at a few
@@ -618,9 +621,11 @@ if redis.call('EXISTS', KEYS[3]) == 1 then return 404 end
 local c = redis.call('INCR', KEYS[4])
 if c == 1 then redis.call('EXPIRE', KEYS[4], 5) end
 if c > tonumber(ARGV[4]) then return 429 end
+if tonumber(redis.call('GET', KEYS[8]) or '0') >= tonumber(ARGV[9]) then return 503 end
 if ARGV[7] ~= '' and not redis.call('SET', ARGV[7], 1, 'NX', 'EX', ARGV[8]) then return 4011 end
 if not redis.call('SET', KEYS[5], 1, 'NX', 'EX', ARGV[5]) then return 200 end
 redis.call('RPUSH', KEYS[6], ARGV[6])
+redis.call('INCRBY', KEYS[8], string.len(ARGV[6]))
 if redis.call('SET', KEYS[7], 1, 'NX', 'EX', 60) then return 203 end
 return 202
 """,
@@ -717,10 +722,12 @@ def _decide(
     digest = hashlib.sha256(body).hexdigest()
     item = _queued(config, event, body)
     keys = [*by_source, f"{DELETED_PREFIX}{config.config_id}", _window(f"push:rc:{config.config_id}", 1),
-            f"push:seen:{config.config_id}:{digest}", QUEUE_KEY, DRAIN_KEY]  # fmt: skip
+            f"push:seen:{config.config_id}:{digest}", QUEUE_KEY, DRAIN_KEY,
+            QUEUE_BYTES_KEY]  # fmt: skip
     outcome = yield ("script", "queue", keys, [*limits, counted, settings.PUSH_RATE_PER_CONFIG,
                                                settings.PUSH_DEDUPE_SECONDS, item, jti_key,
-                                               jti_seconds])  # fmt: skip
+                                               jti_seconds,
+                                               settings.PUSH_QUEUE_MAX_BYTES])  # fmt: skip
     if outcome in OVER_LIMIT:
         return OVER_LIMIT[outcome]
     if outcome == 4011:  # the same signed token at the same moment: one of them is a replay
@@ -739,6 +746,8 @@ def _decide(
         )
     if outcome == 429:
         return Verdict(429, "too many notifications for this config")
+    if outcome == 503:
+        return Verdict(503, "too many notifications wait to be recorded; try again later")
     if outcome == 200:
         return Verdict(200, "already received")
     return Verdict(202, "accepted", schedule_drain=outcome == 203)
@@ -1175,7 +1184,7 @@ async def _drain(max_seconds: float) -> int:
     total = 0
     deadline = time.monotonic() + max_seconds
     while time.monotonic() < deadline:
-        items = await asyncio.to_thread(r.lpop, QUEUE_KEY, DRAIN_BATCH)
+        items = await asyncio.to_thread(_take, r)
         if not items:
             # Off the loop, as every Redis call here: a Redis that hangs must not stall the
             # streams the loop holds.
@@ -1191,7 +1200,7 @@ async def _drain(max_seconds: float) -> int:
         if down is not None:
             # The database is down: the batch goes back to the head of the queue, in order, for
             # the next drain (a group recorded already is recorded again: that appends nothing).
-            await asyncio.to_thread(r.lpush, QUEUE_KEY, *reversed(items))
+            await asyncio.to_thread(_give_back, r, items)
             await asyncio.to_thread(r.delete, DRAIN_KEY)
             log.warning("push drain: the database is unreachable (%s); %d notifications wait "
                         "for the next drain", type(down).__name__, len(items))  # fmt: skip
@@ -1210,10 +1219,34 @@ async def _drain(max_seconds: float) -> int:
     return total
 
 
+# What one drain takes from the queue at once, in bytes (besides DRAIN_BATCH items): at a
+# megabyte a notification, 5,000 of them were 5 GB in one worker.
+DRAIN_BATCH_BYTES = 32 * 1024 * 1024
+
+
+def _take(r: redis.Redis) -> list[bytes]:
+    """The next batch: DRAIN_BATCH items, fewer when they are large (by the queue's mean)."""
+    waiting, size = r.llen(QUEUE_KEY), int(r.get(QUEUE_BYTES_KEY) or 0)
+    count = DRAIN_BATCH
+    if waiting and size:
+        count = max(1, min(DRAIN_BATCH, DRAIN_BATCH_BYTES * waiting // size))
+    items = r.lpop(QUEUE_KEY, count) or []
+    if items:
+        r.decrby(QUEUE_BYTES_KEY, sum(len(item) for item in items))
+    return items
+
+
+def _give_back(r: redis.Redis, items: list[bytes]) -> None:
+    r.lpush(QUEUE_KEY, *reversed(items))
+    r.incrby(QUEUE_BYTES_KEY, sum(len(item) for item in items))
+
+
 def _cleared_and_empty(r: redis.Redis) -> bool:
     """The queue looked empty: clear the drain flag, and look once more (a notification pushed
     in between would otherwise wait for no drain). False: go on draining (the flag is ours)."""
     r.delete(DRAIN_KEY)
+    if not r.llen(QUEUE_KEY):
+        r.set(QUEUE_BYTES_KEY, 0)  # whatever a drain that died left counted
     return not (r.llen(QUEUE_KEY) and r.set(DRAIN_KEY, 1, nx=True, ex=60))
 
 
