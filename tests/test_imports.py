@@ -425,3 +425,27 @@ def test_an_import_canceled_in_the_middle_of_a_page_counts_what_it_did(listing_a
     assert RemoteTask.objects.filter(agent=agent).count() == 5
     assert (job.pages, job.seen, job.created) == (1, 5, 5)
     assert import_audit(agent)["created"] == 5
+
+
+def test_of_two_claims_released_together_exactly_one_runs(listing_agent, monkeypatch):
+    """Each claimer wrote its claim, then stepped back for any other running: with a pause
+    between the two steps, both stepped back and neither import ran."""
+    from tests.races import release_together
+
+    agent = listing_agent(lambda n: "").register("claimed-twice")
+    real_expire = imports.expire_stale
+
+    def slow_expire(agent_pk):  # both claims are written before either looks
+        time.sleep(0.2)
+        return real_expire(agent_pk)
+
+    monkeypatch.setattr(imports, "expire_stale", slow_expire)
+    for _ in range(3):
+        first = ImportJob.objects.create(agent=agent)
+        second = ImportJob.objects.create(agent=agent)  # two requests raced past create_job
+        outcomes = release_together(
+            *(lambda pk=job.pk: imports.claim(pk) for job in (first, second))
+        )
+        assert sorted(outcomes) == [False, True], outcomes
+        assert ImportJob.objects.filter(agent=agent, status="running").count() == 1
+        ImportJob.objects.filter(agent=agent).update(status="done")

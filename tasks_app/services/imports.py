@@ -27,6 +27,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from tasks_app import outbound
@@ -139,19 +140,22 @@ def cancel_job(job: ImportJob, *, actor_id: int | None = None) -> bool:
 def claim(job_pk: int) -> bool:
     """Queued -> running by compare-and-set; step back if another import of the agent runs.
 
-    Each claimer writes its claim before it looks for others, so of two
-    concurrent claimers at least the later one sees the other and steps back.
+    Each claimer writes its claim before it looks for others, and steps back only for a
+    claim that comes before its own in (``started_at``, id) order: of concurrent claimers
+    exactly one goes on. (Stepping back for any other made two claimers released together
+    both step back, and neither import ran.)
     """
+    now = timezone.now()
     if not ImportJob.objects.filter(pk=job_pk, status=Status.QUEUED).update(
-        status=Status.RUNNING, started_at=timezone.now()
+        status=Status.RUNNING, started_at=now
     ):
         return False  # already taken (a redelivered message), canceled or expired
     agent_id = ImportJob.objects.values_list("agent_id", flat=True).get(pk=job_pk)
     expire_stale(agent_id)
     other = (
         ImportJob.objects.filter(agent_id=agent_id, status=Status.RUNNING)
-        .exclude(pk=job_pk)
-        .order_by("id")
+        .filter(Q(started_at__lt=now) | Q(started_at=now, pk__lt=job_pk))
+        .order_by("started_at", "id")
         .first()
     )
     if other is not None:
