@@ -41,6 +41,7 @@ import hashlib
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -117,8 +118,15 @@ def _limit() -> int:
 
 
 def _task_name(title: str, remote_id: str, pk: int) -> str:
-    name = " ".join((title or remote_id or f"#{pk}").split())  # one line: it goes into subjects
-    return name if len(name) <= 80 else name[:79] + "…"
+    return _line(title or remote_id or f"#{pk}", 80)
+
+
+def _line(text: str, limit: int) -> str:
+    """One line of printable text, cut to ``limit``: names and notes come from agents and go
+    into subjects and mail bodies (a name with line breaks wrote lines that looked like
+    alerts of their own; a NUL reached a mail header)."""
+    name = " ".join("".join(ch if ch.isprintable() else " " for ch in str(text)).split())
+    return name if len(name) <= limit else name[: limit - 1] + "…"
 
 
 def _duration(seconds: float) -> str:
@@ -230,7 +238,9 @@ def _agent_unreachable(threshold: float) -> RuleSpec:
                 key=f"{Rule.AGENT_UNREACHABLE}:agent:{pk}",
                 agent_id=pk,
                 since=now,
-                message=f"Agent {name} has been unreachable for over {_duration(threshold)}.",
+                message=(
+                    f"Agent {_line(name, 80)} has been unreachable for over {_duration(threshold)}."
+                ),
             )
             for pk, name in rows
         ]
@@ -290,7 +300,10 @@ def _parked() -> RuleSpec:
                 task_id=pk,
                 agent_id=agent_id,
                 since=watcher_since or updated_at,
-                message=f"The watcher parked task {_task_name(title, remote_id, pk)}: {note or 'needs attention'}",
+                message=(
+                    f"The watcher parked task {_task_name(title, remote_id, pk)}: "
+                    f"{_line(note or 'needs attention', 300)}"
+                ),
             )
             for pk, agent_id, watcher_since, updated_at, title, remote_id, note in rows
         ]
@@ -533,7 +546,12 @@ def _deliver(items: list[tuple[Alert, str]]) -> list[AlertDelivery]:
             "task", "agent__project"
         )
     }
-    described = [describe(fresh.get(a.pk, a), event) for a, event in items]
+    # An alert gone since (its task or agent deleted, and the alert with it) is not described:
+    # reading its subject raised, and the whole batch's notifications were lost.
+    items = [(fresh[a.pk], event) for a, event in items if a.pk in fresh]
+    if not items:
+        return []
+    described = [describe(alert, event) for alert, event in items]
     rows: list[AlertDelivery] = []
     for channel, send in (
         (AlertDelivery.Channel.EMAIL, _send_email),
@@ -577,15 +595,18 @@ def _subject(described: list[dict[str, Any]]) -> str:
         parts.append(f"{len(resolved)} resolved")
     first = (opened or resolved)[0]["message"]
     # One line whatever a message holds (a newline in a header is refused by Django's mail).
-    return " ".join(f"[A2A dashboard] {', '.join(parts)}: {first}".split())[:200]
+    return _line(f"[A2A dashboard] {', '.join(parts)}: {first}", 200)
 
 
 def _email_body(described: list[dict[str, Any]]) -> str:
     lines = []
     for item in described[:LISTED]:
-        lines.append(f"[{item['event']}] {item['rule_label']}: {item['message']}")
+        lines.append(f"[{item['event']}] {item['rule_label']}: {_line(item['message'], 600)}")
         if item["project"]:
-            lines.append(f"    project {item['project']}, agent {item['agent']['name']}")
+            lines.append(
+                f"    project {_line(item['project'], 100)}, "
+                f"agent {_line(item['agent']['name'], 100)}"
+            )
         link = (item["task"] or {}).get("url") or (item["agent"] or {}).get("url")
         if link:
             lines.append(f"    {link}")
@@ -595,20 +616,44 @@ def _email_body(described: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The e-mail send that outlived its deadline, still running (see _send_email).
+_mail_in_flight: list[threading.Thread] = []
+
+
 def _send_email(described: list[dict[str, Any]]) -> str | None:
-    """One message to every ALERT_EMAIL_TO address; the error sentence, or None when sent."""
-    try:
-        connection = get_connection(timeout=settings.ALERT_DELIVERY_TIMEOUT_SECONDS)
-        EmailMessage(
-            subject=_subject(described),
-            body=_email_body(described),
-            from_email=settings.ALERT_EMAIL_FROM or settings.DEFAULT_FROM_EMAIL,
-            to=list(settings.ALERT_EMAIL_TO),
-            connection=connection,
-        ).send()
-    except Exception as exc:  # any failure is recorded; the evaluation goes on
-        return f"{type(exc).__name__}: {exc}"[:500]
-    return None
+    """One message to every ALERT_EMAIL_TO address; the error sentence, or None when sent.
+
+    Within ``ALERT_DELIVERY_TIMEOUT_SECONDS`` in all: smtplib's timeout bounds each read,
+    and a mail server that answered a line now and then held the evaluation (and the test
+    button's request) for as long as it liked. The send runs on a thread of its own that
+    is waited for until the deadline, then left to end (each read is still bounded); while
+    one is left running, no other is started.
+    """
+    timeout = settings.ALERT_DELIVERY_TIMEOUT_SECONDS
+    if any(thread.is_alive() for thread in _mail_in_flight):
+        return "the mail server has not finished the previous delivery"
+    _mail_in_flight.clear()
+    failure: list[str] = []
+
+    def send() -> None:
+        try:
+            EmailMessage(
+                subject=_subject(described),
+                body=_email_body(described),
+                from_email=settings.ALERT_EMAIL_FROM or settings.DEFAULT_FROM_EMAIL,
+                to=list(settings.ALERT_EMAIL_TO),
+                connection=get_connection(timeout=timeout),
+            ).send()
+        except Exception as exc:  # any failure is recorded; the evaluation goes on
+            failure.append(f"{type(exc).__name__}: {exc}"[:500])
+
+    thread = threading.Thread(target=send, name="alert-mail", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        _mail_in_flight.append(thread)
+        return f"the mail server did not finish within {timeout:g} s"
+    return failure[0] if failure else None
 
 
 def webhook_body(described: list[dict[str, Any]]) -> bytes:

@@ -660,3 +660,96 @@ def test_the_parked_scan_reads_its_partial_index() -> None:
             cursor.execute("SET LOCAL enable_seqscan = off")
         plan = alerts.parked_scan().values_list("pk")[:500].explain()
     assert "parked_tasks" in plan, plan
+
+
+# -- what a slow mail server, a deleted subject and an agent's name may do ----------------------
+
+
+class DripSMTP:
+    """A mail server on loopback that greets one line of a multi-line reply every ``every``
+    seconds, for ever: each read is in time, the greeting never ends."""
+
+    def __init__(self, every: float) -> None:
+        import socket
+
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.stop = threading.Event()
+        self.every = every
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        self.server.settimeout(0.2)
+        while not self.stop.is_set():
+            try:
+                peer, _ = self.server.accept()
+            except OSError:
+                continue
+            with peer:
+                while not self.stop.is_set():
+                    try:
+                        peer.sendall(b"220-still greeting\r\n")
+                    except OSError:
+                        break
+                    time.sleep(self.every)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.close()
+
+
+def test_a_mail_server_that_never_finishes_answering_is_given_up_at_the_deadline(agent, settings):
+    """smtplib's timeout bounds each read; a server that sent a line now and then held the
+    evaluation (and the test button's request) for as long as it liked."""
+    settings.ALERT_EMAIL_TO = ["ops@example.org"]
+    settings.ALERT_DELIVERY_TIMEOUT_SECONDS = 0.5
+    settings.EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
+    settings.EMAIL_HOST = "127.0.0.1"
+    server = DripSMTP(every=0.1)
+    settings.EMAIL_PORT = server.port
+    try:
+        task = working_task(agent)
+        started = time.monotonic()
+        result = alerts.evaluate(task.updated_at + HOUR)
+        took = time.monotonic() - started
+        delivery = AlertDelivery.objects.get(alert__in=result.opened, channel="email")
+        assert delivery.outcome == "failed" and "did not finish within 0.5 s" in delivery.error
+        assert took < 5
+        # While that send is still running, the next one is not started beside it.
+        assert "previous delivery" in (alerts._send_email([]) or "")
+    finally:
+        server.close()
+        for thread in alerts._mail_in_flight:  # it ends once the server hangs up
+            thread.join(5)
+        assert not any(thread.is_alive() for thread in alerts._mail_in_flight)
+
+
+def test_an_alert_whose_subject_was_deleted_does_not_lose_the_others(agent, mailoutbox, settings):
+    settings.ALERT_EMAIL_TO = ["ops@example.org"]
+    gone, kept = working_task(agent, "t-a", "gone task"), working_task(agent, "t-b", "kept task")
+    result = alerts.evaluate(kept.updated_at + HOUR, deliver=False)
+    assert len(result.opened) == 2
+    RemoteTask.objects.filter(pk=gone.pk).delete()  # its alert goes with it
+    rows = alerts.deliver_changes(result.opened, result.resolved)
+    assert len(mailoutbox) == 1 and "kept task" in mailoutbox[0].body
+    assert "gone task" not in mailoutbox[0].body and len(rows) == 1
+
+
+def test_an_agents_name_is_one_line_in_a_mail(agent, mailoutbox, settings):
+    """An agent's name comes from its card: with line breaks it wrote lines into the mail
+    that looked like alerts of their own; a NUL in a title reached the subject."""
+    settings.ALERT_EMAIL_TO = ["ops@example.org"]
+    Agent.objects.filter(pk=agent.pk).update(
+        name="evil\n\n    https://phish.example/login\n[opened] fake: pay now"
+    )
+    agent_services.mark_unreachable(agent.pk, "connection refused")
+    title = "title with a \x00 NUL" if connection.vendor == "sqlite" else "plain title"
+    task = working_task(agent, "t-n", title)
+    t0 = task.updated_at
+    alerts.evaluate(t0)  # the agent is seen unreachable: counted from here
+    alerts.evaluate(t0 + 2 * HOUR)
+    mail = mailoutbox[-1]
+    assert "unreachable" in mail.body
+    assert "\x00" not in mail.subject
+    assert not [line for line in mail.body.splitlines() if line.startswith("[opened] fake")]
+    assert not [line for line in mail.body.splitlines() if line.strip().startswith("https://phish")]
