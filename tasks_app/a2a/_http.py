@@ -63,6 +63,12 @@ def map_transport_error(exc: httpx.HTTPError, where: str, *, streaming: bool = F
         return RequestTimeout(f"{where}: timed out ({exc.__class__.__name__})")
     if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError):
         return ConnectionDropped(f"{where}: connection dropped ({detail})")
+    if isinstance(exc, httpx.LocalProtocolError):
+        # Never its text: it quotes the header it refused, and that can be a credential.
+        return TransportError(
+            f"{where}: the request could not be written (a header value, such as a "
+            "credential, holds characters HTTP does not allow)"
+        )
     if isinstance(exc, httpx.DecodingError):  # the agent's body could not be taken as sent
         return ProtocolError(f"{where}: {detail}")
     if isinstance(exc, httpx.InvalidURL | httpx.UnsupportedProtocol):

@@ -220,6 +220,11 @@ def _already_registered(existing: Agent, actor_id: int | None) -> str:
     return f"This URL is already registered as {existing.name!r} (project {existing.project.name})."
 
 
+def header_safe(secret: str) -> bool:
+    """Printable ASCII (spaces allowed inside): what an HTTP header value can carry as is."""
+    return secret.isascii() and secret.isprintable()
+
+
 def _put_credentials(agent: Agent, credentials: dict[str, str]) -> None:
     """Encrypt ``credentials`` onto ``agent``, bound to its current interface's origin.
 
@@ -227,6 +232,14 @@ def _put_credentials(agent: Agent, credentials: dict[str, str]) -> None:
     the form or the current card, so that a later card cannot move it.
     """
     values = {k: v for k, v in credentials.items() if v}
+    for key in ("token", "api_key"):
+        if values.get(key) and not header_safe(values[key]):
+            # Sent in a header: httpx refused it at every call, and its error (with the value)
+            # went into the task's log. Said now, without the value.
+            raise AgentError(
+                f"The {key.replace('_', ' ')} holds characters an HTTP header cannot carry "
+                "(control characters or non-ASCII); check that only the secret was copied."
+            )
     if values.get("api_key"):
         location, name = api_key_placement(
             agent.card, values.get("api_key_name"), values.get("api_key_location")

@@ -224,9 +224,13 @@ class Command(BaseCommand):
         secrets: dict[str, str | None] = {}
         for key, _flag, file_flag, env in SECRETS:
             source = options.get(key + "_file") or ""
-            secrets[key] = (
-                read_secret(source, file_flag, stdin) if source else os.environ.get(env) or None
-            )
+            from_env = (os.environ.get(env) or "").strip()
+            if from_env and not (from_env.isascii() and from_env.isprintable()):
+                raise CommandError(
+                    f"{env} holds characters an HTTP header cannot carry (control characters "
+                    "or non-ASCII)."
+                )
+            secrets[key] = read_secret(source, file_flag, stdin) if source else from_env or None
         return secrets
 
     def _credentials(self, options: dict[str, Any]) -> Credentials | None:

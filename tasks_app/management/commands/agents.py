@@ -51,6 +51,11 @@ def read_secret(source: str, option: str, stdin: TextIO) -> str:
         raise CommandError(
             f"{option}: {where} holds more than one line; put only the secret in it."
         )
+    if not (secret.isascii() and secret.isprintable()):
+        raise CommandError(
+            f"{option}: {where} holds characters an HTTP header cannot carry (control "
+            "characters or non-ASCII); put only the secret in it."
+        )
     return secret
 
 
