@@ -57,3 +57,21 @@ def test_an_a2a_token_from_the_environment_with_a_control_character_is_refused(m
     with pytest.raises(CommandError) as refused:
         call_command("a2a", "card", "http://127.0.0.1:9/")
     assert "A2A_TOKEN" in str(refused.value) and "SEKRIT" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:hun/ter2@127.0.0.1:1/0",
+        "redis://:a#b-ter2@127.0.0.1:1/0",
+        "redis://u:p?ter2@127.0.0.1:1/0",
+    ],
+)
+def test_a_redis_url_whose_password_ends_the_host_early_is_printed_without_it(url) -> None:
+    """``/``, ``#`` or ``?`` in a password (not percent-encoded) left the parser with no
+    password to hide, and redis-py's error quoted part of it: `up` printed both."""
+    from tasks_app.runtime.net import redact_url
+    from tasks_app.runtime.redis_server import ping_error
+
+    assert "ter2" not in redact_url(url) and "***" in redact_url(url)
+    assert "ter2" not in (ping_error(url, timeout=0.5) or "")

@@ -62,7 +62,18 @@ def port_available(host: str, port: int) -> bool:
 
 
 def redact_url(url: str) -> str:
-    """The URL with its password replaced, so it can be printed without leaking a secret."""
+    """The URL with its password replaced, so it can be printed without leaking a secret.
+
+    A password holding ``/``, ``#`` or ``?`` (not percent-encoded) ends the URL's host part
+    early, so the parser finds no password at all: whatever stands before the last ``@``
+    after the scheme is taken as the credentials then.
+    """
+    scheme, sep, rest = url.partition("://")
+    if sep and "@" in rest:
+        credentials, _, tail = rest.rpartition("@")
+        user = credentials.split(":", 1)[0] if ":" in credentials else ""
+        if ":" in credentials or "/" in credentials or "#" in credentials or "?" in credentials:
+            return f"{scheme}://{user}:***@{tail}"
     try:
         parts = urlsplit(url)
     except ValueError:

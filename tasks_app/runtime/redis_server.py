@@ -80,8 +80,10 @@ def ping_error(url: str, timeout: float = 2.0) -> str | None:
     """None when Redis at ``url`` answers PING, else a short reason."""
     try:
         client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
-    except ValueError as exc:
-        return f"not a valid Redis URL ({exc})"
+    except ValueError:
+        # Not redis-py's words: they quote the part it could not read, which can be the
+        # password (one holding / # or ? ends the host part early).
+        return "not a valid Redis URL (a password holding / # ? or @ must be percent-encoded)"
     try:
         client.ping()
     except redis.RedisError as exc:
