@@ -697,7 +697,9 @@ def _task_context(request: HttpRequest, task: RemoteTask, *, artifacts: bool = T
     # Buttons a person may not use are not shown (the server refuses them anyway).
     actions = {
         **_watch_actions(task),
-        "can_answer": task.state in INTERRUPTED_STATES and task.abandoned_at is None,
+        "can_answer": task.state in INTERRUPTED_STATES
+        and task.abandoned_at is None
+        and task.gone_at is None,
     }
     return {
         "task": task,

@@ -412,3 +412,29 @@ def test_history_ids_are_looked_up_in_slices_and_each_kept_once(task, monkeypatc
         ConversationMessage.objects.filter(task=task).values_list("message_id", flat=True)
     )
     assert sorted(stored) == sorted(f"h-{i}" for i in range(30))  # each once
+
+
+def test_a_gone_task_with_an_answer_waiting_is_not_watched_and_takes_no_answer(
+    task, django_user_model
+):
+    """The agent forgot the task while an answer was in its outbox: ``watchable()`` still
+    matched it (its gone_at bound only some clauses), so every reconcile tick took it up
+    again for one GetTask, for ever; and the page offered the answer form."""
+    from django.utils import timezone
+
+    from tasks_app.services import tasks as task_services
+    from tests.people import member
+
+    record(task, snapshot("t-1", "TASK_STATE_INPUT_REQUIRED"), "stream")
+    RemoteTask.objects.filter(pk=task.pk).update(
+        phase=RemoteTask.Phase.TASK, gone_at=timezone.now(), watcher_status="gone",
+        outbox={"message": {"messageId": "a-1", "role": "ROLE_USER", "parts": [{"text": "y"}]}},
+    )  # fmt: skip
+    assert not RemoteTask.objects.filter(task_services.watchable(), pk=task.pk).exists()
+    RemoteTask.objects.filter(pk=task.pk).update(gone_at=None)  # found again by a refresh
+    assert RemoteTask.objects.filter(task_services.watchable(), pk=task.pk).exists()
+    RemoteTask.objects.filter(pk=task.pk).update(gone_at=timezone.now(), outbox=None)
+    task.refresh_from_db()
+    person = member(django_user_model.objects.create_user("op"))
+    with pytest.raises(task_services.TaskActionError, match="gone"):
+        task_services.answer_task(task, "green", actor_id=person.pk)

@@ -224,6 +224,10 @@ def answer_task(
     if task.abandoned_at is not None:
         # Never watched again: nobody would send it (the A2UI action's claim rolls back too).
         raise TaskActionError("This task was abandoned; an answer would never be sent.")
+    if task.gone_at is not None:
+        raise TaskActionError(
+            "The agent does not know this task any more (gone); refresh it before answering."
+        )
     asked = task.asked_seq if question_seq is None else question_seq
     if not (text or data is not None or files):
         raise TaskActionError("An answer needs text, data or a file.")
@@ -659,7 +663,10 @@ SETTLE_WITHIN_SECONDS = 3600
 def watchable() -> Q:
     """Tasks a watcher should hold: something to send, or known and neither ended nor waiting.
 
-    Abandoned tasks and tasks the agent forgot ("gone") are never watched.
+    Abandoned tasks and tasks the agent forgot ("gone") are never watched, whatever they
+    hold: a gone task with an answer in its outbox matched the first clauses and was taken
+    up again every reconcile tick (one GetTask each, for ever). A refresh that finds it
+    again clears ``gone_at``, and the answer goes out then.
     """
     return (
         Q(phase=RemoteTask.Phase.SENDING)
@@ -667,7 +674,6 @@ def watchable() -> Q:
         | Q(phase=RemoteTask.Phase.TASK)
         & ~Q(state__in=[*TERMINAL_STATES, "TASK_STATE_INPUT_REQUIRED"])
         & ~Q(watch=RemoteTask.Watch.NONE)
-        & Q(gone_at__isnull=True)
         # Ended but not settled (its holder stopped in between): one more turn settles it.
         # Only recent ones, so that tasks ended before settling existed are not all read again.
         | Q(
@@ -677,8 +683,7 @@ def watchable() -> Q:
             last_event_at__gte=timezone.now() - timedelta(seconds=SETTLE_WITHIN_SECONDS),
         )
         & ~Q(watch=RemoteTask.Watch.NONE)
-        & Q(gone_at__isnull=True)
-    ) & Q(abandoned_at__isnull=True)
+    ) & Q(abandoned_at__isnull=True, gone_at__isnull=True)
 
 
 def acquire_lease(task_pk: int, owner: str) -> str | None:
