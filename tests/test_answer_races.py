@@ -74,3 +74,41 @@ def test_a_reopened_question_takes_at_most_one_new_answer_and_never_loses_it(mon
         else:  # every answer came before the reopening: the question is open
             assert row.answered_seq == QUESTION - 1 and row.outbox is None
         assert not (row.answered_seq == QUESTION and row.outbox is None)
+
+
+def test_watch_again_pressed_twice_at_once_is_taken_once(monkeypatch):
+    """It accepted an idle task, which is what the first caller leaves: two callers released
+    together both succeeded, and the log held two watch-again entries."""
+    from tasks_app.models import TaskEvent
+
+    monkeypatch.setattr(task_services, "dispatch", lambda pk: None)
+    agent = Agent.objects.create(name="a", base_url="http://127.0.0.1:9/again")
+    for n in range(4):
+        task = RemoteTask.objects.create(
+            agent=agent, phase=RemoteTask.Phase.TASK, remote_id=f"w-{n}",
+            state="TASK_STATE_WORKING", watcher_status=RemoteTask.WatcherStatus.PARKED,
+            fruitless_turns=8,
+        )  # fmt: skip
+        copies = [RemoteTask.objects.select_related("agent").get(pk=task.pk) for _ in range(2)]
+        outcomes = release_together(
+            *(functools.partial(task_services.watch_again, copy) for copy in copies)
+        )
+        assert sum(isinstance(o, RemoteTask) for o in outcomes) == 1, outcomes
+        assert TaskEvent.objects.filter(task=task, kind="operator").count() == 1
+
+
+def test_a_send_failure_from_a_holder_whose_lease_moved_on_changes_nothing():
+    """The phase was set to failed while the fenced send-failed entry was refused: the stored
+    phase then differed from what the log replays to (an operator abandoned meanwhile)."""
+    from tasks_app.models import TaskEvent
+
+    agent = Agent.objects.create(name="a", base_url="http://127.0.0.1:9/fenced")
+    task = RemoteTask.objects.create(agent=agent, phase=RemoteTask.Phase.SENDING, lease_token="")
+    task_services.fail_send(task.pk, "ConnectError", fence="the-old-holder")
+    task.refresh_from_db()
+    assert task.phase == RemoteTask.Phase.SENDING and not TaskEvent.objects.filter(task=task)
+    RemoteTask.objects.filter(pk=task.pk).update(lease_token="the-holder")
+    task_services.fail_send(task.pk, "ConnectError", fence="the-holder")
+    task.refresh_from_db()
+    assert task.phase == RemoteTask.Phase.FAILED
+    assert TaskEvent.objects.filter(task=task, raw__system__event="send-failed").count() == 1

@@ -504,17 +504,22 @@ def watch_again(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask:
         # Nobody holds it: no lease, or one that ran out (a "lost" task keeps the dead
         # worker's token until a watcher takes it, and one that is not watchable never is).
         free = Q(lease_token="") | Q(lease_expires_at__lt=timezone.now())
-        won = RemoteTask.objects.filter(
-            free,
-            pk=task.pk,
-            abandoned_at__isnull=True,
-            gone_at__isnull=True,
+        # An idle task only while it has a fruitless series to forget: the update below leaves
+        # it idle with none, so of two callers released together only one matches (both did,
+        # and the log held two watch-again entries).
+        statuses = Q(
             watcher_status__in=[
                 RemoteTask.WatcherStatus.PARKED,
                 RemoteTask.WatcherStatus.LOST,
-                RemoteTask.WatcherStatus.IDLE,
                 RemoteTask.WatcherStatus.RECONNECTING,
-            ],
+            ]
+        ) | Q(watcher_status=RemoteTask.WatcherStatus.IDLE, fruitless_turns__gt=0)
+        won = RemoteTask.objects.filter(
+            free,
+            statuses,
+            pk=task.pk,
+            abandoned_at__isnull=True,
+            gone_at__isnull=True,
         ).update(
             fruitless_turns=0,
             lease_token="",
@@ -917,9 +922,13 @@ def fail_send(
     send" offered (``send_attempted_at`` is cleared to say so).
     """
     extra = {"send_attempted_at": None} if retry_safe else {}
+    # Fenced like the record below: a holder whose lease moved on (an operator abandoned the
+    # task) changed the phase while its send-failed entry was refused, and the stored phase
+    # then differed from what the log replays to.
+    guard = {"lease_token": fence} if fence is not None else {}
     with transaction.atomic():
         won = RemoteTask.objects.filter(
-            pk=task_pk, phase=RemoteTask.Phase.SENDING, remote_id=""
+            pk=task_pk, phase=RemoteTask.Phase.SENDING, remote_id="", **guard
         ).update(phase=RemoteTask.Phase.FAILED, send_error=reason[:2000], outbox=None, **extra)
         if won:
             record(
