@@ -3,8 +3,9 @@
 Each child runs in its own session (so its own process group): a Ctrl-C in the terminal
 reaches only the supervisor, which then stops the children in a known order, and signalling
 the group also reaches grandchildren a child may have forked. On Linux each child also asks
-the kernel for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``), so even a supervisor
-killed with SIGKILL leaves no orphans behind.
+the kernel for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``), so a supervisor killed
+with SIGKILL leaves no orphans behind as long as its children end on SIGTERM (ours do; the
+signal reaches direct children only, not a child's own children).
 
 A child started with a ``Backoff`` is restarted when it dies on its own (``Supervisor.tend``):
 after 1 s, then 2, 4 ... up to a maximum, and back to the first delay once it has stayed up a
