@@ -60,3 +60,24 @@ def test_adding_a_member_to_a_project_no_project_can_be_named_changes_nothing(
     # At the limit, the project is made as before.
     call_command("members", "add", "pat", "p" * 100, "viewer", stdout=io.StringIO())
     assert Project.objects.filter(name="p" * 100).exists()
+
+
+def test_an_address_not_on_this_machine_is_not_a_port_in_use() -> None:
+    """``up --host`` with an address this machine does not have said the port was in use."""
+    import socket
+
+    from tasks_app.runtime.net import bind_problem
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert bind_problem("127.0.0.1", port) == "in use"
+    problem = bind_problem("192.0.2.1", port)  # TEST-NET-1: binding sends nothing
+    assert problem and problem != "in use"
+
+
+@pytest.mark.django_db
+def test_an_export_folder_that_cannot_be_made_is_one_sentence(tmp_path) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    with pytest.raises(CommandError, match=r"--export-to .* cannot be made"):
+        call_command("prune", "--older-than", "1", "--export-to", str(a_file / "inside"))

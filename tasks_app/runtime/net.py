@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import random
 import socket
 import time
@@ -46,19 +47,33 @@ def _ephemeral_low() -> int:
 
 
 def port_available(host: str, port: int) -> bool:
-    """Can a server bind ``host:port``?
+    """Can a server bind ``host:port``? (False only for a port in use; see :func:`bind_problem`.)
 
     SO_REUSEADDR is set as daphne (Twisted) sets it, so a port that only has connections in
     TIME_WAIT counts as free and only a real listener counts as "in use".
+    """
+    return bind_problem(host, port) is None
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why a server cannot bind ``host:port`` ("in use", or the system's reason), or None.
+
+    A host name that does not resolve, or an address not on this machine, is not a port in
+    use: ``up --host`` said so for those, and the operator looked for a process that was
+    not there.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
-        except OSError:
-            return False
-    return True
+        except socket.gaierror as exc:
+            return f"the host name does not resolve ({exc.strerror})"
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return "in use"
+            return exc.strerror or type(exc).__name__
+    return None
 
 
 def redact_url(url: str) -> str:

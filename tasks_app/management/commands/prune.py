@@ -62,6 +62,13 @@ class Command(BaseCommand):
         export_to = Path(options["export_to"]) if options["export_to"] else None
         if export_to is not None and export_to.exists() and not export_to.is_dir():
             raise CommandError(f"--export-to {export_to} is not a folder.")
+        if export_to is not None and not options["dry_run"]:
+            try:  # made here, so that a folder that cannot be is said before anything is pruned
+                export_to.mkdir(mode=0o700, parents=True, exist_ok=True)
+            except OSError as exc:
+                raise CommandError(
+                    f"--export-to {export_to} cannot be made: {exc.strerror or exc}."
+                ) from None
         say = self.stdout.write if options["verbosity"] > 1 else None
         result = retention.prune(
             days, export_to=export_to, dry_run=options["dry_run"], batch=options["batch"], say=say

@@ -41,7 +41,13 @@ from tasks_app.health import run_checks
 from tasks_app.management.arguments import int_between
 from tasks_app.runtime import sqlite_stats
 from tasks_app.runtime.admin import ensure_admin
-from tasks_app.runtime.net import free_port, port_available, redact_url, wait_until
+from tasks_app.runtime.net import (
+    bind_problem,
+    free_port,
+    port_available,
+    redact_url,
+    wait_until,
+)
 from tasks_app.runtime.redis_server import (
     apply_redis_url,
     find_redis_server,
@@ -319,10 +325,15 @@ class Runner:
                 "--only needs REDIS_URL: parts on different machines must share one Redis "
                 "(and one database, DATABASE_URL)."
             )
-        if {"web", "webhook"} & set(self.roles) and not port_available(self.host, self.port):
+        problem = (
+            bind_problem(self.host, self.port) if {"web", "webhook"} & set(self.roles) else None
+        )
+        if problem == "in use":
             raise StartupError(
                 f"Port {self.port} on {self.host} is already in use; pass --port to use another one."
             )
+        if problem:
+            raise StartupError(f"--host {self.host!r} cannot be served here: {problem}.")
         if self.demo:
             _demo_preflight()
             # The demo agent listens on 127.0.0.1, which the outbound guard refuses unless told:
