@@ -158,15 +158,30 @@ def _local_secret_key() -> str:
 
     Created owner-only from the first byte (``tasks_app/runtime/files.py``).
     """
-    private_dir(DATA_DIR)
-    path = DATA_DIR / "secret_key"
-    if not path.exists():
-        create_private_once(path, secrets.token_urlsafe(50))
-    narrow(path)
-    return path.read_text().strip()
+    try:
+        private_dir(DATA_DIR)
+        path = DATA_DIR / "secret_key"
+        if not path.exists():
+            create_private_once(path, secrets.token_urlsafe(50))
+        narrow(path)
+        key = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not text"
+        raise ImproperlyConfigured(f"DATA_DIR ({DATA_DIR}) cannot be used: {reason}.") from None
+    if len(key) < 32:
+        # An emptied file gave an empty key: every request then failed on it.
+        raise ImproperlyConfigured(
+            f"DATA_DIR's secret_key ({path}) is empty or too short; remove it and a new one "
+            "is made (sessions then end), or set SECRET_KEY."
+        )
+    return key
 
 
-SECRET_KEY = os.environ.get("SECRET_KEY", "")
+# Stripped: a line end from a CRLF env file would be part of the key (and of the
+# encryption keys derived from it).
+SECRET_KEY = os.environ.get("SECRET_KEY", "").strip()
+if os.environ.get("SECRET_KEY", "") and len(SECRET_KEY) < 32:
+    raise ImproperlyConfigured("SECRET_KEY must be at least 32 characters.")
 if not SECRET_KEY:
     if PRODUCTION:
         raise ImproperlyConfigured("SECRET_KEY must be set when DASHBOARD_PRODUCTION is on.")
@@ -380,7 +395,16 @@ if PRODUCTION:
     SECURE_HSTS_INCLUDE_SUBDOMAINS = env_flag("SECURE_HSTS_INCLUDE_SUBDOMAINS")
     SECURE_SSL_REDIRECT = env_flag("SECURE_SSL_REDIRECT")
 
-FIELD_ENCRYPTION_KEY = os.environ.get("FIELD_ENCRYPTION_KEY", "")
+FIELD_ENCRYPTION_KEY = os.environ.get("FIELD_ENCRYPTION_KEY", "").strip()
+if FIELD_ENCRYPTION_KEY:
+    from cryptography.fernet import Fernet
+
+    try:  # checked at start: a malformed key failed only when a credential was first stored
+        Fernet(FIELD_ENCRYPTION_KEY)
+    except ValueError:
+        raise ImproperlyConfigured(
+            "FIELD_ENCRYPTION_KEY must be a Fernet key (32 url-safe base64-encoded bytes)."
+        ) from None
 # Keys used before (comma-separated Fernet keys or old SECRET_KEYs): stored credentials
 # still decrypt with them; `manage.py rotate_keys` re-encrypts with the current key.
 FIELD_ENCRYPTION_OLD_KEYS = env_list("FIELD_ENCRYPTION_OLD_KEYS", [])

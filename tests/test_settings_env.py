@@ -111,6 +111,10 @@ SECONDS = "a number of seconds more than 0 and at most 3153600000"
         ("DASHBOARD_PRODUCTION", "ture", "1, true, yes or on (or 0, false, no or off), not 'ture'."),
         ("EMAIL_USE_TLS", "yes please",
          "1, true, yes or on (or 0, false, no or off), not 'yes please'."),
+        # Checked at start now (a malformed key failed when a credential was first stored;
+        # a short one weakened the keys derived from it), and never shown.
+        ("FIELD_ENCRYPTION_KEY", "notakey", "a Fernet key (32 url-safe base64-encoded bytes)."),
+        ("SECRET_KEY", "short\r", "at least 32 characters."),
     ],
 )  # fmt: skip
 def test_a_bad_value_is_one_sentence_naming_the_setting(
