@@ -250,3 +250,18 @@ def test_the_alerts_page_survives_a_malformed_webhook_url(admin_client, settings
     response = admin_client.get(reverse("alerts"))
     assert response.status_code == 200
     assert "s3cr3t" not in response.content.decode()
+
+
+def test_a_data_dir_that_cannot_be_used_is_one_sentence(child_env: ChildEnv, tmp_path) -> None:
+    """A DATA_DIR that is a file, or whose secret_key is a folder or empty, ended in a
+    traceback (or, for the empty key, in a site that failed every request)."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    emptied = tmp_path / "emptied"
+    emptied.mkdir()
+    (emptied / "secret_key").write_text("")
+    for data_dir, says in ((a_file, "cannot be used"), (emptied, "is empty or too short")):
+        result = manage(child_env, "check", unset=("SECRET_KEY",), DATA_DIR=str(data_dir))
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        assert "DATA_DIR" in line and says in line
