@@ -81,3 +81,28 @@ def test_an_export_folder_that_cannot_be_made_is_one_sentence(tmp_path) -> None:
     a_file.write_text("x")
     with pytest.raises(CommandError, match=r"--export-to .* cannot be made"):
         call_command("prune", "--older-than", "1", "--export-to", str(a_file / "inside"))
+
+
+@pytest.mark.postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_a_web_part_waiting_for_the_migration_lock_hears_a_stop() -> None:
+    """``up --only web`` waited for another web part's migration lock with a blocking call:
+    SIGTERM and SIGINT went unheard until the other part finished."""
+    import threading
+
+    import psycopg
+    from django.db import connection
+
+    from tasks_app.management.commands.up import MIGRATE_LOCK_KEY, _one_web_part_at_a_time
+
+    params = connection.get_connection_params()
+    with psycopg.connect(**params) as other:  # another web part, migrating
+        other.execute("SELECT pg_advisory_lock(%s)", [MIGRATE_LOCK_KEY])
+        stopping, said, turns = threading.Event(), [], []
+        threading.Timer(0.5, stopping.set).start()
+        with _one_web_part_at_a_time(stopping, said.append) as turn:
+            turns.append(turn)
+        assert turns == [False] and said == ["Waiting for another web part to finish migrating ..."]
+        other.execute("SELECT pg_advisory_unlock(%s)", [MIGRATE_LOCK_KEY])
+    with _one_web_part_at_a_time(threading.Event(), said.append) as turn:
+        assert turn is True  # free again: taken at once

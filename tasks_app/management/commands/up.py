@@ -169,18 +169,34 @@ MIGRATE_LOCK_KEY = 0x0A2A_DA5B
 
 
 @contextlib.contextmanager
-def _one_web_part_at_a_time() -> Iterator[None]:
+def _one_web_part_at_a_time(
+    stopping: threading.Event, say: Callable[[str], None]
+) -> Iterator[bool]:
     """Web parts started together on one PostgreSQL (two replicas, a fresh install) take turns
     to migrate and make the first login: at once, both would create the same tables or the same
     admin and one would fail. A session advisory lock, so a part that dies releases it. SQLite
-    serves one machine, where one web part runs."""
+    serves one machine, where one web part runs.
+
+    The lock is tried, not waited for, so that a stop asked meanwhile is heard (a blocking wait
+    ignored SIGTERM and SIGINT until the other part finished); yields False when stopped.
+    """
     if connection.vendor != "postgresql":
-        yield
+        yield True
         return
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_advisory_lock(%s)", [MIGRATE_LOCK_KEY])
+    said = False
+    while True:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_try_advisory_lock(%s)", [MIGRATE_LOCK_KEY])
+            if cursor.fetchone()[0]:
+                break
+        if not said:
+            say("Waiting for another web part to finish migrating ...")
+            said = True
+        if stopping.wait(0.5):
+            yield False
+            return
     try:
-        yield
+        yield True
     finally:
         with contextlib.suppress(Exception), connection.cursor() as cursor:
             cursor.execute("SELECT pg_advisory_unlock(%s)", [MIGRATE_LOCK_KEY])
@@ -355,7 +371,9 @@ class Runner:
         login_line = ""
         if "web" in self.roles:
             # The web part migrates and makes the first login; workers and beat expect both.
-            with _one_web_part_at_a_time():
+            with _one_web_part_at_a_time(self.stopping, self.say) as turn:
+                if not turn:
+                    return self._shutdown(0)
                 call_command("migrate", interactive=False, verbosity=0)
                 sqlite_stats.refresh()  # the planner's statistics (beat refreshes them hourly)
                 login_line = ensure_admin(Path(settings.DATA_DIR))
