@@ -316,22 +316,26 @@ def _reconcile() -> int:
     """Dispatch a watcher for every watchable task that nobody holds (lease missing or expired)."""
     now = timezone.now()
     expired = Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=now)
-    taken_over = (
-        RemoteTask.objects.filter(expired, ~Q(lease_token=""))
-        .exclude(
-            watcher_status__in=[
-                Status.IDLE,
-                Status.LOST,
-                Status.PARKED,
-                Status.GONE,
-                Status.ABANDONED,
-            ]
-        )
-        .update(
-            watcher_status=next_status(Status.STREAMING, Event.LEASE_EXPIRED),  # "lost"
-            watcher_note="its watcher stopped answering; taking over",
-            watcher_since=now,
-        )
+    stale = RemoteTask.objects.filter(expired, ~Q(lease_token="")).exclude(
+        watcher_status__in=[Status.IDLE, Status.LOST, Status.PARKED, Status.GONE, Status.ABANDONED]
+    )
+    taken_over = stale.filter(task_services.watchable()).update(
+        watcher_status=next_status(Status.STREAMING, Event.LEASE_EXPIRED),  # "lost"
+        watcher_note="its watcher stopped answering; taking over",
+        watcher_since=now,
+    )
+    # A holder that could not release (the database away, the worker killed) of a task with
+    # nothing left to watch (ended, or waiting for an answer): nobody takes it over, and it
+    # said "lost" for ever. It is idle, as a release would have left it.
+    stale.filter(
+        ~Q(pk__in=RemoteTask.objects.filter(task_services.watchable()).values("pk"))
+    ).update(
+        watcher_status=Status.IDLE,
+        watcher_note="its watcher stopped; nothing is left to watch",
+        watcher_since=now,
+        lease_token="",
+        lease_owner="",
+        lease_expires_at=None,
     )
     metrics.count("lease_takeovers", taken_over)
     pks = list(

@@ -282,3 +282,25 @@ def test_a_holder_that_renews_after_its_lease_ran_out_shows_its_own_status_again
     assert not waiting.done()
     registry.stopping.set()
     eventloop.submit(_cancel(waiting)).result(timeout=10)
+
+
+def test_a_task_with_nothing_left_to_watch_whose_holder_stopped_is_idle_not_lost(
+    empty_queue,
+) -> None:
+    """A holder that could not release (the database away, the worker killed) left a task
+    that had ended, or waits for an answer: the reconciler said "lost, taking over", but
+    nobody takes over a task that is not watchable, and it said so for ever."""
+    from django.utils import timezone
+
+    (ended, waiting, working) = _working_tasks(3)
+    stopped = {"lease_token": "dead", "lease_owner": "gone-worker",
+               "lease_expires_at": timezone.now(), "watcher_status": "streaming"}  # fmt: skip
+    RemoteTask.objects.filter(pk=ended).update(
+        state="TASK_STATE_COMPLETED", settled_at=timezone.now(), **stopped
+    )
+    RemoteTask.objects.filter(pk=waiting).update(state="TASK_STATE_INPUT_REQUIRED", **stopped)
+    RemoteTask.objects.filter(pk=working).update(**stopped)
+    watchers.reconcile_once()
+    statuses = dict(RemoteTask.objects.values_list("pk", "watcher_status"))
+    assert (statuses[ended], statuses[waiting], statuses[working]) == ("idle", "idle", "lost")
+    assert RemoteTask.objects.get(pk=ended).lease_token == ""
