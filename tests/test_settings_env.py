@@ -155,18 +155,34 @@ def test_a_bad_alert_webhook_url_is_refused_without_showing_it(
 def test_defaults_load_unchanged(child_env: ChildEnv) -> None:
     """With none of them set, every setting has the default it had before it was checked."""
     assert manage(child_env, "check", unset=UNSET).returncode == 0
-    code = (
-        "import json; from django.conf import settings as s; "
-        f"print(json.dumps({{n: getattr(s, n) for n in {list(DEFAULTS)!r}}} | "
-        "{'AXES_FAILURE_LIMIT': s.AXES_FAILURE_LIMIT, 'PRODUCTION': s.PRODUCTION, "
-        "'cooloff': s.AXES_COOLOFF_TIME.total_seconds(), 'level': s.LOGGING['root']['level']}))"
-    )
-    result = manage(child_env, "shell", "-c", code, unset=UNSET)
+    every = (*UNSET, *TEXT_DEFAULTS, "CELERY_BROKER_URL", "STATIC_ROOT")
+    assert_defaults(loaded_settings(child_env, unset=every))
+
+
+# What a child process loads (the setting's values, and a few read under other names).
+LOADED = (
+    "import json; from django.conf import settings as s; "
+    f"print(json.dumps({{n: getattr(s, n) for n in {list(DEFAULTS)!r}}} | "
+    "{'AXES_FAILURE_LIMIT': s.AXES_FAILURE_LIMIT, 'PRODUCTION': s.PRODUCTION, "
+    "'cooloff': s.AXES_COOLOFF_TIME.total_seconds(), 'level': s.LOGGING['root']['level'], "
+    "'CELERY_QUEUE': s.CELERY_TASK_DEFAULT_QUEUE, 'EMAIL_BACKEND': s.EMAIL_BACKEND, "
+    "'EMAIL_HOST': s.EMAIL_HOST, 'DEFAULT_FROM_EMAIL': s.DEFAULT_FROM_EMAIL, "
+    "'broker_is_redis': s.CELERY_BROKER_URL == s.REDIS_URL, 'STATIC_ROOT': s.STATIC_ROOT}))"
+)
+OTHER_DEFAULTS = {
+    "AXES_FAILURE_LIMIT": 10, "PRODUCTION": False, "cooloff": 900.0, "level": "INFO",
+    "broker_is_redis": True, "STATIC_ROOT": None,
+}  # fmt: skip
+
+
+def loaded_settings(child_env: ChildEnv, **kwargs: object) -> dict:
+    result = manage(child_env, "shell", "-c", LOADED, **kwargs)  # type: ignore[arg-type]
     assert result.returncode == 0, result.stderr
-    loaded = json.loads(result.stdout.strip().splitlines()[-1])
-    assert loaded == DEFAULTS | {
-        "AXES_FAILURE_LIMIT": 10, "PRODUCTION": False, "cooloff": 900.0, "level": "INFO"
-    }  # fmt: skip
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def assert_defaults(loaded: dict) -> None:
+    assert loaded == DEFAULTS | TEXT_DEFAULTS | OTHER_DEFAULTS
     # == takes 4 for 4.0: the types are compared too (json keeps 4.0 a float).
     assert all(type(loaded[name]) is type(value) for name, value in DEFAULTS.items())
 
@@ -183,23 +199,7 @@ def test_an_empty_value_means_the_default(child_env: ChildEnv) -> None:
     setting (an empty broker URL made Celery look for RabbitMQ; an empty queue name started
     the worker on no queue)."""
     empty = dict.fromkeys((*UNSET, *TEXT_DEFAULTS, "CELERY_BROKER_URL", "STATIC_ROOT"), " ")
-    code = (
-        "import json; from django.conf import settings as s; "
-        f"print(json.dumps({{n: getattr(s, n) for n in {list(DEFAULTS)!r}}} | "
-        "{'AXES_FAILURE_LIMIT': s.AXES_FAILURE_LIMIT, 'PRODUCTION': s.PRODUCTION, "
-        "'cooloff': s.AXES_COOLOFF_TIME.total_seconds(), 'level': s.LOGGING['root']['level'], "
-        "'CELERY_QUEUE': s.CELERY_TASK_DEFAULT_QUEUE, 'EMAIL_BACKEND': s.EMAIL_BACKEND, "
-        "'EMAIL_HOST': s.EMAIL_HOST, 'DEFAULT_FROM_EMAIL': s.DEFAULT_FROM_EMAIL, "
-        "'broker_is_redis': s.CELERY_BROKER_URL == s.REDIS_URL, 'STATIC_ROOT': s.STATIC_ROOT}))"
-    )
-    result = manage(child_env, "shell", "-c", code, **empty)
-    assert result.returncode == 0, result.stderr
-    loaded = json.loads(result.stdout.strip().splitlines()[-1])
-    assert loaded == DEFAULTS | TEXT_DEFAULTS | {
-        "AXES_FAILURE_LIMIT": 10, "PRODUCTION": False, "cooloff": 900.0, "level": "INFO",
-        "broker_is_redis": True, "STATIC_ROOT": None,
-    }  # fmt: skip
-    assert all(type(loaded[name]) is type(value) for name, value in DEFAULTS.items())
+    assert_defaults(loaded_settings(child_env, **empty))
 
 
 def test_documented_spellings_are_accepted(child_env: ChildEnv) -> None:

@@ -47,6 +47,7 @@ from tasks_app.a2a import (
 )
 from tasks_app.management.arguments import float_between, int_between
 from tasks_app.management.commands.agents import read_secret
+from tasks_app.services.agents import header_safe
 
 SECRETS = (  # (option key, refused flag, file flag, environment variable)
     ("token", "--token", "--token-file", "A2A_TOKEN"),
@@ -225,7 +226,7 @@ class Command(BaseCommand):
         for key, _flag, file_flag, env in SECRETS:
             source = options.get(key + "_file") or ""
             from_env = (os.environ.get(env) or "").strip()
-            if from_env and not (from_env.isascii() and from_env.isprintable()):
+            if from_env and not header_safe(from_env):
                 raise CommandError(
                     f"{env} holds characters an HTTP header cannot carry (control characters "
                     "or non-ASCII)."

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from tasks_app.models import Agent, Project
-from tasks_app.services.agents import AgentError, add_agent
+from tasks_app.services.agents import AgentError, add_agent, header_safe
 
 MAX_SECRET_BYTES = 64 * 1024
 
@@ -51,7 +51,7 @@ def read_secret(source: str, option: str, stdin: TextIO) -> str:
         raise CommandError(
             f"{option}: {where} holds more than one line; put only the secret in it."
         )
-    if not (secret.isascii() and secret.isprintable()):
+    if not header_safe(secret):
         raise CommandError(
             f"{option}: {where} holds characters an HTTP header cannot carry (control "
             "characters or non-ASCII); put only the secret in it."
