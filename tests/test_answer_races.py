@@ -112,3 +112,49 @@ def test_a_send_failure_from_a_holder_whose_lease_moved_on_changes_nothing():
     task.refresh_from_db()
     assert task.phase == RemoteTask.Phase.FAILED
     assert TaskEvent.objects.filter(task=task, raw__system__event="send-failed").count() == 1
+
+
+def test_an_answer_given_while_the_first_request_is_being_cleared_is_kept(monkeypatch):
+    """The first send's holder clears its request from the outbox once the agent answers; the
+    agent's question may be on the page by then. Clearing was a read and then an update: an
+    answer given between the two was cleared with the request, and never sent. The answer
+    is given here right after the holder's first statement (the injected pause)."""
+    import threading
+
+    from django.db import close_old_connections, connection
+
+    monkeypatch.setattr(task_services, "dispatch", lambda pk: None)
+    agent = Agent.objects.create(name="a", base_url="http://127.0.0.1:9/cleared")
+    task = RemoteTask.objects.create(
+        agent=agent, phase=RemoteTask.Phase.TASK, remote_id="r-1", context_id="c-1",
+        state="TASK_STATE_INPUT_REQUIRED", last_seq=QUESTION, asked_seq=QUESTION,
+        answered_seq=QUESTION - 1,
+        outbox={"message": {"messageId": "first", "role": "ROLE_USER", "parts": []}},
+    )  # fmt: skip
+    answered: list[object] = []
+
+    def answer() -> None:
+        try:
+            copy = RemoteTask.objects.select_related("agent").get(pk=task.pk)
+            answered.append(task_services.answer_task(copy, "green", question_seq=QUESTION))
+        finally:
+            close_old_connections()
+
+    statements: list[str] = []
+
+    def answer_after_the_first_statement(execute, sql, params, many, context):
+        result = execute(sql, params, many, context)
+        statements.append(sql)
+        if len(statements) == 1:  # the person answers inside the holder's window
+            person = threading.Thread(target=answer)
+            person.start()
+            person.join(timeout=20)
+        return result
+
+    with connection.execute_wrapper(answer_after_the_first_statement):
+        task_services.clear_outbox(task.pk, "first")
+    assert statements and len(answered) == 1 and isinstance(answered[0], RemoteTask), answered
+    row = RemoteTask.objects.get(pk=task.pk)
+    assert row.answered_seq == QUESTION
+    assert row.outbox is not None, "the person's answer was cleared with the first request"
+    assert row.outbox["message"]["parts"] == [{"text": "green"}]

@@ -84,10 +84,12 @@ def test_exactly_one_answer_reaches_the_agent(agent, monkeypatch, in_process_hol
     resume = threading.Event()
     original_clear = task_services.clear_outbox
 
-    def clear_then_pause(task_pk: int, message_id: str) -> None:
-        original_clear(task_pk, message_id)
+    def clear_then_pause(task_pk: int, message_id: str) -> bool:
+        if not original_clear(task_pk, message_id):
+            return False  # the first send's holder, late: the outbox holds the answer now
         acknowledged.set()
         resume.wait(timeout=20)  # the injected pause: acknowledged, not yet recorded
+        return True
 
     monkeypatch.setattr(task_services, "clear_outbox", clear_then_pause)
     # Holders run here, on this process's shared loop, instead of in a worker.
@@ -220,11 +222,18 @@ def test_an_answer_whose_send_was_cut_by_the_database_reaches_the_agent_once(
     original_clear = task_services.clear_outbox
     answering = threading.Event()
 
-    def clear_fails_once(task_pk: int, message_id: str) -> None:
-        if answering.is_set() and fails == "after the agent took it" and not failed.is_set():
+    def clear_fails_once(task_pk: int, message_id: str) -> bool:
+        # The answer's clearing only: the first send's holder may still clear its request
+        # once the question is on the page (it finds the outbox taken by the answer).
+        if (
+            answering.is_set()
+            and message_id != first_request[0]
+            and fails == "after the agent took it"
+            and not failed.is_set()
+        ):
             failed.set()
             raise OperationalError("the database went away")  # the injected failure
-        original_clear(task_pk, message_id)
+        return original_clear(task_pk, message_id)
 
     sent: list[str] = []
     original_send = A2AClient.send_streaming_message
@@ -239,7 +248,9 @@ def test_an_answer_whose_send_was_cut_by_the_database_reaches_the_agent_once(
     monkeypatch.setattr(A2AClient, "send_streaming_message", counting_send)
     monkeypatch.setattr(task_services, "clear_outbox", clear_fails_once)
     monkeypatch.setattr(task_services, "dispatch", lambda pk: watchers.watch(pk))
+    first_request: list[str] = [""]
     demo, task = asked(agent)
+    first_request[0] = task.request["message"]["messageId"]
     answering.set()
     task_services.answer_task(task, "green", question_seq=task.asked_seq)
     assert failed.wait(timeout=20), "the holder never began sending the answer"

@@ -905,11 +905,20 @@ def answer_failed(task_pk: int, message_id: str) -> bool:
     )
 
 
-def clear_outbox(task_pk: int, message_id: str) -> None:
-    """The agent acknowledged the message: it must not be sent again."""
-    task = RemoteTask.objects.filter(pk=task_pk).only("outbox").first()
-    if task and task.outbox and task.outbox.get("message", {}).get("messageId") == message_id:
-        RemoteTask.objects.filter(pk=task_pk, outbox__isnull=False).update(outbox=None)
+def clear_outbox(task_pk: int, message_id: str) -> bool:
+    """The agent acknowledged the message: it must not be sent again.
+
+    One compare-and-set on the message's id: a read and then an update cleared an answer a
+    person gave in between (the first send's holder clears its request after the agent's
+    question may already be on the page). False when the outbox held another message or none.
+    """
+    if not message_id:
+        return False
+    return bool(
+        RemoteTask.objects.filter(pk=task_pk, outbox__message__messageId=message_id).update(
+            outbox=None
+        )
+    )
 
 
 def fail_send(
