@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
+from tests import examples
+
 HOOK_DIR = Path(__file__).resolve().parent / "loopback_only"
 LOOPBACK_ALLOW = "127.0.0.0/8,::1/128"
 
@@ -171,6 +173,8 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     given = config.option.markexpr
     config.option.markexpr = f"({FAST_EXPRESSION}) and ({given})" if given else FAST_EXPRESSION
+    # Property tests try a share of their examples here; the full suite tries them all.
+    examples.share = examples.FAST_TIER_SHARE
     sys.addaudithook(_record_process_starts)  # cannot be removed: installed for --fast runs only
 
 

@@ -36,6 +36,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tasks_app.a2a import a2ui
+from tests.examples import examples
 
 SCHEMAS = a2ui.SCHEMA_DIR
 
@@ -187,7 +188,7 @@ json_values = st.recursive(
 keys = st.sampled_from([*a2ui.V08_KEYS, *a2ui.V09_KEYS, "version", "surfaceId", "components"])
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     message=st.dictionaries(keys, json_values | st.dictionaries(keys, json_values), max_size=3),
     version=st.sampled_from(["0.8", "0.9", "0.9.1"]),
@@ -207,7 +208,7 @@ def test_any_json_gives_a_reason_or_a_fold_never_an_exception(message, version):
 tokens = st.text(alphabet="ab/~_1", min_size=1, max_size=5)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(path=st.lists(tokens, min_size=1, max_size=4), value=json_values)
 @example(path=["a", "b"], value=1)
 @example(path=["a", "2"], value=1)
@@ -238,7 +239,7 @@ def test_data_model_updates_land_at_their_pointer(path, value):
     assert a2ui.lookup(surfaces["s"]["data_model"], pointer)[0] is False
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(text=st.text(max_size=40))
 def test_strings_stay_strings(text):
     surfaces: dict = {}

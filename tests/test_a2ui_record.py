@@ -18,6 +18,7 @@ from tasks_app.a2a import a2ui
 from tasks_app.models import Agent, RemoteTask, Surface, TaskEvent
 from tasks_app.services.audit import replay, surfaces_view
 from tasks_app.services.record import record, record_many
+from tests.examples import examples
 
 pytestmark = pytest.mark.django_db
 
@@ -423,7 +424,9 @@ POOL = [
 
 
 @settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=examples(25),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(
     steps=st.lists(

@@ -30,6 +30,7 @@ from tasks_app.services.chain import (
     text_digest,
     timestamp_text,
 )
+from tests.examples import examples
 
 awkward_text = st.text(max_size=12) | st.sampled_from(
     ["\ud800", "a\x00b", "\udfff\ud800", "\u202e", "😀", '"\\', "NaN", "-0.0", "\\u0000"]
@@ -47,7 +48,7 @@ json_values = st.recursive(
 )
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(
     seq=st.integers(min_value=0, max_value=2**40),
     moment=st.datetimes(timezones=st.just(dt.UTC)),
@@ -71,7 +72,7 @@ def test_a_row_written_directly_is_its_canonical_form(
     assert direct == canonical_json(form)
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=examples(600), deadline=None)
 @given(value=json_values)
 def test_text_that_shows_nothing_to_clean_is_never_wrong(value):
     """``may_need_cleaning`` may say "maybe" for clean values, never "no" for unclean ones."""
@@ -83,7 +84,7 @@ def test_text_that_shows_nothing_to_clean_is_never_wrong(value):
         assert canonical_json(cleaned) == text
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(value=json_values)
 def test_an_entry_is_stored_and_hashed_as_the_slow_path_would(value):
     """parse_entry's fast path (one canonical text for the check and the digest) agrees with
@@ -102,7 +103,7 @@ def test_an_entry_is_stored_and_hashed_as_the_slow_path_would(value):
     assert ("replaced by U+FFFD" in entry.note) == (replaced > 0)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(value=json_values)
 def test_a_parts_canonical_form_is_what_dumps_writes(value):
     """Artifact digests chain each part's ``json.dumps`` form; the encoder made once writes it."""
@@ -116,7 +117,7 @@ def test_a_parts_canonical_form_is_what_dumps_writes(value):
     assert record_module._canonical(value) == slow.encode()
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(value=json_values, ensure_ascii=st.booleans())
 def test_the_encoder_made_once_writes_what_dumps_writes(value, ensure_ascii):
     """``sorted_compact_encoder`` calls the C encoder directly; the text is ``json.dumps``'s."""

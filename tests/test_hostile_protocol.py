@@ -41,6 +41,7 @@ from tasks_app.a2a._http import decode_json, error_for_status
 from tasks_app.a2a.guard import GuardedTransport, Policy
 from tasks_app.a2a.safejson import clean, loads
 from tasks_app.a2a.streams import LINES_PER_TURN, iter_sse
+from tests.examples import examples
 from tests.hostile_servers import TASK_ID, Conn, HostileServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -138,7 +139,7 @@ def _depth(value: object) -> int:
     return 0
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(json_values, st.integers(min_value=0, max_value=8))
 def test_loads_matches_json_within_depth(value: object, max_depth: int) -> None:
     text = json.dumps(value)
@@ -150,7 +151,7 @@ def test_loads_matches_json_within_depth(value: object, max_depth: int) -> None:
             loads(text.encode(), max_depth=max_depth)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.binary(max_size=200))
 def test_loads_never_raises_anything_but_protocol_error(data: bytes) -> None:
     try:
@@ -237,7 +238,7 @@ hostile_values = st.recursive(
 
 
 @pytest.mark.slow  # hypothesis, 300 examples
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(hostile_values)
 def test_clean_makes_anything_storable(value: object) -> None:
     cleaned, count = clean(value)
@@ -248,7 +249,7 @@ def test_clean_makes_anything_storable(value: object) -> None:
     assert more == 0 and again == cleaned
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(json_values)
 def test_clean_leaves_valid_json_unchanged(value: object) -> None:
     assert clean(value) == (value, 0)

@@ -28,6 +28,7 @@ from tasks_app import answers, inbox
 from tasks_app.models import INTERRUPTED_STATES, Agent, Membership, Project, RemoteTask, TaskEvent
 from tasks_app.services import tasks as task_services
 from tasks_app.services.record import record
+from tests.examples import examples
 from tests.people import member
 
 BOOKING = {
@@ -445,7 +446,7 @@ def _querydict(post: dict[str, Any]):
 
 
 @pytest.mark.slow  # hypothesis, 150 examples
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_object())
 def test_generated_schemas_make_forms_whose_valid_answers_validate(generated) -> None:
     schema, answer = generated

@@ -28,6 +28,7 @@ from tasks_app.services.audit import replay, verify
 from tasks_app.services.chain import content_digest
 from tasks_app.services.record import record, record_many, settle
 from tasks_app.services.snapshot import task_document, task_view
+from tests.examples import examples
 from tests.people import member
 
 pytestmark = pytest.mark.django_db
@@ -477,7 +478,7 @@ entries = st.one_of(
 
 @pytest.mark.slow  # hypothesis, each example on the database
 @settings(
-    max_examples=40,
+    max_examples=examples(40),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -544,7 +545,9 @@ json_values = st.recursive(
 
 @pytest.mark.slow  # hypothesis, each example on the database
 @settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=examples(60),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(value=json_values)
 def test_any_json_an_agent_sends_is_stored_and_keeps_the_chain(value):

@@ -24,6 +24,7 @@ from tasks_app.models import Agent, PushConfig, RemoteTask, TaskEvent
 from tasks_app.services import push
 from tasks_app.services import tasks as task_services
 from tasks_app.services.record import MAX_ID_CHARS, record
+from tests.examples import examples
 from tests.serving import json_rpc_peer
 from tests.test_chain import json_values
 
@@ -360,7 +361,7 @@ def test_what_became_of_an_answer_sent_before(snapshot, fate):
     assert watchers.answer_fate(snapshot, "a-1", "TASK_STATE_INPUT_REQUIRED", ASKED) == fate
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(snapshot=json_values, history=st.lists(json_values, max_size=5))
 def test_any_snapshot_gives_an_answer_a_fate_never_an_exception(snapshot, history):
     shaped = {"status": snapshot, "history": history}
