@@ -7,8 +7,10 @@ rule                   open while                                              t
 =====================  ======================================================  ==============================
 ``silent-working``     a followed task is ``working`` and nothing was          ALERT_SILENT_WORKING_SECONDS
                        recorded for it for longer than the threshold
-``question-waiting``   a task asks (input or auth required), its question is   ALERT_QUESTION_WAITING_SECONDS
-                       not answered, and the task has not changed for longer
+``question-waiting``   a task asks (input or auth required) and has waited     ALERT_QUESTION_WAITING_SECONDS
+                       for an answer for longer than the threshold, counted
+                       from the first question of the wait (an agent asking
+                       again, unanswered, does not restart it)
 ``agent-unreachable``  the agent's last contact failed, for longer than the    ALERT_AGENT_UNREACHABLE_SECONDS
                        threshold (counted from the first evaluation that saw
                        it: the agent row keeps no time for it)
@@ -196,26 +198,28 @@ def _question_waiting(threshold: float) -> RuleSpec:
             RemoteTask.objects.filter(
                 _LIVE_TASK,
                 state__in=INTERRUPTED_STATES,
-                updated_at__lt=now - timedelta(seconds=threshold),
+                question_since__lt=now - timedelta(seconds=threshold),
                 answered_seq__lt=F("asked_seq"),
             )
             .filter(_not_alerted(Rule.QUESTION_WAITING))
-            .order_by("updated_at")
-            .values_list("pk", "agent_id", "updated_at", "title", "remote_id", "state")[: _limit()]
+            .order_by("question_since")
+            .values_list("pk", "agent_id", "question_since", "title", "remote_id", "state")[
+                : _limit()
+            ]
         )
         return [
             Found(
                 key=f"{Rule.QUESTION_WAITING}:task:{pk}",
                 task_id=pk,
                 agent_id=agent_id,
-                since=updated_at,
+                since=question_since,
                 message=(
                     f"Task {_task_name(title, remote_id, pk)} has waited for "
                     f"{'authorization' if state == 'TASK_STATE_AUTH_REQUIRED' else 'an answer'} "
                     f"for over {_duration(threshold)}."
                 ),
             )
-            for pk, agent_id, updated_at, title, remote_id, state in rows
+            for pk, agent_id, question_since, title, remote_id, state in rows
         ]
 
     holds = (

@@ -210,6 +210,9 @@ class RemoteTask(models.Model):
     asked_seq = models.PositiveIntegerField(default=0, db_default=0)
     # When that row was appended: the inbox lists the oldest question first (indexed below).
     asked_at = models.DateTimeField(null=True, blank=True)
+    # When the task began to wait for an answer: the first question of the wait. An agent
+    # asking again (a new status, still unanswered) moves asked_seq and asked_at, not this.
+    question_since = models.DateTimeField(null=True, blank=True)
     answered_seq = models.PositiveIntegerField(default=0, db_default=0)
     answered_by = models.ForeignKey(
         settings.AUTH_USER_MODEL,

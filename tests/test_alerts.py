@@ -177,6 +177,38 @@ def test_question_waiting_opens_and_resolves_when_the_agent_goes_on(agent):
     assert [a.key for a in result.resolved] == [key]
 
 
+def test_an_agent_asking_again_does_not_restart_the_wait(agent, monkeypatch):
+    """The wait was measured from the task's last change: an agent that repeats its question
+    (a new status, still unanswered) every poll never reached the threshold. It counts from
+    the first question of the wait now; an answer ends that wait, and a question after it
+    begins a new one."""
+    clock = [timezone.now()]
+    monkeypatch.setattr(timezone, "now", lambda: clock[0])
+    task = RemoteTask.objects.create(agent=agent, title="asks often", phase="task", watch="poll")
+    record(task, snapshot("t-r", "TASK_STATE_INPUT_REQUIRED", "Your name?"), "poll")
+    first = clock[0]
+    for n in range(1, 5):  # asked again every 40 s: 160 s of waiting, 0 s since the last
+        clock[0] = first + timedelta(seconds=40 * n)
+        record(task, status("t-r", "TASK_STATE_INPUT_REQUIRED", f"Your name? ({n})"), "poll")
+    task.refresh_from_db()
+    assert task.asked_at == clock[0] and task.updated_at == clock[0]
+    key = f"question-waiting:task:{task.pk}"
+    result = alerts.evaluate(clock[0] + timedelta(seconds=1))
+    assert [a.key for a in result.opened] == [key]
+    assert result.opened[0].since == first
+    # Answered: the wait ends (resolved); the agent's next question is a new wait.
+    task_services.answer_task(task, "Ada")
+    assert [a.key for a in alerts.evaluate(clock[0] + timedelta(seconds=2)).resolved] == [key]
+    clock[0] += timedelta(seconds=10)
+    record(task, status("t-r", "TASK_STATE_INPUT_REQUIRED", "And your surname?"), "poll")
+    task.refresh_from_db()
+    assert task.question_since == clock[0]
+    assert not alerts.evaluate(clock[0] + timedelta(seconds=100)).opened
+    assert [a.since for a in alerts.evaluate(clock[0] + timedelta(seconds=121)).opened] == [
+        clock[0]
+    ]
+
+
 def test_an_answered_question_is_not_waiting(agent, django_user_model):
     task = RemoteTask.objects.create(
         agent=agent, title="q", phase="task", remote_id="", watch="stream"

@@ -924,8 +924,8 @@ class _Fold:
     def build_events(self, first_seq: int, now: datetime, actor_id: int | None) -> list[TaskEvent]:
         """The log rows to append, each hashed onto the one before (the task's chain).
 
-        Also notes the seq of a new question (``asked_seq``), before the
-        compare-and-set writes the snapshot.
+        Also notes the seq of a new question (``asked_seq``), and when the wait for an
+        answer began (``question_since``), before the compare-and-set writes the snapshot.
         """
         events = []
         previous_state, previous_hash = self.initial_state, self.task.last_hash
@@ -958,9 +958,16 @@ class _Fold:
                 row.state_after != previous_state or seq == 1, note, actor_id, row.entry.digest,
                 previous_hash,
             ))  # fmt: skip
-            previous_state = row.state_after
             if row.apply and row.asks:
+                if not (
+                    previous_state in INTERRUPTED_STATES
+                    and self.get("answered_seq") < self.get("asked_seq")
+                ):
+                    # A new wait: asked again while unanswered, it goes on (the alert and
+                    # the inbox count it from here, however often the agent repeats it).
+                    self.set(question_since=now)
                 self.set(asked_seq=seq, asked_at=now)
+            previous_state = row.state_after
         return events
 
     def write_rows(self, events: list[TaskEvent], now: datetime) -> None:
