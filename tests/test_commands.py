@@ -106,6 +106,19 @@ def test_tasks_start_show_list_and_import(agent, celery_worker):
     assert RemoteTask.objects.filter(remote_id=remote_id).count() == 1
 
 
+def test_tasks_start_exits_non_zero_when_the_send_failed(agent, celery_worker):
+    """It printed the failed task's line and exited 0: a script could not tell."""
+    run("agents", "add", agent.base_url, "--name", "demo")
+    Agent.objects.filter(name="demo").update(interface_url="http://127.0.0.1:9/gone")  # closed
+    out = StringIO()
+    with pytest.raises(CommandError, match=r"the send failed: .+") as failed:
+        call_command("tasks", "start", "demo", "hello", "--wait", "20", stdout=out)
+    pk, remote_id, phase, _state = out.getvalue().strip().split("\t")
+    assert (remote_id, phase) == ("-", "failed")
+    assert f"Task {pk}:" in str(failed.value)
+    assert RemoteTask.objects.get(pk=pk).phase == RemoteTask.Phase.FAILED
+
+
 def test_tasks_cancel_of_an_ended_task_says_why(agent, celery_worker):
     run("agents", "add", agent.base_url, "--name", "demo")
     pk = run("tasks", "start", "demo", "quick", "--mode", "blocking", "--wait", "20").split("\t")[0]

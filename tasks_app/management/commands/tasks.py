@@ -94,6 +94,9 @@ class Command(BaseCommand):
             time.sleep(0.2)
         task.refresh_from_db()
         self.stdout.write(f"{task.pk}\t{task.remote_id or '-'}\t{task.phase}\t{task.state_label}")
+        if task.phase == RemoteTask.Phase.FAILED:
+            # A script's `tasks start ... --wait` must see that nothing was started.
+            raise CommandError(f"Task {task.pk}: the send failed: {task.send_error}")
 
     def do_import(self, options: dict) -> None:
         """The same bounded job a worker runs, run here, with a line per page."""
