@@ -12,7 +12,8 @@ however much is due. With an export folder, each task is written there first as 
 Lines (``tasks_app.exports``; atomically, mode 0600), and a task whose export failed is
 not removed. The operator actions on a removed task stay in the action log (their task
 link cleared: the log is the auditor's, not the task's). Each run that removes is one
-``prune`` operator-action row with the counts and the range of task ids removed.
+``prune`` operator-action row with the counts and the range of task ids removed. Alerts
+resolved before the same cutoff go too (an open alert stays, however old).
 
 Used by ``manage.py prune`` and, when ``RETENTION_DAYS`` is set, by the beat job
 ``tasks_app.jobs.prune_settled``.
@@ -32,7 +33,7 @@ from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from tasks_app import exports
-from tasks_app.models import TERMINAL_STATES, OperatorAction, RemoteTask, TaskEvent
+from tasks_app.models import TERMINAL_STATES, Alert, OperatorAction, RemoteTask, TaskEvent
 from tasks_app.services.chain import timestamp_text
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class PruneResult:
     removed: int = 0
     events: int = 0
     exported: int = 0
+    alerts: int = 0
     first_id: int | None = None
     last_id: int | None = None
     export_failures: list[str] = field(default_factory=list)
@@ -72,6 +74,8 @@ class PruneResult:
             text += f"; exported {self.exported} first"
         if self.export_failures:
             text += f"; {len(self.export_failures)} export(s) failed, those tasks were kept"
+        if self.alerts:
+            text += f"; {self.alerts} alert(s) resolved before then"
         return text
 
 
@@ -139,6 +143,7 @@ def prune(
         result.due += len(pks)
         if say and removed:
             say(f"removed {removed} task(s) up to id {after}")
+    _prune_alerts(result, batch)
     if not dry_run:
         OperatorAction.objects.create(
             actor_id=actor_id,
@@ -152,6 +157,7 @@ def prune(
                 "last_task_id": result.last_id,
                 "exported": result.exported,
                 "export_failures": len(result.export_failures),
+                "alerts": result.alerts,
             },
             outcome=str(result)[:500],
         )
@@ -178,6 +184,22 @@ def _remove(older_than_days: float, now: datetime, pks: list[int], result: Prune
     result.events += events
     _extend_range(result, still)
     return len(still)
+
+
+def _prune_alerts(result: PruneResult, batch: int) -> None:
+    """Alerts resolved before the cutoff, with their delivery rows, a batch at a time.
+
+    A task's alerts go with the task; an agent's (``agent-unreachable``) stay as long as the
+    agent, and an agent whose reachability flaps adds one a time. An open alert is kept,
+    however old: it still says something needs a person.
+    """
+    old = Alert.objects.filter(resolved_at__isnull=False, resolved_at__lt=result.cutoff)
+    if result.dry_run:
+        result.alerts = old.count()
+        return
+    while pks := list(old.order_by("pk").values_list("pk", flat=True)[:batch]):
+        _, deleted = Alert.objects.filter(pk__in=pks, resolved_at__lt=result.cutoff).delete()
+        result.alerts += deleted.get(Alert._meta.label, 0)
 
 
 def _extend_range(result: PruneResult, pks: list[int]) -> None:

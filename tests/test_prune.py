@@ -135,6 +135,39 @@ def test_a_dry_run_counts_and_removes_nothing(tasks, tmp_path) -> None:
     )
 
 
+def test_alerts_resolved_before_the_cutoff_go_and_open_ones_stay(tasks) -> None:
+    """Alert rows were never removed: an agent whose reachability flaps adds one (and its
+    deliveries) each time, for ever."""
+    from tasks_app.models import Alert, AlertDelivery
+
+    agent = tasks["recent"].agent
+    now = timezone.now()
+
+    def alert(n: int, resolved, opened=now - 60 * DAY) -> Alert:
+        made = Alert.objects.create(
+            rule=Alert.Rule.AGENT_UNREACHABLE, agent=agent, key=f"agent-unreachable:agent:{n}",
+            message="unreachable", since=opened, opened_at=opened, last_seen_at=opened,
+            resolved_at=resolved,
+        )  # fmt: skip
+        AlertDelivery.objects.create(
+            alert=made, channel="email", event="opened", target="ops@example.test",
+            outcome="sent",
+        )  # fmt: skip
+        return made
+
+    gone = [alert(n, now - 40 * DAY) for n in range(5)]
+    kept = [alert(10, now - 5 * DAY), alert(11, None)]  # resolved lately; still open
+    out = io.StringIO()
+    call_command("prune", "--older-than", "30", "--dry-run", stdout=out)
+    assert "5 alert(s) resolved before then" in out.getvalue()
+    assert Alert.objects.count() == 7
+    call_command("prune", "--older-than", "30", stdout=out)
+    assert set(Alert.objects.values_list("pk", flat=True)) == {a.pk for a in kept}
+    assert not AlertDelivery.objects.filter(alert_id__in=[a.pk for a in gone]).exists()
+    run = OperatorAction.objects.get(action="prune")
+    assert run.payload["alerts"] == 5 and "5 alert(s)" in run.outcome
+
+
 def test_nothing_is_due_within_the_age(tasks) -> None:
     call_command("prune", "--older-than", "45", stdout=io.StringIO())
     assert remaining() == set(tasks)
