@@ -859,14 +859,8 @@ class Holder:
                 announce=False,
             )
         if outcome.progress or (outcome.confirmed and not outcome.problem):
-            event = Event.PROGRESS if outcome.progress else Event.QUIET
-            if self.fruitless or self.was_parked:
-                self.fruitless = 0
-                await eventloop.db(task_services.set_fruitless, self.task_pk, self.token, 0)
-                if self.was_parked:
-                    self.was_parked = False
-                    await self._system("watching-again", "the agent answered usefully again")
-            await self._go(event)
+            await self._series_ends()
+            await self._go(Event.PROGRESS if outcome.progress else Event.QUIET)
             return None
         self.fruitless += 1
         await eventloop.db(task_services.set_fruitless, self.task_pk, self.token, self.fruitless)
@@ -880,6 +874,16 @@ class Holder:
             )
         await self._go(Event.FRUITLESS, f"{reason} (fruitless turn {self.fruitless})")
         return None
+
+    async def _series_ends(self) -> None:
+        """A useful answer ends a fruitless series (and a parked task's parking) at once."""
+        if not (self.fruitless or self.was_parked):
+            return
+        self.fruitless = 0
+        await eventloop.db(task_services.set_fruitless, self.task_pk, self.token, 0)
+        if self.was_parked:
+            self.was_parked = False
+            await self._system("watching-again", "the agent answered usefully again")
 
     async def _agent_over_error_budget(self) -> bool:
         budget = settings.BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE
@@ -1257,6 +1261,12 @@ class Holder:
                     if first:
                         await eventloop.db(agent_services.mark_reachable, self.agent_id)
                     first = False
+                    if outcome.progress and (self.fruitless or self.was_parked):
+                        # Judged at the first news, not when the stream ends: a parked (or
+                        # reconnecting) task whose agent streams healthily for the whole
+                        # slice showed "needs attention" all along, its series not ended.
+                        await self._series_ends()
+                        await self._go(Event.PROGRESS)
                     self.state = result.state
                     if not self.remote_id:
                         self.remote_id = await eventloop.db(

@@ -202,6 +202,63 @@ def test_turns_that_end_in_errors_back_off_then_park_the_task(shared_loop, setti
     assert "needs attention" in RemoteTask.objects.get(pk=pk).watcher_note
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_parked_task_is_watched_again_at_its_streams_first_news(shared_loop):
+    """A parked task's look opened a stream that brought news, and stayed open: the task was
+    judged only when the stream ended, so it showed "needs attention" (and its fruitless
+    series went on) for the whole slice while the agent was doing well."""
+    import threading
+    import time
+
+    from tasks_app.a2a.streams import parse_stream_response
+
+    agent = Agent.objects.create(name="news", base_url=f"http://127.0.0.1:1/{uuid.uuid4().hex}/")
+    pk = RemoteTask.objects.create(
+        agent=agent, title="t", remote_id="t-1", context_id="c-1", phase=RemoteTask.Phase.TASK,
+        state="TASK_STATE_WORKING", watch=RemoteTask.Watch.STREAM,
+        watcher_status=RemoteTask.WatcherStatus.PARKED, fruitless_turns=8,
+        watcher_note="needs attention: 8 fruitless turns in a row",
+    ).pk  # fmt: skip
+    stream_open = threading.Event()  # cleared: the agent's stream stays open
+    stream_open.set()
+
+    def update(state: str, text: str):
+        message = {"messageId": f"m-{text}", "role": "ROLE_AGENT", "parts": [{"text": text}]}
+        return parse_stream_response(
+            {"statusUpdate": {"taskId": "t-1", "contextId": "c-1",
+                              "status": {"state": state, "message": message}}}
+        )  # fmt: skip
+
+    async def stream():
+        yield update("TASK_STATE_WORKING", "step 1")
+        while stream_open.is_set():
+            await asyncio.sleep(0.02)
+        yield update("TASK_STATE_COMPLETED", "done")
+
+    async def look(token: str) -> watchers.Outcome:
+        holder = watchers.Holder(pk, token, http=None)
+        holder._take(await eventloop.db(RemoteTask.objects.get, pk=pk))  # as _hold does
+        holder.streaming, holder.remote_id, holder.state = True, "t-1", "TASK_STATE_WORKING"
+        await holder._go(watchers.Event.FOLLOW)
+        return await holder._pump(stream(), "resubscribe", "stream")
+
+    token = task_services.acquire_lease(pk, watchers.OWNER)
+    assert token is not None
+    looking = eventloop.submit(look(token))
+    deadline = time.monotonic() + 20
+    while RemoteTask.objects.get(pk=pk).watcher_status != "streaming":
+        assert time.monotonic() < deadline and not looking.done(), "never watched again"
+        time.sleep(0.05)
+    row = RemoteTask.objects.get(pk=pk)
+    assert row.fruitless_turns == 0 and "needs attention" not in row.watcher_note
+    again = TaskEvent.objects.filter(task_id=pk, raw__system__event="watching-again")
+    assert again.count() == 1 and not looking.done()  # judged while the stream is open
+    stream_open.clear()
+    outcome = looking.result(timeout=20)
+    assert outcome.progress and again.count() == 1
+    assert RemoteTask.objects.get(pk=pk).state == "TASK_STATE_COMPLETED"
+
+
 def test_an_agent_listing_endless_push_configs_is_shown_a_bounded_page(task):
     """Pages of 150 configs, each with a next page: two pages are read, 200 rows shown."""
     asked: list[str | None] = []
