@@ -532,6 +532,39 @@ def test_a_slow_webhook_is_given_up_within_the_timeout(agent, settings, receiver
     assert delivery.outcome == "failed" and "within 0.5 s" in delivery.error
 
 
+def test_a_webhook_whose_name_resolves_slowly_is_given_up_within_the_timeout(
+    agent, settings, receiver, monkeypatch
+):
+    """The lookup timed out at the deadline, but ``asyncio.run`` then waited for the
+    resolver's thread: the evaluation was held as long as the system resolver liked."""
+    import socket
+
+    real = socket.getaddrinfo
+    released = threading.Event()
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if host == "slow-dns.test":
+            released.wait(6)  # a resolver that ignores every deadline
+            return real("127.0.0.1", port, *args, **kwargs)
+        return real(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    settings.ALERT_WEBHOOK_URL = f"http://slow-dns.test:{receiver.port}/hooks/alerts"
+    settings.ALERT_DELIVERY_TIMEOUT_SECONDS = 0.5
+    task = working_task(agent)
+    started = time.monotonic()
+    try:
+        result = alerts.evaluate(task.updated_at + HOUR)
+        took = time.monotonic() - started
+    finally:
+        released.set()
+    assert took < 3, f"held {took:.1f} s by the resolver"
+    assert len(result.opened) == 1
+    delivery = AlertDelivery.objects.get()
+    assert delivery.outcome == "failed" and "0.5 s" in delivery.error, delivery.error
+    assert not receiver.requests
+
+
 @pytest.mark.parametrize(
     "url",
     [

@@ -30,6 +30,7 @@ import re
 import socket
 import ssl
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
@@ -258,11 +259,22 @@ def check_addresses(policy: Policy, host: str, addresses: Iterable[str | IPAddre
     return checked
 
 
-async def resolve_checked(policy: Policy, host: str, port: int, timeout: float | None) -> list[str]:
-    """Resolve ``host`` (unless it is an address) and check every address it resolves to.
+# Name lookups run here, not on the loop's default executor: ``asyncio.run`` waits for that
+# executor's threads when it ends, so a resolver that ignores the deadline held a caller
+# (a page, the alert evaluation) as long as the system resolver liked. A lookup past its
+# deadline is given up; its thread finishes in the background, at most this many at once
+# (past that, lookups wait here and time out like any other).
+RESOLVER_THREADS = 8
+_resolver = ThreadPoolExecutor(RESOLVER_THREADS, thread_name_prefix="outbound-resolve")
 
-    ``loop.getaddrinfo`` calls ``socket.getaddrinfo``, so tests can stub names.
-    """
+
+def _lookup(host: str, port: int) -> list[tuple]:
+    # Looked up at call time, so tests can stub names.
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+
+
+async def resolve_checked(policy: Policy, host: str, port: int, timeout: float | None) -> list[str]:
+    """Resolve ``host`` (unless it is an address) and check every address it resolves to."""
     ip = literal_ip(host)
     if ip is not None:
         return check_addresses(policy, host, [ip])
@@ -270,7 +282,7 @@ async def resolve_checked(policy: Policy, host: str, port: int, timeout: float |
     scope = asyncio.timeout(timeout)
     try:
         async with scope:
-            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            infos = await loop.run_in_executor(_resolver, _lookup, host, port)
     except TimeoutError:
         if scope.expired():
             raise httpcore.ConnectTimeout(
