@@ -275,6 +275,28 @@ def test_a_forging_source_is_cut_off_while_other_sources_get_through(task, confi
     assert good(config, status_update(), addr=source())[0] == 202
 
 
+def test_a_forger_rotating_addresses_within_one_ipv6_64_is_cut_off(task, config, settings):
+    """Counted per exact address, a forger on one IPv6 host (a /64 of its own) was never cut
+    off: each request came from a new address."""
+    settings.PUSH_REFUSED_PER_SOURCE = 5
+    prefix = f"2001:db8:{uuid.uuid4().int % 65535:x}:{uuid.uuid4().int % 65535:x}"
+    statuses = [
+        deliver(config.config_id, status_update(), token="forged", addr=f"{prefix}::{n:x}")[0]
+        for n in range(1, 9)
+    ]
+    assert statuses == [401] * 5 + [429] * 3
+    # Another /64, an IPv4 address and its mapped form are other sources; the mapped form
+    # counts as its IPv4 address.
+    other = f"2001:db8:{uuid.uuid4().int % 65535:x}:{uuid.uuid4().int % 65535:x}::1"
+    assert deliver(config.config_id, status_update(), token="forged", addr=other)[0] == 401
+    v4 = source()
+    assert [
+        deliver(config.config_id, status_update(), token="forged", addr=addr)[0]
+        for addr in [v4, f"::ffff:{v4}"] * 3
+    ] == [401] * 5 + [429]
+    assert push.source_group("not an address") == "not an address"
+
+
 def test_the_same_delivery_twice_appends_nothing(task, config):
     body = status_update(ts="2026-01-01T00:02:00Z")
     assert good(config, body)[0] == 202

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import random
@@ -654,6 +655,24 @@ Op = tuple[Any, ...]
 Flow = Generator[Op, Any, Verdict]
 
 
+def source_group(address: str) -> str:
+    """What the per-source limits count: an IPv4 address, or an IPv6 address's /64.
+
+    One IPv6 host is usually given a whole /64 and can send from any of its 2**64
+    addresses: counted per address, a forger rotating them was never cut off. An
+    IPv4-mapped address counts as its IPv4 one; anything unparsable as itself.
+    """
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address[:100]
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
 def _decide(
     config_id: str, body: bytes, content_type: str, authorization: str, token: str, source: str
 ) -> Flow:
@@ -663,7 +682,8 @@ def _decide(
         return Verdict(415, "expected application/a2a+json or application/json")
     if len(body) > settings.PUSH_MAX_BODY_BYTES:
         return Verdict(413, "body too large")
-    by_source = [_window(f"push:rs:{source}", 1), _window(f"push:rf:{source}", 60)]
+    group = source_group(source)
+    by_source = [_window(f"push:rs:{group}", 1), _window(f"push:rf:{group}", 60)]
     limits = [settings.PUSH_RATE_PER_SOURCE, settings.PUSH_REFUSED_PER_SOURCE]
     hit, config, refresh = _cached(config_id)
     if refresh:
