@@ -498,6 +498,13 @@ class ImportJob(models.Model):
 
     class Meta:
         ordering = ["-created_at", "-id"]
+        constraints = [
+            # The claim's compare-and-set: one running import per agent, whatever the
+            # claimers' clocks say (services/imports.claim steps back on a conflict).
+            models.UniqueConstraint(
+                fields=["agent"], condition=Q(status="running"), name="one_running_import"
+            )
+        ]
 
 
 def new_token() -> str:

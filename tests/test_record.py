@@ -438,3 +438,41 @@ def test_a_gone_task_with_an_answer_waiting_is_not_watched_and_takes_no_answer(
     person = member(django_user_model.objects.create_user("op"))
     with pytest.raises(task_services.TaskActionError, match="gone"):
         task_services.answer_task(task, "green", actor_id=person.pk)
+
+
+def test_a_snapshot_older_than_the_status_held_changes_nothing(task):
+    """A ListTasks page (or a GetTask) read before the stream's last status: applied, it rolled
+    the task back (a question dropped out of the inbox) and wrote a false gap entry."""
+    record(task, snapshot("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:00Z"), "stream")
+    record(
+        task, status("t-1", "TASK_STATE_INPUT_REQUIRED", "2026-01-01T00:00:05Z", "Name?"), "stream"
+    )
+    stale = snapshot("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:00Z")
+    for channel, gap_check in (("poll", True), ("poll", False)):
+        result = record(task, stale, channel, gap_check=gap_check)
+        assert result.kinds == ["task"] and result.state == "TASK_STATE_INPUT_REQUIRED"
+    task.refresh_from_db()
+    assert task.state == "TASK_STATE_INPUT_REQUIRED" and task.asked_seq == 2
+    kinds = list(TaskEvent.objects.filter(task=task).order_by("seq").values_list("kind", "note"))
+    assert [k for k, _ in kinds] == ["task", "statusUpdate", "task", "task"]
+    assert all("older than the status already held" in note for _, note in kinds[2:])
+    # A newer snapshot still applies.
+    record(task, snapshot("t-1", "TASK_STATE_COMPLETED", ts="2026-01-01T00:00:09Z"), "poll")
+    task.refresh_from_db()
+    assert task.state == "TASK_STATE_COMPLETED"
+
+
+def test_an_agents_entry_over_the_event_limit_is_a_protocol_error_not_kept(task, settings):
+    """A stream's events are refused over WATCH_MAX_EVENT_BYTES as they are read; a GetTask or
+    ListTasks reply (up to 32 MiB) was stored whole."""
+    settings.WATCH_MAX_EVENT_BYTES = 4_000
+    record(task, snapshot("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:00Z"), "poll")
+    huge = snapshot("t-1", "TASK_STATE_COMPLETED", ts="2026-01-01T00:00:09Z")
+    huge["task"]["metadata"] = {"blob": "m" * 5_000}
+    result = record_many(task, [huge, status("t-1", "TASK_STATE_WORKING", text="fine")], "poll")
+    assert result.kinds == ["protocol-error", "statusUpdate"]
+    task.refresh_from_db()
+    assert task.state == "TASK_STATE_WORKING" and task.metadata in (None, {})
+    row = TaskEvent.objects.get(task=task, kind="protocol-error")
+    assert "over the 4,000-byte limit (WATCH_MAX_EVENT_BYTES)" in row.note
+    assert len(str(row.raw)) < 500

@@ -391,8 +391,14 @@ class A2AClient:
         history_length: int | None = None,
         status_timestamp_after: str | datetime | None = None,
         include_artifacts: bool = False,
+        check: bool = True,
     ) -> dict[str, Any]:
-        """ListTasks: ``{"tasks": [...], "nextPageToken": "", "pageSize", "totalSize"}``."""
+        """ListTasks: ``{"tasks": [...], "nextPageToken": "", "pageSize", "totalSize"}``.
+
+        ``check=False`` returns the listed tasks unchecked (``check_task`` each), for a
+        caller that takes what it asked for and goes on past a bad task instead of losing
+        the page to it.
+        """
         params: dict[str, Any] = {}
         if context_id:
             params["contextId"] = context_id
@@ -414,8 +420,9 @@ class A2AClient:
         tasks = result.get("tasks", [])
         if not isinstance(tasks, list):
             raise ProtocolError("'tasks' must be an array", where="ListTasks")
-        for i, task in enumerate(tasks):
-            check_task(task, f"ListTasks.tasks[{i}]")
+        if check:
+            for i, task in enumerate(tasks):
+                check_task(task, f"ListTasks.tasks[{i}]")
         result.setdefault("tasks", [])
         result.setdefault("nextPageToken", "")
         return result

@@ -19,6 +19,8 @@ same agent steps back. Every listed task goes through ``record()``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import math
 import time
@@ -26,15 +28,14 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import transaction
-from django.db.models import Q
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from tasks_app import outbound
-from tasks_app.a2a import A2AError, safejson
+from tasks_app.a2a import A2AError, ProtocolError, check_task, safejson
 from tasks_app.access import Perm, require
 from tasks_app.models import Agent, ImportJob, OperatorAction, RemoteTask
-from tasks_app.services.record import id_problem, record, settle_if_ended
+from tasks_app.services.record import RecordError, id_problem, record, settle_if_ended
 from tasks_app.services.tasks import TaskActionError, dispatch
 
 log = logging.getLogger(__name__)
@@ -140,28 +141,36 @@ def cancel_job(job: ImportJob, *, actor_id: int | None = None) -> bool:
 def claim(job_pk: int) -> bool:
     """Queued -> running by compare-and-set; step back if another import of the agent runs.
 
-    Each claimer writes its claim before it looks for others, and steps back only for a
-    claim that comes before its own in (``started_at``, id) order: of concurrent claimers
-    exactly one goes on. (Stepping back for any other made two claimers released together
-    both step back, and neither import ran.)
+    The database decides: a partial unique index allows one running job per agent
+    (``one_running_import``), so of concurrent claimers exactly one goes on, whatever
+    their clocks say or however long one pauses between its look and its write (a
+    claim ordered by ``started_at`` let a paused claimer, or one whose clock was behind,
+    run beside another).
+
+    1. Fail the agent's stale jobs (a dead worker's "running" job must not block).
+    2. Queued -> running in one guarded update; the index refuses a second running job.
+    3. Refused: this job fails, naming the one that runs.
     """
-    now = timezone.now()
-    if not ImportJob.objects.filter(pk=job_pk, status=Status.QUEUED).update(
-        status=Status.RUNNING, started_at=now
-    ):
-        return False  # already taken (a redelivered message), canceled or expired
-    agent_id = ImportJob.objects.values_list("agent_id", flat=True).get(pk=job_pk)
-    expire_stale(agent_id)
-    other = (
-        ImportJob.objects.filter(agent_id=agent_id, status=Status.RUNNING)
-        .filter(Q(started_at__lt=now) | Q(started_at=now, pk__lt=job_pk))
-        .order_by("started_at", "id")
-        .first()
-    )
-    if other is not None:
-        _finish(job_pk, Status.FAILED, f"Another import of this agent is running (job {other.pk}).")
+    agent_id = ImportJob.objects.filter(pk=job_pk).values_list("agent_id", flat=True).first()
+    if agent_id is None:
         return False
-    return True
+    expire_stale(agent_id)
+    try:
+        with transaction.atomic():
+            taken = ImportJob.objects.filter(pk=job_pk, status=Status.QUEUED).update(
+                status=Status.RUNNING, started_at=timezone.now()
+            )
+    except IntegrityError:
+        other = (
+            ImportJob.objects.filter(agent_id=agent_id, status=Status.RUNNING)
+            .values_list("pk", flat=True)
+            .first()
+        )
+        _finish(
+            job_pk, Status.FAILED, f"Another import of this agent is running (job {other}).", ACTIVE
+        )
+        return False
+    return bool(taken)  # False: already taken (a redelivered message), canceled or expired
 
 
 def _finish(job_pk: int, status: str, error: str, from_statuses: tuple = (Status.RUNNING,)) -> bool:
@@ -298,13 +307,15 @@ class _Walk:
     def _pages(self) -> str:
         job, agent = self.job, self.job.agent
         max_pages = settings.IMPORT_MAX_PAGES
-        given: dict[str, int] = {}  # token -> the page that gave it
+        # sha256 of each token given -> the page that gave it: a token may be up to a reply's
+        # size, and kept whole for every page they were gigabytes (2 MiB tokens, 200 pages).
+        given: dict[str, int] = {}
         token: str | None = None
 
         async def page(http, token: str | None) -> dict:
             client = outbound.client_for(agent, http)
             return await client.list_tasks(
-                page_size=self.per_page, page_token=token, include_artifacts=True
+                page_size=self.per_page, page_token=token, include_artifacts=True, check=False
             )
 
         while True:
@@ -341,10 +352,17 @@ class _Walk:
             over_cap = max(0, len(tasks) - room)
             self._drop("over-task-cap", over_cap)
             batch = tasks[:room] if over_cap else tasks
-            usable = [remote for remote in batch if _usable(remote)]
-            self._drop("unusable-id", len(batch) - len(usable))
-            batch = usable
-            taken = _record_page(job, batch, self.deadline)
+            # Each task checked on its own: one the agent got wrong is dropped (counted),
+            # not the page and the rest of the walk with it.
+            valid = [remote for remote in batch if _valid(remote, job.pages + 1)]
+            self._drop("invalid-task", len(batch) - len(valid))
+            usable = [remote for remote in valid if _usable(remote)]
+            self._drop("unusable-id", len(valid) - len(usable))
+            fitting = [remote for remote in usable if _fits(remote)]
+            self._drop("too-large", len(usable) - len(fitting))
+            batch = fitting
+            taken, vanished = _record_page(job, batch, self.deadline)
+            self._drop("vanished", vanished)
             self._drop("at-deadline", len(batch) - taken)
             job.pages += 1
             counts = {
@@ -369,33 +387,37 @@ class _Walk:
                     f"MAX_TASKS_PER_IMPORT): {over_cap} tasks of page {job.pages} were not "
                     f"imported; {self.so_far()}."
                 )
-            following = listing.get("nextPageToken") or None
-            if following is None:
+            following = listing.get("nextPageToken")
+            if following is None or following == "":
                 return ""
-            if not isinstance(following, str):
+            if not isinstance(following, str):  # 0, false, {} too: not the listing's end
                 return (
                     f"ListTasks page {job.pages} gave a nextPageToken that is not a string; "
                     f"{self.so_far()}."
                 )
-            if following in given:
+            seen_as = hashlib.sha256(following.encode("utf-8", "surrogatepass")).hexdigest()
+            if seen_as in given:
                 return (
                     f"The agent repeated nextPageToken {_short(following)} (given on page "
-                    f"{given[following]}, again on page {job.pages}): following it would loop "
+                    f"{given[seen_as]}, again on page {job.pages}): following it would loop "
                     f"forever; {self.so_far()}."
                 )
-            given[following] = job.pages
+            given[seen_as] = job.pages
             token = following
 
 
-def _record_page(job: ImportJob, tasks: list, deadline: float = math.inf) -> int:
-    """Mirror listed tasks, each through ``record()``; returns how many were taken.
+def _record_page(job: ImportJob, tasks: list, deadline: float = math.inf) -> tuple[int, int]:
+    """Mirror listed tasks, each through ``record()``; returns how many were taken, and how
+    many of those vanished meanwhile (deleted here, say by retention, while the page was
+    recorded: skipped, not the end of the import).
 
     Stops early at the deadline: one page must not outlast the whole import.
     """
     agent = job.agent
+    vanished = 0
     for taken, remote in enumerate(tasks):
         if time.monotonic() >= deadline:
-            return taken
+            return taken, vanished
         job.seen += 1
         task, created = _ours_unnamed(agent, remote), False
         if task is None:
@@ -413,13 +435,34 @@ def _record_page(job: ImportJob, tasks: list, deadline: float = math.inf) -> int
                 },
             )
         job.created += created
-        if not record(task, {"task": remote}, "poll", actor_id=job.actor_id).duplicate:
-            job.changed += 1
-        settle_if_ended(task, remote, note="reconciled with the agent's ListTasks")
-        task.refresh_from_db()
+        try:
+            if not record(task, {"task": remote}, "poll", actor_id=job.actor_id).duplicate:
+                job.changed += 1
+            settle_if_ended(task, remote, note="reconciled with the agent's ListTasks")
+            task.refresh_from_db()
+        except (RecordError, RemoteTask.DoesNotExist):
+            if RemoteTask.objects.filter(pk=task.pk).exists():
+                raise  # not a vanished task: a real failure, said as one
+            vanished += 1
+            continue
         if not task.is_terminal and task.state != "TASK_STATE_INPUT_REQUIRED":
             dispatch(task.pk)
-    return len(tasks)
+    return len(tasks), vanished
+
+
+def _valid(remote: object, page: int) -> bool:
+    """Whether a listed task is a Task as A2A defines it (``check_task``)."""
+    try:
+        check_task(remote, f"ListTasks page {page}")
+    except ProtocolError:
+        return False
+    return True
+
+
+def _fits(remote: dict) -> bool:
+    """Whether a listed task is within WATCH_MAX_EVENT_BYTES, the bound of one event."""
+    size = len(json.dumps(remote, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    return size <= settings.WATCH_MAX_EVENT_BYTES
 
 
 def _usable(remote: object) -> bool:

@@ -747,6 +747,15 @@ class _Fold:
         if self.settled:
             self._after_end(entry, "a snapshot that differs from the settled task")
             return
+        current_ts = self.get("status_timestamp")
+        if ts is not None and current_ts is not None and ts < current_ts:
+            # Taken before the status held (a ListTasks page read while a stream went on):
+            # applied, it rolled the task back and wrote a false gap entry.
+            self.rows.append(
+                _Row(entry, "task", "older than the status already held; snapshot unchanged",
+                     apply=False)
+            )  # fmt: skip
+            return
         if self.gap_check and self.get("remote_id") and not (status_same and artifacts_same):
             missed = []
             if not status_same:
@@ -1332,6 +1341,25 @@ def record(
     return record_many(task, [obj], channel, actor_id=actor_id, gap_check=gap_check, fence=fence)
 
 
+def _within_event_limit(entry: Entry, limit: int) -> Entry:
+    """An agent's entry over ``WATCH_MAX_EVENT_BYTES`` becomes a protocol error, not kept.
+
+    A stream's events are refused at that size as they are read; a GetTask or ListTasks
+    reply (up to 32 MiB) and a push body reach here whole, so the bound is kept here too.
+    """
+    if entry.kind not in A2A_KINDS or entry.size <= limit:
+        return entry
+    return parse_entry(
+        {
+            "protocolError": {
+                "message": f"{entry.kind} of {entry.size:,} bytes, over the {limit:,}-byte "
+                "limit (WATCH_MAX_EVENT_BYTES): not kept",
+                "digest": entry.digest,
+            }
+        }
+    )
+
+
 def record_many(
     task: RemoteTask | int,
     objs: Sequence[Any],
@@ -1355,6 +1383,9 @@ def record_many(
     """
     task_pk = task if isinstance(task, int) else task.pk
     entries = [parse_entry(obj) for obj in objs]
+    limit = settings.WATCH_MAX_EVENT_BYTES
+    if any(entry.size > limit and entry.kind in A2A_KINDS for entry in entries):
+        entries = [_within_event_limit(entry, limit) for entry in entries]
     for attempt in range(MAX_RETRIES):
         recorded = _record_once(task_pk, entries, channel, gap_check, actor_id, fence)
         if recorded is not None:
