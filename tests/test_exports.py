@@ -18,7 +18,7 @@ from django.core.management import CommandError, call_command
 from django.test import AsyncClient, Client
 from django.urls import reverse
 
-from tasks_app.models import Agent, Membership, Project, RemoteTask
+from tasks_app.models import Agent, Membership, Project, RemoteTask, TaskEvent
 from tasks_app.services import audit
 from tasks_app.services.record import record
 from tests.bulklog import bulk_log
@@ -260,3 +260,35 @@ def test_rows_recorded_while_an_export_streams_are_left_to_the_next_one(world, f
         header, events = lines[0]["task"], lines[1:]
     assert header["last_seq"] == 450 and len(events) == 450
     assert verify_offline(events) == header["last_hash"]
+
+
+@pytest.mark.parametrize("fmt", ["json", "jsonl"])
+def test_a_task_removed_while_its_export_streams_does_not_end_as_a_whole_export(
+    world, fmt, tmp_path
+) -> None:
+    """Retention removed the task between two batches: the export ended short of the
+    header's last_seq, well-formed, as if it were the whole log (auditors export exactly the
+    old tasks retention removes). It fails instead; the command leaves no file."""
+    from tasks_app import exports
+
+    task = world["task"]
+    bulk_log(task, 450)
+    task.refresh_from_db()
+    chunks = exports.json_chunks(task, 200) if fmt == "json" else exports.jsonl_chunks(task, 200)
+    first = [next(chunks), next(chunks)]
+    assert first
+    RemoteTask.objects.filter(pk=task.pk).delete()
+    with pytest.raises(exports.ExportIncomplete, match=r"removed while it was exported"):
+        list(chunks)
+
+
+def test_a_log_with_a_gap_is_exported_as_it_is_for_the_offline_check(world) -> None:
+    """Only a task that went away fails its export: a tampered log is evidence."""
+    from tasks_app import exports
+
+    task = world["task"]
+    bulk_log(task, 30)
+    task.refresh_from_db()
+    TaskEvent.objects.filter(task=task, seq=12).delete()
+    doc = json.loads(b"".join(exports.json_chunks(task, 10)))
+    assert doc["event_count"] == 29 and doc["task"]["last_seq"] == 30

@@ -87,7 +87,10 @@ class Command(BaseCommand):
 
     def _export(self, options: dict[str, Any]) -> None:
         task = _one_task(options["task"])
-        self._write(exports.task_chunks(task, options["format"]), options["output"])
+        try:
+            self._write(exports.task_chunks(task, options["format"]), options["output"])
+        except exports.ExportIncomplete as exc:  # a file is not left; stdout stops short
+            raise CommandError(f"The export is not whole: {exc}.") from exc
 
     def _actions(self, options: dict[str, Any]) -> None:
         data = {
