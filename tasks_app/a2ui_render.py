@@ -306,7 +306,7 @@ def regex_matches(value: Any, pattern: Any) -> bool:
     text = "" if value is None else str(value)
     if not isinstance(pattern, str) or not usable_pattern(pattern, len(text)):
         return True
-    return re.search(pattern, text) is not None
+    return answers.pattern_search(pattern, text) is not False
 
 
 def usable_pattern(pattern: str, chars: int = 0) -> bool:

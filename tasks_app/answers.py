@@ -31,12 +31,13 @@ from dataclasses import dataclass, field
 from datetime import date, datetime
 from typing import Any
 
+import regex
 from django import forms
 from django.http import HttpRequest
 from django.utils import timezone
 from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
-from jsonschema.validators import validator_for
+from jsonschema.exceptions import SchemaError, ValidationError
+from jsonschema.validators import extend, validator_for
 
 from tasks_app.a2a.safejson import whole_number
 from tasks_app.forms import AnswerForm
@@ -64,6 +65,29 @@ SCALARS = ("string", "number", "integer", "boolean")
 # A group followed by a quantifier: the shape of catastrophic backtracking.
 _QUANTIFIED_GROUP = re.compile(r"\)\s*[*+?{]")
 _REFERENCES = ("$ref", "$dynamicRef", "$recursiveRef")
+
+
+# The longest one check of an agent's pattern may run (the ``regex`` module's timeout): a
+# pattern that passes the shape checks can still backtrack for hours (``(?x)`` hides a
+# group's quantifier behind a comment), and ``re`` holds the interpreter while it does.
+PATTERN_SECONDS = 0.05
+
+
+def pattern_search(pattern: str, text: str) -> bool | None:
+    """Whether ``pattern`` is found in ``text``; None when that is not known in time (or the
+    pattern is not one ``regex`` reads): not checked here, so it is not a failure."""
+    try:
+        return regex.search(pattern, text, timeout=PATTERN_SECONDS) is not None
+    except (TimeoutError, regex.error, RecursionError, OverflowError, ValueError):
+        return None
+
+
+def _bounded_pattern(validator: Any, pattern: Any, instance: Any, schema: Any) -> Iterator[Any]:
+    """JSON Schema's ``pattern``, checked within PATTERN_SECONDS (jsonschema runs ``re``)."""
+    if not isinstance(instance, str) or not isinstance(pattern, str):
+        return
+    if pattern_search(pattern, instance) is False:
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
 
 
 class Unusable(Exception):
@@ -613,7 +637,8 @@ class SchemaAnswerForm(forms.Form):
         if self.errors:
             return data
         cls = validator_for(self.spec.schema, default=Draft202012Validator)
-        validator = cls(self.spec.schema, format_checker=cls.FORMAT_CHECKER)
+        bounded = extend(cls, {"pattern": _bounded_pattern})
+        validator = bounded(self.spec.schema, format_checker=cls.FORMAT_CHECKER)
         errors = sorted(
             validator.iter_errors(answer), key=lambda e: list(map(str, e.absolute_path))
         )

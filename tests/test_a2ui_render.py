@@ -602,6 +602,22 @@ def test_only_patterns_that_cannot_backtrack_for_long_are_run(pattern, usable) -
     assert a2ui_render.usable_pattern(pattern, 30) is usable
 
 
+@pytest.mark.timeout(60)
+def test_a_pattern_that_hides_its_repeat_is_still_checked_within_a_time_bound() -> None:
+    """Verbose mode (``(?x)``) hides a group's quantifier behind a comment: ``(a|aa)#\\n+$`` is
+    ``(a|aa)+$``, exponential, and passed the shape checks (34 characters: 4.6 s a check, on
+    every post of the surface, 1.6 times as long a character more)."""
+    import time
+
+    pattern = "(?x)(a|aa)#\n+$"
+    assert a2ui_render.usable_pattern(pattern, 40)  # the shape checks do not see it
+    started = time.monotonic()
+    assert a2ui_render.regex_matches("a" * 40 + "!", pattern) is True  # not known: not a failure
+    assert time.monotonic() - started < 2
+    assert a2ui_render.regex_matches("abc", "^[0-9]+$") is False
+    assert a2ui_render.regex_matches("123", "^[0-9]+$") is True
+
+
 @pytest.mark.timeout(30)
 def test_a_surface_whose_pattern_backtracks_is_drawn_without_running_it(agent, people) -> None:
     """``a?``*n ``a``*n on n ``a``: the repeat count ignored ``?``, and each draw ran it (n=27

@@ -307,6 +307,29 @@ def test_a_missing_required_nested_field_is_shown_next_to_it() -> None:
     assert list(form.errors) == [by_path["address.city"]]
 
 
+@pytest.mark.timeout(60)
+def test_an_agents_pattern_is_checked_within_a_time_bound() -> None:
+    """``a*a*…b`` passes the shape checks (no quantified group, under 100 characters), and the
+    agent pre-fills the field: pressing Send ran it for seconds to hours (25 characters: 8.5 s)
+    inside the web process. Not known in time, it is not checked here (the agent checks what
+    it gets); a pattern that answers in time still refuses what does not match."""
+    import time
+
+    slow = {"type": "object", "properties": {"s": {"type": "string", "pattern": "a*" * 10 + "b"}}}
+    spec = answers.read_question(slow)
+    form = answers.SchemaAnswerForm(
+        spec, {"question": "3", names(answers.SchemaAnswerForm(spec))["s"]: "a" * 27}
+    )
+    started = time.monotonic()
+    form.is_valid()
+    assert time.monotonic() - started < 2
+    plain = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^[0-9]+$"}}}
+    spec = answers.read_question(plain)
+    field = names(answers.SchemaAnswerForm(spec))["s"]
+    assert not answers.SchemaAnswerForm(spec, {"question": "3", field: "abc"}).is_valid()
+    assert answers.SchemaAnswerForm(spec, {"question": "3", field: "123"}).is_valid()
+
+
 # Generated schemas within the bounds --------------------------------------------------------
 
 _chars = st.characters(codec="utf-8", exclude_categories=("Cc", "Cs", "Zl", "Zp"))
