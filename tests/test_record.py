@@ -476,3 +476,17 @@ def test_an_agents_entry_over_the_event_limit_is_a_protocol_error_not_kept(task,
     row = TaskEvent.objects.get(task=task, kind="protocol-error")
     assert "over the 4,000-byte limit (WATCH_MAX_EVENT_BYTES)" in row.note
     assert len(str(row.raw)) < 500
+
+
+@pytest.mark.parametrize("part", [None, "text", 5, ["x"]])
+def test_an_artifact_part_that_is_not_an_object_is_a_protocol_error(task, part):
+    """A null part became SQL NULL in its row: the database refused it and the whole batch
+    failed (a push drain lost its notifications, a watcher's turn ended in an error)."""
+    record(task, snapshot("t-1", "TASK_STATE_WORKING"), "stream")
+    bad = chunk("t-1", "ok", append=False, aid="a-n")
+    bad["artifactUpdate"]["artifact"]["parts"].append(part)
+    result = record_many(task, [bad, chunk("t-1", "fine", append=False, aid="a-2")], "stream")
+    assert result.kinds == ["protocol-error", "artifactUpdate"]
+    row = TaskEvent.objects.get(task=task, kind="protocol-error")
+    assert "artifact.parts[1] is not an object" in row.note
+    assert list(task.artifacts.values_list("artifact_id", flat=True)) == ["a-2"]

@@ -299,8 +299,14 @@ def _check_artifact(artifact: dict, where: str = "", *, required: bool = True) -
     problem = id_problem(artifact.get("artifactId"), f"{where}artifactId", required=required)
     if problem:
         return problem
-    if not isinstance(artifact.get("parts", []), list):
+    parts = artifact.get("parts", [])
+    if not isinstance(parts, list):
         return f"{where}parts is not a list"
+    # Each part is a row of its own, stored as JSON: a null one was SQL NULL, refused by the
+    # database, and the whole batch (a push drain's, a stream's) failed with it.
+    for index, part in enumerate(parts):
+        if not isinstance(part, dict):
+            return f"{where}parts[{index}] is not an object"
     return ""
 
 
