@@ -23,7 +23,7 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString, mark_safe
 
 from tasks_app.models import Artifact, ArtifactPart
-from tasks_app.rendering import parts_html, pretty_json, safe_filename
+from tasks_app.rendering import parts_html, pretty_json, safe_filename, shown_media_type
 
 PREVIEW_BATCH = 16  # parts per query while building a preview (each cut to the budget)
 PLACEHOLDER_BYTES = 256  # what a part shown only as a link counts against the budget
@@ -79,7 +79,7 @@ def _placeholder(
         name,
         name,
         what,
-        f", {media}" if isinstance(media, str) and media else "",
+        f", {shown_media_type(media)}" if isinstance(media, str) and media else "",
         size,
     )
 

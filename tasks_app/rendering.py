@@ -168,11 +168,24 @@ def safe_http_url(url: Any) -> str | None:
     return None
 
 
+# What of an agent's file name or media type is read (its end) and shown: past these, text an
+# agent chose makes a page of megabytes (or seconds of filtering) on every view.
+FILENAME_READ_CHARS = 1_000
+MEDIA_TYPE_CHARS = 100
+
+
+def shown_media_type(media: Any, default: str = "application/octet-stream") -> str:
+    """An agent's media type as shown: text, at most MEDIA_TYPE_CHARS characters."""
+    text = media if isinstance(media, str) and media else default
+    return text if len(text) <= MEDIA_TYPE_CHARS else text[: MEDIA_TYPE_CHARS - 1] + "…"
+
+
 def safe_filename(name: Any, default: str = "download") -> str:
     """A file name without path separators, quotes or control characters."""
     if not isinstance(name, str) or not name.strip():
         return default
-    name = name.replace("\\", "/").rsplit("/", 1)[-1]
+    # Cut first: an agent's name of megabytes was filtered a character at a time on every view.
+    name = name[-FILENAME_READ_CHARS:].replace("\\", "/").rsplit("/", 1)[-1]
     cleaned = "".join(ch for ch in name if ch.isprintable() and ch not in '"<>:;|?*')
     cleaned = cleaned.strip(" .")[:150]
     return cleaned or default
@@ -266,13 +279,17 @@ def parts_html(
         if kind == "data" and a2ui.is_a2ui_part(part):
             # The surface is drawn from the fold (tasks_app/a2ui_render.py); its JSON is kept
             # one click away rather than above the form it describes.
+            data = pretty_json(part.get("data"))
+            kept = shown(data)  # counted like any data part: it is the agent's text too
             out.append(
                 format_html(
                     '<details class="a2ui-json"><summary>A2UI message (drawn as a form)</summary>'
                     '<pre class="json">{}</pre></details>',
-                    pretty_json(part.get("data")),
+                    kept,
                 )
             )
+            if len(kept) < len(data):
+                out.append(_left_out(f"{len(data) - len(kept):,} more characters"))
         elif kind == "data":
             data = pretty_json(part.get("data"))
             kept = shown(data)
@@ -281,7 +298,7 @@ def parts_html(
                 out.append(_left_out(f"{len(data) - len(kept):,} more characters"))
         elif kind == "raw":
             name = safe_filename(part.get("filename"), f"part-{index}")
-            media = str(part.get("mediaType") or "application/octet-stream")
+            media = shown_media_type(part.get("mediaType"))
             size = _human_size(_raw_size(part))
             if download_url is not None:
                 out.append(

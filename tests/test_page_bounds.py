@@ -93,3 +93,40 @@ def test_a_huge_message_is_shown_cut_with_what_was_left_out(task, monkeypatch):
     assert "z" * 5_000 not in page and "more characters not shown here" in page
     assert page.count('href="https://example.test/') == 30
     assert "… 15 more parts not shown here" in page
+
+
+def test_agent_text_outside_the_message_bounds_is_cut_too(task):
+    """Text the bounds above did not count: an artifact's description, an A2UI part's JSON, a
+    file part's media type (shown, and in a too-big placeholder), each 2 MB, made a 2 MB page;
+    a file name of megabytes was filtered a character at a time on every view."""
+    import time
+
+    huge = 2_000_000
+    record(task, {"artifactUpdate": {"taskId": "t-1", "artifact": {
+        "artifactId": "a-d", "description": "d" * huge, "parts": [{"text": "x"}]}}}, "stream")  # fmt: skip
+    record(task, {"artifactUpdate": {"taskId": "t-1", "artifact": {
+        "artifactId": "a-m", "parts": [{"raw": "QUJD" * 100_000, "mediaType": "m" * huge}]}}},
+        "stream")  # fmt: skip
+    say(task, [{"data": {"k": "z" * huge}, "mediaType": "application/json+a2ui"}], mid="m-a")
+    say(task, [{"raw": "QUJD", "filename": "f", "mediaType": "m" * huge}], mid="m-b")
+    say(task, [{"raw": "QUJD", "filename": "f" * huge, "mediaType": "text/plain"}], mid="m-c")
+    viewer = client_as(Membership.Role.VIEWER)
+    started = time.monotonic()
+    page = viewer.get(f"/tasks/{task.pk}/").content
+    took = time.monotonic() - started
+    assert len(page) < 600_000, len(page)
+    assert took < 5, took
+    assert rendering.shown_media_type("m" * 500).endswith("…")
+    assert len(rendering.shown_media_type("m" * 500)) == rendering.MEDIA_TYPE_CHARS
+    assert rendering.safe_filename("a/" + "b" * 5000) == "b" * 150
+
+
+def test_the_compact_log_lists_the_first_artifacts_and_counts_the_rest(task, monkeypatch):
+    monkeypatch.setattr(views, "ARTIFACTS_ON_PAGE", 10)
+    artifacts = [{"artifactId": f"a-{n:03d}", "parts": [{"text": f"body {n}"}]} for n in range(13)]
+    snapshot = {"id": "t-1", "contextId": "c-1", "status": {"state": "TASK_STATE_WORKING"}}
+    record(task, {"task": {**snapshot, "artifacts": artifacts}}, "poll")
+    page = client_as(Membership.Role.VIEWER).get(f"/tasks/{task.pk}/events/", {"view": "compact"})
+    body = page.content.decode()
+    assert page.status_code == 200 and body.count("<tr><td>a-0") == 10
+    assert "… and 3 more artifacts, not listed here." in body

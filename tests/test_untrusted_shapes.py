@@ -284,6 +284,35 @@ def test_an_agent_listing_endless_push_configs_is_shown_a_bounded_page(task):
     assert "the first 200 are shown" in listing.problem
 
 
+@pytest.mark.parametrize("bad_id", ["a/b", ""])
+def test_a_push_config_id_no_url_can_hold_is_listed_without_a_delete_button(task, bad_id):
+    """The delete form's URL holds the id as one path segment: the page answered 500 for an
+    agent's config id that was empty or held a "/"."""
+    from django.contrib.auth.models import User
+    from django.test import Client
+
+    from tasks_app.models import Membership
+    from tests.people import member
+
+    def listed(request: dict) -> dict:
+        return {"configs": [
+            {"id": bad_id, "taskId": "t-1", "url": "https://h.test/x"},
+            {"id": "fine", "taskId": "t-1", "url": "https://h.test/y"},
+        ]}  # fmt: skip
+
+    operator = Client()
+    operator.force_login(member(User.objects.create_user("op"), Membership.Role.OPERATOR))
+    with json_rpc_peer(listed) as url:
+        Agent.objects.filter(pk=task.agent_id).update(
+            base_url=url, interface_url=f"{url}/jsonrpc", binding="JSONRPC",
+            protocol_version="1.0", push=True,
+        )  # fmt: skip
+        response = operator.get(f"/tasks/{task.pk}/push/")
+    assert response.status_code == 200
+    body = response.content.decode()
+    assert body.count('class="button small danger"') == 1 and "/push/fine/delete/" in body
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_database_outage_is_no_agents_fault_and_logs_once(shared_loop, monkeypatch, caplog):
     """Every holder meets the outage at once. Counted as a fruitless turn it would park healthy

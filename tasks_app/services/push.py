@@ -1490,10 +1490,17 @@ def list_at_agent(task: RemoteTask) -> Listing:
             "id": str(c.get("id", ""))[:200],
             "url": str(c.get("url", ""))[:1000],
             "ours": str(c.get("id", "")) in ours,
+            # The delete form's URL holds the id as one path segment: an empty id, or one
+            # with a "/", has no such URL (the page answered 500 for it); no button then.
+            "deletable": _one_segment(str(c.get("id", ""))[:200]),
         }
         for c in configs
     ]
     return Listing(rows, local, problem)
+
+
+def _one_segment(config_id: str) -> bool:
+    return bool(config_id) and "/" not in config_id
 
 
 def delete_config(task: RemoteTask, config_id: str, *, actor_id: int | None = None) -> None:
