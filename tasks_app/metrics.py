@@ -17,6 +17,7 @@ Counter names and their labels are listed in ``COUNTERS``; docs/operations.md li
 
 from __future__ import annotations
 
+import atexit
 import hmac
 import json
 import logging
@@ -33,6 +34,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from tasks_app.a2a.types import ALL_STATES, STATE_UNSPECIFIED
 from tasks_app.models import TERMINAL_STATES, RemoteTask
 from tasks_app.runtime import shared_redis
 
@@ -66,6 +68,7 @@ class _Pending:
         self.lock = threading.Lock()
         self.values: dict[str, dict[str, float]] = {}
         self.flusher: threading.Thread | None = None
+        self.failing = False  # said once per Redis outage, not once a second
 
     def add(self, name: str, field: str, amount: float) -> None:
         with self.lock:
@@ -76,6 +79,9 @@ class _Pending:
                     target=self._flush_forever, name="metrics-flush", daemon=True
                 )
                 self.flusher.start()
+                # A command (tasks start, cancel) ends before the next flush, and any part's
+                # last second would be lost with it.
+                atexit.register(self.flush)
 
     def take(self) -> dict[str, dict[str, float]]:
         with self.lock:
@@ -101,7 +107,16 @@ class _Pending:
             pipe.execute()
         except Exception as exc:  # Redis away: keep the counts for the next flush
             self.put_back(values)
-            log.warning("metrics: flush failed (%s); kept for the next one", type(exc).__name__)
+            if not self.failing:
+                self.failing = True
+                log.warning(
+                    "metrics: flush failed (%s); counts are kept until Redis answers",
+                    type(exc).__name__,
+                )
+            return
+        if self.failing:
+            self.failing = False
+            log.info("metrics: flushed again; the kept counts are in Redis")
 
     def _flush_forever(self) -> None:
         while True:
@@ -142,6 +157,20 @@ class DeploymentCollector(Collector):
     """What ``/metrics`` shows: the Redis counters of every process, and gauges from the database."""
 
     def collect(self) -> Iterator[object]:
+        try:
+            counters = list(self._counters())
+        except Exception as exc:  # Redis away: the database's gauges are still worth a scrape
+            log.warning("metrics: the counters could not be read (%s)", type(exc).__name__)
+            counters = []
+        up = GaugeMetricFamily(
+            PREFIX + "metrics_redis_up", "Whether the counters could be read from Redis"
+        )
+        up.add_metric([], 1.0 if counters else 0.0)
+        yield up
+        yield from counters
+        yield from self._gauges()
+
+    def _counters(self) -> Iterator[object]:
         r = shared_redis.client(settings.REDIS_URL)
         for name, (help_text, labels) in COUNTERS.items():
             family = CounterMetricFamily(PREFIX + name, help_text, labels=list(labels))
@@ -162,21 +191,29 @@ class DeploymentCollector(Collector):
             buckets=points,
             sum_value=total,
         )
-        yield from self._gauges()
 
     def _gauges(self) -> Iterator[object]:
         states = GaugeMetricFamily(
             PREFIX + "tasks", "Mirrored tasks by state (phase when none)", labels=["state"]
         )
+        # Every known state and status, 0 when none: an absent series is no number, and an
+        # alert rule comparing a sum with 0 would never fire when the last one went away.
+        by_state = dict.fromkeys(sorted(ALL_STATES - {STATE_UNSPECIFIED}), 0)
         for row in RemoteTask.objects.values("state", "phase").annotate(n=Count("id")).order_by():
-            states.add_metric([row["state"] or f"phase:{row['phase']}"], row["n"])
+            key = row["state"] or f"phase:{row['phase']}"
+            by_state[key] = by_state.get(key, 0) + row["n"]
+        for state, n in by_state.items():
+            states.add_metric([state], n)
         yield states
         watchers = GaugeMetricFamily(
             PREFIX + "watchers", "Unfinished tasks by watcher status", labels=["status"]
         )
         active = RemoteTask.objects.exclude(state__in=TERMINAL_STATES)
+        by_status = dict.fromkeys(RemoteTask.WatcherStatus.values, 0)
         for row in active.values("watcher_status").annotate(n=Count("id")).order_by():
-            watchers.add_metric([row["watcher_status"]], row["n"])
+            by_status[row["watcher_status"]] = by_status.get(row["watcher_status"], 0) + row["n"]
+        for status, n in by_status.items():
+            watchers.add_metric([status], n)
         yield watchers
         held = GaugeMetricFamily(
             PREFIX + "held_tasks", "Tasks whose lease a worker holds now", labels=["worker"]
@@ -192,8 +229,13 @@ def _allowed(request: HttpRequest) -> bool:
     if user is not None and user.is_authenticated and user.is_staff:
         return True
     token = settings.METRICS_TOKEN
-    given = request.headers.get("Authorization", "")
-    return bool(token) and hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    # The scheme's case does not matter (RFC 9110); the token is compared in constant time.
+    return (
+        bool(token)
+        and scheme.lower() == "bearer"
+        and hmac.compare_digest(given.strip().encode(), token.encode())
+    )
 
 
 def metrics_view(request: HttpRequest) -> HttpResponse:

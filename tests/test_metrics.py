@@ -43,10 +43,47 @@ def test_only_staff_or_the_token_may_read_metrics(settings, django_user_model) -
         django_user_model.objects.create_user("s", password="pw-12345678", is_staff=True)
     )
     assert staff.get("/metrics").status_code == 200
+    # The scheme's case does not matter (RFC 9110); the token's does.
+    assert (
+        Client().get("/metrics", headers={"Authorization": "bearer metrics-token-123"}).status_code
+        == 200
+    )
+    assert (
+        Client().get("/metrics", headers={"Authorization": "Bearer METRICS-TOKEN-123"}).status_code
+        == 403
+    )
+    assert (
+        Client().get("/metrics", headers={"Authorization": "Basic metrics-token-123"}).status_code
+        == 403
+    )
     settings.METRICS_TOKEN = ""
     assert (
         Client().get("/metrics", headers={"Authorization": "Bearer "}).status_code == 403
     )  # no token set
+
+
+def test_every_status_and_state_has_a_series_and_redis_away_is_no_500(settings) -> None:
+    """The gauges listed only statuses some task had: with nothing streaming or polling,
+    ``sum(dashboard_watchers{status=~"streaming|polling"}) == 0`` (the sample rule) had no
+    series to compare and never fired. With Redis away, every scrape was a 500 and a
+    traceback, the database's gauges lost with the counters."""
+    from tasks_app.models import Agent, RemoteTask
+
+    settings.METRICS_TOKEN = "t0k"
+    agent = Agent.objects.create(name="m", base_url="http://127.0.0.1:9/m")
+    RemoteTask.objects.create(agent=agent, title="t", state="TASK_STATE_WORKING",
+                              watcher_status=RemoteTask.WatcherStatus.LOST)  # fmt: skip
+    scrape = Client().get("/metrics", headers={"Authorization": "Bearer t0k"}).content.decode()
+    assert re.search(r'^dashboard_watchers\{status="streaming"\} 0\.0$', scrape, re.M)
+    assert sample(scrape, "dashboard_watchers", 'status="lost"') == 1.0
+    assert re.search(r'^dashboard_tasks\{state="TASK_STATE_COMPLETED"\} 0\.0$', scrape, re.M)
+    assert sample(scrape, "dashboard_metrics_redis_up") == 1.0
+    settings.REDIS_URL = "redis://127.0.0.1:1/9"  # nothing listens there
+    answer = Client().get("/metrics", headers={"Authorization": "Bearer t0k"})
+    assert answer.status_code == 200
+    text = answer.content.decode()
+    assert sample(text, "dashboard_metrics_redis_up") == 0.0
+    assert sample(text, "dashboard_watchers", 'status="lost"') == 1.0
 
 
 def held(text: str) -> float:
