@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import gc
 import itertools
 import logging
@@ -241,9 +242,13 @@ def upkeep_connections() -> None:
 async def _run_on(priority: int, func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     assert _db_pool is not None
 
+    # The caller's context (logs.bind's task and agent ids) goes with the call: lines written
+    # inside it (record, dispatch) named neither.
+    context = contextvars.copy_context()
+
     def call() -> T:
         upkeep_connections()
-        return func(*args, **kwargs)
+        return context.run(func, *args, **kwargs)
 
     return await asyncio.wrap_future(_db_pool.submit(call, priority))
 

@@ -149,7 +149,7 @@ def observe_relay_latency(received_at: str | datetime | None, entries: int = 1) 
 
 
 def flush() -> None:
-    """Send this process's pending counts now (tests; a worker's warm shutdown)."""
+    """Send this process's pending counts now (tests; also run at exit)."""
     _pending.flush()
 
 

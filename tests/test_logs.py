@@ -4,6 +4,7 @@ agent where the code works for one; a bad value is one sentence; text stays the 
 from __future__ import annotations
 
 import json
+from datetime import datetime, timedelta
 
 import pytest
 
@@ -39,6 +40,8 @@ def test_json_lines_carry_the_bound_ids() -> None:
         and line["logger"] == "probe"
     )
     assert line["task_id"] == 41 and line["agent_id"] == 7
+    # ISO 8601 in UTC (it was local time, "2026-12-02 20:55:25,737", with no zone).
+    assert datetime.fromisoformat(line["time"]).utcoffset() == timedelta(0)
     text = run_python(code, LOG_FORMAT="text")
     assert "WARNING probe: hello there" in text.stderr and "task_id" not in text.stderr
 
@@ -68,3 +71,32 @@ def test_a_worker_in_json_names_the_task_its_watcher_works_for(agent, start_cele
 
     wait_for(lambda: about_the_task(), what="a log line naming the task")
     assert all(entry["agent_id"] == demo.pk for entry in about_the_task())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_watchers_database_calls_log_with_its_ids(shared_loop, caplog) -> None:
+    """The database pool did not carry the holder's context: a line written inside
+    ``eventloop.db`` (record, dispatch) named neither the task nor the agent."""
+    import logging
+
+    from tasks_app import eventloop
+    from tasks_app.runtime import logs
+
+    def inside() -> None:
+        logging.getLogger("probe").warning("inside the database call")
+
+    async def holder() -> None:
+        logs.bind(task=42, agent=5)
+        await eventloop.db(inside)
+
+    handler = logging.StreamHandler()
+    handler.addFilter(logs.ContextIds())
+    seen: list[logging.LogRecord] = []
+    handler.emit = seen.append  # type: ignore[method-assign]
+    probe = logging.getLogger("probe")
+    probe.addHandler(handler)
+    try:
+        eventloop.submit(holder()).result(timeout=10)
+    finally:
+        probe.removeHandler(handler)
+    assert [(getattr(r, "task_id", None), getattr(r, "agent_id", None)) for r in seen] == [(42, 5)]

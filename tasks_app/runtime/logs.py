@@ -78,8 +78,10 @@ def formatter_config(log_format: str) -> dict[str, object]:
     if log_format == "json":
         return {
             "()": "pythonjsonlogger.json.JsonFormatter",
-            "fmt": "%(asctime)s %(levelname)s %(name)s %(message)s",
-            "rename_fields": {"asctime": "time", "levelname": "level", "name": "logger"},
-            "timestamp": False,
+            "fmt": "%(levelname)s %(name)s %(message)s",
+            "rename_fields": {"levelname": "level", "name": "logger"},
+            # ISO 8601 in UTC ("2026-12-02T21:09:09.747714+00:00"): asctime was local time
+            # with a comma and no zone.
+            "timestamp": "time",
         }
     return {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}
