@@ -105,11 +105,24 @@ def check_channel_layer(timeout: float) -> None:
 
 
 def check_worker(timeout: float) -> None:
+    """A worker that consumes this dashboard's queue answers.
+
+    Any worker on the same Redis answered a ping, a worker of another dashboard sharing it
+    (``CELERY_QUEUE``) too: so the workers are asked which queues they consume. All of them
+    are waited for (one of them may be ours), so the check takes its whole timeout.
+    """
     from dashboard.celery import app
 
-    # limit=1: answer as soon as one worker replies instead of always waiting the timeout.
-    if not app.control.ping(timeout=timeout, limit=1):
+    queue = settings.CELERY_TASK_DEFAULT_QUEUE
+    replies = app.control.inspect(timeout=timeout).active_queues() or {}
+    if not replies:
         raise CheckFailed("no Celery worker answered")
+    if not any(
+        isinstance(q, dict) and q.get("name") == queue
+        for queues in replies.values()
+        for q in queues or ()
+    ):
+        raise CheckFailed("no Celery worker consumes this dashboard's queue (CELERY_QUEUE)")
 
 
 CHECKS: tuple[Check, ...] = (
@@ -119,7 +132,7 @@ CHECKS: tuple[Check, ...] = (
     # machine once passed the deadline first).
     Check("redis", check_redis, 1.5, "Redis did not answer"),
     Check("channel_layer", check_channel_layer, 1.5, "the channel layer did not answer"),
-    # kombu collects replies in whole-second polls: a 1.5 s ping takes over 2 s, a 1 s one ~1 s.
+    # kombu collects replies in whole-second polls: a 1.5 s wait takes over 2 s, a 1 s one ~1 s.
     Check("worker", check_worker, 1.0, "no Celery worker answered"),
 )
 

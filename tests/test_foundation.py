@@ -48,6 +48,20 @@ def test_healthz_is_ok_while_a_worker_runs(
     assert all(check["ok"] for check in body["checks"].values()), body
 
 
+@pytest.mark.django_db(transaction=True)
+def test_the_worker_check_counts_only_workers_of_this_dashboards_queue(
+    celery_worker: WorkerProcess, settings
+) -> None:
+    """A ping was answered by any worker on the same Redis: a dashboard sharing it
+    (another CELERY_QUEUE) was reported healthy with no worker of its own."""
+    from tasks_app import health
+
+    health.check_worker(1.0)  # the test worker consumes this queue
+    settings.CELERY_TASK_DEFAULT_QUEUE = "another-dashboard"
+    with pytest.raises(health.CheckFailed, match="consumes this dashboard's queue"):
+        health.check_worker(1.0)
+
+
 def staff_client(base_url: str) -> httpx.Client:
     """An httpx client with a staff user's session (the session row is in the shared test DB)."""
     from django.test import Client
