@@ -547,6 +547,8 @@ def test_admin_password_is_shown_again_only_while_it_works(tmp_path: Path) -> No
         (["--only", ","], {"REDIS_URL": "redis://127.0.0.1:1/0"}, "Error: --only needs a role; the roles are web, worker, beat, webhook."),
         (["--only", "worker"], {"REDIS_URL": "redis://:hunter2@127.0.0.1:1/0"}, "Error: Cannot reach Redis at REDIS_URL (redis://:***@127.0.0.1:1/0): "),
         (["--only", "beat"], {"REDIS_URL": "redis://127.0.0.1:1/0"}, "Error: Cannot reach Redis at REDIS_URL"),
+        (["--only", "worker"], {"REDIS_URL": "redis://127.0.0.1:6379/15", "CELERY_BROKER_URL": "redis://:hunter2@127.0.0.1:1/0"},
+         "Error: Cannot reach the Celery broker at CELERY_BROKER_URL (redis://:***@127.0.0.1:1/0): "),
         (["--only", "worker"], {"REDIS_URL": "redis://127.0.0.1:1/0", "DATABASE_URL": "postgres://someone:hunter2@127.0.0.1:1/nothing"},
          "Error: Cannot connect to the database at DATABASE_URL (postgres://someone:***@127.0.0.1:1/nothing): "),
     ],

@@ -126,6 +126,20 @@ def register_demo_agent(url: str) -> None:
     add_agent(url, name="Demo agent")
 
 
+def broker_error(url: str, timeout: float = 2.0) -> str | None:
+    """None when the Celery broker at ``url`` takes a connection, else a short reason."""
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        return ping_error(url, timeout)
+    from kombu import Connection
+
+    try:
+        with Connection(url, connect_timeout=timeout) as connection:
+            connection.ensure_connection(max_retries=1, timeout=timeout)
+    except Exception as exc:  # whatever the transport raises: its class, not its text
+        return type(exc).__name__
+    return None
+
+
 def _demo_preflight() -> None:
     """Fail before starting anything when --demo cannot work in this checkout."""
     if importlib.util.find_spec(DEMO_AGENT_MODULE) is None:
@@ -364,6 +378,16 @@ class Runner:
             if reason is not None:
                 raise StartupError(
                     f"Cannot reach Redis at REDIS_URL ({redact_url(redis_url)}): {reason.rstrip('.')}."
+                )
+        broker = settings.CELERY_BROKER_URL
+        if redis_url and broker != settings.REDIS_URL:
+            # A broker of its own: a worker started against an unreachable one said it was
+            # running while Celery retried the connection in its log.
+            reason = broker_error(broker)
+            if reason is not None:
+                raise StartupError(
+                    f"Cannot reach the Celery broker at CELERY_BROKER_URL ({redact_url(broker)}): "
+                    f"{reason.rstrip('.')}."
                 )
         if self.stopping.is_set():
             return 0
