@@ -619,3 +619,18 @@ def test_web_and_worker_on_their_own_processes_work_together(
                     child.kill()
                 process.kill()
                 process.wait(timeout=10)
+
+
+def test_the_health_probe_asks_by_a_name_a_leading_dot_allows(settings) -> None:
+    """``.example.org`` (example.org and its subdomains) gave the probe no name to ask by:
+    Django answered 400 for a minute of tracebacks, then "did not become healthy (HTTP 400)"
+    named no setting. The probe asks by example.org; a refused probe stops at once, saying
+    which setting."""
+    from tasks_app.management.commands import up
+
+    settings.ALLOWED_HOSTS = [".example.org"]
+    assert up._probe_headers("127.0.0.1", 8000) == {"Host": "example.org:8000"}
+    settings.ALLOWED_HOSTS = ["[::1]", ".", "dash.example.org"]
+    assert up._probe_headers("127.0.0.1", 8000) == {"Host": "dash.example.org:8000"}
+    assert "ALLOWED_HOSTS" in up._refused_probe(400)
+    assert "SECURE_PROXY_SSL_HEADER" in up._refused_probe(301)

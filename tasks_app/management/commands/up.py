@@ -126,6 +126,19 @@ def register_demo_agent(url: str) -> None:
     add_agent(url, name="Demo agent")
 
 
+def _refused_probe(status: int) -> str:
+    if status == 400:
+        return (
+            "The web part refuses its own health probe (HTTP 400): ALLOWED_HOSTS names no host "
+            "it can be asked by; list the public name (or .example.org); stopping."
+        )
+    return (
+        f"The web part redirects its own health probe (HTTP {status}): with "
+        "SECURE_SSL_REDIRECT, set SECURE_PROXY_SSL_HEADER to the header the TLS proxy sends; "
+        "stopping."
+    )
+
+
 def broker_error(url: str, timeout: float = 2.0) -> str | None:
     """None when the Celery broker at ``url`` takes a connection, else a short reason."""
     if url.startswith(("redis://", "rediss://", "unix://")):
@@ -238,7 +251,10 @@ def _probe_headers(host: str, port: int) -> dict[str, str]:
 
     headers: dict[str, str] = {}
     allowed = settings.ALLOWED_HOSTS
-    names = [h for h in allowed if h and h != "*" and not h.startswith((".", "["))]
+    # ".example.org" allows example.org and its subdomains: the probe asks by example.org.
+    names = [
+        h.removeprefix(".") for h in allowed if h not in ("", "*", ".") and not h.startswith("[")
+    ]
     if not validate_host(host, allowed) and names:
         headers["Host"] = f"{names[0]}:{port}"
     proxy = settings.SECURE_PROXY_SSL_HEADER
@@ -654,6 +670,10 @@ class Runner:
             status, body = self._health()
             if status == 200 and isinstance(body, dict) and body.get("ok") is True:
                 return True
+            if status in (301, 302, 308, 400):
+                # The settings refuse our own probe; waiting does not change that.
+                self.say(_refused_probe(status))
+                return False
             self.stopping.wait(0.5)
         detail = body.get("error", f"HTTP {status}") if isinstance(body, dict) else f"HTTP {status}"
         if status == 503:
