@@ -535,6 +535,21 @@ def test_admin_password_is_shown_again_only_while_it_works(tmp_path: Path) -> No
     assert "Log in as admin" not in again
 
 
+@pytest.mark.django_db
+def test_in_production_the_admin_password_is_shown_once(tmp_path: Path) -> None:
+    """Each start's line reaches the log collector (compose logs, the journal): the password
+    was in it on every start until changed. Shown when made; later starts name its file."""
+    first = ensure_admin(tmp_path, show_again=False)
+    password = first.removeprefix("Log in as admin / ")
+    assert first.startswith("Log in as admin / ") and len(password) >= 12
+    later = ensure_admin(tmp_path, show_again=False)
+    assert password not in later
+    assert (
+        later
+        == f"Log in as admin: the password is in {tmp_path / PASSWORD_FILE} until it is changed"
+    )
+
+
 # --- one role per process (up --only) --------------------------------------------------------
 
 

@@ -17,13 +17,16 @@ ADMIN_USERNAME = "admin"
 PASSWORD_FILE = "admin_password"
 
 
-def ensure_admin(data_dir: Path) -> str:
+def ensure_admin(data_dir: Path, *, show_again: bool = True) -> str:
     """Make sure someone can log in; return the line to show the operator.
+
+    ``show_again=False`` (production, where this line goes to a log collector on every
+    start): the password is shown once, when it is made; later lines name its file.
 
     Also makes sure the project ``default`` exists with the admin as its agent admin
     (agents added without a project go there).
     """
-    line = _ensure_login(data_dir)
+    line = _ensure_login(data_dir, show_again)
     _ensure_default_project()
     return line
 
@@ -41,7 +44,7 @@ def _ensure_default_project() -> None:
         )
 
 
-def _ensure_login(data_dir: Path) -> str:
+def _ensure_login(data_dir: Path, show_again: bool = True) -> str:
     from django.contrib.auth import get_user_model
 
     user_model = get_user_model()
@@ -62,6 +65,8 @@ def _ensure_login(data_dir: Path) -> str:
         password = path.read_text().strip()
         user = user_model.objects.filter(username=ADMIN_USERNAME, is_active=True).first()
         if password and user is not None and user.check_password(password):
+            if not show_again:
+                return f"Log in as {ADMIN_USERNAME}: the password is in {path} until it is changed"
             return f"Log in as {ADMIN_USERNAME} / {password}"
     return (
         "Log in with your superuser account ('manage.py changepassword <name>' resets a password)."

@@ -416,7 +416,11 @@ class Runner:
                     return self._shutdown(0)
                 call_command("migrate", interactive=False, verbosity=0)
                 sqlite_stats.refresh()  # the planner's statistics (beat refreshes them hourly)
-                login_line = ensure_admin(Path(settings.DATA_DIR))
+                # In production this line reaches the logs on every start: the password is
+                # shown once, when it is made.
+                login_line = ensure_admin(
+                    Path(settings.DATA_DIR), show_again=not settings.PRODUCTION
+                )
         # Child processes open their own connections; ours is not needed while we wait.
         connection.close()
 
