@@ -86,9 +86,11 @@ MARKDOWN_MAX_CHARS = 20_000
 _markdown_cache: OrderedDict[bytes, SafeString] = OrderedDict()
 _markdown_lock = threading.Lock()
 # Markdown characters one page may render (not counting what the cache holds): the limit
-# above is per text, and a page of a hundred messages, each of runs of ``![`` (the slowest
-# pattern found, ~15 us a character against ~2 for prose), took 100 s. Past it, plain text.
-PAGE_MARKDOWN_CHARS = 100_000
+# above is per text, and a page of a hundred messages, each of runs of ``![`` (~15 us a
+# character against ~2 for prose), took 100 s. The slowest pattern found since, ``[`` and a
+# line break repeated, costs 45-80 us a character here: 100,000 were 3-8 s a view. 20,000
+# keep the worst page near a second and hold pages of ordinary messages. Past it, plain text.
+PAGE_MARKDOWN_CHARS = 20_000
 _page_markdown: ContextVar[list[int] | None] = ContextVar("page_markdown", default=None)
 
 
