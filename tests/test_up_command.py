@@ -649,3 +649,12 @@ def test_the_health_probe_asks_by_a_name_a_leading_dot_allows(settings) -> None:
     assert up._probe_headers("127.0.0.1", 8000) == {"Host": "dash.example.org:8000"}
     assert "ALLOWED_HOSTS" in up._refused_probe(400)
     assert "SECURE_PROXY_SSL_HEADER" in up._refused_probe(301)
+
+
+def test_the_webhook_part_follows_log_level(settings) -> None:
+    """uvicorn logged at its own level (INFO) whatever LOG_LEVEL said."""
+    from tasks_app.management.commands import up
+
+    settings.LOG_LEVEL = "WARNING"
+    argv = up.webhook_argv("python", "127.0.0.1", 8001, False)
+    assert argv[argv.index("--log-level") + 1] == "warning"

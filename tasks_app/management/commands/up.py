@@ -102,9 +102,13 @@ def webhook_argv(python: str, host: str, port: int, proxy_headers: bool) -> list
     ``X-Forwarded-For`` only with ``proxy_headers``, and then only from the proxies
     uvicorn trusts (``FORWARDED_ALLOW_IPS``, default 127.0.0.1).
     """
+    # uvicorn's own lines (its start, a malformed request) follow LOG_LEVEL; they are its
+    # plain text whatever LOG_FORMAT says (docs/operations.md lists them).
+    level = {"CRITICAL": "critical", "ERROR": "error", "WARNING": "warning",
+             "DEBUG": "debug"}.get(settings.LOG_LEVEL, "info")  # fmt: skip
     return [python, "-m", "uvicorn", "dashboard.webhook_asgi:application",
             "--host", host, "--port", str(port), "--no-access-log", "--backlog", "2048",
-            "--timeout-keep-alive", str(WEBHOOK_KEEP_ALIVE_SECONDS),
+            "--timeout-keep-alive", str(WEBHOOK_KEEP_ALIVE_SECONDS), "--log-level", level,
             "--proxy-headers" if proxy_headers else "--no-proxy-headers"]  # fmt: skip
 
 
