@@ -21,6 +21,7 @@ agent's property names, which may hold anything.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -88,6 +89,12 @@ def _bounded_pattern(validator: Any, pattern: Any, instance: Any, schema: Any) -
         return
     if pattern_search(pattern, instance) is False:
         yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+@functools.cache
+def _bounded(cls: type) -> type:
+    """The schema's validator class with ``pattern`` bounded in time (made once per draft)."""
+    return extend(cls, {"pattern": _bounded_pattern})
 
 
 class Unusable(Exception):
@@ -637,8 +644,7 @@ class SchemaAnswerForm(forms.Form):
         if self.errors:
             return data
         cls = validator_for(self.spec.schema, default=Draft202012Validator)
-        bounded = extend(cls, {"pattern": _bounded_pattern})
-        validator = bounded(self.spec.schema, format_checker=cls.FORMAT_CHECKER)
+        validator = _bounded(cls)(self.spec.schema, format_checker=cls.FORMAT_CHECKER)
         errors = sorted(
             validator.iter_errors(answer), key=lambda e: list(map(str, e.absolute_path))
         )

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import math
 import time
@@ -35,6 +34,7 @@ from tasks_app import outbound
 from tasks_app.a2a import A2AError, ProtocolError, check_task, safejson
 from tasks_app.access import Perm, require
 from tasks_app.models import Agent, ImportJob, OperatorAction, RemoteTask
+from tasks_app.services.chain import canonical_json
 from tasks_app.services.record import RecordError, id_problem, record, settle_if_ended
 from tasks_app.services.tasks import TaskActionError, dispatch
 
@@ -460,8 +460,13 @@ def _valid(remote: object, page: int) -> bool:
 
 
 def _fits(remote: dict) -> bool:
-    """Whether a listed task is within WATCH_MAX_EVENT_BYTES, the bound of one event."""
-    size = len(json.dumps(remote, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    """Whether a listed task is within WATCH_MAX_EVENT_BYTES, the bound of one event, measured
+    as ``record()`` measures an entry (its canonical text), so that no task passes here that
+    record() would then refuse on a row made for it."""
+    try:
+        size = len(canonical_json({"task": remote}))
+    except (TypeError, ValueError, RecursionError):
+        return True  # not JSON as it is: record() cleans it and decides
     return size <= settings.WATCH_MAX_EVENT_BYTES
 
 

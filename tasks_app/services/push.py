@@ -24,6 +24,7 @@ watcher, which polls it once and comes back later, less often as the silence gro
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -655,6 +656,7 @@ Op = tuple[Any, ...]
 Flow = Generator[Op, Any, Verdict]
 
 
+@functools.lru_cache(maxsize=4096)  # per request on the webhook's path; sources repeat
 def source_group(address: str) -> str:
     """What the per-source limits count: an IPv4 address, or an IPv6 address's /64.
 
@@ -1485,22 +1487,21 @@ def list_at_agent(task: RemoteTask) -> Listing:
         problem = (
             f"the agent lists more configs for this task: the first {MAX_LISTED_CONFIGS} are shown"
         )
-    rows = [
-        {
-            "id": str(c.get("id", ""))[:200],
-            "url": str(c.get("url", ""))[:1000],
-            "ours": str(c.get("id", "")) in ours,
-            # The delete form's URL holds the id as one path segment: an empty id, or one
-            # with a "/", has no such URL (the page answered 500 for it); no button then.
-            "deletable": _one_segment(str(c.get("id", ""))[:200]),
-        }
-        for c in configs
-    ]
+    rows = []
+    for c in configs:
+        config_id = str(c.get("id", ""))
+        shown = config_id[:200]
+        rows.append(
+            {
+                "id": shown,
+                "url": str(c.get("url", ""))[:1000],
+                "ours": config_id in ours,
+                # The delete form's URL holds the id as one path segment: an empty id, or
+                # one with a "/", has no such URL (the page answered 500); no button then.
+                "deletable": bool(shown) and "/" not in shown,
+            }
+        )
     return Listing(rows, local, problem)
-
-
-def _one_segment(config_id: str) -> bool:
-    return bool(config_id) and "/" not in config_id
 
 
 def delete_config(task: RemoteTask, config_id: str, *, actor_id: int | None = None) -> None:

@@ -753,14 +753,9 @@ class _Fold:
         if self.settled:
             self._after_end(entry, "a snapshot that differs from the settled task")
             return
-        current_ts = self.get("status_timestamp")
-        if ts is not None and current_ts is not None and ts < current_ts:
+        if self._older_than_held(entry, ts):
             # Taken before the status held (a ListTasks page read while a stream went on):
             # applied, it rolled the task back and wrote a false gap entry.
-            self.rows.append(
-                _Row(entry, "task", "older than the status already held; snapshot unchanged",
-                     apply=False)
-            )  # fmt: skip
             return
         if self.gap_check and self.get("remote_id") and not (status_same and artifacts_same):
             missed = []
@@ -806,6 +801,16 @@ class _Fold:
             status_timestamp=ts or self.get("status_timestamp"),
         )
 
+    def _older_than_held(self, entry: Entry, ts: datetime | None) -> bool:
+        """Whether the entry's status is older than the one held: then it is logged, not
+        applied (a status update or a snapshot alike)."""
+        current_ts = self.get("status_timestamp")
+        if ts is None or current_ts is None or ts >= current_ts:
+            return False
+        note = "older than the status already held; snapshot unchanged"
+        self.rows.append(_Row(entry, entry.kind, note, apply=False))
+        return True
+
     def _fold_statusUpdate(self, entry: Entry) -> None:
         update = entry.payload
         if self._wrong_task(entry, update["taskId"]):
@@ -822,16 +827,7 @@ class _Fold:
         if problem:
             self.rows.append(_Row(entry, "protocol-error", problem, apply=False))
             return
-        current_ts = self.get("status_timestamp")
-        if ts is not None and current_ts is not None and ts < current_ts:
-            self.rows.append(
-                _Row(
-                    entry,
-                    "statusUpdate",
-                    "older than the status already held; snapshot unchanged",
-                    apply=False,
-                )
-            )
+        if self._older_than_held(entry, ts):
             return
         self._adopt(update["taskId"], update.get("contextId"))
         self._set_status(status, ts)
