@@ -1108,6 +1108,61 @@ def errors_of(w: Walk, model: Any) -> dict[str, list[str]]:
     return errors
 
 
+# Password fields ------------------------------------------------------------------------------
+
+HIDDEN = "[hidden: typed into a password field]"
+# A secret this short is hidden where it is a whole value only: inside longer text it would
+# hide letters of words.
+SECRET_SUBSTRING_CHARS = 4
+
+
+def secret_inputs(w: Walk) -> list[InputRef]:
+    """The inputs drawn as password fields (TextField, variant ``obscured``)."""
+    return [
+        ref
+        for ref in w.inputs
+        if ref.kind == "TextField" and ref.component.get("variant") == "obscured" and ref.path
+    ]
+
+
+def secret_values(w: Walk, model: Any) -> set[str]:
+    """What the person typed into the password fields (non-empty strings)."""
+    values = {lookup(model, ref.path) for ref in secret_inputs(w)}
+    return {v for v in values if isinstance(v, str) and v}
+
+
+def without_secret_inputs(w: Walk, model: Any) -> Any:
+    """The data model with each password field's value blanked: the form drawn again after a
+    failed check must not carry the password back in the page."""
+    blanked = copy.deepcopy(model)
+    for ref in secret_inputs(w):
+        if lookup(blanked, ref.path) is not None:
+            blanked = assign(blanked, ref.path, "")  # type: ignore[arg-type]
+    return blanked
+
+
+def hide_secrets(value: Any, secrets: set[str]) -> Any:
+    """``value`` (JSON) with every occurrence of a secret replaced by ``HIDDEN``.
+
+    By value, not by path: a button's context, a function's result (``formatString``) and
+    the data model all carry what was typed, each in its own place.
+    """
+    if not secrets:
+        return value
+    if isinstance(value, str):
+        if value in secrets:
+            return HIDDEN
+        for secret in secrets:
+            if len(secret) >= SECRET_SUBSTRING_CHARS and secret in value:
+                value = value.replace(secret, HIDDEN)
+        return value
+    if isinstance(value, dict):
+        return {k: hide_secrets(v, secrets) for k, v in value.items()}
+    if isinstance(value, list):
+        return [hide_secrets(v, secrets) for v in value]
+    return value
+
+
 def resolve_context(ref: ButtonRef, model: Any) -> dict:
     """The button's action context with every value resolved against the data model."""
     event = ref.component.get("action", {}).get("event", {})

@@ -52,7 +52,8 @@ def take(person_id: int, token: str) -> dict[str, str] | None:
     if value is None:
         return None
     kept = json.loads(value)
-    if not hmac.compare_digest(str(kept.pop("token", "")), token):
+    # As bytes: compare_digest refuses text with non-ASCII characters (a forged form field).
+    if not hmac.compare_digest(str(kept.pop("token", "")).encode(), token.encode()):
         return None  # replaced by a newer one, or a token from elsewhere
     return kept  # as keep() stored it (its base64 is the upload's, encoded by the form)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import http.cookiejar
 import os
 import socket
 import ssl
@@ -66,12 +67,28 @@ def policy() -> guard.Policy:
     return _policy_of(_entries(getattr(settings, guard.SETTING, ())))
 
 
+class _RefuseAll(http.cookiejar.DefaultCookiePolicy):
+    """A cookie policy that keeps nothing and sends nothing."""
+
+    def set_ok(self, cookie: http.cookiejar.Cookie, request: object) -> bool:
+        return False
+
+    def return_ok(self, cookie: http.cookiejar.Cookie, request: object) -> bool:
+        return False
+
+
 def new_http_client(ssl_context: ssl.SSLContext | None = None) -> httpx.AsyncClient:
-    """An HTTP client whose every connection passes the outbound guard."""
+    """An HTTP client whose every connection passes the outbound guard.
+
+    It keeps no cookies: a worker's clients serve every agent of every project, and a
+    cookie one agent set would go to any other agent on the same host (cookies ignore
+    the port). What an agent needs to know of us is in the credentials we send it.
+    """
     return httpx.AsyncClient(
         transport=guard.GuardedTransport(policy, limits=LIMITS, ssl_context=ssl_context),
         follow_redirects=False,
         timeout=30.0,
+        cookies=http.cookiejar.CookieJar(policy=_RefuseAll()),
     )
 
 

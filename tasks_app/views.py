@@ -23,6 +23,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
+from django.views.decorators.debug import sensitive_post_parameters
 from django.views.decorators.http import require_GET, require_POST
 
 from tasks_app import access, answers, crypto, cursors, kept_uploads, views_a2ui
@@ -363,15 +364,21 @@ def agent_detail(request: HttpRequest, pk: int) -> HttpResponse:
     return render(request, "tasks_app/agent_detail.html", _agent_context(request, agent))
 
 
+@sensitive_post_parameters("token", "api_key")
 @login_required
 @require_POST
 def agent_credentials(request: HttpRequest, pk: int) -> HttpResponse:
     agent = get_agent_for_user(request, pk, Perm.MANAGE_AGENTS)
     form = CredentialsForm(request.POST)
+    if form.is_valid():
+        try:
+            agent_services.set_credentials(agent, form.credentials(), actor_id=request.user.id)
+        except agent_services.AgentError as exc:  # e.g. a character no header can carry
+            field = "api_key" if form.cleaned_data["kind"] == "api-key" else "token"
+            form.add_error(field, str(exc))
     if not form.is_valid():
         context = _agent_context(request, agent, credentials_form=form)
         return render(request, "tasks_app/agent_detail.html", context, status=400)
-    agent_services.set_credentials(agent, form.credentials(), actor_id=request.user.id)
     messages.success(
         request,
         "Credentials removed." if form.cleaned_data["kind"] == "clear" else "Credentials saved.",

@@ -934,14 +934,19 @@ class Holder:
                     return None
             except TaskNotFoundError as exc:
                 return await self._gone(str(exc))
+        push_config = None
+        if is_first and task.watch == RemoteTask.Watch.PUSH:
+            # Before the send is marked attempted: a config that cannot be made or read
+            # leaves a send that never started, not one to look for at the agent.
+            try:
+                push_config = await eventloop.db(push_services.config_for_send, self.task_pk)
+            except outbound.CredentialsWithheld as exc:
+                return await self._park(str(exc))
+            if push_config is None:
+                await self._push_refused("PUBLIC_URL is not set where the watcher runs")
         if not await eventloop.db(task_services.mark_send_attempted, self.task_pk, self.token):
             raise Fenced  # the lease is no longer ours: someone else sends
         metadata = outbox.get("metadata") or None
-        push_config = None
-        if is_first and task.watch == RemoteTask.Watch.PUSH:
-            push_config = await eventloop.db(push_services.config_for_send, self.task_pk)
-            if push_config is None:
-                await self._push_refused("PUBLIC_URL is not set where the watcher runs")
         try:
             if self.streaming:
                 await self._go(Event.FOLLOW)

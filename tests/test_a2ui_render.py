@@ -757,3 +757,64 @@ def test_a_long_option_can_be_chosen_and_each_option_is_sent_once(
     task.refresh_from_db()
     model = json.dumps(task.outbox["message"])  # the data model goes with the action
     assert long_value in model and model.count('"terrace"') == 1
+
+
+def login_surface(task: RemoteTask) -> Surface:
+    comps = [
+        {"id": "root", "component": "Column", "children": ["name", "pw", "go"]},
+        {"id": "name", "component": "TextField", "label": "User", "value": {"path": "/login/name"},
+         "checks": [{"condition": {"call": "required", "args": {"value": {"path": "/login/name"}}},
+                     "message": "User is required"}]},
+        {"id": "pw", "component": "TextField", "label": "Password", "variant": "obscured",
+         "value": {"path": "/login/pw"}},
+        {"id": "go", "component": "Button", "child": "go_label", "action": {"event": {
+            "name": "login", "context": {"who": {"path": "/login/name"}, "pw": {"path": "/login/pw"},
+                                         "line": {"call": "formatString", "args": {
+                                             "value": "${/login/name}:${/login/pw}"}}}}}},
+        {"id": "go_label", "component": "Text", "text": "Log in"},
+    ]  # fmt: skip
+    return Surface.objects.create(
+        task=task, surface_id="login", version="0.9.1", components={c["id"]: c for c in comps},
+        data_model={"login": {"name": "", "pw": ""}}, ready=True, root_id="root",
+        updated_seq=task.last_seq,
+    )  # fmt: skip
+
+
+def test_a_password_field_goes_to_the_agent_only(
+    agent, people, no_dispatch, django_capture_on_commit_callbacks
+) -> None:
+    """What a person typed into a password field was kept in the log, the audit row and the
+    task page for every reader (the log cannot be edited), and a form drawn again after a
+    failed check carried it back in the page's data model."""
+    from tasks_app.models import ConversationMessage, TaskEvent
+
+    task = waiting(agent, "login")
+    surface = login_surface(task)
+    url = reverse("task-surface-act", args=[task.pk])
+    base = {"surface": "login", "seq": str(surface.updated_seq), "source": "b0"}
+    refused = people["ann"].post(url, {**base, "v0": "", "v1": "S3CRET-PW-1"})
+    assert refused.status_code == 400 and "User is required" in refused.content.decode()
+    assert "S3CRET-PW-1" not in refused.content.decode()
+    with django_capture_on_commit_callbacks(execute=True):
+        sent = people["ann"].post(url, {**base, "v0": "ada", "v1": "S3CRET-PW-2"})
+    assert sent.status_code == 302
+    task.refresh_from_db()
+    # The agent gets it: the outbox holds the message as it is sent.
+    message = task.outbox["message"]
+    action = message["parts"][0]["data"][0]["action"]
+    assert action["context"] == {"who": "ada", "pw": "S3CRET-PW-2", "line": "ada:S3CRET-PW-2"}
+    model = message["metadata"]["a2uiClientDataModel"]["surfaces"]["login"]
+    assert model["login"]["pw"] == "S3CRET-PW-2"
+    # Nothing we keep has it.
+    kept = [
+        json.dumps(list(TaskEvent.objects.filter(task=task).values_list("raw", flat=True))),
+        json.dumps(list(ConversationMessage.objects.filter(task=task).values_list("message", flat=True))),
+        json.dumps(list(OperatorAction.objects.filter(task=task).values_list("payload", flat=True))),
+        people["vic"].get(reverse("task-detail", args=[task.pk])).content.decode(),
+    ]  # fmt: skip
+    for text in kept:
+        assert "S3CRET-PW" not in text
+    entry = TaskEvent.objects.filter(task=task, kind="operator").last().raw["operator"]
+    logged = entry["message"]["parts"][0]["data"][0]["action"]["context"]
+    assert logged == {"who": "ada", "pw": a2ui_render.HIDDEN, "line": f"ada:{a2ui_render.HIDDEN}"}
+    assert "password fields" in entry["hidden"]

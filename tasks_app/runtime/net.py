@@ -77,27 +77,42 @@ def bind_problem(host: str, port: int) -> str | None:
 
 
 def redact_url(url: str) -> str:
-    """The URL with its password replaced, so it can be printed without leaking a secret.
+    """The URL with its password and its query's values replaced, printable without a secret.
 
     A password holding ``/``, ``#`` or ``?`` (not percent-encoded) ends the URL's host part
     early, so the parser finds no password at all: whatever stands before the last ``@``
-    after the scheme is taken as the credentials then.
+    after the scheme is taken as the credentials then. redis-py and psycopg also take a
+    password from the query (``?password=``): every query value is hidden, names kept.
     """
     scheme, sep, rest = url.partition("://")
     if sep and "@" in rest:
         credentials, _, tail = rest.rpartition("@")
         user = credentials.split(":", 1)[0] if ":" in credentials else ""
         if ":" in credentials or "/" in credentials or "#" in credentials or "?" in credentials:
-            return f"{scheme}://{user}:***@{tail}"
+            return f"{scheme}://{user}:***@{_without_query_values(tail)}"
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<unparseable URL>"
+    if parts.query:
+        parts = parts._replace(query=_query_names(parts.query))
     if parts.password is None:
-        return url
+        return urlunsplit(parts)
     netloc = parts.netloc.rsplit("@", 1)[1]
     user = parts.username or ""
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+def _query_names(query: str) -> str:
+    """``a=1&password=x`` -> ``a=***&password=***``: the names stay, the values go."""
+    return "&".join(
+        f"{item.partition('=')[0]}=***" if "=" in item else item for item in query.split("&")
+    )
+
+
+def _without_query_values(tail: str) -> str:
+    head, mark, query = tail.partition("?")
+    return f"{head}{mark}{_query_names(query)}" if mark else tail
 
 
 def wait_until(

@@ -95,11 +95,14 @@ def act(
         raise ActionRefused(
             "Not sent: " + " ".join(m for msgs in errors.values() for m in msgs)[:400],
             errors=errors,
-            model=model,
+            model=a2ui_render.without_secret_inputs(walk, model),
         )
     name = a2ui_render.action_name(button)
     context = a2ui_render.resolve_context(button, model)
     message, part, metadata = _build(surface, name, button.component_id, context, model)
+    # The agent gets what was typed into password fields; the log, the audit row and the
+    # page keep the message with those values hidden.
+    secrets = a2ui_render.secret_values(walk, model)
     now = timezone.now()
     with transaction.atomic():
         # ``action_seq`` below the state's seq is an action on an earlier state of the surface.
@@ -124,12 +127,13 @@ def act(
                 "surface_seq": form_seq,
                 "name": name,
                 "source": button.component_id,
-                "context": context,
+                "context": a2ui_render.hide_secrets(context, secrets),
             },
+            logged=(lambda sent: a2ui_render.hide_secrets(sent, secrets)) if secrets else None,
         )
     surface.refresh_from_db()
     task.refresh_from_db()
-    return Sent(task=task, surface=surface, message=message)
+    return Sent(task=task, surface=surface, message=a2ui_render.hide_secrets(message, secrets))
 
 
 def _already(surface: Surface) -> AlreadySubmitted:

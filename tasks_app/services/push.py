@@ -198,8 +198,15 @@ def remember(config_id: str) -> None:
 
 
 def wire_config(config: PushConfig) -> dict[str, Any]:
-    """The config as the agent receives it (TaskPushNotificationConfig, without taskId)."""
-    values = decrypt_json(config.secrets_encrypted)
+    """The config as the agent receives it (TaskPushNotificationConfig, without taskId).
+
+    Secrets that cannot be decrypted (a rotated key not listed as old) raise
+    ``outbound.CredentialsUnreadable``: the watcher parks the task with that sentence.
+    """
+    try:
+        values = decrypt_json(config.secrets_encrypted)
+    except SecretError as exc:
+        raise outbound.CredentialsUnreadable(f"the push config's secrets: {exc}") from None
     wire: dict[str, Any] = {"id": config.config_id, "url": webhook_url(config.config_id)}
     if values.get("token"):
         wire["token"] = values["token"]
@@ -472,7 +479,13 @@ class _Config:
     secrets: dict[str, str]
     jwks_url: str
     jwt_issuer: str
+    unreadable: bool = False  # its secrets could not be decrypted
 
+
+UNREADABLE_PROBLEM = (
+    "the config's secrets cannot be decrypted (stored with a key that FIELD_ENCRYPTION_KEY "
+    "and FIELD_ENCRYPTION_OLD_KEYS no longer list)"
+)
 
 _config_cache: dict[str, tuple[float, _Config | None]] = {}
 
@@ -547,7 +560,9 @@ def _load(config_id: str) -> _Config | None:
     try:
         values = decrypt_json(encrypted)
     except SecretError:
-        values = {}  # nothing can match: every delivery is refused (and logged)
+        # Nothing can match: every delivery is refused, and the refusal says why.
+        return _Config(pk, config_id, task_pk, remote_id or "", {}, jwks_url or "", issuer or "",
+                       unreadable=True)  # fmt: skip
     return _Config(pk, config_id, task_pk, remote_id or "", values, jwks_url or "", issuer or "")
 
 
@@ -563,6 +578,8 @@ def _credentials_problem(config: _Config, authorization: str, token: str) -> str
     Agents differ in what they send (a2a-sdk sends both headers, older ones only
     the token), and each secret alone is 256 random bits.
     """
+    if config.unreadable:
+        return UNREADABLE_PROBLEM
     expected_token = config.secrets.get("token", "")
     scheme, credentials = config.secrets.get("scheme", ""), config.secrets.get("credentials", "")
     matched = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -203,6 +204,7 @@ def answer_task(
     metadata: dict | None = None,
     action: str = "answer",
     payload: dict | None = None,
+    logged: Callable[[dict], dict] | None = None,
 ) -> RemoteTask:
     """Answer an interrupted task: a new message with the same taskId and contextId.
 
@@ -217,6 +219,9 @@ def answer_task(
     nothing the watcher does while sending (clearing the outbox before the
     agent's reply is recorded) reopens the question. A new question (the agent
     asks again) has a new seq.
+
+    ``logged``: what the log keeps of the message, when that is not all of it (an A2UI
+    form's password fields: the agent gets them, the log shows them hidden).
     """
     require(actor_id, task.agent.project_id, Perm.OPERATE)
     if task.state not in ("TASK_STATE_INPUT_REQUIRED", "TASK_STATE_AUTH_REQUIRED"):
@@ -260,12 +265,11 @@ def answer_task(
         OperatorAction.objects.create(
             task=task, agent=task.agent, actor_id=actor_id, action=action, payload=payload or {}
         )
-        record(
-            task,
-            {"operator": {"action": action, "question": asked, "message": message}},
-            "operator",
-            actor_id=actor_id,
-        )
+        entry = {"action": action, "question": asked, "message": message}
+        if logged is not None:
+            entry["message"] = logged(message)
+            entry["hidden"] = "values typed into password fields (sent to the agent, not kept)"
+        record(task, {"operator": entry}, "operator", actor_id=actor_id)
         transaction.on_commit(lambda: dispatch(task.pk))
     task.refresh_from_db()
     return task
