@@ -740,8 +740,9 @@ def _watch_actions(task: RemoteTask) -> dict:
         "can_retry": task_services.can_retry(task),
         "can_refresh": bool(task.remote_id) or (open_ and lookup),
         "can_abandon": open_ and unfinished,
+        # A send parked before it went out (credentials withheld, say) too.
         "can_watch_again": open_
-        and bool(task.remote_id)
+        and (bool(task.remote_id) or task.phase == RemoteTask.Phase.SENDING)
         and unfinished
         and task.gone_at is None
         and task.watcher_status in (RemoteTask.WatcherStatus.PARKED, RemoteTask.WatcherStatus.LOST),

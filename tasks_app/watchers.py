@@ -944,8 +944,13 @@ class Holder:
                 return await self._park(str(exc))
             if push_config is None:
                 await self._push_refused("PUBLIC_URL is not set where the watcher runs")
-        if not await eventloop.db(task_services.mark_send_attempted, self.task_pk, self.token):
+        attempted = await eventloop.db(
+            task_services.mark_send_attempted, self.task_pk, self.token, message_id
+        )
+        if attempted is None:
             raise Fenced  # the lease is no longer ours: someone else sends
+        if not attempted:
+            return None  # withdrawn meanwhile (canceled before it was sent): read it again
         metadata = outbox.get("metadata") or None
         try:
             if self.streaming:

@@ -27,14 +27,27 @@ def stop_serving(server: socketserver.BaseServer) -> None:
     server.server_close()
 
 
+class RpcError(Exception):
+    """Raised by a peer's ``answer``: the call is answered with this JSON-RPC error."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
 @contextlib.contextmanager
 def json_rpc_peer(answer: Callable[[dict], Any]) -> Iterator[str]:
-    """A JSON-RPC agent whose every call is answered ``{"result": answer(request)}``; its URL."""
+    """A JSON-RPC agent whose every call is answered ``{"result": answer(request)}`` (or the
+    error ``answer`` raised as :class:`RpcError`); its URL."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
-            reply = {"jsonrpc": "2.0", "id": body.get("id"), "result": answer(body)}
+            reply: dict[str, Any] = {"jsonrpc": "2.0", "id": body.get("id")}
+            try:
+                reply["result"] = answer(body)
+            except RpcError as exc:
+                reply["error"] = {"code": exc.code, "message": exc.message}
             data = json.dumps(reply).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")

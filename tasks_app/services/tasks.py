@@ -384,14 +384,19 @@ def _name_task(task: RemoteTask, *, actor_id: int | None) -> RemoteTask:
             f"The agent has not named this task yet, and looking it up failed: {found.problem}"
         )
     result = record(task, {"task": found.task}, "poll", actor_id=actor_id)
-    if (
-        result.duplicate
-        and not RemoteTask.objects.filter(pk=task.pk).exclude(remote_id="").exists()
-    ):
+    if not RemoteTask.objects.filter(pk=task.pk).exclude(remote_id="").exists():
+        # Refused by the fold (an id no column keeps, one another row mirrors): the log
+        # says why; the task is still unnamed, and nothing can be asked of the agent by id.
+        why = f" ({result.notes[-1]})" if result.notes else ""
         raise TaskActionError(
-            "The agent listed a task for this message that the mirror could not take."
+            f"The agent listed a task for this message that the mirror could not take{why}."
         )
-    RemoteTask.objects.filter(pk=task.pk).exclude(remote_id="").update(send_error="", outbox=None)
+    # The request was taken: it must not be sent again. Only the request (compare-and-set on
+    # its message id): the lookup took up to a minute, and an answer given meanwhile to a
+    # question the named task asked waits in the same outbox.
+    request_id = ((task.request or {}).get("message") or {}).get("messageId", "")
+    clear_outbox(task.pk, request_id)
+    RemoteTask.objects.filter(pk=task.pk).exclude(remote_id="").update(send_error="")
     task.refresh_from_db()
     return task
 
@@ -403,7 +408,14 @@ def cancel_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = No
     first looked up by its contextId, so cancel works in every phase.
     """
     require(actor_id, task.agent.project_id, Perm.OPERATE)
-    task = _name_task(task, actor_id=actor_id)
+    if not task.remote_id and withdraw_send(task, reason=reason, actor_id=actor_id):
+        task.refresh_from_db()
+        return task
+    try:
+        task = _name_task(task, actor_id=actor_id)
+    except TaskActionError as exc:
+        _action(task, actor_id, "cancel", {"reason": reason}, str(exc))
+        raise
     client_metadata = {"reason": reason} if reason else None
     agent = task.agent
     record(
@@ -418,10 +430,11 @@ def cancel_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = No
     except TaskNotCancelableError as exc:
         task.refresh_from_db()
         if task.state == "TASK_STATE_CANCELED":
+            _action(task, actor_id, "cancel", {"reason": reason}, "already canceled")
             return task  # already canceled: cancel is idempotent in effect
-        outcome = (
-            f"The agent will not cancel this task ({exc.code} {exc.reason or ''}): {exc.message}"
-        )
+        # The error's own text: one line, bounded (the agent's message could be megabytes
+        # of anything, shown on the page and kept in the session).
+        outcome = f"The agent will not cancel this task: {exc}"
         _action(task, actor_id, "cancel", {"reason": reason}, outcome)
         raise TaskActionError(outcome) from exc
     except A2AError as exc:
@@ -452,6 +465,17 @@ def refresh_task(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask
     again; one it still does not know stays gone, and the message says so.
     """
     require(actor_id, task.agent.project_id, Perm.OPERATE)
+    record(task, {"operator": {"action": "refresh"}}, "operator", actor_id=actor_id)
+    try:
+        task = _refresh(task, actor_id=actor_id)
+    except TaskActionError as exc:
+        _action(task, actor_id, "refresh", {}, str(exc))
+        raise
+    _action(task, actor_id, "refresh", {}, f"refreshed: {task.state or task.phase}")
+    return task
+
+
+def _refresh(task: RemoteTask, *, actor_id: int | None) -> RemoteTask:
     if not task.remote_id:
         task = _name_task(task, actor_id=actor_id)
         if not task.is_terminal:
@@ -479,22 +503,23 @@ def refresh_task(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask
     settle_if_ended(task, result, note="reconciled with the agent's GetTask (refresh)")
     if RemoteTask.objects.filter(pk=task.pk, settled_at__isnull=False).exists():
         _forget_push_later(task.pk, "deleted when the task settled")
-    if task.gone_at is not None:
-        back = RemoteTask.objects.filter(
-            pk=task.pk, gone_at__isnull=False, abandoned_at__isnull=True
-        ).update(
-            gone_at=None,
-            watcher_status=RemoteTask.WatcherStatus.IDLE,
-            watcher_note="the agent knows it again",
-            watcher_since=timezone.now(),
-            fruitless_turns=0,
+    # Gone, and known again: by compare-and-set, not by the row read before the GetTask (a
+    # watcher may have marked it gone meanwhile).
+    back = RemoteTask.objects.filter(
+        pk=task.pk, gone_at__isnull=False, abandoned_at__isnull=True
+    ).update(
+        gone_at=None,
+        watcher_status=RemoteTask.WatcherStatus.IDLE,
+        watcher_note="the agent knows it again",
+        watcher_since=timezone.now(),
+        fruitless_turns=0,
+    )
+    if back:
+        record(
+            task,
+            {"system": {"event": "found-again", "detail": "the agent knows this task again"}},
+            "system",
         )
-        if back:
-            record(
-                task,
-                {"system": {"event": "found-again", "detail": "the agent knows this task again"}},
-                "system",
-            )
     task.refresh_from_db()
     if RemoteTask.objects.filter(watchable(), pk=task.pk).exists():
         dispatch(task.pk)
@@ -882,13 +907,51 @@ def _relay_watcher(task_pk: int) -> None:
     )
 
 
-def mark_send_attempted(task_pk: int, token: str) -> bool:
-    """Note that the outbox is being sent; False if the lease is no longer ours."""
-    return bool(
-        RemoteTask.objects.filter(pk=task_pk, lease_token=token).update(
-            send_attempted_at=timezone.now()
+def mark_send_attempted(task_pk: int, token: str, message_id: str) -> bool | None:
+    """Note that the outbox's message ``message_id`` is being sent.
+
+    True: noted, send it. False: the outbox no longer holds it (an operator withdrew the
+    send, see :func:`withdraw_send`): do not send. None: the lease is no longer ours.
+    One compare-and-set, so a withdrawal and a send never both win.
+    """
+    holds = Q(outbox__message__messageId=message_id) if message_id else Q(outbox__isnull=False)
+    if RemoteTask.objects.filter(holds, pk=task_pk, lease_token=token).update(
+        send_attempted_at=timezone.now()
+    ):
+        return True
+    return False if RemoteTask.objects.filter(pk=task_pk, lease_token=token).exists() else None
+
+
+def withdraw_send(task: RemoteTask, *, reason: str, actor_id: int | None) -> bool:
+    """Cancel a first send that has not started: the message never reaches the agent.
+
+    A compare-and-set on the send not being attempted yet (the watcher's
+    :func:`mark_send_attempted` is the other side): False when the send is under way,
+    and then only the agent can cancel it, once it names the task. The exchange ends as a
+    failed send, which can be retried (nothing reached the agent).
+    """
+    with transaction.atomic():
+        withdrawn = RemoteTask.objects.filter(
+            pk=task.pk,
+            phase=RemoteTask.Phase.SENDING,
+            remote_id="",
+            send_attempted_at__isnull=True,
+            outbox__isnull=False,
+        ).update(
+            outbox=None, phase=RemoteTask.Phase.FAILED, send_error="canceled before it was sent"
         )
-    )
+        if not withdrawn:
+            return False
+        record(task, {"operator": {"action": "cancel", "reason": reason}}, "operator",
+               actor_id=actor_id)  # fmt: skip
+        record(
+            task,
+            {"system": {"event": "send-withdrawn", "detail": "canceled before it was sent; "
+                        "the agent never got the message"}},
+            "system",
+        )  # fmt: skip
+        _action(task, actor_id, "cancel", {"reason": reason}, "withdrawn before it was sent")
+    return True
 
 
 def answer_failed(task_pk: int, message_id: str) -> bool:

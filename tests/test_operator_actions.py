@@ -1,0 +1,238 @@
+"""Operator actions and their ways out, found by an audit of the task lifecycle.
+
+Each test names what happened before its fix. Agents are tiny JSON-RPC peers on loopback
+(``tests.serving.json_rpc_peer``); no watcher runs (``no_dispatch``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+
+from tasks_app import views
+from tasks_app.models import Agent, Membership, OperatorAction, RemoteTask, TaskEvent
+from tasks_app.services import tasks as task_services
+from tasks_app.services.record import record
+from tests.people import member
+from tests.serving import RpcError, json_rpc_peer
+
+pytestmark = [pytest.mark.django_db]
+
+
+@pytest.fixture
+def calls() -> list[tuple[str, dict]]:
+    return []
+
+
+@pytest.fixture
+def replies() -> dict[str, Any]:
+    """What the peer answers per method: a result, or an RpcError to raise."""
+    return {}
+
+
+@pytest.fixture
+def agent(calls, replies) -> Iterator[Agent]:
+    def answer(request: dict) -> Any:
+        method, params = request.get("method", ""), request.get("params") or {}
+        calls.append((method, params))
+        reply = replies.get(method, {})
+        if isinstance(reply, RpcError):
+            raise reply
+        return reply
+
+    with json_rpc_peer(answer) as url:
+        yield Agent.objects.create(
+            name="ops", base_url=url, interface_url=f"{url}/rpc", binding="JSONRPC",
+            protocol_version="1.0",
+        )  # fmt: skip
+
+
+@pytest.fixture
+def operator(django_user_model) -> Any:
+    return member(django_user_model.objects.create_user("ann", password="pw-12345678"),
+                  Membership.Role.OPERATOR)  # fmt: skip
+
+
+@pytest.fixture
+def ann(operator) -> Client:
+    client = Client()
+    client.force_login(operator)
+    return client
+
+
+def sending(agent: Agent, operator: Any, no_dispatch: list[int]) -> RemoteTask:
+    return task_services.start_task(agent, "hello", actor_id=operator.pk)
+
+
+def actions(task: RemoteTask, name: str) -> list[str]:
+    return list(
+        OperatorAction.objects.filter(task=task, action=name)
+        .order_by("pk")
+        .values_list("outcome", flat=True)
+    )
+
+
+# Cancel before the send went out ------------------------------------------------------------
+
+
+def test_cancel_before_the_send_went_out_withdraws_it(agent, operator, ann, no_dispatch, calls):
+    """Cancel was offered on a task still being sent, but only looked the task up at the
+    agent ("has no task for this message") and left the outbox full: the watcher then sent
+    the message anyway."""
+    task = sending(agent, operator, no_dispatch)
+    message_id = task.outbox["message"]["messageId"]
+    answer = ann.post(reverse("task-cancel", args=[task.pk]), {"reason": "wrong agent"})
+    assert answer.status_code == 302
+    task.refresh_from_db()
+    assert task.outbox is None and task.phase == RemoteTask.Phase.FAILED
+    assert "canceled before it was sent" in task.send_error
+    assert calls == []  # nothing asked of the agent
+    assert task_services.can_retry(task)  # nothing reached it: a retry is safe
+    events = list(TaskEvent.objects.filter(task=task).values_list("kind", "raw"))
+    assert ("operator", {"operator": {"action": "cancel", "reason": "wrong agent"}}) in events
+    assert any(k == "system" and r["system"]["event"] == "send-withdrawn" for k, r in events)
+    assert actions(task, "cancel") == ["withdrawn before it was sent"]
+    # A watcher that loaded the task before the withdrawal does not send it.
+    RemoteTask.objects.filter(pk=task.pk).update(phase=RemoteTask.Phase.SENDING)
+    token = task_services.acquire_lease(task.pk, "test")
+    assert token is not None
+    assert task_services.mark_send_attempted(task.pk, token, message_id) is False
+    assert task_services.mark_send_attempted(task.pk, "not-the-lease", message_id) is None
+
+
+def test_a_send_under_way_is_not_withdrawn(agent, operator, no_dispatch):
+    """The other side of the compare-and-set: once the watcher marked the send attempted,
+    a cancel cannot withdraw it (the agent may have it) and looks it up instead."""
+    task = sending(agent, operator, no_dispatch)
+    token = task_services.acquire_lease(task.pk, "test")
+    assert token is not None
+    message_id = task.outbox["message"]["messageId"]
+    assert task_services.mark_send_attempted(task.pk, token, message_id) is True
+    assert not task_services.withdraw_send(task, reason="", actor_id=operator.pk)
+    task.refresh_from_db()
+    assert task.outbox is not None and task.phase == RemoteTask.Phase.SENDING
+
+
+# Naming a task while an operator acts --------------------------------------------------------
+
+
+def asking(task: RemoteTask, remote_id: str = "t-1") -> dict:
+    return {
+        "id": remote_id,
+        "contextId": task.context_id,
+        "status": {
+            "state": "TASK_STATE_INPUT_REQUIRED",
+            "message": {"messageId": "q-1", "role": "ROLE_AGENT", "parts": [{"text": "Name?"}]},
+        },
+        "history": [task.request["message"]],
+    }
+
+
+def test_naming_a_task_keeps_an_answer_given_during_the_lookup(
+    agent, operator, no_dispatch, monkeypatch, django_user_model
+):
+    """Refresh (or cancel) of an unnamed task emptied the outbox after its lookup, whatever it
+    held: an answer another operator gave during the lookup (up to a minute) was dropped, its
+    question marked answered with nothing to send."""
+    bob = member(django_user_model.objects.create_user("bob", password="pw-12345678"),
+                 Membership.Role.OPERATOR)  # fmt: skip
+    task = sending(agent, operator, no_dispatch)
+    request_id = task.request["message"]["messageId"]
+    RemoteTask.objects.filter(pk=task.pk).update(send_attempted_at=task.created_at)
+    task.refresh_from_db()
+
+    def lookup_while_the_task_goes_on(looked_up: RemoteTask) -> task_services.Lookup:
+        snapshot = asking(looked_up)
+        # Meanwhile: the watcher names the task, the agent asks, Bob answers.
+        record(looked_up.pk, {"task": snapshot}, "send-response")
+        task_services.clear_outbox(looked_up.pk, request_id)
+        task_services.answer_task(RemoteTask.objects.get(pk=looked_up.pk), "Bob", actor_id=bob.pk)
+        return task_services.Lookup(task=snapshot)
+
+    monkeypatch.setattr(task_services, "_lookup_now", lookup_while_the_task_goes_on)
+    task_services.refresh_task(task, actor_id=operator.pk)
+    task.refresh_from_db()
+    assert task.remote_id == "t-1" and task.answered_seq == task.asked_seq
+    assert task.outbox is not None
+    assert task.outbox["message"]["parts"] == [{"text": "Bob"}]
+
+
+def test_a_listed_task_the_mirror_refuses_leaves_the_task_unnamed_and_says_so(
+    agent, operator, ann, no_dispatch, monkeypatch, calls
+):
+    """A listed task the fold refused (an id no column keeps) was logged as a protocol error,
+    nothing raised: refresh said "Refreshed from the agent." and cancel sent CancelTask with
+    an empty id."""
+    task = sending(agent, operator, no_dispatch)
+    RemoteTask.objects.filter(pk=task.pk).update(send_attempted_at=task.created_at)
+    task.refresh_from_db()
+    listed = {**asking(task, remote_id="x" * 400)}
+    monkeypatch.setattr(task_services, "_lookup_now", lambda t: task_services.Lookup(task=listed))
+    for action in ("task-refresh", "task-cancel"):
+        page = ann.post(reverse(action, args=[task.pk]), {"reason": ""}, follow=True)
+        text = page.content.decode()
+        assert "could not take" in text and "Refreshed from the agent" not in text
+    assert calls == []  # no CancelTask {"id": ""}
+    task.refresh_from_db()
+    assert task.remote_id == ""
+    assert all("could not take" in outcome for outcome in actions(task, "cancel"))
+    assert all("could not take" in outcome for outcome in actions(task, "refresh"))
+    assert len(actions(task, "cancel")) == len(actions(task, "refresh")) == 1
+
+
+# What the agent says back ------------------------------------------------------------------
+
+
+def named(agent: Agent) -> RemoteTask:
+    return RemoteTask.objects.create(
+        agent=agent, title="t", remote_id="t-9", context_id="c-9", phase=RemoteTask.Phase.TASK,
+        state="TASK_STATE_WORKING", watch=RemoteTask.Watch.POLL,
+    )  # fmt: skip
+
+
+def test_an_agents_refusal_to_cancel_is_shown_as_one_bounded_line(agent, ann, replies):
+    """The refusal was built from the agent's own message: 200,000 characters with line
+    breaks and a bidi override went into the flash message (kept in the session) and the page."""
+    task = named(agent)
+    replies["CancelTask"] = RpcError(-32002, "line one\n" + "X" * 200_000 + "\u202eevil")
+    page = ann.post(reverse("task-cancel", args=[task.pk]), {"reason": ""}, follow=True)
+    text = page.content.decode()
+    assert page.status_code == 200 and "will not cancel this task" in text
+    assert "X" * 400 not in text and "line one\n" not in text
+    (outcome,) = actions(task, "cancel")
+    assert "will not cancel" in outcome and len(outcome) <= 500
+
+
+def test_refresh_is_in_the_audit_log_and_the_tasks_log(agent, operator, ann, replies):
+    """Refresh wrote no audit row and no operator entry, though the audit log lists it."""
+    task = named(agent)
+    replies["GetTask"] = {
+        "id": "t-9",
+        "contextId": "c-9",
+        "status": {"state": "TASK_STATE_WORKING"},
+    }
+    ann.post(reverse("task-refresh", args=[task.pk]))
+    replies["GetTask"] = RpcError(-32603, "down for maintenance")
+    ann.post(reverse("task-refresh", args=[task.pk]))
+    outcomes = actions(task, "refresh")
+    assert len(outcomes) == 2 and "refreshed" in outcomes[0] and "failed" in outcomes[1]
+    entries = TaskEvent.objects.filter(task=task, kind="operator", actor_id=operator.pk)
+    assert [e.raw["operator"]["action"] for e in entries] == ["refresh", "refresh"]
+
+
+def test_watch_again_is_offered_for_a_send_parked_before_it_went_out(agent, operator, no_dispatch):
+    """A send parked before it went out (credentials withheld, say) had no "Watch again"
+    button, though the action works: the operator waited ten minutes or abandoned it."""
+    task = sending(agent, operator, no_dispatch)
+    RemoteTask.objects.filter(pk=task.pk).update(
+        watcher_status=RemoteTask.WatcherStatus.PARKED, watcher_note="needs attention"
+    )
+    task.refresh_from_db()
+    assert views._watch_actions(task)["can_watch_again"]
+    task_services.watch_again(task, actor_id=operator.pk)
+    task.refresh_from_db()
+    assert task.watcher_status == RemoteTask.WatcherStatus.IDLE
