@@ -188,6 +188,13 @@ if not SECRET_KEY:
     SECRET_KEY = _local_secret_key()
 
 DEBUG = env_flag("DEBUG")
+if PRODUCTION and DEBUG:
+    raise ImproperlyConfigured(
+        "DEBUG must be off when DASHBOARD_PRODUCTION is on: its error pages show requests "
+        "and settings to whoever meets an error."
+    )
+# Error pages and mails hide settings that carry secrets in URLs too (REDIS_URL, say).
+DEFAULT_EXCEPTION_REPORTER_FILTER = "dashboard.reporting.SettingsFilter"
 
 if PRODUCTION and not os.environ.get("ALLOWED_HOSTS"):
     raise ImproperlyConfigured("ALLOWED_HOSTS must be set when DASHBOARD_PRODUCTION is on.")

@@ -171,3 +171,16 @@ def test_a_delivery_to_a_config_with_unreadable_secrets_is_refused_saying_why(
     assert answer.status_code == 401
     said = " ".join(r.getMessage() for r in caplog.records if r.name == "tasks_app.security")
     assert "cannot be decrypted" in said and "wrong notification token" not in said
+
+
+def test_error_pages_hide_settings_that_carry_secrets_in_urls(settings) -> None:
+    """Django hides settings named like secrets; REDIS_URL, the broker's and the channel
+    layer's addresses (each with its password) were shown on DEBUG error pages."""
+    from django.views.debug import get_default_exception_reporter_filter
+
+    url = "redis://:hun-ter2@127.0.0.1:6379/0"
+    settings.REDIS_URL = settings.CELERY_BROKER_URL = url
+    settings.CHANNEL_LAYERS = {"default": {"CONFIG": {"hosts": [{"address": url}]}}}
+    shown = get_default_exception_reporter_filter().get_safe_settings()
+    assert "ter2" not in repr(shown)
+    assert shown["TIME_ZONE"] == settings.TIME_ZONE  # the rest is still shown

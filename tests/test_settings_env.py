@@ -265,3 +265,17 @@ def test_a_data_dir_that_cannot_be_used_is_one_sentence(child_env: ChildEnv, tmp
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         (line,) = result.stderr.strip().splitlines()
         assert "DATA_DIR" in line and says in line
+
+
+def test_debug_is_refused_in_production(child_env: ChildEnv) -> None:
+    """DEBUG's error pages show the request and settings to whoever meets an error: it ran
+    in production when both were set."""
+    result = manage(
+        child_env, "check", DASHBOARD_PRODUCTION="1", DEBUG="1", SECRET_KEY="k" * 50,
+        ALLOWED_HOSTS="dash.example.org",
+    )  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "Configuration error: DEBUG must be off when DASHBOARD_PRODUCTION is on: its error "
+        "pages show requests and settings to whoever meets an error."
+    ]
