@@ -204,13 +204,17 @@ def decode_raw(part: dict) -> bytes | None:
     raw = part.get("raw")
     if not isinstance(raw, str):
         return None
+    # ProtoJSON bytes are standard or URL-safe base64, padded or not. The lenient decoder
+    # (it skips line breaks) would also skip "-" and "_" and decode URL-safe text wrongly.
+    if "-" in raw or "_" in raw:
+        raw = raw.translate(_URL_SAFE)
     try:
         return base64.b64decode(raw + "=" * (-len(raw) % 4), validate=False)
     except (binascii.Error, ValueError):
-        try:
-            return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4))
-        except (binascii.Error, ValueError):
-            return None
+        return None
+
+
+_URL_SAFE = str.maketrans("-_", "+/")
 
 
 def _raw_size(part: dict) -> int:

@@ -81,6 +81,9 @@ OWNER = f"{socket.gethostname()}:{os.getpid()}"
 Status = RemoteTask.WatcherStatus
 INPUT_REQUIRED = "TASK_STATE_INPUT_REQUIRED"
 AUTH_REQUIRED = "TASK_STATE_AUTH_REQUIRED"
+# What an agent answers a follow-up message for a task it cannot take it for (ended,
+# unknown, or a server's variant): GetTask tells which.
+FOLLOW_UP_REFUSALS = (TaskNotFoundError, UnsupportedOperationError, InvalidParamsError)
 BATCH = 500
 # A parked task is looked at again this rarely (one call), in case the agent recovered.
 PARKED_RECHECK_SECONDS = 600
@@ -1020,9 +1023,27 @@ class Holder:
                 return Turn(next_status(self.status, Event.ENDED), "answered with a message")
             if refreshed.outbox:
                 # An answer the agent refused (or never got): say so, and open the question
-                # again, so that a person may answer again.
+                # again, so that a person may answer again. Refused as not found, not
+                # supported or invalid, the task may have ended meanwhile (timed out,
+                # canceled elsewhere): GetTask decides (the A2A reference's rule).
+                after = "the question is open again"
+                if refreshed.remote_id and isinstance(exc, FOLLOW_UP_REFUSALS):
+                    self.remote_id = refreshed.remote_id
+                    try:
+                        await self._poll_once(client)
+                    except TaskNotFoundError as gone:
+                        await eventloop.db(task_services.answer_failed, self.task_pk, message_id)
+                        await self._system("answer-failed", f"{exc}; the task is gone")
+                        return await self._gone(str(gone))
+                    except A2AError:
+                        pass  # not known better: the question opens again
+                    else:
+                        if self.state in TERMINAL_STATES:
+                            after = f"the task had ended ({self.state})"
                 await eventloop.db(task_services.answer_failed, self.task_pk, message_id)
-                await self._system("answer-failed", f"{exc}; the question is open again")
+                await self._system("answer-failed", f"{exc}; {after}")
+                if self.state in TERMINAL_STATES:
+                    return None
             elif isinstance(exc, TransportError):
                 await self._system("stream-dropped", str(exc))
             elif isinstance(exc, ProtocolError):
@@ -1125,8 +1146,9 @@ class Holder:
                     outcome = await self._pump(
                         client.subscribe_to_task(self.remote_id), "resubscribe", "stream"
                     )
-                except (UnsupportedOperationError, InvalidParamsError) as exc:
-                    # Terminal task (or a server's variant of saying so): GetTask decides.
+                except (UnsupportedOperationError, InvalidParamsError, TaskNotFoundError) as exc:
+                    # Terminal task (or a server's variant of saying so: some answer "not
+                    # found" for a task that ended): GetTask decides; it says gone if so.
                     outcome = await self._poll_once(client)
                     if self.state not in TERMINAL_STATES:
                         await self._system("subscribe-refused", f"{exc}; polling instead")

@@ -236,3 +236,20 @@ def test_watch_again_is_offered_for_a_send_parked_before_it_went_out(agent, oper
     task_services.watch_again(task, actor_id=operator.pk)
     task.refresh_from_db()
     assert task.watcher_status == RemoteTask.WatcherStatus.IDLE
+
+
+def test_not_cancelable_asks_gettask_before_calling_it_a_failure(agent, ann, replies):
+    """On "not cancelable" only our copy was read: a task the agent had canceled already
+    (the mirror not told yet) was reported as refusing to cancel."""
+    task = named(agent)
+    replies["CancelTask"] = RpcError(-32002, "already canceled")
+    replies["GetTask"] = {
+        "id": "t-9",
+        "contextId": "c-9",
+        "status": {"state": "TASK_STATE_CANCELED"},
+    }
+    page = ann.post(reverse("task-cancel", args=[task.pk]), {"reason": ""}, follow=True)
+    assert "will not cancel" not in page.content.decode()
+    task.refresh_from_db()
+    assert task.state == "TASK_STATE_CANCELED" and task.settled_at is not None
+    assert actions(task, "cancel") == ["already canceled"]

@@ -417,7 +417,9 @@ class A2AClient:
         result = await self._binding.call("ListTasks", params, **self._unary_bounds())
         if not isinstance(result, dict):
             raise ProtocolError("ListTasks result must be an object", where="ListTasks")
-        tasks = result.get("tasks", [])
+        if result.get("tasks") is None:  # absent or null (ProtoJSON): no tasks
+            result["tasks"] = []
+        tasks = result["tasks"]
         if not isinstance(tasks, list):
             raise ProtocolError("'tasks' must be an array", where="ListTasks")
         if check:
@@ -505,6 +507,8 @@ class A2AClient:
         )
         if result is None:
             result = {}
+        if isinstance(result, dict) and result.get("configs") is None:
+            result["configs"] = []  # absent or null (ProtoJSON): none
         if not isinstance(result, dict) or not isinstance(result.get("configs", []), list):
             raise ProtocolError(
                 "malformed ListTaskPushNotificationConfigs result",

@@ -347,13 +347,15 @@ def from_http_error(status: int, body: Any, *, text: str = "") -> A2AError:
     """Build the typed error for an HTTP error response.
 
     Understands ``google.rpc.Status`` (``{"error": {code, status, message,
-    details}}``), a JSON-RPC error envelope, RFC 9457 problem+json and
+    details}}``, or bare), a JSON-RPC error envelope, RFC 9457 problem+json and
     anything else (plain 401/403 → :class:`AuthError`).
     """
     if isinstance(body, dict):
         err = body.get("error")
         if isinstance(err, dict) and body.get("jsonrpc") == "2.0":
             return from_jsonrpc_error(err, http_status=status)
+        if err is None and isinstance(body.get("details"), list) and "message" in body:
+            err = body  # a bare google.rpc.Status (as gRPC-transcoding gateways send it)
         if isinstance(err, dict):
             details = err.get("details")
             details = (

@@ -15,9 +15,11 @@ that trickles keep-alives or a byte a second cannot hold a stream forever.
 Time the consumer spends between events is not counted.
 
 :func:`parse_stream_response` turns one decoded JSON object into a
-:class:`StreamEvent`, rejecting shapes that are not A2A 1.0 (including
-0.3-shaped payloads with ``kind``) with a :class:`ProtocolError` that says
-what was wrong and where.
+:class:`StreamEvent`, rejecting shapes that are not A2A 1.0 (a 0.3-shaped payload:
+``kind`` and no 1.0 member, or lower-case enums) with a :class:`ProtocolError` that
+says what was wrong and where. Fields 1.0 does not know (a 0.3 ``kind`` or ``final``
+an agent still sends beside the 1.0 shape) are ignored, as the spec asks (§5.7), and a
+member that is ``null`` counts as not set (ProtoJSON).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ _EOL = re.compile(rb"\r\n|\r|\n")
 # The SSE reader lets the event loop run at least once per this many lines.
 LINES_PER_TURN = 1000
 _LINE_BREAK_BYTES = b"\r\n"
+_BOM = "\ufeff".encode()
 
 
 class _Clock:
@@ -207,6 +210,8 @@ async def iter_sse(
     clock = _Clock(event_deadline, event_gap, where)
     async for raw in _iter_lines(chunks, max_event_bytes, where, clock):
         lines += 1
+        if lines == 1 and raw.startswith(_BOM):
+            raw = raw[len(_BOM) :]  # a leading byte order mark is not part of the stream
         if lines % LINES_PER_TURN == 0:
             await asyncio.sleep(0)  # a chunk of many lines: let the loop's other tasks run
         if not raw:
@@ -300,11 +305,6 @@ def _check_parts(parts: Any, where: str) -> None:
     for i, part in enumerate(parts):
         if not isinstance(part, dict):
             raise ProtocolError("part must be an object", where=f"{where}[{i}]")
-        if "kind" in part:
-            raise ProtocolError(
-                f"part has 'kind'={part.get('kind')!r}: a 0.3-shaped payload on a 1.0 interface",
-                where=f"{where}[{i}]",
-            )
 
 
 def _require_id(obj: dict[str, Any], key: str, where: str) -> None:
@@ -316,10 +316,6 @@ def _require_id(obj: dict[str, Any], key: str, where: str) -> None:
 def _check_message(msg: Any, where: str) -> None:
     if not isinstance(msg, dict):
         raise ProtocolError("message must be an object", where=where)
-    if "kind" in msg:
-        raise ProtocolError(
-            "message has 'kind': a 0.3-shaped payload on a 1.0 interface", where=where
-        )
     _require_id(msg, "messageId", where)
     role = msg.get("role")
     if role is not None and role not in ALL_ROLES:
@@ -339,8 +335,6 @@ def check_task(task: Any, where: str = "task") -> dict[str, Any]:
     """Validate the shape of a Task object (ids, known enums, no 0.3 ``kind``)."""
     if not isinstance(task, dict):
         raise ProtocolError(f"expected a Task object, got {type(task).__name__}", where=where)
-    if "kind" in task:
-        raise ProtocolError("task has 'kind': a 0.3-shaped payload on a 1.0 interface", where=where)
     _require_id(task, "id", where)
     if "status" not in task:
         raise ProtocolError("task without 'status'", where=where)
@@ -368,11 +362,6 @@ def _check_member(kind: str, member: Any, where: str) -> None:
     elif kind == "message":
         _check_message(member, where)
     elif kind == "statusUpdate":
-        if "final" in member or "kind" in member:
-            raise ProtocolError(
-                "status update has 'final'/'kind': a 0.3-shaped payload on a 1.0 interface",
-                where=where,
-            )
         _require_id(member, "taskId", where)
         if "status" not in member:
             raise ProtocolError("status update without 'status'", where=where)
@@ -392,12 +381,13 @@ def parse_stream_response(
         raise ProtocolError(
             f"expected a StreamResponse object, got {type(obj).__name__}", where=where
         )
-    if "kind" in obj:
+    # ProtoJSON: a member that is null is not set (its default).
+    present = [k for k in EVENT_KINDS if obj.get(k) is not None]
+    if not present and "kind" in obj:
         raise ProtocolError(
             f"payload has 'kind'={obj.get('kind')!r}: a 0.3-shaped payload on a 1.0 interface",
             where=where,
         )
-    present = [k for k in EVENT_KINDS if k in obj]
     if not present:
         keys = ", ".join(sorted(obj)[:8]) or "none"
         raise ProtocolError(

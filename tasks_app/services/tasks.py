@@ -428,6 +428,17 @@ def cancel_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = No
             )
         )
     except TaskNotCancelableError as exc:
+        # Not cancelable: it may have ended already, canceled included, before the mirror
+        # heard of it. GetTask decides (recorded), not the row we hold.
+        try:
+            snapshot = outbound.run(
+                lambda http: outbound.client_for(agent, http).get_task(task.remote_id)
+            )
+        except A2AError:
+            pass
+        else:
+            record(task, {"task": snapshot}, "poll", actor_id=actor_id)
+            settle_if_ended(task, snapshot, note="reconciled with the agent's GetTask (cancel)")
         task.refresh_from_db()
         if task.state == "TASK_STATE_CANCELED":
             _action(task, actor_id, "cancel", {"reason": reason}, "already canceled")
