@@ -1110,11 +1110,6 @@ def errors_of(w: Walk, model: Any) -> dict[str, list[str]]:
 
 # Password fields ------------------------------------------------------------------------------
 
-HIDDEN = "[hidden: typed into a password field]"
-# A secret this short is hidden where it is a whole value only: inside longer text it would
-# hide letters of words.
-SECRET_SUBSTRING_CHARS = 4
-
 
 def secret_inputs(w: Walk) -> list[InputRef]:
     """The inputs drawn as password fields (TextField, variant ``obscured``)."""
@@ -1139,28 +1134,6 @@ def without_secret_inputs(w: Walk, model: Any) -> Any:
         if lookup(blanked, ref.path) is not None:
             blanked = assign(blanked, ref.path, "")  # type: ignore[arg-type]
     return blanked
-
-
-def hide_secrets(value: Any, secrets: set[str]) -> Any:
-    """``value`` (JSON) with every occurrence of a secret replaced by ``HIDDEN``.
-
-    By value, not by path: a button's context, a function's result (``formatString``) and
-    the data model all carry what was typed, each in its own place.
-    """
-    if not secrets:
-        return value
-    if isinstance(value, str):
-        if value in secrets:
-            return HIDDEN
-        for secret in secrets:
-            if len(secret) >= SECRET_SUBSTRING_CHARS and secret in value:
-                value = value.replace(secret, HIDDEN)
-        return value
-    if isinstance(value, dict):
-        return {k: hide_secrets(v, secrets) for k, v in value.items()}
-    if isinstance(value, list):
-        return [hide_secrets(v, secrets) for v in value]
-    return value
 
 
 def resolve_context(ref: ButtonRef, model: Any) -> dict:

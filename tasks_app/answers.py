@@ -24,12 +24,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
+import math
 import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import date, datetime
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 import regex
@@ -43,6 +46,7 @@ from jsonschema.validators import extend, validator_for
 from tasks_app.a2a.safejson import whole_number
 from tasks_app.forms import AnswerForm
 from tasks_app.models import RemoteTask
+from tasks_app.redaction import hide_secrets
 from tasks_app.services import tasks as task_services
 
 # Bounds on what an agent's schema may ask for (beyond them: free text, with a note).
@@ -50,6 +54,7 @@ MAX_SCHEMA_BYTES = 32_000
 MAX_DEPTH = 4  # objects nested below the answer object
 MAX_FIELDS = 50
 MAX_ENUM = 100
+MAX_OPTIONS = 500  # enum options of all the form's inputs together (each is drawn)
 MAX_ENUM_VALUE_CHARS = 200
 MAX_NAME_CHARS = 200
 MAX_PATTERN_CHARS = 100
@@ -91,10 +96,27 @@ def _bounded_pattern(validator: Any, pattern: Any, instance: Any, schema: Any) -
         yield ValidationError(f"{instance!r} does not match {pattern!r}")
 
 
+def _multiple_of(validator: Any, step: Any, instance: Any, schema: Any) -> Iterator[Any]:
+    """JSON Schema's ``multipleOf``, in decimal: jsonschema's float arithmetic refused
+    0.07 as a multiple of 0.01 (no input could pass), and raised on a step of 10**400."""
+    if not validator.is_type(instance, "number") or not validator.is_type(step, "number"):
+        return
+    try:
+        whole = Decimal(str(instance)) % Decimal(str(step)) == 0
+    except (InvalidOperation, ArithmeticError, ValueError):
+        return  # not decided: not held against the person
+    if not whole:
+        yield ValidationError(f"{instance!r} is not a multiple of {step!r}")
+
+
+log = logging.getLogger(__name__)
+
+
 @functools.cache
 def _bounded(cls: type) -> type:
-    """The schema's validator class with ``pattern`` bounded in time (made once per draft)."""
-    return extend(cls, {"pattern": _bounded_pattern})
+    """The schema's validator class with ``pattern`` bounded in time and ``multipleOf``
+    decided in decimal (made once per draft)."""
+    return extend(cls, {"pattern": _bounded_pattern, "multipleOf": _multiple_of})
 
 
 class Unusable(Exception):
@@ -271,7 +293,12 @@ def _ordered(properties: dict, required: list) -> list[tuple[str, Any]]:
         index, (name, sub) = entry
         order = sub.get("propertyOrder") if isinstance(sub, dict) else None
         if isinstance(order, int | float) and not isinstance(order, bool):
-            return (0, float(order), index)
+            try:
+                place = float(order)
+            except OverflowError:  # an integer beyond any float: not an order
+                place = math.nan
+            if math.isfinite(place):
+                return (0, place, index)
         if name in position:
             return (1, float(position[name]), index)
         return (2, 0.0, index)
@@ -282,6 +309,7 @@ def _ordered(properties: dict, required: list) -> list[tuple[str, Any]]:
 class _Builder:
     def __init__(self) -> None:
         self.count = 0
+        self.options = 0
 
     def group(
         self,
@@ -299,6 +327,14 @@ class _Builder:
         if not isinstance(properties, dict) or not properties:
             raise Unusable("an object has no properties to fill in")
         wanted = schema.get("required") if isinstance(schema.get("required"), list) else []
+        # A name no input fills would fail every answer: the task could never be answered.
+        named = [n for n in wanted if isinstance(n, str)]
+        dependent = schema.get("dependentRequired")
+        if isinstance(dependent, dict):
+            named += [n for names in dependent.values() if isinstance(names, list) for n in names]
+        missing = next((n for n in named if n not in properties), None)
+        if missing is not None:
+            raise Unusable(f"it requires {missing[:40]!r}, a property it does not describe")
         children: list[Input | Group] = []
         for index, (key, sub) in enumerate(_ordered(properties, wanted)):
             if len(key) > MAX_NAME_CHARS:
@@ -337,8 +373,9 @@ class _Builder:
         if self.count > MAX_FIELDS:
             raise Unusable(f"it asks for more than {MAX_FIELDS} fields")
         help_text = _text(schema.get("description"), HELP_CHARS)
+        _check_possible(schema, path)
         if "enum" in schema:
-            _check_enum(schema["enum"])
+            self._count_options(_check_enum(schema["enum"]))
             kind = "enum"
         elif kind == "array":
             kind = self.array(schema, path)
@@ -358,12 +395,18 @@ class _Builder:
             required and parent_needed,
         )
 
+    def _count_options(self, values: list) -> None:
+        self.options += len(values)
+        if self.options > MAX_OPTIONS:
+            # Each option is drawn, in every form of the inbox's page too.
+            raise Unusable(f"it offers more than {MAX_OPTIONS} options in all")
+
     def array(self, schema: dict, path: tuple[str, ...]) -> str:
         items = schema.get("items")
         if not isinstance(items, dict):
             raise Unusable(f"array {path[-1][:40]!r} does not describe its items")
         if "enum" in items:
-            _check_enum(items["enum"])
+            self._count_options(_check_enum(items["enum"]))
             return "choices"
         kind, _ = _types(items)
         if kind not in SCALARS:
@@ -371,6 +414,26 @@ class _Builder:
                 f"array {path[-1][:40]!r} holds objects or arrays (only lists of values are asked for)"
             )
         return "lines"
+
+
+def _check_possible(schema: dict, path: tuple[str, ...]) -> None:
+    """Bounds no input can meet (the form's own caps included) make a question no one can
+    answer: said here, the person gets free text instead."""
+    name = repr(path[-1][:40])
+
+    def number(key: str) -> Any:
+        value = schema.get(key)
+        return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+    least, most = number("minLength"), number("maxLength")
+    if least is not None and (least > MAX_TEXT or (most is not None and least > most)):
+        raise Unusable(f"property {name} asks for more characters than can be given")
+    least, most = number("minItems"), number("maxItems")
+    if least is not None and (least > MAX_ARRAY_ITEMS or (most is not None and least > most)):
+        raise Unusable(f"property {name} asks for more items than can be given")
+    least, most = number("minimum"), number("maximum")
+    if least is not None and most is not None and least > most:
+        raise Unusable(f"property {name} asks for a number above its maximum")
 
 
 def read_question(schema: Any) -> Question:
@@ -398,8 +461,13 @@ def read_question(schema: Any) -> Question:
         if kind != "object":
             raise Unusable("the answer it describes is not an object")
         root = _Builder().group(schema, (), "a", "", True, 0)
+        for item in Question(root=root).inputs():
+            make_field(item)  # what the page will draw: a value no field takes fails here
     except Unusable as exc:
         return Question(note=f"The agent's answer schema could not become a form: {exc}.")
+    except Exception as exc:  # an agent's document in a shape nothing here expected
+        log.warning("an answer schema could not become a form: %r", exc)
+        return Question(note="The agent's answer schema could not become a form.")
     return Question(schema=schema, root=root)
 
 
@@ -523,9 +591,12 @@ def make_field(item: Input) -> forms.Field:
             f.initial = "\n".join(json.dumps(v) if not isinstance(v, str) else v for v in default)
         return f
     else:  # string
-        widget = (
-            forms.EmailInput() if s.get("format") == "email" else forms.TextInput(attrs=_attrs(s))
-        )
+        if is_secret(s):
+            widget: forms.Widget = forms.PasswordInput(render_value=False, attrs=_attrs(s))
+        elif s.get("format") == "email":
+            widget = forms.EmailInput()
+        else:
+            widget = forms.TextInput(attrs=_attrs(s))
         limit = _num(s.get("maxLength"))
         limit = (
             min(limit, MAX_TEXT)
@@ -537,6 +608,17 @@ def make_field(item: Input) -> forms.Field:
     if default is not None and not isinstance(default, dict | list):
         f.initial = _num(default)
     return f
+
+
+def is_secret(schema: dict) -> bool:
+    """A string the schema marks as a secret: drawn as a password input, hidden in the log."""
+    return schema.get("writeOnly") is True or schema.get("format") == "password"
+
+
+def _filled(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(_filled(v) for v in value.values())
+    return value is not False
 
 
 def _line_value(line: str, item_type: str) -> Any:
@@ -560,6 +642,7 @@ class SchemaAnswerForm(forms.Form):
     """A form made from an agent's answer schema; ``answer()`` is the validated object."""
 
     question = forms.IntegerField(min_value=0, widget=forms.HiddenInput)
+    asked = forms.CharField(required=False, max_length=64, widget=forms.HiddenInput)
     schema_driven = True
 
     def __init__(self, spec: Question, *args: Any, **kwargs: Any) -> None:
@@ -623,7 +706,9 @@ class SchemaAnswerForm(forms.Form):
             key = child.path[-1]
             if isinstance(child, Group):
                 nested = self._build(child)
-                if nested or child.needed:
+                # An optional object counts as filled in by what a person typed or ticked:
+                # an unticked box alone would make its required fields insist.
+                if child.needed or _filled(nested):
                     out[key] = nested
                 continue
             if child.name in self.errors:
@@ -688,6 +773,18 @@ class SchemaAnswerForm(forms.Form):
     def message_parts(self) -> tuple[str, Any, tuple[dict, ...]]:
         return summary(self.answer(), self.spec.root), self.answer(), ()
 
+    def secret_values(self) -> set[str]:
+        """What was typed into password fields (``writeOnly`` or ``format: password``)."""
+        found = set()
+        for item in self.inputs.values():
+            if is_secret(item.schema):
+                value: Any = self.answer()
+                for key in item.path:
+                    value = value.get(key) if isinstance(value, dict) else None
+                if isinstance(value, str) and value:
+                    found.add(value)
+        return found
+
     def layout(self) -> list[dict]:
         """Bound fields and fieldsets in the schema's order, for the template."""
 
@@ -745,17 +842,22 @@ def friendly(error: Any) -> str:
 def summary(answer: dict, root: Group | None, limit: int = 500) -> str:
     """The short text part sent with the data: "label: value; ..." (labels from the schema)."""
     labels: dict[tuple[str, ...], str] = {}
+    secret: set[tuple[str, ...]] = set()
     stack: list[Input | Group] = [root] if root else []
     while stack:
         item = stack.pop()
         labels[item.path] = item.label
         if isinstance(item, Group):
             stack.extend(item.children)
+        elif is_secret(item.schema):
+            secret.add(item.path)
 
     def flat(value: Any, path: tuple[str, ...]) -> list[str]:
         if isinstance(value, dict):
             return [text for key, sub in value.items() for text in flat(sub, (*path, key))]
         shown = ", ".join(map(_scalar, value)) if isinstance(value, list) else _scalar(value)
+        if path in secret:
+            shown = "(given)"  # a password field's value goes in the data part only
         return [f"{labels.get(path, path[-1] if path else '')}: {shown}"]
 
     text = "Answer: " + "; ".join(flat(answer, ()))
@@ -779,7 +881,7 @@ def answer_form(
     ``prefix`` keeps field names and ids apart when several forms share a page (the inbox).
     """
     question = question_of(task)
-    initial = {"question": task.asked_seq}
+    initial = {"question": task.asked_seq, "asked": question_key(task)}
     if question.root is not None:
         return SchemaAnswerForm(question, data, initial=initial, prefix=prefix)
     form = AnswerForm(data, files, initial=initial, prefix=prefix)
@@ -787,23 +889,38 @@ def answer_form(
     return form
 
 
+def question_key(task: RemoteTask) -> str:
+    """The question a form was drawn for, by digest: its seq alone does not name it (an
+    agent's snapshot may change the question without a new status time)."""
+    text = json.dumps(task.status_message, sort_keys=True, ensure_ascii=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
 def submit(request: HttpRequest, task: RemoteTask, form: forms.Form) -> tuple[bool, forms.Form]:
     """Validate and send the answer: (sent, the form to show again when nothing was sent).
 
     A form for another question than the current one (the agent asked again, maybe with
-    another schema) is not read at all: a fresh form for the new question comes back,
-    with a notice.
+    another schema, or changed its question) is not read at all: a fresh form for the
+    current question comes back, with a notice (who answered, when that is why).
     """
     raw = form.data.get(form.add_prefix("question")) if form.is_bound else None
     posted = whole_number(str(raw)) if raw is not None else None
+    digest = form.data.get(form.add_prefix("asked")) if form.is_bound else None
     stale = posted is not None and posted != task.asked_seq
-    if stale and task.answered_seq < posted:
+    changed = bool(digest) and digest != question_key(task)
+    if stale or changed:
         fresh = answer_form(task, prefix=form.prefix)
-        fresh.notice = "The agent has asked something else since; read its new question."
+        why = "The agent has asked something else since; read its new question."
+        if stale and posted is not None and task.answered_seq >= posted:
+            why = f"{task_services.answer_refusal(task.pk, posted)} {why}"
+        elif changed and not stale:
+            why = "The agent changed its question since; read it again."
+        fresh.notice = why
         return False, fresh
     if not form.is_valid():
         return False, form
     text, data, files = form.message_parts()
+    secrets = form.secret_values() if isinstance(form, SchemaAnswerForm) else set()
     try:
         task_services.answer_task(
             task,
@@ -812,13 +929,14 @@ def submit(request: HttpRequest, task: RemoteTask, form: forms.Form) -> tuple[bo
             files=files,
             actor_id=request.user.id,
             question_seq=form.cleaned_data["question"],
+            logged=(lambda sent: hide_secrets(sent, secrets)) if secrets else None,
         )
     except task_services.TaskActionError as exc:
         # What was typed stays; sending it again answers the question now shown.
         form.data = form.data.copy()
-        form.data[form.add_prefix("question")] = str(
-            RemoteTask.objects.filter(pk=task.pk).values_list("asked_seq", flat=True).first() or 0
-        )
+        current = RemoteTask.objects.filter(pk=task.pk).first()
+        form.data[form.add_prefix("question")] = str(current.asked_seq if current else 0)
+        form.data[form.add_prefix("asked")] = question_key(current) if current else ""
         form.add_error("text" if "text" in form.fields else None, str(exc))
         return False, form
     return True, form

@@ -285,6 +285,8 @@ class AnswerForm(forms.Form):
     file = forms.FileField(required=False, label="Attach a file (optional)")
     # The seq of the question the person saw: one answer per question (see answer_task).
     question = forms.IntegerField(min_value=0, widget=forms.HiddenInput)
+    # The question itself, by digest: an agent may change it without asking anew.
+    asked = forms.CharField(required=False, max_length=64, widget=forms.HiddenInput)
 
     def clean_data(self) -> Any:
         text = (self.cleaned_data.get("data") or "").strip()
@@ -301,6 +303,10 @@ class AnswerForm(forms.Form):
     def clean(self) -> dict[str, Any]:
         data = super().clean()
         upload = data.get("file")
+        if upload is not None and self.errors:
+            # A browser cannot put a file back into the form: say so, rather than send the
+            # corrected answer without it.
+            self.add_error("file", "Attach the file again: it is not kept after an error.")
         data["file_part"] = (
             {
                 "raw": base64.b64encode(upload.read()).decode(),

@@ -20,6 +20,7 @@ from django.urls import reverse
 from tasks_app import a2ui_render
 from tasks_app.a2a import a2ui
 from tasks_app.models import Agent, Membership, OperatorAction, Project, RemoteTask, Surface
+from tasks_app.redaction import HIDDEN
 from tasks_app.services import a2ui_actions
 from tasks_app.services.record import record
 from tests.a2ui_agents import form_08, form_091
@@ -816,5 +817,5 @@ def test_a_password_field_goes_to_the_agent_only(
         assert "S3CRET-PW" not in text
     entry = TaskEvent.objects.filter(task=task, kind="operator").last().raw["operator"]
     logged = entry["message"]["parts"][0]["data"][0]["action"]["context"]
-    assert logged == {"who": "ada", "pw": a2ui_render.HIDDEN, "line": f"ada:{a2ui_render.HIDDEN}"}
+    assert logged == {"who": "ada", "pw": HIDDEN, "line": f"ada:{HIDDEN}"}
     assert "password fields" in entry["hidden"]

@@ -28,6 +28,7 @@ from tasks_app import a2ui_render
 from tasks_app.a2a import a2ui as protocol
 from tasks_app.access import Perm, require
 from tasks_app.models import RemoteTask, Surface
+from tasks_app.redaction import hide_secrets
 from tasks_app.services import tasks as task_services
 
 log = logging.getLogger(__name__)
@@ -127,13 +128,13 @@ def act(
                 "surface_seq": form_seq,
                 "name": name,
                 "source": button.component_id,
-                "context": a2ui_render.hide_secrets(context, secrets),
+                "context": hide_secrets(context, secrets),
             },
-            logged=(lambda sent: a2ui_render.hide_secrets(sent, secrets)) if secrets else None,
+            logged=(lambda sent: hide_secrets(sent, secrets)) if secrets else None,
         )
     surface.refresh_from_db()
     task.refresh_from_db()
-    return Sent(task=task, surface=surface, message=a2ui_render.hide_secrets(message, secrets))
+    return Sent(task=task, surface=surface, message=hide_secrets(message, secrets))
 
 
 def _already(surface: Surface) -> AlreadySubmitted:

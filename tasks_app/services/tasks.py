@@ -261,7 +261,7 @@ def answer_task(
             answered_at=timezone.now(),
         )
         if not won:
-            raise _answer_refused(task.pk, asked)
+            raise answer_refusal(task.pk, asked)
         OperatorAction.objects.create(
             task=task, agent=task.agent, actor_id=actor_id, action=action, payload=payload or {}
         )
@@ -275,7 +275,7 @@ def answer_task(
     return task
 
 
-def _answer_refused(task_pk: int, asked: int) -> TaskActionError:
+def answer_refusal(task_pk: int, asked: int) -> TaskActionError:
     current = RemoteTask.objects.select_related("answered_by").filter(pk=task_pk).first()
     if current is None:
         return TaskActionError("This task no longer exists.")
