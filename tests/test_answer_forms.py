@@ -215,3 +215,14 @@ def test_a_file_attached_to_an_answer_that_failed_is_asked_for_again(
     answer = people[Membership.Role.OPERATOR].post(reverse("task-answer", args=[task.pk]), post)
     assert answer.status_code == 400
     assert "Attach the file again" in answer.content.decode()
+
+
+def test_an_auth_required_question_warns_that_the_answer_is_kept_for_the_project(
+    alpha,  # noqa: F811
+    people,  # noqa: F811
+) -> None:
+    """A token pasted as the answer to an authorization question was shown to every viewer
+    of the project, and nothing on the form said it would be."""
+    task = asking(alpha, "auth", question(), state="TASK_STATE_AUTH_REQUIRED")
+    page = people[Membership.Role.OPERATOR].get(reverse("task-detail", args=[task.pk]))
+    assert "do not paste a password or token" in page.content.decode()
