@@ -23,7 +23,7 @@ from urllib.parse import urlencode
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.db.models import Q, QuerySet
+from django.db.models import OuterRef, Q, QuerySet, Subquery
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
@@ -32,7 +32,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from tasks_app import access, answers, cursors, views_a2ui
 from tasks_app.access import Perm, get_task_for_user
-from tasks_app.models import INTERRUPTED_STATES, RemoteTask
+from tasks_app.models import INTERRUPTED_STATES, ConversationMessage, RemoteTask
 from tasks_app.rendering import markdown_budgeted
 
 COUNT_LIMIT = 1000
@@ -128,6 +128,9 @@ def _page(
         tasks.insert(0, extra)  # the task whose answer was refused, wherever it is in the list
     ids = waiting_ids(request.user)
     with_surfaces = views_a2ui.tasks_with_surfaces([t.pk for t in tasks])
+    answered = answers_of(tasks)  # one read for the page, not one per row
+    for task in tasks:
+        task.answer_message = answered.get(task.pk)  # type: ignore[attr-defined]
     next_url = ""
     if has_next and tasks and tasks[-1].asked_at is not None:
         last = tasks[-1]
@@ -178,3 +181,25 @@ def inbox_answer(request: HttpRequest, pk: int) -> HttpResponse:
     task = RemoteTask.objects.select_related("agent", "answered_by").get(pk=task.pk)
     context = _page(request, {task.pk: form}, extra=task)
     return render(request, "tasks_app/inbox.html", context, status=400)
+
+
+def answers_of(tasks: list[RemoteTask]) -> dict[int, ConversationMessage]:
+    """Each answered task's answer message (the first message of ours after the question),
+    for a page of tasks in two queries whatever its length."""
+    answered = [t for t in tasks if t.answered_at]
+    if not answered:
+        return {}
+    first = (
+        ConversationMessage.objects.filter(
+            task_id=OuterRef("pk"), role="ROLE_USER", seq__gt=OuterRef("answered_seq")
+        )
+        .order_by("seq", "id")
+        .values("pk")[:1]
+    )
+    ids = dict(
+        RemoteTask.objects.filter(pk__in=[t.pk for t in answered])
+        .annotate(answer_id=Subquery(first))
+        .values_list("pk", "answer_id")
+    )
+    found = ConversationMessage.objects.in_bulk([i for i in ids.values() if i is not None])
+    return {pk: found[i] for pk, i in ids.items() if i in found}

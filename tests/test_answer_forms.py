@@ -226,3 +226,35 @@ def test_an_auth_required_question_warns_that_the_answer_is_kept_for_the_project
     task = asking(alpha, "auth", question(), state="TASK_STATE_AUTH_REQUIRED")
     page = people[Membership.Role.OPERATOR].get(reverse("task-detail", args=[task.pk]))
     assert "do not paste a password or token" in page.content.decode()
+
+
+def test_the_inbox_reads_its_rows_answers_at_once(
+    alpha,  # noqa: F811
+    people,  # noqa: F811
+    no_dispatch,
+    django_user_model,
+) -> None:
+    """Each answered row read its answer message on its own: the page's queries grew with
+    its rows, and every such row had the same element id."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from tasks_app.services import tasks as task_services
+
+    user = django_user_model.objects.get(username=f"{Membership.Role.OPERATOR}-person")
+    operator = people[Membership.Role.OPERATOR]
+
+    def answered(count: int) -> int:
+        for i in range(count):
+            task = asking(alpha, f"q{count}-{i}", question())
+            task_services.answer_task(task, f"answer {i}", actor_id=user.pk)
+        with CaptureQueriesContext(connection) as queries:
+            page = operator.get(reverse("inbox")).content.decode()
+        assert page.count('class="answer-record"') == len(set(
+            line for line in page.split('id="answer-record-')[1:]))  # fmt: skip
+        assert 'id="answer-record"' not in page
+        return len(queries)
+
+    few = answered(2)
+    many = answered(8)
+    assert many == few

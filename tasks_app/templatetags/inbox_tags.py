@@ -12,8 +12,8 @@ from django import template
 from django.db import DatabaseError
 from django.utils import timezone
 
-from tasks_app.inbox import COUNT_LIMIT, waiting_ids
-from tasks_app.models import ConversationMessage, RemoteTask
+from tasks_app.inbox import COUNT_LIMIT, answers_of, waiting_ids
+from tasks_app.models import RemoteTask
 from tasks_app.rendering import message_html
 
 register = template.Library()
@@ -48,17 +48,20 @@ def _current(request: Any) -> bool:
 
 
 @register.inclusion_tag("tasks_app/_answer_record.html")
-def answer_record(task: RemoteTask) -> dict[str, Any]:
-    """The last answer sent on this task, read-only: who, when, and the message itself."""
+def answer_record(task: RemoteTask, in_list: bool = False) -> dict[str, Any]:
+    """The last answer sent on this task, read-only: who, when, and the message itself.
+
+    ``in_list``: one of several on a page (the inbox), whose answers were read for the
+    whole page at once (:func:`answers_of`)."""
     if not task.answered_at:
         return {"task": task}
-    message = (
-        ConversationMessage.objects.filter(task=task, role="ROLE_USER", seq__gt=task.answered_seq)
-        .order_by("seq", "id")
-        .first()
-    )
+    if hasattr(task, "answer_message"):
+        message = task.answer_message
+    else:
+        message = answers_of([task]).get(task.pk)
     return {
         "task": task,
+        "dom_id": f"answer-record-{task.pk}" if in_list else "answer-record",
         "answered": True,
         "by": task.answered_by.get_username()
         if task.answered_by_id and task.answered_by
