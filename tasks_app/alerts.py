@@ -389,6 +389,10 @@ def _resolve(rule: str, ended: Q, now: datetime) -> list[Alert]:
     return resolved
 
 
+class _NoLongerHolds(Exception):
+    """Rolls back an alert whose condition ended between ``find`` and its insert."""
+
+
 def _open(spec: RuleSpec, now: datetime) -> list[Alert]:
     """Touch the alerts that still hold (what ``_resolve`` left), then open what is new."""
     Alert.objects.filter(rule=spec.rule, resolved_at__isnull=True).update(last_seen_at=now)
@@ -406,7 +410,14 @@ def _open(spec: RuleSpec, now: datetime) -> list[Alert]:
                     opened_at=None if spec.pending else now,
                     last_seen_at=now,
                 )
+                # What ``find`` read may be stale by now (the task had news meanwhile): the
+                # alert is kept only if its condition holds as the row goes in; else it
+                # would open, be delivered, and resolve at the next evaluation.
+                if not Alert.objects.filter(spec.holds, pk=alert.pk).exists():
+                    raise _NoLongerHolds
         except IntegrityError:  # another evaluator opened it first: it is theirs to deliver
+            continue
+        except _NoLongerHolds:
             continue
         if not spec.pending:
             opened.append(alert)

@@ -499,10 +499,13 @@ class ImportJob(models.Model):
     class Meta:
         ordering = ["-created_at", "-id"]
         constraints = [
-            # The claim's compare-and-set: one running import per agent, whatever the
-            # claimers' clocks say (services/imports.claim steps back on a conflict).
+            # One queued or running import per agent, whatever the callers' timing: two
+            # clicks at once (services/imports.create_job) and concurrent claimers
+            # (services/imports.claim) step back on a conflict.
             models.UniqueConstraint(
-                fields=["agent"], condition=Q(status="running"), name="one_running_import"
+                fields=["agent"],
+                condition=Q(status__in=["queued", "running"]),
+                name="one_active_import",
             )
         ]
 

@@ -149,8 +149,8 @@ def test_two_claims_never_both_run_even_when_one_pauses_inside_its_claim(monkeyp
     paused between reading its clock and writing (or one whose clock was behind) wrote the
     earlier time after the other had looked, and both imports ran."""
     agent = Agent.objects.create(name="twice", base_url="http://127.0.0.1:9/twice")
-    first = ImportJob.objects.create(agent=agent)
-    second = ImportJob.objects.create(agent=agent)
+    job = ImportJob.objects.create(agent=agent)  # one job, its message delivered twice
+    first = second = job
     paused, go_on = threading.Event(), threading.Event()
     real_now = imports.timezone.now
 
@@ -182,5 +182,3 @@ def test_two_claims_never_both_run_even_when_one_pauses_inside_its_claim(monkeyp
     b.join(10)
     assert sorted(claims.values()) == [False, True], claims
     assert ImportJob.objects.filter(agent=agent, status="running").count() == 1
-    loser = ImportJob.objects.get(pk=second.pk if claims["A"] else first.pk)
-    assert loser.status == "failed" and "Another import of this agent is running" in loser.error

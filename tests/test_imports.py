@@ -246,15 +246,17 @@ def test_deadline_bounds_an_agent_that_never_answers(listing_agent):
     assert job.status == "failed" and job.pages == 0
 
 
-def test_one_running_import_per_agent(listing_agent):
+def test_one_queued_or_running_import_per_agent(listing_agent):
+    from django.db import IntegrityError, transaction
+
     agent = listing_agent(lambda n: "").register("single")
-    first = ImportJob.objects.create(agent=agent)
-    second = ImportJob.objects.create(agent=agent)  # as if two requests raced past create_job
+    first = imports.create_job(agent)
+    with pytest.raises(IntegrityError), transaction.atomic():
+        ImportJob.objects.create(agent=agent)  # as if a request raced past create_job's look
+    with pytest.raises(TaskActionError, match="already queued"):
+        imports.create_job(agent)
     assert imports.claim(first.pk) is True
     assert imports.claim(first.pk) is False  # a redelivered message does nothing
-    assert imports.claim(second.pk) is False
-    second.refresh_from_db()
-    assert second.status == "failed" and f"job {first.pk}" in second.error
     with pytest.raises(TaskActionError, match="already running"):
         imports.create_job(agent)
     assert imports.cancel_job(first) is True
@@ -429,23 +431,36 @@ def test_an_import_canceled_in_the_middle_of_a_page_counts_what_it_did(listing_a
 
 def test_of_two_claims_released_together_exactly_one_runs(listing_agent, monkeypatch):
     """Each claimer wrote its claim, then stepped back for any other running: with a pause
-    between the two steps, both stepped back and neither import ran."""
+    between the two steps, both stepped back and neither import ran. Two claims of one job
+    (a redelivered message) released together: one runs."""
     from tests.races import release_together
 
     agent = listing_agent(lambda n: "").register("claimed-twice")
     real_expire = imports.expire_stale
 
-    def slow_expire(agent_pk):  # both claims are written before either looks
+    def slow_expire(agent_pk):  # both claims are under way before either writes
         time.sleep(0.2)
         return real_expire(agent_pk)
 
     monkeypatch.setattr(imports, "expire_stale", slow_expire)
     for _ in range(3):
-        first = ImportJob.objects.create(agent=agent)
-        second = ImportJob.objects.create(agent=agent)  # two requests raced past create_job
-        outcomes = release_together(
-            *(lambda pk=job.pk: imports.claim(pk) for job in (first, second))
-        )
+        job = imports.create_job(agent)
+        outcomes = release_together(*(lambda pk=job.pk: imports.claim(pk) for _ in range(2)))
         assert sorted(outcomes) == [False, True], outcomes
         assert ImportJob.objects.filter(agent=agent, status="running").count() == 1
+        ImportJob.objects.filter(agent=agent).update(status="done")
+
+
+def test_two_clicks_released_together_queue_one_import(listing_agent):
+    """create_job looked for an active job, then created one: two clicks at once queued two
+    (two worker messages; the whole walk ran twice, or the second failed)."""
+    from tests.races import release_together
+
+    agent = listing_agent(lambda n: "").register("clicked-twice")
+    for _ in range(5):
+        outcomes = release_together(*(lambda: imports.create_job(agent) for _ in range(2)))
+        made = [o for o in outcomes if isinstance(o, ImportJob)]
+        refused = [o for o in outcomes if isinstance(o, TaskActionError)]
+        assert len(made) == 1 and len(refused) == 1, outcomes
+        assert "already queued" in str(refused[0])
         ImportJob.objects.filter(agent=agent).update(status="done")

@@ -170,6 +170,31 @@ def _apply_preview(agent: Agent, preview: CardPreview) -> None:
     agent.last_contact_at = timezone.now()
 
 
+# What a card refresh writes: the card and what follows from it, never the credentials.
+CARD_FIELDS = ("card", "card_url", "card_etag", "card_fetched_at", "card_problems",
+               "interface_url", "binding", "protocol_version", "tenant", "pending_origin",
+               "streaming", "push", "reachable", "last_error", "last_contact_at")  # fmt: skip
+
+
+def _store_preview(agent_pk: int, preview: CardPreview) -> None:
+    """Write a fetched card onto the agent's row, by compare-and-set on its credentials.
+
+    The row read before the fetches (seconds, on the network) is not saved whole: an
+    admin's new or cleared credentials, an approved origin or a key rotation made
+    meanwhile would be undone (cleared credentials, leaked ones, came back). The card's
+    fields are written only while the credential columns are as read; else read again.
+    """
+    for _ in range(5):
+        current = Agent.objects.get(pk=agent_pk)
+        read = (current.credentials_encrypted, current.pending_origin)
+        _apply_preview(current, preview)  # pending_origin follows the credentials as read
+        if Agent.objects.filter(
+            pk=agent_pk, credentials_encrypted=read[0], pending_origin=read[1]
+        ).update(**{name: getattr(current, name) for name in CARD_FIELDS}):
+            return
+    raise AgentError("The agent's credentials kept changing during the refresh; try again.")
+
+
 def add_agent(
     url: str,
     *,
@@ -274,9 +299,7 @@ def refresh_card(agent: Agent, *, actor_id: int | None = None) -> Agent:
             last_contact_at=timezone.now(),
         )
     else:
-        preview = preview_card(agent.card_url or agent.base_url)
-        _apply_preview(agent, preview)
-        agent.save()
+        _store_preview(agent.pk, preview_card(agent.card_url or agent.base_url))
     OperatorAction.objects.create(agent=agent, actor_id=actor_id, action="refresh-card")
     agent.refresh_from_db()
     return agent

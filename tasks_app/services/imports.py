@@ -96,11 +96,16 @@ def create_job(agent: Agent, *, actor_id: int | None = None) -> ImportJob:
     """A queued job, unless the agent already has one queued or running."""
     expire_stale(agent.pk)
     existing = active_job(agent)
-    if existing is not None:
-        raise TaskActionError(
-            f"An import of {agent.name} is already {existing.status} (job {existing.pk})."
-        )
-    return ImportJob.objects.create(agent=agent, actor_id=actor_id)
+    if existing is None:
+        try:
+            with transaction.atomic():  # the index decides between two clicks at once
+                return ImportJob.objects.create(agent=agent, actor_id=actor_id)
+        except IntegrityError:
+            existing = active_job(agent)
+    raise TaskActionError(
+        f"An import of {agent.name} is already "
+        + (f"{existing.status} (job {existing.pk})." if existing else "queued.")
+    )
 
 
 def start_import(agent: Agent, *, actor_id: int | None = None) -> ImportJob:
@@ -142,7 +147,7 @@ def claim(job_pk: int) -> bool:
     """Queued -> running by compare-and-set; step back if another import of the agent runs.
 
     The database decides: a partial unique index allows one running job per agent
-    (``one_running_import``), so of concurrent claimers exactly one goes on, whatever
+    (``one_active_import``, queued or running), so of concurrent claimers exactly one goes on, whatever
     their clocks say or however long one pauses between its look and its write (a
     claim ordered by ``started_at`` let a paused claimer, or one whose clock was behind,
     run beside another).

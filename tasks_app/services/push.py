@@ -49,7 +49,7 @@ import redis
 import redis.asyncio
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection, transaction
-from django.db.models import F
+from django.db.models import F, Q
 from django.utils import timezone
 
 from tasks_app import eventloop, outbound
@@ -279,42 +279,48 @@ def silence(task_pk: int) -> float:
 def heard(task_pks: set[int]) -> None:
     """Notifications arrived: the silence fallback waits again, the page says "awaiting push".
 
-    Only tasks nobody holds are touched (a holder's lease is its own business).
+    Only tasks nobody holds, still followed by push and not over (not ended, abandoned,
+    gone or settled), are touched (a holder's lease is its own business). Each write
+    repeats the whole condition (compare-and-set): read first and written on the pks alone,
+    an abandon, a switch to polling or a park committed in between was overwritten.
     """
     if not task_pks:
         return
     Status = RemoteTask.WatcherStatus
     now = timezone.now()
-    changed = list(
-        RemoteTask.objects.filter(
-            pk__in=task_pks,
-            watch=RemoteTask.Watch.PUSH,
-            lease_token="",
-            watcher_status__in=[
-                Status.AWAITING_PUSH,
-                Status.POLLING,
-                Status.IDLE,
-                Status.LOST,
-                Status.RECONNECTING,
-            ],
-        )
-        .exclude(watcher_status=Status.AWAITING_PUSH)
-        .values_list("pk", flat=True)
+    until = now + timedelta(seconds=settings.PUSH_SILENCE_SECONDS)
+    followed = Q(
+        pk__in=task_pks,
+        watch=RemoteTask.Watch.PUSH,
+        lease_token="",
+        abandoned_at__isnull=True,
+        gone_at__isnull=True,
+        settled_at__isnull=True,
+    ) & ~Q(state__in=TERMINAL_STATES)
+    RemoteTask.objects.filter(followed, watcher_status=Status.AWAITING_PUSH).update(
+        lease_expires_at=until
     )
-    RemoteTask.objects.filter(pk__in=task_pks, watch=RemoteTask.Watch.PUSH, lease_token="").filter(
-        watcher_status=Status.AWAITING_PUSH
-    ).update(lease_expires_at=now + timedelta(seconds=settings.PUSH_SILENCE_SECONDS))
-    if changed:
-        RemoteTask.objects.filter(pk__in=changed, lease_token="").update(
-            lease_expires_at=now + timedelta(seconds=settings.PUSH_SILENCE_SECONDS),
-            watcher_status=Status.AWAITING_PUSH,
-            watcher_note="push notifications arriving",
-            watcher_since=now,
+    waiting_again = [Status.POLLING, Status.IDLE, Status.LOST, Status.RECONNECTING]
+    candidates = list(
+        RemoteTask.objects.filter(followed, watcher_status__in=waiting_again).values_list(
+            "pk", flat=True
         )
-        from tasks_app.services.tasks import relay_watcher
+    )
+    if not candidates:
+        return
+    RemoteTask.objects.filter(followed, pk__in=candidates, watcher_status__in=waiting_again).update(
+        lease_expires_at=until,
+        watcher_status=Status.AWAITING_PUSH,
+        watcher_note="push notifications arriving",
+        watcher_since=now,
+    )
+    changed = RemoteTask.objects.filter(
+        pk__in=candidates, watcher_status=Status.AWAITING_PUSH, watcher_since=now
+    ).values_list("pk", flat=True)
+    from tasks_app.services.tasks import relay_watcher
 
-        for pk in changed:
-            relay_watcher(pk)
+    for pk in changed:
+        relay_watcher(pk)
 
 
 async def forget_configs(client: A2AClient, task_pk: int, note: str) -> int:
@@ -1451,6 +1457,21 @@ async def refresh_after_push(http: httpx.AsyncClient, task_pk: int) -> None:
             task_pk,
             snapshot,
             note="reconciled with GetTask after a push notification",
+        )
+        # Settled here, no watcher will end its "awaiting push": the page would say so for
+        # ever, and retention (which leaves awaited tasks alone) would never prune it.
+        await eventloop.db(
+            lambda: RemoteTask.objects.filter(
+                pk=task_pk,
+                lease_token="",
+                settled_at__isnull=False,
+                watcher_status=RemoteTask.WatcherStatus.AWAITING_PUSH,
+            ).update(
+                watcher_status=RemoteTask.WatcherStatus.IDLE,
+                watcher_note="task ended",
+                watcher_since=timezone.now(),
+                lease_expires_at=None,
+            )
         )
         await forget_configs(client, task_pk, "deleted when the task settled")
 

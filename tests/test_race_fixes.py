@@ -1,0 +1,156 @@
+"""Read-then-write races found by an audit, each now a compare-and-set; each test injects the
+other writer inside the window (or releases both at once) and names what happened before.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from tasks_app import alerts, eventloop, outbound
+from tasks_app.crypto import decrypt_json
+from tasks_app.models import Agent, Alert, RemoteTask
+from tasks_app.services import agents as agent_services
+from tasks_app.services import push
+from tests.serving import json_rpc_peer
+from tests.test_ssrf import CardServer, card
+
+Status = RemoteTask.WatcherStatus
+
+
+@pytest.fixture
+def server() -> Iterator[CardServer]:
+    served = CardServer("127.0.0.1")
+    served.card(card(f"{served.base}/rpc"))
+    yield served
+    served.close()
+
+
+@pytest.mark.django_db
+def test_a_card_refresh_does_not_bring_back_credentials_cleared_meanwhile(
+    server: CardServer, monkeypatch
+) -> None:
+    """The refresh saved the whole row it read before its two fetches: credentials an admin
+    cleared meanwhile (leaked ones) came back, and were sent again."""
+    agent = agent_services.add_agent(server.base, credentials={"token": "leaked-token"})
+    real_preview = agent_services.preview_card
+
+    def preview_while_an_admin_clears(url: str) -> Any:
+        agent_services.set_credentials(Agent.objects.get(pk=agent.pk), {})
+        return real_preview(url)
+
+    monkeypatch.setattr(agent_services, "preview_card", preview_while_an_admin_clears)
+    agent_services.refresh_card(Agent.objects.get(pk=agent.pk))
+    fresh = Agent.objects.get(pk=agent.pk)
+    assert fresh.credentials_encrypted == "" and fresh.credential_origins == []
+    assert fresh.card_fetched_at > agent.card_fetched_at  # the card itself was stored
+
+
+@pytest.mark.django_db
+def test_a_card_refresh_keeps_credentials_set_meanwhile(server: CardServer, monkeypatch) -> None:
+    agent = agent_services.add_agent(server.base)
+    real_preview = agent_services.preview_card
+
+    def preview_while_an_admin_sets(url: str) -> Any:
+        agent_services.set_credentials(Agent.objects.get(pk=agent.pk), {"token": "new-token"})
+        return real_preview(url)
+
+    monkeypatch.setattr(agent_services, "preview_card", preview_while_an_admin_sets)
+    agent_services.refresh_card(Agent.objects.get(pk=agent.pk))
+    stored = Agent.objects.get(pk=agent.pk).credentials_encrypted
+    assert decrypt_json(stored) == {"token": "new-token"}
+
+
+def push_task(**fields: Any) -> RemoteTask:
+    name = f"p-{uuid.uuid4().hex[:8]}"
+    agent = Agent.objects.create(name=name, base_url=f"http://127.0.0.1:9/{name}")
+    values = {"title": "t", "remote_id": "t-1", "phase": RemoteTask.Phase.TASK,
+              "state": "TASK_STATE_WORKING", "watch": RemoteTask.Watch.PUSH,
+              "watcher_status": Status.POLLING, **fields}  # fmt: skip
+    return RemoteTask.objects.create(agent=agent, **values)
+
+
+@pytest.mark.django_db
+def test_a_notification_heard_does_not_undo_an_abandon_made_meanwhile(monkeypatch) -> None:
+    """heard() read the tasks to wake, then wrote on their pks alone: an abandon (or a switch
+    to polling, or a park) committed in between was overwritten with "awaiting push"."""
+    task = push_task()
+    done: list[bool] = []
+
+    def abandon_first(execute, sql, params, many, context):  # the other writer, in the window
+        if sql.startswith("UPDATE") and "watcher_note" in sql and not done:
+            done.append(True)
+            RemoteTask.objects.filter(pk=task.pk).update(
+                abandoned_at=timezone.now(), watcher_status=Status.ABANDONED
+            )
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(abandon_first):
+        push.heard({task.pk})
+    task.refresh_from_db()
+    assert done and task.watcher_status == Status.ABANDONED
+
+
+@pytest.mark.django_db
+def test_a_notification_heard_leaves_ended_and_parked_tasks_alone() -> None:
+    ended = push_task(state="TASK_STATE_COMPLETED", settled_at=timezone.now())
+    parked = push_task(watcher_status=Status.PARKED)
+    polling = push_task()
+    push.heard({ended.pk, parked.pk, polling.pk})
+    statuses = dict(
+        RemoteTask.objects.filter(pk__in=[ended.pk, parked.pk, polling.pk]).values_list(
+            "pk", "watcher_status"
+        )
+    )
+    assert statuses == {
+        ended.pk: Status.POLLING, parked.pk: Status.PARKED, polling.pk: Status.AWAITING_PUSH,
+    }  # fmt: skip
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_push_task_settled_by_the_drain_stops_awaiting_push(shared_loop) -> None:
+    """Settled by the drain's GetTask, no watcher ended its "awaiting push": the page said so
+    for ever, and retention (which leaves awaited tasks alone) never pruned it."""
+    completed = {"id": "t-1", "contextId": "c", "status": {"state": "TASK_STATE_COMPLETED"}}
+    with json_rpc_peer(lambda request: completed) as url:
+        task = push_task(watcher_status=Status.AWAITING_PUSH)
+        Agent.objects.filter(pk=task.agent_id).update(
+            base_url=url, interface_url=f"{url}/rpc", binding="JSONRPC", protocol_version="1.0"
+        )
+
+        async def refresh() -> None:
+            async with outbound.new_http_client() as http:
+                await push.refresh_after_push(http, task.pk)
+
+        eventloop.submit(refresh()).result(timeout=60)
+    task.refresh_from_db()
+    assert task.settled_at is not None and task.watcher_status == Status.IDLE
+
+
+@pytest.mark.django_db
+def test_an_alert_is_not_opened_on_what_find_read_before_the_task_had_news() -> None:
+    """The task had news between the rule's find and the insert: the alert opened (and was
+    delivered), then resolved at the next evaluation (delivered again)."""
+    long_ago = timezone.now() - timedelta(hours=3)
+    task = push_task(watch=RemoteTask.Watch.POLL)
+    RemoteTask.objects.filter(pk=task.pk).update(updated_at=long_ago)
+    spec = alerts._silent_working(1800)
+    real_find = spec.find
+
+    def find_then_news(now: Any) -> Any:
+        found = real_find(now)
+        RemoteTask.objects.filter(pk=task.pk).update(updated_at=timezone.now())
+        return found
+
+    stale = alerts.RuleSpec(spec.rule, spec.threshold, find_then_news, spec.holds)
+    assert alerts._open(stale, timezone.now()) == []
+    assert not Alert.objects.filter(task=task).exists()
+    # Without news, the same rule opens it.
+    RemoteTask.objects.filter(pk=task.pk).update(updated_at=long_ago)
+    assert [a.task_id for a in alerts._open(spec, timezone.now())] == [task.pk]
