@@ -237,6 +237,6 @@ def empty_push_queue(redis_url: str) -> Iterator[None]:
     """
     from tasks_app.services import push
 
-    push._redis().delete(push.QUEUE_KEY, push.DRAIN_KEY, push.QUEUE_BYTES_KEY)
+    push._redis().delete(push.QUEUE_KEY, push.DRAIN_KEY, push.QUEUE_BYTES_KEY, push.RUNNING_KEY)
     yield
-    push._redis().delete(push.QUEUE_KEY, push.DRAIN_KEY, push.QUEUE_BYTES_KEY)
+    push._redis().delete(push.QUEUE_KEY, push.DRAIN_KEY, push.QUEUE_BYTES_KEY, push.RUNNING_KEY)

@@ -154,3 +154,24 @@ def test_an_alert_is_not_opened_on_what_find_read_before_the_task_had_news() -> 
     # Without news, the same rule opens it.
     RemoteTask.objects.filter(pk=task.pk).update(updated_at=long_ago)
     assert [a.task_id for a in alerts._open(spec, timezone.now())] == [task.pk]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("empty_push_queue")
+def test_one_push_drain_records_at_a_time(shared_loop) -> None:
+    """The scheduling flag lapsed while a long drain ran, the next delivery scheduled a
+    second, and the two took a task's notifications in two batches: recorded out of order,
+    a chunk appended before the chunk it extends was lost."""
+    from tests.test_push_webhook import good, status_update
+
+    task = push_task(remote_id="t-1", state="TASK_STATE_SUBMITTED")
+    config = push.new_config(task)
+    assert good(config, status_update())[0] == 202
+    r = push._redis()
+    r.set(push.RUNNING_KEY, "another-drain", ex=30)  # a drain that runs
+    assert push.drain(max_seconds=0.5) == 0  # waited its time, took nothing
+    assert r.llen(push.QUEUE_KEY) == 1 and r.get(push.RUNNING_KEY) == b"another-drain"
+    r.delete(push.RUNNING_KEY)  # it ended
+    assert push.drain(max_seconds=5) == 1
+    assert r.llen(push.QUEUE_KEY) == 0 and r.get(push.RUNNING_KEY) is None
+    assert task.events.filter(channel="push").count() == 1

@@ -1224,11 +1224,43 @@ def drain(*, max_seconds: float = 50.0) -> int:
     return eventloop.submit(_drain(max_seconds)).result()
 
 
+# One drain records at a time: the scheduling flag (DRAIN_KEY) can lapse while a long drain
+# runs, and the next delivery then schedules another. Two drains at once took a task's
+# notifications in two batches and recorded them out of order (a lost artifact chunk).
+RUNNING_KEY = "push:drain:running"
+RUNNING_SECONDS = 60  # renewed at every batch; a dead drain's claim lapses after this
+_RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('EXPIRE', KEYS[1], ARGV[2]) end return 0"
+_RELEASE = (
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+)
+WAIT_STEP_SECONDS = 0.2
+
+
 async def _drain(max_seconds: float) -> int:
+    """1. Take the running claim (waiting, within ``max_seconds``, for a drain that runs:
+       what it leaves in the queue is this one's).
+    2. Drain batch by batch, renewing the claim at each; a claim found lost (this drain
+       stalled past RUNNING_SECONDS and another took over) ends this one at once.
+    3. Give the claim back (only if still ours)."""
     r = _redis()
-    total = 0
     deadline = time.monotonic() + max_seconds
+    token = uuid.uuid4().hex
+    while not await asyncio.to_thread(r.set, RUNNING_KEY, token, nx=True, ex=RUNNING_SECONDS):
+        if time.monotonic() >= deadline:
+            return 0  # the running drain looks at the queue once more before it stops
+        await asyncio.sleep(WAIT_STEP_SECONDS)
+    try:
+        return await _drain_held(r, token, deadline)
+    finally:
+        await asyncio.to_thread(r.eval, _RELEASE, 1, RUNNING_KEY, token)
+
+
+async def _drain_held(r: redis.Redis, token: str, deadline: float) -> int:
+    total = 0
     while time.monotonic() < deadline:
+        if not await asyncio.to_thread(r.eval, _RENEW, 1, RUNNING_KEY, token, RUNNING_SECONDS):
+            log.warning("push drain: another drain took over (this one stalled); stopping")
+            return total
         items = await asyncio.to_thread(_take, r)
         if not items:
             # Off the loop, as every Redis call here: a Redis that hangs must not stall the
