@@ -175,3 +175,29 @@ def test_one_push_drain_records_at_a_time(shared_loop) -> None:
     assert push.drain(max_seconds=5) == 1
     assert r.llen(push.QUEUE_KEY) == 0 and r.get(push.RUNNING_KEY) is None
     assert task.events.filter(channel="push").count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_adds_of_one_url_released_together_refuse_one_in_a_sentence(server) -> None:
+    """Both passed the look for the URL; the second insert was an IntegrityError, a 500 (on
+    PostgreSQL: SQLite's immediate transactions put one add after the other)."""
+    import time
+
+    from tests.races import release_together
+
+    def slow_insert(execute, sql, params, many, context):  # both get past any look first
+        if sql.startswith("INSERT") and "tasks_app_agent" in sql:
+            time.sleep(0.3)
+        return execute(sql, params, many, context)
+
+    def add() -> Agent:
+        with connection.execute_wrapper(slow_insert):
+            return agent_services.add_agent(server.base)
+
+    for _ in range(3):
+        outcomes = release_together(add, add)
+        added = [o for o in outcomes if isinstance(o, Agent)]
+        refused = [o for o in outcomes if isinstance(o, agent_services.AgentError)]
+        assert len(added) == 1 and len(refused) == 1, outcomes
+        assert "registered" in str(refused[0])
+        Agent.objects.all().delete()

@@ -7,7 +7,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from django.conf import settings
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from tasks_app import outbound
@@ -224,16 +224,20 @@ def add_agent(
     agent.name = (name or preview.name or url)[:200]
     if credentials:
         _put_credentials(agent, credentials)
-    with transaction.atomic():
+    try:
+        with transaction.atomic():
+            # The unique URL decides between two adds at once (a look first would let both by).
+            agent.save()
+            OperatorAction.objects.create(
+                agent=agent,
+                actor_id=actor_id,
+                action="add-agent",
+                payload={"url": url, "project": project.name},
+            )
+    except IntegrityError:
         if Agent.objects.filter(base_url=url).exists():  # added meanwhile by someone else
-            raise AgentError("This URL was registered a moment ago by someone else.")
-        agent.save()
-        OperatorAction.objects.create(
-            agent=agent,
-            actor_id=actor_id,
-            action="add-agent",
-            payload={"url": url, "project": project.name},
-        )
+            raise AgentError("This URL was registered a moment ago by someone else.") from None
+        raise
     return agent
 
 
