@@ -81,6 +81,20 @@ OWNER = f"{socket.gethostname()}:{os.getpid()}"
 Status = RemoteTask.WatcherStatus
 INPUT_REQUIRED = "TASK_STATE_INPUT_REQUIRED"
 AUTH_REQUIRED = "TASK_STATE_AUTH_REQUIRED"
+# After a send's deadline, this much longer before its absence at the agent is believed.
+SEND_SETTLE_SECONDS = 5.0
+
+
+def _send_may_land_for(task: RemoteTask) -> float:
+    """Seconds until a send attempted by another holder must have ended (0: it has)."""
+    if task.send_attempted_at is None:
+        return 0.0
+    ends = task.send_attempted_at + timedelta(
+        seconds=settings.A2A_CALL_DEADLINE_SECONDS + SEND_SETTLE_SECONDS
+    )
+    return max(0.0, (ends - timezone.now()).total_seconds())
+
+
 # What an agent answers a follow-up message for a task it cannot take it for (ended,
 # unknown, or a server's variant): GetTask tells which.
 FOLLOW_UP_REFUSALS = (TaskNotFoundError, UnsupportedOperationError, InvalidParamsError)
@@ -1018,7 +1032,7 @@ class Holder:
                     )
                     return Turn(next_status(self.status, Event.ENDED), "send failed")
                 hint = getattr(exc, "snippet", "") or ""
-                return await self._recover_send(client, refreshed, str(exc), hint=hint)
+                return await self._recover_send(client, refreshed, str(exc), hint=hint, own=True)
             if refreshed.phase == RemoteTask.Phase.MESSAGE:
                 return Turn(next_status(self.status, Event.ENDED), "answered with a message")
             if refreshed.outbox:
@@ -1095,11 +1109,22 @@ class Holder:
         return True
 
     async def _recover_send(
-        self, client: A2AClient, task: RemoteTask, reason: str, *, hint: str = ""
+        self, client: A2AClient, task: RemoteTask, reason: str, *, hint: str = "", own: bool = False
     ) -> Turn | None:
-        """The reply to a send was lost or unreadable: find the task before saying the send failed."""
+        """The reply to a send was lost or unreadable: find the task before saying the send failed.
+
+        ``own``: the send was this holder's, and its call is over. Else (a holder that
+        stopped while sending) the call may still be under way, its holder alive but late
+        with its lease: an agent that lists no task yet is asked again once the call must
+        have ended (``A2A_CALL_DEADLINE_SECONDS``), before a retry is called safe (a retry
+        while the first send still lands makes a second remote task).
+        """
         message = (task.request or {}).get("message") or (task.outbox or {}).get("message") or {}
         found = await task_services.find_sent_task(client, message, hint=hint)
+        wait = 0.0 if own else _send_may_land_for(task)
+        if found.task is None and found.absent and wait > 0:
+            note = f"{reason}; not listed by the agent yet: looking again in {wait:.0f} s"
+            return Turn(next_status(self.status, Event.FRUITLESS), note, hold_off=wait)
         if found.task is not None:
             await self._system(
                 "found-again",

@@ -77,6 +77,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import psutil
@@ -343,10 +344,13 @@ def test_a_send_interrupted_by_a_crash_is_looked_up_not_repeated(
     }
     if agent_has_it:
         plain._new_task(message, "TASK_STATE_COMPLETED")
-    # What a worker killed in the middle of the send leaves behind.
+    # What a worker killed in the middle of the send leaves behind, found after the send's
+    # call must have ended (before that, an absent task is looked for again: see
+    # tests/test_race_fixes.py).
+    attempted = timezone.now() - timedelta(minutes=5)  # the default call deadline is 60 s
     task = RemoteTask.objects.create(
         agent=row, phase="sending", mode="return-immediately", watch="poll",
-        request={"message": message}, outbox={"message": message}, send_attempted_at=timezone.now(),
+        request={"message": message}, outbox={"message": message}, send_attempted_at=attempted,
     )  # fmt: skip
     start_celery_worker(**FAST)
     task_services.dispatch(task.pk)

@@ -201,3 +201,43 @@ def test_two_adds_of_one_url_released_together_refuse_one_in_a_sentence(server) 
         assert len(added) == 1 and len(refused) == 1, outcomes
         assert "registered" in str(refused[0])
         Agent.objects.all().delete()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_send_that_may_still_land_is_not_called_safe_to_retry(shared_loop) -> None:
+    """A holder late with its lease while its send was in flight: the next holder found no
+    task at the agent yet, called a retry safe, and a retry made a second remote task."""
+    from tasks_app import watchers
+    from tasks_app.services import tasks as task_services
+
+    message = {"messageId": "m-1", "role": "ROLE_USER", "contextId": "ctx-1",
+               "parts": [{"text": "x"}]}  # fmt: skip
+    with json_rpc_peer(lambda request: {"tasks": []}) as url:
+        agent = Agent.objects.create(
+            name="late", base_url=url, interface_url=f"{url}/rpc", binding="JSONRPC",
+            protocol_version="1.0",
+        )  # fmt: skip
+        task = RemoteTask.objects.create(
+            agent=agent, phase=RemoteTask.Phase.SENDING, watch=RemoteTask.Watch.POLL,
+            request={"message": message}, outbox={"message": message},
+            send_attempted_at=timezone.now() - timedelta(seconds=2),
+        )  # fmt: skip
+        token = task_services.acquire_lease(task.pk, watchers.OWNER)
+
+        async def recover(attempted_ago: float) -> Any:
+            row = await eventloop.db(RemoteTask.objects.select_related("agent").get, pk=task.pk)
+            row.send_attempted_at = timezone.now() - timedelta(seconds=attempted_ago)
+            holder = watchers.Holder(task.pk, token, http=None)
+            holder._take(row)
+            async with outbound.new_http_client() as http:
+                client = outbound.client_for(agent, http)
+                return await holder._recover_send(client, row, "the worker stopped while sending")
+
+        turn = eventloop.submit(recover(2)).result(timeout=30)
+        assert "looking again" in turn.note and turn.hold_off > 30
+        task.refresh_from_db()
+        assert task.phase == RemoteTask.Phase.SENDING and task.outbox is not None
+        # Once the send must have ended, its absence is believed.
+        turn = eventloop.submit(recover(600)).result(timeout=30)
+        task.refresh_from_db()
+        assert task.phase == RemoteTask.Phase.FAILED and "retrying is safe" in task.send_error
