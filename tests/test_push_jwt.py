@@ -381,3 +381,71 @@ def test_a_key_set_that_recovers_is_read_again_after_the_failure_pause(keys, mon
         assert len(asked) == 2
     finally:
         stop_serving(server)
+
+
+# An agent's key set as an attack on the webhook ---------------------------------------------
+
+
+def _rsa_jwk_with(**members: str) -> dict:
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    private = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    public = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(private.public_key()))
+    return {**public, "kid": "rsa", **members}
+
+
+def _b64_int(number: int) -> str:
+    raw = number.to_bytes((number.bit_length() + 7) // 8, "big")
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def test_private_or_oversized_keys_are_left_out_before_any_key_is_built(keys: Keys) -> None:
+    """A made-up private exponent made PyJWT recover the primes (pow() with the agent's
+    numbers: seconds to minutes holding the interpreter, the whole webhook stalled); a
+    private key made verification raise AttributeError (500/503 with a traceback)."""
+    good = keys.jwks()["keys"][0]
+    hostile = [
+        _rsa_jwk_with(d=_b64_int((1 << 12000) - 1)),  # "private", no primes
+        _rsa_jwk_with(n=_b64_int((1 << 16384) - 1)),  # a modulus beyond 8,192 bits
+        _rsa_jwk_with(e=_b64_int((1 << 3000) - 1)),  # an exponent beyond 32 bits
+        {"kty": "oct", "k": "c2VjcmV0"},  # a shared secret
+        "not a key",
+    ]
+    started = time.monotonic()
+    assert push._public_keys([*hostile, good]) == [good]
+    assert time.monotonic() - started < 0.5
+    assert len(push._public_keys([good] * 100)) == push.JWKS_MAX_KEYS
+    with pytest.raises(ValueError, match="no usable public key"):
+        push._public_keys(hostile)
+
+
+def test_a_token_a_private_key_in_the_set_would_verify_is_a_refusal(
+    keys: Keys, config: PushConfig, monkeypatch
+) -> None:
+    """Whatever PyJWT raises for the agent's token and keys is a counted 401, not a 500."""
+
+    def broken_decode(*args: object, **kwargs: object) -> dict:
+        raise AttributeError("'RSAPrivateKey' object has no attribute 'verify'")
+
+    monkeypatch.setattr(push.jwt, "decode", broken_decode)
+    body = body_of()
+    assert deliver(config, body, sign(keys, config, body)) == 401
+
+
+def test_concurrent_deliveries_fetch_the_key_set_once(keys: Keys, config: PushConfig) -> None:
+    """Each delivery that found no key set cached fetched its own: a slow JWKS held every
+    one of the webhook's blocking threads for its whole deadline."""
+    from tests.races import release_together
+
+    def slow(handler: BaseHTTPRequestHandler) -> None:
+        time.sleep(0.5)
+        _answer(json.dumps(keys.jwks()).encode())(handler)
+
+    server, asked = _jwks_server(slow)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/jwks.json"
+        found = release_together(*(lambda: push._keyset(url) for _ in range(4)))
+    finally:
+        stop_serving(server)
+    assert all(isinstance(k, jwt.PyJWKSet) for k in found), found
+    assert len(asked) == 1

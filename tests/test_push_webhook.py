@@ -538,3 +538,14 @@ def test_the_queue_takes_notifications_up_to_its_bytes_and_a_drain_takes_a_bound
     taken = push._take(push._redis())
     assert len(taken) == 2 and int(push._redis().get(push.QUEUE_BYTES_KEY)) < waiting
     assert good(config, bodies[5])[0] == 202  # room again
+
+
+def test_our_config_is_deleted_here_whatever_the_agent_answers(task, config):
+    """An agent that refused the delete (or was unreachable) kept our config live: its pushes
+    went on being accepted, and the operator had no way to stop them but abandoning."""
+    push.delete_config(task, config.config_id)  # the agent (nothing listens there) refuses
+    config.refresh_from_db()
+    assert config.deleted_at is not None and "the agent refused" in config.deleted_note
+    assert good(config, status_update())[0] == 404
+    entry = TaskEvent.objects.get(task=task, kind="operator").raw["operator"]
+    assert entry["action"] == "delete-push-config" and entry["agent"]

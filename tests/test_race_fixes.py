@@ -241,3 +241,29 @@ def test_a_send_that_may_still_land_is_not_called_safe_to_retry(shared_loop) -> 
         turn = eventloop.submit(recover(600)).result(timeout=30)
         task.refresh_from_db()
         assert task.phase == RemoteTask.Phase.FAILED and "retrying is safe" in task.send_error
+
+
+@pytest.mark.django_db
+def test_the_agents_config_listing_is_bounded_in_time(monkeypatch) -> None:
+    """Ten pages of a full call deadline each: one "ask the agent" click held a web thread
+    for about ten minutes (and every page's configs whole in memory)."""
+    import time
+
+    def slow_page(request: dict) -> dict:
+        time.sleep(0.4)
+        return {"configs": [{"id": "x", "url": "http://example.org/" + "u" * 5000}],
+                "nextPageToken": uuid.uuid4().hex}  # fmt: skip
+
+    monkeypatch.setattr(push, "LISTING_SECONDS", 1.0)
+    with json_rpc_peer(slow_page) as url:
+        task = push_task()
+        Agent.objects.filter(pk=task.agent_id).update(
+            base_url=url, interface_url=f"{url}/rpc", binding="JSONRPC", protocol_version="1.0",
+            push=True,
+        )  # fmt: skip
+        task.refresh_from_db()
+        started = time.monotonic()
+        listing = push.list_at_agent(task)
+    assert time.monotonic() - started < 3
+    assert "took longer than 1 s" in listing.problem and 1 <= len(listing.configs) <= 3
+    assert all(len(c["url"]) <= 1000 for c in listing.configs)

@@ -1096,39 +1096,98 @@ def _fetch_jwks(url: str) -> jwt.PyJWKSet:
         keys = safejson.loads(outbound.run(get))
         if not isinstance(keys, dict):
             raise ValueError("the JWKS is not a JSON object")
-        return jwt.PyJWKSet.from_dict(keys)
+        return jwt.PyJWKSet.from_dict({"keys": _public_keys(keys.get("keys"))})
     except Exception as exc:
         raise JWKSUnreadable(type(exc).__name__) from exc
+
+
+# What a JWK of an agent may be, checked before any key is built: a private member made
+# PyJWT recover the primes (pow() with the agent's numbers, holding the interpreter for
+# seconds to minutes), a private key made verification raise; a huge modulus or exponent
+# makes every signature check slow.
+JWKS_MAX_KEYS = 32
+PRIVATE_MEMBERS = ("d", "p", "q", "dp", "dq", "qi", "oth", "k")
+RSA_MAX_MODULUS_CHARS = 1366  # base64url of 8,192 bits
+RSA_MAX_EXPONENT_CHARS = 6  # base64url of 32 bits
+
+
+def _public_keys(keys: Any) -> list[dict]:
+    """The set's usable public keys (at most JWKS_MAX_KEYS); the others are left out."""
+    if not isinstance(keys, list):
+        raise ValueError("the JWKS has no list of keys")
+    usable = []
+    for key in keys[:JWKS_MAX_KEYS]:
+        if not isinstance(key, dict) or any(name in key for name in PRIVATE_MEMBERS):
+            continue
+        if key.get("kty") == "RSA" and not (
+            isinstance(key.get("n"), str)
+            and isinstance(key.get("e"), str)
+            and len(key["n"]) <= RSA_MAX_MODULUS_CHARS
+            and len(key["e"]) <= RSA_MAX_EXPONENT_CHARS
+        ):
+            continue
+        if key.get("kty") not in ("RSA", "EC", "OKP"):
+            continue
+        usable.append(key)
+    if not usable:
+        raise ValueError("the JWKS holds no usable public key")
+    return usable
 
 
 _jwks_failed: OrderedDict[str, tuple[float, JWKSUnreadable]] = OrderedDict()
 
 
+_jwks_fetching: dict[str, threading.Lock] = {}
+
+
 def _keyset(url: str, *, fresh: bool = False) -> jwt.PyJWKSet:
+    """The agent's key set, cached; one fetch per URL at a time (concurrent deliveries that
+    find it missing wait for that fetch instead of each holding a thread for their own)."""
+    cached = _cached_keyset(url, fresh=fresh)
+    if cached is not None:
+        return cached
+    with _jwks_lock:
+        fetching = _jwks_fetching.setdefault(url, threading.Lock())
+    with fetching:
+        cached = _cached_keyset(url, fresh=fresh, since=time.monotonic() - JWKS_REFETCH_SECONDS)
+        if cached is not None:
+            return cached  # fetched by the delivery this one waited for
+        try:
+            keyset = _fetch_jwks(url)
+        except JWKSUnreadable as exc:
+            with _jwks_lock:
+                # From the end of the failed fetch: a slow one must not leave no pause at all.
+                _jwks_failed[url] = (time.monotonic(), exc)
+                while len(_jwks_failed) > 256:
+                    _jwks_failed.popitem(last=False)
+            raise
+        with _jwks_lock:
+            _jwks_failed.pop(url, None)
+            _jwks_cache[url] = (time.monotonic(), keyset)
+            while len(_jwks_cache) > 256:
+                _jwks_cache.popitem(last=False)
+            if len(_jwks_fetching) > 256:
+                _jwks_fetching.clear()  # held locks stay with their holders
+        return keyset
+
+
+def _cached_keyset(url: str, *, fresh: bool, since: float | None = None) -> jwt.PyJWKSet | None:
+    """The cached set if still good (a fresh one asked for: fetched within JWKS_REFETCH_SECONDS,
+    or after ``since``); raises the last failure within JWKS_FAILURE_SECONDS."""
     now = time.monotonic()
     with _jwks_lock:
         cached = _jwks_cache.get(url)
         failed = _jwks_failed.get(url)
     if cached is not None:
         age = now - cached[0]
-        if age < settings.PUSH_JWKS_CACHE_SECONDS and not (fresh and age > JWKS_REFETCH_SECONDS):
+        recent = since is not None and cached[0] >= since
+        if age < settings.PUSH_JWKS_CACHE_SECONDS and (
+            not fresh or age <= JWKS_REFETCH_SECONDS or recent
+        ):
             return cached[1]
     if failed is not None and now - failed[0] < JWKS_FAILURE_SECONDS:
         raise failed[1]
-    try:
-        keyset = _fetch_jwks(url)
-    except JWKSUnreadable as exc:
-        with _jwks_lock:
-            _jwks_failed[url] = (now, exc)
-            while len(_jwks_failed) > 256:
-                _jwks_failed.popitem(last=False)
-        raise
-    with _jwks_lock:
-        _jwks_failed.pop(url, None)
-        _jwks_cache[url] = (now, keyset)
-        while len(_jwks_cache) > 256:
-            _jwks_cache.popitem(last=False)
-    return keyset
+    return None
 
 
 def _key_for(url: str, kid: str | None) -> Any:
@@ -1177,10 +1236,10 @@ def _verify_signed(config: _Config, token: str, body: bytes) -> tuple[str, str, 
             leeway=settings.PUSH_JWT_SKEW_SECONDS,
             options={"require": ["iss", "aud", "iat", "exp", "jti"]},
         )
-    except (jwt.PyJWTError, TypeError, ValueError, OverflowError) as exc:
+    except Exception as exc:
         # TypeError: a key of another type than the header's alg (an RS256 header on the
-        # agent's EC key), which PyJWT reports only that way. Whatever the token holds is
-        # a refusal (401, counted), never an error of ours.
+        # agent's EC key), which PyJWT reports only that way; whatever else a token and
+        # the agent's keys make PyJWT raise. A refusal (401, counted), never an error of ours.
         return f"bad signed token: {type(exc).__name__}", "", 0
     issued, expires = _claim_time(claims.get("iat")), _claim_time(claims.get("exp"))
     if issued is None or expires is None:
@@ -1523,6 +1582,8 @@ class Listing:
 # Configs shown from the agent's list (its pages may hold 32 MB each): a page, not a book.
 MAX_LISTED_CONFIGS = 200
 LISTED_PAGES = 10
+LISTING_SECONDS = 15.0  # the whole listing (a page view waits for it)
+LISTING_MAX_BYTES = 1024 * 1024  # one page of the agent's list
 
 
 def list_at_agent(task: RemoteTask) -> Listing:
@@ -1535,23 +1596,39 @@ def list_at_agent(task: RemoteTask) -> Listing:
         return Listing([], local, f"{task.agent.name} does not declare push notifications")
     ours = {config.config_id: config for config in local}
 
+    cut = ""
+
     async def call(http: httpx.AsyncClient) -> list[dict[str, Any]]:
-        client = outbound.client_for(task.agent, http)
+        nonlocal cut
+        client = outbound.client_for(
+            task.agent, http, max_response_bytes=LISTING_MAX_BYTES, timeout=LISTING_SECONDS
+        )
         found: list[dict[str, Any]] = []
         token = ""
-        for _ in range(LISTED_PAGES):  # an agent that pages forever is cut off here
-            page = await client.list_push_configs(task.remote_id, page_token=token or None)
-            found.extend(c for c in page["configs"] if isinstance(c, dict))
-            token = page.get("nextPageToken") or ""
-            if not token or len(found) > MAX_LISTED_CONFIGS:
-                break
+        try:
+            async with asyncio.timeout(LISTING_SECONDS):  # the whole listing, not per page
+                for _ in range(LISTED_PAGES):  # an agent that pages forever is cut off here
+                    page = await client.list_push_configs(task.remote_id, page_token=token or None)
+                    # Kept as shown (a config of megabytes is not held for the page).
+                    found.extend(
+                        {"id": str(c.get("id", ""))[:300], "url": str(c.get("url", ""))[:1000]}
+                        for c in page["configs"][: MAX_LISTED_CONFIGS + 1]
+                        if isinstance(c, dict)
+                    )
+                    token = page.get("nextPageToken") or ""
+                    if not token or len(found) > MAX_LISTED_CONFIGS:
+                        break
+        except TimeoutError:
+            if not found:
+                raise A2AError(f"no answer within {LISTING_SECONDS:.0f} s") from None
+            cut = f"the agent's list took longer than {LISTING_SECONDS:.0f} s: what came is shown"
         return found
 
     try:
         configs = outbound.run(call)
     except A2AError as exc:
         return Listing([], local, f"the agent's list could not be read: {exc}")
-    problem = ""
+    problem = cut
     if len(configs) > MAX_LISTED_CONFIGS:
         configs = configs[:MAX_LISTED_CONFIGS]
         problem = (
@@ -1586,19 +1663,29 @@ def delete_config(task: RemoteTask, config_id: str, *, actor_id: int | None = No
     async def call(http: httpx.AsyncClient) -> None:
         await outbound.client_for(task.agent, http).delete_push_config(task.remote_id, config_id)
 
+    refused: A2AError | None = None
     try:
         outbound.run(call)
     except A2AError as exc:
-        raise TaskActionError(f"The agent did not delete the push config: {exc}") from None
+        refused = exc
     # Only this task's own config is forgotten by the webhook: the id comes from the URL, and
-    # another task's (another project's) config must keep taking its deliveries.
-    if PushConfig.objects.filter(task=task, config_id=config_id, deleted_at__isnull=True).update(
-        deleted_at=timezone.now(), deleted_note="deleted by an operator"
-    ):
+    # another task's (another project's) config must keep taking its deliveries. Ours is
+    # deleted whatever the agent answered: an agent that refuses (or says it has no such
+    # config) must not keep its pushes coming.
+    ours = PushConfig.objects.filter(task=task, config_id=config_id, deleted_at__isnull=True)
+    note = "deleted by an operator" + (" (the agent refused)" if refused else "")
+    if ours.update(deleted_at=timezone.now(), deleted_note=note):
         forget_cached(config_id)
+        refused_ours = refused
+        refused = None
+    else:
+        refused_ours = None
+    if refused is not None:
+        raise TaskActionError(f"The agent did not delete the push config: {refused}") from None
     record(
         task,
-        {"operator": {"action": "delete-push-config", "config": config_id[:200]}},
+        {"operator": {"action": "delete-push-config", "config": config_id[:200],
+                      **({"agent": str(refused_ours)[:300]} if refused_ours else {})}},
         "operator",
         actor_id=actor_id,
-    )
+    )  # fmt: skip
