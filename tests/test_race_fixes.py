@@ -267,3 +267,21 @@ def test_the_agents_config_listing_is_bounded_in_time(monkeypatch) -> None:
     assert time.monotonic() - started < 3
     assert "took longer than 1 s" in listing.problem and 1 <= len(listing.configs) <= 3
     assert all(len(c["url"]) <= 1000 for c in listing.configs)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_finished_push_refresher_is_forgotten(shared_loop) -> None:
+    """The map of refreshers kept every finished one: it grew by each push-watched task a
+    worker had ever refreshed."""
+    import time
+
+    task = push_task(remote_id="")  # nothing to ask the agent: the refresh returns at once
+
+    async def want() -> None:
+        push._want_refresh({task.pk: "TASK_STATE_COMPLETED"})
+
+    eventloop.submit(want()).result(timeout=10)
+    deadline = time.monotonic() + 10
+    while task.pk in push._refreshers and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert task.pk not in push._refreshers

@@ -1520,6 +1520,13 @@ async def _refresher(task_pk: int) -> None:
         await refresh_after_push(_http, task_pk)
     except Exception:  # one task's refresh must not stop the others
         log.exception("GetTask after push notifications for task %s failed", task_pk)
+    finally:
+        # Forgotten once done (the map grew by every push-watched task a worker ever saw);
+        # notifications heard during this GetTask get a refresh of their own.
+        if _refreshers.get(task_pk) is asyncio.current_task():
+            del _refreshers[task_pk]
+            if task_pk in _heard:
+                _refreshers[task_pk] = loop.create_task(_refresher(task_pk))
 
 
 async def refresh_after_push(http: httpx.AsyncClient, task_pk: int) -> None:
