@@ -71,6 +71,7 @@ from tasks_app.models import (
     OperatorAction,
     RemoteTask,
 )
+from tasks_app.services.tasks import WITHDRAWN
 
 log = logging.getLogger(__name__)
 
@@ -259,6 +260,7 @@ def _send_failed() -> RuleSpec:
         # state "" first: the (state, updated_at) index holds them together.
         rows = (
             RemoteTask.objects.filter(_LIVE_TASK, state="", phase=RemoteTask.Phase.FAILED)
+            .exclude(send_error=WITHDRAWN)  # an operator's cancel, not a failure
             .filter(_not_alerted(Rule.SEND_FAILED))
             .order_by("updated_at")
             .values_list("pk", "agent_id", "updated_at", "title", "remote_id")[: _limit()]

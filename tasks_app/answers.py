@@ -890,10 +890,16 @@ def answer_form(
 
 
 def question_key(task: RemoteTask) -> str:
-    """The question a form was drawn for, by digest: its seq alone does not name it (an
-    agent's snapshot may change the question without a new status time)."""
-    text = json.dumps(task.status_message, sort_keys=True, ensure_ascii=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    """The question a form was drawn for: its seq alone does not name it (an agent's
+    snapshot may change the question without a new status time). By the message's id, so
+    that the same message read again (a GetTask after the stream) is the same question;
+    by digest when it has none."""
+    message = task.status_message
+    if isinstance(message, dict) and isinstance(message.get("messageId"), str):
+        text = "id:" + message["messageId"]
+    else:
+        text = json.dumps(message, sort_keys=True, ensure_ascii=True, default=str)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def submit(request: HttpRequest, task: RemoteTask, form: forms.Form) -> tuple[bool, forms.Form]:

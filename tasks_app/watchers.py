@@ -610,6 +610,7 @@ class Holder:
         self.loaded = loaded  # the row as read right after the lease was taken, if it was
         self.state = ""
         self.remote_id = ""
+        self.sent_here = False  # this holder made the send (see _recover_send)
         self.agent_id = 0
         self.status = Status.IDLE
         self.fruitless = 0
@@ -795,9 +796,13 @@ class Holder:
         if task.phase == RemoteTask.Phase.FAILED:
             return Turn(next_status(self.status, Event.ENDED), "send failed")
         if task.phase == RemoteTask.Phase.SENDING:
-            # Nothing to send and no task named: a send interrupted before the agent answered.
+            # Nothing to send and no task named: a send interrupted before the agent answered
+            # (this holder's own, whose call is over, or another's, which may still land).
             return await self._recover_send(
-                client, task, "the send was interrupted before the agent answered"
+                client,
+                task,
+                "the send was interrupted before the agent answered",
+                own=self.sent_here,
             )
         if task.state in TERMINAL_STATES:
             if task.settled_at is None:
@@ -968,6 +973,7 @@ class Holder:
             raise Fenced  # the lease is no longer ours: someone else sends
         if not attempted:
             return None  # withdrawn meanwhile (canceled before it was sent): read it again
+        self.sent_here = True  # this holder's call: when it is over, it is over
         metadata = outbox.get("metadata") or None
         try:
             if self.streaming:

@@ -101,11 +101,18 @@ def _can_operate(request: HttpRequest, task: RemoteTask) -> bool:
 def push_config_delete(request: HttpRequest, pk: int, config_id: str) -> HttpResponse:
     task = get_task_for_user(request, pk, Perm.OPERATE)
     try:
-        push_services.delete_config(task, config_id, actor_id=request.user.id)
+        refused = push_services.delete_config(task, config_id, actor_id=request.user.id)
     except task_services.TaskActionError as exc:
         messages.error(request, str(exc))
     else:
-        messages.success(request, "Push config deleted at the agent.")
+        if refused:
+            messages.warning(
+                request,
+                "Push config deleted here (its notifications are refused from now on); the "
+                f"agent did not delete it: {refused}",
+            )
+        else:
+            messages.success(request, "Push config deleted at the agent.")
     return redirect("task-detail", pk=task.pk)
 
 

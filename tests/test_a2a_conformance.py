@@ -200,3 +200,17 @@ def test_an_answer_refused_for_a_task_that_ended_says_so_after_gettask(
     said = [r["system"]["detail"] for r in TaskEvent.objects.filter(task=task, kind="system")
             .values_list("raw", flat=True) if r["system"]["event"] == "answer-failed"]  # fmt: skip
     assert len(said) == 1 and "the task had ended (TASK_STATE_CANCELED)" in said[0]
+
+
+@pytest.mark.django_db
+def test_a_reply_with_a_null_member_names_the_task(peer) -> None:
+    """The parser took ``"message": null`` as not set, but record() still counted it: a
+    protocol error, and the task never named."""
+    from tasks_app.services.record import record
+
+    task = RemoteTask.objects.create(agent=agent_at(peer), title="t")
+    reply = parse_stream_response({"task": {"id": "t-9", "contextId": "c", "status": WORKING},
+                                   "message": None})  # fmt: skip
+    recorded = record(task.pk, reply.raw, "send-response")
+    task.refresh_from_db()
+    assert recorded.kinds == ["task"] and task.remote_id == "t-9"

@@ -543,7 +543,8 @@ def test_the_queue_takes_notifications_up_to_its_bytes_and_a_drain_takes_a_bound
 def test_our_config_is_deleted_here_whatever_the_agent_answers(task, config):
     """An agent that refused the delete (or was unreachable) kept our config live: its pushes
     went on being accepted, and the operator had no way to stop them but abandoning."""
-    push.delete_config(task, config.config_id)  # the agent (nothing listens there) refuses
+    refused = push.delete_config(task, config.config_id)  # nothing listens there: refused
+    assert refused  # said to the person (the page: "deleted here; the agent did not ...")
     config.refresh_from_db()
     assert config.deleted_at is not None and "the agent refused" in config.deleted_note
     assert good(config, status_update())[0] == 404

@@ -285,3 +285,36 @@ def test_a_finished_push_refresher_is_forgotten(shared_loop) -> None:
     while task.pk in push._refreshers and time.monotonic() < deadline:
         time.sleep(0.05)
     assert task.pk not in push._refreshers
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_holders_own_send_that_named_no_task_fails_at_once(shared_loop) -> None:
+    """This holder's own streaming send closed without naming a task: its call is over, but
+    the failure (and Retry) waited as for another holder's send that may still land."""
+    from tasks_app import watchers
+    from tasks_app.services import tasks as task_services
+
+    message = {"messageId": "m-2", "role": "ROLE_USER", "contextId": "ctx-2",
+               "parts": [{"text": "x"}]}  # fmt: skip
+    with json_rpc_peer(lambda request: {"tasks": []}) as url:
+        agent = Agent.objects.create(
+            name="own", base_url=url, interface_url=f"{url}/rpc", binding="JSONRPC",
+            protocol_version="1.0",
+        )  # fmt: skip
+        task = RemoteTask.objects.create(
+            agent=agent, phase=RemoteTask.Phase.SENDING, watch=RemoteTask.Watch.POLL,
+            request={"message": message}, send_attempted_at=timezone.now(),
+        )  # fmt: skip
+        token = task_services.acquire_lease(task.pk, watchers.OWNER)
+
+        async def ended() -> Any:
+            row = await eventloop.db(RemoteTask.objects.select_related("agent").get, pk=task.pk)
+            holder = watchers.Holder(task.pk, token, http=None)
+            holder._take(row)
+            holder.sent_here = True
+            async with outbound.new_http_client() as http:
+                return await holder._ended(row, outbound.client_for(agent, http))
+
+        eventloop.submit(ended()).result(timeout=30)
+    task.refresh_from_db()
+    assert task.phase == RemoteTask.Phase.FAILED and "retrying is safe" in task.send_error

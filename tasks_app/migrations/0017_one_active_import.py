@@ -4,11 +4,13 @@ from django.utils import timezone
 
 def one_active_per_agent(apps, schema_editor):
     """Before the index: of an agent's queued or running imports (two clicks at once could
-    queue two), the newest stays and the others fail, saying why."""
+    queue two), one stays (the running one, else the newest) and the others fail, saying
+    why."""
     ImportJob = apps.get_model("tasks_app", "ImportJob")
     kept: set[int] = set()
-    active = ImportJob.objects.filter(status__in=["queued", "running"]).order_by("agent_id", "-id")
-    for job in active:
+    running = list(ImportJob.objects.filter(status="running").order_by("agent_id", "-id"))
+    queued = list(ImportJob.objects.filter(status="queued").order_by("agent_id", "-id"))
+    for job in [*running, *queued]:
         if job.agent_id in kept:
             ImportJob.objects.filter(pk=job.pk).update(
                 status="failed",

@@ -1658,8 +1658,12 @@ def list_at_agent(task: RemoteTask) -> Listing:
     return Listing(rows, local, problem)
 
 
-def delete_config(task: RemoteTask, config_id: str, *, actor_id: int | None = None) -> None:
-    """Delete one config at the agent (and ours, if it is ours); the log says who did it."""
+def delete_config(task: RemoteTask, config_id: str, *, actor_id: int | None = None) -> str:
+    """Delete one config at the agent (and ours, if it is ours); the log says who did it.
+
+    Returns what the agent answered when it refused to delete one of ours (deleted here
+    anyway), else "".
+    """
     from tasks_app.access import Perm, require
     from tasks_app.services.tasks import TaskActionError
 
@@ -1696,3 +1700,4 @@ def delete_config(task: RemoteTask, config_id: str, *, actor_id: int | None = No
         "operator",
         actor_id=actor_id,
     )  # fmt: skip
+    return str(refused_ours) if refused_ours else ""

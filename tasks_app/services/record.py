@@ -169,7 +169,8 @@ def _parse(obj: Any) -> Entry:
             _jsonable(obj),
             f"expected a JSON object, got {type(obj).__name__}",
         )
-    keys = [key for key in obj if key in A2A_KINDS or key in LOCAL_KINDS]
+    # A member that is null is not set (ProtoJSON), as the stream parser reads it too.
+    keys = [key for key in obj if (key in A2A_KINDS or key in LOCAL_KINDS) and obj[key] is not None]
     if len(keys) != 1:
         return Entry(
             "protocol-error",

@@ -440,6 +440,8 @@ def cancel_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = No
             record(task, {"task": snapshot}, "poll", actor_id=actor_id)
             settle_if_ended(task, snapshot, note="reconciled with the agent's GetTask (cancel)")
         task.refresh_from_db()
+        if task.settled_at is not None:
+            _forget_push_later(task.pk, "deleted when the task settled")
         if task.state == "TASK_STATE_CANCELED":
             _action(task, actor_id, "cancel", {"reason": reason}, "already canceled")
             return task  # already canceled: cancel is idempotent in effect
@@ -933,6 +935,10 @@ def mark_send_attempted(task_pk: int, token: str, message_id: str) -> bool | Non
     return False if RemoteTask.objects.filter(pk=task_pk, lease_token=token).exists() else None
 
 
+# The send error of a send an operator withdrew (not a failure: no alert is raised for it).
+WITHDRAWN = "canceled before it was sent"
+
+
 def withdraw_send(task: RemoteTask, *, reason: str, actor_id: int | None) -> bool:
     """Cancel a first send that has not started: the message never reaches the agent.
 
@@ -948,17 +954,16 @@ def withdraw_send(task: RemoteTask, *, reason: str, actor_id: int | None) -> boo
             remote_id="",
             send_attempted_at__isnull=True,
             outbox__isnull=False,
-        ).update(
-            outbox=None, phase=RemoteTask.Phase.FAILED, send_error="canceled before it was sent"
-        )
+        ).update(outbox=None, phase=RemoteTask.Phase.FAILED, send_error=WITHDRAWN)
         if not withdrawn:
             return False
         record(task, {"operator": {"action": "cancel", "reason": reason}}, "operator",
                actor_id=actor_id)  # fmt: skip
+        # A failed send as the log tells it (replay reads the phase from "send-failed").
         record(
             task,
-            {"system": {"event": "send-withdrawn", "detail": "canceled before it was sent; "
-                        "the agent never got the message"}},
+            {"system": {"event": "send-failed", "withdrawn": True,
+                        "detail": f"{WITHDRAWN}; the agent never got the message"}},
             "system",
         )  # fmt: skip
         _action(task, actor_id, "cancel", {"reason": reason}, "withdrawn before it was sent")
