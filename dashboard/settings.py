@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
+from redis.connection import parse_url as parse_redis_url
 
 from tasks_app.runtime.files import create_private_once, ensure_private_file, narrow, private_dir
 from tasks_app.runtime.logs import FORMATS, formatter_config
@@ -153,6 +154,11 @@ PRODUCTION = env_flag("DASHBOARD_PRODUCTION")
 DATA_DIR = Path(os.environ.get("DATA_DIR") or BASE_DIR / "var").resolve()
 
 
+def _data_dir_unusable(exc: OSError | UnicodeDecodeError) -> ImproperlyConfigured:
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not text"
+    return ImproperlyConfigured(f"DATA_DIR ({DATA_DIR}) cannot be used: {reason}.")
+
+
 def _local_secret_key() -> str:
     """Generate the key once and keep it in the data folder, so sessions survive restarts.
 
@@ -166,8 +172,7 @@ def _local_secret_key() -> str:
         narrow(path)
         key = path.read_text().strip()
     except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not text"
-        raise ImproperlyConfigured(f"DATA_DIR ({DATA_DIR}) cannot be used: {reason}.") from None
+        raise _data_dir_unusable(exc) from None
     if len(key) < 32:
         # An emptied file gave an empty key: every request then failed on it.
         raise ImproperlyConfigured(
@@ -196,7 +201,8 @@ if PRODUCTION and DEBUG:
 # Error pages and mails hide settings that carry secrets in URLs too (REDIS_URL, say).
 DEFAULT_EXCEPTION_REPORTER_FILTER = "dashboard.reporting.SettingsFilter"
 
-if PRODUCTION and not os.environ.get("ALLOWED_HOSTS"):
+# Checked on the parsed list: "," or " " is as empty as unset (and would mean the localhost names).
+if PRODUCTION and not env_list("ALLOWED_HOSTS", []):
     raise ImproperlyConfigured("ALLOWED_HOSTS must be set when DASHBOARD_PRODUCTION is on.")
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
@@ -258,8 +264,11 @@ def _database() -> dict:
     if not url:
         # Sessions, password hashes and credentials: the file (and so its WAL and
         # shared-memory files, which SQLite creates with its mode) is owner-only.
-        private_dir(DATA_DIR)
-        ensure_private_file(DATA_DIR / "dashboard.sqlite3")
+        try:  # reached first when SECRET_KEY is set: a file or read-only DATA_DIR is a sentence
+            private_dir(DATA_DIR)
+            ensure_private_file(DATA_DIR / "dashboard.sqlite3")
+        except OSError as exc:
+            raise _data_dir_unusable(exc) from None
         url = f"sqlite:///{DATA_DIR / 'dashboard.sqlite3'}"
     try:
         config = dj_database_url.parse(url, conn_max_age=60, conn_health_checks=True)
@@ -287,7 +296,41 @@ def _database() -> dict:
 DATABASES = {"default": _database()}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
-REDIS_URL = os.environ.get("REDIS_URL", "").strip() or "redis://127.0.0.1:6379/0"
+
+def _redis_url_problem(url: str) -> str | None:
+    """What redis-py cannot read in ``url``, in words that never quote it (its own can quote
+    the password: one holding / # ? or @ ends the host part early)."""
+    try:
+        port = urlsplit(url).port
+        parse_redis_url(url)
+    except ValueError:
+        scheme = url.partition("://")[0].lower()
+        if scheme not in ("redis", "rediss", "unix"):
+            return "it does not start with redis://, rediss:// or unix://"
+        return (
+            "it cannot be read as one (its port must be a number from 1 to 65535, and a "
+            "password holding / # ? or @ must be percent-encoded)"
+        )
+    return "its port is 0" if port == 0 else None
+
+
+def _redis_setting(name: str, default: str) -> str:
+    """A Redis URL checked now: a typo was found only by the first dispatch, and a
+    ``tasks start`` then left its task unsent while exiting 0."""
+    url = env_text(name, default)
+    scheme = url.partition("://")[0].lower()
+    if name == "CELERY_BROKER_URL" and scheme not in ("redis", "rediss", "unix"):
+        return url  # another broker (Celery speaks several): Celery reads it
+    problem = _redis_url_problem(url)
+    if problem:
+        raise ImproperlyConfigured(
+            f"{name} must be a Redis URL, but {problem}; the value is not shown, as it may "
+            "hold a password."
+        )
+    return url
+
+
+REDIS_URL = _redis_setting("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 CHANNEL_LAYERS = {
     "default": {
@@ -302,7 +345,7 @@ CHANNEL_LAYERS = {
     }
 }
 
-CELERY_BROKER_URL = env_text("CELERY_BROKER_URL", REDIS_URL)
+CELERY_BROKER_URL = _redis_setting("CELERY_BROKER_URL", REDIS_URL)
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
@@ -393,14 +436,18 @@ def _proxy_ssl_header() -> tuple[str, str] | None:
 
 
 SECURE_PROXY_SSL_HEADER = _proxy_ssl_header()
+# Read in every mode, used in production only: a typo is found before the day it matters.
+_hsts_seconds = env_int("SECURE_HSTS_SECONDS", 365 * 24 * 3600, minimum=0)
+_hsts_subdomains = env_flag("SECURE_HSTS_INCLUDE_SUBDOMAINS")
+_ssl_redirect = env_flag("SECURE_SSL_REDIRECT")
 if PRODUCTION:
     SESSION_COOKIE_SECURE = True
     CSRF_COOKIE_SECURE = True
     # Browsers remember to use https only; the proxy in front terminates TLS (and usually
     # redirects http), so the redirect here is off unless asked for.
-    SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 365 * 24 * 3600, minimum=0)
-    SECURE_HSTS_INCLUDE_SUBDOMAINS = env_flag("SECURE_HSTS_INCLUDE_SUBDOMAINS")
-    SECURE_SSL_REDIRECT = env_flag("SECURE_SSL_REDIRECT")
+    SECURE_HSTS_SECONDS = _hsts_seconds
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = _hsts_subdomains
+    SECURE_SSL_REDIRECT = _ssl_redirect
 
 FIELD_ENCRYPTION_KEY = os.environ.get("FIELD_ENCRYPTION_KEY", "").strip()
 if FIELD_ENCRYPTION_KEY:
@@ -421,7 +468,7 @@ FIELD_ENCRYPTION_OLD_KEYS = env_list("FIELD_ENCRYPTION_OLD_KEYS", [])
 LOG_FORMAT = os.environ.get("LOG_FORMAT", "text").strip().lower() or "text"
 if LOG_FORMAT not in FORMATS:
     raise ImproperlyConfigured(
-        f"LOG_FORMAT must be one of {', '.join(FORMATS)}, not {LOG_FORMAT!r}."
+        f"LOG_FORMAT must be one of {', '.join(FORMATS)}, not {_shown(LOG_FORMAT)}."
     )
 # Checked here: logging would otherwise fail later with "Unable to configure root logger".
 _log_level = os.environ.get("LOG_LEVEL", "").strip()
@@ -521,7 +568,23 @@ A2A_SEND_DEADLINE_SECONDS = env_duration("A2A_SEND_DEADLINE_SECONDS", 600)
 # The outbound (SSRF) guard: non-public addresses every server-side fetch may reach, as
 # CIDRs and host names (comma-separated). Empty: public addresses only. Link-local and
 # cloud-metadata addresses are refused whatever it says. See tasks_app/a2a/guard.py.
-OUTBOUND_ALLOW = env_list("OUTBOUND_ALLOW", [])
+
+
+def _outbound_allow() -> list[str]:
+    """Checked now with the guard's own rule: a typo was found at the first fetch, as a
+    traceback in that request, worker or ``manage.py a2a``."""
+    entries = env_list("OUTBOUND_ALLOW", [])
+    # Imported here: the guard (pure Python, nothing from Django) is needed only when set.
+    from tasks_app.a2a.guard import Policy
+
+    try:
+        Policy.from_entries(entries)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"OUTBOUND_ALLOW: {exc}.") from None
+    return entries
+
+
+OUTBOUND_ALLOW = _outbound_allow()
 
 # Import (ListTasks) jobs: at most this many pages, and this long in all.
 IMPORT_MAX_PAGES = env_int("IMPORT_MAX_PAGES", 200, minimum=1)
@@ -530,10 +593,50 @@ IMPORT_DEADLINE_SECONDS = env_duration("IMPORT_DEADLINE_SECONDS", 600)
 # How much of an artifact the task page shows inline; the rest is a download.
 ARTIFACT_PREVIEW_BYTES = env_int("ARTIFACT_PREVIEW_BYTES", 64 * 1024, minimum=1)
 
+
+def _http_url_problem(url: str) -> str | None:
+    """What keeps ``url`` from being an http(s) URL with a host and a valid port, in words
+    that never quote it; None when nothing does."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # e.g. an IPv6 address without its closing "]"
+        return "it cannot be read as a URL"
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or past 65535
+        port = 0
+    if parts.scheme not in ("http", "https"):
+        return "its scheme is not http or https"
+    if not parts.hostname:
+        return "it has no host"
+    if port == 0:
+        return "its port is not a number from 1 to 65535"
+    return None
+
+
 # Push notifications (tasks_app/services/push.py, tasks_app/webhooks.py).
 # The dashboard's externally reachable base URL; without it push is not offered (agents
 # need somewhere to deliver). ``manage.py up --demo`` sets it to the local address.
-PUBLIC_URL = os.environ.get("PUBLIC_URL", "").strip().rstrip("/")
+
+
+def _public_url() -> str:
+    """PUBLIC_URL, checked now: agents were handed ``<it>/push/<id>/`` whatever it was (a
+    query or fragment swallows that path), and the push failed at the agent, unexplained."""
+    url = os.environ.get("PUBLIC_URL", "").strip().rstrip("/")
+    if not url:
+        return ""
+    wrong = _http_url_problem(url)
+    if wrong is None and ("?" in url or "#" in url):
+        wrong = "it has a query or fragment"
+    if wrong is not None:
+        raise ImproperlyConfigured(
+            "PUBLIC_URL must be the dashboard's http:// or https:// base URL with a host, a "
+            f"valid port and no query, but {wrong} (the value is not shown: it may hold a secret)."
+        )
+    return url
+
+
+PUBLIC_URL = _public_url()
 # A webhook body larger than this is refused (413) before it is parsed.
 PUSH_MAX_BODY_BYTES = env_int("PUSH_MAX_BODY_BYTES", 1024 * 1024, minimum=1)
 # Bytes of notifications waiting in Redis to be recorded; past it the webhook answers 503
@@ -587,23 +690,9 @@ def _webhook_url() -> str:
     url = os.environ.get("ALERT_WEBHOOK_URL", "").strip()
     if not url:
         return ""
-    try:
-        parts = urlsplit(url)
-    except ValueError:  # e.g. an IPv6 address without its closing "]"
-        wrong = "it cannot be read as a URL"
-    else:
-        try:
-            port = parts.port
-        except ValueError:  # not a number, or past 65535
-            port = 0
-        if parts.scheme not in ("http", "https"):
-            wrong = "its scheme is not http or https"
-        elif not parts.hostname:
-            wrong = "it has no host"
-        elif port == 0:
-            wrong = "its port is not a number from 1 to 65535"
-        else:
-            return url
+    wrong = _http_url_problem(url)
+    if wrong is None:
+        return url
     raise ImproperlyConfigured(
         "ALERT_WEBHOOK_URL must be an http:// or https:// URL with a host and a valid port, "
         f"but {wrong} (the value is not shown: it may hold a secret)."
@@ -625,4 +714,10 @@ EMAIL_HOST_USER = os.environ.get("EMAIL_HOST_USER", "")
 EMAIL_HOST_PASSWORD = os.environ.get("EMAIL_HOST_PASSWORD", "")
 EMAIL_USE_TLS = env_flag("EMAIL_USE_TLS")
 EMAIL_USE_SSL = env_flag("EMAIL_USE_SSL")
+if EMAIL_USE_TLS and EMAIL_USE_SSL:
+    # Django refuses the pair only when a mail is sent: at the first alert, not at start.
+    raise ImproperlyConfigured(
+        "EMAIL_USE_TLS and EMAIL_USE_SSL cannot both be on: TLS upgrades a plain connection "
+        "(STARTTLS, usually port 587), SSL is encrypted from the start (usually 465); set one."
+    )
 DEFAULT_FROM_EMAIL = env_text("DEFAULT_FROM_EMAIL", "a2a-dashboard@localhost")

@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from tasks_app import outbound
 from tasks_app.a2a import (
@@ -46,6 +48,7 @@ from tasks_app.a2a import (
     validate_card,
 )
 from tasks_app.management.arguments import float_between, int_between
+from tasks_app.management.commands._stopping import StoppableCommand
 from tasks_app.management.commands.agents import read_secret
 from tasks_app.services.agents import header_safe
 
@@ -65,9 +68,33 @@ def _state_arg(value: str) -> str:
     v = v if v.startswith("TASK_STATE_") else f"TASK_STATE_{v}"
     if v.removeprefix("TASK_STATE_") not in STATES:
         raise argparse.ArgumentTypeError(
-            f"unknown state {value!r} (one of {', '.join(s.lower() for s in STATES)})"
+            f"unknown state {value!r} (one of "
+            f"{', '.join(s.lower().replace('_', '-') for s in STATES)})"
         )
     return v
+
+
+def _url_problem(url: str) -> str | None:
+    """What is wrong with the URL argument, in words that never quote it (it may hold a
+    password); None when it can be tried. The scheme and the rest are the client's to judge."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:  # a port that is no number or past 65535, an unclosed "[", or a
+        # password holding / # or ?, which ends the host part early
+        return (
+            "The URL cannot be read: its port must be a number from 1 to 65535, and a "
+            "bracketed address closed (the value is not shown: it may hold a password)."
+        )
+    if parts.username is not None or parts.password is not None:
+        return (
+            "URL must not hold a user name or password: the command line shows in the process "
+            "list. Put the secret in a file and pass --token-file PATH or --api-key-file PATH "
+            "(or set A2A_TOKEN or A2A_API_KEY)."
+        )
+    if port == 0:
+        return "URL's port must be a number from 1 to 65535, not 0."
+    return None
 
 
 def _short_state(state: str | None) -> str:
@@ -94,7 +121,7 @@ def _parts(obj: dict[str, Any] | None) -> str:
     return " | ".join(_part_summary(p) for p in (obj or {}).get("parts") or [])
 
 
-class Command(BaseCommand):
+class Command(StoppableCommand):
     help = "Talk A2A 1.0 to an agent: card, send, get, list, cancel, subscribe."
     requires_system_checks: list[str] = []
     requires_migrations_checks = False
@@ -200,6 +227,10 @@ class Command(BaseCommand):
     stealth_options = ("stdin",)
 
     def handle(self, *args: Any, **options: Any) -> None:
+        problem = _url_problem(options["url"])
+        if problem:
+            # Checked first: the client's errors quote the URL, password and all.
+            raise CommandError(problem)
         options.update(self._secrets(options))
         try:
             asyncio.run(self._run(options))
@@ -324,8 +355,12 @@ class Command(BaseCommand):
         self._emit(ev.raw, self._event_line(ev), options)
 
     async def _stream(self, stream: Any, options: dict[str, Any]) -> None:
-        async for ev in stream:
-            self._emit(ev.raw, self._event_line(ev), options)
+        # Closed here when printing fails (a reader that left): left to asyncio.run's end,
+        # the open stream's generators logged "aclose(): asynchronous generator is already
+        # running" tracebacks.
+        async with contextlib.aclosing(stream):
+            async for ev in stream:
+                self._emit(ev.raw, self._event_line(ev), options)
 
     async def _get(self, client: A2AClient, options: dict[str, Any]) -> None:
         task = await client.get_task(

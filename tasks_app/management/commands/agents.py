@@ -15,8 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
+from tasks_app.management.commands._stopping import StoppableCommand
 from tasks_app.models import Agent, Project
 from tasks_app.services.agents import AgentError, add_agent, header_safe
 
@@ -59,7 +60,7 @@ def read_secret(source: str, option: str, stdin: TextIO) -> str:
     return secret
 
 
-class Command(BaseCommand):
+class Command(StoppableCommand):
     help = "Register and show A2A agents."
     stealth_options = ("stdin",)
 

@@ -17,16 +17,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.db.models import Q
 
 from tasks_app import actionlog, exports
 from tasks_app.a2a.safejson import whole_number
+from tasks_app.management.commands._stopping import StoppableCommand
 from tasks_app.models import Agent, Project, RemoteTask
 from tasks_app.services.audit import replay, verify
 
 
-class Command(BaseCommand):
+class Command(StoppableCommand):
     help = "Check the event log: the hash chain (verify) and that replaying it gives the view (replay)."
 
     def add_arguments(self, parser: CommandParser) -> None:

@@ -9,15 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib.auth import get_user_model
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.db import transaction
 
+from tasks_app.management.commands._stopping import StoppableCommand
 from tasks_app.models import Membership, OperatorAction, Project
 
 ROLES = [value for value, _ in Membership.Role.choices]
 
 
-class Command(BaseCommand):
+class Command(StoppableCommand):
     help = "Manage project members and their roles."
 
     def add_arguments(self, parser: CommandParser) -> None:

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from tasks_app import retention
 from tasks_app.management.arguments import int_between
+from tasks_app.management.commands._stopping import StoppableCommand
 
 MAX_DAYS = 36_525
 
@@ -32,7 +33,7 @@ def _days(text: str, source: str) -> float:
     return value
 
 
-class Command(BaseCommand):
+class Command(StoppableCommand):
     help = "Remove settled tasks older than a number of days (exported first with --export-to)."
 
     def add_arguments(self, parser: CommandParser) -> None:

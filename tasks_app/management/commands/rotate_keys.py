@@ -13,15 +13,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from tasks_app.crypto import UNREADABLE, SecretError, on_current_key, rotate
+from tasks_app.management.commands._stopping import StoppableCommand
 from tasks_app.models import Agent, OperatorAction, PushConfig
 
 ATTEMPTS = 3
 
 
-class Command(BaseCommand):
+class Command(StoppableCommand):
     help = "Re-encrypt every stored agent credential and push config secret with the current key."
 
     def handle(self, *args: Any, **options: Any) -> None:

@@ -6,10 +6,12 @@ import json
 import time
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
+from django.utils import timezone
 
 from tasks_app.a2a.safejson import whole_number
 from tasks_app.management.arguments import float_between, int_between
+from tasks_app.management.commands._stopping import StoppableCommand
 from tasks_app.models import Agent, ImportJob, RemoteTask
 from tasks_app.services import imports
 from tasks_app.services import tasks as task_services
@@ -39,7 +41,7 @@ def find_task(ref: str) -> RemoteTask:
     return task
 
 
-class Command(BaseCommand):
+class Command(StoppableCommand):
     help = "Start, import, show and act on mirrored A2A tasks."
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -86,6 +88,7 @@ class Command(BaseCommand):
     def do_start(self, options: dict) -> None:
         agent = find_agent(options["agent"])
         task = task_services.start_task(agent, options["text"], mode=options["mode"])
+        self.interrupted_note = f"task {task.pk} was started and goes on (tasks show {task.pk})."
         deadline = time.monotonic() + options["wait"]
         while time.monotonic() < deadline:
             task.refresh_from_db()
@@ -109,7 +112,20 @@ class Command(BaseCommand):
                     f"page {j.pages}: {j.seen} listed, {j.created} new, {j.changed} changed"
                 )
 
-        job = imports.run_job(job.pk, page_size=max(1, options["page_size"]), progress=progress)
+        try:
+            job = imports.run_job(job.pk, page_size=max(1, options["page_size"]), progress=progress)
+        except KeyboardInterrupt:
+            # run_job winds up only after an Exception: a job left "running" refused every
+            # import of this agent until it went stale (IMPORT_DEADLINE_SECONDS + a minute).
+            ImportJob.objects.filter(pk=job.pk, status__in=imports.ACTIVE).update(
+                status=ImportJob.Status.CANCELED,
+                error="Stopped by Ctrl-C on the command line.",
+                finished_at=timezone.now(),
+            )
+            self.interrupted_note = (
+                f"import job {job.pk} is canceled; the tasks it mirrored so far are kept."
+            )
+            raise
         if options["json"]:
             self.stdout.write(json.dumps(imports.job_document(job), indent=2))
         else:
