@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from django.core.management import CommandError, call_command
 
-from tasks_app.models import Agent, ImportJob, OperatorAction, Project
+from tasks_app.models import Agent, ImportJob, OperatorAction, Project, RemoteTask
 from tasks_app.runtime.net import free_port
 from tests.agents import AgentHandle
 from tests.infra import REPO_ROOT
@@ -255,16 +255,15 @@ def test_ctrl_c_during_an_import_leaves_no_running_job(monkeypatch) -> None:
         project=Project.objects.create(name="p"), name="a", base_url="http://127.0.0.1:9/"
     )
 
-    def interrupted(job_pk: int, **_: object) -> ImportJob:
-        assert imports.claim(job_pk)
+    def interrupted(walk: object) -> str:  # Ctrl-C in the middle of the walk of pages
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(imports, "run_job", interrupted)
+    monkeypatch.setattr(imports._Walk, "run", interrupted)
     with pytest.raises(KeyboardInterrupt):
         call_command("tasks", "import", str(agent.pk), stdout=io.StringIO())
     job = ImportJob.objects.get(agent=agent)
     assert job.status == ImportJob.Status.CANCELED
-    assert job.error == "Stopped by Ctrl-C on the command line." and job.finished_at
+    assert job.error == "The import was stopped (KeyboardInterrupt)." and job.finished_at
 
 
 @pytest.mark.django_db(transaction=True)
@@ -360,3 +359,14 @@ def test_a2a_subscribe_stopped_by_ctrl_c_says_one_line(agent: AgentHandle) -> No
         "Stopped by Ctrl-C; nothing was left half-written."
     ]
     call_command("a2a", "cancel", agent.base_url, task_id, stdout=io.StringIO())
+
+
+@pytest.mark.django_db
+def test_a_message_of_spaces_alone_is_refused() -> None:
+    """``tasks start AGENT "   "`` started a task with an empty-looking message ("" was refused)."""
+    agent = Agent.objects.create(
+        project=Project.objects.create(name="p"), name="a", base_url="http://127.0.0.1:9/"
+    )
+    with pytest.raises(CommandError, match="needs text, data or a file"):
+        call_command("tasks", "start", str(agent.pk), " \n\t ", stdout=io.StringIO())
+    assert not RemoteTask.objects.exists()

@@ -207,6 +207,12 @@ def run_job(
         error = (
             f"The import stopped on an internal error ({type(exc).__name__}); see the worker log."
         )
+    except BaseException as exc:
+        # Ctrl-C on the command line, a worker's process stopping: a job left "running"
+        # refused every import of this agent until it went stale (IMPORT_DEADLINE_SECONDS
+        # and a minute). What was mirrored so far is kept.
+        _finish(job_pk, Status.CANCELED, f"The import was stopped ({type(exc).__name__}).")
+        raise
     # The job's end and its audit entry in one transaction: nobody sees an ended import
     # without its entry (a page, a test), and a crash between them cannot lose the entry.
     with transaction.atomic():

@@ -97,7 +97,8 @@ def start_task(
     context finds the task the agent created, instead of a blind second send.
     """
     require(actor_id, agent.project_id, Perm.OPERATE)
-    if not (text or data is not None or files):
+    if not ((text and text.strip()) or data is not None or files):
+        # Spaces alone are no text (the form strips them; the command line did not).
         raise TaskActionError("A message needs text, data or a file.")
     if not agent.interface_url:
         raise TaskActionError(f"{agent.name} has no usable interface; refresh its card.")

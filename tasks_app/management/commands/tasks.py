@@ -7,7 +7,6 @@ import time
 from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
-from django.utils import timezone
 
 from tasks_app.a2a.safejson import whole_number
 from tasks_app.management.arguments import float_between, int_between
@@ -114,14 +113,7 @@ class Command(StoppableCommand):
 
         try:
             job = imports.run_job(job.pk, page_size=max(1, options["page_size"]), progress=progress)
-        except KeyboardInterrupt:
-            # run_job winds up only after an Exception: a job left "running" refused every
-            # import of this agent until it went stale (IMPORT_DEADLINE_SECONDS + a minute).
-            ImportJob.objects.filter(pk=job.pk, status__in=imports.ACTIVE).update(
-                status=ImportJob.Status.CANCELED,
-                error="Stopped by Ctrl-C on the command line.",
-                finished_at=timezone.now(),
-            )
+        except KeyboardInterrupt:  # run_job marked the job canceled
             self.interrupted_note = (
                 f"import job {job.pk} is canceled; the tasks it mirrored so far are kept."
             )
