@@ -831,6 +831,29 @@ def _act(
     return _back_to_task(task)
 
 
+# The page offers these actions only in some states (``_watch_actions``); the server takes
+# no more than the page offers. A crafted POST for a hidden one (abandoning an ended task,
+# refreshing or canceling a plain message reply) is refused here, before the service writes
+# a log entry or an operator-action row for an action that cannot happen.
+NOT_OFFERED = {
+    "can_cancel": "This task cannot be canceled: it has ended, was abandoned, or has no task "
+    "at the agent.",
+    "can_refresh": "There is nothing to refresh: this exchange has no task at the agent.",
+    "can_abandon": "Only an unfinished task can be abandoned.",
+}
+
+
+def _offered(request: HttpRequest, task: RemoteTask, action: str) -> bool:
+    """Whether the task page offers ``action`` now; if not, say so (nothing is recorded)."""
+    if _watch_actions(task)[action]:
+        return True
+    if action == "can_abandon" and task.abandoned_at is not None:
+        messages.error(request, "This task was abandoned already.")
+    else:
+        messages.error(request, NOT_OFFERED[action])
+    return False
+
+
 def _reason(request: HttpRequest) -> str | None:
     """The optional reason a cancel or abandon form carries; None (and a message) when invalid."""
     form = CancelForm(request.POST)
@@ -845,7 +868,7 @@ def _reason(request: HttpRequest) -> str | None:
 def task_cancel(request: HttpRequest, pk: int) -> HttpResponse:
     task = get_task_for_user(request, pk, Perm.OPERATE)
     reason = _reason(request)
-    if reason is None:
+    if reason is None or not _offered(request, task, "can_cancel"):
         return _back_to_task(task)
     return _act(
         request,
@@ -859,6 +882,8 @@ def task_cancel(request: HttpRequest, pk: int) -> HttpResponse:
 @require_POST
 def task_refresh(request: HttpRequest, pk: int) -> HttpResponse:
     task = get_task_for_user(request, pk, Perm.OPERATE)
+    if not _offered(request, task, "can_refresh"):
+        return _back_to_task(task)
     return _act(
         request,
         task,
@@ -872,7 +897,7 @@ def task_refresh(request: HttpRequest, pk: int) -> HttpResponse:
 def task_abandon(request: HttpRequest, pk: int) -> HttpResponse:
     task = get_task_for_user(request, pk, Perm.OPERATE)
     reason = _reason(request)
-    if reason is None:
+    if reason is None or not _offered(request, task, "can_abandon"):
         return _back_to_task(task)
     who = request.user.get_username()
     return _act(

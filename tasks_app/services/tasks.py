@@ -585,6 +585,16 @@ def watch_again(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask:
     return task
 
 
+def unfinished() -> Q:
+    """Tasks an operator can still act on as running: not ended, not a plain message reply.
+
+    The page offers abandon and the switch of watch only for these (``views._watch_actions``);
+    checked again in the compare-and-set, so a task that ends between the page's look and
+    the write is not abandoned or switched after its end, with entries for both.
+    """
+    return ~Q(state__in=TERMINAL_STATES) & ~Q(phase=RemoteTask.Phase.MESSAGE)
+
+
 def switch_watch(task: RemoteTask, watch: str, *, actor_id: int | None = None) -> RemoteTask:
     """An operator switches a task followed by push (or anything else) to streaming or polling.
 
@@ -599,13 +609,15 @@ def switch_watch(task: RemoteTask, watch: str, *, actor_id: int | None = None) -
         raise TaskActionError(f"{task.agent.name} does not declare streaming; choose polling.")
     with transaction.atomic():
         won = (
-            RemoteTask.objects.filter(pk=task.pk, abandoned_at__isnull=True, gone_at__isnull=True)
+            RemoteTask.objects.filter(
+                unfinished(), pk=task.pk, abandoned_at__isnull=True, gone_at__isnull=True
+            )
             .exclude(watch=watch)
             .update(watch=watch)
         )
         if not won:
             raise TaskActionError(
-                "This task is followed that way already, or is not watched any more."
+                "This task is followed that way already, has ended, or is not watched any more."
             )
         RemoteTask.objects.filter(pk=task.pk, lease_token="").exclude(
             watcher_status=RemoteTask.WatcherStatus.PARKED
@@ -645,7 +657,7 @@ def abandon_task(
     now = timezone.now()
     who = actor_name or "an operator"
     with transaction.atomic():
-        won = RemoteTask.objects.filter(pk=task.pk, abandoned_at__isnull=True).update(
+        won = RemoteTask.objects.filter(unfinished(), pk=task.pk, abandoned_at__isnull=True).update(
             abandoned_at=now,
             outbox=None,
             lease_token="",
@@ -657,7 +669,9 @@ def abandon_task(
             watcher_since=now,
         )
         if not won:
-            raise TaskActionError("This task was abandoned already.")
+            if RemoteTask.objects.filter(pk=task.pk, abandoned_at__isnull=False).exists():
+                raise TaskActionError("This task was abandoned already.")
+            raise TaskActionError("Only an unfinished task can be abandoned.")
         OperatorAction.objects.create(
             task=task,
             agent=task.agent,
