@@ -28,10 +28,13 @@
 
 ``ws/tasks/`` forwards ``tasks.changed`` summaries as ``{"type": "task", ...}``,
 and answers ``{"type": "sync", "since": ISO}`` with the summaries changed since
-then and ``{"type": "version", "version": ISO}`` (see ``TaskListConsumer``).
+then and ``{"type": "version", "version": ISO}``; an answer cut at its limit says
+``"more": PK``, and the browser asks for the rest with ``{"type": "sync", "since":
+that version, "after": PK}`` (see ``TaskListConsumer``).
 
 Both reject anonymous users (close code 4401) before accepting, and both join the
-person's group ``person-<id>``: told that the person's access changed
+person's group ``person-<id>`` before they read what the person may see: told that the
+person's access changed
 (``tasks_app.access_changes``), a socket checks again and closes (4401 for a person
 made inactive, 4404 for a task no longer readable) or, for the list, follows the
 readable agents as they now are.
@@ -57,6 +60,7 @@ from urllib.parse import parse_qs
 from autobahn.exception import Disconnected
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer, AsyncWebsocketConsumer
+from django.db.models import Q
 
 from tasks_app import access
 from tasks_app.models import RemoteTask, TaskEvent
@@ -271,12 +275,14 @@ class TaskConsumer(_ResyncingConsumer):
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return
         self.task_pk = int(self.scope["url_route"]["kwargs"]["task_id"])
+        # Join first: whatever is appended from now on is queued for us, and so is the news
+        # of a change of access committed after the check below (checked first, that news
+        # went to a group the socket was not in yet, and it read on until its recheck).
+        await self.join(task_group(self.task_pk), person_group(self.scope["user"].pk))
         # Not found and not readable look the same: another project's tasks are not revealed.
         if not await _task_readable(self.scope["user"], self.task_pk):
             await self.close(code=CLOSE_NOT_FOUND)
             return
-        # Join first: whatever is appended from now on is queued for us.
-        await self.join(task_group(self.task_pk), person_group(self.scope["user"].pk))
         await self.accept()
         after = self._after_from_query()
         if after is not None:
@@ -350,6 +356,10 @@ class TaskConsumer(_ResyncingConsumer):
                 await self.send_json(row)
                 self.last_sent = row["seq"]
             if len(rows) < BATCH:
+                return
+            # A long log is many reads in one handler: access due a check is checked before
+            # each further read, as before any other send.
+            if not await self.may_go_on():
                 return
 
     # Group messages ------------------------------------------------------------------------
@@ -426,10 +436,13 @@ def _parse_version(value: Any) -> datetime | None:
 
 @database_sync_to_async
 def _changed_since(
-    agent_ids: set[int] | None, since: datetime | None
-) -> tuple[list[dict[str, Any]], datetime | None]:
-    """Summaries of the readable tasks changed since ``since`` (with the overlap), newest
-    first, and the newest ``updated_at`` among them; one query on the ``updated_at`` index."""
+    agent_ids: set[int] | None, since: datetime | None, after: int | None = None
+) -> tuple[list[dict[str, Any]], datetime | None, int | None]:
+    """Summaries of the readable tasks changed since ``since`` (with the overlap), oldest
+    first, the ``updated_at`` of the last one, and, when more changed than one answer holds,
+    the pk of the last one (where the next answer goes on); one query on the ``updated_at``
+    index. With ``after`` it is such a next answer: the tasks after ``(since, after)`` in
+    that order, without the overlap (the first answer had it)."""
     tasks = (
         RemoteTask.objects.all()
         if agent_ids is None
@@ -437,7 +450,7 @@ def _changed_since(
     )
     if since is None:
         newest = tasks.order_by("-updated_at").values_list("updated_at", flat=True).first()
-        return [], newest
+        return [], newest, None
     fields = (
         "agent",
         "remote_id",
@@ -449,9 +462,18 @@ def _changed_since(
         "watcher_status",
         "updated_at",
     )
-    changed = tasks.filter(updated_at__gte=since - LIST_OVERLAP).only(*fields)
-    tasks = list(changed.order_by("-updated_at", "-pk")[:LIST_SYNC_LIMIT])
-    return [task_summary(t) for t in tasks], (tasks[0].updated_at if tasks else None)
+    if after is None:
+        changed = tasks.filter(updated_at__gte=since - LIST_OVERLAP)
+    else:
+        changed = tasks.filter(updated_at__gte=since).filter(
+            Q(updated_at__gt=since) | Q(pk__gt=after)
+        )
+    # Oldest first, cut at the limit: newest first, the answer's version jumped past the
+    # older changes it left out, and no later sync asked for them again.
+    rows = list(changed.only(*fields).order_by("updated_at", "pk")[: LIST_SYNC_LIMIT + 1])
+    more = rows[LIST_SYNC_LIMIT - 1].pk if len(rows) > LIST_SYNC_LIMIT else None
+    rows = rows[:LIST_SYNC_LIMIT]
+    return [task_summary(t) for t in rows], (rows[-1].updated_at if rows else None), more
 
 
 class TaskListConsumer(_ResyncingConsumer):
@@ -463,7 +485,11 @@ class TaskListConsumer(_ResyncingConsumer):
     after the version the browser held when the loss happened. A ``sync`` with
     ``since`` answers the summaries of the tasks changed from ``since`` minus
     ``LIST_OVERLAP`` (one range query on the ``updated_at`` index, bounded by
-    ``LIST_SYNC_LIMIT``), then the new version. The overlap is there because
+    ``LIST_SYNC_LIMIT``, oldest first), then the new version. An answer cut at the
+    limit says ``more`` (the last task's pk) with the last task's ``updated_at`` as its
+    version, and the browser asks at once for the tasks after that pair (without the
+    overlap), until an answer is not cut: a page back after an outage in which more
+    tasks changed gets all of them, not only the newest. The overlap is there because
     ``updated_at`` is taken before commit: a transaction that took its time
     earlier but committed after a newer one (or on a clock a little behind)
     must still be seen. Repeats are
@@ -484,9 +510,10 @@ class TaskListConsumer(_ResyncingConsumer):
         if not _authenticated(self.scope):
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return
-        self.agent_ids = await _readable_agent_ids(self.scope["user"])
         self.unreadable = set()
+        # Joined before the read, as the task socket: a change of access after it is told.
         await self.join(LIST_GROUP, person_group(self.scope["user"].pk))
+        self.agent_ids = await _readable_agent_ids(self.scope["user"])
         await self.accept()
 
     async def access_changed(self, message: dict[str, Any]) -> None:
@@ -516,9 +543,16 @@ class TaskListConsumer(_ResyncingConsumer):
             if self.joined:
                 await _join(self, *self.joined)
             since = _parse_version(content.get("since"))
-            summaries, newest = await _changed_since(self.agent_ids, since)
+            after = _seq(content.get("after")) or None  # malformed: a sync from ``since``
+            summaries, newest, more = await _changed_since(self.agent_ids, since, after)
             for summary in summaries:
                 await self.send_json({**summary, "type": "task", "resync": True})
+            if more is not None:  # the rest from the last one sent, asked for at once
+                assert newest is not None
+                await self.send_json(
+                    {"type": "version", "version": newest.isoformat(), "more": more}
+                )
+                return
             version = max((v for v in (since, newest) if v is not None), default=None)
             await self.send_json(
                 {"type": "version", "version": version.isoformat() if version else None}

@@ -36,6 +36,12 @@ SUMMARIES_EVERY = 0.2
 ROWS_EVERY = 0.025
 # When the loop stops: how long what is still queued or held may take to go (see close()).
 CLOSE_SECONDS = 2.0
+# How long one group send (the loop's) or one publish's sends (the synchronous way) may
+# take before they count as failed. The layer's connections have no socket timeout (idle
+# consumers need that: dashboard/settings.py), so a Redis that takes connections and
+# answers nothing (paused, partitioned) held every later relay of a worker behind one
+# send, its queue growing, and a web request's relay after its commit, for ever.
+SEND_SECONDS = 5.0
 
 
 def task_group(task_pk: int) -> str:
@@ -175,7 +181,10 @@ class _LoopRelay:
         for message in pack(messages):
             try:
                 async with self.sending:
-                    await layer.group_send(group, message)  # type: ignore[attr-defined]
+                    await asyncio.wait_for(
+                        layer.group_send(group, message),  # type: ignore[attr-defined]
+                        SEND_SECONDS,
+                    )
             except Exception:  # a relay failure must not stop later messages
                 self._failed(group)
             else:
@@ -299,7 +308,10 @@ def publish(messages: Iterable[Message]) -> None:
                 await layer.group_send(group, message)
                 _observe(message)
 
+    async def send_all_in_time() -> None:
+        await asyncio.wait_for(send_all(), SEND_SECONDS)
+
     try:
-        async_to_sync(send_all)()
+        async_to_sync(send_all_in_time)()
     except Exception:  # the log is the truth; browsers catch up from it on reconnect
         log.exception("relay failed")

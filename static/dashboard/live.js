@@ -163,7 +163,8 @@
 
   /* The task-list socket with re-sync by version (see TaskListConsumer): the
    * newest updated_at known (the page's render time at first); after a
-   * (re)connect and when idle it asks for the tasks changed since then.
+   * (re)connect and when idle it asks for the tasks changed since then (an
+   * answer cut at its limit says "more": the rest is asked for at once).
    * onTask gets every task summary; version() says where the list stands. SocketClass:
    * a LiveSocket subclass, e.g. one that reports its status elsewhere (the inbox badge). */
   function taskListSocket(renderedAt, onTask, SocketClass = LiveSocket) {
@@ -174,7 +175,12 @@
       onOpen: sync,
       onIdle: sync,
       onMessage: (msg) => {
-        if (msg.type === "version") newer(msg.version);
+        if (msg.type === "version") {
+          newer(msg.version);
+          // More changed than one answer holds: the rest, at once, from where it stopped
+          // (the server's own version text: this page keeps only milliseconds).
+          if (msg.more) socket.send({ type: "sync", since: msg.version, after: msg.more });
+        }
         if (msg.type !== "task") return;
         newer(msg.updated_at);
         onTask(msg);

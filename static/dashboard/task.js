@@ -1,7 +1,8 @@
 /* The task page: follows the task's log over a websocket and redraws.
  *
  * - Events are applied once, in seq order (idempotent: an old seq is ignored;
- *   a skipped seq makes us reconnect and resume from the last one we have).
+ *   a skipped seq makes us reconnect and resume from the last one we have, unless
+ *   the server said first that the log itself has a hole there: "gap").
  * - When idle, the socket asks for rows after the last seq (a lost relay).
  * - Text chunks of an artifact are appended at once (textContent only) and the
  *   server's sanitized rendering of that artifact is fetched, throttled; the
@@ -27,6 +28,7 @@
     seqs: [],
     duplicates: 0,
     gaps: 0,
+    holes: 0, // holes in the log itself, announced by the server ("gap")
     synced: false,
     socket: null,
   };
@@ -257,7 +259,14 @@
     onIdle: () => state.socket.send({ type: "sync", after: state.lastSeq }),
     onMessage: (msg) => {
       if (msg.type === "event") apply(msg);
-      else if (msg.type === "synced") {
+      else if (msg.type === "gap") {
+        // The log itself has a hole there (the server says so and sends what follows):
+        // taken as it is, or every resume would meet it again and reconnect for ever.
+        if (msg.after === state.lastSeq && msg.next > state.lastSeq) {
+          state.lastSeq = msg.next - 1;
+          state.holes += 1;
+        }
+      } else if (msg.type === "synced") {
         if (!state.synced) { refresh(); document.dispatchEvent(new CustomEvent("task:synced")); }
         state.synced = true;
         state.socket.status("open", "up to date");
