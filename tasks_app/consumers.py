@@ -6,7 +6,9 @@
   and sends ``{"type": "resume", "after": N}``. Before a resume nothing is sent.
   A socket resumes once: a later ``resume`` is answered as a ``sync`` (the rows after
   the last one this socket sent), so a frame of a few bytes cannot ask for the whole
-  log again and again. An ``after`` beyond the log's end counts from its end.
+  log again and again. An ``after`` beyond the log's end counts from its end. One more
+  than ``RESUME_MAX_ROWS`` rows behind, the socket does not resume: it answers
+  ``{"type": "reload", "last_seq": N}`` and the page loads again.
 * The consumer joins the group ``task-<pk>`` *first* (live messages queue up
   behind the handler that runs), *then* reads the log rows with ``seq > after``
   and sends them in order as ``{"type": "event", ...}``, then
@@ -71,6 +73,12 @@ from tasks_app.services.snapshot import event_json
 log = logging.getLogger(__name__)
 
 BATCH = 500
+# A resume sends at most this many rows from the log. Further behind (a page left open
+# through a long outage, or a socket asking ``?after=0`` of a long log), the page is told
+# to load again (``reload``): it then shows the newest rows and resumes after them. One
+# frame could otherwise ask for a whole log (a task may hold 64 MiB of content) to be
+# queued in the server for a browser that need not read any of it.
+RESUME_MAX_ROWS = 2_000
 CLOSE_UNAUTHENTICATED = 4401
 CLOSE_NOT_FOUND = 4404
 # List re-sync: how far before the browser's version to look again, and at most how many rows.
@@ -311,10 +319,14 @@ class TaskConsumer(_ResyncingConsumer):
             await self.send_json({"type": "pong"})
 
     async def _resume(self, after: int) -> None:
-        if after > 0:
-            # Past the log's end (a stale page, or a page of a task whose number was used
-            # again) counts from the end: rows appended later must not be taken as sent.
-            after = min(after, await _last_seq(self.task_pk))
+        last = await _last_seq(self.task_pk)
+        # Past the log's end (a stale page, or a page of a task whose number was used
+        # again) counts from the end: rows appended later must not be taken as sent.
+        after = min(after, last)
+        if last - after > RESUME_MAX_ROWS:
+            # Not resumed: live rows are not forwarded, a later resume or sync asks again.
+            await self.send_json({"type": "reload", "last_seq": last})
+            return
         self.last_sent = after
         await self._send_from_log(upto=None)
         await self.send_json({"type": "synced", "last_seq": self.last_sent})

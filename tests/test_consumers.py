@@ -965,12 +965,12 @@ def leaving_after(sends: int):
 
 
 async def test_a_browser_that_leaves_during_a_long_resume_ends_the_socket_cleanly(task, user):
-    """The tab closed while its resume was sending 3,000 rows: the failed send ended the
+    """The tab closed while its resume was sending 1,500 rows: the failed send ended the
     consumer with "Exception inside application", and its groups kept the dead channel for
     a day (channels skips ``disconnect`` then). Now the sends stop and the groups are left."""
     import redis
 
-    await database_sync_to_async(write_many)(task.pk, 1, 3000)
+    await database_sync_to_async(write_many)(task.pk, 1, 1500)  # within RESUME_MAX_ROWS
     layer = get_channel_layer()
     members = redis.Redis.from_url(settings.REDIS_URL)
     key = f"{layer.prefix}:group:{task_group(task.pk)}"
@@ -982,3 +982,23 @@ async def test_a_browser_that_leaves_during_a_long_resume_ends_the_socket_cleanl
     assert await comm.receive_nothing(timeout=0.5)  # nothing more is sent, nothing raised
     await comm.disconnect()  # re-raises what the application raised
     assert members.zcard(key) == 0
+
+
+async def test_a_resume_too_far_behind_tells_the_page_to_load_again(task, user, monkeypatch):
+    """``?after=0`` of a long log queued the whole log in the server for a browser that need
+    not read it; a page that far behind loads again (the newest rows) instead."""
+    from tasks_app import consumers
+
+    monkeypatch.setattr(consumers, "RESUME_MAX_ROWS", 3)
+    for i in range(1, 6):
+        await database_sync_to_async(write)(task.pk, i)
+    comm = await communicator(f"/ws/tasks/{task.pk}/?after=1", user)
+    assert (await comm.connect())[0]
+    assert (await comm.receive_json_from(timeout=5)) == {"type": "reload", "last_seq": 5}
+    await database_sync_to_async(write)(task.pk, 6)
+    assert await comm.receive_nothing(timeout=0.5)  # not resumed: nothing live either
+    # Within reach (the page loaded again), the same socket resumes as any.
+    await comm.send_json_to({"type": "resume", "after": 3})
+    events, synced = await until_type(comm, "synced")
+    assert [m["seq"] for m in events] == [4, 5, 6] and synced["last_seq"] == 6
+    await comm.disconnect()

@@ -296,6 +296,10 @@ elif op == "flood":  # the others changed at one time, then the watched task end
         RemoteTask.objects.filter(pk__in=arg[1]).update(updated_at=timezone.now())
         record(arg[0], status("TASK_STATE_COMPLETED", "done"), "poll")
     print("null")
+elif op == "behind":  # arg[1] rows more, none relayed
+    with lost:
+        record_many(arg[0], [status("TASK_STATE_WORKING", f"more {i}") for i in range(arg[1])], "poll")
+    print("null")
 elif op == "hole":  # rows 2..4, none relayed, and row 2 gone from the log before anyone reads
     with lost, transaction.atomic():
         record_many(arg, [status("TASK_STATE_WORKING", f"step {i}") for i in (2, 3, 4)], "poll")
@@ -353,4 +357,23 @@ def test_a_hole_in_the_log_is_taken_as_the_server_says_not_reconnected_on_for_ev
     page.wait_for_function("() => window.__taskPage.lastSeq === 4", timeout=20_000)
     state = page.evaluate("({seqs: window.__taskPage.seqs, holes: window.__taskPage.holes})")
     assert state == {"seqs": [1, 3, 4], "holes": 1}
+    page.close()
+
+
+@in_browser
+def test_a_page_too_far_behind_loads_again_and_resumes_after_the_newest_rows(context, server):
+    """Away while more rows than one resume sends were appended: the server says ``reload``
+    (consumers.RESUME_MAX_ROWS) and the page loads again, then follows from the newest."""
+    pk, _ = write_on(server, "tasks", 0)
+    page = context.new_page()
+    page.goto(f"/tasks/{pk}/")
+    page.wait_for_function("() => window.__taskPage.synced && window.__taskPage.lastSeq === 1")
+    page.evaluate("() => { window.__before = true; window.__taskPage.dropSocket(3000); }")
+    write_on(server, "behind", [pk, consumers.RESUME_MAX_ROWS + 1])
+    last = consumers.RESUME_MAX_ROWS + 2
+    page.wait_for_function(
+        f"() => !window.__before && window.__taskPage && window.__taskPage.synced "
+        f"&& window.__taskPage.lastSeq === {last}",
+        timeout=30_000,
+    )
     page.close()

@@ -266,6 +266,11 @@
           state.lastSeq = msg.next - 1;
           state.holes += 1;
         }
+      } else if (msg.type === "reload") {
+        // Too far behind to catch up row by row (consumers.RESUME_MAX_ROWS): the page
+        // loads again, with the newest rows, and resumes after them.
+        state.reloading = true;
+        window.location.reload();
       } else if (msg.type === "synced") {
         if (!state.synced) { refresh(); document.dispatchEvent(new CustomEvent("task:synced")); }
         state.synced = true;
