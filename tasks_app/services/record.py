@@ -143,13 +143,27 @@ def parse_entry(obj: Any) -> Entry:
         entry.digest, entry.size = text_digest(text)
         entry.text = text
     else:
-        entry.digest, entry.size = content_digest(entry.raw)
+        try:
+            entry.digest, entry.size = content_digest(entry.raw)
+        except (RecursionError, ValueError, TypeError) as exc:
+            return _unwritable(exc)
     if replaced:
         note = (
             f"{replaced} character(s) no database can store (lone surrogates, NUL) replaced by "
             "U+FFFD, or surrogate halves joined"
         )
         entry.note = f"{entry.note}; {note}" if entry.note else note
+    return entry
+
+
+def _unwritable(exc: Exception) -> Entry:
+    """An object no JSON encoder writes, even cleaned: nested past the recursion limit, an
+    integer past Python's 4,300 digits, a value that is not JSON. Agents' JSON cannot be any
+    of these (``safejson.loads`` refuses them); an object built in-process can, and it is one
+    protocol-error row, not an exception out of ``record()``."""
+    message = f"an entry no JSON encoder can write ({type(exc).__name__}): not kept"
+    entry = _parse({"protocolError": {"message": message}})
+    entry.digest, entry.size = content_digest(entry.raw)
     return entry
 
 
@@ -631,13 +645,19 @@ class _Fold:
 
     # -- the fold of one entry
     def add(self, entry: Entry) -> None:
-        if entry.kind not in ("operator", "system", "gap") and not self._within_budget(entry):
+        counted = entry.kind not in ("operator", "system", "gap")
+        used, rows = self.get("stored_bytes"), len(self.rows)
+        if counted and not self._within_budget(entry):
             return
         handler = getattr(self, "_fold_" + entry.kind.replace("-", "_"), None)
         if handler is None:
             self.rows.append(_Row(entry, entry.kind, entry.note))
             return
         handler(entry)
+        if counted and len(self.rows) == rows:
+            # Nothing stored (the mirror held it already): nothing counted, so a duplicate
+            # costs the same in a batch as recorded on its own (where nothing is written).
+            self.set(stored_bytes=used)
 
     def _within_budget(self, entry: Entry) -> bool:
         """Count the agent's bytes; past the task's budget, one entry says so and the rest is dropped."""
@@ -852,10 +872,11 @@ class _Fold:
             return
         if self.channel not in HOLDER_CHANNELS and self._seen_chunk(entry.digest):
             return  # the same chunk, already taken from another channel (see _seen_chunk)
+        # Logged either way (taken, or refused after the end): in the log, as one by one.
+        self._digests.add(entry.digest)
         if self.get("state") in TERMINAL_STATES:
             self._after_end(entry, "an artifact update after the task ended")
             return
-        self._digests.add(entry.digest)
         self._adopt(update["taskId"], update.get("contextId"))
         data = update["artifact"]
         current = self.held_digest(data["artifactId"])
@@ -1004,7 +1025,7 @@ class _Fold:
         insert_rows(ArtifactPart, self._new_parts, batch_size=500)
         insert_rows(ConversationMessage, self._new_messages, batch_size=500)
         names = ["name", "description", "metadata", "extensions", "part_count",
-                 "digest", "complete", "updated_seq", "updated_at"]  # fmt: skip
+                 "digest", "complete", "position", "updated_seq", "updated_at"]  # fmt: skip
         if len(self._touched) == 1:
             # One artifact (a stream's usual batch): a plain UPDATE, not bulk_update's CASE per field.
             (artifact,) = self._touched.values()
@@ -1027,7 +1048,10 @@ class _Fold:
                 )
             )
         if row.kind == "task" and getattr(row, "replace_artifacts", False):
-            self._replace_all_artifacts(row.artifacts, seq, now)  # type: ignore[attr-defined]
+            artifacts = row.artifacts  # type: ignore[attr-defined]
+            self._replace_all_artifacts(
+                artifacts, seq, now, ended=row.state_after in TERMINAL_STATES
+            )
         elif row.kind == "artifactUpdate":
             update = row.entry.payload
             data = update["artifact"]
@@ -1037,7 +1061,11 @@ class _Fold:
                 artifact, data.get("parts") or [], seq, replace=not append, chained=row.chained
             )
 
-    def _replace_all_artifacts(self, artifacts: list[dict], seq: int, now: datetime) -> None:
+    def _replace_all_artifacts(
+        self, artifacts: list[dict], seq: int, now: datetime, *, ended: bool
+    ) -> None:
+        """Make the artifacts those of a snapshot; complete when the task had ended at its row
+        (``ended``: the row's own state, not the batch's last, so a batch folds as one by one)."""
         held = self.artifacts()
         gone = [aid for aid in held if aid not in {a["artifactId"] for a in artifacts}]
         if gone:
@@ -1048,13 +1076,17 @@ class _Fold:
             for aid in gone:
                 del held[aid]
                 self._touched.pop(aid, None)
-        complete = self.get("state") in TERMINAL_STATES
         for position, data in enumerate(artifacts):
             parts = data.get("parts") or []
             current = held.get(data["artifactId"])
             if current is not None and current.digest == chain_digest("", parts):
+                if current.position != position:
+                    # Kept, but in the snapshot's place: positions stay distinct (the view
+                    # is ordered by them) and follow the agent's order.
+                    current.position = position
+                    self._touched[current.artifact_id] = current
                 continue
-            artifact = self._put_artifact(data, seq, now, position=position, complete=complete)
+            artifact = self._put_artifact(data, seq, now, position=position, complete=ended)
             self._add_parts(artifact, parts, seq, replace=True)
 
     def _put_artifact(
@@ -1075,6 +1107,8 @@ class _Fold:
                 artifact_id=data["artifactId"],
                 position=len(held) if position is None else position,
             )
+        elif position is not None:
+            artifact.position = position
         artifact.name = str(data.get("name") or artifact.name)[:500]
         artifact.description = str(data.get("description") or artifact.description)
         if isinstance(data.get("metadata"), dict):
