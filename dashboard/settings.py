@@ -546,6 +546,9 @@ WATCH_MAX_FRUITLESS_TURNS = env_int("WATCH_MAX_FRUITLESS_TURNS", 8, minimum=1)
 # Per task: events recorded per second, bytes of agent content stored in all.
 BUDGET_TASK_EVENTS_PER_SECOND = env_number("BUDGET_TASK_EVENTS_PER_SECOND", 50)
 BUDGET_TASK_BYTES = env_int("BUDGET_TASK_BYTES", 64 * 1024 * 1024, minimum=1)
+# Artifacts one task may hold: within its bytes, a stream of chunks with fresh ids made
+# hundreds of thousands, and a snapshot's comparison reads them all.
+BUDGET_TASK_ARTIFACTS = env_int("BUDGET_TASK_ARTIFACTS", 1_000, minimum=1)
 # Per agent: protocol errors per minute before its tasks are parked.
 BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE = env_int(
     "BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE", 20, minimum=0

@@ -25,7 +25,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -557,6 +557,7 @@ class _Fold:
         gap_check: bool,
         fence: str | None,
         artifacts: dict[str, Artifact] | None = None,
+        whole: bool = False,
     ) -> None:
         self.task = task
         self.initial_state = task.state
@@ -566,6 +567,7 @@ class _Fold:
         self.over_budget = False
         # Read once per fold (settings are looked up on each access).
         self.budget = settings.BUDGET_TASK_BYTES
+        self.artifact_cap = settings.BUDGET_TASK_ARTIFACTS
         self.inline_limit = settings.INLINE_CONTENT_BYTES
         self._digests: set[str] = set()
         # Artifact digests as the entries folded so far leave them (None: removed), so
@@ -574,25 +576,80 @@ class _Fold:
         self._holders: dict[str, int | None] = {}
         self.changes: dict[str, Any] = {}
         self.rows: _Rows = _Rows(self)
-        self._artifacts = artifacts  # None: read when first needed
+        # The task's artifacts read so far, by id: all of them when ``_whole``, else those the
+        # batch names (``read_task``); ``_absent``: ids looked up and not held. A chunk reads
+        # only its own artifact: reading all of them for every batch made one chunk cost
+        # 264 ms on a task holding 10,000 (SQLite).
+        self._artifacts: dict[str, Artifact] = artifacts or {}
+        self._whole = whole
+        self._absent: set[str] = set()
+        # How many artifacts the task holds after the entries folded so far (None: not
+        # counted yet), against BUDGET_TASK_ARTIFACTS.
+        self._held_count: int | None = None
         self._message_ids: set[str] | None = None
         self._checked_ids: set[str] = set()
 
     # -- reads, cached for the fold
     def artifacts(self) -> dict[str, Artifact]:
-        if self._artifacts is None:
+        """Every artifact of the task (a snapshot compares them all; bounded by the cap)."""
+        if not self._whole:
             # Unordered: the models' default ordering by a relation costs more to compile than
-            # the query takes to run, and a dict needs no order.
-            held = Artifact.objects.filter(task_id=self.task.pk).order_by()
-            self._artifacts = {a.artifact_id: a for a in held}
+            # the query takes to run, and a dict needs no order. Instances read before are
+            # kept: the write may have changed them already.
+            for artifact in Artifact.objects.filter(task_id=self.task.pk).order_by():
+                self._artifacts.setdefault(artifact.artifact_id, artifact)
+            self._whole = True
         return self._artifacts
+
+    def artifact(self, artifact_id: str) -> Artifact | None:
+        """One artifact as the write has left it so far (None: not held)."""
+        found = self._artifacts.get(artifact_id)
+        if found is not None or self._whole or artifact_id in self._absent:
+            return found
+        found = Artifact.objects.filter(task_id=self.task.pk, artifact_id=artifact_id).first()
+        if found is None:
+            self._absent.add(artifact_id)
+        else:
+            self._artifacts[artifact_id] = found
+        return found
+
+    def not_held(self, named: set[str]) -> None:
+        """Of the ids read with the task (``read_task``), those it does not hold."""
+        self._absent.update(aid for aid in named if aid not in self._artifacts)
 
     def held_digest(self, artifact_id: str) -> str | None:
         """One artifact's digest after the entries folded so far (None: not held)."""
         if artifact_id in self._pending:
             return self._pending[artifact_id]
-        artifact = self.artifacts().get(artifact_id)
+        artifact = self.artifact(artifact_id)
         return artifact.digest if artifact is not None else None
+
+    def held_count(self) -> int:
+        """How many artifacts the task holds after the entries folded so far."""
+        if self._held_count is None:
+            if self._whole:
+                stored = len(self._artifacts)
+            else:
+                stored = Artifact.objects.filter(task_id=self.task.pk).count()
+            # Made or removed by the entries folded so far (a snapshot sets the count itself).
+            made = sum(
+                1
+                for aid, digest in self._pending.items()
+                if digest is not None and self.artifact(aid) is None
+            )
+            self._held_count = stored + made
+        return self._held_count
+
+    def _too_many_artifacts(self, entry: Entry, count: int) -> bool:
+        """Past BUDGET_TASK_ARTIFACTS: the entry is logged as a protocol error, not applied."""
+        if count <= self.artifact_cap:
+            return False
+        note = (
+            f"{count:,} artifacts; a task may hold at most {self.artifact_cap:,} "
+            "(BUDGET_TASK_ARTIFACTS): not applied"
+        )
+        self.rows.append(_Row(entry, "protocol-error", note, apply=False))
+        return True
 
     def held_digests(self) -> dict[str, str]:
         """Each artifact's digest after the entries folded so far (stored, then pending)."""
@@ -778,6 +835,8 @@ class _Fold:
             # Taken before the status held (a ListTasks page read while a stream went on):
             # applied, it rolled the task back and wrote a false gap entry.
             return
+        if not artifacts_same and self._too_many_artifacts(entry, len(wanted)):
+            return
         if self.gap_check and self.get("remote_id") and not (status_same and artifacts_same):
             missed = []
             if not status_same:
@@ -799,6 +858,7 @@ class _Fold:
         if not artifacts_same:
             self._pending.update(dict.fromkeys(held))
             self._pending.update(wanted)
+            self._held_count = len(wanted)
         row = _Row(entry, "task", asks=not status_same and status["state"] in INTERRUPTED_STATES)
         row.artifacts = artifacts  # type: ignore[attr-defined]
         row.replace_artifacts = not artifacts_same  # type: ignore[attr-defined]
@@ -877,9 +937,13 @@ class _Fold:
         if self.get("state") in TERMINAL_STATES:
             self._after_end(entry, "an artifact update after the task ended")
             return
-        self._adopt(update["taskId"], update.get("contextId"))
         data = update["artifact"]
         current = self.held_digest(data["artifactId"])
+        if current is None:  # a new artifact
+            if self._too_many_artifacts(entry, self.held_count() + 1):
+                return
+            self._held_count = self.held_count() + 1
+        self._adopt(update["taskId"], update.get("contextId"))
         append = bool(update.get("append")) and current is not None
         start = current if append else ""
         self._pending[data["artifactId"]] = digest = chain_digest(start, data.get("parts") or [])
@@ -1055,7 +1119,7 @@ class _Fold:
         elif row.kind == "artifactUpdate":
             update = row.entry.payload
             data = update["artifact"]
-            append = bool(update.get("append")) and data["artifactId"] in self.artifacts()
+            append = bool(update.get("append")) and self.artifact(data["artifactId"]) is not None
             artifact = self._put_artifact(data, seq, now, complete=bool(update.get("lastChunk")))
             self._add_parts(
                 artifact, data.get("parts") or [], seq, replace=not append, chained=row.chained
@@ -1099,13 +1163,12 @@ class _Fold:
         complete: bool = False,
     ) -> Artifact:
         """The artifact's row, updated in memory; a new one is inserted at once (parts need its pk)."""
-        held = self.artifacts()
-        artifact = held.get(data["artifactId"])
+        artifact = self.artifact(data["artifactId"])
         if artifact is None:
             artifact = Artifact(
                 task_id=self.task.pk,
                 artifact_id=data["artifactId"],
-                position=len(held) if position is None else position,
+                position=self._next_place() if position is None else position,
             )
         elif position is not None:
             artifact.position = position
@@ -1120,9 +1183,18 @@ class _Fold:
         artifact.updated_at = now
         if artifact.pk is None:
             artifact.save()
-        held[artifact.artifact_id] = artifact
+            self._absent.discard(artifact.artifact_id)
+        self._artifacts[artifact.artifact_id] = artifact
         self._touched[artifact.artifact_id] = artifact
         return artifact
+
+    def _next_place(self) -> int:
+        """A new artifact's place: after every one the task holds (places are 0 to n - 1)."""
+        if self._whole:
+            return len(self._artifacts)
+        # Those made earlier in this transaction included; one count per new artifact, which
+        # costs an INSERT of its own anyway.
+        return Artifact.objects.filter(task_id=self.task.pk).count()
 
     def _add_parts(
         self,
@@ -1290,10 +1362,11 @@ def _relaxed(channel: str) -> bool:
 
 
 def read_task(
-    task_pk: int, *, relax: bool = False, artifacts: bool = False
+    task_pk: int, *, relax: bool = False, artifacts: bool | Collection[str] = False
 ) -> tuple[RemoteTask | None, dict[str, Artifact] | None]:
     """The task's row as a fold starts from it (None: no such task), in the current
-    transaction, and with ``artifacts`` its artifacts by id (None: not read here).
+    transaction, and its artifacts by id (None: not read here): all of them with
+    ``artifacts=True``, or those of the ids given (a batch of chunks needs no others).
 
     The statements are compiled once per connection: a fast stream's batch is a dozen
     statements, and compiling ``get()`` and the artifacts' query each time was about
@@ -1304,20 +1377,27 @@ def read_task(
     reads = getattr(connection, "_dashboard_reads", None)
     if reads is None:
         reads = connection._dashboard_reads = _Reads(connection)  # type: ignore[attr-defined]
+    named = sorted(artifacts) if artifacts is not True and artifacts else []
+    artifacts_sql, artifacts_params = reads.artifacts.sql, [task_pk, *named]
+    if named:
+        artifacts_sql += f" AND {reads.artifact_id} IN ({', '.join(['%s'] * len(named))})"
+    artifacts = bool(artifacts)
     with connection.cursor() as cursor:
         if connection.vendor != "postgresql":
             cursor.execute(reads.task.sql, [task_pk])
             found = reads.task.rows(cursor)
             if artifacts and found:
-                cursor.execute(reads.artifacts.sql, [task_pk])
+                cursor.execute(artifacts_sql, artifacts_params)
         else:
             statements = [RELAX] if relax else []
             statements.append(reads.task.sql)
+            params = [task_pk]
             if artifacts:
-                statements.append(reads.artifacts.sql)
+                statements.append(artifacts_sql)
+                params += artifacts_params
             # Several statements with parameters in one execute: Django's default client-side
             # binding on psycopg 3 (a server-side-binding cursor would refuse it).
-            cursor.execute("; ".join(statements), [task_pk] * (1 + artifacts))
+            cursor.execute("; ".join(statements), params)
             if relax:
                 cursor.nextset()
             found = reads.task.rows(cursor)
@@ -1363,6 +1443,10 @@ class _Reads:
     def __init__(self, wrapper: Any) -> None:
         self.task = _Compiled(RemoteTask.objects.filter(pk=0).order_by(), wrapper)
         self.artifacts = _Compiled(Artifact.objects.filter(task_id=0).order_by(), wrapper)
+        # Ids are appended to its WHERE (see read_task): it must end there.
+        assert " ORDER BY " not in self.artifacts.sql and " LIMIT " not in self.artifacts.sql
+        quote = wrapper.ops.quote_name
+        self.artifact_id = f"{quote(Artifact._meta.db_table)}.{quote('artifact_id')}"
 
 
 def record(
@@ -1443,11 +1527,14 @@ def _record_once(
 ) -> Recorded | None:
     """One try: fold and append in one transaction; None when another writer won the race."""
     with transaction.atomic():
-        current, held = read_task(
-            task_pk,
-            relax=_relaxed(channel),
-            artifacts=any(entry.kind in ("artifactUpdate", "task") for entry in entries),
-        )
+        # A snapshot compares every artifact; chunks need only their own.
+        whole = any(entry.kind == "task" for entry in entries)
+        named = {
+            entry.payload["artifact"]["artifactId"]
+            for entry in entries
+            if entry.kind == "artifactUpdate"
+        }
+        current, held = read_task(task_pk, relax=_relaxed(channel), artifacts=whole or named)
         if current is None:
             raise RecordError(f"task {task_pk} does not exist")
         if fence is not None and current.lease_token != fence:
@@ -1457,7 +1544,10 @@ def _record_once(
             gap_check = channel == "resubscribe" or (
                 channel == "poll" and current.watch == RemoteTask.Watch.STREAM
             )
-        fold = _Fold(current, channel, gap_check=gap_check, fence=fence, artifacts=held)
+        fold = _Fold(
+            current, channel, gap_check=gap_check, fence=fence, artifacts=held, whole=whole
+        )
+        fold.not_held(named)
         fold.prefetch_messages(entries)
         for entry in entries:
             fold.add(entry)
