@@ -375,6 +375,21 @@ class ArtifactPart(models.Model):
         ]
 
 
+class ReplacedContent(models.Model):
+    """A big part content that log rows refer to (``record.by_reference``) and whose part row
+    an artifact's replacement deleted: kept here, so that every reference still resolves
+    (``audit replay``). Stored once per task and content; removed with the task."""
+
+    task = models.ForeignKey(RemoteTask, on_delete=models.CASCADE, related_name="replaced_contents")
+    sha256 = models.CharField(max_length=64)
+    content = models.TextField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["task", "sha256"], name="unique_replaced_content")
+        ]
+
+
 class ConversationMessage(models.Model):
     """Messages we sent and messages the agent sent (status messages, replies, history)."""
 

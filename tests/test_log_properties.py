@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from tasks_app.a2a import normalize, safejson
 from tasks_app.models import Agent, Artifact, ConversationMessage, RemoteTask
+from tasks_app.services import record as record_module
 from tasks_app.services.audit import replay, verify, view_of
 from tasks_app.services.record import record, record_many, settle
 from tasks_app.services.snapshot import task_view
@@ -369,6 +370,30 @@ def test_a_holder_stream_takes_every_chunk_it_brings(objs):
     assert len(log_rows(twice)) == 2 * len(log_rows(once))
     for artifact in mirror(twice)["artifacts"]:
         assert artifact[5] == len(artifact[9])  # part_count counts the part rows
+
+
+@pytest.mark.parametrize("how", ["one by one", "in one batch", "by a snapshot"])
+def test_content_stored_once_outlives_the_artifacts_replacement(how):
+    """A big chunk's log row keeps a reference to its part row; a later chunk that replaced the
+    artifact (or a snapshot without it) deleted that row, and the content the agent sent was
+    in the database no more: ``audit replay`` could not put it back."""
+    task = new_task()
+    big = chunk("a-1", ["x" * 10], append=False, last=False)
+    again = chunk("a-1", ["y"], append=False, last=False)
+    snapshot = {"task": {"id": "t-1", "contextId": "c-1", "status": {"state": "TASK_STATE_WORKING"},
+                         "artifacts": [{"artifactId": "a-2", "parts": [{"text": "z"}]}]}}  # fmt: skip
+    with override_settings(INLINE_CONTENT_BYTES=4):
+        if how == "in one batch":
+            record_many(task, [big, again], "stream")
+        else:
+            record(task, big, "stream")
+            record(task, again if how == "one by one" else snapshot, "poll")
+    first = task.events.get(seq=1).raw
+    assert "$stored" in json.dumps(first)  # stored by reference indeed
+    assert record_module.with_content(first, record_module.stored_contents(task.pk)) == big
+    with override_settings(INLINE_CONTENT_BYTES=4):
+        replayed = replay(task)
+    assert replayed.ok, str(replayed)
 
 
 # A settled task never changes ----------------------------------------------------------------

@@ -34,6 +34,7 @@ from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, connection, connections, models, transaction
 from django.db.models import Max
 from django.db.models.base import ModelState
+from django.db.models.functions import Cast, Length
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
@@ -47,6 +48,7 @@ from tasks_app.models import (
     ArtifactPart,
     ConversationMessage,
     RemoteTask,
+    ReplacedContent,
     TaskEvent,
 )
 from tasks_app.services import surfaces
@@ -499,7 +501,8 @@ def with_content(raw: Any, contents: dict[str, str]) -> Any:
 
 
 def stored_contents(task_pk: int) -> dict[str, str]:
-    """``{sha256: content}`` of the task's big part contents (what references point to)."""
+    """``{sha256: content}`` of the task's big part contents (what references point to),
+    in its part rows and kept from replaced ones."""
     limit = settings.INLINE_CONTENT_BYTES
     found: dict[str, str] = {}
     for part in (
@@ -512,6 +515,10 @@ def stored_contents(task_pk: int) -> dict[str, str]:
                 value = part.get(name)
                 if isinstance(value, str) and len(value) > limit:
                     found[_sha256(value)] = value
+    # Contents whose part rows an artifact's replacement deleted (see _Fold._keep_replaced).
+    replaced = ReplacedContent.objects.filter(task_id=task_pk).values_list("sha256", "content")
+    for digest, content in replaced.iterator():
+        found.setdefault(digest, content)
     return found
 
 
@@ -1076,9 +1083,18 @@ class _Fold:
         self._new_parts: list[ArtifactPart] = []
         self._new_messages: list[ConversationMessage] = []
         self._touched: dict[str, Artifact] = {}
+        self._replaced: dict[str, str] = {}
         for row, event in zip(self.rows, events, strict=True):
             if row.apply:
                 self._apply_row(row, event.seq, now)
+        if self._replaced:
+            ReplacedContent.objects.bulk_create(
+                [
+                    ReplacedContent(task_id=self.task.pk, sha256=digest, content=content)
+                    for digest, content in self._replaced.items()
+                ],
+                ignore_conflicts=True,  # the same content replaced before
+            )
         # A row that keeps its entry's raw as it came is written from the entry's canonical
         # text (parsing wrote it for the digest), not serialized a second time.
         texts = [
@@ -1134,6 +1150,7 @@ class _Fold:
         gone = [aid for aid in held if aid not in {a["artifactId"] for a in artifacts}]
         if gone:
             gone_pks = {held[aid].pk for aid in gone}
+            self._keep_replaced(gone_pks)
             Artifact.objects.filter(pk__in=gone_pks).delete()
             # Parts queued earlier in this batch for an artifact now removed are not written.
             self._new_parts = [p for p in self._new_parts if p.artifact_id not in gone_pks]
@@ -1188,6 +1205,25 @@ class _Fold:
         self._touched[artifact.artifact_id] = artifact
         return artifact
 
+    def _keep_replaced(self, artifact_pks: set[int]) -> None:
+        """Before these artifacts' part rows go: the big contents that log rows refer to
+        (``by_reference``), stored and queued in this batch alike, are kept apart
+        (``ReplacedContent``). The part row was their only copy."""
+        limit = self.inline_limit
+        stored = (
+            ArtifactPart.objects.filter(artifact_id__in=artifact_pks)
+            .annotate(size=Length(Cast("part", models.TextField())))
+            .filter(size__gt=limit)  # its JSON text is at least as long as any content in it
+            .values_list("part", flat=True)
+        )
+        queued = [p.part for p in self._new_parts if p.artifact_id in artifact_pks]
+        for part in [*stored, *queued]:
+            if isinstance(part, dict):
+                for name in ("text", "raw"):
+                    value = part.get(name)
+                    if isinstance(value, str) and len(value) > limit:
+                        self._replaced[_sha256(value)] = value
+
     def _next_place(self) -> int:
         """A new artifact's place: after every one the task holds (places are 0 to n - 1)."""
         if self._whole:
@@ -1206,6 +1242,8 @@ class _Fold:
         chained: tuple[str, str] | None = None,
     ) -> None:
         if replace:
+            if artifact.part_count:
+                self._keep_replaced({artifact.pk})
             ArtifactPart.objects.filter(artifact=artifact).delete()
             self._new_parts = [p for p in self._new_parts if p.artifact_id != artifact.pk]
             artifact.part_count, artifact.digest = 0, ""
