@@ -286,7 +286,8 @@ def status(state, text):
 
 lost = mock.patch("tasks_app.relay.publish", lambda messages: None)
 if op == "tasks":  # arg others, then the watched task (newest: first on the list)
-    agent = Agent.objects.create(name=f"live {arg}", base_url=f"http://127.0.0.1:1/lv{arg}/")
+    n = RemoteTask.objects.count()  # several tests share the server: an agent each
+    agent = Agent.objects.create(name=f"live {arg} {n}", base_url=f"http://127.0.0.1:1/lv{arg}-{n}/")
     others = RemoteTask.objects.bulk_create(RemoteTask(agent=agent, title=f"o{i}") for i in range(arg))
     task = RemoteTask.objects.create(agent=agent, title="watched")
     record(task.pk, {"task": {"id": "lv-1", "contextId": "lc-1", "status": {"state": "TASK_STATE_WORKING"}}}, "poll")

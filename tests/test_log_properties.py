@@ -396,6 +396,31 @@ def test_content_stored_once_outlives_the_artifacts_replacement(how):
     assert replayed.ok, str(replayed)
 
 
+def test_a_snapshot_read_before_the_last_chunks_does_not_drop_them():
+    """A ListTasks page (recorded on poll) read while the stream went on, between two chunks
+    of one status: the status timestamps are equal, so it was applied and c1 was lost (a gap
+    row said so); the next streamed append then landed after c0."""
+    task = new_task()
+    record(task, status("TASK_STATE_WORKING", ts="2026-01-01T00:00:01Z"), "stream")
+    record(task, chunk("a-1", ["c0"], append=False, last=False), "stream")
+    record(task, chunk("a-2", ["d0"], append=False, last=False), "stream")
+    record(task, chunk("a-1", ["c1"], append=True, last=False), "stream")
+    # Read before c1 and before a-2 was made: a-1 is only its beginning, a-2 is not there.
+    stale = snapshot("TASK_STATE_WORKING", {"a-1": ["c0"]}, [], None, "2026-01-01T00:00:01Z")
+    result = record(task, stale, "poll")
+    assert result.kinds == ["task"] and "older than the artifacts" in result.notes[0]
+    record(task, chunk("a-1", ["c2"], append=True, last=False), "stream")
+    task.refresh_from_db()
+    view = task_view(task)["artifacts"]
+    assert [[p["text"] for p in a["parts"]] for a in view] == [["c0", "c1", "c2"], ["d0"]]
+    assert not task.events.filter(kind="gap").exists()
+    # What the snapshot shows beyond the mirror (a chunk it lacks) is news, as before.
+    news = snapshot("TASK_STATE_WORKING", {"a-1": ["c0", "x"]}, [], None, "2026-01-01T00:00:01Z")
+    assert record(task, news, "poll").kinds == ["gap", "task"]  # not seen live: a gap
+    task.refresh_from_db()
+    assert [p["text"] for p in task_view(task)["artifacts"][0]["parts"]] == ["c0", "x"]
+
+
 # A settled task never changes ----------------------------------------------------------------
 
 

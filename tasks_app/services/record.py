@@ -580,6 +580,9 @@ class _Fold:
         # Artifact digests as the entries folded so far leave them (None: removed), so
         # that a batch folds exactly as the same entries recorded one by one.
         self._pending: dict[str, str | None] = {}
+        # And their parts, for a snapshot's comparison (``_parts_head``): the first n part rows
+        # stored, then these.
+        self._pending_parts: dict[str, tuple[int, list]] = {}
         self._holders: dict[str, int | None] = {}
         self.changes: dict[str, Any] = {}
         self.rows: _Rows = _Rows(self)
@@ -842,6 +845,19 @@ class _Fold:
             # Taken before the status held (a ListTasks page read while a stream went on):
             # applied, it rolled the task back and wrote a false gap entry.
             return
+        if (
+            status_same
+            and not artifacts_same
+            and not new_messages
+            and self.get("remote_id")
+            and self._behind_the_artifacts(artifacts, wanted)
+        ):
+            # Read before the stream's last chunks of the same status (a ListTasks page, a
+            # GetTask): applied, it dropped them, wrote a false gap entry, and the next
+            # streamed append landed on the shortened artifact.
+            note = "older than the artifacts already held; snapshot unchanged"
+            self.rows.append(_Row(entry, "task", note, apply=False))
+            return
         if not artifacts_same and self._too_many_artifacts(entry, len(wanted)):
             return
         if self.gap_check and self.get("remote_id") and not (status_same and artifacts_same):
@@ -866,12 +882,52 @@ class _Fold:
             self._pending.update(dict.fromkeys(held))
             self._pending.update(wanted)
             self._held_count = len(wanted)
+            self._pending_parts = {a["artifactId"]: (0, a.get("parts") or []) for a in artifacts}
         row = _Row(entry, "task", asks=not status_same and status["state"] in INTERRUPTED_STATES)
         row.artifacts = artifacts  # type: ignore[attr-defined]
         row.replace_artifacts = not artifacts_same  # type: ignore[attr-defined]
         row.messages = new_messages  # type: ignore[attr-defined]
         self.remember_messages(new_messages)
         self.rows.append(row)
+
+    def _behind_the_artifacts(self, artifacts: list[dict], wanted: dict[str, str]) -> bool:
+        """Whether a snapshot's artifacts are each one held or the beginning of one held.
+
+        Such a snapshot shows nothing the mirror lacks: it was read before chunks the
+        mirror has. Artifacts held and not in it may be newer than it; an artifact it has
+        and the mirror does not, or one that differs otherwise, makes it news.
+        """
+        held = self.held_digests()
+        for data in artifacts:
+            aid = data["artifactId"]
+            if aid not in held:
+                return False
+            if wanted[aid] == held[aid]:
+                continue
+            head = self._parts_head(aid, len(data.get("parts") or []))
+            if head is None or chain_digest("", head) != wanted[aid]:
+                return False
+        return True
+
+    def _parts_head(self, artifact_id: str, count: int) -> list | None:
+        """The first ``count`` parts of a held artifact after the entries folded so far
+        (None: it has no more than that)."""
+        stored = self.artifact(artifact_id)
+        stored_count, after = self._pending_parts.get(
+            artifact_id, (stored.part_count if stored is not None else 0, [])
+        )
+        if count >= stored_count + len(after):
+            return None
+        head: list = []
+        if stored is not None and stored_count and count:
+            head = list(
+                ArtifactPart.objects.filter(
+                    artifact_id=stored.pk, index__lt=min(count, stored_count)
+                )
+                .order_by("index")
+                .values_list("part", flat=True)
+            )
+        return head + after[: count - len(head)]
 
     def _status_same(self, status: dict, ts: datetime | None) -> bool:
         """Whether ``status`` (its timestamp ``ts``, see ``_timestamp``) is the one held."""
@@ -953,7 +1009,16 @@ class _Fold:
         self._adopt(update["taskId"], update.get("contextId"))
         append = bool(update.get("append")) and current is not None
         start = current if append else ""
-        self._pending[data["artifactId"]] = digest = chain_digest(start, data.get("parts") or [])
+        parts = data.get("parts") or []
+        self._pending[data["artifactId"]] = digest = chain_digest(start, parts)
+        if append:
+            held = self.artifact(data["artifactId"])
+            stored_count, after = self._pending_parts.get(
+                data["artifactId"], (held.part_count if held is not None else 0, [])
+            )
+            self._pending_parts[data["artifactId"]] = (stored_count, [*after, *parts])
+        else:
+            self._pending_parts[data["artifactId"]] = (0, list(parts))
         self.rows.append(_Row(entry, "artifactUpdate", chained=(start, digest)))
 
     def _seen_chunk(self, digest: str) -> bool:
