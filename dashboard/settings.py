@@ -513,6 +513,18 @@ WATCH_LEASE_SECONDS = env_duration("WATCH_LEASE_SECONDS", 4)
 WATCH_SLICE_SECONDS = env_duration("WATCH_SLICE_SECONDS", 300)
 WATCH_POLL_MIN_SECONDS = env_duration("WATCH_POLL_MIN_SECONDS", 1)
 WATCH_POLL_MAX_SECONDS = env_duration("WATCH_POLL_MAX_SECONDS", 30)
+
+
+def _ordered(low_name: str, low: float, high_name: str, high: float) -> None:
+    """A pair of bounds the wrong way round: the code clamped, so a typo went unseen."""
+    if low > high:
+        raise ImproperlyConfigured(
+            f"{low_name} ({low:g}) must not be more than {high_name} ({high:g})."
+        )
+
+
+_ordered("WATCH_POLL_MIN_SECONDS", WATCH_POLL_MIN_SECONDS, "WATCH_POLL_MAX_SECONDS",
+         WATCH_POLL_MAX_SECONDS)  # fmt: skip
 RECONCILE_EVERY_SECONDS = env_duration("RECONCILE_EVERY_SECONDS", 2)
 
 
@@ -534,6 +546,8 @@ RECONCILE_IN_WORKERS = env_flag("RECONCILE_IN_WORKERS", True)
 WATCH_STREAM_IDLE_SECONDS = env_duration("WATCH_STREAM_IDLE_SECONDS", 60)
 WATCH_BACKOFF_BASE_SECONDS = env_duration("WATCH_BACKOFF_BASE_SECONDS", 0.5)
 WATCH_BACKOFF_MAX_SECONDS = env_duration("WATCH_BACKOFF_MAX_SECONDS", 30)
+_ordered("WATCH_BACKOFF_BASE_SECONDS", WATCH_BACKOFF_BASE_SECONDS, "WATCH_BACKOFF_MAX_SECONDS",
+         WATCH_BACKOFF_MAX_SECONDS)  # fmt: skip
 WATCH_MAX_EVENT_BYTES = env_int("WATCH_MAX_EVENT_BYTES", 8 * 1024 * 1024, minimum=1)
 # Rows one entry may make: artifact parts and history messages, and artifacts (each costs
 # several statements). Bytes alone let one 8 MB event ask for millions of part rows.

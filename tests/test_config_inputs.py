@@ -370,3 +370,21 @@ def test_a_message_of_spaces_alone_is_refused() -> None:
     with pytest.raises(CommandError, match="needs text, data or a file"):
         call_command("tasks", "start", str(agent.pk), " \n\t ", stdout=io.StringIO())
     assert not RemoteTask.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("low", "high"),
+    [
+        ("WATCH_POLL_MIN_SECONDS", "WATCH_POLL_MAX_SECONDS"),
+        ("WATCH_BACKOFF_BASE_SECONDS", "WATCH_BACKOFF_MAX_SECONDS"),
+    ],
+)
+def test_bounds_the_wrong_way_round_stop_the_start(
+    child_env: ChildEnv, low: str, high: str
+) -> None:
+    """A minimum above its maximum was clamped in silence (polls every 30 s for a 40 s minimum)."""
+    result = manage(child_env, "check", **{low: "40", high: "30"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        f"Configuration error: {low} (40) must not be more than {high} (30)."
+    )
