@@ -421,6 +421,28 @@ def test_a_snapshot_read_before_the_last_chunks_does_not_drop_them():
     assert [p["text"] for p in task_view(task)["artifacts"][0]["parts"]] == ["c0", "x"]
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_chunk_a_getTask_already_showed_is_not_doubled(batched):
+    """The push drain reads GetTask once notifications pause; one the agent sent meanwhile is
+    recorded after it. The snapshot held c2 already, and the push appended it again."""
+    task = new_task(RemoteTask.Watch.POLL)
+    record(task, chunk("a-1", ["c0"], append=False, last=False), "push")
+    record(task, chunk("a-1", ["c1"], append=True, last=False), "push")
+    shown = snapshot("TASK_STATE_WORKING", {"a-1": ["c0", "c1", "c2"]}, [], None, None)
+    late = chunk("a-1", ["c2"], append=True, last=False)
+    if batched:
+        record_many(task, [shown, late], "poll")
+    else:
+        record(task, shown, "poll")
+        record(task, late, "push")
+    # A chunk the snapshot did not show is appended as ever.
+    record(task, chunk("a-1", ["c3"], append=True, last=False), "push")
+    task.refresh_from_db()
+    parts = [p["text"] for p in task_view(task)["artifacts"][0]["parts"]]
+    assert parts == ["c0", "c1", "c2", "c3"]
+    assert_sound(task)
+
+
 # A settled task never changes ----------------------------------------------------------------
 
 

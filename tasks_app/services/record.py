@@ -583,6 +583,9 @@ class _Fold:
         # And their parts, for a snapshot's comparison (``_parts_head``): the first n part rows
         # stored, then these.
         self._pending_parts: dict[str, tuple[int, list]] = {}
+        # Which kind of entry last set an artifact's content in this fold ("task" or
+        # "artifactUpdate"); for the others, the kind of the row at its ``updated_seq``.
+        self._set_by: dict[str, str] = {}
         self._holders: dict[str, int | None] = {}
         self.changes: dict[str, Any] = {}
         self.rows: _Rows = _Rows(self)
@@ -883,6 +886,12 @@ class _Fold:
             self._pending.update(wanted)
             self._held_count = len(wanted)
             self._pending_parts = {a["artifactId"]: (0, a.get("parts") or []) for a in artifacts}
+            # Rewritten by this snapshot (its row's seq becomes their updated_seq), or as before.
+            self._set_by = {
+                aid: "task" if wanted[aid] != held.get(aid) else self._set_by[aid]
+                for aid in wanted
+                if wanted[aid] != held.get(aid) or aid in self._set_by
+            }
         row = _Row(entry, "task", asks=not status_same and status["state"] in INTERRUPTED_STATES)
         row.artifacts = artifacts  # type: ignore[attr-defined]
         row.replace_artifacts = not artifacts_same  # type: ignore[attr-defined]
@@ -993,7 +1002,9 @@ class _Fold:
         update = entry.payload
         if self._wrong_task(entry, update["taskId"]):
             return
-        if self.channel not in HOLDER_CHANNELS and self._seen_chunk(entry.digest):
+        if self.channel not in HOLDER_CHANNELS and (
+            self._seen_chunk(entry.digest) or self._shown_by_snapshot(update)
+        ):
             return  # the same chunk, already taken from another channel (see _seen_chunk)
         # Logged either way (taken, or refused after the end): in the log, as one by one.
         self._digests.add(entry.digest)
@@ -1019,7 +1030,42 @@ class _Fold:
             self._pending_parts[data["artifactId"]] = (stored_count, [*after, *parts])
         else:
             self._pending_parts[data["artifactId"]] = (0, list(parts))
+        self._set_by[data["artifactId"]] = "artifactUpdate"
         self.rows.append(_Row(entry, "artifactUpdate", chained=(start, digest)))
+
+    def _shown_by_snapshot(self, update: dict) -> bool:
+        """Whether an appended chunk is the end of an artifact that a snapshot set last.
+
+        The push drain records a GetTask on ``poll``; a notification the agent sent before
+        that GetTask was served, delivered after it, carries a chunk the snapshot showed
+        already, and was appended a second time. Off the holder's channels a chunk equal to
+        one the log holds is the same chunk (``_seen_chunk``); so is this one.
+        """
+        data = update["artifact"]
+        aid, parts = data["artifactId"], data.get("parts") or []
+        if not update.get("append") or not parts or self.held_digest(aid) is None:
+            return False
+        if aid in self._set_by:
+            if self._set_by[aid] != "task":
+                return False
+            _, after = self._pending_parts[aid]
+            tail = after[-len(parts) :] if len(after) >= len(parts) else None
+        else:
+            stored = self.artifact(aid)
+            if stored is None or stored.part_count < len(parts):
+                return False
+            if not TaskEvent.objects.filter(
+                task_id=self.task.pk, seq=stored.updated_seq, kind="task"
+            ).exists():
+                return False
+            tail = list(
+                ArtifactPart.objects.filter(
+                    artifact_id=stored.pk, index__gte=stored.part_count - len(parts)
+                )
+                .order_by("index")
+                .values_list("part", flat=True)
+            )
+        return tail is not None and chain_digest("", tail) == chain_digest("", parts)
 
     def _seen_chunk(self, digest: str) -> bool:
         """Whether an identical artifact update is already in the log.
