@@ -276,7 +276,13 @@ def _send_failed() -> RuleSpec:
             for pk, agent_id, updated_at, title, remote_id in rows
         ]
 
-    holds = Q(task__phase=RemoteTask.Phase.FAILED) & _LIVE_ALERT_TASK
+    # The same condition as ``find``: a send retried and then withdrawn between two
+    # evaluations kept its alert open (failed, yet no failure), and nothing resolved it.
+    holds = (
+        Q(task__state="", task__phase=RemoteTask.Phase.FAILED)
+        & ~Q(task__send_error=WITHDRAWN)
+        & _LIVE_ALERT_TASK
+    )
     return RuleSpec(Rule.SEND_FAILED, None, find, holds)
 
 
@@ -699,8 +705,13 @@ def _send_webhook(described: list[dict[str, Any]]) -> str | None:
 
     async def post(http: httpx.AsyncClient) -> int:
         async with asyncio.timeout(limit):  # the whole call, not only each read
-            response = await http.post(url, content=body, headers=headers, timeout=limit)
-            return response.status_code
+            # Only the status is wanted: the body is never read. ``post`` read all of it,
+            # so a receiver answering 200 with an endless body filled memory until the
+            # deadline, and the delivery was recorded as failed.
+            async with http.stream(
+                "POST", url, content=body, headers=headers, timeout=limit
+            ) as response:
+                return response.status_code
 
     try:
         status = outbound.run(post)

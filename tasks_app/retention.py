@@ -2,9 +2,10 @@
 
 Only a task that can no longer change is removed: settled (``settled_at`` set: a terminal
 task reconciled once with GetTask), in a terminal state, settled and last updated before
-the cutoff, and not watched (no live lease, no watcher status that is still following
-it). Conditions are checked again inside the transaction that deletes, so a task that
-moved between the scan and the delete stays.
+the cutoff, not watched (no live lease, no watcher status that is still following it),
+and with no unresolved alert (an open alert stays, however old). Conditions are checked
+again inside the transaction that deletes, so a task that moved between the scan and the
+delete stays.
 
 Why in batches: each transaction deletes at most ``batch`` tasks (and their log rows,
 artifacts, messages, push configs), so locks are short and memory stays bounded
@@ -28,8 +29,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from django.db import transaction
-from django.db.models import Q, QuerySet
+from django.db import DatabaseError, transaction
+from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.utils import timezone
 
 from tasks_app import exports
@@ -88,7 +89,13 @@ def due(older_than_days: float, now: datetime | None = None) -> QuerySet[RemoteT
         settled_at__lt=cutoff,
         updated_at__lt=cutoff,
         state__in=TERMINAL_STATES,
-    ).exclude(Q(lease_expires_at__gt=now) | Q(watcher_status__in=WATCHING))
+    ).exclude(
+        Q(lease_expires_at__gt=now)
+        | Q(watcher_status__in=WATCHING)
+        # An open alert stays, however old (a parked task can be terminal and settled): the
+        # task went, and its alert with it, unresolved and never told as resolved.
+        | Exists(Alert.objects.filter(task_id=OuterRef("pk"), resolved_at__isnull=True))
+    )
 
 
 def prune(
@@ -108,48 +115,66 @@ def prune(
     if export_to is not None and not dry_run:
         export_to = Path(export_to)
         export_to.mkdir(mode=0o700, parents=True, exist_ok=True)
-    after = 0
-    while True:
-        # Keyset over ids: each batch is read fresh, so memory is one batch of ids.
-        pks = list(
-            due(older_than_days, now)
-            .filter(pk__gt=after)
-            .order_by("pk")
-            .values_list("pk", flat=True)[:batch]
-        )
-        if not pks:
-            break
-        after = pks[-1]
-        if dry_run:
+    finished = False
+    try:
+        after = 0
+        while True:
+            # Keyset over ids: each batch is read fresh, so memory is one batch of ids.
+            pks = list(
+                due(older_than_days, now)
+                .filter(pk__gt=after)
+                .order_by("pk")
+                .values_list("pk", flat=True)[:batch]
+            )
+            if not pks:
+                break
+            after = pks[-1]
+            if dry_run:
+                result.due += len(pks)
+                _extend_range(result, pks)
+                continue
+            keep: set[int] = set()
+            if export_to is not None:
+                for pk in pks:
+                    try:
+                        task = RemoteTask.objects.select_related(
+                            "agent__project", "started_by"
+                        ).get(pk=pk)
+                        exports.write_atomically(
+                            export_to / f"task-{pk}.jsonl", exports.jsonl_chunks(task)
+                        )
+                        result.exported += 1
+                    except (
+                        Exception
+                    ) as exc:  # one unwritable task must not stop the run; it is kept
+                        keep.add(pk)
+                        result.export_failures.append(
+                            f"task {pk}: {type(exc).__name__}: {exc}"[:300]
+                        )
+                        log.warning("prune: could not export task %s, keeping it: %s", pk, exc)
+            removed = _remove(older_than_days, now, [pk for pk in pks if pk not in keep], result)
             result.due += len(pks)
-            _extend_range(result, pks)
-            continue
-        keep: set[int] = set()
-        if export_to is not None:
-            for pk in pks:
-                try:
-                    task = RemoteTask.objects.select_related("agent__project", "started_by").get(
-                        pk=pk
-                    )
-                    exports.write_atomically(
-                        export_to / f"task-{pk}.jsonl", exports.jsonl_chunks(task)
-                    )
-                    result.exported += 1
-                except Exception as exc:  # one unwritable task must not stop the run; it is kept
-                    keep.add(pk)
-                    result.export_failures.append(f"task {pk}: {type(exc).__name__}: {exc}"[:300])
-                    log.warning("prune: could not export task %s, keeping it: %s", pk, exc)
-        removed = _remove(older_than_days, now, [pk for pk in pks if pk not in keep], result)
-        result.due += len(pks)
-        if say and removed:
-            say(f"removed {removed} task(s) up to id {after}")
-    _prune_alerts(result, batch)
-    if not dry_run:
+            if say and removed:
+                say(f"removed {removed} task(s) up to id {after}")
+        _prune_alerts(result, batch)
+        finished = True
+    finally:
+        # Recorded even when the run stops half-way (Ctrl-C, a lost database, a crash in a
+        # batch): the batches already committed are gone, and the log must say so.
+        if not dry_run:
+            _record_run(result, actor_id, finished)
+    return result
+
+
+def _record_run(result: PruneResult, actor_id: int | None, finished: bool) -> None:
+    """The run's one ``prune`` operator-action row; an unfinished one says so."""
+    outcome = str(result) if finished else f"interrupted: {result}"
+    try:
         OperatorAction.objects.create(
             actor_id=actor_id,
             action="prune",
             payload={
-                "older_than_days": older_than_days,
+                "older_than_days": result.older_than_days,
                 "cutoff": timestamp_text(result.cutoff),
                 "tasks": result.removed,
                 "events": result.events,
@@ -158,10 +183,15 @@ def prune(
                 "exported": result.exported,
                 "export_failures": len(result.export_failures),
                 "alerts": result.alerts,
+                "finished": finished,
             },
-            outcome=str(result)[:500],
+            outcome=outcome[:500],
         )
-    return result
+    except DatabaseError:
+        if finished:
+            raise
+        # Stopping anyway: the error that stopped the run is the one to report.
+        log.exception("prune: could not record the interrupted run: %s", outcome)
 
 
 def _remove(older_than_days: float, now: datetime, pks: list[int], result: PruneResult) -> int:
