@@ -23,6 +23,9 @@ import json
 import logging
 import math
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -46,6 +49,10 @@ MAX_STRING = 10_000
 MAX_JSON_SHOWN = 20_000
 MAX_INPUT_CHARS = 5_000
 MAX_OPTIONS = 200
+# Dynamic values and function calls evaluated per drawing, per check of a posted form and per
+# action context: one component of nested ``and`` calls (400 KB) evaluated at each of 1,400
+# repeated child ids made a task page (and a submit) take 22 s. A real form needs a few hundred.
+MAX_EVALUATIONS = 20_000
 
 INPUT_KINDS = ("TextField", "CheckBox", "ChoicePicker", "DateTimeInput", "Slider")
 CONTAINERS = ("Row", "Column", "List")
@@ -217,10 +224,35 @@ def assign(model: dict, pointer: str, value: Any) -> dict:
 # Dynamic values and the catalog's functions ----------------------------------------------------
 
 
+_evaluations: ContextVar[list[int] | None] = ContextVar("a2ui_evaluations", default=None)
+
+
+@contextmanager
+def evaluation_budget(count: int = MAX_EVALUATIONS) -> Iterator[list[int]]:
+    """Within this block at most ``count`` values are evaluated; past it each one is None.
+    Yields the count left (below zero once the budget ran out)."""
+    left = [count]
+    token = _evaluations.set(left)
+    try:
+        yield left
+    finally:
+        _evaluations.reset(token)
+
+
+def _over_budget() -> bool:
+    left = _evaluations.get()
+    return left is not None and left[0] < 0
+
+
 def evaluate(value: Any, model: Any, scope: str = "", depth: int = 0) -> Any:
     """A DynamicValue: a literal, a ``{"path"}`` binding, or a ``{"call"}`` to a catalog function."""
     if depth > 16:
         return None
+    left = _evaluations.get()
+    if left is not None:
+        left[0] -= 1
+        if left[0] < 0:  # out of budget: not evaluated (the walk says it is cut)
+            return None
     if isinstance(value, dict):
         if "path" in value and "call" not in value:
             return lookup(model, absolute(value.get("path"), scope))
@@ -427,6 +459,8 @@ def check_failures(checks: Any, model: Any, scope: str = "") -> list[str]:
             ok = bool(evaluate(condition, model, scope)) if known else True
         else:
             ok = bool(evaluate(condition, model, scope))
+        if _over_budget():  # not decided within the budget: met, as an unknown function is
+            ok = True
         if not ok:
             failed.append(str(rule.get("message") or "This value is not valid.")[:500])
     return failed
@@ -495,7 +529,11 @@ class Walk:
     _child_bytes: list[int] = field(default_factory=list)  # per node being drawn
 
     def run(self, root_id: str) -> SafeString:
-        return self.node(root_id, "", 0, ())
+        with evaluation_budget() as left:
+            out = self.node(root_id, "", 0, ())
+        if left[0] < 0:
+            self.cut = self.cut or f"more than {MAX_EVALUATIONS:,} values and functions evaluated"
+        return out
 
     def node(self, cid: Any, scope: str, depth: int, stack: tuple[str, ...]) -> SafeString:
         if not isinstance(cid, str):
@@ -952,6 +990,7 @@ def render_surface(
         "raw": _json_text(getattr(surface, "raw_json", None)) if problem else "",
         "cut": w.cut if w else "",
         "acting": acting and bool(w and w.buttons),
+        "drawn_inputs": len(w.inputs) if w else 0,
         "interactive": acting,
         "submitted": submitted,
         "earlier": None if submitted else _earlier(last_action),
@@ -1040,10 +1079,18 @@ def posted_value(ref: InputRef, post: Any) -> Any:
 
 
 def apply_post(surface: Any, post: Any) -> tuple[dict, Walk]:
-    """The data model with the person's values written at their bindings, and the walk."""
+    """The data model with the person's values written at their bindings, and the walk.
+
+    Only the inputs the page drew (``inputs``, posted with the form) are read: a drawing cut
+    at its byte budget leaves out inputs this walk (which draws nothing) still finds, and
+    reading those as empty sent the agent a blank or unchecked value the person never saw.
+    """
     model = copy.deepcopy(surface.data_model if isinstance(surface.data_model, dict) else {})
     first = walk(surface, model=model)
+    drawn = whole_number(str(post.get("inputs", "")))
     for ref in first.inputs:
+        if drawn is not None and ref.index >= drawn:
+            break  # not on the person's page: the agent's value stays
         if ref.path is not None:
             model = assign(model, ref.path, posted_value(ref, post))
     return model, walk(surface, model=model)
@@ -1088,6 +1135,11 @@ def _value_problem(ref: InputRef, value: Any, model: Any) -> str:
 
 def errors_of(w: Walk, model: Any) -> dict[str, list[str]]:
     """Failing checks per input (``v<n>``) and button (``b<n>``), with the person's values."""
+    with evaluation_budget():
+        return _errors_of(w, model)
+
+
+def _errors_of(w: Walk, model: Any) -> dict[str, list[str]]:
     errors: dict[str, list[str]] = {}
     for ref in w.inputs:
         failed = check_failures(ref.component.get("checks"), model, ref.scope)
@@ -1140,7 +1192,8 @@ def resolve_context(ref: ButtonRef, model: Any) -> dict:
     """The button's action context with every value resolved against the data model."""
     event = ref.component.get("action", {}).get("event", {})
     context = event.get("context") if isinstance(event.get("context"), dict) else {}
-    return {str(k)[:200]: evaluate(v, model, ref.scope) for k, v in list(context.items())[:100]}
+    with evaluation_budget():
+        return {str(k)[:200]: evaluate(v, model, ref.scope) for k, v in list(context.items())[:100]}
 
 
 def action_name(ref: ButtonRef) -> str:
