@@ -368,10 +368,58 @@ def evaluate(now: datetime | None = None, *, deliver: bool = True) -> Evaluation
     for rule in off:
         result.resolved += _resolve(rule, Q(), now)
     if deliver:
-        result.deliveries = deliver_changes(
-            result.opened, result.resolved if settings.ALERT_NOTIFY_RESOLVED else []
-        )
+        result.deliveries = _tell(result.opened, result.resolved)
+        result.deliveries += _tell_untold(now)
     return result
+
+
+def tell_grace() -> timedelta:
+    """How long the evaluator that opened or resolved an alert has to tell it (both channels
+    within their deadlines, and more) before another evaluation tells it instead."""
+    return timedelta(seconds=max(60, 3 * settings.ALERT_DELIVERY_TIMEOUT_SECONDS))
+
+
+def _tell(opened: list[Alert], resolved: list[Alert]) -> list[AlertDelivery]:
+    """Deliver the news, then note it told (also when no channel or ``ALERT_NOTIFY_RESOLVED``
+    leaves nothing to send: there is nothing left to tell later)."""
+    deliveries = deliver_changes(opened, resolved if settings.ALERT_NOTIFY_RESOLVED else [])
+    now = timezone.now()
+    Alert.objects.filter(pk__in=[a.pk for a in opened], opened_told_at__isnull=True).update(
+        opened_told_at=now
+    )
+    Alert.objects.filter(pk__in=[a.pk for a in resolved], resolved_told_at__isnull=True).update(
+        resolved_told_at=now
+    )
+    return deliveries
+
+
+def _tell_untold(now: datetime) -> list[AlertDelivery]:
+    """News an evaluator made and did not tell (it died between its commit and the send,
+    or before noting it told), told now: at least once, never lost.
+
+    1. Alerts whose news is untold and whose ``tell_after`` has passed.
+    2. Each is claimed by compare-and-set on ``tell_after`` (moved one grace ahead), so of
+       two evaluations one tells it; one that dies after its claim leaves it for the next.
+    3. Told as any news, then noted told.
+    """
+    untold = Q(opened_at__isnull=False, opened_told_at__isnull=True) | Q(
+        resolved_at__isnull=False, resolved_told_at__isnull=True
+    )
+    candidates = list(
+        Alert.objects.filter(untold, tell_after__lte=now)
+        .exclude(rule=Rule.TEST)
+        .order_by("pk")[: _limit()]
+    )
+    won = [
+        alert
+        for alert in candidates
+        if Alert.objects.filter(pk=alert.pk, tell_after=alert.tell_after).update(
+            tell_after=now + tell_grace()
+        )
+    ]
+    opened = [a for a in won if a.opened_at is not None and a.opened_told_at is None]
+    resolved = [a for a in won if a.resolved_at is not None and a.resolved_told_at is None]
+    return _tell(opened, resolved) if won else []
 
 
 def _resolve(rule: str, ended: Q, now: datetime) -> list[Alert]:
@@ -390,7 +438,7 @@ def _resolve(rule: str, ended: Q, now: datetime) -> list[Alert]:
             continue
         # Compare-and-set: of two evaluators, one resolves it (and tells about it).
         if Alert.objects.filter(pk=alert.pk, resolved_at__isnull=True).update(
-            resolved_at=now, last_seen_at=now
+            resolved_at=now, last_seen_at=now, tell_after=now + tell_grace()
         ):
             alert.resolved_at = now
             resolved.append(alert)
@@ -417,6 +465,7 @@ def _open(spec: RuleSpec, now: datetime) -> list[Alert]:
                     since=item.since,
                     opened_at=None if spec.pending else now,
                     last_seen_at=now,
+                    tell_after=None if spec.pending else now + tell_grace(),
                 )
                 # What ``find`` read may be stale by now (the task had news meanwhile): the
                 # alert is kept only if its condition holds as the row goes in; else it
@@ -449,7 +498,7 @@ def _open_due(spec: RuleSpec, now: datetime) -> list[Alert]:
     for alert in due:
         if Alert.objects.filter(
             pk=alert.pk, opened_at__isnull=True, resolved_at__isnull=True
-        ).update(opened_at=now):
+        ).update(opened_at=now, tell_after=now + tell_grace()):
             alert.opened_at = now
             opened.append(alert)
     return opened
@@ -741,6 +790,8 @@ def send_test(user: Any) -> tuple[Alert, list[AlertDelivery]]:
         opened_at=now,
         resolved_at=now,
         last_seen_at=now,
+        opened_told_at=now,  # its one news is the delivery below
+        resolved_told_at=now,
     )
     deliveries = _deliver([(alert, "test")]) if channels() else []
     outcome = "; ".join(f"{d.channel}: {d.outcome}" for d in deliveries) or "no channel configured"

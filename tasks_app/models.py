@@ -595,6 +595,12 @@ class Alert(models.Model):
     opened_at = models.DateTimeField(null=True, blank=True)
     resolved_at = models.DateTimeField(null=True, blank=True)
     last_seen_at = models.DateTimeField(default=timezone.now)
+    # When the news of its opening, and of its end, went to the channels (None: not yet).
+    # The evaluator that opened or resolved it tells at once; if it died first, the first
+    # evaluation after ``tell_after`` tells (at least once; see alerts._tell_untold).
+    opened_told_at = models.DateTimeField(null=True, blank=True)
+    resolved_told_at = models.DateTimeField(null=True, blank=True)
+    tell_after = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-opened_at", "-id"]

@@ -187,3 +187,50 @@ def test_a_webhook_redirect_is_not_followed(agent, settings) -> None:
     assert hits == ["/hook"]
     delivery = AlertDelivery.objects.get()
     assert delivery.outcome == "failed" and delivery.error.endswith("answered HTTP 307")
+
+
+def test_an_alert_opened_before_a_crash_is_still_told_once(agent, settings, mailoutbox) -> None:
+    """The alert was committed open before it was sent: a process that died in between left
+    it open and untold for good (each later evaluation saw it open already)."""
+    settings.ALERT_EMAIL_TO = ["ops@example.org"]
+    task = RemoteTask.objects.create(
+        agent=agent, title="t", phase="task", state="TASK_STATE_WORKING", watch="stream"
+    )
+    later = task.updated_at + timedelta(hours=1)
+
+    def crash(described: list) -> None:
+        raise KeyboardInterrupt  # the process dies between the commit and the send
+
+    real = alerts._send_email
+    alerts._send_email = crash
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            alerts.evaluate(later)
+    finally:
+        alerts._send_email = real
+    assert Alert.objects.filter(opened_at__isnull=False, resolved_at__isnull=True).count() == 1
+    # Within the grace the opener had, nobody else tells it; after it, the next one does.
+    alerts.evaluate(later + timedelta(seconds=30))
+    assert mailoutbox == []
+    alerts.evaluate(later + alerts.tell_grace() + timedelta(seconds=1))
+    assert len(mailoutbox) == 1 and "opened" in mailoutbox[0].subject.lower()
+    assert AlertDelivery.objects.filter(event="opened", outcome="sent").count() == 1
+    # Told: never again.
+    alerts.evaluate(later + 3 * alerts.tell_grace())
+    assert len(mailoutbox) == 1
+
+
+def test_news_an_evaluator_told_is_not_told_again(agent, settings, mailoutbox) -> None:
+    settings.ALERT_EMAIL_TO = ["ops@example.org"]
+    task = RemoteTask.objects.create(
+        agent=agent, title="t", phase="task", state="TASK_STATE_WORKING", watch="stream"
+    )
+    later = task.updated_at + timedelta(hours=1)
+    alerts.evaluate(later)
+    assert len(mailoutbox) == 1
+    RemoteTask.objects.filter(pk=task.pk).update(state="TASK_STATE_COMPLETED")
+    alerts.evaluate(later + timedelta(seconds=5))  # resolved, and told so
+    assert len(mailoutbox) == 2
+    alerts.evaluate(later + 5 * alerts.tell_grace())
+    assert len(mailoutbox) == 2
+    assert Alert.objects.get().resolved_told_at is not None
