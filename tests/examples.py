@@ -14,6 +14,7 @@ FEWEST = 20
 share = 1.0
 
 
-def examples(count: int) -> int:
-    """The ``max_examples`` for a property test that asks for ``count`` in the full suite."""
-    return min(count, max(FEWEST, round(count * share)))
+def examples(count: int, *, fewest: int = FEWEST) -> int:
+    """The ``max_examples`` for a property test that asks for ``count`` in the full suite
+    (``fewest``: a lower floor for a test whose every example writes to the database)."""
+    return min(count, max(fewest, round(count * share)))
