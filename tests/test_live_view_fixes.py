@@ -369,8 +369,13 @@ def test_a_page_too_far_behind_loads_again_and_resumes_after_the_newest_rows(con
     page = context.new_page()
     page.goto(f"/tasks/{pk}/")
     page.wait_for_function("() => window.__taskPage.synced && window.__taskPage.lastSeq === 1")
-    page.evaluate("() => { window.__before = true; window.__taskPage.dropSocket(3000); }")
+    # Away for as long as the rows take to write (a slow machine took over 3 s), then back.
+    page.evaluate("() => { window.__before = true; window.__taskPage.dropSocket(600_000); }")
     write_on(server, "behind", [pk, consumers.RESUME_MAX_ROWS + 1])
+    page.evaluate(
+        "() => { const s = window.__taskPage.socket; s.holdUntil = 0; clearTimeout(s.timer);"
+        " s.connect(); }"
+    )
     last = consumers.RESUME_MAX_ROWS + 2
     page.wait_for_function(
         f"() => !window.__before && window.__taskPage && window.__taskPage.synced "
