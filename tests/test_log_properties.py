@@ -26,6 +26,7 @@ from tasks_app.services.audit import replay, verify, view_of
 from tasks_app.services.record import record, record_many, settle
 from tasks_app.services.snapshot import task_view
 from tests.examples import examples
+from tests.test_truth import assert_sound  # contiguous seqs, the chain verifies, replay = view
 
 pytestmark = pytest.mark.django_db
 
@@ -189,17 +190,6 @@ def mirror(task: RemoteTask) -> dict[str, Any]:
             task.stored_bytes,
         ),
     }
-
-
-def assert_sound(task: RemoteTask) -> None:
-    """Contiguous seqs from 1, the chain verifies, and a replay of the log equals the view."""
-    task.refresh_from_db()
-    seqs = list(task.events.order_by("seq").values_list("seq", flat=True))
-    assert seqs == list(range(1, task.last_seq + 1))
-    checked = verify(task)
-    assert checked.ok, str(checked)
-    replayed = replay(task)
-    assert replayed.ok, str(replayed)
 
 
 def batches(items: list, cuts: list[int]) -> list[list]:
