@@ -586,8 +586,11 @@ class Outcome:
         if result.fenced:
             raise Fenced
         self.progress = self.progress or result.progress
-        if result.kinds and all(kind == "protocol-error" for kind in result.kinds):
-            self.problem = self.problem or (result.notes[0] if result.notes else "protocol error")
+        # A refusal the log holds already is not written again, but it is the same answer.
+        kinds = result.kinds or [kind for kind, _ in result.repeated]
+        notes = result.notes if result.kinds else [note for _, note in result.repeated]
+        if kinds and all(kind == "protocol-error" for kind in kinds):
+            self.problem = self.problem or (notes[0] if notes else "protocol error")
         else:
             self.confirmed = True
         self.over_budget = self.over_budget or getattr(result, "over_budget", False)

@@ -447,15 +447,19 @@ def test_a_snapshot_older_than_the_status_held_changes_nothing(task):
     record(
         task, status("t-1", "TASK_STATE_INPUT_REQUIRED", "2026-01-01T00:00:05Z", "Name?"), "stream"
     )
-    stale = snapshot("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:00Z")
-    for channel, gap_check in (("poll", True), ("poll", False)):
-        result = record(task, stale, channel, gap_check=gap_check)
-        assert result.kinds == ["task"] and result.state == "TASK_STATE_INPUT_REQUIRED"
+    stale = snapshot("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:01Z")
+    result = record(task, stale, "poll", gap_check=True)
+    assert result.kinds == ["task"] and result.state == "TASK_STATE_INPUT_REQUIRED"
+    # Read again by the next poll: logged once already, so nothing is stored.
+    assert record(task, stale, "poll", gap_check=False).duplicate
+    # The stream's own first snapshot, read again by a poll: known, nothing stored.
+    first = snapshot("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:00Z")
+    assert record(task, first, "poll", gap_check=True).duplicate
     task.refresh_from_db()
     assert task.state == "TASK_STATE_INPUT_REQUIRED" and task.asked_seq == 2
     kinds = list(TaskEvent.objects.filter(task=task).order_by("seq").values_list("kind", "note"))
-    assert [k for k, _ in kinds] == ["task", "statusUpdate", "task", "task"]
-    assert all("older than the status already held" in note for _, note in kinds[2:])
+    assert [k for k, _ in kinds] == ["task", "statusUpdate", "task"]
+    assert "older than the status already held" in kinds[2][1]
     # A newer snapshot still applies.
     record(task, snapshot("t-1", "TASK_STATE_COMPLETED", ts="2026-01-01T00:00:09Z"), "poll")
     task.refresh_from_db()
@@ -490,3 +494,20 @@ def test_an_artifact_part_that_is_not_an_object_is_a_protocol_error(task, part):
     row = TaskEvent.objects.get(task=task, kind="protocol-error")
     assert "artifact.parts[1] is not an object" in row.note
     assert list(task.artifacts.values_list("artifact_id", flat=True)) == ["a-2"]
+
+
+def test_a_refusal_redelivered_off_the_stream_is_logged_once(task):
+    """A GetTask that reads the same illegal snapshot on every poll, or a push retried, wrote
+    a protocol-error row each time; the holder's stream still logs each one it brings."""
+    record(task, status("t-1", "TASK_STATE_COMPLETED"), "stream")
+    illegal = snapshot("t-1", "TASK_STATE_WORKING")
+    late = status("t-1", "TASK_STATE_FAILED")
+    for channel in ("poll", "push"):
+        for _ in range(3):
+            record(task, illegal, channel)
+            record(task, late, channel)
+    record_many(task, [illegal, late, illegal, late], "poll")
+    refusals = TaskEvent.objects.filter(task=task, kind="protocol-error")
+    assert refusals.count() == 2
+    record_many(task, [illegal, illegal], "stream")
+    assert refusals.count() == 4

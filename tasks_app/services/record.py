@@ -109,6 +109,9 @@ class Recorded:
     kinds: list[str] = field(default_factory=list)
     # True when the task's byte budget refused content in this call (BUDGET_TASK_BYTES).
     over_budget: bool = False
+    # Refusals not logged again, as (kind, note): the log holds the same delivery refused
+    # (``_Fold._refused_again``). A watcher still counts a turn of them as fruitless.
+    repeated: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def progress(self) -> bool:
@@ -547,9 +550,13 @@ class _Rows(list):
     def __init__(self, fold: _Fold) -> None:
         super().__init__()
         self.fold = fold
+        # The digests of the entries appended (a refusal repeated in one batch, see
+        # ``_Fold._refused_again``).
+        self.digests: set[str] = set()
 
     def append(self, row: _Row) -> None:
         row.state_after = self.fold.get("state")
+        self.digests.add(row.entry.digest)
         super().append(row)
 
 
@@ -572,6 +579,7 @@ class _Fold:
         self.gap_check = gap_check
         self.fence = fence
         self.over_budget = False
+        self.repeated: list[tuple[str, str]] = []
         # Read once per fold (settings are looked up on each access).
         self.budget = settings.BUDGET_TASK_BYTES
         self.artifact_cap = settings.BUDGET_TASK_ARTIFACTS
@@ -723,11 +731,33 @@ class _Fold:
         if handler is None:
             self.rows.append(_Row(entry, entry.kind, entry.note))
             return
+        in_batch = entry.digest in self.rows.digests
         handler(entry)
+        if counted and len(self.rows) > rows and self._refused_again(entry, rows, in_batch):
+            self.repeated.extend((row.kind, row.note) for row in self.rows[rows:])
+            del self.rows[rows:]
         if counted and len(self.rows) == rows:
             # Nothing stored (the mirror held it already): nothing counted, so a duplicate
             # costs the same in a batch as recorded on its own (where nothing is written).
             self.set(stored_bytes=used)
+
+    def _refused_again(self, entry: Entry, first: int, in_batch: bool) -> bool:
+        """Whether the rows from ``first`` refuse ``entry`` and the log holds it already
+        (or an earlier row of this batch does: ``in_batch``).
+
+        Off the holder's channels a delivery equal to one in the log is the same delivery
+        again (as ``_seen_chunk`` says of chunks): a push retried, or a GetTask that reads
+        the same snapshot on every poll. A refusal (an illegal transition, a status after
+        the end, a snapshot older than the one held) was logged once; logging it on every
+        redelivery let a misbehaving agent, or our own polling, write a row each time.
+        """
+        if self.channel in HOLDER_CHANNELS or not entry.digest:
+            return False
+        if any(row.apply or row.entry is not entry for row in self.rows[first:]):
+            return False
+        return in_batch or (
+            TaskEvent.objects.filter(task_id=self.task.pk, digest=entry.digest).exists()
+        )
 
     def _within_budget(self, entry: Entry) -> bool:
         """Count the agent's bytes; past the task's budget, one entry says so and the rest is dropped."""
@@ -1702,7 +1732,9 @@ def _record_once(
             fold.add(entry)
         a2ui_surfaces = surfaces.collect(fold)  # A2UI surfaces, and diagnoses as rows
         if not fold.rows:
-            return Recorded(state=current.state, over_budget=fold.over_budget)
+            return Recorded(
+                state=current.state, over_budget=fold.over_budget, repeated=fold.repeated
+            )
         now = timezone.now()
         first_seq = current.last_seq + 1
         events = fold.build_events(first_seq, now, actor_id)
@@ -1733,6 +1765,7 @@ def _record_once(
             notes=[e.note for e in events if e.note],
             kinds=[e.kind for e in events],
             over_budget=fold.over_budget,
+            repeated=fold.repeated,
         )
 
 
