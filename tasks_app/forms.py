@@ -151,6 +151,14 @@ def parse_json_text(text: str) -> Any:
     return value
 
 
+def _offer_agents(field: forms.ModelChoiceField, agents: QuerySet[Agent]) -> None:
+    """Offer ``agents``; named with their project when they span several (one URL may be
+    registered once per project, so two projects' rows may share a name)."""
+    field.queryset = agents.select_related("project")
+    if agents.values("project_id").distinct().order_by()[:2].count() > 1:
+        field.label_from_instance = lambda agent: f"{agent.name} ({agent.project.name})"
+
+
 class StartTaskForm(forms.Form):
     agent = forms.ModelChoiceField(queryset=Agent.objects.none(), empty_label=None)
     skill = forms.CharField(required=False, max_length=300, label="Skill (hint)")
@@ -176,7 +184,7 @@ class StartTaskForm(forms.Form):
         """``agents``: those the person may start tasks on (``access.readable_agents``);
         ``person_id``: whose kept file this form may carry."""
         super().__init__(*args, **kwargs)
-        self.fields["agent"].queryset = agents
+        _offer_agents(self.fields["agent"], agents)
         self.person_id = person_id
         self._offer_push()
 
@@ -363,7 +371,7 @@ class TaskFilterForm(forms.Form):
 
     def __init__(self, *args: Any, agents: QuerySet[Agent], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fields["agent"].queryset = agents
+        _offer_agents(self.fields["agent"], agents)
 
 
 class EventFilterForm(forms.Form):

@@ -93,13 +93,18 @@ class Membership(models.Model):
 
 
 class Agent(models.Model):
-    """A remote A2A agent, with its card as last fetched."""
+    """A remote A2A agent, with its card as last fetched.
+
+    A URL is registered once per project, not once overall: two projects may each register
+    one shared agent (each row has its own credentials, card and tasks), and adding a URL
+    must not tell anyone that another project holds it.
+    """
 
     project = models.ForeignKey(
         Project, on_delete=models.PROTECT, related_name="agents", default=default_project
     )
     name = models.CharField(max_length=200)
-    base_url = models.URLField(max_length=1000, unique=True)
+    base_url = models.URLField(max_length=1000)
     card_url = models.URLField(max_length=1000, blank=True)
     card = models.JSONField(default=dict, blank=True)
     card_etag = models.CharField(max_length=300, blank=True)
@@ -124,6 +129,11 @@ class Agent(models.Model):
 
     class Meta:
         ordering = ["name"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["project", "base_url"], name="one_agent_per_url_per_project"
+            )
+        ]
 
     def __str__(self) -> str:
         return self.name

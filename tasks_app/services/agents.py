@@ -22,7 +22,7 @@ from tasks_app.a2a import (
 )
 from tasks_app.a2a.client import api_key_placement
 from tasks_app.a2a.origins import origin_of
-from tasks_app.access import Forbidden, Perm, require
+from tasks_app.access import Perm, require
 from tasks_app.crypto import encrypt_json
 from tasks_app.models import Agent, OperatorAction, Project, RemoteTask
 
@@ -205,15 +205,19 @@ def add_agent(
 ) -> Agent:
     """Fetch the card at ``url``, check it, and store a new agent in ``project`` (default: default).
 
-    A URL that is already registered is refused with the agent's name (if the person
-    may see it): re-adding must not silently rename or move an agent.
+    A URL is registered once per project (``one_agent_per_url_per_project``): one already
+    in ``project`` is refused with that agent's name (the person manages the project, so
+    may read it), since re-adding must not silently rename or change an agent. Another
+    project's agent at the same URL is neither looked at nor mentioned: each project
+    registers a shared agent as its own row, and nothing here may tell whether another
+    project holds it.
     """
     url = url.strip()
     project = project or Project.objects.get_or_create(name="default")[0]
     require(actor_id, project.pk, Perm.MANAGE_AGENTS)
-    existing = Agent.objects.filter(base_url=url).first()
+    existing = Agent.objects.filter(project=project, base_url=url).first()
     if existing is not None:
-        raise AgentError(_already_registered(existing, actor_id))
+        raise AgentError(_already_registered(existing, project))
     preview = preview_card(url)
     if not preview.interface:
         raise AgentError(
@@ -226,7 +230,8 @@ def add_agent(
         _put_credentials(agent, credentials)
     try:
         with transaction.atomic():
-            # The unique URL decides between two adds at once (a look first would let both by).
+            # The unique (project, URL) decides between two adds at once (a look first
+            # would let both by).
             agent.save()
             OperatorAction.objects.create(
                 agent=agent,
@@ -235,18 +240,22 @@ def add_agent(
                 payload={"url": url, "project": project.name},
             )
     except IntegrityError:
-        if Agent.objects.filter(base_url=url).exists():  # added meanwhile by someone else
-            raise AgentError("This URL was registered a moment ago by someone else.") from None
+        # Added to this project meanwhile by someone else (the only unique columns an
+        # agent has are its project and URL together).
+        if Agent.objects.filter(project=project, base_url=url).exists():
+            raise AgentError(
+                f"This URL was registered in project {project.name} a moment ago by someone else."
+            ) from None
         raise
     return agent
 
 
-def _already_registered(existing: Agent, actor_id: int | None) -> str:
-    try:
-        require(actor_id, existing.project_id, Perm.READ)
-    except Forbidden:  # the person may not see it, so do not name it
-        return "This URL is already registered, in a project you cannot see."
-    return f"This URL is already registered as {existing.name!r} (project {existing.project.name})."
+def _already_registered(existing: Agent, project: Project) -> str:
+    """The refusal of a URL ``project`` already holds (said only to people who manage it)."""
+    return (
+        f"This URL is already registered in project {project.name}, as {existing.name!r}: "
+        "open that agent instead (a URL is added once per project)."
+    )
 
 
 def header_safe(secret: str) -> bool:

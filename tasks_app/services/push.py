@@ -1430,6 +1430,7 @@ def record_batch(items: list[bytes]) -> dict[int, str]:
     now = timezone.now()
     counts: dict[int, int] = {}
     touched: dict[int, str] = {}
+    over_budget: set[int] = set()
     for task_pk, entries in by_task.items():
         objs = [obj for pk, obj in entries if pk in live]
         if not objs:
@@ -1446,6 +1447,8 @@ def record_batch(items: list[bytes]) -> dict[int, str]:
             _note_unrecorded(task_pk, len(objs), exc)
             continue
         touched[task_pk] = result.state
+        if result.over_budget:
+            over_budget.add(task_pk)
         for pk, _ in entries:
             if pk in live:
                 counts[pk] = counts.get(pk, 0) + 1
@@ -1456,8 +1459,52 @@ def record_batch(items: list[bytes]) -> dict[int, str]:
         PushConfig.objects.filter(pk__in=pks).update(
             last_received_at=now, received=F("received") + count
         )
-    heard(set(touched))
+    over = park_over_budget(over_budget)
+    heard(set(touched) - over)
     return touched
+
+
+def park_over_budget(task_pks: set[int]) -> set[int]:
+    """Tasks whose push notifications passed BUDGET_TASK_BYTES: parked ("needs attention").
+
+    A holder parks a task over its budget (``watchers.Holder._judge``); nobody holds a task
+    followed by push, so the drain does it, as the holder would (record() logged the one
+    ``budget-exceeded`` entry; the hold-off is the parked recheck). Left "awaiting push",
+    every dropped notification moved its hold-off on, so it never was. A task a holder has
+    now is left to it; one abandoned, gone, settled or parked already is not touched.
+    """
+    if not task_pks:
+        return set()
+    from tasks_app.services.tasks import relay_watcher
+    from tasks_app.watchers import PARKED_RECHECK_SECONDS
+
+    Status = RemoteTask.WatcherStatus
+    now = timezone.now()
+    note = (
+        f"needs attention: the task is over its storage budget "
+        f"({settings.BUDGET_TASK_BYTES} bytes of agent content)"
+    )
+    free = Q(
+        pk__in=task_pks,
+        lease_token="",
+        abandoned_at__isnull=True,
+        gone_at__isnull=True,
+        settled_at__isnull=True,
+    ) & ~Q(watcher_status__in=[Status.PARKED, Status.ABANDONED, Status.GONE])
+    RemoteTask.objects.filter(free).update(
+        watcher_status=Status.PARKED,
+        watcher_note=note[:500],
+        watcher_since=now,
+        lease_expires_at=now + timedelta(seconds=PARKED_RECHECK_SECONDS),
+    )
+    parked = set(
+        RemoteTask.objects.filter(
+            pk__in=task_pks, watcher_status=Status.PARKED, watcher_since=now
+        ).values_list("pk", flat=True)
+    )
+    for pk in parked:
+        relay_watcher(pk)
+    return parked
 
 
 def _note_unrecorded(task_pk: int, count: int, exc: Exception) -> None:
@@ -1547,8 +1594,10 @@ async def refresh_after_push(http: httpx.AsyncClient, task_pk: int) -> None:
     except A2AError as exc:
         log.info("GetTask after a push notification for task %s failed: %s", task_pk, exc)
         return
-    await eventloop.db(record, task_pk, {"task": snapshot}, "poll")
+    result = await eventloop.db(record, task_pk, {"task": snapshot}, "poll")
     ended = (snapshot.get("status") or {}).get("state") in TERMINAL_STATES
+    if result.over_budget and not ended:
+        await eventloop.db(park_over_budget, {task_pk})
     if ended:
         await eventloop.db(
             settle_if_ended,

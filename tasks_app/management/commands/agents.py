@@ -128,11 +128,14 @@ class Command(StoppableCommand):
         return credentials
 
     def _list(self, options: dict[str, Any]) -> None:
-        agents = Agent.objects.order_by("pk")
+        # One URL may be registered in several projects (one row each): the project tells
+        # the rows apart.
+        agents = Agent.objects.select_related("project").order_by("pk")
         if options["json"]:
             for agent in agents:
                 self.stdout.write(json.dumps({
-                    "id": agent.pk, "name": agent.name, "base_url": agent.base_url,
+                    "id": agent.pk, "name": agent.name, "project": agent.project.name,
+                    "base_url": agent.base_url,
                     "binding": agent.binding, "interface_url": agent.interface_url,
                     "streaming": agent.streaming, "push": agent.push, "reachable": agent.reachable,
                     "last_error": agent.last_error, "credentials": bool(agent.credentials_encrypted),
@@ -144,5 +147,6 @@ class Command(StoppableCommand):
                 c for c, on in (("streaming", agent.streaming), ("push", agent.push)) if on
             )
             self.stdout.write(
-                f"{agent.pk}\t{agent.name}\t{agent.base_url}\t{agent.binding}\t{caps or '-'}\t{reach}"
+                f"{agent.pk}\t{agent.name}\t{agent.project.name}\t{agent.base_url}\t"
+                f"{agent.binding}\t{caps or '-'}\t{reach}"
             )

@@ -18,7 +18,7 @@ from tasks_app import retention
 from tasks_app.management.arguments import int_between
 from tasks_app.management.commands._stopping import StoppableCommand
 
-MAX_DAYS = 36_525
+MAX_DAYS = 36_500  # as RETENTION_DAYS
 
 
 def _days(text: str, source: str) -> float:

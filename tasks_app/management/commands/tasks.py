@@ -19,12 +19,27 @@ from tasks_app.services.snapshot import task_document
 MODES = ["auto", "stream", "return-immediately", "blocking", "push"]
 
 
+def _one(ref: str, what: str, *candidates: Any) -> Any:
+    """The single row the first query with a match finds; two (a URL or a remote id is
+    unique per project or agent, a name is not unique at all) is refused, not guessed."""
+    for queryset in candidates:
+        found = list(queryset[:2])
+        if len(found) > 1:
+            raise CommandError(
+                f"{ref!r} names more than one {what}: give its number "
+                f"(see 'manage.py {what}s list')."
+            )
+        if found:
+            return found[0]
+    return None
+
+
 def find_agent(ref: str) -> Agent:
     pk = whole_number(ref)
     agent = (
         Agent.objects.filter(pk=pk).first()
         if pk is not None
-        else Agent.objects.filter(name=ref).first() or Agent.objects.filter(base_url=ref).first()
+        else _one(ref, "agent", Agent.objects.filter(name=ref), Agent.objects.filter(base_url=ref))
     )
     if agent is None:
         raise CommandError(f"No agent {ref!r}: see 'manage.py agents list'.")
@@ -34,7 +49,7 @@ def find_agent(ref: str) -> Agent:
 def find_task(ref: str) -> RemoteTask:
     pk = whole_number(ref)
     task = RemoteTask.objects.filter(pk=pk).first() if pk is not None else None
-    task = task or RemoteTask.objects.filter(remote_id=ref).first()
+    task = task or _one(ref, "task", RemoteTask.objects.filter(remote_id=ref).order_by("pk"))
     if task is None:
         raise CommandError(f"No task {ref!r}.")
     return task
