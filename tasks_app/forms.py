@@ -151,16 +151,29 @@ def parse_json_text(text: str) -> Any:
     return value
 
 
-def _offer_agents(field: forms.ModelChoiceField, agents: QuerySet[Agent]) -> None:
-    """Offer ``agents``; named with their project when they span several (one URL may be
-    registered once per project, so two projects' rows may share a name)."""
-    field.queryset = agents.select_related("project")
-    if agents.values("project_id").distinct().order_by()[:2].count() > 1:
-        field.label_from_instance = lambda agent: f"{agent.name} ({agent.project.name})"
+class _AgentChoices(forms.models.ModelChoiceIterator):
+    """The agents offered, named with their project when they span several (a URL may be
+    registered once per project, so two projects' rows may share a name); one query."""
+
+    def __iter__(self) -> Any:
+        if self.field.empty_label is not None:
+            yield ("", self.field.empty_label)
+        agents = list(self.queryset.select_related("project"))
+        several = len({agent.project_id for agent in agents}) > 1
+        for agent in agents:
+            label = f"{agent.name} ({agent.project.name})" if several else agent.name
+            yield (
+                forms.models.ModelChoiceIteratorValue(self.field.prepare_value(agent), agent),
+                label,
+            )
+
+
+class AgentChoiceField(forms.ModelChoiceField):
+    iterator = _AgentChoices
 
 
 class StartTaskForm(forms.Form):
-    agent = forms.ModelChoiceField(queryset=Agent.objects.none(), empty_label=None)
+    agent = AgentChoiceField(queryset=Agent.objects.none(), empty_label=None)
     skill = forms.CharField(required=False, max_length=300, label="Skill (hint)")
     text = forms.CharField(
         required=False, label="Message", max_length=100_000,
@@ -184,7 +197,7 @@ class StartTaskForm(forms.Form):
         """``agents``: those the person may start tasks on (``access.readable_agents``);
         ``person_id``: whose kept file this form may carry."""
         super().__init__(*args, **kwargs)
-        _offer_agents(self.fields["agent"], agents)
+        self.fields["agent"].queryset = agents
         self.person_id = person_id
         self._offer_push()
 
@@ -348,7 +361,7 @@ SORT_CHOICES = [
 
 
 class TaskFilterForm(forms.Form):
-    agent = forms.ModelChoiceField(
+    agent = AgentChoiceField(
         queryset=Agent.objects.none(), required=False, empty_label="All agents"
     )
     state = forms.ChoiceField(
@@ -371,7 +384,7 @@ class TaskFilterForm(forms.Form):
 
     def __init__(self, *args: Any, agents: QuerySet[Agent], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        _offer_agents(self.fields["agent"], agents)
+        self.fields["agent"].queryset = agents
 
 
 class EventFilterForm(forms.Form):

@@ -703,7 +703,7 @@ def _task_context(request: HttpRequest, task: RemoteTask, *, artifacts: bool = T
     can = access.can(request.user, task.agent.project_id)
     # Buttons a person may not use are not shown (the server refuses them anyway).
     actions = {
-        **_watch_actions(task),
+        **task_services.offered_actions(task),
         "can_answer": task.state in INTERRUPTED_STATES
         and task.abandoned_at is None
         and task.gone_at is None,
@@ -722,30 +722,6 @@ def _task_context(request: HttpRequest, task: RemoteTask, *, artifacts: bool = T
         "surfaces": lambda: views_a2ui.surfaces_block(request, task),
         **{name: allowed and can["operate"] for name, allowed in actions.items()},
         "waiting_for_answer": actions["can_answer"],
-    }
-
-
-def _watch_actions(task: RemoteTask) -> dict:
-    """Every phase has a way out: refresh and abandon for anything unfinished, cancel once named."""
-    unfinished = not task.is_terminal and task.phase != RemoteTask.Phase.MESSAGE
-    lookup = (
-        task.phase in (RemoteTask.Phase.SENDING, RemoteTask.Phase.FAILED) and not task.remote_id
-    )
-    open_ = task.abandoned_at is None
-    return {
-        # A task not named yet is looked up by its contextId first (services.tasks._name_task).
-        "can_cancel": open_
-        and unfinished
-        and (bool(task.remote_id) or task.phase == RemoteTask.Phase.SENDING),
-        "can_retry": task_services.can_retry(task),
-        "can_refresh": bool(task.remote_id) or (open_ and lookup),
-        "can_abandon": open_ and unfinished,
-        # A send parked before it went out (credentials withheld, say) too.
-        "can_watch_again": open_
-        and (bool(task.remote_id) or task.phase == RemoteTask.Phase.SENDING)
-        and unfinished
-        and task.gone_at is None
-        and task.watcher_status in (RemoteTask.WatcherStatus.PARKED, RemoteTask.WatcherStatus.LOST),
     }
 
 
@@ -831,26 +807,18 @@ def _act(
     return _back_to_task(task)
 
 
-# The page offers these actions only in some states (``_watch_actions``); the server takes
-# no more than the page offers. A crafted POST for a hidden one (abandoning an ended task,
-# refreshing or canceling a plain message reply) is refused here, before the service writes
-# a log entry or an operator-action row for an action that cannot happen.
-NOT_OFFERED = {
-    "can_cancel": "This task cannot be canceled: it has ended, was abandoned, or has no task "
-    "at the agent.",
-    "can_refresh": "There is nothing to refresh: this exchange has no task at the agent.",
-    "can_abandon": "Only an unfinished task can be abandoned.",
-}
-
-
+# The page offers these actions only in some states (``services.tasks.offered_actions``); the
+# server takes no more than the page offers. A crafted POST for a hidden one (abandoning an
+# ended task, refreshing or canceling a plain message reply) is refused here, before the
+# service writes a log entry or an operator-action row for an action that cannot happen.
 def _offered(request: HttpRequest, task: RemoteTask, action: str) -> bool:
     """Whether the task page offers ``action`` now; if not, say so (nothing is recorded)."""
-    if _watch_actions(task)[action]:
+    if task_services.offered_actions(task)[action]:
         return True
     if action == "can_abandon" and task.abandoned_at is not None:
         messages.error(request, "This task was abandoned already.")
     else:
-        messages.error(request, NOT_OFFERED[action])
+        messages.error(request, task_services.NOT_OFFERED[action])
     return False
 
 

@@ -13,7 +13,6 @@ import pytest
 from django.test import Client
 from django.urls import reverse
 
-from tasks_app import views
 from tasks_app.models import Agent, Membership, OperatorAction, RemoteTask, TaskEvent
 from tasks_app.services import tasks as task_services
 from tasks_app.services.record import record
@@ -242,7 +241,7 @@ def test_watch_again_is_offered_for_a_send_parked_before_it_went_out(agent, oper
         watcher_status=RemoteTask.WatcherStatus.PARKED, watcher_note="needs attention"
     )
     task.refresh_from_db()
-    assert views._watch_actions(task)["can_watch_again"]
+    assert task_services.offered_actions(task)["can_watch_again"]
     task_services.watch_again(task, actor_id=operator.pk)
     task.refresh_from_db()
     assert task.watcher_status == RemoteTask.WatcherStatus.IDLE
@@ -263,3 +262,35 @@ def test_not_cancelable_asks_gettask_before_calling_it_a_failure(agent, ann, rep
     task.refresh_from_db()
     assert task.state == "TASK_STATE_CANCELED" and task.settled_at is not None
     assert actions(task, "cancel") == ["already canceled"]
+
+
+# The command line: the same refusals as the page ----------------------------------------------
+
+
+def test_the_command_line_cannot_cancel_an_ended_task_or_refresh_a_message_reply(
+    agent, calls, replies
+) -> None:
+    """``tasks cancel`` of a completed task logged the operator's entry on the ended task and
+    asked the agent; the page refused it (``offered_actions``), the services did not."""
+    from io import StringIO
+
+    from django.core.management import CommandError, call_command
+
+    ended = {"id": "t-1", "contextId": "c-1", "status": {"state": "TASK_STATE_COMPLETED"}}
+    replies["GetTask"] = ended
+    done = RemoteTask.objects.create(agent=agent, title="done", phase=RemoteTask.Phase.TASK)
+    record(done, {"task": ended}, "poll")
+    reply = RemoteTask.objects.create(agent=agent, title="reply", phase=RemoteTask.Phase.MESSAGE)
+    rows = (TaskEvent.objects.count(), OperatorAction.objects.count())
+    for args, words in (
+        (["cancel", str(done.pk)], "cannot be canceled"),
+        (["cancel", str(reply.pk)], "cannot be canceled"),
+        (["refresh", str(reply.pk)], "nothing to refresh"),
+    ):
+        with pytest.raises(CommandError, match=words):
+            call_command("tasks", *args, stdout=StringIO())
+    assert (TaskEvent.objects.count(), OperatorAction.objects.count()) == rows
+    assert calls == []
+    # An ended task can still be looked at again.
+    call_command("tasks", "refresh", str(done.pk), stdout=StringIO())
+    assert [method for method, _ in calls] == ["GetTask"]

@@ -146,6 +146,40 @@ def can_retry(task: RemoteTask) -> bool:
     )
 
 
+def offered_actions(task: RemoteTask) -> dict[str, bool]:
+    """Which actions the task page offers now. Every phase has a way out: refresh and abandon
+    for anything unfinished, cancel once named. The services refuse cancel and refresh
+    outside them too (the command line reaches them without the page)."""
+    unfinished = not task.is_terminal and task.phase != RemoteTask.Phase.MESSAGE
+    lookup = (
+        task.phase in (RemoteTask.Phase.SENDING, RemoteTask.Phase.FAILED) and not task.remote_id
+    )
+    open_ = task.abandoned_at is None
+    return {
+        # A task not named yet is looked up by its contextId first (services.tasks._name_task).
+        "can_cancel": open_
+        and unfinished
+        and (bool(task.remote_id) or task.phase == RemoteTask.Phase.SENDING),
+        "can_retry": can_retry(task),
+        "can_refresh": bool(task.remote_id) or (open_ and lookup),
+        "can_abandon": open_ and unfinished,
+        # A send parked before it went out (credentials withheld, say) too.
+        "can_watch_again": open_
+        and (bool(task.remote_id) or task.phase == RemoteTask.Phase.SENDING)
+        and unfinished
+        and task.gone_at is None
+        and task.watcher_status in (RemoteTask.WatcherStatus.PARKED, RemoteTask.WatcherStatus.LOST),
+    }
+
+
+NOT_OFFERED = {
+    "can_cancel": "This task cannot be canceled: it has ended, was abandoned, or has no task "
+    "at the agent.",
+    "can_refresh": "There is nothing to refresh: this exchange has no task at the agent.",
+    "can_abandon": "Only an unfinished task can be abandoned.",
+}
+
+
 def retry_send(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask:
     """Send the same message again (same ``messageId``, so the agent can drop a duplicate)."""
     require(actor_id, task.agent.project_id, Perm.OPERATE)
@@ -409,6 +443,8 @@ def cancel_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = No
     first looked up by its contextId, so cancel works in every phase.
     """
     require(actor_id, task.agent.project_id, Perm.OPERATE)
+    if not offered_actions(task)["can_cancel"]:  # before anything is written
+        raise TaskActionError(NOT_OFFERED["can_cancel"])
     if not task.remote_id and withdraw_send(task, reason=reason, actor_id=actor_id):
         task.refresh_from_db()
         return task
@@ -479,6 +515,8 @@ def refresh_task(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask
     again; one it still does not know stays gone, and the message says so.
     """
     require(actor_id, task.agent.project_id, Perm.OPERATE)
+    if not offered_actions(task)["can_refresh"]:  # before anything is written
+        raise TaskActionError(NOT_OFFERED["can_refresh"])
     record(task, {"operator": {"action": "refresh"}}, "operator", actor_id=actor_id)
     try:
         task = _refresh(task, actor_id=actor_id)
@@ -588,7 +626,7 @@ def watch_again(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask:
 def unfinished() -> Q:
     """Tasks an operator can still act on as running: not ended, not a plain message reply.
 
-    The page offers abandon and the switch of watch only for these (``views._watch_actions``);
+    The page offers abandon and the switch of watch only for these (``offered_actions``);
     checked again in the compare-and-set, so a task that ends between the page's look and
     the write is not abandoned or switched after its end, with entries for both.
     """
