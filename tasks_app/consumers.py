@@ -46,15 +46,29 @@ browser went away in the middle of a long send stops sending and still leaves it
 groups. A frame that is not a JSON object is dropped (the protocol has no error
 message); a malformed seq resumes from the start, a malformed ``since`` answers only the
 version.
+
+Frames are bounded per socket (``_FrameGate``): daphne queues whatever a browser sends
+without limit (its own bound is 1 MiB a frame), and most frames cost a query. A frame over
+``MAX_FRAME_CHARS`` is dropped unread, as a malformed one. Every frame spends one of
+``FRAME_BURST`` tokens, given back at ``FRAME_RATE`` a second; a socket out of them is
+closed (4429: the page waits a while before it connects again). A ``sync`` or ``resume``
+that arrives while one waits its turn is merged into it (at most one re-sync runs and one
+waits, whatever arrives); the task socket still answers each merged frame with the one
+``synced``. A list ``sync`` that follows a ``more`` the socket just sent costs no token (a
+long catch-up is one frame per answer). The pages send a ``sync`` at most every 5 s
+(``live.js``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import math
 import re
 import time
+from collections import deque
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import parse_qs
@@ -90,6 +104,13 @@ LIST_SYNC_LIMIT = 200
 ACCESS_RECHECK_SECONDS = 60.0
 # The largest seq the log can hold (``TaskEvent.seq`` is a PositiveIntegerField).
 SEQ_MAX = 2**31 - 1
+# What a browser may send on one socket (``_FrameGate``). The pages' frames are under 100
+# characters, and they send a re-sync at most every 5 s (``live.js``: when idle 5 s, at
+# least every 30 s; one more on each connect; one per ``more`` answer, which is free).
+MAX_FRAME_CHARS = 4096  # longer: dropped unread (daphne itself closes at 1 MiB)
+FRAME_BURST = 100  # frames a socket may send at once...
+FRAME_RATE = 1.0  # ...and then this many a second, on average (a token bucket)
+CLOSE_TOO_MANY_FRAMES = 4429  # as HTTP 429: the page backs off before it connects again
 # No task changed before this: an older ``since`` asks for the same rows, and stays clear
 # of datetime's range (``since - LIST_OVERLAP`` near year 1 overflows).
 VERSION_FLOOR = datetime(1970, 1, 1, tzinfo=UTC)
@@ -193,6 +214,121 @@ async def _join(consumer: AsyncJsonWebsocketConsumer, *groups: str) -> None:
         await consumer.channel_layer.group_add(group, consumer.channel_name)
 
 
+class _FrameGate:
+    """Between the ASGI server's ``receive`` and the consumer: reads every message as it
+    arrives (also while a handler runs) and bounds what a browser's frames may cost.
+
+    * A frame over ``MAX_FRAME_CHARS`` is dropped unread (no JSON parse of it).
+    * Every frame spends a token of the socket's bucket (``FRAME_BURST``, refilled at
+      ``FRAME_RATE`` a second) unless the consumer says it is free (``free_frame``); with
+      none left, the socket is closed (``CLOSE_TOO_MANY_FRAMES``).
+    * A frame that is not a JSON object is dropped here; the others go to the consumer
+      decoded (``content``).
+    * A re-sync (``sync`` or ``resume``) that arrives while another waits its turn is
+      merged into that one (its ``merged`` count): one re-sync runs, at most one waits.
+
+    Once the socket is closed (by us, or its browser gone) frames are dropped unread, and
+    what was waiting is dropped too; connect and disconnect always go through.
+    """
+
+    def __init__(self, consumer: _ResyncingConsumer, receive: Any) -> None:
+        self.consumer = consumer
+        self.upstream = receive
+        self.queue: deque[dict[str, Any]] = deque()
+        self.ready = asyncio.Event()
+        self.waiting_resync: dict[str, Any] | None = None
+        self.tokens = float(FRAME_BURST)
+        self.filled_at = time.monotonic()
+        self.failed: BaseException | None = None
+        self.pump: asyncio.Future[None] | None = None
+
+    def start(self) -> None:
+        self.pump = asyncio.ensure_future(self._pump())
+
+    async def stop(self) -> None:
+        if self.pump is not None:
+            self.pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.pump
+
+    async def receive(self) -> dict[str, Any]:
+        """The next message for the consumer (channels' dispatch loop calls this)."""
+        while not self.queue:
+            if self.failed is not None:
+                raise self.failed
+            self.ready.clear()
+            await self.ready.wait()
+        message = self.queue.popleft()
+        if message is self.waiting_resync:
+            self.waiting_resync = None  # it runs now: the next re-sync waits again
+        return message
+
+    def _put(self, message: dict[str, Any]) -> None:
+        self.queue.append(message)
+        self.ready.set()
+
+    async def _pump(self) -> None:
+        try:
+            while True:
+                message = await self.upstream()
+                if message.get("type") == "websocket.receive":
+                    await self._frame(message)
+                    continue
+                self._put(message)
+                if message.get("type") == "websocket.disconnect":
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # the server's receive failed: the consumer's fails so
+            self.failed = error
+            self.ready.set()
+
+    def _spend(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(float(FRAME_BURST), self.tokens + (now - self.filled_at) * FRAME_RATE)
+        self.filled_at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+    async def _frame(self, message: dict[str, Any]) -> None:
+        if self.consumer.gone:
+            return
+        text, data = message.get("text"), message.get("bytes")
+        size = len(text) if text is not None else len(data or b"")
+        # Longer than any frame of the protocol: dropped unread, as a malformed one is.
+        content = _decode_frame(text) if text is not None and size <= MAX_FRAME_CHARS else None
+        free = content is not None and self.consumer.free_frame(content)
+        if not free and not self._spend():
+            await self._close(CLOSE_TOO_MANY_FRAMES, "more frames than its budget")
+            return
+        if content is None:
+            return  # not a JSON object: the protocol has no answer for it
+        if content.get("type") in ("sync", "resume"):  # any JSON value: not a set lookup
+            if self.waiting_resync is not None:
+                self.waiting_resync["merged"] += 1
+                return
+            self.waiting_resync = {**message, "content": content, "merged": 0}
+            self._put(self.waiting_resync)
+            return
+        self._put({**message, "content": content})
+
+    async def _close(self, code: int, why: str) -> None:
+        user = self.consumer.scope.get("user")
+        log.warning(
+            "websocket %s of person %s closed (%s): %s",
+            self.consumer.scope.get("path"),
+            getattr(user, "pk", None),
+            code,
+            why,
+        )
+        # Nothing that waited runs: the socket is closed.
+        self.queue = deque(m for m in self.queue if m.get("type") != "websocket.receive")
+        self.waiting_resync = None
+        await self.consumer.close(code=code)
+
+
 class _ResyncingConsumer(AsyncJsonWebsocketConsumer):
     """What both sockets share: malformed frames dropped; the person's access checked afresh
     when due; sends stopped once the socket is closed or its browser gone; groups left
@@ -201,6 +337,8 @@ class _ResyncingConsumer(AsyncJsonWebsocketConsumer):
     joined: tuple[str, ...] = ()
     # Closed by us, or the browser went away: nothing more is sent.
     gone = False
+    # How many frames were merged into the re-sync that runs (``_FrameGate``).
+    merged = 0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -224,9 +362,12 @@ class _ResyncingConsumer(AsyncJsonWebsocketConsumer):
             if message.get("type") == "websocket.close":
                 self.gone = True
 
+        gate = _FrameGate(self, receive)
+        gate.start()
         try:
-            await super().__call__(scope, receive, guarded_send)
+            await super().__call__(scope, gate.receive, guarded_send)
         finally:
+            await gate.stop()
             await self._leave()
 
     async def join(self, *groups: str) -> None:
@@ -243,6 +384,26 @@ class _ResyncingConsumer(AsyncJsonWebsocketConsumer):
 
     async def disconnect(self, code: int) -> None:
         await self._leave()
+
+    async def websocket_receive(self, message: dict[str, Any]) -> None:
+        """A frame as the gate passed it on: decoded, and with how many were merged into it."""
+        if "content" not in message:
+            await super().websocket_receive(message)
+            return
+        self.merged = message.get("merged", 0)
+        try:
+            await self.receive_json(message["content"])
+        finally:
+            self.merged = 0
+
+    def free_frame(self, content: dict[str, Any]) -> bool:
+        """Whether a frame costs no token of the socket's budget (``_FrameGate``)."""
+        return False
+
+    async def answer(self, content: dict[str, Any]) -> None:
+        """The answer that ends a re-sync, once for each frame it answers (merged ones too)."""
+        for _ in range(1 + self.merged):
+            await self.send_json(content)
 
     async def receive(
         self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
@@ -329,7 +490,7 @@ class TaskConsumer(_ResyncingConsumer):
             return
         self.last_sent = after
         await self._send_from_log(upto=None)
-        await self.send_json({"type": "synced", "last_seq": self.last_sent})
+        await self.answer({"type": "synced", "last_seq": self.last_sent})
 
     async def _resync(self, after: Any) -> None:
         """Idle re-sync: send what the log holds beyond what we sent (a lost relay).
@@ -350,7 +511,7 @@ class TaskConsumer(_ResyncingConsumer):
             await self._resume(0 if seq is None else seq)  # malformed: everything
             return
         await self._send_from_log(upto=None)
-        await self.send_json({"type": "synced", "last_seq": self.last_sent})
+        await self.answer({"type": "synced", "last_seq": self.last_sent})
 
     async def _send_from_log(self, upto: int | None) -> None:
         """Send every row after ``last_sent`` (up to ``upto``) from the log, in order."""
@@ -517,6 +678,9 @@ class TaskListConsumer(_ResyncingConsumer):
     # up once when its first summary arrives.
     agent_ids: set[int] | None = None
     unreadable: set[int]
+    # The ``sync`` the browser asks next after an answer that said ``more`` (free: see
+    # ``free_frame``), as (version, pk).
+    continuation: tuple[str, int] | None = None
 
     async def connect(self) -> None:
         if not _authenticated(self.scope):
@@ -561,16 +725,32 @@ class TaskListConsumer(_ResyncingConsumer):
                 await self.send_json({**summary, "type": "task", "resync": True})
             if more is not None:  # the rest from the last one sent, asked for at once
                 assert newest is not None
+                # Once, merged frames or not: each copy would ask for the rest again.
+                self.continuation = (newest.isoformat(), more)
                 await self.send_json(
-                    {"type": "version", "version": newest.isoformat(), "more": more}
+                    {"type": "version", "version": self.continuation[0], "more": more}
                 )
                 return
             version = max((v for v in (since, newest) if v is not None), default=None)
-            await self.send_json(
+            await self.answer(
                 {"type": "version", "version": version.isoformat() if version else None}
             )
         elif content.get("type") == "ping":
             await self.send_json({"type": "pong"})
+
+    def free_frame(self, content: dict[str, Any]) -> bool:
+        """The ``sync`` that asks for the rest of an answer cut at its limit, as the page
+        does at once (one frame per answer of ``LIST_SYNC_LIMIT`` rows, however many),
+        costs no token: once per ``more`` sent."""
+        wanted = self.continuation
+        if (
+            wanted is None
+            or content.get("type") != "sync"
+            or (content.get("since"), content.get("after")) != wanted
+        ):
+            return False
+        self.continuation = None
+        return True
 
     async def tasks_changed(self, message: dict[str, Any]) -> None:
         if await self.may_go_on() and await self._may_read(message.get("agent")):

@@ -11,6 +11,11 @@
  * idleMs (default 5 s), and every 6 idleMs anyway; the server answers every
  * sync, so a connection that stays silent for 4 idleMs in spite of them is
  * treated as dead and reconnected.
+ *
+ * Closed by the server with one of STOP_CODES, it does not connect again and says why
+ * on the status line (connecting again would be refused the same way). Closed with
+ * 4429 (more frames than the socket's budget, consumers.FRAME_BURST), it waits
+ * BUSY_WAIT_MS to twice that before connecting again, whatever its backoff.
  */
 (function () {
   "use strict";
@@ -19,6 +24,16 @@
     const proto = window.location.protocol === "https:" ? "wss://" : "ws://";
     return proto + window.location.host + path;
   }
+
+  // Close codes after which connecting again cannot help: not logged in, no such task (or
+  // not readable), refused (another origin, or access denied: tasks_app/routing.py).
+  const STOP_CODES = {
+    4401: "log in again",
+    4403: "refused by the server (not reconnecting)",
+    4404: "not found",
+  };
+  const TOO_MANY_FRAMES = 4429;
+  const BUSY_WAIT_MS = 30000;
 
   /* The page's "live:" line (tests wait for data-state=open). */
   function showStatus(state, text) {
@@ -91,14 +106,19 @@
         if (this.ws !== ws) return;
         this.ws = null;
         if (this.stopped) return;
-        if (ev.code === 4401 || ev.code === 4404) {
-          this.status("closed", ev.code === 4401 ? "log in again" : "not found");
+        if (Object.prototype.hasOwnProperty.call(STOP_CODES, ev.code)) {
+          this.status("closed", STOP_CODES[ev.code]);
           return;
         }
         this.attempt += 1;
         const base = Math.min(10000, 400 * Math.pow(2, this.attempt - 1));
-        const delay = base / 2 + Math.random() * base / 2;
-        this.status("reconnecting", "reconnecting in " + Math.round(delay / 100) / 10 + " s");
+        let delay = base / 2 + Math.random() * base / 2;
+        let why = "reconnecting in ";
+        if (ev.code === TOO_MANY_FRAMES) {
+          delay = BUSY_WAIT_MS + Math.random() * BUSY_WAIT_MS;
+          why = "too many requests, reconnecting in ";
+        }
+        this.status("reconnecting", why + Math.round(delay / 100) / 10 + " s");
         this.timer = setTimeout(() => this.connect(), delay);
       };
       ws.onerror = () => { /* onclose follows */ };
