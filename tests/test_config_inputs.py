@@ -388,3 +388,24 @@ def test_bounds_the_wrong_way_round_stop_the_start(
     assert result.stderr.strip() == (
         f"Configuration error: {low} (40) must not be more than {high} (30)."
     )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_start_the_broker_did_not_take_says_so_and_keeps_the_task(child_env: ChildEnv) -> None:
+    """With Redis down, ``tasks start`` printed the task as if handed to a worker and said
+    nothing; the send waits for the reconciler. It says so now (and exits 0: the task is
+    saved, and a script that started it again would make a second one)."""
+    agent = Agent.objects.create(
+        name="far", base_url="http://127.0.0.1:9/", interface_url="http://127.0.0.1:9/rpc",
+        binding="JSONRPC", protocol_version="1.0",
+    )  # fmt: skip
+    down = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    child = _start(child_env, "tasks", "start", str(agent.pk), "hello",
+                   REDIS_URL=down, CELERY_BROKER_URL=down)  # fmt: skip
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err.decode()
+    pk = int(out.decode().split("\t")[0])
+    assert f"Task {pk} is saved but no worker was asked to send it" in err.decode()
+    assert "Traceback" not in err.decode()
+    task = RemoteTask.objects.get(pk=pk)
+    assert task.phase == RemoteTask.Phase.SENDING

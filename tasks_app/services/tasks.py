@@ -127,7 +127,8 @@ def start_task(
             "operator",
             actor_id=actor_id,
         )
-        transaction.on_commit(lambda: dispatch(task.pk))
+        # Whether a worker was asked (False: the broker refused; the reconciler asks later).
+        transaction.on_commit(lambda: setattr(task, "handed_off", dispatch(task.pk)))
     return task
 
 
@@ -745,16 +746,17 @@ def _action(
 # Watching: dispatch and leases ----------------------------------------------------------------
 
 
-def dispatch(task_pk: int) -> None:
-    """Ask a worker to watch the task; harmless if one already does (the lease decides)."""
+def dispatch(task_pk: int) -> bool:
+    """Ask a worker to watch the task; harmless if one already does (the lease decides).
+    False when the broker did not take the message (the reconciler asks again later)."""
     from tasks_app.watchers import watch
 
     try:
         watch.delay(task_pk)
-    except (
-        Exception
-    ) as exc:  # the reconciler re-dispatches; a broker hiccup must not fail the action
+    except Exception as exc:  # a broker hiccup must not fail the action
         log.warning("could not dispatch a watcher for task %s: %s", task_pk, exc)
+        return False
+    return True
 
 
 SETTLE_WITHIN_SECONDS = 3600

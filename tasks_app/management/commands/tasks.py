@@ -103,6 +103,14 @@ class Command(StoppableCommand):
         agent = find_agent(options["agent"])
         task = task_services.start_task(agent, options["text"], mode=options["mode"])
         self.interrupted_note = f"task {task.pk} was started and goes on (tasks show {task.pk})."
+        if getattr(task, "handed_off", True) is False:
+            # Saved, not lost, and not failed: a script must not start it again.
+            self.stderr.write(
+                f"Task {task.pk} is saved but no worker was asked to send it: the broker "
+                "(CELERY_BROKER_URL / REDIS_URL) did not take the message. It is sent once "
+                f"the broker and a worker are up (the reconciler asks again); see "
+                f"'manage.py tasks show {task.pk}'."
+            )
         deadline = time.monotonic() + options["wait"]
         while time.monotonic() < deadline:
             task.refresh_from_db()
