@@ -511,3 +511,23 @@ def test_a_refusal_redelivered_off_the_stream_is_logged_once(task):
     assert refusals.count() == 2
     record_many(task, [illegal, illegal], "stream")
     assert refusals.count() == 4
+
+
+def test_a_snapshot_that_changes_only_the_metadata_is_applied(task):
+    """A GetTask whose status and artifacts were the same as held was dropped as "nothing
+    new" even when the agent had changed the task's metadata: the page showed the old."""
+    first = snapshot("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:00Z")
+    first["task"]["metadata"] = {"progress": 10}
+    record(task, first, "poll")
+    later = snapshot("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:00Z")
+    later["task"]["metadata"] = {"progress": 60}
+    result = record(task, later, "poll", gap_check=True)
+    assert result.kinds == ["task"]  # news, not a gap: the status and artifacts are the same
+    task.refresh_from_db()
+    assert task_view(task)["metadata"] == {"progress": 60}
+    # Again, or without metadata at all: nothing new.
+    assert record(task, later, "poll").duplicate
+    assert record(task, snapshot("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:00Z"),
+                  "poll").duplicate  # fmt: skip
+    task.refresh_from_db()
+    assert task_view(task)["metadata"] == {"progress": 60}

@@ -869,7 +869,17 @@ class _Fold:
             else []
         )
         new_messages = self.unknown_messages(candidates)
-        if status_same and artifacts_same and not new_messages and self.get("remote_id"):
+        # Metadata the agent changed alone (progress it keeps there, say) is news too; a
+        # snapshot without any leaves the held metadata as it is (as applying it does).
+        metadata = task.get("metadata")
+        metadata_same = not isinstance(metadata, dict) or metadata == (self.get("metadata") or {})
+        if (
+            status_same
+            and artifacts_same
+            and metadata_same
+            and not new_messages
+            and self.get("remote_id")
+        ):
             return  # a snapshot equal to the view: nothing new
         if self.settled:
             self._after_end(entry, "a snapshot that differs from the settled task")
