@@ -20,6 +20,7 @@ import functools
 import json
 import logging
 import re
+import time
 from typing import Any
 
 from django.contrib import messages
@@ -39,6 +40,35 @@ log = logging.getLogger(__name__)
 
 PUSH_PATH = re.compile(r"/push/([^/]+)/")
 Scope = dict[str, Any]
+
+
+class _Unchecked:
+    """Deliveries that could not be checked: the first of a spell logged with its traceback,
+    the rest counted until one is checked again (then one line with the count).
+
+    Callers choose how often they deliver: with Redis down, a traceback per delivery was a
+    log line per request anyone on the network sent.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.since: float | None = None
+
+    def failed(self) -> None:
+        self.count += 1
+        if self.since is None:
+            self.since = time.monotonic()
+            log.exception("push webhook: a delivery could not be checked; further failures "
+                          "are counted until one is checked")  # fmt: skip
+
+    def checked(self) -> None:
+        if self.since is not None:
+            log.warning("push webhook: deliveries are checked again: %d could not be over %.1f s",
+                        self.count, time.monotonic() - self.since)  # fmt: skip
+            self.count, self.since = 0, None
+
+
+_unchecked = _Unchecked()
 
 
 def _source(request: HttpRequest) -> str:
@@ -201,9 +231,10 @@ class PushRoute:
                 source=str(client[0]) if client else "unknown",
             )
         except Exception:  # Redis or the database unreachable: the agent retries later
-            log.exception("push webhook: a delivery could not be checked")
+            _unchecked.failed()
             await _answer(send, 503, {"error": "try again later"}, [(b"retry-after", b"5")])
             return
+        _unchecked.checked()
         payload = {"status": verdict.reason} if verdict.accepted else {"error": verdict.reason}
         await _answer(
             send,

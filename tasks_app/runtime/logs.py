@@ -7,6 +7,11 @@ exactly those INFO records for the tasks it is given; ``LOGGING`` puts it on the
 that write them (``celery.beat``, ``celery.worker.strategy``, ``celery.app.trace``). Anything at WARNING or above (a failed
 or retried tick, a lost connection) still reaches the log, and so does every other task.
 
+Agents are untrusted, and what they say reaches log lines (an error's text, a task id, a
+reason phrase): :class:`SafeText`, the text format, escapes control characters in the
+message and in exception text, so no agent can start a line of its own, move the cursor or
+colour a terminal; both formats cut an over-long message (see ``MESSAGE_LIMIT``).
+
 Imported by ``dashboard/settings.py``'s ``LOGGING`` while Django configures logging, so it
 must import nothing from Django or the app.
 """
@@ -14,8 +19,11 @@ must import nothing from Django or the app.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+import re
+import traceback
+from collections.abc import Iterable, Iterator, Mapping
 from contextvars import ContextVar
+from typing import Any
 
 
 class QuietRoutineTasks(logging.Filter):
@@ -70,6 +78,140 @@ class ContextIds(logging.Filter):
         return True
 
 
+# Bounds of one record: its message, and its exception text (a traceback is ours, but an
+# exception's own text may be an agent's). Past them the text is cut, with a marker.
+MESSAGE_LIMIT = 4096
+EXCEPTION_LIMIT = 32768
+
+# What must never reach a text line as it is: C0 and C1 control characters (newline, carriage
+# return, ESC of an ANSI sequence, backspace, ...), DEL, the Unicode line and paragraph
+# separators, and the bidirectional controls that reorder what a terminal shows.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_UNSAFE_BUT_NEWLINE = re.compile(
+    "[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
+)
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    return _NAMED.get(char) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+
+
+def _escape(text: str, pattern: re.Pattern[str] = _UNSAFE) -> str:
+    return pattern.sub(lambda match: _escaped(match.group()), text)
+
+
+def _marker(cut: int) -> str:
+    return f"\u2026 [{cut} more characters cut]"
+
+
+def one_line(text: str, limit: int = MESSAGE_LIMIT) -> str:
+    """``text`` as one safe line of at most about ``limit`` characters.
+
+    Control characters are escaped (a newline becomes ``\\n``, ESC ``\\x1b``); past
+    ``limit`` (counted after escaping) the rest is cut, and a marker says how much.
+    """
+    head = text[:limit]
+    line = _escape(head) if _UNSAFE.search(head) else head
+    kept = len(head)
+    if len(line) > limit:  # escapes made it longer: keep the characters whose escapes fit
+        size = kept = 0
+        for char in head:
+            size += len(_escaped(char)) if _UNSAFE.match(char) else 1
+            if size > limit:
+                break
+            kept += 1
+        line = _escape(head[:kept])
+    cut = len(text) - kept
+    return line if not cut else line + _marker(cut)
+
+
+def cut(text: str, limit: int) -> str:
+    """``text`` with its middle cut to keep it near ``limit`` characters (head and tail kept:
+    a traceback's last line names the error)."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return text[:half] + _marker(len(text) - 2 * half) + text[-half:]
+
+
+def _chain(te: traceback.TracebackException) -> Iterator[traceback.TracebackException]:
+    seen: set[int] = set()
+    todo = [te]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        todo.extend(n for n in (node.__cause__, node.__context__) if n is not None)
+        todo.extend(getattr(node, "exceptions", None) or ())
+
+
+class SafeText(logging.Formatter):
+    """The text format: one line per record, whatever its message holds.
+
+    The message is escaped and cut (:func:`one_line`). A traceback keeps its lines, but the
+    text of each exception in it (and its notes) is escaped and cut the same way, and no other
+    control character than the newlines between its lines is left; the whole is cut at
+    ``EXCEPTION_LIMIT``. So every line that starts with a time is the start of a record of ours.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        # As logging.Formatter.format, but the exception text is never taken from the record's
+        # cache (another handler may have put the raw text there).
+        record.message = one_line(record.getMessage())
+        if self.usesTime():
+            record.asctime = self.formatTime(record, self.datefmt)
+        line = self.formatMessage(record)
+        if record.exc_info:
+            extra = self.formatException(record.exc_info)
+        else:
+            extra = _escape(cut(record.exc_text or "", EXCEPTION_LIMIT), _UNSAFE_BUT_NEWLINE)
+        if extra:
+            line = f"{line}\n{extra}"
+        if record.stack_info:
+            stack = cut(self.formatStack(record.stack_info), EXCEPTION_LIMIT)
+            line = f"{line}\n{_escape(stack, _UNSAFE_BUT_NEWLINE)}"
+        return line
+
+    def formatException(self, ei: Any) -> str:
+        try:
+            te = traceback.TracebackException(ei[0], ei[1], ei[2], compact=True)
+        except Exception:  # an exception that cannot even be described: logging's own way
+            text = super().formatException(ei)
+        else:
+            for node in _chain(te):
+                if isinstance(getattr(node, "_str", None), str):
+                    node._str = one_line(node._str)
+                notes = getattr(node, "__notes__", None)
+                if isinstance(notes, list | tuple):
+                    node.__notes__ = [one_line(str(note)) for note in notes]
+            text = "".join(te.format()).rstrip("\n")
+        return _escape(cut(text, EXCEPTION_LIMIT), _UNSAFE_BUT_NEWLINE)
+
+
+def json_formatter(**options: Any) -> logging.Formatter:
+    """The JSON format (``pythonjsonlogger``), with the message and exception text cut as in
+    the text format (the encoder escapes control characters itself)."""
+    from pythonjsonlogger.json import JsonFormatter
+
+    class Bounded(JsonFormatter):
+        def process_log_record(self, log_data: dict[str, Any]) -> dict[str, Any]:
+            message = log_data.get("message")
+            if isinstance(message, str) and len(message) > MESSAGE_LIMIT:
+                log_data["message"] = message[:MESSAGE_LIMIT] + _marker(
+                    len(message) - MESSAGE_LIMIT
+                )
+            for name in ("exc_info", "stack_info"):
+                if isinstance(log_data.get(name), str):
+                    log_data[name] = cut(log_data[name], EXCEPTION_LIMIT)
+            return super().process_log_record(log_data)
+
+    return Bounded(**options)
+
+
 FORMATS = ("text", "json")
 
 
@@ -77,11 +219,14 @@ def formatter_config(log_format: str) -> dict[str, object]:
     """``LOGGING["formatters"]`` entry for ``LOG_FORMAT`` (text: one line; json: one object)."""
     if log_format == "json":
         return {
-            "()": "pythonjsonlogger.json.JsonFormatter",
+            "()": "tasks_app.runtime.logs.json_formatter",
             "fmt": "%(levelname)s %(name)s %(message)s",
             "rename_fields": {"levelname": "level", "name": "logger"},
             # ISO 8601 in UTC ("2026-12-02T21:09:09.747714+00:00"): asctime was local time
             # with a comma and no zone.
             "timestamp": "time",
         }
-    return {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}
+    return {
+        "()": "tasks_app.runtime.logs.SafeText",
+        "format": "%(asctime)s %(levelname)s %(name)s: %(message)s",
+    }
