@@ -526,6 +526,9 @@ class Walk:
     nodes: int = 0
     cut: str = ""
     html_bytes: int = 0
+    # Inputs the person's page drew (a posted form's ``inputs``): those after them keep the
+    # agent's values and are not checked (``errors_of``). None: every input.
+    drawn: int | None = None
     _child_bytes: list[int] = field(default_factory=list)  # per node being drawn
 
     def run(self, root_id: str) -> SafeString:
@@ -1093,7 +1096,9 @@ def apply_post(surface: Any, post: Any) -> tuple[dict, Walk]:
             break  # not on the person's page: the agent's value stays
         if ref.path is not None:
             model = assign(model, ref.path, posted_value(ref, post))
-    return model, walk(surface, model=model)
+    second = walk(surface, model=model)
+    second.drawn = drawn
+    return model, second
 
 
 _DATETIME_FORMS = {
@@ -1142,6 +1147,8 @@ def errors_of(w: Walk, model: Any) -> dict[str, list[str]]:
 def _errors_of(w: Walk, model: Any) -> dict[str, list[str]]:
     errors: dict[str, list[str]] = {}
     for ref in w.inputs:
+        if w.drawn is not None and ref.index >= w.drawn:
+            break  # not on the person's page: nothing they could see or fix
         failed = check_failures(ref.component.get("checks"), model, ref.scope)
         value_problem = _value_problem(ref, lookup(model, ref.path), model) if ref.path else ""
         if value_problem:

@@ -60,6 +60,40 @@ def test_an_input_the_drawing_cut_off_keeps_the_agents_value(
     assert OperatorAction.objects.filter(action="a2ui-action").count() == 1
 
 
+def test_a_check_of_an_input_the_drawing_cut_off_does_not_refuse_the_form(
+    agent,
+    people,
+    no_dispatch,
+    django_capture_on_commit_callbacks,
+) -> None:
+    """An input the page never drew kept the agent's value, but its checks still ran on it:
+    a failing one refused the form, next to an input the person could not see or fix."""
+    task = waiting(agent)
+    required = {"condition": {"call": "required", "args": {"value": {"path": "/name"}}},
+                "message": "A name is needed."}  # fmt: skip
+    components = {
+        "root": {"id": "root", "component": "Column", "children": ["go", "big", "name"]},
+        "big": {"id": "big", "component": "Column", "children": ["m"] * 3},
+        "m": {"id": "m", "component": "Column", "children": ["t"] * 200},
+        "t": {"id": "t", "component": "Text", "text": "x" * 10_000},
+        "name": {"id": "name", "component": "TextField", "label": "Name",
+                 "value": {"path": "/name"}, "checks": [required]},
+        "go": {"id": "go", "component": "Button", "child": "gl", "action": {"event": {"name": "go"}}},
+        "gl": {"id": "gl", "component": "Text", "text": "Go"},
+    }  # fmt: skip
+    surface_of(task, surface_id="cut", components=components, data_model={"name": ""})
+    page = people["ann"].get(reverse("task-detail", args=[task.pk])).content.decode()
+    assert 'name="source" value="b0"' in page and 'name="v0"' not in page
+    with django_capture_on_commit_callbacks(execute=True):
+        resp = act_post(people["ann"], task, page, source="b0")
+    body = resp.content.decode()
+    assert "Sent to the agent" in body and "A name is needed." not in body
+    task.refresh_from_db()
+    assert task.outbox["message"]["metadata"]["a2uiClientDataModel"]["surfaces"]["cut"] == {
+        "name": ""
+    }
+
+
 def nested_and(levels: int) -> dict:
     """A check of 2**levels ``required`` calls (levels=12: 393 KB, within a surface's bound)."""
     node: dict = {"call": "required", "args": {"value": {"path": "/x"}}}
