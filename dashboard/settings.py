@@ -397,6 +397,24 @@ CSRF_COOKIE_HTTPONLY = False
 X_FRAME_OPTIONS = "DENY"
 SECURE_CONTENT_TYPE_NOSNIFF = True
 SECURE_REFERRER_POLICY = "same-origin"
+
+# What one request may make the web process hold (tests/test_upload_bounds.py). No form takes a
+# file over forms.MAX_UPLOAD_BYTES (10 MB): each file is held in memory up to that and only
+# counted past it (tasks_app/kept_uploads.BoundedUploadHandler), never written to a temporary
+# file, so a larger one costs nothing to refuse and a temporary folder that cannot be written
+# is no 500. Every form has at most one file input: two files a request (20 MB) at most.
+FILE_UPLOAD_HANDLERS = ["tasks_app.kept_uploads.BoundedUploadHandler"]
+DATA_UPLOAD_MAX_NUMBER_FILES = 2
+# The fields besides files: the largest form (a new task, or a free answer) takes 1,000,000
+# characters of JSON and 100,000 of text, up to 4 bytes each in UTF-8; Django's 2.5 MB refused
+# what the form allows (900,000 CJK characters were a bare 400).
+DATA_UPLOAD_MAX_MEMORY_SIZE = 5 * 1024 * 1024
+# Django's own: a schema answer form has at most 50 fields and 500 options; an A2UI surface
+# at most a2ui_render.MAX_NODES (1,500) components.
+DATA_UPLOAD_MAX_NUMBER_FIELDS = 1000
+# Under ASGI, Django keeps a request body up to this in memory and spools the rest to a
+# temporary file before parsing (uploads themselves no longer use it: see above).
+FILE_UPLOAD_MAX_MEMORY_SIZE = 2621440
 # Django's admin change list has one inline <style> block when the list has no actions (as on
 # the view-only models); it is allowed by its hash, not by 'unsafe-inline'. tests/test_headers.py
 # fails if a Django upgrade changes it.

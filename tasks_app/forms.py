@@ -240,6 +240,9 @@ class StartTaskForm(forms.Form):
             }
         elif data.get("kept_file") and not data.get("drop_kept_file"):
             part = self._kept(data["kept_file"])
+        if data.get("drop_kept_file") and self.person_id:
+            # Removed now, not an hour later (it was held until the form went through).
+            kept_uploads.drop(self.person_id)
         data["file_part"] = part
         empty = not (data.get("text") or "").strip() and data.get("data") is None and part is None
         if empty and "data" not in self.errors:
@@ -261,7 +264,12 @@ class StartTaskForm(forms.Form):
 
     def keep_file(self) -> None:
         """After an error elsewhere, keep the uploaded file for the next try (a token in the form)."""
-        part = getattr(self, "cleaned_data", {}).get("file_part")
+        cleaned = getattr(self, "cleaned_data", {})
+        part = cleaned.get("file_part")
+        if not part and cleaned.get("drop_kept_file"):
+            self.data = self.data.copy()  # removed: the page no longer offers it
+            for name in ("kept_file", "kept_file_name", "drop_kept_file"):
+                self.data.pop(name, None)
         if not part or not self.person_id:
             return
         self.data = self.data.copy()
