@@ -456,9 +456,18 @@ def cancel_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = No
         raise
     client_metadata = {"reason": reason} if reason else None
     agent = task.agent
-    record(
-        task, {"operator": {"action": "cancel", "reason": reason}}, "operator", actor_id=actor_id
-    )
+    with transaction.atomic():
+        # Checked again in the write (compare-and-set): the task may have ended or been
+        # abandoned since the check above read it, and its end (``settled``) must not be
+        # followed by the operator's entry, nor the agent asked.
+        if not RemoteTask.objects.filter(
+            unfinished(), pk=task.pk, abandoned_at__isnull=True
+        ).update(updated_at=timezone.now()):
+            raise TaskActionError(NOT_OFFERED["can_cancel"])
+        record(
+            task, {"operator": {"action": "cancel", "reason": reason}}, "operator",
+            actor_id=actor_id,
+        )  # fmt: skip
     try:
         result = outbound.run(
             lambda http: outbound.client_for(agent, http).cancel_task(
