@@ -82,14 +82,22 @@ def chunk(aid: str, texts: list[str], *, append: bool, last: bool, name: str | N
 
 
 def snapshot(
-    state: str, artifacts: dict[str, list[str]], history: list[str], mid: str | None, ts: str | None
+    state: str,
+    artifacts: dict[str, list[str] | tuple[list[str], str | None]],
+    history: list[str],
+    mid: str | None,
+    ts: str | None,
 ) -> dict:
+    """``artifacts``: each artifact's texts, or its texts and its name."""
     task: dict[str, Any] = {"id": T, "contextId": "c-1", "status": status_body(state, mid, ts)}
     if artifacts:
-        task["artifacts"] = [
-            {"artifactId": aid, "parts": [{"text": t} for t in texts]}
-            for aid, texts in artifacts.items()
-        ]
+        task["artifacts"] = []
+        for aid, held in artifacts.items():
+            texts, name = held if isinstance(held, tuple) else (held, None)
+            artifact: dict[str, Any] = {"artifactId": aid, "parts": [{"text": t} for t in texts]}
+            if name:
+                artifact["name"] = name
+            task["artifacts"].append(artifact)
     if history:
         task["history"] = [message(m) for m in history]
     return {"task": task}
@@ -113,7 +121,9 @@ chunks = st.builds(
 snapshots = st.builds(
     snapshot,
     st.sampled_from(STATES),
-    st.dictionaries(st.sampled_from(AIDS), texts, max_size=2),
+    st.dictionaries(
+        st.sampled_from(AIDS), st.tuples(texts, st.sampled_from([None, "n1", "n2"])), max_size=2
+    ),
     st.lists(st.sampled_from(MIDS), max_size=2, unique=True),
     st.sampled_from([None, *MIDS]),
     st.sampled_from(TIMES),

@@ -531,3 +531,21 @@ def test_a_snapshot_that_changes_only_the_metadata_is_applied(task):
                   "poll").duplicate  # fmt: skip
     task.refresh_from_db()
     assert task_view(task)["metadata"] == {"progress": 60}
+
+
+def test_a_snapshot_that_renames_an_artifact_with_the_same_parts_is_applied(task):
+    """The snapshot compared parts only: an artifact the agent renamed (or whose metadata it
+    changed) at the end kept its old name in the mirror."""
+    parts = [{"text": "body"}]
+    first = snapshot("t-1", "TASK_STATE_WORKING",
+                     [{"artifactId": "a-1", "name": "draft.md", "parts": parts}])  # fmt: skip
+    record(task, first, "poll")
+    renamed = snapshot("t-1", "TASK_STATE_WORKING", [{"artifactId": "a-1", "name": "report.md",
+                       "metadata": {"final": True}, "parts": parts}])  # fmt: skip
+    result = record(task, renamed, "poll", gap_check=True)
+    assert result.kinds == ["task"]  # news, not a gap
+    task.refresh_from_db()
+    (artifact,) = task_view(task)["artifacts"]
+    assert (artifact["name"], artifact["metadata"]) == ("report.md", {"final": True})
+    assert artifact["parts"] == parts
+    assert record(task, renamed, "poll").duplicate

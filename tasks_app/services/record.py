@@ -396,6 +396,28 @@ def chain_digest(digest: str, parts: Sequence[Any]) -> str:
     return digest
 
 
+# An artifact's labels: (name, description, metadata, extensions), as an artifact row keeps
+# them; a new artifact starts from none.
+Labels = tuple[str, str, Any, Any]
+NO_LABELS: Labels = ("", "", {}, [])
+
+
+def labels_of(artifact: Artifact) -> Labels:
+    return (artifact.name, artifact.description, artifact.metadata, artifact.extensions)
+
+
+def labels_after(current: Labels, data: dict) -> Labels:
+    """The labels an artifact has once ``data`` (a chunk's or a snapshot's artifact) is applied:
+    a name or description given replaces the held one, metadata and extensions likewise."""
+    name, description, metadata, extensions = current
+    return (
+        str(data.get("name") or name)[:500],
+        str(data.get("description") or description),
+        data["metadata"] if isinstance(data.get("metadata"), dict) else metadata,
+        data["extensions"] if isinstance(data.get("extensions"), list) else extensions,
+    )
+
+
 def _timestamp(status: dict) -> datetime | None:
     value = status.get("timestamp")
     return _parse_timestamp(value) if isinstance(value, str) else None
@@ -594,6 +616,8 @@ class _Fold:
         # Which kind of entry last set an artifact's content in this fold ("task" or
         # "artifactUpdate"); for the others, the kind of the row at its ``updated_seq``.
         self._set_by: dict[str, str] = {}
+        # Artifact labels as the entries folded so far leave them (``labels``).
+        self._labels: dict[str, Labels] = {}
         self._holders: dict[str, int | None] = {}
         self.changes: dict[str, Any] = {}
         self.rows: _Rows = _Rows(self)
@@ -644,6 +668,15 @@ class _Fold:
             return self._pending[artifact_id]
         artifact = self.artifact(artifact_id)
         return artifact.digest if artifact is not None else None
+
+    def labels(self, artifact_id: str) -> Labels:
+        """An artifact's labels after the entries folded so far (a removed one has none)."""
+        if artifact_id in self._labels:
+            return self._labels[artifact_id]
+        if artifact_id in self._pending and self._pending[artifact_id] is None:
+            return NO_LABELS
+        stored = self.artifact(artifact_id)
+        return labels_of(stored) if stored is not None else NO_LABELS
 
     def held_count(self) -> int:
         """How many artifacts the task holds after the entries folded so far."""
@@ -873,9 +906,13 @@ class _Fold:
         # snapshot without any leaves the held metadata as it is (as applying it does).
         metadata = task.get("metadata")
         metadata_same = not isinstance(metadata, dict) or metadata == (self.get("metadata") or {})
+        # So is an artifact renamed (or its metadata changed) with the same parts.
+        labels = {a["artifactId"]: labels_after(self.labels(a["artifactId"]), a) for a in artifacts}
+        labels_same = all(self.labels(aid) == after for aid, after in labels.items())
         if (
             status_same
             and artifacts_same
+            and labels_same
             and metadata_same
             and not new_messages
             and self.get("remote_id")
@@ -932,9 +969,14 @@ class _Fold:
                 for aid in wanted
                 if wanted[aid] != held.get(aid) or aid in self._set_by
             }
+        if not (artifacts_same and labels_same):
+            for aid in held:
+                if aid not in wanted:
+                    self._labels.pop(aid, None)  # removed: ``labels`` says none
+            self._labels.update(labels)
         row = _Row(entry, "task", asks=not status_same and status["state"] in INTERRUPTED_STATES)
         row.artifacts = artifacts  # type: ignore[attr-defined]
-        row.replace_artifacts = not artifacts_same  # type: ignore[attr-defined]
+        row.replace_artifacts = not (artifacts_same and labels_same)  # type: ignore[attr-defined]
         row.messages = new_messages  # type: ignore[attr-defined]
         self.remember_messages(new_messages)
         self.rows.append(row)
@@ -1071,6 +1113,9 @@ class _Fold:
         else:
             self._pending_parts[data["artifactId"]] = (0, list(parts))
         self._set_by[data["artifactId"]] = "artifactUpdate"
+        self._labels[data["artifactId"]] = labels_after(
+            self.labels(data["artifactId"]) if current is not None else NO_LABELS, data
+        )
         self.rows.append(_Row(entry, "artifactUpdate", chained=(start, digest)))
 
     def _shown_by_snapshot(self, update: dict) -> bool:
@@ -1312,10 +1357,12 @@ class _Fold:
             parts = data.get("parts") or []
             current = held.get(data["artifactId"])
             if current is not None and current.digest == chain_digest("", parts):
-                if current.position != position:
-                    # Kept, but in the snapshot's place: positions stay distinct (the view
-                    # is ordered by them) and follow the agent's order.
+                after = labels_after(labels_of(current), data)
+                if current.position != position or labels_of(current) != after:
+                    # Kept, but in the snapshot's place (positions stay distinct: the view is
+                    # ordered by them, and follows the agent's order) and with its labels.
                     current.position = position
+                    current.name, current.description, current.metadata, current.extensions = after
                     self._touched[current.artifact_id] = current
                 continue
             artifact = self._put_artifact(data, seq, now, position=position, complete=ended)
@@ -1340,12 +1387,9 @@ class _Fold:
             )
         elif position is not None:
             artifact.position = position
-        artifact.name = str(data.get("name") or artifact.name)[:500]
-        artifact.description = str(data.get("description") or artifact.description)
-        if isinstance(data.get("metadata"), dict):
-            artifact.metadata = data["metadata"]
-        if isinstance(data.get("extensions"), list):
-            artifact.extensions = data["extensions"]
+        artifact.name, artifact.description, artifact.metadata, artifact.extensions = labels_after(
+            labels_of(artifact), data
+        )
         artifact.complete = complete
         artifact.updated_seq = seq
         artifact.updated_at = now
