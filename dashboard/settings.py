@@ -628,6 +628,13 @@ IMPORT_DEADLINE_SECONDS = env_duration("IMPORT_DEADLINE_SECONDS", 600)
 # How much of an artifact the task page shows inline; the rest is a download.
 ARTIFACT_PREVIEW_BYTES = env_int("ARTIFACT_PREVIEW_BYTES", 64 * 1024, minimum=1)
 
+# A page's "verify now" on a log too long to check on every load (tasks_app/services/audit.py,
+# verify_on_request): 100,000 entries took 3-4 s of a web process. Its outcome is remembered
+# for this long while the log does not grow (the page says when it was checked); one check
+# per task and one per person run at once, and a person starts at most this many an hour.
+CHAIN_VERIFY_REMEMBER_SECONDS = env_duration("CHAIN_VERIFY_REMEMBER_SECONDS", 3600)
+CHAIN_VERIFY_PER_PERSON_PER_HOUR = env_int("CHAIN_VERIFY_PER_PERSON_PER_HOUR", 20, minimum=1)
+
 
 def _http_url_problem(url: str) -> str | None:
     """What keeps ``url`` from being an http(s) URL with a host and a valid port, in words

@@ -746,8 +746,15 @@ def task_detail(request: HttpRequest, pk: int) -> HttpResponse:
 
 
 def _chain(request: HttpRequest, task: RemoteTask) -> audit.Verification | None:
-    """Whether the task's hash chain verifies (on request only, for very long logs)."""
-    return audit.verify(task) if request.GET.get("verify") else audit.verify_for_page(task)
+    """Whether the task's hash chain verifies: checked on every load while the log is short;
+    a long one on request only (remembered by its head, one check at a time, a few an hour
+    per person: ``audit.verify_on_request``), else its remembered outcome or None."""
+    checked = audit.verify_for_page(task)
+    if checked is not None:
+        return checked
+    if request.GET.get("verify"):
+        return audit.verify_on_request(task, request.user.pk)
+    return audit.remembered(task)
 
 
 @login_required
