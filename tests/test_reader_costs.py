@@ -163,3 +163,29 @@ def test_without_redis_the_page_says_the_check_was_not_run(checks, settings):
     line = chain_line(response.content)
     assert "not checked now" in line and "unreachable" in line
     assert checks == []
+
+
+def test_the_page_of_a_huge_entry_shows_its_beginning_without_reading_it_whole():
+    """An 8 MB entry made an 8 MB page (56 MB of the web process), for any reader, each time;
+    its page shows the first characters now, cut by the database, and links to the whole."""
+    from tasks_app import views
+    from tasks_app.services.record import record
+
+    agent = Agent.objects.get_or_create(name="a", base_url="http://127.0.0.1:1/")[0]
+    task = RemoteTask.objects.create(agent=agent, title="big", remote_id="t-1", context_id="c")
+    words = "word " * 200_000  # 1 MB of a status message
+    status = {"state": "TASK_STATE_WORKING",
+              "message": {"messageId": "m-1", "role": "ROLE_AGENT", "parts": [{"text": words}]}}  # fmt: skip
+    record(task, {"statusUpdate": {"taskId": "t-1", "contextId": "c", "status": status}}, "stream")
+    record(task, {"statusUpdate": {"taskId": "t-1", "contextId": "c",
+                                   "status": {"state": "TASK_STATE_COMPLETED"}}}, "stream")  # fmt: skip
+    reader = viewer()
+    big = reader.get(f"/tasks/{task.pk}/events/1/")
+    assert big.status_code == 200
+    assert len(big.content) < views.EVENT_PAGE_JSON_CHARS + 50_000
+    assert b'id="raw-cut"' in big.content and b"the whole entry as JSON" in big.content
+    whole = reader.get(f"/tasks/{task.pk}/events/1/?format=json")
+    assert whole.json()["raw"]["statusUpdate"]["status"]["message"]["parts"][0]["text"] == words
+    small = reader.get(f"/tasks/{task.pk}/events/2/").content.decode()
+    assert 'id="raw-cut"' not in small
+    assert "&quot;state&quot;: &quot;TASK_STATE_COMPLETED&quot;" in small  # indented, whole
