@@ -32,3 +32,17 @@ def test_merge_replaces_each_measured_row_and_database_in_place() -> None:
     assert all(r.note.startswith("measured ") and r.note.endswith(": how") for r in merged[1:3])
     assert merged[0].note == merged[3].note == "how"  # rows not measured now keep their note
     assert all(r.note == "how" for r in measured)  # the caller's rows are not changed
+
+
+def test_the_performance_page_is_what_its_rows_and_bench_analysis_render(tmp_path) -> None:
+    """docs/performance.md is rendered from its rows and bench/analysis.md: notes written into
+    the page alone (four dated entries were) are dropped by the next --write-docs or
+    --rewrite-docs. Write them in bench/analysis.md, then ``manage.py bench --rewrite-docs``."""
+    from bench.report import rows_from_docs, write_docs
+    from tasks_app.management.commands.bench import ANALYSIS_PATH, DOCS_PATH
+
+    page = tmp_path / "performance.md"
+    page.write_text(DOCS_PATH.read_text())
+    rows, command = rows_from_docs(page)
+    write_docs(page, rows, command, ANALYSIS_PATH.read_text(), keep_machine=True)
+    assert page.read_text() == DOCS_PATH.read_text()
