@@ -22,6 +22,7 @@ from channels.layers import get_channel_layer
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from tasks_app import metrics
+from tasks_app.runtime.logs import FailureSpell
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +82,14 @@ class _LoopRelay:
         self.summaries: dict[object, dict] = {}  # held list summaries, newest per task
         self.spells: dict[str, float] = {}  # group -> loop time at which its spell ends
         self.wake_at: float | None = None  # a wake-up for held messages is scheduled then
-        # Sends failing since then (Redis down): one traceback, then a count (see _failed).
-        self.failing_since: float | None = None
-        self.failed_sends = 0
+        # Sends failing (Redis down): one traceback, then a count, then one line when a send
+        # works again; with Redis down every send fails at once, and a busy worker sends for
+        # hundreds of groups a second (browsers catch up from the log).
+        self.failures = FailureSpell(
+            log,
+            "relay to %s failed; further failures are counted until a send works",
+            "relay works again: %d sends failed over %.1f s",
+        )
 
     def start(self) -> None:
         if self.task is None:
@@ -187,28 +193,14 @@ class _LoopRelay:
                         SEND_SECONDS,
                     )
             except Exception:  # a relay failure must not stop later messages
-                self._failed(group)
+                self.failures.failed(group)
             else:
-                self._sent()
+                self.failures.worked()
                 _observe(message)
 
-    def _failed(self, group: str) -> None:
-        """Log the first failure of a spell of them with its traceback, and count the rest.
-
-        With Redis down every send fails at once, and a busy worker sends for hundreds of
-        groups a second: a traceback each was a flood. Browsers catch up from the log.
-        """
-        self.failed_sends += 1
-        if self.failing_since is None:
-            self.failing_since = self.loop.time()
-            log.exception("relay to %s failed; further failures are counted until a send works",
-                          group)  # fmt: skip
-
-    def _sent(self) -> None:
-        if self.failing_since is not None:
-            log.warning("relay works again: %d sends failed over %.1f s", self.failed_sends,
-                        self.loop.time() - self.failing_since)  # fmt: skip
-            self.failing_since, self.failed_sends = None, 0
+    @property
+    def failed_sends(self) -> int:
+        return self.failures.count
 
 
 def _seq(summary: dict) -> int:

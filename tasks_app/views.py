@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from urllib.parse import urlencode
@@ -1044,7 +1045,8 @@ def event_detail(request: HttpRequest, pk: int, seq: int) -> HttpResponse:
         seq=seq,
     )
     cut = max(0, event.raw_chars - EVENT_PAGE_JSON_CHARS)
-    raw = event.raw_head if cut else pretty_json(event.raw)  # the whole read only when short
+    # Short, the head is the whole entry's JSON text: indented from it, not read again.
+    raw = event.raw_head if cut else pretty_json(json.loads(event.raw_head))
     return render(
         request,
         "tasks_app/event_detail.html",

@@ -20,7 +20,6 @@ import functools
 import json
 import logging
 import re
-import time
 from typing import Any
 
 from django.contrib import messages
@@ -33,6 +32,7 @@ from django.views.decorators.http import require_GET, require_POST
 from tasks_app import metrics
 from tasks_app.access import Perm, get_task_for_user
 from tasks_app.models import RemoteTask
+from tasks_app.runtime.logs import FailureSpell
 from tasks_app.services import push as push_services
 from tasks_app.services import tasks as task_services
 
@@ -42,33 +42,14 @@ PUSH_PATH = re.compile(r"/push/([^/]+)/")
 Scope = dict[str, Any]
 
 
-class _Unchecked:
-    """Deliveries that could not be checked: the first of a spell logged with its traceback,
-    the rest counted until one is checked again (then one line with the count).
-
-    Callers choose how often they deliver: with Redis down, a traceback per delivery was a
-    log line per request anyone on the network sent.
-    """
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.since: float | None = None
-
-    def failed(self) -> None:
-        self.count += 1
-        if self.since is None:
-            self.since = time.monotonic()
-            log.exception("push webhook: a delivery could not be checked; further failures "
-                          "are counted until one is checked")  # fmt: skip
-
-    def checked(self) -> None:
-        if self.since is not None:
-            log.warning("push webhook: deliveries are checked again: %d could not be over %.1f s",
-                        self.count, time.monotonic() - self.since)  # fmt: skip
-            self.count, self.since = 0, None
-
-
-_unchecked = _Unchecked()
+# Deliveries that could not be checked (Redis or the database unreachable): with them down,
+# a traceback per delivery was a log line per request anyone on the network sent.
+_unchecked = FailureSpell(
+    log,
+    "push webhook: a delivery could not be checked; further failures are counted until one "
+    "is checked",
+    "push webhook: deliveries are checked again: %d could not be over %.1f s",
+)
 
 
 def _source(request: HttpRequest) -> str:
@@ -234,7 +215,7 @@ class PushRoute:
             _unchecked.failed()
             await _answer(send, 503, {"error": "try again later"}, [(b"retry-after", b"5")])
             return
-        _unchecked.checked()
+        _unchecked.worked()
         payload = {"status": verdict.reason} if verdict.accepted else {"error": verdict.reason}
         await _answer(
             send,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 import traceback
 from collections.abc import Iterable, Iterator, Mapping
 from contextvars import ContextVar
@@ -76,6 +77,34 @@ class ContextIds(logging.Filter):
                 if value is not None:
                     setattr(record, name, value)
         return True
+
+
+class FailureSpell:
+    """A spell of the same failure logged once: the first with its traceback, the rest counted
+    until something works again, then one line with the count and how long it lasted.
+
+    With Redis down, a traceback per relay send or per webhook delivery was a log line per
+    message or per request (the relay's sends, the push webhook's checks).
+    """
+
+    def __init__(self, logger: logging.Logger, first: str, again: str) -> None:
+        """``first``: the message of the first failure (its arguments are ``failed``'s);
+        ``again``: the message when it works again, given the count and the seconds."""
+        self.logger, self.first, self.again = logger, first, again
+        self.count = 0
+        self.since: float | None = None
+
+    def failed(self, *args: object) -> None:
+        """Called in an ``except`` block (the first failure logs its traceback)."""
+        self.count += 1
+        if self.since is None:
+            self.since = time.monotonic()
+            self.logger.exception(self.first, *args)
+
+    def worked(self) -> None:
+        if self.since is not None:
+            self.logger.warning(self.again, self.count, time.monotonic() - self.since)
+            self.count, self.since = 0, None
 
 
 # Bounds of one record: its message, and its exception text (a traceback is ours, but an
