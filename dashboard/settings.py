@@ -502,6 +502,8 @@ LOGGING = {
     # The reconcile tick (every RECONCILE_EVERY_SECONDS) logs nothing at INFO; its warnings do.
     "filters": {
         "context_ids": {"()": "tasks_app.runtime.logs.ContextIds"},
+        # A refused request (4xx) of each kind logged once a minute, without a traceback.
+        "refused_requests": {"()": "tasks_app.runtime.logs.RefusedRequests"},
         "routine_tasks": {
             "()": "tasks_app.runtime.logs.QuietRoutineTasks",
             "tasks": ["tasks_app.watchers.reconcile", "tasks_app.jobs.evaluate_alerts"],
@@ -511,7 +513,7 @@ LOGGING = {
         "console": {
             "class": "logging.StreamHandler",
             "formatter": "plain",
-            "filters": ["context_ids"],
+            "filters": ["context_ids", "refused_requests"],
         }
     },
     "root": {"handlers": ["console"], "level": LOG_LEVEL},

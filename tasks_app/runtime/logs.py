@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 import traceback
 from collections.abc import Iterable, Iterator, Mapping
@@ -105,6 +106,48 @@ class FailureSpell:
         if self.since is not None:
             self.logger.warning(self.again, self.count, time.monotonic() - self.since)
             self.count, self.since = 0, None
+
+
+class RefusedRequests(logging.Filter):
+    """Requests refused with a 4xx, as Django logs them: one line per kind a minute, no traceback.
+
+    Django logs every refused request: a ``SuspiciousOperation`` (a Host header not in
+    ``ALLOWED_HOSTS``, a form over the upload limits) at ERROR with our own traceback
+    (``django.security.*``), and every 4xx at WARNING (``django.request``). Anyone who can
+    reach the port chooses how many: a scanner's thousand bad Host headers made a thousand
+    tracebacks. Here the traceback is dropped (it shows our stack, nothing of the client's),
+    and of each kind (logger and status) the first in ``window`` seconds is logged; the next
+    one logged after it says how many were left out. Every other record passes untouched.
+
+    On the console handler, not on the loggers: a logger's filters do not see its children's
+    records (``django.security.DisallowedHost``).
+    """
+
+    def __init__(self, window: float = 60.0) -> None:
+        super().__init__()
+        self.window = window
+        self._lock = threading.Lock()  # the web process logs from several threads
+        self._spells: dict[tuple[str, object], list[float]] = {}  # kind -> [since, left out]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        status = getattr(record, "status_code", None)
+        if record.name.startswith("django.security."):
+            record.exc_info, record.exc_text = None, None
+        elif not (record.name == "django.request" and isinstance(status, int) and status < 500):
+            return True
+        kind = (record.name, status)  # a few logger names and status codes: a small dict
+        now = time.monotonic()
+        with self._lock:
+            spell = self._spells.get(kind)
+            if spell is not None and now - spell[0] < self.window:
+                spell[1] += 1
+                return False
+            left_out = int(spell[1]) if spell is not None else 0
+            self._spells[kind] = [now, 0]
+        if left_out:
+            record.msg = f"{record.getMessage()} ({left_out} more like it not logged)"
+            record.args = None
+        return True
 
 
 # Bounds of one record: its message, and its exception text (a traceback is ours, but an
