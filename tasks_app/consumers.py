@@ -34,7 +34,7 @@ then and ``{"type": "version", "version": ISO}``; an answer cut at its limit say
 ``"more": PK``, and the browser asks for the rest with ``{"type": "sync", "since":
 that version, "after": PK}`` (see ``TaskListConsumer``).
 
-Both reject anonymous users (close code 4401) before accepting, and both join the
+Both refuse anonymous users (close code 4401; ``refuse`` says why it accepts first), and both join the
 person's group ``person-<id>`` before they read what the person may see: told that the
 person's access changed
 (``tasks_app.access_changes``), a socket checks again and closes (4401 for a person
@@ -329,6 +329,17 @@ class _FrameGate:
         await self.consumer.close(code=code)
 
 
+async def refuse(consumer: AsyncWebsocketConsumer, code: int) -> None:
+    """Refuse a handshake with ``code``: accepted, then closed at once, nothing sent.
+
+    A close before the accept is an HTTP 403 to the browser, which reports 1006 (no code),
+    the same as a network cut: a page whose session had expired reconnected for ever instead
+    of saying "log in again". The origin check does the same (``tasks_app.routing``).
+    """
+    await consumer.accept()
+    await consumer.close(code=code)
+
+
 class _ResyncingConsumer(AsyncJsonWebsocketConsumer):
     """What both sockets share: malformed frames dropped; the person's access checked afresh
     when due; sends stopped once the socket is closed or its browser gone; groups left
@@ -441,7 +452,7 @@ class TaskConsumer(_ResyncingConsumer):
 
     async def connect(self) -> None:
         if not _authenticated(self.scope):
-            await self.close(code=CLOSE_UNAUTHENTICATED)
+            await refuse(self, CLOSE_UNAUTHENTICATED)
             return
         self.task_pk = int(self.scope["url_route"]["kwargs"]["task_id"])
         # Join first: whatever is appended from now on is queued for us, and so is the news
@@ -450,7 +461,7 @@ class TaskConsumer(_ResyncingConsumer):
         await self.join(task_group(self.task_pk), person_group(self.scope["user"].pk))
         # Not found and not readable look the same: another project's tasks are not revealed.
         if not await _task_readable(self.scope["user"], self.task_pk):
-            await self.close(code=CLOSE_NOT_FOUND)
+            await refuse(self, CLOSE_NOT_FOUND)
             return
         await self.accept()
         after = self._after_from_query()
@@ -684,7 +695,7 @@ class TaskListConsumer(_ResyncingConsumer):
 
     async def connect(self) -> None:
         if not _authenticated(self.scope):
-            await self.close(code=CLOSE_UNAUTHENTICATED)
+            await refuse(self, CLOSE_UNAUTHENTICATED)
             return
         self.unreadable = set()
         # Joined before the read, as the task socket: a change of access after it is told.
@@ -781,4 +792,4 @@ class NoSuchSocket(AsyncWebsocketConsumer):
     daphne logged as an error with its traceback, for anyone who asked)."""
 
     async def connect(self) -> None:
-        await self.close(code=CLOSE_NOT_FOUND)
+        await refuse(self, CLOSE_NOT_FOUND)

@@ -7,6 +7,12 @@ it. The check compares scheme, host *and* port with the site's own origin: the o
 the request itself was made to (its ``Host`` header, which must be an allowed host, and
 its scheme), plus the origins listed in ``CSRF_TRUSTED_ORIGINS``. Anything else is
 closed with ``CLOSE_FORBIDDEN_ORIGIN`` before the consumer runs, so no data is ever sent.
+
+The socket is accepted before that close: a close before the accept becomes an HTTP 403
+on the handshake, which a browser reports as 1006 (no code), the same as a network cut,
+so a page on a misconfigured site (a TLS proxy without ``SECURE_PROXY_SSL_HEADER``, a
+public origin missing from ``CSRF_TRUSTED_ORIGINS``) reconnected for ever instead of
+saying it was refused. Accepted and closed at once, it learns 4403 and nothing else.
 """
 
 from __future__ import annotations
@@ -110,6 +116,8 @@ class SiteOriginValidator:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> Any:
         if scope["type"] == "websocket" and not origin_allowed(scope):
             await receive()  # the websocket.connect message
+            # Accepted so that the browser sees the code (see the module's docstring).
+            await send({"type": "websocket.accept"})
             await send({"type": "websocket.close", "code": CLOSE_FORBIDDEN_ORIGIN})
             return None
         return await self.application(scope, receive, send)

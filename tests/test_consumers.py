@@ -23,6 +23,7 @@ from django.conf import settings
 from django.contrib.auth.models import AnonymousUser
 from django.db import close_old_connections
 
+from tasks_app import consumers
 from tasks_app.models import Agent, RemoteTask, TaskEvent
 from tasks_app.relay import task_group
 from tasks_app.routing import websocket_urlpatterns
@@ -81,6 +82,20 @@ async def communicator(path: str, user) -> WebsocketCommunicator:
     return comm
 
 
+async def refused_with(comm: WebsocketCommunicator) -> int | None:
+    """The code a handshake is refused with: accepted, then closed at once with nothing sent
+    (``consumers.refuse``: a close before the accept reaches a browser as 1006, no code).
+    None when the socket stays open."""
+    connected, code = await comm.connect(timeout=10)
+    assert connected, f"closed before the accept with {code}: a browser would see 1006"
+    if await comm.receive_nothing(timeout=0.3):
+        return None
+    closed = await comm.receive_output(timeout=1)
+    assert closed["type"] == "websocket.close", closed
+    assert await comm.receive_nothing(timeout=0.1)
+    return closed["code"]
+
+
 async def collect(comm: WebsocketCommunicator, until_seq: int, timeout: float = 10) -> list[dict]:
     """Event messages until ``until_seq`` is seen (other message types are skipped)."""
     out: list[dict] = []
@@ -97,17 +112,14 @@ async def collect(comm: WebsocketCommunicator, until_seq: int, timeout: float = 
 
 async def test_anonymous_is_rejected(task):
     comm = await communicator(f"/ws/tasks/{task.pk}/?after=0", AnonymousUser())
-    connected, _code = await comm.connect()
-    assert not connected
+    assert await refused_with(comm) == consumers.CLOSE_UNAUTHENTICATED
     comm = await communicator("/ws/tasks/", AnonymousUser())
-    connected, _code = await comm.connect()
-    assert not connected
+    assert await refused_with(comm) == consumers.CLOSE_UNAUTHENTICATED
 
 
 async def test_unknown_task_is_rejected(user):
     comm = await communicator("/ws/tasks/999999/?after=0", user)
-    connected, _ = await comm.connect()
-    assert not connected
+    assert await refused_with(comm) == consumers.CLOSE_NOT_FOUND
 
 
 async def test_resume_from_query_then_live(task, user):
@@ -938,7 +950,7 @@ async def test_a_deleted_person_is_closed_out_even_with_no_membership(task, djan
 async def test_a_socket_path_that_is_no_route_is_refused_without_an_error(path, user, caplog):
     """No route used to raise ValueError, which daphne logs as an error with a traceback."""
     comm = await communicator(path, user)
-    assert await comm.connect() == (False, 4404)
+    assert await refused_with(comm) == 4404
     no_errors_logged(caplog)
 
 

@@ -45,6 +45,12 @@ async def handshake(
     comm = WebsocketCommunicator(websocket_application(), "/ws/tasks/", headers=headers)
     comm.scope["scheme"] = scheme
     connected, code = await comm.connect(timeout=10)
+    # A refused origin is accepted and closed at once (so that a browser sees the code): it
+    # counts as not connected, with the close's code. An accepted socket sends nothing first.
+    if connected and not await comm.receive_nothing(timeout=0.3):
+        first = await comm.receive_output(timeout=1)
+        if first["type"] == "websocket.close":
+            connected, code = False, first.get("code")
     return connected, code, comm
 
 

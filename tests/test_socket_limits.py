@@ -10,16 +10,19 @@ Redis channel layer of ``tests.test_consumers``), and the reads are counted.
 
 In the browser (daphne and a logged-in Chromium, as ``tests.test_ui_resync``): a socket
 closed with 4403 (refused) is not opened again, and the page says so; closed with 4429,
-it waits before it opens again.
+it waits before it opens again; a refused handshake reaches the browser with its code.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.server
 import json
 import re
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
@@ -291,6 +294,70 @@ def test_pages_whose_socket_is_refused_stop_and_say_so(context, server):
         assert sorted(opened) == expected, url
         assert page.get_attribute("#live-status", "data-state") == "closed"
         page.close()
+
+
+@contextlib.contextmanager
+def another_origin() -> Iterator[str]:
+    """The URL of a page served on 127.0.0.1 at a port of its own, while in the block."""
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"<!doctype html><p>another origin</p>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+CLOSE_CODE_OF = """(url) => new Promise((done) => {
+    const ws = new WebSocket(url);
+    const got = [];
+    ws.onmessage = (e) => got.push(e.data);
+    ws.onclose = (e) => done({code: e.code, messages: got});
+    setTimeout(() => done({code: "still open after 10 s", messages: got}), 10000);
+})"""
+
+
+@in_browser
+def test_a_browser_learns_why_its_socket_was_refused(context, server):
+    """A refused handshake was closed before the accept: daphne answered it with an HTTP
+    403 and the browser reported 1006, as for a network cut, so a page on a misconfigured
+    site, or whose session had expired, never learned it was refused and connected again for
+    ever. Now the socket closes with the refusal's code, and nothing else arrives."""
+    ws_base = server.base_url.replace("http://", "ws://")
+    page = context.new_page()
+    # Another origin on the same machine: the same host at another port (Chromium refuses
+    # loopback sockets to pages of public or opaque origins before any handshake).
+    with another_origin() as other:
+        page.goto(other)
+        closed = page.evaluate(CLOSE_CODE_OF, ws_base + "/ws/tasks/")
+    assert closed == {"code": 4403, "messages": []}
+    page.goto("/tasks/")  # the person's own origin, logged in: no such socket path
+    assert page.evaluate(CLOSE_CODE_OF, ws_base + "/ws/nothing/") == {"code": 4404, "messages": []}
+    page.close()
+    # Nobody logged in (as after the session expired).
+    anonymous = context.browser.new_context(base_url=server.base_url)
+    try:
+        page = anonymous.new_page()
+        page.goto("/login/")
+        for path in ("/ws/tasks/", "/ws/tasks/1/"):
+            closed = page.evaluate(CLOSE_CODE_OF, ws_base + path)
+            assert closed == {"code": 4401, "messages": []}, path
+    finally:
+        anonymous.close()
 
 
 @in_browser
