@@ -18,7 +18,7 @@ from tasks_app.a2a import (
     is_v03_card,
     validate_card,
 )
-from tasks_app.a2a.card import MAX_INTERFACES_CHECKED, MAX_INTERFACES_NAMED
+from tasks_app.a2a.card import MAX_INTERFACES_CHECKED, MAX_INTERFACES_NAMED, registration_url
 from tests.agents import V03_CARD, AgentHandle, BadServer
 
 pytestmark = pytest.mark.timeout(30)
@@ -194,3 +194,27 @@ def test_validate_lists_every_problem() -> None:
         assert expected in paths, expected
     assert validate_card([]) and validate_card({})[0].message == "required field is missing"
     assert str(validate_card({"name": 1})[0]) == "name: must be a string, got int"
+
+
+@pytest.mark.parametrize(
+    ("written", "registered"),
+    [
+        ("http://a.example", "http://a.example"),
+        ("HTTP://A.Example:80/", "http://a.example"),
+        ("https://a.example:443/agent//?q=1#f", "https://a.example/agent"),
+        ("https://a.example:8443/agent/", "https://a.example:8443/agent"),
+        ("http://[::1]:8000/x/", "http://[::1]:8000/x"),
+        # A card document's query may choose the card: kept (its fragment is not sent).
+        ("http://a.example/.well-known/agent-card.json?v=2#f",
+         "http://a.example/.well-known/agent-card.json?v=2"),
+        ("http://a.example/cards/one.json", "http://a.example/cards/one.json"),
+        # Left as typed (stripped) for the checks that refuse them with their reason.
+        (" http://u:p@a.example/ ", "http://u:p@a.example/"),
+        ("http://a.example:99999/", "http://a.example:99999/"),
+        ("ftp://a.example/", "ftp://a.example/"),
+        ("not a url", "not a url"),
+    ],
+)  # fmt: skip
+def test_an_agent_url_has_one_registration_form(written: str, registered: str) -> None:
+    assert registration_url(written) == registered
+    assert registration_url(registered) == registered  # the form is its own form

@@ -23,6 +23,7 @@ from django.test import Client
 
 from tasks_app import outbound
 from tasks_app.a2a import user_message
+from tasks_app.management.commands.tasks import find_agent
 from tasks_app.models import Agent, Membership, Project, RemoteTask, TaskEvent
 from tasks_app.services import imports, push
 from tasks_app.services.agents import add_agent
@@ -218,3 +219,30 @@ def test_a_person_in_both_projects_can_tell_the_two_rows_apart() -> None:
     Agent.objects.create(name="Solo", base_url="http://127.0.0.1:2/",
                          project=Project.objects.get(name="gamma"))  # fmt: skip
     assert ">Solo</option>" in alone.get("/tasks/new").content.decode()
+
+
+@pytest.mark.django_db
+def test_one_agent_written_several_ways_is_one_agent_per_project(agent) -> None:
+    """``http://h:p``, ``http://h:p/`` and ``HTTP://H:p/?x#y`` fetch the same card, and each
+    was registered as an agent of its own in one project. The URL is stored in one form now,
+    and a row stored before in another form is found all the same."""
+    alpha = logged_in(admin_of("alpha"))
+    base = agent.base_url.rstrip("/")
+    assert add_through_the_form(alpha, base + "/", "Alpha copy", "alpha").status_code == 302
+    assert Agent.objects.get().base_url == base
+    shouted = base.replace("http://127.0.0.1", "HTTP://127.0.0.1", 1)
+    for written in (base, base + "//", shouted + "/?x=1#top", f" {shouted} "):
+        again = add_through_the_form(alpha, written, "Alpha again", "alpha")
+        assert again.status_code == 200, written
+        assert "This URL is already registered in project alpha" in again.content.decode()
+        with pytest.raises(CommandError, match="already registered in project alpha"):
+            call_command("agents", "add", written, "--project", "alpha", stdout=StringIO())
+    assert Agent.objects.count() == 1
+    # The command line finds the agent by any of its forms.
+    row = Agent.objects.get()
+    assert find_agent(base + "/") == row and find_agent(shouted) == row
+    # A row stored before the one form (a trailing slash): still the same agent.
+    Agent.objects.update(base_url=base + "/")
+    with pytest.raises(CommandError, match="already registered in project alpha"):
+        call_command("agents", "add", base, "--project", "alpha", stdout=StringIO())
+    assert Agent.objects.count() == 1

@@ -90,6 +90,39 @@ def card_urls(base_or_card_url: str) -> list[str]:
     return [base + WELL_KNOWN_CARD_PATH, base + LEGACY_CARD_PATH]
 
 
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def registration_url(url: str) -> str:
+    """``url`` in the one form an agent is registered under: the same agent, the same text.
+
+    ``http://a.example``, ``HTTP://A.example:80/`` and ``http://a.example/?x#y`` fetch the same
+    card (``card_urls`` drops the query, fragment and trailing slashes of a base URL), so
+    each project held them as three agents. The scheme and host are lower-cased, a default
+    port is dropped, and a base URL loses its query, fragment and trailing slashes; a card
+    document's URL (``.json`` or under ``/.well-known/``) keeps its query, which may choose
+    the card. Anything that does not parse is returned stripped, for the checks that say why.
+    """
+    url = url.strip()
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return url
+    scheme = parts.scheme.lower()
+    if scheme not in _DEFAULT_PORTS or not parts.hostname:
+        return url
+    host = parts.hostname  # lower-cased by urlsplit, without the brackets of an IPv6 address
+    host = f"[{host}]" if ":" in host else host
+    if parts.username is not None or parts.password is not None:
+        return url  # refused later with its own reason; not rebuilt without it
+    netloc = host if port in (None, _DEFAULT_PORTS[scheme]) else f"{host}:{port}"
+    path = parts.path or ""
+    if path.endswith(".json") or "/.well-known/" in path:
+        return f"{scheme}://{netloc}{path}" + (f"?{parts.query}" if parts.query else "")
+    return f"{scheme}://{netloc}{path.rstrip('/')}"
+
+
 async def fetch_card(
     base_or_card_url: str,
     *,

@@ -20,6 +20,7 @@ from tasks_app.a2a import (
     safejson,
     validate_card,
 )
+from tasks_app.a2a.card import registration_url
 from tasks_app.a2a.client import api_key_placement
 from tasks_app.a2a.origins import origin_of
 from tasks_app.access import Perm, require
@@ -210,18 +211,19 @@ def add_agent(
     may read it), since re-adding must not silently rename or change an agent. Another
     project's agent at the same URL is neither looked at nor mentioned: each project
     registers a shared agent as its own row, and nothing here may tell whether another
-    project holds it.
+    project holds it. The URL is stored in its registration form (``registration_url``),
+    so ``http://a.example/`` finds the agent added as ``HTTP://A.example:80``.
     """
-    url = url.strip()
+    typed, url = url.strip(), registration_url(url)  # messages name the URL as typed
     project = project or Project.objects.get_or_create(name="default")[0]
     require(actor_id, project.pk, Perm.MANAGE_AGENTS)
-    existing = Agent.objects.filter(project=project, base_url=url).first()
+    existing = registered_at(project, url)
     if existing is not None:
         raise AgentError(_already_registered(existing, project))
-    preview = preview_card(url)
+    preview = preview_card(typed)
     if not preview.interface:
         raise AgentError(
-            f"The agent at {url} offers no interface this dashboard speaks: {'; '.join(preview.problems)}"
+            f"The agent at {typed} offers no interface this dashboard speaks: {'; '.join(preview.problems)}"
         )
     agent = Agent(base_url=url, project=project)
     _apply_preview(agent, preview)
@@ -248,6 +250,21 @@ def add_agent(
             ) from None
         raise
     return agent
+
+
+def registered_at(project: Project, url: str) -> Agent | None:
+    """The agent of ``project`` registered at ``url`` (in its registration form), if any.
+
+    Rows added before URLs were stored in that form are compared in it too: a project holds
+    tens of agents, not millions, so its URLs are read rather than matched by the index.
+    """
+    found = Agent.objects.filter(project=project, base_url=url).first()
+    if found is not None:
+        return found
+    for pk, base_url in Agent.objects.filter(project=project).values_list("pk", "base_url"):
+        if registration_url(base_url) == url:
+            return Agent.objects.get(pk=pk)
+    return None
 
 
 def _already_registered(existing: Agent, project: Project) -> str:

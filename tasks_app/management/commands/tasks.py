@@ -8,6 +8,7 @@ from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
 
+from tasks_app.a2a.card import registration_url
 from tasks_app.a2a.safejson import whole_number
 from tasks_app.management.arguments import float_between, int_between
 from tasks_app.management.commands._stopping import StoppableCommand
@@ -39,7 +40,12 @@ def find_agent(ref: str) -> Agent:
     agent = (
         Agent.objects.filter(pk=pk).first()
         if pk is not None
-        else _one(ref, "agent", Agent.objects.filter(name=ref), Agent.objects.filter(base_url=ref))
+        else _one(
+            ref,
+            "agent",
+            Agent.objects.filter(name=ref),
+            Agent.objects.filter(base_url__in={ref, registration_url(ref)}),
+        )
     )
     if agent is None:
         raise CommandError(f"No agent {ref!r}: see 'manage.py agents list'.")
