@@ -16,6 +16,7 @@ per check, however often the endpoint is polled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -23,10 +24,12 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
+from channels import DEFAULT_CHANNEL_LAYER
+from channels.layers import channel_layers
 from django.conf import settings
 from django.db import DatabaseError, connection
 from django.http import HttpRequest, JsonResponse
@@ -86,11 +89,18 @@ def check_redis(timeout: float) -> None:
 
 
 def check_channel_layer(timeout: float) -> None:
-    layer = get_channel_layer()
-    if layer is None:
+    """A message sent on the channel layer comes back, through a layer of the check's own.
+
+    Not through the process's layer: channels_redis lets one event loop at a time receive
+    on a layer, and in the web process daphne's loop receives for every open websocket, so
+    a receive from this thread's loop raised ``RuntimeError`` and ``/healthz`` said "not
+    ok" whenever anyone had a page open. The check's layer has the same configuration, so
+    it asks the same Redis the same way, and its connections are closed when it is done.
+    """
+    if DEFAULT_CHANNEL_LAYER not in getattr(settings, "CHANNEL_LAYERS", {}):
         raise CheckFailed("no channel layer is configured")
 
-    async def round_trip() -> None:
+    async def round_trip(layer: Any) -> None:
         channel = await layer.new_channel()
         await layer.send(channel, {"type": "health.ping"})
         message = await layer.receive(channel)
@@ -98,8 +108,15 @@ def check_channel_layer(timeout: float) -> None:
             raise CheckFailed("the channel layer returned another message")
 
     async def bounded() -> None:
-        # layer.receive() waits forever for a message that never comes without this.
-        await asyncio.wait_for(round_trip(), timeout)
+        layer = channel_layers.make_backend(DEFAULT_CHANNEL_LAYER)
+        try:
+            # layer.receive() waits forever for a message that never comes without this.
+            await asyncio.wait_for(round_trip(layer), timeout)
+        finally:
+            close = getattr(layer, "close_pools", None)
+            if close is not None:
+                with contextlib.suppress(Exception):  # Redis away: the check says so already
+                    await asyncio.wait_for(close(), timeout)
 
     async_to_sync(bounded)()
 
