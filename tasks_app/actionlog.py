@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from datetime import UTC, datetime, time, timedelta
+from datetime import UTC, date, datetime, time, timedelta
 from typing import Any
 
 from django import forms
@@ -144,7 +144,10 @@ def _parse_moment(text: str, *, end: bool) -> datetime:
     try:
         # A bare date first: parse_datetime would read it as that day's midnight.
         day = parse_date(text) if len(text) <= 10 else None
-        if day is not None:
+        if day is not None and end and day == date.max:
+            # Its whole day: the next midnight does not exist, the day's last moment does.
+            moment = datetime.max
+        elif day is not None:
             moment = datetime.combine(day + timedelta(days=1) if end else day, time.min)
         else:
             moment = parse_datetime(text)

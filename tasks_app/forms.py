@@ -27,7 +27,47 @@ MODE_CHOICES = [
 ]
 
 
-class AgentAddForm(forms.Form):
+NUL_REMOVED = (
+    "This held a NUL character (U+0000, invisible; often pasted along with text), which no "
+    "field takes. It was removed and nothing was sent: check the value and send again."
+)
+
+
+class NulRemovingForm(forms.Form):
+    """A form that takes what was posted minus its NUL characters, and marks the fields that
+    held one with an error (``NUL_REMOVED``): the person's input comes back, the form is not
+    valid, and no NUL reaches a query or the database (PostgreSQL text cannot hold one).
+
+    Its view is marked ``tasks_app.middleware.form_removes_nul`` (the middleware refuses a
+    NUL before any other view). A subclass's ``clean`` calls ``super().clean()`` first, so
+    it sees these errors.
+    """
+
+    def __init__(self, data: Any = None, *args: Any, **kwargs: Any) -> None:
+        self.nul_removed: list[str] = []
+        if data is not None and hasattr(data, "getlist"):
+            for key in list(data):
+                values = data.getlist(key)
+                if any("\x00" in value for value in values if isinstance(value, str)):
+                    if not self.nul_removed:
+                        data = data.copy()
+                    self.nul_removed.append(key)
+                    data.setlist(key, [value.replace("\x00", "") for value in values])
+        super().__init__(data, *args, **kwargs)
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        named = {self.add_prefix(name): name for name in self.fields}
+        for key in self.nul_removed:
+            name = named.get(key)
+            if name is not None and not self.fields[name].widget.is_hidden:
+                self.add_error(name, NUL_REMOVED)
+            else:
+                self.add_error(None, f"“{key[:40]}”: {NUL_REMOVED}")
+        return data
+
+
+class AgentAddForm(NulRemovingForm):
     url = forms.URLField(
         label="Agent URL",
         max_length=1000,
@@ -172,7 +212,7 @@ class AgentChoiceField(forms.ModelChoiceField):
     iterator = _AgentChoices
 
 
-class StartTaskForm(forms.Form):
+class StartTaskForm(NulRemovingForm):
     agent = AgentChoiceField(queryset=Agent.objects.none(), empty_label=None)
     skill = forms.CharField(required=False, max_length=300, label="Skill (hint)")
     text = forms.CharField(
@@ -245,7 +285,9 @@ class StartTaskForm(forms.Form):
             kept_uploads.drop(self.person_id)
         data["file_part"] = part
         empty = not (data.get("text") or "").strip() and data.get("data") is None and part is None
-        if empty and "data" not in self.errors:
+        # A field with an error of its own (a message too long, a file too large) was filled
+        # in: its error says what is wrong, not "write a message".
+        if empty and not any(name in self.errors for name in ("text", "data", "file")):
             self.add_error("text", "Write a message, add JSON data or attach a file.")
         return data
 
@@ -346,7 +388,7 @@ class AnswerForm(forms.Form):
             else None
         )
         empty = not (data.get("text") or "").strip() and data.get("data") is None and upload is None
-        if empty and "data" not in self.errors and "file" not in self.errors:
+        if empty and not any(name in self.errors for name in ("text", "data", "file")):
             self.add_error("text", "Write an answer, add JSON data or attach a file.")
         return data
 

@@ -19,6 +19,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponseBadRequest, HttpResponseBase, QueryDict
+from django.template import loader
+from django.urls import Resolver404, resolve
+from django.utils.cache import patch_vary_headers
 
 CSP_HEADER = "Content-Security-Policy"
 
@@ -69,6 +72,12 @@ class RefuseNulCharactersMiddleware:
     filter, an origin to approve). One check here instead of one in every view that reads
     ``request.GET`` or ``request.POST``. Only form bodies are parsed (as the view would parse
     them); a JSON body (the webhook) is left to its view.
+
+    A browser (``Accept: text/html``) gets the site's 400 page naming the fields and saying
+    to go back (its Back button keeps what was typed); any other client gets the plain-text
+    ``MESSAGE``. A form view marked with ``form_removes_nul`` gets the POST as sent: its form
+    removes the NUL characters, shows the rest again and marks the fields (a NUL in a field's
+    name is still refused here: no form field has one).
     """
 
     MESSAGE = "A value in this request holds a NUL character, which no field takes."
@@ -77,10 +86,58 @@ class RefuseNulCharactersMiddleware:
         self.get_response = get_response
 
     def __call__(self, request: HttpRequest) -> HttpResponseBase:
-        if _holds_nul(request.GET) or (request.method == "POST" and _holds_nul(request.POST)):
-            return HttpResponseBadRequest(self.MESSAGE, content_type="text/plain; charset=utf-8")
+        names = _names_holding_nul(request.GET)
+        if request.method == "POST":
+            posted = _names_holding_nul(request.POST)
+            if posted and not names and _form_removes_nul(request, posted):
+                return self.get_response(request)
+            names += posted
+        if names:
+            return self.refuse(request, names)
         return self.get_response(request)
 
+    def refuse(self, request: HttpRequest, names: list[str]) -> HttpResponseBase:
+        if "text/html" not in request.headers.get("Accept", ""):
+            response = HttpResponseBadRequest(
+                self.MESSAGE, content_type="text/plain; charset=utf-8"
+            )
+        else:
+            # Rendered as Django renders its own 400 page: without the request (no user is
+            # known yet here), so the layout without the navigation.
+            shown = [name.replace("\x00", "") or "(no name)" for name in names[:5]]
+            response = HttpResponseBadRequest(
+                loader.render_to_string(
+                    "400.html",
+                    {
+                        "nul_fields": shown,
+                        "nul_in_query": request.method != "POST",
+                    },
+                )
+            )
+        patch_vary_headers(response, ("Accept",))
+        return response
 
-def _holds_nul(data: QueryDict) -> bool:
-    return any("\x00" in key or any("\x00" in value for value in data.getlist(key)) for key in data)
+
+def form_removes_nul(view: Callable[..., HttpResponseBase]) -> Callable[..., HttpResponseBase]:
+    """Mark a view whose form removes NUL characters from what was posted and says so on the
+    fields (``tasks_app.forms.NulRemovingForm``): the POST reaches it as sent. Put it above the
+    other decorators (it marks the view the URL conf names)."""
+    view.form_removes_nul = True  # type: ignore[attr-defined]
+    return view
+
+
+def _form_removes_nul(request: HttpRequest, names: list[str]) -> bool:
+    if any("\x00" in name for name in names):
+        return False  # a field's name: no form has such a field
+    try:
+        match = resolve(request.path_info, getattr(request, "urlconf", None))
+    except Resolver404:
+        return False
+    return getattr(match.func, "form_removes_nul", False) is True
+
+
+def _names_holding_nul(data: QueryDict) -> list[str]:
+    """The keys of ``data`` whose name or one of whose values holds a NUL, in order."""
+    return [
+        key for key in data if "\x00" in key or any("\x00" in value for value in data.getlist(key))
+    ]

@@ -39,6 +39,7 @@ from tasks_app.forms import (
     StartTaskForm,
     TaskFilterForm,
 )
+from tasks_app.middleware import form_removes_nul
 from tasks_app.models import (
     INTERRUPTED_STATES,
     STATE_CHOICES,
@@ -83,10 +84,6 @@ EVENTS_ON_TASK_PAGE = 100  # the newest entries under the task; the rest is a li
 MESSAGES_ON_PAGE = 100
 STATE_LABELS = dict(STATE_CHOICES)
 WATCHER_STATUSES = [s for s, _ in RemoteTask.WatcherStatus.choices]
-
-
-def _state_counts(qs) -> dict:
-    return {row["state"]: row["n"] for row in qs.values("state").annotate(n=Count("id")).order_by()}
 
 
 # Overview ----------------------------------------------------------------------------------
@@ -193,6 +190,7 @@ def agent_list(request: HttpRequest) -> HttpResponse:
     return render(request, "tasks_app/agent_list.html", {"agents": agents})
 
 
+@form_removes_nul
 @login_required
 def agent_add(request: HttpRequest) -> HttpResponse:
     projects = access.projects_for(request.user, Perm.MANAGE_AGENTS)
@@ -352,12 +350,26 @@ def _agent_context(request: HttpRequest, agent: Agent, **extra: object) -> dict:
         "credentials_unreadable": not crypto.readable(agent.credentials_encrypted),
         "credentials_form": CredentialsForm(),
         "approved_origins": agent.credential_origins,
-        "counts": sorted(_state_counts(RemoteTask.objects.filter(agent=agent)).items()),
+        "counts": _agent_counts(agent),
         "recent": RemoteTask.objects.filter(agent=agent).order_by("-updated_at", "-id")[:15],
         "import_job": import_services.latest_job(agent),
         "can": access.can(request.user, agent.project_id),
         **extra,
     }
+
+
+def _agent_counts(agent: Agent) -> list[dict[str, object]]:
+    """The agent's tasks by state, and those without one by phase, named and ordered as on
+    the overview (a message reply is "message reply", not "unknown"); each with its
+    task-list query."""
+    counts: dict[str, int] = {}
+    rows = RemoteTask.objects.filter(agent=agent).values("state", "phase")
+    for row in rows.annotate(n=Count("id")).order_by():
+        column = _overview_column(row["state"], row["phase"])
+        counts[column] = counts.get(column, 0) + row["n"]
+    order = [f"phase:{p}" for p in PHASE_COLUMNS] + [s for s, _ in STATE_CHOICES if s]
+    columns = [c for c in order if c in counts] + sorted(c for c in counts if c not in order)
+    return [{**_column_head(c), "n": counts[c]} for c in columns]
 
 
 @login_required
@@ -490,8 +502,13 @@ def filtered_tasks(user, data: dict) -> tuple:
 def task_list(request: HttpRequest) -> HttpResponse:
     readable_agents = access.readable_agents(request.user)
     form = TaskFilterForm(request.GET or None, agents=readable_agents)
-    data = form.cleaned_data if form.is_bound and form.is_valid() else {}
+    valid = not form.is_bound or form.is_valid()
+    data = form.cleaned_data if form.is_bound and valid else {}
     qs, (field, desc), sort = filtered_tasks(request.user, data)
+    if not valid:
+        # As on the audit page: nothing is listed under a filter that is not valid (all
+        # tasks would look like the filtered result), until it is corrected.
+        qs = qs.none()
     cursor = cursors.decode(request.GET.get("cursor", "")) if request.GET.get("cursor") else None
     page_qs = qs
     if cursor:
@@ -525,6 +542,7 @@ def task_list(request: HttpRequest) -> HttpResponse:
         "count": count,
         "count_capped": count > COUNT_LIMIT,
         "count_limit": COUNT_LIMIT,
+        "valid": valid,
         "next_url": next_url,
         "first_url": first_url,
         "live_filters": {
@@ -534,7 +552,7 @@ def task_list(request: HttpRequest) -> HttpResponse:
             "context": data.get("context") or "",
             "q": data.get("q") or "",
             # New tasks are prepended only on the first page of the default order.
-            "prepend": not cursor and sort == "-updated",
+            "prepend": valid and not cursor and sort == "-updated",
         },
         "agent_names": {str(k): v for k, v in agents.items()},
         "state_labels": STATE_LABELS,
@@ -570,6 +588,7 @@ def _skills_by_agent(agents) -> list[dict]:
     return out
 
 
+@form_removes_nul
 @login_required
 def task_new(request: HttpRequest) -> HttpResponse:
     operable = access.readable_agents(request.user, Perm.OPERATE)

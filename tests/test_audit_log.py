@@ -166,11 +166,10 @@ def test_each_filter_and_combined(world) -> None:
     [
         ("since=yesterday-ish", "since", "is not a date"),
         ("until=2026-13-45", "until", "is not a date"),
-        (
-            "until=9999-12-31",
-            "until",
-            "is not a date",
-        ),  # the day after overflows: a message, not a 500
+        # A moment no database compares (year 1 at +05:00 is before any UTC time): a
+        # message, not a 500. (9999-12-31, whose next midnight overflows, is a date: see
+        # tests/test_form_messages.py.)
+        ("since=0001-01-01T00:00:00%2B05:00", "since", "is not a date"),
         ("since=2026-03-12&until=2026-03-01", "until", "must be after"),
         ("person=nobody-here", "person", "No person named"),
         ("action=launch-missiles", "action", "Unknown action"),
