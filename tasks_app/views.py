@@ -750,6 +750,11 @@ def _task_context(request: HttpRequest, task: RemoteTask, *, artifacts: bool = T
 @markdown_budgeted  # agents' markdown: a bounded cost per page
 def task_detail(request: HttpRequest, pk: int) -> HttpResponse:
     task = get_task_for_user(request, pk, related=("started_by",))
+    return render(request, "tasks_app/task_detail.html", _task_page_context(request, task))
+
+
+def _task_page_context(request: HttpRequest, task: RemoteTask) -> dict:
+    """Everything the whole task page shows: as loaded, and as shown again with a refused form."""
     events = list(with_raw_preview(task.events).order_by("-seq")[:EVENTS_ON_TASK_PAGE])
     events.reverse()
     context = _task_context(request, task)
@@ -763,7 +768,7 @@ def task_detail(request: HttpRequest, pk: int) -> HttpResponse:
             "chain": _chain(request, task),
         }
     )
-    return render(request, "tasks_app/task_detail.html", context)
+    return context
 
 
 def _chain(request: HttpRequest, task: RemoteTask) -> audit.Verification | None:
@@ -951,18 +956,10 @@ def _render_task_with(request: HttpRequest, task: RemoteTask, **forms) -> HttpRe
 
 
 def _render_task_page_with(request: HttpRequest, task: RemoteTask, **forms) -> HttpResponse:
-    events = list(with_raw_preview(task.events).order_by("-seq")[:EVENTS_ON_TASK_PAGE])
-    events.reverse()
-    context = _task_context(request, task)
+    # The whole page, chain sentence included (without it, a short log was said to be "too
+    # large to check on every load").
+    context = _task_page_context(request, task)
     context.update(forms)
-    context.update(
-        {
-            "events": [{"e": e, "raw": raw_preview(e)} for e in events],
-            "first_seq": events[0].seq if events else 0,
-            "page_seq": events[-1].seq if events else 0,
-            "summary": task_summary(task),
-        }
-    )
     return render(request, "tasks_app/task_detail.html", context, status=400)
 
 

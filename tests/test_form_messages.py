@@ -194,3 +194,23 @@ def test_an_invalid_task_filter_lists_nothing_as_the_audit_page_does(client_in, 
     assert 'id="task-bad-filter"' in body and "Nothing is shown until" in body
     assert '"prepend": false' in body  # nor do new tasks appear live under it
     assert 'id="task-row-' in client_in.get("/tasks/").content.decode()
+
+
+# A refused answer shows the page again, the chain sentence as on any load --------------------
+
+
+def test_a_refused_answer_shows_the_chain_sentence_as_the_page_does(client_in, agent_row):
+    """The page shown again with a refused answer had no chain in its context, and the
+    template said a three-entry log was "too large to check on every load"."""
+    from tasks_app.services.record import record
+
+    task = RemoteTask.objects.create(agent=agent_row, title="asks")
+    asking = {"id": "r-1", "contextId": "c-1", "status": {"state": "TASK_STATE_INPUT_REQUIRED"}}
+    record(task.pk, {"task": asking}, "poll")
+    loaded = client_in.get(reverse("task-detail", args=[task.pk])).content.decode()
+    refused = client_in.post(reverse("task-answer", args=[task.pk]), {"text": "   "})
+    assert refused.status_code == 400
+    body = refused.content.decode()
+    assert "Write an answer" in body
+    assert "Hash chain verifies" in loaded and "Hash chain verifies" in body
+    assert "too large to check" not in body

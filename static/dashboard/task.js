@@ -96,6 +96,42 @@
     return tr;
   }
 
+  // --- the hash chain's sentence (templates/tasks_app/_chain.html): it speaks for the
+  // entries up to data-seq, checked (or counted) when the page loaded. Rows that arrive
+  // live after it were not checked: the sentence says so rather than go on claiming them.
+  const chainLine = document.getElementById("chain-status");
+  const chainSeq = chainLine ? parseInt(chainLine.dataset.seq || "0", 10) : 0;
+  let chainNewer = 0;
+  function entries(n) { return n + (n === 1 ? " entry" : " entries"); }
+  function updateChain() {
+    if (!chainLine || isNaN(chainSeq)) return;
+    const newer = state.lastSeq - chainSeq;
+    if (newer <= 0 || newer === chainNewer) return;
+    chainNewer = newer;
+    const arrived = entries(newer) + (newer === 1 ? " has" : " have") + " arrived since";
+    chainLine.dataset.newer = String(newer);
+    if (chainLine.dataset.rows !== undefined) {
+      // "Hash chain verifies (N entries)" no longer covers the log shown: say what was checked.
+      const reload = document.createElement("a");
+      reload.href = window.location.pathname;
+      reload.textContent = "reload the page";
+      const when = chainLine.querySelector("time");
+      const parts = ["Hash chain verifies for the " + entries(parseInt(chainLine.dataset.rows, 10)) + " checked "];
+      if (when) parts.push(when, " ago"); else parts.push("when the page loaded");
+      parts.push("; " + arrived + " and " + (newer === 1 ? "is" : "are") + " not checked (", reload, " to check them).");
+      chainLine.replaceChildren(...parts);
+      return;
+    }
+    // Not verified (too long, not checked now, or broken): only its count of entries is stale.
+    let note = chainLine.querySelector(".chain-newer");
+    if (!note) {
+      note = document.createElement("span");
+      note.className = "chain-newer";
+      chainLine.appendChild(note);
+    }
+    note.textContent = " " + arrived + " the page loaded (not checked).";
+  }
+
   // --- state badge (immediate)
   const LABELS = {
     TASK_STATE_SUBMITTED: "submitted", TASK_STATE_WORKING: "working",
@@ -203,6 +239,10 @@
     tmp.innerHTML = html;
     const fresh = tmp.querySelector(".task-actions");
     const current = box.querySelector(".task-actions");
+    // The push panel's "follow by ... instead" (templates/tasks_app/_push_configs.html) is an
+    // action too: gone with the others once the task ended, was abandoned or is gone.
+    const pushSwitch = document.getElementById("push-switch");
+    if (pushSwitch && fresh && !fresh.dataset.pushSwitch) pushSwitch.remove();
     if (fresh && current && fresh.dataset.key === current.dataset.key) return; // keep what is typed
     box.innerHTML = html;
   }
@@ -240,6 +280,7 @@
     }
     state.lastSeq = ev.seq;
     state.seqs.push(ev.seq);
+    updateChain();
     pendingRows.push(eventRow(ev));
     if (!frame) frame = requestAnimationFrame(flushRows);
     setBadge(ev.state);
@@ -265,6 +306,7 @@
         if (msg.after === state.lastSeq && msg.next > state.lastSeq) {
           state.lastSeq = msg.next - 1;
           state.holes += 1;
+          updateChain();
         }
       } else if (msg.type === "reload") {
         // Too far behind to catch up row by row (consumers.RESUME_MAX_ROWS): the page
@@ -279,6 +321,7 @@
     },
   });
   state.dropSocket = (holdMs) => state.socket.drop(holdMs);
+  updateChain(); // rows the page was rendered with beyond what the sentence counted
 
   if (logBox) logBox.scrollTop = logBox.scrollHeight;
   if (convBox) convBox.scrollTop = convBox.scrollHeight;
