@@ -97,10 +97,10 @@
   }
 
   // --- the hash chain's sentence (templates/tasks_app/_chain.html): it speaks for the
-  // entries up to data-checked-seq, checked (or counted) when the page loaded. Rows that arrive
+  // entries up to data-head, checked (or counted) when the page loaded. Rows that arrive
   // live after it were not checked: the sentence says so rather than go on claiming them.
   const chainLine = document.getElementById("chain-status");
-  const chainSeq = chainLine ? parseInt(chainLine.dataset.checkedSeq || "0", 10) : 0;
+  const chainSeq = chainLine ? parseInt(chainLine.dataset.head || "0", 10) : 0;
   let chainNewer = 0;
   function entries(n) { return n + (n === 1 ? " entry" : " entries"); }
   function updateChain() {
