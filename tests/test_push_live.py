@@ -178,3 +178,37 @@ def test_the_operator_switches_a_push_task_back_to_polling(
         task=task, kind="operator", raw__operator__action="switch-watch"
     ).exists()
     assert_converged(task)
+
+
+def test_switching_a_push_task_to_streaming_stops_its_push(
+    agent, web, start_celery_worker, admin_user
+):
+    """The switch left the push configs at the agent: it went on pushing beside the stream,
+    and a chunk pushed before the stream brought it was appended twice (found by driving
+    the dashboard). The configs are deleted at the agent and here now; the task ends with
+    each chunk once."""
+    start_celery_worker(PUBLIC_URL=web.url, PUSH_SILENCE_SECONDS="120")
+    stored = add_agent(agent.base_url)
+    task = task_services.start_task(stored, "batch 20 0.3", mode="push")
+    wait_for(
+        lambda: (
+            TaskEvent.objects.filter(task=task, channel="push", kind="artifactUpdate").count() >= 2
+        ),
+        30,
+        "the first chunks by push",
+    )
+    task.refresh_from_db()
+    task_services.switch_watch(task, "stream", actor_id=admin_user.pk)
+    wait_for(
+        lambda: not PushConfig.objects.filter(task=task, deleted_at__isnull=True).exists(),
+        30,
+        "the push configs to be deleted",
+    )
+    listing = agent_call(stored, lambda c: c.list_push_configs(task.remote_id))
+    assert listing["configs"] == []  # type: ignore[index]
+    wait_for(lambda: settled(task), 60, "the switched task to settle")
+    task.refresh_from_db()
+    assert task.watch == RemoteTask.Watch.STREAM and task.state == "TASK_STATE_COMPLETED"
+    assert not TaskEvent.objects.filter(task=task, kind="gap").exists()
+    # Each of the 20 chunks once, whichever channel brought it.
+    assert_converged(task)
