@@ -1,8 +1,9 @@
 """Retention: removing settled tasks older than a number of days, exported first when asked.
 
 Only a task that can no longer change is removed: settled (``settled_at`` set: a terminal
-task reconciled once with GetTask), in a terminal state, settled and last updated before
-the cutoff, not watched (no live lease, no watcher status that is still following it),
+task reconciled once with GetTask) in a terminal state before the cutoff, or a message
+reply (the agent answered without a task), or abandoned, or gone at the agent before the
+cutoff; and in each case last updated before the cutoff, not watched (no live lease, no watcher status that is still following it),
 and with no unresolved alert (an open alert stays, however old). Conditions are checked
 again inside the transaction that deletes, so a task that moved between the scan and the
 delete stays.
@@ -84,12 +85,16 @@ def due(older_than_days: float, now: datetime | None = None) -> QuerySet[RemoteT
     """The tasks a prune with this age would remove (the rule, in one place)."""
     now = now or timezone.now()
     cutoff = now - timedelta(days=older_than_days)
-    return RemoteTask.objects.filter(
-        settled_at__isnull=False,
-        settled_at__lt=cutoff,
-        updated_at__lt=cutoff,
-        state__in=TERMINAL_STATES,
-    ).exclude(
+    ended = (
+        Q(settled_at__isnull=False, settled_at__lt=cutoff, state__in=TERMINAL_STATES)
+        # The agent answered with a message: no task, nothing more comes.
+        | Q(phase=RemoteTask.Phase.MESSAGE)
+        # Given up here (never watched again), or no longer known to the agent: neither is
+        # ever settled, and both stayed for good.
+        | Q(abandoned_at__isnull=False, abandoned_at__lt=cutoff)
+        | Q(gone_at__isnull=False, gone_at__lt=cutoff)
+    )
+    return RemoteTask.objects.filter(ended, updated_at__lt=cutoff).exclude(
         Q(lease_expires_at__gt=now)
         | Q(watcher_status__in=WATCHING)
         # An open alert stays, however old (a parked task can be terminal and settled): the

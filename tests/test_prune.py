@@ -225,3 +225,31 @@ def test_the_beat_job_follows_the_setting(tasks, settings, tmp_path) -> None:
     assert "removed 3" in jobs.prune_settled()
     assert remaining() == set(tasks) - set(REMOVED)
     assert len(list((tmp_path / "kept").iterdir())) == 3
+
+
+def test_message_replies_abandoned_and_gone_tasks_are_pruned_too(db) -> None:
+    """Only settled terminal tasks were ever due: a message reply, an abandoned task and a
+    task gone at the agent are never settled, and stayed for good (found by driving the
+    dashboard with RETENTION_DAYS set)."""
+    agent = Agent.objects.create(name="retention agent", base_url="http://127.0.0.1:9/r2")
+    now = timezone.now()
+    old, recent = now - 40 * DAY, now - 5 * DAY
+
+    def make(name: str, updated=old, **fields) -> RemoteTask:
+        task = RemoteTask.objects.create(agent=agent, remote_id=name, title=name, **fields)
+        bulk_log(task, 3)
+        RemoteTask.objects.filter(pk=task.pk).update(updated_at=updated)
+        return task
+
+    make("message-reply", phase="message")
+    make("abandoned", phase="task", state="TASK_STATE_WORKING", abandoned_at=old,
+         watcher_status=RemoteTask.WatcherStatus.ABANDONED)  # fmt: skip
+    make("gone", phase="task", state="TASK_STATE_WORKING", gone_at=old)
+    # Not yet: abandoned or gone lately, a message reply updated lately, a working task.
+    make("abandoned-lately", phase="task", state="TASK_STATE_WORKING", abandoned_at=recent,
+         updated=recent)  # fmt: skip
+    make("gone-lately", phase="task", state="TASK_STATE_WORKING", gone_at=recent, updated=recent)
+    make("message-lately", phase="message", updated=recent)
+    make("working", phase="task", state="TASK_STATE_WORKING")
+    call_command("prune", "--older-than", "30", stdout=io.StringIO())
+    assert remaining() == {"abandoned-lately", "gone-lately", "message-lately", "working"}
