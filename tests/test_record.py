@@ -549,3 +549,26 @@ def test_a_snapshot_that_renames_an_artifact_with_the_same_parts_is_applied(task
     assert (artifact["name"], artifact["metadata"]) == ("report.md", {"final": True})
     assert artifact["parts"] == parts
     assert record(task, renamed, "poll").duplicate
+
+
+def test_an_imported_tasks_first_snapshot_is_where_it_begins_not_a_gap(task):
+    """An import made the row (remote id, no status yet) and recorded the listed task on
+    ``poll``, where a snapshot that differs from the mirror of a streamed task is a gap: every
+    imported task began with a red "the stream broke" entry, though no stream ever was (found
+    by driving the dashboard). Later snapshots that differ are gaps as before; one with the
+    same state says a status was missed, not "WORKING -> WORKING"."""
+    RemoteTask.objects.filter(pk=task.pk).update(remote_id="t-9", watch=RemoteTask.Watch.STREAM)
+    first = snapshot("t-9", "TASK_STATE_WORKING", ts="2026-01-01T00:00:00Z")
+    assert record(task.pk, first, "poll").kinds == ["task"]
+    later = snapshot("t-9", "TASK_STATE_WORKING", ts="2026-01-01T00:00:05Z")
+    assert record(task.pk, later, "poll").kinds == ["gap", "task"]
+    gap = TaskEvent.objects.get(task=task, kind="gap")
+    assert gap.note.endswith("not replayed: a status of TASK_STATE_WORKING"), gap.note
+    ended = snapshot("t-9", "TASK_STATE_COMPLETED", ts="2026-01-01T00:00:09Z")
+    assert record(task.pk, ended, "poll").kinds == ["gap", "task"]
+    assert (
+        TaskEvent.objects.filter(kind="gap")
+        .order_by("seq")
+        .last()
+        .note.endswith("state TASK_STATE_WORKING -> TASK_STATE_COMPLETED")
+    )

@@ -940,10 +940,19 @@ class _Fold:
             return
         if not artifacts_same and self._too_many_artifacts(entry, len(wanted)):
             return
-        if self.gap_check and self.get("remote_id") and not (status_same and artifacts_same):
+        # A mirror that never held a status (a task just imported) takes its first snapshot
+        # as where it begins: nothing was missed, and a "gap" said a stream had broken.
+        if (
+            self.gap_check
+            and self.get("remote_id")
+            and self.get("state")
+            and not (status_same and artifacts_same)
+        ):
             missed = []
-            if not status_same:
-                missed.append(f"state {self.get('state') or 'unknown'} -> {status['state']}")
+            if not status_same and status["state"] == self.get("state"):
+                missed.append(f"a status of {status['state']}")
+            elif not status_same:
+                missed.append(f"state {self.get('state')} -> {status['state']}")
             if not artifacts_same:
                 missed.append("artifacts changed")
             gap = Entry("gap", None, {"gap": {"missed": missed}})
