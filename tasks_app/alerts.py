@@ -6,7 +6,8 @@ The rules (thresholds from the settings; a rule whose setting is 0 or "off" is o
 rule                   open while                                              threshold
 =====================  ======================================================  ==============================
 ``silent-working``     a followed task is ``working`` and nothing was          ALERT_SILENT_WORKING_SECONDS
-                       recorded for it for longer than the threshold
+                       recorded for it for longer than the threshold (not
+                       a parked one while ``parked`` is on: that tells it)
 ``question-waiting``   a task asks (input or auth required) and has waited     ALERT_QUESTION_WAITING_SECONDS
                        for an answer for longer than the threshold, counted
                        from the first question of the wait (an agent asking
@@ -162,17 +163,23 @@ _LIVE_TASK = Q(abandoned_at__isnull=True, gone_at__isnull=True)
 _LIVE_ALERT_TASK = Q(task__abandoned_at__isnull=True, task__gone_at__isnull=True)
 
 
-def _silent_working(threshold: float) -> RuleSpec:
+def _silent_working(threshold: float, *, parked_told: bool = False) -> RuleSpec:
+    """``parked_told``: the parked rule is on, so a parked task's silence is told by its
+    ``parked`` alert alone (each parked task had both, for one cause)."""
+
     def find(now: datetime) -> list[Found]:
-        rows = (
+        silent = (
             RemoteTask.objects.filter(
                 _LIVE_TASK, state=WORKING, updated_at__lt=now - timedelta(seconds=threshold)
             )
             .filter(_not_alerted(Rule.SILENT_WORKING))
             .exclude(watch=RemoteTask.Watch.NONE)
-            .order_by("updated_at")
-            .values_list("pk", "agent_id", "updated_at", "title", "remote_id")[: _limit()]
         )
+        if parked_told:
+            silent = silent.exclude(watcher_status=RemoteTask.WatcherStatus.PARKED)
+        rows = silent.order_by("updated_at").values_list(
+            "pk", "agent_id", "updated_at", "title", "remote_id"
+        )[: _limit()]
         return [
             Found(
                 key=f"{Rule.SILENT_WORKING}:task:{pk}",
@@ -190,6 +197,8 @@ def _silent_working(threshold: float) -> RuleSpec:
         & _LIVE_ALERT_TASK
         & ~Q(task__watch=RemoteTask.Watch.NONE)
     )
+    if parked_told:
+        holds &= ~Q(task__watcher_status=RemoteTask.WatcherStatus.PARKED)
     return RuleSpec(Rule.SILENT_WORKING, threshold, find, holds)
 
 
@@ -328,7 +337,11 @@ def rules() -> list[RuleSpec]:
     """The rules that are on, from the settings (read on every evaluation)."""
     specs: list[RuleSpec] = []
     if settings.ALERT_SILENT_WORKING_SECONDS:
-        specs.append(_silent_working(settings.ALERT_SILENT_WORKING_SECONDS))
+        specs.append(
+            _silent_working(
+                settings.ALERT_SILENT_WORKING_SECONDS, parked_told=bool(settings.ALERT_PARKED)
+            )
+        )
     if settings.ALERT_QUESTION_WAITING_SECONDS:
         specs.append(_question_waiting(settings.ALERT_QUESTION_WAITING_SECONDS))
     if settings.ALERT_AGENT_UNREACHABLE_SECONDS:

@@ -288,6 +288,29 @@ def test_parked_opens_at_once_and_resolves_when_watched_again(agent):
     assert [a.key for a in result.resolved] == [key]
 
 
+def test_a_parked_silent_task_has_one_alert_for_its_one_cause(agent, settings):
+    """A parked working task had both a ``parked`` and a ``silent-working`` alert open (found
+    by driving the dashboard): its silence is what parking it tells. A silent alert opened
+    before the task was parked resolves when it is; with the parked rule off, silence tells."""
+    task = working_task(agent, "t-q")
+    silent, parked = f"silent-working:task:{task.pk}", f"parked:task:{task.pk}"
+    assert [a.key for a in alerts.evaluate(task.updated_at + HOUR).opened] == [silent]
+    token = task_services.acquire_lease(task.pk, "a watcher")
+    task_services.release_lease(
+        task.pk, token, status=RemoteTask.WatcherStatus.PARKED, note="needs attention: x",
+        hold_off=600,
+    )  # fmt: skip
+    result = alerts.evaluate(task.updated_at + HOUR)
+    assert [a.key for a in result.opened] == [parked]
+    assert [a.key for a in result.resolved] == [silent]
+    assert not alerts.evaluate(task.updated_at + 2 * HOUR).opened
+    settings.ALERT_PARKED = False
+    result = alerts.evaluate(task.updated_at + 2 * HOUR)
+    assert [a.key for a in result.opened] == [silent] and [a.key for a in result.resolved] == [
+        parked
+    ]
+
+
 def test_a_rule_turned_off_resolves_its_alerts_and_opens_none(agent, settings):
     task = working_task(agent)
     alerts.evaluate(task.updated_at + HOUR)
