@@ -214,3 +214,49 @@ def test_a_refused_answer_shows_the_chain_sentence_as_the_page_does(client_in, a
     assert "Write an answer" in body
     assert "Hash chain verifies" in loaded and "Hash chain verifies" in body
     assert "too large to check" not in body
+
+
+# "Watch again" refused: the reason, as the task is ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"phase": "task", "state": "TASK_STATE_COMPLETED"}, "This task has ended"),
+        ({"phase": "message"}, "answered with a message, not a task"),
+        ({"phase": "failed"}, "The send failed: retry it"),
+        ({"phase": "task", "state": "TASK_STATE_WORKING", "watcher_status": "polling"},
+         "being watched already (it is not parked"),
+    ],
+)  # fmt: skip
+def test_watch_again_refused_says_why_as_the_task_is(agent_row, fields, reason):
+    """One sentence ("being watched already, or cannot be watched (gone or abandoned)") was
+    the answer for a completed task, a message reply and a failed send too (found by
+    driving the command line)."""
+    from tasks_app.services import tasks as task_services
+
+    task = RemoteTask.objects.create(agent=agent_row, title="t", remote_id="r-w", **fields)
+    with pytest.raises(task_services.TaskActionError, match=re.escape(reason)):
+        task_services.watch_again(task)
+
+
+# The audit command's refusals, in its own words ---------------------------------------------
+
+
+def test_the_audit_commands_refusals_name_its_flags_and_what_is_missing(agent_row):
+    """``audit verify 999`` said "use the local id" of a local id that does not exist, and
+    ``audit actions`` answered with the web form's words ("“To” must be after “From”",
+    "choose one from the list") where no form or list is shown."""
+    from io import StringIO
+
+    from django.core.management import CommandError, call_command
+
+    for args in (["verify", "999999"], ["export", "999999"]):
+        with pytest.raises(CommandError, match="No task '999999': neither a local id nor a"):
+            call_command("audit", *args, stdout=StringIO())
+    with pytest.raises(CommandError, match="--until: --until must be after --since"):
+        call_command("audit", "actions", "--since", "2026-12-04", "--until", "2026-12-01",
+                     stdout=StringIO())  # fmt: skip
+    with pytest.raises(CommandError, match=r"known actions: .*add-agent.*start") as refused:
+        call_command("audit", "actions", "--action", "bogus", stdout=StringIO())
+    assert "from the list" not in str(refused.value)

@@ -588,6 +588,27 @@ def _refresh(task: RemoteTask, *, actor_id: int | None) -> RemoteTask:
     return task
 
 
+def _why_not_watched_again(task_pk: int) -> str:
+    """The refusal of "watch again", as the task is now (one sentence said "being watched
+    already, or gone or abandoned" for a completed task and a message reply too)."""
+    task = RemoteTask.objects.filter(pk=task_pk).first()
+    if task is None:
+        return "This task no longer exists."
+    if task.abandoned_at is not None:
+        return "This task was abandoned: it is not watched again."
+    if task.gone_at is not None:
+        return "The agent no longer knows this task (gone): there is nothing to watch."
+    if task.phase == RemoteTask.Phase.MESSAGE:
+        return "The agent answered with a message, not a task: there is nothing to watch."
+    if task.phase == RemoteTask.Phase.FAILED:
+        return "The send failed: retry it, or refresh to look the task up at the agent."
+    if task.state in TERMINAL_STATES:
+        return "This task has ended: there is nothing more to watch."
+    if task.lease_token and task.lease_expires_at and task.lease_expires_at >= timezone.now():
+        return "A watcher holds this task now: it is being watched already."
+    return "This task is being watched already (it is not parked, lost or reconnecting)."
+
+
 def watch_again(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask:
     """An operator asks for a parked (or lost) task to be watched again, from a clean slate."""
     require(actor_id, task.agent.project_id, Perm.OPERATE)
@@ -621,9 +642,7 @@ def watch_again(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask:
             watcher_since=timezone.now(),
         )
         if not won:
-            raise TaskActionError(
-                "This task is being watched already, or cannot be watched (gone or abandoned)."
-            )
+            raise TaskActionError(_why_not_watched_again(task.pk))
         OperatorAction.objects.create(
             task=task, agent=task.agent, actor_id=actor_id, action="watch"
         )

@@ -69,8 +69,7 @@ class Command(StoppableCommand):
         if not options["all"]:
             pks = list(tasks.filter(_lookup(options["task"]))[:2])
             if len(pks) != 1:
-                found = "no task" if not pks else "several tasks"
-                raise CommandError(f"{found} match {options['task']!r}; use the local id.")
+                raise _no_one_task(options["task"], pks)
             tasks = pks  # type: ignore[assignment]
         check = verify if options["action"] == "verify" else replay
         failed = 0
@@ -105,7 +104,9 @@ class Command(StoppableCommand):
             data["project"] = str(_named(Project, options["filter_project"], "project"))
         form = actionlog.ActionFilterForm(data, user=None)
         if not form.is_valid():
-            raise CommandError("; ".join(f"--{k}: {' '.join(v)}" for k, v in form.errors.items()))
+            raise CommandError(
+                "; ".join(f"--{k}: {_in_flags(' '.join(v))}" for k, v in form.errors.items())
+            )
         rows = actionlog.apply_filters(actionlog.OperatorAction.objects.all(), form.cleaned_data)
         if options["csv"]:
             chunks = exports.csv_chunks(rows)
@@ -174,12 +175,29 @@ def _named(model: type, text: str, what: str) -> int:
     return pks[0]
 
 
+def _in_flags(message: str) -> str:
+    """The web form's words for its fields, as the command line names them."""
+    message = message.replace("“To”", "--until").replace("“From”", "--since")
+    return message.replace(
+        "choose one from the list", "known actions: " + ", ".join(sorted(actionlog.KNOWN_ACTIONS))
+    )
+
+
+def _no_one_task(text: str, pks: list[int]) -> CommandError:
+    """No task, or several, for ``text`` ("use the local id" was said of a local id too)."""
+    if not pks:
+        return CommandError(
+            f"No task {text!r}: neither a local id nor a remote task id (see 'manage.py tasks list')."
+        )
+    return CommandError(
+        f"Several tasks have the remote id {text!r} (of several agents): use the local id."
+    )
+
+
 def _one_task(text: str) -> RemoteTask:
     pks = list(RemoteTask.objects.filter(_lookup(text)).values_list("pk", flat=True)[:2])
     if len(pks) != 1:
-        raise CommandError(
-            f"{'no task' if not pks else 'several tasks'} match {text!r}; use the local id."
-        )
+        raise _no_one_task(text, pks)
     return RemoteTask.objects.select_related("agent__project", "started_by").get(pk=pks[0])
 
 
