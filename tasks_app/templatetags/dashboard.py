@@ -39,6 +39,21 @@ def state_badge(task: Any) -> str:
     return format_html('<span class="badge st-{}" data-state="{}">{}</span>', short, state, label)
 
 
+# What a watcher status is called on the page, which a watcher's note may begin with too.
+_STATUS_WORDS = {"parked": "needs attention", "gone": "gone at the agent"}
+
+
+@register.filter
+def note_after_status(note: str, status: str) -> str:
+    """A watcher's note without the words its status already shows ("Needs attention:
+    needs attention: over its storage budget" said them twice)."""
+    words = _STATUS_WORDS.get(status)
+    if not note or not words or not note.lower().startswith(words):
+        return note
+    rest = note[len(words) :].lstrip(" :")
+    return rest[:1].upper() + rest[1:] if rest else ""
+
+
 @register.filter
 def pretty(value: Any) -> str:
     return pretty_json(value)
