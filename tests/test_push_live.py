@@ -212,3 +212,28 @@ def test_switching_a_push_task_to_streaming_stops_its_push(
     assert not TaskEvent.objects.filter(task=task, kind="gap").exists()
     # Each of the 20 chunks once, whichever channel brought it.
     assert_converged(task)
+
+
+def test_deleting_a_push_tasks_last_config_has_it_polled(
+    agent, web, start_celery_worker, admin_user
+):
+    """The task said "awaiting push notifications" after its only config was deleted, and was
+    looked at again only when its silence ran out (found by driving the dashboard)."""
+    start_celery_worker(PUBLIC_URL=web.url, PUSH_SILENCE_SECONDS="600")
+    stored = add_agent(agent.base_url)
+    task = task_services.start_task(stored, "batch 12 0.5", mode="push")
+    wait_for(
+        lambda: RemoteTask.objects.get(pk=task.pk).watcher_status == "awaiting-push",
+        30,
+        "awaiting push",
+    )
+    task.refresh_from_db()
+    config = PushConfig.objects.get(task=task)
+    push_services.delete_config(task, config.config_id, actor_id=admin_user.pk)
+    task.refresh_from_db()
+    assert task.watch == RemoteTask.Watch.POLL
+    # Followed by polls to its end, long before the 600 s of silence.
+    wait_for(lambda: settled(task), 60, "the task to be polled to its end")
+    task.refresh_from_db()
+    assert task.state == "TASK_STATE_COMPLETED"
+    assert TaskEvent.objects.filter(task=task, channel="poll", kind="task").exists()

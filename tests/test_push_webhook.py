@@ -548,5 +548,9 @@ def test_our_config_is_deleted_here_whatever_the_agent_answers(task, config):
     config.refresh_from_db()
     assert config.deleted_at is not None and "the agent refused" in config.deleted_note
     assert good(config, status_update())[0] == 404
-    entry = TaskEvent.objects.get(task=task, kind="operator").raw["operator"]
-    assert entry["action"] == "delete-push-config" and entry["agent"]
+    entries = [e.raw["operator"] for e in TaskEvent.objects.filter(task=task, kind="operator")]
+    assert entries[0]["action"] == "delete-push-config" and entries[0]["agent"]
+    # Its last config gone, the push task is polled from now on (tests/test_push_live.py).
+    task.refresh_from_db()
+    assert task.watch == RemoteTask.Watch.POLL
+    assert [e["action"] for e in entries[1:]] == ["switch-watch"]

@@ -24,6 +24,7 @@ watcher, which polls it once and comes back later, less often as the silence gro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -1753,4 +1754,19 @@ def delete_config(task: RemoteTask, config_id: str, *, actor_id: int | None = No
         "operator",
         actor_id=actor_id,
     )  # fmt: skip
+    _polled_without_configs(task, actor_id)
     return str(refused_ours) if refused_ours else ""
+
+
+def _polled_without_configs(task: RemoteTask, actor_id: int | None) -> None:
+    """A task followed by push whose last config was deleted is polled from now on: it said
+    "awaiting push notifications" that nothing would send, until its silence ran out."""
+    from tasks_app.services.tasks import TaskActionError, switch_watch
+
+    task.refresh_from_db()
+    if task.watch != RemoteTask.Watch.PUSH:
+        return
+    if PushConfig.objects.filter(task=task, deleted_at__isnull=True).exists():
+        return
+    with contextlib.suppress(TaskActionError):  # ended, abandoned or gone: nothing to follow
+        switch_watch(task, RemoteTask.Watch.POLL, actor_id=actor_id)
