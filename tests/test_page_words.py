@@ -43,3 +43,45 @@ def test_a_parked_tasks_page_says_needs_attention_once(django_user_model):
 )
 def test_a_note_loses_only_the_words_its_status_shows(note, status, shown):
     assert note_after_status(note, status) == shown
+
+
+# The agent page's "Reachable ... (last contact ...)" -------------------------------------------
+
+
+def test_last_contact_follows_the_agents_answers_at_most_once_a_minute():
+    """Only the card fetch set "last contact": an agent streaming that moment was "last
+    contact 16 minutes ago" (found by driving the dashboard)."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from tasks_app.services import agents as agent_services
+
+    long_ago = timezone.now() - timedelta(minutes=16)
+    agent = Agent.objects.create(name="contact", base_url="http://127.0.0.1:9/contact",
+                                 reachable=True, last_contact_at=long_ago)  # fmt: skip
+    agent_services.mark_reachable(agent.pk)
+    agent.refresh_from_db()
+    first = agent.last_contact_at
+    assert first > long_ago + timedelta(minutes=15)
+    agent_services.mark_reachable(agent.pk)  # within the minute: not written again
+    agent.refresh_from_db()
+    assert agent.last_contact_at == first
+
+
+def test_an_import_that_cannot_reach_the_agent_marks_it_unreachable():
+    """A failed send marked the agent unreachable; a failed import did not, and the agent
+    list went on saying "reachable"."""
+    from tasks_app.services import imports
+    from tasks_app.services.tasks import TaskActionError
+    from tests.agents import free_port
+
+    agent = Agent.objects.create(
+        name="away", base_url=f"http://127.0.0.1:{free_port()}", reachable=True,
+        interface_url=f"http://127.0.0.1:{free_port()}/rpc", binding="JSONRPC",
+        protocol_version="1.0",
+    )  # fmt: skip
+    with pytest.raises(TaskActionError, match="cannot connect"):
+        imports.import_tasks(agent)
+    agent.refresh_from_db()
+    assert agent.reachable is False and agent.last_error

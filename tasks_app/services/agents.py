@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from tasks_app import outbound
@@ -392,6 +394,20 @@ def mark_unreachable(agent_pk: int, error: str) -> None:
     Agent.objects.filter(pk=agent_pk).update(reachable=False, last_error=error[:2000])
 
 
+# How stale "last contact" may be on the agent's page: at most one write a minute per agent,
+# however many streams and polls answer.
+CONTACT_EVERY_SECONDS = 60
+
+
 def mark_reachable(agent_pk: int) -> None:
-    """Cheap when nothing changes: writes only if the agent was not already reachable."""
-    Agent.objects.filter(pk=agent_pk).exclude(reachable=True).update(reachable=True, last_error="")
+    """The agent answered. Cheap when nothing changes: one UPDATE that writes only if the agent
+    was not reachable, or its last contact is older than ``CONTACT_EVERY_SECONDS`` (the card
+    fetch alone set it, so the page said "last contact 16 minutes ago" of an agent
+    streaming that moment)."""
+    now = timezone.now()
+    stale = Q(last_contact_at__isnull=True) | Q(
+        last_contact_at__lt=now - timedelta(seconds=CONTACT_EVERY_SECONDS)
+    )
+    Agent.objects.filter(~Q(reachable=True) | stale, pk=agent_pk).update(
+        reachable=True, last_error="", last_contact_at=now
+    )

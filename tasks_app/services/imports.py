@@ -32,8 +32,10 @@ from django.utils import timezone
 
 from tasks_app import outbound
 from tasks_app.a2a import A2AError, ProtocolError, check_task, safejson
+from tasks_app.a2a.errors import ConnectError
 from tasks_app.access import Perm, require
 from tasks_app.models import Agent, ImportJob, OperatorAction, RemoteTask
+from tasks_app.services import agents as agent_services
 from tasks_app.services.chain import canonical_json
 from tasks_app.services.record import RecordError, id_problem, record, settle_if_ended
 from tasks_app.services.tasks import TaskActionError, dispatch
@@ -352,6 +354,8 @@ class _Walk:
             except TimeoutError:
                 return f"{self.at_deadline(f'waiting for page {job.pages + 1}')}; {self.so_far()}."
             except A2AError as exc:
+                if isinstance(exc, ConnectError):  # as a watcher's failed call says it
+                    agent_services.mark_unreachable(job.agent_id, str(exc))
                 return f"ListTasks failed on page {job.pages + 1}: {exc}; {self.so_far()}."
             tasks = listing.get("tasks") or []
             if len(tasks) > self.per_page:
