@@ -83,3 +83,30 @@ def test_the_logout_address_shows_a_page_and_only_its_post_logs_out(django_user_
     again = client.get("/accounts/logout/")
     assert again.status_code == 200 and "You are not logged in" in again.content.decode()
     assert client.put("/accounts/logout/").status_code == 405
+
+
+# The lines each cell's text takes, for the cells of the task page's event log.
+CELL_LINES = """() => [...document.querySelectorAll('#event-rows tr')].map((tr) =>
+    [...tr.children].slice(0, 5).map((td) => {
+        const range = document.createRange();
+        range.selectNodeContents(td.firstChild || td);
+        return [td.textContent.trim(), new Set([...range.getClientRects()].map((r) => Math.round(r.top))).size];
+    }))"""
+
+
+@in_browser
+def test_the_event_log_keeps_its_words_whole_on_a_phone(context, server):
+    """At 390 px the task page's event log broke seqs ("1/0") and words inside the cells."""
+    task_pk, _ = write_on(server, "tasks", 0)
+    write_on(server, "behind", [task_pk, 12])
+    page = context.new_page()
+    page.set_viewport_size({"width": 390, "height": 800})
+    page.goto(f"/tasks/{task_pk}/")
+    page.wait_for_selector("#event-rows tr[data-seq='13']")
+    rows = page.evaluate(CELL_LINES)
+    broken = [
+        cell for row in rows for cell in row if cell[0] and " " not in cell[0] and cell[1] > 1
+    ]
+    assert len(rows) >= 13 and not broken, broken
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    page.close()
