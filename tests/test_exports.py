@@ -231,7 +231,9 @@ def test_the_command_exports_to_stdout_and_to_a_private_file(world, tmp_path) ->
     assert document["event_count"] == 2500 and verify_offline(document["events"]) == last
     assert not [p for p in tmp_path.iterdir() if p.name != "history.json"]  # no temporary file left
 
-    with pytest.raises(CommandError, match="no task"):
+    with pytest.raises(
+        CommandError, match=r"No task .no-such-task.: neither a local id nor a remote task id"
+    ):
         call_command("audit", "export", "no-such-task", stdout=io.StringIO())
 
 
