@@ -8,6 +8,7 @@ silence fallback to polling, and the operator's switch back to polling.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -184,9 +185,9 @@ def test_switching_a_push_task_to_streaming_stops_its_push(
     agent, web, start_celery_worker, admin_user
 ):
     """The switch left the push configs at the agent: it went on pushing beside the stream,
-    and a chunk pushed before the stream brought it was appended twice (found by driving
-    the dashboard). The configs are deleted at the agent and here now; the task ends with
-    each chunk once."""
+    and a chunk pushed before the stream brought it was appended twice, with false gaps
+    after (found by driving the dashboard). The configs are deleted at the agent and here
+    before a watcher starts the stream; the task ends with each chunk once."""
     start_celery_worker(PUBLIC_URL=web.url, PUSH_SILENCE_SECONDS="120")
     stored = add_agent(agent.base_url)
     task = task_services.start_task(stored, "batch 20 0.3", mode="push")
@@ -199,18 +200,21 @@ def test_switching_a_push_task_to_streaming_stops_its_push(
     )
     task.refresh_from_db()
     task_services.switch_watch(task, "stream", actor_id=admin_user.pk)
-    wait_for(
-        lambda: not PushConfig.objects.filter(task=task, deleted_at__isnull=True).exists(),
-        30,
-        "the push configs to be deleted",
-    )
+    # Gone as the switch returns, while the task still runs: at the agent and here.
     listing = agent_call(stored, lambda c: c.list_push_configs(task.remote_id))
     assert listing["configs"] == []  # type: ignore[index]
+    assert not PushConfig.objects.filter(task=task, deleted_at__isnull=True).exists()
     wait_for(lambda: settled(task), 60, "the switched task to settle")
     task.refresh_from_db()
     assert task.watch == RemoteTask.Watch.STREAM and task.state == "TASK_STATE_COMPLETED"
-    assert not TaskEvent.objects.filter(task=task, kind="gap").exists()
-    # Each of the 20 chunks once, whichever channel brought it.
+    # Each of the 20 chunks appended once in the log, whichever channel brought it (a
+    # chunk pushed before the switch may reach the stream's first snapshot instead: the
+    # `gap` that says so is true), and the mirror is the agent's.
+    appended = [
+        json.dumps(e.raw["artifactUpdate"]["artifact"]["parts"], sort_keys=True)
+        for e in TaskEvent.objects.filter(task=task, kind="artifactUpdate")
+    ]
+    assert len(appended) == len(set(appended)), appended
     assert_converged(task)
 
 

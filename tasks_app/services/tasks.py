@@ -666,10 +666,12 @@ def switch_watch(task: RemoteTask, watch: str, *, actor_id: int | None = None) -
     """An operator switches a task followed by push (or anything else) to streaming or polling.
 
     The hold-off of "awaiting push" is lifted and a watcher dispatched at once; a running
-    holder notices the new way at its next turn. The task's push configs are deleted (at
-    the agent, then here, after the commit: ``push.forget_later``): left in place, the
-    agent went on pushing beside the stream, and a chunk pushed before the stream brought
-    it was appended twice (the stream's chunks are all taken), with false gaps after.
+    holder notices the new way at its next turn. The task's push configs are deleted first
+    (at the agent, then here: ``push.forget_configs_now``): left in place, the agent went
+    on pushing beside the stream, and a chunk pushed before the stream brought it was
+    appended twice (the stream's chunks are all taken), with false gaps after. A
+    notification already queued is recorded as any other: after the stream's copy it is
+    the same chunk, before it the stream's snapshot holds it.
     """
     require(actor_id, task.agent.project_id, Perm.OPERATE)
     if watch not in (RemoteTask.Watch.STREAM, RemoteTask.Watch.POLL):
@@ -709,10 +711,12 @@ def switch_watch(task: RemoteTask, watch: str, *, actor_id: int | None = None) -
             "operator",
             actor_id=actor_id,
         )
-        from tasks_app.services import push  # push imports this module
+    # The configs go before a watcher starts (at the agent, best effort, then here): deleted
+    # after, the agent could push a chunk that the new stream brought as well.
+    from tasks_app.services import push  # push imports this module
 
-        push.forget_later(task.pk, f"the task is followed by {watch} now (an operator switched)")
-        transaction.on_commit(lambda: dispatch(task.pk))
+    push.forget_configs_now(task.pk, f"the task is followed by {watch} now (an operator switched)")
+    transaction.on_commit(lambda: dispatch(task.pk))
     task.refresh_from_db()
     return task
 
