@@ -105,13 +105,6 @@ BATCH = 500
 # folds a batch split anywhere as the same entries one by one, so the log is the same.
 RECORD_CALL_EVENTS = 100
 # A parked task is looked at again this rarely (one call), in case the agent recovered.
-# A poll's GetTask asks for the newest messages of the task's history, not all: an agent's
-# history grows with every status message, and a poll that stores a changed snapshot stored
-# the whole of it each time (a ten-minute task of one status a second: 185 KB a poll, over
-# its byte budget and parked after six minutes). The poll's snapshot is for what is new;
-# the GetTask that settles a task asks for the whole history, once, so that messages an
-# agent said faster than the polls read are mirrored in the end.
-POLL_HISTORY = 20
 PARKED_RECHECK_SECONDS = 600
 # While a task waits for authorization, the outbox is checked this often (an answer goes at once).
 OUTBOX_CHECK_SECONDS = 1.0
@@ -1229,7 +1222,7 @@ class Holder:
         return outcome
 
     async def _poll_once(self, client: A2AClient, *, gap_check: bool = False) -> Outcome:
-        snapshot = await client.get_task(self.remote_id, history_length=POLL_HISTORY)
+        snapshot = await client.get_task(self.remote_id)
         await eventloop.db(agent_services.mark_reachable, self.agent_id)
         result = await eventloop.db(
             record, self.task_pk, {"task": snapshot}, "poll", gap_check=gap_check, fence=self.token

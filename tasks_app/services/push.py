@@ -1579,8 +1579,6 @@ async def _refresher(task_pk: int) -> None:
 
 async def refresh_after_push(http: httpx.AsyncClient, task_pk: int) -> None:
     """GetTask after a notification: recorded as a poll; an ended task is settled, its configs deleted."""
-    from tasks_app.watchers import POLL_HISTORY  # the watchers import this module
-
     task = await eventloop.db(
         lambda: RemoteTask.objects.select_related("agent").filter(pk=task_pk).first()
     )
@@ -1593,9 +1591,7 @@ async def refresh_after_push(http: httpx.AsyncClient, task_pk: int) -> None:
         return
     try:
         client = outbound.client_for(task.agent, http)
-        # The newest messages only, as a poll asks (``watchers.POLL_HISTORY``): one GetTask
-        # per notification would otherwise store the whole history each time.
-        snapshot = await client.get_task(task.remote_id, history_length=POLL_HISTORY)
+        snapshot = await client.get_task(task.remote_id)
     except A2AError as exc:
         log.info("GetTask after a push notification for task %s failed: %s", task_pk, exc)
         return
