@@ -235,9 +235,23 @@ def test_ctrl_c_while_a_command_waits_is_one_line_and_nothing_is_written(
     fifo = tmp_path / "token"
     os.mkfifo(fifo)
     child = _start(child_env, "agents", "add", "http://127.0.0.1:9/", "--token-file", str(fifo))
-    time.sleep(3)  # Django loaded; open() of the FIFO is waiting
-    child.send_signal(signal.SIGINT)
-    _, err = child.communicate(timeout=60)
+    # Until the command has the FIFO open (a fixed 3 s sleep sent Ctrl-C while a loaded
+    # machine was still importing Django): a writer's non-blocking open fails until a reader
+    # is there. Held open, not written: the command then waits in its read.
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError:
+            assert time.monotonic() < deadline and child.poll() is None, "never opened the FIFO"
+            time.sleep(0.05)
+    try:
+        time.sleep(0.2)  # in its read of the token
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=60)
+    finally:
+        os.close(writer)
     assert child.returncode == 130, err.decode()
     assert err.decode().strip().splitlines() == [
         "Stopped by Ctrl-C; nothing was left half-written."
