@@ -73,6 +73,7 @@ from tasks_app.services import agents as agent_services
 from tasks_app.services import push as push_services
 from tasks_app.services import record as record_services
 from tasks_app.services import tasks as task_services
+from tasks_app.services.polls import poll_task
 from tasks_app.services.record import Recorded, record, record_many
 
 log = logging.getLogger(__name__)
@@ -1222,7 +1223,7 @@ class Holder:
         return outcome
 
     async def _poll_once(self, client: A2AClient, *, gap_check: bool = False) -> Outcome:
-        snapshot = await client.get_task(self.remote_id)
+        snapshot = await poll_task(client, self.remote_id, self.task_pk)
         await eventloop.db(agent_services.mark_reachable, self.agent_id)
         result = await eventloop.db(
             record, self.task_pk, {"task": snapshot}, "poll", gap_check=gap_check, fence=self.token

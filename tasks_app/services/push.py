@@ -58,6 +58,7 @@ from tasks_app.a2a import A2AClient, A2AError, ProtocolError, safejson
 from tasks_app.crypto import SecretError, decrypt_json, encrypt_json
 from tasks_app.models import TERMINAL_STATES, Agent, PushConfig, RemoteTask
 from tasks_app.runtime import shared_redis
+from tasks_app.services.polls import poll_task
 from tasks_app.services.record import RecordError, record, record_many, settle_if_ended
 
 log = logging.getLogger(__name__)
@@ -1591,7 +1592,7 @@ async def refresh_after_push(http: httpx.AsyncClient, task_pk: int) -> None:
         return
     try:
         client = outbound.client_for(task.agent, http)
-        snapshot = await client.get_task(task.remote_id)
+        snapshot = await poll_task(client, task.remote_id, task_pk)
     except A2AError as exc:
         log.info("GetTask after a push notification for task %s failed: %s", task_pk, exc)
         return

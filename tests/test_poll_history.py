@@ -1,0 +1,91 @@
+"""A polled task's snapshots hold the newest messages of its history, in the agent's order.
+
+An agent's history grows with every status message, and a poll that stored a changed
+snapshot stored the whole history each time: the demo agent's ten-minute task, one status a
+second, made a 185 KB row a poll, went over its byte budget and was parked after six
+minutes (found by driving the running dashboard). A poll asks GetTask for the newest
+``polls.POLL_HISTORY`` messages, and for the whole history when the window's oldest message
+is not one the mirror holds (a window alone mirrored the messages it skipped after newer
+ones, when the settling GetTask found them). A real demo agent, a real worker.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tasks_app.models import RemoteTask, TaskEvent
+from tasks_app.services import polls
+from tasks_app.services import tasks as task_services
+from tasks_app.services.agents import add_agent
+from tests.test_mirror import assert_converged, settled, wait_for
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+
+def _ids(messages: list) -> list[str]:
+    return [m["messageId"] for m in messages if isinstance(m, dict) and m.get("messageId")]
+
+
+def _polled_windows(task: RemoteTask) -> list[tuple[list[str], set[str]]]:
+    """Each polled snapshot's history ids, with the ids the log held before it."""
+    held: set[str] = set()
+    found = []
+    for event in TaskEvent.objects.filter(task=task).order_by("seq"):
+        raw = event.raw if isinstance(event.raw, dict) else {}
+        snapshot = raw.get("task") if isinstance(raw.get("task"), dict) else {}
+        if event.channel == "poll" and event.kind == "task":
+            found.append((_ids(snapshot.get("history") or []), set(held)))
+        update = raw.get("statusUpdate") if isinstance(raw.get("statusUpdate"), dict) else {}
+        said = [
+            *(snapshot.get("history") or []),
+            (snapshot.get("status") or {}).get("message"),
+            raw.get("message"),
+            (update.get("status") or {}).get("message"),
+        ]
+        held.update(_ids(said))
+    return found
+
+
+def _start(agent, start_celery_worker, seconds_between_polls: str, text: str) -> RemoteTask:
+    start_celery_worker(
+        WATCH_POLL_MIN_SECONDS=seconds_between_polls, WATCH_POLL_MAX_SECONDS=seconds_between_polls
+    )
+    row = add_agent(agent.base_url, name="demo")
+    task = task_services.start_task(row, text, mode="return-immediately")
+    wait_for(lambda: settled(task), timeout=90, what="the long task to complete")
+    assert task.state == "TASK_STATE_COMPLETED"
+    return task
+
+
+def test_polls_faster_than_the_agent_talks_store_only_the_newest_messages(
+    agent, start_celery_worker
+):
+    # The agent says a status every 0.2 s, the worker polls every 0.5 s: a few messages a
+    # poll, far fewer than the window.
+    task = _start(agent, start_celery_worker, "0.5", "long 8")
+    windows = _polled_windows(task)[:-1]  # the last is the settling GetTask: all of it
+    assert len(windows) >= 4, len(windows)
+    for ids, held in windows:
+        # A poll stored more than the window only when the window left a hole.
+        if len(ids) > polls.POLL_HISTORY:
+            assert ids[-polls.POLL_HISTORY] not in held, ids
+    full = [ids for ids, _ in windows if len(ids) == polls.POLL_HISTORY]
+    assert full, [len(ids) for ids, _ in windows]  # the agent's history was longer than it
+    assert_converged(task)  # the conversation, in the agent's order
+
+
+def test_an_agent_that_says_more_than_the_window_between_polls_is_mirrored_in_its_order(
+    agent, start_celery_worker
+):
+    # About 25 status messages between two polls (one every 0.2 s, a poll every 5 s): the
+    # window's oldest message is new each time, so the poll asks for the whole history.
+    task = _start(agent, start_celery_worker, "5", "long 11")
+    windows = _polled_windows(task)[:-1]
+    wider = [ids for ids, held in windows if len(ids) > polls.POLL_HISTORY]
+    assert wider, [len(ids) for ids, _ in windows]
+    for ids, held in windows:
+        if len(ids) > polls.POLL_HISTORY:
+            assert ids[-polls.POLL_HISTORY] not in held, ids
+    # Every message mirrored once, where the agent has it: a window alone put the ones it
+    # skipped after newer ones (the settling GetTask found them).
+    assert_converged(task)
