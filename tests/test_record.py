@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
 from django.db import close_old_connections
 
-from tasks_app.models import Agent, RemoteTask, TaskEvent
+from tasks_app.models import Agent, ArtifactPart, RemoteTask, TaskEvent
+from tasks_app.services import record as record_module
 from tasks_app.services.record import record, record_many
 from tasks_app.services.snapshot import task_view
 
@@ -60,6 +62,41 @@ def task(db) -> RemoteTask:
 
 def seqs(task: RemoteTask) -> list[int]:
     return list(TaskEvent.objects.filter(task=task).order_by("seq").values_list("seq", flat=True))
+
+
+def test_a_call_leaves_no_reference_cycle_to_collect(task):
+    """What one call folds is freed when it returns, not by the cyclic collector.
+
+    A fold held its rows, which held the fold: each call's entries and part rows (a
+    streamed 1 MB chunk, twice) waited for a collection, which a worker runs rarely
+    (``eventloop.tune_gc``), and its memory grew by the size of a 90 MB artifact while it
+    streamed (tests/test_hostile_agents.py measures the worker).
+    """
+    record(task, snapshot("t-1", "TASK_STATE_WORKING"), "stream")
+    chunk = {
+        "taskId": "t-1",
+        "contextId": "c-1",
+        "artifact": {"artifactId": "a", "parts": [{"text": "x" * 100_000}]},
+    }
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        record_many(
+            task,
+            [{"artifactUpdate": chunk}, {"artifactUpdate": {**chunk, "append": True}}],
+            "stream",
+        )
+        gc.collect()
+        left = [
+            type(o).__name__
+            for o in gc.garbage
+            if isinstance(o, (record_module._Fold, record_module.Entry, ArtifactPart))
+        ]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert ArtifactPart.objects.filter(artifact__task=task).count() == 2
+    assert left == []
 
 
 def test_first_task_event_adopts_the_remote_id(task):

@@ -567,17 +567,25 @@ class _Row:
 
 
 class _Rows(list):
-    """The rows a fold appends; each is stamped with the task's state right after it."""
+    """The rows a fold appends; each is stamped with the task's state right after it.
 
-    def __init__(self, fold: _Fold) -> None:
+    It reads the state from the fold's task and changes, not through the fold: a fold
+    holding its rows that held the fold was a reference cycle, so each call's entries and
+    part rows (a streamed 1 MB chunk, twice) waited for the cyclic collector, which a
+    worker runs rarely (``eventloop.tune_gc``): a worker's memory grew by the size of a
+    90 MB artifact while it streamed.
+    """
+
+    def __init__(self, task: RemoteTask, changes: dict[str, Any]) -> None:
         super().__init__()
-        self.fold = fold
+        self.task = task
+        self.changes = changes
         # The digests of the entries appended (a refusal repeated in one batch, see
         # ``_Fold._refused_again``).
         self.digests: set[str] = set()
 
     def append(self, row: _Row) -> None:
-        row.state_after = self.fold.get("state")
+        row.state_after = self.changes.get("state", self.task.state)
         self.digests.add(row.entry.digest)
         super().append(row)
 
@@ -620,7 +628,7 @@ class _Fold:
         self._labels: dict[str, Labels] = {}
         self._holders: dict[str, int | None] = {}
         self.changes: dict[str, Any] = {}
-        self.rows: _Rows = _Rows(self)
+        self.rows: _Rows = _Rows(task, self.changes)
         # The task's artifacts read so far, by id: all of them when ``_whole``, else those the
         # batch names (``read_task``); ``_absent``: ids looked up and not held. A chunk reads
         # only its own artifact: reading all of them for every batch made one chunk cost
