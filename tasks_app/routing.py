@@ -18,7 +18,6 @@ saying it was refused. Accepted and closed at once, it learns 4403 and nothing e
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlsplit
 
 from channels.auth import AuthMiddlewareStack
 from channels.routing import URLRouter
@@ -27,6 +26,7 @@ from django.http.request import is_same_domain, split_domain_port, validate_host
 from django.urls import path, re_path
 
 from . import consumers
+from .a2a.origins import split_http_url
 
 CLOSE_FORBIDDEN_ORIGIN = 4403
 
@@ -36,23 +36,18 @@ websocket_urlpatterns = [
     re_path(r"", consumers.NoSuchSocket.as_asgi()),  # anything else: refused, not an error
 ]
 
-_DEFAULT_PORTS = {"http": 80, "https": 443}
 Origin = tuple[str, str, int]  # scheme, lower-case host, port
 
 
 def parse_origin(value: str) -> Origin | None:
     """``scheme://host[:port]`` as a comparable triple; None for anything else."""
-    try:
-        parts = urlsplit(value.strip())
-        port = parts.port
-    except ValueError:
+    split = split_http_url(value)
+    if split is None:
         return None
-    scheme = parts.scheme.lower()
-    if scheme not in _DEFAULT_PORTS or not parts.hostname:
-        return None
+    parts = split.parts
     if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
         return None
-    return scheme, parts.hostname.lower(), port if port is not None else _DEFAULT_PORTS[scheme]
+    return split.scheme, split.host, split.port
 
 
 def _header(scope: dict[str, Any], name: bytes) -> str | None:

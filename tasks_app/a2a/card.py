@@ -26,6 +26,7 @@ from ._http import (
 )
 from .errors import IncompatibleAgentError, ProtocolError
 from .guard import path_problem
+from .origins import split_http_url
 from .types import (
     A2A_VERSION,
     LEGACY_CARD_PATH,
@@ -90,9 +91,6 @@ def card_urls(base_or_card_url: str) -> list[str]:
     return [base + WELL_KNOWN_CARD_PATH, base + LEGACY_CARD_PATH]
 
 
-_DEFAULT_PORTS = {"http": 80, "https": 443}
-
-
 def registration_url(url: str) -> str:
     """``url`` in the one form an agent is registered under: the same agent, the same text.
 
@@ -104,23 +102,16 @@ def registration_url(url: str) -> str:
     the card. Anything that does not parse is returned stripped, for the checks that say why.
     """
     url = url.strip()
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
+    split = split_http_url(url)
+    if split is None:
         return url
-    scheme = parts.scheme.lower()
-    if scheme not in _DEFAULT_PORTS or not parts.hostname:
-        return url
-    host = parts.hostname  # lower-cased by urlsplit, without the brackets of an IPv6 address
-    host = f"[{host}]" if ":" in host else host
+    parts = split.parts
     if parts.username is not None or parts.password is not None:
         return url  # refused later with its own reason; not rebuilt without it
-    netloc = host if port in (None, _DEFAULT_PORTS[scheme]) else f"{host}:{port}"
     path = parts.path or ""
     if path.endswith(".json") or "/.well-known/" in path:
-        return f"{scheme}://{netloc}{path}" + (f"?{parts.query}" if parts.query else "")
-    return f"{scheme}://{netloc}{path.rstrip('/')}"
+        return f"{split.scheme}://{split.netloc}{path}" + (f"?{parts.query}" if parts.query else "")
+    return f"{split.scheme}://{split.netloc}{path.rstrip('/')}"
 
 
 async def fetch_card(

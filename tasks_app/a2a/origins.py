@@ -2,9 +2,40 @@
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
+from dataclasses import dataclass
+from urllib.parse import SplitResult, urlsplit
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+@dataclass(frozen=True)
+class HttpURL:
+    """An http(s) URL split once: the scheme and host lower-cased, the port always known."""
+
+    scheme: str
+    host: str  # without the brackets of an IPv6 literal
+    port: int
+    parts: SplitResult
+
+    @property
+    def netloc(self) -> str:
+        """``host[:port]`` as a URL writes it: brackets for IPv6, no default port."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return host if self.port == DEFAULT_PORTS[self.scheme] else f"{host}:{self.port}"
+
+
+def split_http_url(url: str) -> HttpURL | None:
+    """``url`` (stripped) split, or None when it is not an http(s) URL with a host and valid port."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError:
+        return None
+    scheme = parts.scheme.lower()
+    if scheme not in DEFAULT_PORTS or not parts.hostname:
+        return None
+    port = port if port is not None else DEFAULT_PORTS[scheme]
+    return HttpURL(scheme, parts.hostname.lower(), port, parts)
 
 
 def origin_of(url: str) -> str:
@@ -13,15 +44,8 @@ def origin_of(url: str) -> str:
     Two URLs share an origin exactly when these strings are equal, so ``http://A``,
     ``http://a:80/x`` and ``http://a/`` all give ``http://a:80``.
     """
-    try:
-        parts = urlsplit(url.strip())
-        port = parts.port
-    except ValueError:
+    split = split_http_url(url)
+    if split is None:
         return ""
-    scheme = parts.scheme.lower()
-    if scheme not in DEFAULT_PORTS or not parts.hostname:
-        return ""
-    host = parts.hostname.lower()
-    if ":" in host:  # an IPv6 literal
-        host = f"[{host}]"
-    return f"{scheme}://{host}:{port if port is not None else DEFAULT_PORTS[scheme]}"
+    host = f"[{split.host}]" if ":" in split.host else split.host
+    return f"{split.scheme}://{host}:{split.port}"

@@ -170,6 +170,11 @@ def offered_actions(task: RemoteTask) -> dict[str, bool]:
         and unfinished
         and task.gone_at is None
         and task.watcher_status in (RemoteTask.WatcherStatus.PARKED, RemoteTask.WatcherStatus.LOST),
+        # Follow by streaming or polling instead (``switch_watch``, which checks it again).
+        "can_switch_from_push": task.watch == RemoteTask.Watch.PUSH
+        and open_
+        and unfinished
+        and task.gone_at is None,
     }
 
 
