@@ -18,10 +18,16 @@ class HttpURL:
     parts: SplitResult
 
     @property
+    def url_host(self) -> str:
+        """The host as a URL writes it: an IPv6 literal in brackets."""
+        return f"[{self.host}]" if ":" in self.host else self.host
+
+    @property
     def netloc(self) -> str:
-        """``host[:port]`` as a URL writes it: brackets for IPv6, no default port."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return host if self.port == DEFAULT_PORTS[self.scheme] else f"{host}:{self.port}"
+        """``host[:port]`` as a URL writes it, without a default port."""
+        if self.port == DEFAULT_PORTS[self.scheme]:
+            return self.url_host
+        return f"{self.url_host}:{self.port}"
 
 
 def split_http_url(url: str) -> HttpURL | None:
@@ -47,5 +53,4 @@ def origin_of(url: str) -> str:
     split = split_http_url(url)
     if split is None:
         return ""
-    host = f"[{split.host}]" if ":" in split.host else split.host
-    return f"{split.scheme}://{host}:{split.port}"
+    return f"{split.scheme}://{split.url_host}:{split.port}"
