@@ -106,6 +106,8 @@ class HostileServer:
             asyncio.run_coroutine_threadsafe(_close(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()
 
     def url_for(self, mode: str) -> str:
         return f"http://127.0.0.1:{self.port}/{mode}"
