@@ -3,8 +3,9 @@
 Only a task that can no longer change is removed: settled (``settled_at`` set: a terminal
 task reconciled once with GetTask) in a terminal state before the cutoff, or a message
 reply (the agent answered without a task), or abandoned, or gone at the agent before the
-cutoff; and in each case last updated before the cutoff, not watched (no live lease, no watcher status that is still following it),
-and with no unresolved alert (an open alert stays, however old). Conditions are checked
+cutoff; and in each case last updated before the cutoff, not watched (no live lease, no
+watcher status that is still following it), and with no unresolved alert (an open alert
+stays, however old). Conditions are checked
 again inside the transaction that deletes, so a task that moved between the scan and the
 delete stays.
 

@@ -158,19 +158,25 @@ def test_a_silent_push_task_falls_back_to_polling_and_the_page_says_so(
     assert_converged(task)
 
 
-def test_the_operator_switches_a_push_task_back_to_polling(
-    agent, web, start_celery_worker, admin_user
-):
-    dead = f"http://127.0.0.1:{free_port()}"
-    start_celery_worker(PUBLIC_URL=dead, PUSH_SILENCE_SECONDS="600")
+def _awaiting_push(agent: AgentHandle, text: str) -> RemoteTask:
+    """A push task on the demo agent, once its watcher awaits notifications (refreshed)."""
     stored = add_agent(agent.base_url)
-    task = task_services.start_task(stored, "batch 4 0.3", mode="push")
+    task = task_services.start_task(stored, text, mode="push")
     wait_for(
         lambda: RemoteTask.objects.get(pk=task.pk).watcher_status == "awaiting-push",
         30,
         "awaiting push",
     )
     task.refresh_from_db()
+    return task
+
+
+def test_the_operator_switches_a_push_task_back_to_polling(
+    agent, web, start_celery_worker, admin_user
+):
+    dead = f"http://127.0.0.1:{free_port()}"
+    start_celery_worker(PUBLIC_URL=dead, PUSH_SILENCE_SECONDS="600")
+    task = _awaiting_push(agent, "batch 4 0.3")
     task_services.switch_watch(task, "poll", actor_id=admin_user.pk)
     wait_for(lambda: settled(task), 60, "the switched task to settle")
     task.refresh_from_db()
@@ -224,14 +230,7 @@ def test_deleting_a_push_tasks_last_config_has_it_polled(
     """The task said "awaiting push notifications" after its only config was deleted, and was
     looked at again only when its silence ran out (found by driving the dashboard)."""
     start_celery_worker(PUBLIC_URL=web.url, PUSH_SILENCE_SECONDS="600")
-    stored = add_agent(agent.base_url)
-    task = task_services.start_task(stored, "batch 12 0.5", mode="push")
-    wait_for(
-        lambda: RemoteTask.objects.get(pk=task.pk).watcher_status == "awaiting-push",
-        30,
-        "awaiting push",
-    )
-    task.refresh_from_db()
+    task = _awaiting_push(agent, "batch 12 0.5")
     config = PushConfig.objects.get(task=task)
     push_services.delete_config(task, config.config_id, actor_id=admin_user.pk)
     task.refresh_from_db()

@@ -21,10 +21,10 @@ from typing import Any
 from tasks_app import eventloop
 from tasks_app.a2a import A2AClient
 from tasks_app.models import ConversationMessage
+from tasks_app.services.record import MAX_ID_CHARS
 
 # The messages a poll asks for; more than an agent says between two polls, as a rule.
 POLL_HISTORY = 20
-MESSAGE_ID_CHARS = ConversationMessage._meta.get_field("message_id").max_length or 0
 
 
 async def poll_task(client: A2AClient, remote_id: str, task_pk: int) -> dict[str, Any]:
@@ -50,6 +50,6 @@ async def poll_task(client: A2AClient, remote_id: str, task_pk: int) -> dict[str
 
 
 def _holds(task_pk: int, message_id: str) -> bool:
-    if len(message_id) > MESSAGE_ID_CHARS:
+    if len(message_id) > MAX_ID_CHARS:
         return False  # refused by the fold: never held
     return ConversationMessage.objects.filter(task_id=task_pk, message_id=message_id).exists()

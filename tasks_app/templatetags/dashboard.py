@@ -44,6 +44,12 @@ _STATUS_WORDS = {"parked": "needs attention", "gone": "gone at the agent"}
 
 
 @register.filter
+def status_words(status: str) -> str:
+    """A watcher status as the page calls it ("parked" is "needs attention")."""
+    return _STATUS_WORDS.get(status, status)
+
+
+@register.filter
 def note_after_status(note: str, status: str) -> str:
     """A watcher's note without the words its status already shows ("Needs attention:
     needs attention: over its storage budget" said them twice)."""
