@@ -73,7 +73,7 @@ from tasks_app.services import agents as agent_services
 from tasks_app.services import push as push_services
 from tasks_app.services import record as record_services
 from tasks_app.services import tasks as task_services
-from tasks_app.services.polls import poll_task
+from tasks_app.services.polls import POLL_HISTORY, poll_task
 from tasks_app.services.record import Recorded, record, record_many
 
 log = logging.getLogger(__name__)
@@ -630,6 +630,8 @@ class Holder:
         # Events-per-second budget: the loop time until which recorded events are "paid for".
         self.paid_until = self.loop.time()
         self.throttled = False
+        # The history window of this holder's next poll (see services/polls.py).
+        self.poll_length = POLL_HISTORY
         # Set once the turn is over and the lease is being given back (see Registry.start).
         self.releasing = False
 
@@ -1223,10 +1225,16 @@ class Holder:
         return outcome
 
     async def _poll_once(self, client: A2AClient, *, gap_check: bool = False) -> Outcome:
-        snapshot = await poll_task(client, self.remote_id, self.task_pk)
+        polled = await poll_task(client, self.remote_id, self.task_pk, self.poll_length)
+        self.poll_length = polled.next_length
         await eventloop.db(agent_services.mark_reachable, self.agent_id)
         result = await eventloop.db(
-            record, self.task_pk, {"task": snapshot}, "poll", gap_check=gap_check, fence=self.token
+            record,
+            self.task_pk,
+            {"task": polled.task},
+            "poll",
+            gap_check=gap_check,
+            fence=self.token,
         )
         outcome = Outcome()
         outcome.add(result)

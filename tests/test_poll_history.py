@@ -4,9 +4,10 @@ An agent's history grows with every status message, and a poll that stored a cha
 snapshot stored the whole history each time: the demo agent's ten-minute task, one status a
 second, made a 185 KB row a poll, went over its byte budget and was parked after six
 minutes (found by driving the running dashboard). A poll asks GetTask for the newest
-``polls.POLL_HISTORY`` messages, and for the whole history when the window's oldest message
-is not one the mirror holds (a window alone mirrored the messages it skipped after newer
-ones, when the settling GetTask found them). A real demo agent, a real worker.
+messages, widening the window while its oldest message is not one the mirror holds (a window
+alone mirrored the messages it skipped after newer ones, when the settling GetTask found
+them), and the next poll's window follows what the agent said since the last. A real demo
+agent, a real worker.
 """
 
 from __future__ import annotations
@@ -78,14 +79,31 @@ def test_an_agent_that_says_more_than_the_window_between_polls_is_mirrored_in_it
     agent, start_celery_worker
 ):
     # About 25 status messages between two polls (one every 0.2 s, a poll every 5 s): the
-    # window's oldest message is new each time, so the poll asks for the whole history.
-    task = _start(agent, start_celery_worker, "5", "long 11")
-    windows = _polled_windows(task)[:-1]
-    wider = [ids for ids, held in windows if len(ids) > polls.POLL_HISTORY]
-    assert wider, [len(ids) for ids, _ in windows]
+    # first window's oldest message is new, so that poll widens it; later polls ask for
+    # twice what the agent said since the last, which reaches back to a held message.
+    task = _start(agent, start_celery_worker, "5", "long 25")
+    polled = _polled_windows(task)
+    first_message = polled[-1][0][0]  # the settling GetTask holds the whole history
+    windows = polled[:-1]
+    assert len(windows) >= 4, [len(ids) for ids, _ in windows]
     for ids, held in windows:
-        if len(ids) > polls.POLL_HISTORY:
-            assert ids[-polls.POLL_HISTORY] not in held, ids
+        # No hole: each stored window reaches back to a message already mirrored, unless
+        # it is the agent's whole history (the task's first message).
+        assert ids[0] in held or ids[0] == first_message, (len(ids), len(held))
+    # Wider than the first window without being the whole history: the conversation is not
+    # fetched and stored whole every poll (it was, before the window followed the agent).
+    adapted = [
+        ids for ids, held in windows if len(ids) > polls.POLL_HISTORY and ids[0] != first_message
+    ]
+    assert adapted, [(len(ids), ids[0] == first_message) for ids, _ in windows]
     # Every message mirrored once, where the agent has it: a window alone put the ones it
     # skipped after newer ones (the settling GetTask found them).
     assert_converged(task)
+
+
+@pytest.mark.parametrize(
+    ("new_messages", "window"),
+    [(0, polls.POLL_HISTORY), (9, polls.POLL_HISTORY), (25, 50), (10**6, polls.POLL_HISTORY_MAX)],
+)
+def test_the_next_window_is_twice_what_the_agent_said_within_bounds(new_messages, window):
+    assert polls.window_for(new_messages) == window

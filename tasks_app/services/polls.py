@@ -3,19 +3,23 @@
 An agent's history grows with every message it says, and a poll that stores a changed
 snapshot stored the whole conversation each time: a ten-minute task of one status a second
 grew its log by 185 KB a poll, went over its byte budget and was parked after six minutes.
-So a poll (a watcher's, or the push drain's GetTask) asks for the newest ``POLL_HISTORY``
-messages.
+So a poll (a watcher's, or the push drain's GetTask) asks for the newest messages only.
 
 A window alone could skip messages: when the agent said more than the window between two
 polls, the ones before it were found only by a later, wider read and mirrored after newer
 ones, out of the agent's order. So the window must reach back to a message the mirror
-holds; when its oldest is one the mirror does not hold, the same turn asks again for the
-whole history (what the agent said in between, in its order). The GetTask that settles a
+holds; when its oldest is one the mirror does not hold, the same turn asks again with a
+window four times as wide, up to ``POLL_HISTORY_MAX``, then for the whole history. Asking
+for the whole history at once made a chatty agent (more than the window between two polls)
+cost the whole conversation every poll, in bytes fetched and stored, until its budget
+parked it. The next poll's window is twice what the agent said between the last two (a
+watcher keeps it), so a steady talker costs one GetTask a poll. The GetTask that settles a
 task, and the ones an operator's action makes, ask for all of it as before.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from tasks_app import eventloop
@@ -23,33 +27,61 @@ from tasks_app.a2a import A2AClient
 from tasks_app.models import ConversationMessage
 from tasks_app.services.record import MAX_ID_CHARS
 
-# The messages a poll asks for; more than an agent says between two polls, as a rule.
+# The messages a first poll asks for; more than an agent says between two polls, as a rule.
 POLL_HISTORY = 20
+# The widest window; past it, the whole history (an agent that says this much between two
+# polls is read whole, as before windows).
+POLL_HISTORY_MAX = POLL_HISTORY * 4**4
+WIDEN = 4
 
 
-async def poll_task(client: A2AClient, remote_id: str, task_pk: int) -> dict[str, Any]:
-    """GetTask with the newest ``POLL_HISTORY`` messages; the whole history when they leave a hole.
+@dataclass(frozen=True)
+class Polled:
+    task: dict[str, Any]
+    # The window the next poll of this task should ask for (see ``window_for``).
+    next_length: int
+
+
+def window_for(new_messages: int) -> int:
+    """The next poll's window: twice what the agent said since the last, within the bounds."""
+    return min(POLL_HISTORY_MAX, max(POLL_HISTORY, 2 * new_messages))
+
+
+async def poll_task(
+    client: A2AClient, remote_id: str, task_pk: int, length: int = POLL_HISTORY
+) -> Polled:
+    """GetTask with the newest ``length`` messages, widened until it leaves no hole.
 
     1. Ask for the window. An agent may send fewer than asked, or ignore the length.
     2. No message with an id in it (an agent that keeps no history): it is what there is.
-    3. Its oldest message is one the mirror holds: everything newer is in the window.
-    4. Otherwise ask for the whole history, once, and return that instead.
+    3. Its oldest message is one the mirror holds, or the agent sent a number other than
+       the one asked (all it has, or it ignores the length): nothing is skipped.
+    4. Otherwise ask again with a window ``WIDEN`` times as wide; past
+       ``POLL_HISTORY_MAX``, for the whole history, once.
     """
-    window = await client.get_task(remote_id, history_length=POLL_HISTORY)
-    oldest = next(
-        (
+    length = min(max(length, POLL_HISTORY), POLL_HISTORY_MAX)
+    while True:
+        window = await client.get_task(remote_id, history_length=length)
+        ids = [
             m["messageId"]
             for m in window.get("history") or []
             if isinstance(m, dict) and isinstance(m.get("messageId"), str)
-        ),
-        None,
+        ]
+        if not ids:
+            return Polled(window, length)
+        held = await eventloop.db(_held, task_pk, ids)
+        if ids[0] in held or len(window.get("history") or []) != length:
+            return Polled(window, window_for(len(set(ids) - held)))
+        if length >= POLL_HISTORY_MAX:
+            return Polled(await client.get_task(remote_id), POLL_HISTORY_MAX)
+        length = min(length * WIDEN, POLL_HISTORY_MAX)
+
+
+def _held(task_pk: int, message_ids: list[str]) -> set[str]:
+    """Which of ``message_ids`` the mirror holds (an id over the column's width never is)."""
+    wanted = {m for m in message_ids if len(m) <= MAX_ID_CHARS}
+    return set(
+        ConversationMessage.objects.filter(task_id=task_pk, message_id__in=wanted).values_list(
+            "message_id", flat=True
+        )
     )
-    if oldest is None or await eventloop.db(_holds, task_pk, oldest):
-        return window
-    return await client.get_task(remote_id)
-
-
-def _holds(task_pk: int, message_id: str) -> bool:
-    if len(message_id) > MAX_ID_CHARS:
-        return False  # refused by the fold: never held
-    return ConversationMessage.objects.filter(task_id=task_pk, message_id=message_id).exists()

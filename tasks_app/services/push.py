@@ -1592,7 +1592,7 @@ async def refresh_after_push(http: httpx.AsyncClient, task_pk: int) -> None:
         return
     try:
         client = outbound.client_for(task.agent, http)
-        snapshot = await poll_task(client, task.remote_id, task_pk)
+        snapshot = (await poll_task(client, task.remote_id, task_pk)).task
     except A2AError as exc:
         log.info("GetTask after a push notification for task %s failed: %s", task_pk, exc)
         return
