@@ -44,7 +44,7 @@ from jsonschema.exceptions import SchemaError, ValidationError
 from jsonschema.validators import extend, validator_for
 
 from tasks_app.a2a.safejson import whole_number
-from tasks_app.forms import AnswerForm
+from tasks_app.forms import AnswerForm, NulRemovingForm
 from tasks_app.models import RemoteTask
 from tasks_app.redaction import hide_secrets
 from tasks_app.services import tasks as task_services
@@ -638,7 +638,7 @@ def _line_value(line: str, item_type: str) -> Any:
     return line
 
 
-class SchemaAnswerForm(forms.Form):
+class SchemaAnswerForm(NulRemovingForm):
     """A form made from an agent's answer schema; ``answer()`` is the validated object."""
 
     question = forms.IntegerField(min_value=0, widget=forms.HiddenInput)

@@ -334,7 +334,7 @@ class CancelForm(forms.Form):
     reason = forms.CharField(required=False, max_length=500, label="Reason (optional)")
 
 
-class AnswerForm(forms.Form):
+class AnswerForm(NulRemovingForm):
     """A free answer: text, and optionally JSON data and a file (the question has no usable schema).
 
     Schema-driven answers are ``tasks_app.answers.SchemaAnswerForm``; both give ``message_parts()``.

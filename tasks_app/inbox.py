@@ -32,6 +32,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from tasks_app import access, answers, cursors, views_a2ui
 from tasks_app.access import Perm, get_task_for_user
+from tasks_app.middleware import form_removes_nul
 from tasks_app.models import INTERRUPTED_STATES, ConversationMessage, RemoteTask
 from tasks_app.rendering import markdown_budgeted
 
@@ -167,6 +168,7 @@ def inbox_row(request: HttpRequest, pk: int) -> HttpResponse:
     return render(request, "tasks_app/_inbox_row.html", {"row": row_context(request, task)})
 
 
+@form_removes_nul
 @login_required
 @require_POST
 @markdown_budgeted

@@ -935,6 +935,7 @@ def task_retry(request: HttpRequest, pk: int) -> HttpResponse:
     )
 
 
+@form_removes_nul
 @login_required
 @require_POST
 def task_answer(request: HttpRequest, pk: int) -> HttpResponse:

@@ -258,3 +258,40 @@ def test_the_inbox_reads_its_rows_answers_at_once(
     few = answered(2)
     many = answered(8)
     assert many == few
+
+
+HTML = {"HTTP_ACCEPT": "text/html,application/xhtml+xml,*/*;q=0.8"}  # as a browser asks
+
+
+@pytest.mark.parametrize("page", ["task-answer", "inbox-answer"])
+def test_a_nul_in_an_answer_shows_the_form_again_with_the_answer_kept(
+    alpha,  # noqa: F811
+    people,  # noqa: F811
+    no_dispatch,
+    page: str,
+) -> None:
+    """A NUL pasted into an answer (free text, or a field of a schema's form) was refused
+    before the view: the site's 400 page, the answer not on it. Now the form comes back, with
+    what was typed minus the NUL and the field marked, and nothing is sent."""
+    from tasks_app.forms import NUL_REMOVED
+
+    operator = people[Membership.Role.OPERATOR]
+    free = asking(alpha, f"free-{page}", question())
+    schema = asking(alpha, f"schema-{page}", question(schema_of(city={"type": "string"})))
+    for task, field, typed in (
+        (free, "text", "Ship it\x00 on Monday."),
+        (schema, names(schema)["city"], "Par\x00is"),
+    ):
+        prefix = f"t{task.pk}-" if page == "inbox-answer" else ""
+        data = {"question": task.asked_seq, "asked": answers.question_key(task), field: typed}
+        answer = operator.post(
+            reverse(page, args=[task.pk]), {f"{prefix}{k}": v for k, v in data.items()}, **HTML
+        )
+        assert answer.status_code == 400, (page, field)
+        body = answer.content.decode()
+        assert "\x00" not in body and NUL_REMOVED in body
+        assert typed.replace("\x00", "") in body  # what was typed comes back, minus the NUL
+        assert 'id="bad-request"' not in body  # the page with its form, not the bare 400 page
+        task.refresh_from_db()
+        assert not task.outbox and task.answered_by_id is None  # nothing sent
+    assert not no_dispatch and not OperatorAction.objects.exists()  # nothing sent, nothing logged
