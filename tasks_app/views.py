@@ -779,7 +779,8 @@ def _chain(request: HttpRequest, task: RemoteTask) -> audit.Verification | None:
     if checked is not None:
         return checked
     if request.GET.get("verify"):
-        return audit.verify_on_request(task, request.user.pk)
+        again = request.GET["verify"] == "again"
+        return audit.verify_on_request(task, request.user.pk, again=again)
     return audit.remembered(task)
 
 

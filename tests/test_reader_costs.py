@@ -76,11 +76,11 @@ def test_a_repeated_check_of_an_unchanged_long_log_reads_it_once(checks):
     first = chain_line(client.get(f"/tasks/{task.pk}/", {"verify": "1"}).content)
     assert f"Hash chain verifies ({ROWS} entries)" in first and "checked" not in first
     again = chain_line(client.get(f"/tasks/{task.pk}/events/", {"verify": "1"}).content)
-    assert f"Hash chain verifies ({ROWS} entries; checked" in again
-    assert "no entry was added since" in again
+    assert f"Hash chain verified ({ROWS} entries; checked" in again
+    assert "no entry was added since" in again and 'href="?verify=again"' in again
     # Without asking, a long log's page shows the remembered outcome while it holds.
     plain = chain_line(client.get(f"/tasks/{task.pk}/").content)
-    assert f"Hash chain verifies ({ROWS} entries; checked" in plain
+    assert f"Hash chain verified ({ROWS} entries; checked" in plain
     assert checks == [task.pk]
 
     # The log grew: the remembered outcome no longer speaks for it.
@@ -107,6 +107,29 @@ def test_a_broken_long_log_is_reported_broken_when_remembered_too(checks):
         assert "Hash chain broken at seq 7" in line and "chain-broken" in line
     assert "Checked" in line
     assert checks == [task.pk]
+
+
+def test_check_again_sees_an_earlier_entry_changed_after_a_remembered_check(checks, settings):
+    """An outcome is remembered by the log's head, which an edit of an earlier row does not
+    move: the page went on saying the chain verifies, for an hour, and "verify now" gave
+    the same remembered outcome. It says when it was checked, and "check again" checks."""
+    task = long_task()
+    client = viewer()
+    assert "Hash chain verifies" in chain_line(
+        client.get(f"/tasks/{task.pk}/", {"verify": "1"}).content
+    )
+    TaskEvent.objects.filter(task=task, seq=5).update(note="edited after the check")
+    remembered = chain_line(client.get(f"/tasks/{task.pk}/", {"verify": "1"}).content)
+    assert "Hash chain verified" in remembered and "shows only in a new check" in remembered
+    assert checks == [task.pk]
+    for page in (f"/tasks/{task.pk}/", f"/tasks/{task.pk}/events/"):
+        again = chain_line(client.get(page, {"verify": "again"}).content)
+        assert "Hash chain broken at seq 5" in again, page
+    assert checks == [task.pk, task.pk, task.pk]
+    # A fresh check counts against the person's hour like any other.
+    settings.CHAIN_VERIFY_PER_PERSON_PER_HOUR = 3
+    refused = chain_line(client.get(f"/tasks/{task.pk}/", {"verify": "again"}).content)
+    assert "this hour" in refused and len(checks) == 3
 
 
 def test_one_check_of_a_task_and_one_of_a_person_run_at_once(checks, monkeypatch):

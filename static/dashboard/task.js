@@ -116,7 +116,7 @@
       reload.href = window.location.pathname;
       reload.textContent = "reload the page";
       const when = chainLine.querySelector("time");
-      const parts = ["Hash chain verifies for the " + entries(parseInt(chainLine.dataset.rows, 10)) + " checked "];
+      const parts = ["Hash chain " + (when ? "verified" : "verifies") + " for the " + entries(parseInt(chainLine.dataset.rows, 10)) + " checked "];
       if (when) parts.push(when, " ago"); else parts.push("when the page loaded");
       parts.push("; " + arrived + " and " + (newer === 1 ? "is" : "are") + " not checked (", reload, " to check them).");
       chainLine.replaceChildren(...parts);

@@ -204,9 +204,14 @@ def _remember(result: Verification) -> None:
         log.warning("could not remember the chain check of task %s", result.task_pk)
 
 
-def verify_on_request(task: RemoteTask, person_id: int) -> Verification:
-    """What a page's "verify now" shows: a remembered outcome, a fresh check, or why not now."""
-    found = remembered(task)
+def verify_on_request(task: RemoteTask, person_id: int, *, again: bool = False) -> Verification:
+    """What a page's "verify now" shows: a remembered outcome, a fresh check, or why not now.
+
+    ``again`` ("check again"): a fresh check even when an outcome is remembered. The head
+    names a log that did not grow, not one whose earlier rows nobody changed since; only
+    a new check (with the same claims and hourly count) sees such a change.
+    """
+    found = None if again else remembered(task)
     if found is not None:
         return found
     r = shared_redis.client(settings.REDIS_URL)
