@@ -1,4 +1,5 @@
 from django.urls import path
+from django.views.generic import RedirectView
 
 from . import inbox, views, views_a2ui, views_alerts, views_audit, webhooks
 
@@ -24,6 +25,12 @@ urlpatterns = [
     path("inbox/<int:pk>/answer/", inbox.inbox_answer, name="inbox-answer"),
     path("tasks/", views.task_list, name="task-list"),
     path("tasks/new", views.task_new, name="task-new"),
+    # Every other page's address ends with a slash: the one typed by analogy finds it too.
+    path(
+        "tasks/new/",
+        RedirectView.as_view(pattern_name="task-new", query_string=True),
+        name="task-new-slash",
+    ),
     path("tasks/<int:pk>/", views.task_detail, name="task-detail"),
     path("tasks/<int:pk>/row/", views.task_row, name="task-row"),
     path("tasks/<int:pk>/live/", views.task_live, name="task-live"),

@@ -83,6 +83,7 @@ RULES: dict[str, Rule] = {
     "agent-import-status": Rule("GET", R, 200),
     "agent-import-cancel": Rule("POST", OP, 302),
     "task-new": Rule("GET", OP, 200),
+    "task-new-slash": Rule("GET", PUBLIC, 302),  # to task-new, which asks what task-new asks
     "task-detail": Rule("GET", R, 200),
     "task-row": Rule("GET", R, 200),
     "task-live": Rule("GET", R, 200),

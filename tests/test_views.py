@@ -303,6 +303,15 @@ def test_task_list_filters_and_keyset_pages(
     assert bad.status_code == 200
 
 
+def test_the_new_task_page_is_found_with_a_slash_too(client_in, demo_agent_row):
+    """Every other page's address ends with a slash; /tasks/new/ was a 404."""
+    answer = client_in.get(f"/tasks/new/?agent={demo_agent_row.pk}")
+    assert (
+        answer.status_code == 302 and answer["Location"] == f"/tasks/new?agent={demo_agent_row.pk}"
+    )
+    assert 'id="task-new-form"' in client_in.get(answer["Location"]).content.decode()
+
+
 def test_task_list_count_is_bounded(client_in, demo_agent_row, monkeypatch):
     import tasks_app.views as views
 
