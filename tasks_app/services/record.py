@@ -457,7 +457,7 @@ def by_reference(raw: Any) -> tuple[Any, int]:
         return raw, 0
     update = raw.get("artifactUpdate")
     if isinstance(update, dict) and isinstance(update.get("artifact"), dict):
-        artifact, moved = _artifact_by_reference(update["artifact"])
+        artifact, moved = parts_by_reference(update["artifact"])
         return (
             ({**raw, "artifactUpdate": {**update, "artifact": artifact}}, moved)
             if moved
@@ -467,14 +467,16 @@ def by_reference(raw: Any) -> tuple[Any, int]:
     if isinstance(task, dict) and isinstance(task.get("artifacts"), list):
         artifacts, total = [], 0
         for artifact in task["artifacts"]:
-            artifact, moved = _artifact_by_reference(artifact)
+            artifact, moved = parts_by_reference(artifact)
             artifacts.append(artifact)
             total += moved
         return ({**raw, "task": {**task, "artifacts": artifacts}}, total) if total else (raw, 0)
     return raw, 0
 
 
-def _artifact_by_reference(artifact: Any) -> tuple[Any, int]:
+def parts_by_reference(artifact: Any) -> tuple[Any, int]:
+    """An artifact (or a message: anything with ``parts``) with each big part content replaced
+    by a reference (see :func:`by_reference`), and how many characters moved."""
     if not isinstance(artifact, dict) or not isinstance(artifact.get("parts"), list):
         return artifact, 0
     limit = settings.INLINE_CONTENT_BYTES
@@ -877,8 +879,24 @@ class _Fold:
     def _adopt(self, task_id: str, context_id: str | None) -> None:
         if not self.get("remote_id"):
             self.set(remote_id=task_id, phase=RemoteTask.Phase.TASK)
+            self._request_taken()
         if context_id and not self.get("context_id"):
             self.set(context_id=context_id)
+
+    def _request_taken(self) -> None:
+        """The agent took the first message (it named the task, or answered with a message).
+
+        The request is kept to send the same message again (``retry_send``, only while the
+        agent is known not to have it) and for its ids (the lookup by contextId); a file
+        attached to it was kept a third time there, beside the operator's log entry and the
+        conversation, for as long as the task. From here on, each part content over
+        ``INLINE_CONTENT_BYTES`` is the log's reference (``parts_by_reference``).
+        """
+        request = self.get("request")
+        if isinstance(request, dict):
+            message, moved = parts_by_reference(request.get("message"))
+            if moved:
+                self.set(request={**request, "message": message})
 
     def _state_problem(self, new_state: str) -> str:
         return transition_problem(self.get("state") or None, new_state) or ""
@@ -1192,6 +1210,7 @@ class _Fold:
         if not self.get("remote_id") and self.get("phase") == RemoteTask.Phase.SENDING:
             # A plain Message answered the send: the exchange ends without a task.
             self.set(phase=RemoteTask.Phase.MESSAGE)
+            self._request_taken()
             if message.get("contextId"):
                 self.set(context_id=message["contextId"])
         self.remember_messages([message])
