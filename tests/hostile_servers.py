@@ -20,6 +20,8 @@ Modes:
 ``badtext``       a Task whose text holds a lone surrogate, NUL, and a NaN score
 ``jscard``        a card whose only interface URL is ``javascript:``
 ``mixedcard``     a card: a ``file:`` interface first, then a valid http one
+``newids``        GetTask (JSON-RPC): a history of fresh message ids each time, exactly as
+                  long as asked (``NEWIDS_WHOLE`` when no length is asked)
 
 Every connection is recorded (:class:`Conn`): request line, body bytes sent,
 whether and when the peer hung up, so tests can assert the bound at which the
@@ -33,12 +35,14 @@ import contextlib
 import json
 import threading
 import time
+import uuid
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 TASK_ID = "hostile-task-1"
 DEEP_DEPTH = 10_000
+NEWIDS_WHOLE = 3_000
 
 
 def task_json(task_id: str = TASK_ID, state: str = "TASK_STATE_WORKING") -> dict[str, Any]:
@@ -270,6 +274,20 @@ class HostileServer:
                 .replace('"@@NAN@@"', "NaN")
             )
             payload = reply_text(text)
+            writer.write(self._head("200 OK", "application/json", len(payload)))
+            await self._send(conn, writer, payload)
+        elif mode == "newids":
+            # No window ever reaches back to a message the client holds.
+            asked = None
+            with contextlib.suppress(ValueError, AttributeError):
+                asked = json.loads(body).get("params", {}).get("historyLength")
+            count = asked if isinstance(asked, int) and asked > 0 else NEWIDS_WHOLE
+            task = task_json()
+            task["history"] = [
+                {"messageId": uuid.uuid4().hex, "role": "ROLE_AGENT", "parts": [{"text": "x"}]}
+                for _ in range(count)
+            ]
+            payload = reply_text(json.dumps(task))
             writer.write(self._head("200 OK", "application/json", len(payload)))
             await self._send(conn, writer, payload)
         else:

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import pytest
 
-from tasks_app.models import RemoteTask, TaskEvent
+from tasks_app import eventloop
+from tasks_app.a2a import A2AClient
+from tasks_app.a2a.types import Interface
+from tasks_app.models import Agent, RemoteTask, TaskEvent
 from tasks_app.services import polls
 from tasks_app.services import tasks as task_services
 from tasks_app.services.agents import add_agent
+from tests.hostile_servers import NEWIDS_WHOLE, TASK_ID, HostileServer
 from tests.test_mirror import assert_converged, settled, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -107,3 +111,32 @@ def test_an_agent_that_says_more_than_the_window_between_polls_is_mirrored_in_it
 )
 def test_the_next_window_is_twice_what_the_agent_said_within_bounds(new_messages, window):
     assert polls.window_for(new_messages) == window
+
+
+def test_an_agent_whose_window_never_reaches_back_costs_at_most_four_calls_a_poll(shared_loop):
+    """The widening stops: an agent that answers every GetTask with fresh message ids, as
+    many as asked, is asked three windows and then the whole history, once; the holder's
+    next poll starts at the widest window (two calls, as when the window went straight to
+    the whole history)."""
+    import httpx
+
+    server = HostileServer().start()
+    try:
+        agent = Agent.objects.create(name="newids", base_url=server.url_for("newids"))
+        task = RemoteTask.objects.create(agent=agent, remote_id=TASK_ID, phase="task")
+
+        async def poll(length: int) -> polls.Polled:
+            async with httpx.AsyncClient() as http:
+                interface = Interface(url=server.url_for("newids"), binding="JSONRPC")  # type: ignore[arg-type]
+                client = A2AClient(interface, http=http)
+                return await polls.poll_task(client, TASK_ID, task.pk, length)
+
+        first = eventloop.submit(poll(polls.POLL_HISTORY)).result(timeout=60)
+        assert len(server.conns_for("newids")) == 4  # 20, 160, 1,280, then all of it
+        assert len(first.task["history"]) == NEWIDS_WHOLE
+        assert first.next_length == polls.POLL_HISTORY_MAX
+        second = eventloop.submit(poll(first.next_length)).result(timeout=60)
+        assert len(server.conns_for("newids")) == 6
+        assert len(second.task["history"]) == NEWIDS_WHOLE
+    finally:
+        server.close()

@@ -9,7 +9,8 @@ A window alone could skip messages: when the agent said more than the window bet
 polls, the ones before it were found only by a later, wider read and mirrored after newer
 ones, out of the agent's order. So the window must reach back to a message the mirror
 holds; when its oldest is one the mirror does not hold, the same turn asks again with a
-window four times as wide, up to ``POLL_HISTORY_MAX``, then for the whole history. Asking
+window ``WIDEN`` times as wide, up to ``POLL_HISTORY_MAX``, then for the whole history: at
+most four GetTasks for a poll, whatever the agent sends. Asking
 for the whole history at once made a chatty agent (more than the window between two polls)
 cost the whole conversation every poll, in bytes fetched and stored, until its budget
 parked it. The next poll's window is twice what the agent said between the last two (a
@@ -29,10 +30,10 @@ from tasks_app.services.record import MAX_ID_CHARS
 
 # The messages a first poll asks for; more than an agent says between two polls, as a rule.
 POLL_HISTORY = 20
+WIDEN = 8
 # The widest window; past it, the whole history (an agent that says this much between two
 # polls is read whole, as before windows).
-POLL_HISTORY_MAX = POLL_HISTORY * 4**4
-WIDEN = 4
+POLL_HISTORY_MAX = POLL_HISTORY * WIDEN**2
 
 
 @dataclass(frozen=True)
