@@ -10,12 +10,12 @@ polls, the ones before it were found only by a later, wider read and mirrored af
 ones, out of the agent's order. So the window must reach back to a message the mirror
 holds; when its oldest is one the mirror does not hold, the same turn asks again with a
 window ``WIDEN`` times as wide, up to ``POLL_HISTORY_MAX``, then for the whole history: at
-most four GetTasks for a poll, whatever the agent sends. Asking
-for the whole history at once made a chatty agent (more than the window between two polls)
-cost the whole conversation every poll, in bytes fetched and stored, until its budget
-parked it. The next poll's window is twice what the agent said between the last two (a
-watcher keeps it), so a steady talker costs one GetTask a poll. The GetTask that settles a
-task, and the ones an operator's action makes, ask for all of it as before.
+most four GetTasks for a poll, whatever the agent sends. Asking for the whole history at
+once made a chatty agent (more than the window between two polls) cost the whole
+conversation every poll, in bytes fetched and stored, until its budget parked it. The next
+poll's window is twice what the agent said between the last two (a watcher keeps it), so a
+steady talker costs one GetTask a poll. The GetTask that settles a task, and the ones an
+operator's action makes, ask for all of it as before.
 """
 
 from __future__ import annotations
