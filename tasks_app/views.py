@@ -557,7 +557,8 @@ def task_list(request: HttpRequest) -> HttpResponse:
         "agent_names": {str(k): v for k, v in agents.items()},
         "state_labels": STATE_LABELS,
     }
-    return render(request, "tasks_app/task_list.html", context)
+    # As the audit page answers: the filter as asked cannot be applied (the page says which).
+    return render(request, "tasks_app/task_list.html", context, status=200 if valid else 400)
 
 
 @login_required

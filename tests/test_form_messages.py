@@ -188,7 +188,9 @@ def test_the_last_day_as_a_to_date_is_not_called_no_date(django_user_model, agen
 @pytest.mark.parametrize("query", ["agent=999", "state=bogus", "sort=sideways"])
 def test_an_invalid_task_filter_lists_nothing_as_the_audit_page_does(client_in, agent_row, query):
     RemoteTask.objects.create(agent=agent_row, title="listed", state="TASK_STATE_WORKING")
-    body = client_in.get("/tasks/?" + query).content.decode()
+    answer = client_in.get("/tasks/?" + query)
+    assert answer.status_code == 400  # as the audit page answers an invalid filter
+    body = answer.content.decode()
     assert "Select a valid choice" in body
     assert 'id="task-row-' not in body  # no list that would look like the filtered result
     assert 'id="task-bad-filter"' in body and "Nothing is shown until" in body

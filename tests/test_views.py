@@ -300,7 +300,8 @@ def test_task_list_filters_and_keyset_pages(
     by_remote = client_in.get("/tasks/?q=r-7").content.decode()
     assert "job 7<" in by_remote
     bad = client_in.get("/tasks/?state=nonsense&cursor=%%%")
-    assert bad.status_code == 200
+    assert bad.status_code == 400  # the filter cannot be applied, as on the audit page
+    assert 'id="task-bad-filter"' in bad.content.decode()
 
 
 def test_the_new_task_page_is_found_with_a_slash_too(client_in, demo_agent_row):
