@@ -65,6 +65,7 @@ from tasks_app.a2a import (
     TaskNotFoundError,
     TransportError,
     UnsupportedOperationError,
+    large_body_scope,
     safejson,
 )
 from tasks_app.models import TERMINAL_STATES, RemoteTask, TaskEvent
@@ -832,17 +833,19 @@ class Holder:
         snapshot: dict | None = None
         note = ""
         # A few at a time (see eventloop.later): the GetTasks per agent, so that a slow
-        # agent stalls only its own tasks' settling; the folds in the gate all share.
-        try:
-            async with eventloop.later(f"agent-{self.agent_id}"):
-                snapshot = await client.get_task(self.remote_id)
-                await eventloop.db(agent_services.mark_reachable, self.agent_id)
-        except A2AError as exc:
-            note = f"GetTask after the end failed: {exc}"
-        async with eventloop.later():
-            result = await eventloop.db(
-                record_services.settle, self.task_pk, snapshot, fence=self.token, note=note
-            )
+        # agent stalls only its own tasks' settling; the folds in the gate all share. A large
+        # reply keeps its slot until it is recorded (see a2a.large_body_scope).
+        async with large_body_scope():
+            try:
+                async with eventloop.later(f"agent-{self.agent_id}"):
+                    snapshot = await client.get_task(self.remote_id)
+                    await eventloop.db(agent_services.mark_reachable, self.agent_id)
+            except A2AError as exc:
+                note = f"GetTask after the end failed: {exc}"
+            async with eventloop.later():
+                result = await eventloop.db(
+                    record_services.settle, self.task_pk, snapshot, fence=self.token, note=note
+                )
         if result.fenced:
             raise Fenced
         async with eventloop.later(f"agent-{self.agent_id}"):
@@ -1225,17 +1228,19 @@ class Holder:
         return outcome
 
     async def _poll_once(self, client: A2AClient, *, gap_check: bool = False) -> Outcome:
-        polled = await poll_task(client, self.remote_id, self.task_pk, self.poll_length)
-        self.poll_length = polled.next_length
-        await eventloop.db(agent_services.mark_reachable, self.agent_id)
-        result = await eventloop.db(
-            record,
-            self.task_pk,
-            {"task": polled.task},
-            "poll",
-            gap_check=gap_check,
-            fence=self.token,
-        )
+        # A large reply keeps its slot until it is recorded (see a2a.large_body_scope).
+        async with large_body_scope():
+            polled = await poll_task(client, self.remote_id, self.task_pk, self.poll_length)
+            self.poll_length = polled.next_length
+            await eventloop.db(agent_services.mark_reachable, self.agent_id)
+            result = await eventloop.db(
+                record,
+                self.task_pk,
+                {"task": polled.task},
+                "poll",
+                gap_check=gap_check,
+                fence=self.token,
+            )
         outcome = Outcome()
         outcome.add(result)
         self.state = result.state

@@ -20,6 +20,8 @@ Modes:
 ``badtext``       a Task whose text holds a lone surrogate, NUL, and a NaN score
 ``jscard``        a card whose only interface URL is ``javascript:``
 ``mixedcard``     a card: a ``file:`` interface first, then a valid http one
+``big``           a Task whose one artifact holds ``big_bytes`` of text (a GetTask reply
+                  of a task with a large artifact)
 ``newids``        GetTask (JSON-RPC): a history of fresh message ids each time, exactly as
                   long as asked (``NEWIDS_WHOLE`` when no length is asked)
 
@@ -73,8 +75,11 @@ class PeerGone(Exception):
 class HostileServer:
     """The server, on its own event loop in a daemon thread (it outlives test loops)."""
 
-    def __init__(self, *, interval: float = 0.25, trickle_bytes: int = 160) -> None:
+    def __init__(
+        self, *, interval: float = 0.25, trickle_bytes: int = 160, big_bytes: int = 8 << 20
+    ) -> None:
         self.interval = interval  # seconds between trickled bytes
+        self.big_bytes = big_bytes  # the text of the ``big`` mode's artifact
         self.trickle_bytes = trickle_bytes  # whitespace before a trickled reply
         self.port = 0
         self.conns: list[Conn] = []
@@ -276,6 +281,17 @@ class HostileServer:
             payload = reply_text(text)
             writer.write(self._head("200 OK", "application/json", len(payload)))
             await self._send(conn, writer, payload)
+        elif mode == "big":
+            task = task_json()
+            task["artifacts"] = [{"artifactId": "big", "parts": [{"text": "@@BIG@@"}]}]
+            head, tail = reply_text(json.dumps(task)).split(b"@@BIG@@")
+            writer.write(
+                self._head("200 OK", "application/json", len(head) + self.big_bytes + len(tail))
+            )
+            await self._send(conn, writer, head)
+            for _ in range(self.big_bytes // (1 << 20)):
+                await self._send(conn, writer, b"x" * (1 << 20))
+            await self._send(conn, writer, b"x" * (self.big_bytes % (1 << 20)) + tail)
         elif mode == "newids":
             # No window ever reaches back to a message the client holds.
             asked = None

@@ -4,11 +4,13 @@ Public surface::
 
     fetch_card, validate_card, choose_interface        # agent cards
     A2AClient, user_message, Credentials, Interface    # talking to agents
+    large_body_scope                                   # a large reply's memory, held until used
     StreamEvent, parse_stream_response                 # what agents send
     TERMINAL_STATES, transition_problem, ...           # the task state machine (sets, rules)
     A2AError, TransportError, ProtocolError, RemoteError, ...  # errors
 """
 
+from ._http import large_body_scope
 from .card import (
     CardNotFoundError,
     card_protocol_family,
@@ -125,6 +127,7 @@ __all__ = [
     "is_interrupted",
     "is_terminal",
     "is_v03_card",
+    "large_body_scope",
     "message_text",
     "parse_stream_response",
     "parse_timestamp",

@@ -8,8 +8,10 @@ the package never has to catch httpx exceptions itself.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import httpx
@@ -103,8 +105,91 @@ async def deadline(seconds: float | None, where: str) -> AsyncIterator[None]:
         raise
 
 
+# Large bodies -----------------------------------------------------------------------------
+#
+# A reply of up to 32 MiB (a task holding a large artifact, on every GetTask) costs about
+# three times its size while it is read, joined, decoded and parsed, and the parsed value
+# lives on until it is recorded. Any number of them read at once on one event loop (a
+# worker's streams and polls share one) made an agent with many such tasks a lever on the
+# worker's memory. So a body past ``LARGE_BODY_BYTES`` takes one of its loop's
+# ``LARGE_BODIES_AT_ONCE`` slots before more of it is read (the rest waits in the socket),
+# and keeps it until the read returns, or, inside ``large_body_scope()``, until that block
+# ends (a caller that parses and records what it read). Smaller bodies never wait.
+
+LARGE_BODY_BYTES = 1024 * 1024
+LARGE_BODIES_AT_ONCE = 2
+
+_gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+class _Scope:
+    """One ``large_body_scope`` block: its task, and the slot a read in it took (if any)."""
+
+    __slots__ = ("gate", "task")
+
+    def __init__(self, task: asyncio.Task[Any] | None) -> None:
+        self.task = task
+        self.gate: asyncio.Semaphore | None = None
+
+
+_scope: ContextVar[_Scope | None] = ContextVar("a2a_large_body_scope", default=None)
+
+
+def _loop_gate() -> asyncio.Semaphore:
+    loop = asyncio.get_running_loop()
+    gate = _gates.get(loop)
+    if gate is None:
+        gate = _gates[loop] = asyncio.Semaphore(LARGE_BODIES_AT_ONCE)
+    return gate
+
+
+@asynccontextmanager
+async def large_body_scope() -> AsyncIterator[None]:
+    """Keep the slot a large body read in this block takes until the block ends.
+
+    Around everything that holds what was read (its parse, its recording). A scope inside
+    another of the same task is the outer one; tasks started inside (``gather``) have
+    their own reads, not this scope's slot.
+    """
+    outer = _scope.get()
+    task = asyncio.current_task()
+    if outer is not None and outer.task is task:
+        yield
+        return
+    scope = _Scope(task)
+    token = _scope.set(scope)
+    try:
+        yield
+    finally:
+        _scope.reset(token)
+        if scope.gate is not None:
+            scope.gate.release()
+
+
+async def _take_large_body_slot() -> asyncio.Semaphore | None:
+    """Wait for a slot of this loop. Returns the gate the caller must release itself (None:
+    the enclosing scope holds it, or held one already)."""
+    scope = _scope.get()
+    if scope is not None and scope.task is not asyncio.current_task():
+        scope = None  # another task's scope (a context copied by create_task)
+    if scope is not None and scope.gate is not None:
+        return None
+    gate = _loop_gate()
+    await gate.acquire()
+    if scope is not None:
+        scope.gate = gate
+        return None
+    return gate
+
+
 async def read_bounded(response: httpx.Response, limit: int, where: str) -> bytes:
-    """Read a streamed response body, refusing more than ``limit`` bytes."""
+    """Read a streamed response body, refusing more than ``limit`` bytes.
+
+    Past ``LARGE_BODY_BYTES`` (declared, or read so far) the read waits for a large
+    body's slot (see above).
+    """
     declared = whole_number(response.headers.get("content-length") or "")
     if declared is not None and declared > limit:
         raise PayloadTooLarge(
@@ -112,12 +197,22 @@ async def read_bounded(response: httpx.Response, limit: int, where: str) -> byte
         )
     chunks: list[bytes] = []
     size = 0
-    async for chunk in response.aiter_bytes():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"response exceeds the {limit}-byte limit", where=where)
-        chunks.append(chunk)
-    return b"".join(chunks)
+    large = False
+    own: asyncio.Semaphore | None = None  # a slot taken outside any scope: released here
+    try:
+        if declared is not None and declared > LARGE_BODY_BYTES:
+            large, own = True, await _take_large_body_slot()
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"response exceeds the {limit}-byte limit", where=where)
+            chunks.append(chunk)
+            if size > LARGE_BODY_BYTES and not large:
+                large, own = True, await _take_large_body_slot()
+        return b"".join(chunks)
+    finally:
+        if own is not None:
+            own.release()
 
 
 SNIPPET_CHARS = 80

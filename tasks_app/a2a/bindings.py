@@ -24,6 +24,7 @@ from ._http import (
     decode_json,
     error_for_status,
     is_json_media,
+    large_body_scope,
     map_transport_error,
     media_type,
     read_bounded,
@@ -256,21 +257,22 @@ class JsonRpcBinding(BaseBinding):
     ) -> Any:
         rid, body = self._envelope(method, params)
         where = f"{method} (JSON-RPC {self.interface.url})"
-        resp, raw = await self._unary(
-            "POST",
-            self.interface.url,
-            json_body=body,
-            query=None,
-            content_type="application/json",
-            timeout=timeout,
-            deadline=deadline,
-            where=where,
-        )
-        if resp.status_code >= 400:
-            raise error_for_status(resp, raw, where)
-        return self._result(
-            decode_json(raw, where, mt=media_type(resp)), where, rid, resp.status_code
-        )
+        async with large_body_scope():  # a large reply's slot lasts through its parse
+            resp, raw = await self._unary(
+                "POST",
+                self.interface.url,
+                json_body=body,
+                query=None,
+                content_type="application/json",
+                timeout=timeout,
+                deadline=deadline,
+                where=where,
+            )
+            if resp.status_code >= 400:
+                raise error_for_status(resp, raw, where)
+            return self._result(
+                decode_json(raw, where, mt=media_type(resp)), where, rid, resp.status_code
+            )
 
     def stream(
         self,
@@ -391,21 +393,22 @@ class RestBinding(BaseBinding):
         verb, path, body, query = self._route(method, params)
         url = self.base + path
         where = f"{method} ({verb} {url})"
-        resp, raw = await self._unary(
-            verb,
-            url,
-            json_body=body,
-            query=query,
-            content_type=REST_JSON_MEDIA,
-            timeout=timeout,
-            deadline=deadline,
-            where=where,
-        )
-        if resp.status_code >= 400:
-            raise error_for_status(resp, raw, where)
-        if not raw.strip():
-            return None
-        return decode_json(raw, where, mt=media_type(resp))
+        async with large_body_scope():  # a large reply's slot lasts through its parse
+            resp, raw = await self._unary(
+                verb,
+                url,
+                json_body=body,
+                query=query,
+                content_type=REST_JSON_MEDIA,
+                timeout=timeout,
+                deadline=deadline,
+                where=where,
+            )
+            if resp.status_code >= 400:
+                raise error_for_status(resp, raw, where)
+            if not raw.strip():
+                return None
+            return decode_json(raw, where, mt=media_type(resp))
 
     @staticmethod
     def _raise_error_object(obj: Any, status: int | None) -> None:

@@ -54,7 +54,7 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from tasks_app import eventloop, outbound
-from tasks_app.a2a import A2AClient, A2AError, ProtocolError, safejson
+from tasks_app.a2a import A2AClient, A2AError, ProtocolError, large_body_scope, safejson
 from tasks_app.crypto import SecretError, decrypt_json, encrypt_json
 from tasks_app.models import TERMINAL_STATES, Agent, PushConfig, RemoteTask
 from tasks_app.runtime import shared_redis
@@ -1590,23 +1590,26 @@ async def refresh_after_push(http: httpx.AsyncClient, task_pk: int) -> None:
         or task.abandoned_at is not None
     ):
         return
-    try:
-        client = outbound.client_for(task.agent, http)
-        snapshot = (await poll_task(client, task.remote_id, task_pk)).task
-    except A2AError as exc:
-        log.info("GetTask after a push notification for task %s failed: %s", task_pk, exc)
-        return
-    result = await eventloop.db(record, task_pk, {"task": snapshot}, "poll")
-    ended = (snapshot.get("status") or {}).get("state") in TERMINAL_STATES
+    # A large reply keeps its slot until it is recorded (see a2a.large_body_scope).
+    async with large_body_scope():
+        try:
+            client = outbound.client_for(task.agent, http)
+            snapshot = (await poll_task(client, task.remote_id, task_pk)).task
+        except A2AError as exc:
+            log.info("GetTask after a push notification for task %s failed: %s", task_pk, exc)
+            return
+        result = await eventloop.db(record, task_pk, {"task": snapshot}, "poll")
+        ended = (snapshot.get("status") or {}).get("state") in TERMINAL_STATES
+        if ended:
+            await eventloop.db(
+                settle_if_ended,
+                task_pk,
+                snapshot,
+                note="reconciled with GetTask after a push notification",
+            )
     if result.over_budget and not ended:
         await eventloop.db(park_over_budget, {task_pk})
     if ended:
-        await eventloop.db(
-            settle_if_ended,
-            task_pk,
-            snapshot,
-            note="reconciled with GetTask after a push notification",
-        )
         # Settled here, no watcher will end its "awaiting push": the page would say so for
         # ever, and retention (which leaves awaited tasks alone) would never prune it.
         await eventloop.db(

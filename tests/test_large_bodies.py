@@ -1,0 +1,113 @@
+"""Large replies read at once on one event loop are bounded, whatever the agent sends.
+
+A reply of up to 32 MiB (a task holding a large artifact returns it on every GetTask) costs
+about three times its size while it is read, joined, decoded and parsed, and the parsed
+value lives on until it is recorded. Any number were read at once on a worker's loop, so
+an agent with many such tasks set the worker's memory. A body past ``LARGE_BODY_BYTES``
+now waits for one of its loop's ``LARGE_BODIES_AT_ONCE`` slots, held through its parse (and,
+in a ``large_body_scope``, its recording); smaller replies never wait. A raw HTTP server on
+127.0.0.1 (tests/hostile_servers.py, mode ``big``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tracemalloc
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import pytest
+
+from tasks_app.a2a import A2AClient, large_body_scope
+from tasks_app.a2a import _http as http_layer
+from tasks_app.a2a.types import Interface
+from tests.hostile_servers import TASK_ID, HostileServer
+
+BIG = 8 * 1024 * 1024
+CALLS = 6
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[HostileServer]:
+    running = HostileServer(big_bytes=BIG).start()
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient() as client:
+        yield client
+
+
+def client_for(
+    server: HostileServer, mode: str, binding: str, http: httpx.AsyncClient
+) -> A2AClient:
+    return A2AClient(Interface(url=server.url_for(mode), binding=binding), http=http)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("binding", ["JSONRPC", "HTTP+JSON"])
+async def test_large_replies_read_at_once_hold_at_most_the_loops_slots(server, http, binding):
+    client = client_for(server, "big", binding, http)
+    await client.get_task(TASK_ID)  # connections and imports, before memory is traced
+    holding = []  # how many scopes hold a parsed large reply, after each read
+    inside = 0
+
+    async def poll() -> int:
+        nonlocal inside
+        async with large_body_scope():  # as a watcher's poll: read, then record
+            task = await client.get_task(TASK_ID)
+            inside += 1
+            holding.append(inside)
+            await asyncio.sleep(0.05)  # the recording
+            inside -= 1
+            return len(task["artifacts"][0]["parts"][0]["text"])
+
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        sizes = await asyncio.gather(*(poll() for _ in range(CALLS)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert sizes == [BIG] * CALLS  # every reply read whole, in turn
+    assert max(holding) <= http_layer.LARGE_BODIES_AT_ONCE, holding
+    # Two at a time, each about three times its size at its peak, and the others' first
+    # megabyte waiting: well under what six at once took (about 18 times the body).
+    assert peak < (3 * http_layer.LARGE_BODIES_AT_ONCE + 3) * BIG, peak / BIG
+
+
+async def test_a_small_reply_is_not_held_behind_large_ones(server, http):
+    client = client_for(server, "big", "JSONRPC", http)
+    small = client_for(server, "newids", "JSONRPC", http)
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        async with large_body_scope():
+            await client.get_task(TASK_ID)
+            await release.wait()
+
+    holders = [asyncio.create_task(hold()) for _ in range(http_layer.LARGE_BODIES_AT_ONCE)]
+    try:
+        while not slots_taken():
+            await asyncio.sleep(0.01)
+        # Every slot is held: a small reply still comes, a large one waits for a slot.
+        answer = await asyncio.wait_for(small.get_task(TASK_ID, history_length=5), 30)
+        assert len(answer["history"]) == 5
+        waiting = asyncio.create_task(client.get_task(TASK_ID))
+        await asyncio.sleep(0.5)
+        assert not waiting.done()
+        release.set()
+        task = await asyncio.wait_for(waiting, 30)
+        assert len(task["artifacts"][0]["parts"][0]["text"]) == BIG
+    finally:
+        release.set()
+        await asyncio.gather(*holders, return_exceptions=True)
+
+
+def slots_taken() -> bool:
+    """Whether every large-body slot of the running loop is taken."""
+    gate = http_layer._gates.get(asyncio.get_running_loop())
+    return gate is not None and gate.locked()
