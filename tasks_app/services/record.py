@@ -474,23 +474,23 @@ def by_reference(raw: Any) -> tuple[Any, int]:
     return raw, 0
 
 
-def parts_by_reference(artifact: Any) -> tuple[Any, int]:
+def parts_by_reference(value: Any) -> tuple[Any, int]:
     """An artifact (or a message: anything with ``parts``) with each big part content replaced
     by a reference (see :func:`by_reference`), and how many characters moved."""
-    if not isinstance(artifact, dict) or not isinstance(artifact.get("parts"), list):
-        return artifact, 0
+    if not isinstance(value, dict) or not isinstance(value.get("parts"), list):
+        return value, 0
     limit = settings.INLINE_CONTENT_BYTES
     parts, moved = [], 0
-    for part in artifact["parts"]:
+    for part in value["parts"]:
         if isinstance(part, dict):
             for name in ("text", "raw"):
-                value = part.get(name)
-                if isinstance(value, str) and len(value) > limit:
-                    reference = {"field": name, "sha256": _sha256(value), "chars": len(value)}
+                content = part.get(name)
+                if isinstance(content, str) and len(content) > limit:
+                    reference = {"field": name, "sha256": _sha256(content), "chars": len(content)}
                     part = {**{k: v for k, v in part.items() if k != name}, STORED: reference}
-                    moved += len(value)
+                    moved += len(content)
         parts.append(part)
-    return ({**artifact, "parts": parts}, moved) if moved else (artifact, 0)
+    return ({**value, "parts": parts}, moved) if moved else (value, 0)
 
 
 def _sha256(text: str) -> str:
