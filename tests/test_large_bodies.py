@@ -4,9 +4,9 @@ A reply of up to 32 MiB (a task holding a large artifact returns it on every Get
 about three times its size while it is read, joined, decoded and parsed, and the parsed
 value lives on until it is recorded. Any number were read at once on a worker's loop, so
 an agent with many such tasks set the worker's memory. A body past ``LARGE_BODY_BYTES``
-now waits for one of its loop's ``LARGE_BODIES_AT_ONCE`` slots, held through its parse (and,
-in a ``large_body_scope``, its recording); smaller replies never wait. A raw HTTP server on
-127.0.0.1 (tests/hostile_servers.py, mode ``big``).
+now waits for one of ``LARGE_BODIES_AT_ONCE`` slots of its origin on its loop, held through
+its parse (and, in a ``large_body_scope``, its recording); smaller replies never wait, nor
+another agent's. Raw HTTP servers on 127.0.0.1 (tests/hostile_servers.py, mode ``big``).
 """
 
 from __future__ import annotations
@@ -79,9 +79,12 @@ async def test_large_replies_read_at_once_hold_at_most_the_loops_slots(server, h
     assert peak < (3 * http_layer.LARGE_BODIES_AT_ONCE + 3) * BIG, peak / BIG
 
 
-async def test_a_small_reply_is_not_held_behind_large_ones(server, http):
+async def test_a_small_reply_and_another_agents_large_one_are_not_held_behind_them(server, http):
+    """The slots are per origin: an agent that trickles its large replies (or whose tasks'
+    recording waits) holds its own slots, never another agent's."""
     client = client_for(server, "big", "JSONRPC", http)
     small = client_for(server, "newids", "JSONRPC", http)
+    other_agent = HostileServer(big_bytes=BIG).start()
     release = asyncio.Event()
 
     async def hold() -> None:
@@ -91,11 +94,17 @@ async def test_a_small_reply_is_not_held_behind_large_ones(server, http):
 
     holders = [asyncio.create_task(hold()) for _ in range(http_layer.LARGE_BODIES_AT_ONCE)]
     try:
-        while not slots_taken():
+        for _ in range(3000):  # within 30 s
+            if slots_taken(server):
+                break
             await asyncio.sleep(0.01)
+        assert slots_taken(server)
         # Every slot is held: a small reply still comes, a large one waits for a slot.
         answer = await asyncio.wait_for(small.get_task(TASK_ID, history_length=5), 30)
         assert len(answer["history"]) == 5
+        elsewhere = client_for(other_agent, "big", "JSONRPC", http)
+        task = await asyncio.wait_for(elsewhere.get_task(TASK_ID), 30)
+        assert len(task["artifacts"][0]["parts"][0]["text"]) == BIG
         waiting = asyncio.create_task(client.get_task(TASK_ID))
         await asyncio.sleep(0.5)
         assert not waiting.done()
@@ -105,9 +114,11 @@ async def test_a_small_reply_is_not_held_behind_large_ones(server, http):
     finally:
         release.set()
         await asyncio.gather(*holders, return_exceptions=True)
+        other_agent.close()
 
 
-def slots_taken() -> bool:
-    """Whether every large-body slot of the running loop is taken."""
-    gate = http_layer._gates.get(asyncio.get_running_loop())
+def slots_taken(server: HostileServer) -> bool:
+    """Whether every large-body slot of ``server``'s origin on the running loop is taken."""
+    gates = http_layer._gates.get(asyncio.get_running_loop(), {})
+    gate = gates.get(f"http://127.0.0.1:{server.port}")
     return gate is not None and gate.locked()

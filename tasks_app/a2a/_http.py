@@ -111,15 +111,17 @@ async def deadline(seconds: float | None, where: str) -> AsyncIterator[None]:
 # three times its size while it is read, joined, decoded and parsed, and the parsed value
 # lives on until it is recorded. Any number of them read at once on one event loop (a
 # worker's streams and polls share one) made an agent with many such tasks a lever on the
-# worker's memory. So a body past ``LARGE_BODY_BYTES`` takes one of its loop's
-# ``LARGE_BODIES_AT_ONCE`` slots before more of it is read (the rest waits in the socket),
-# and keeps it until the read returns, or, inside ``large_body_scope()``, until that block
-# ends (a caller that parses and records what it read). Smaller bodies never wait.
+# worker's memory. So a body past ``LARGE_BODY_BYTES`` takes one of ``LARGE_BODIES_AT_ONCE``
+# slots of its origin (the agent's scheme, host and port) on its loop before more of it is
+# read (the rest waits in the socket), and keeps it until the read returns, or, inside
+# ``large_body_scope()``, until that block ends (a caller that parses and records what it
+# read). Per origin: an agent that trickles its large replies holds only its own slots, never
+# another agent's. Smaller bodies never wait.
 
 LARGE_BODY_BYTES = 1024 * 1024
 LARGE_BODIES_AT_ONCE = 2
 
-_gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+_gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Semaphore]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -137,11 +139,11 @@ class _Scope:
 _scope: ContextVar[_Scope | None] = ContextVar("a2a_large_body_scope", default=None)
 
 
-def _loop_gate() -> asyncio.Semaphore:
-    loop = asyncio.get_running_loop()
-    gate = _gates.get(loop)
+def _origin_gate(origin: str) -> asyncio.Semaphore:
+    gates = _gates.setdefault(asyncio.get_running_loop(), {})
+    gate = gates.get(origin)
     if gate is None:
-        gate = _gates[loop] = asyncio.Semaphore(LARGE_BODIES_AT_ONCE)
+        gate = gates[origin] = asyncio.Semaphore(LARGE_BODIES_AT_ONCE)
     return gate
 
 
@@ -168,20 +170,25 @@ async def large_body_scope() -> AsyncIterator[None]:
             scope.gate.release()
 
 
-async def _take_large_body_slot() -> asyncio.Semaphore | None:
-    """Wait for a slot of this loop. Returns the gate the caller must release itself (None:
-    the enclosing scope holds it, or held one already)."""
+async def _take_large_body_slot(origin: str) -> asyncio.Semaphore | None:
+    """Wait for a slot of ``origin`` on this loop. Returns the gate the caller must release
+    itself (None: the enclosing scope keeps it, or kept one already)."""
     scope = _scope.get()
     if scope is not None and scope.task is not asyncio.current_task():
         scope = None  # another task's scope (a context copied by create_task)
     if scope is not None and scope.gate is not None:
         return None
-    gate = _loop_gate()
+    gate = _origin_gate(origin)
     await gate.acquire()
     if scope is not None:
         scope.gate = gate
         return None
     return gate
+
+
+def _origin_of(response: httpx.Response) -> str:
+    url = response.request.url
+    return f"{url.scheme}://{url.netloc.decode('ascii', 'replace')}"
 
 
 async def read_bounded(response: httpx.Response, limit: int, where: str) -> bytes:
@@ -201,14 +208,14 @@ async def read_bounded(response: httpx.Response, limit: int, where: str) -> byte
     own: asyncio.Semaphore | None = None  # a slot taken outside any scope: released here
     try:
         if declared is not None and declared > LARGE_BODY_BYTES:
-            large, own = True, await _take_large_body_slot()
+            large, own = True, await _take_large_body_slot(_origin_of(response))
         async for chunk in response.aiter_bytes():
             size += len(chunk)
             if size > limit:
                 raise PayloadTooLarge(f"response exceeds the {limit}-byte limit", where=where)
             chunks.append(chunk)
             if size > LARGE_BODY_BYTES and not large:
-                large, own = True, await _take_large_body_slot()
+                large, own = True, await _take_large_body_slot(_origin_of(response))
         return b"".join(chunks)
     finally:
         if own is not None:
