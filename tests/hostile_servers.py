@@ -282,6 +282,9 @@ class HostileServer:
             writer.write(self._head("200 OK", "application/json", len(payload)))
             await self._send(conn, writer, payload)
         elif mode == "big":
+            # drain() waits for an empty buffer: the connection is aborted once this returns,
+            # which dropped the end of a body still buffered.
+            writer.transport.set_write_buffer_limits(high=0)
             task = task_json()
             task["artifacts"] = [{"artifactId": "big", "parts": [{"text": "@@BIG@@"}]}]
             head, tail = reply_text(json.dumps(task)).split(b"@@BIG@@")
