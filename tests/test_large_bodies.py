@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import tracemalloc
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
-import httpx
 import pytest
 
-from tasks_app.a2a import A2AClient, large_body_scope
 from tasks_app.a2a import _http as http_layer
-from tasks_app.a2a.types import Interface
+from tasks_app.a2a import large_body_scope
 from tests.hostile_servers import TASK_ID, HostileServer
+from tests.test_hostile_protocol import hostile_client, http  # noqa: F401 (a fixture)
 
 BIG = 8 * 1024 * 1024
 CALLS = 6
@@ -36,21 +35,13 @@ def server() -> Iterator[HostileServer]:
         running.close()
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient() as client:
-        yield client
-
-
-def client_for(
-    server: HostileServer, mode: str, binding: str, http: httpx.AsyncClient
-) -> A2AClient:
-    return A2AClient(Interface(url=server.url_for(mode), binding=binding), http=http)  # type: ignore[arg-type]
-
-
 @pytest.mark.parametrize("binding", ["JSONRPC", "HTTP+JSON"])
-async def test_large_replies_read_at_once_hold_at_most_the_loops_slots(server, http, binding):
-    client = client_for(server, "big", binding, http)
+async def test_large_replies_read_at_once_hold_at_most_the_loops_slots(
+    server,
+    http,  # noqa: F811 (the fixture)
+    binding,
+):
+    client = hostile_client(server, "big", binding, http)
     await client.get_task(TASK_ID)  # connections and imports, before memory is traced
     holding = []  # how many scopes hold a parsed large reply, after each read
     inside = 0
@@ -79,11 +70,14 @@ async def test_large_replies_read_at_once_hold_at_most_the_loops_slots(server, h
     assert peak < (3 * http_layer.LARGE_BODIES_AT_ONCE + 3) * BIG, peak / BIG
 
 
-async def test_a_small_reply_and_another_agents_large_one_are_not_held_behind_them(server, http):
+async def test_a_small_reply_and_another_agents_large_one_are_not_held_behind_them(
+    server,
+    http,  # noqa: F811 (the fixture)
+):
     """The slots are per origin: an agent that trickles its large replies (or whose tasks'
     recording waits) holds its own slots, never another agent's."""
-    client = client_for(server, "big", "JSONRPC", http)
-    small = client_for(server, "newids", "JSONRPC", http)
+    client = hostile_client(server, "big", "JSONRPC", http)
+    small = hostile_client(server, "newids", "JSONRPC", http)
     other_agent = HostileServer(big_bytes=BIG).start()
     release = asyncio.Event()
 
@@ -102,7 +96,7 @@ async def test_a_small_reply_and_another_agents_large_one_are_not_held_behind_th
         # Every slot is held: a small reply still comes, a large one waits for a slot.
         answer = await asyncio.wait_for(small.get_task(TASK_ID, history_length=5), 30)
         assert len(answer["history"]) == 5
-        elsewhere = client_for(other_agent, "big", "JSONRPC", http)
+        elsewhere = hostile_client(other_agent, "big", "JSONRPC", http)
         task = await asyncio.wait_for(elsewhere.get_task(TASK_ID), 30)
         assert len(task["artifacts"][0]["parts"][0]["text"]) == BIG
         waiting = asyncio.create_task(client.get_task(TASK_ID))

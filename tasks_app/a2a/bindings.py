@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack
 from typing import Any
 from urllib.parse import quote
@@ -114,24 +114,31 @@ class BaseBinding:
         timeout: httpx.Timeout,
         deadline: float | None,
         where: str,
-    ) -> tuple[httpx.Response, bytes]:
+        parse: Callable[[httpx.Response, bytes], Any],
+    ) -> Any:
+        """One request and its reply: an error status raises its typed error, else
+        ``parse(response, body)``. A large reply's slot lasts through the parse
+        (``large_body_scope``)."""
         headers = {**self.headers, "Accept": f"{content_type}, application/json"}
         kwargs: dict[str, Any] = {}
         if json_body is not None:
             kwargs["content"] = _dumps(json_body)
             headers["Content-Type"] = content_type
         params = {**self.query, **(query or {})}
-        try:
-            async with (
-                deadline_scope(deadline, where),
-                self.http.stream(
-                    verb, url, headers=headers, params=params or None, timeout=timeout, **kwargs
-                ) as resp,
-            ):
-                body = await read_bounded(resp, self.max_response_bytes, where)
-                return resp, body
-        except httpx.HTTPError as exc:
-            raise map_transport_error(exc, where) from exc
+        async with large_body_scope():
+            try:
+                async with (
+                    deadline_scope(deadline, where),
+                    self.http.stream(
+                        verb, url, headers=headers, params=params or None, timeout=timeout, **kwargs
+                    ) as resp,
+                ):
+                    body = await read_bounded(resp, self.max_response_bytes, where)
+            except httpx.HTTPError as exc:
+                raise map_transport_error(exc, where) from exc
+            if resp.status_code >= 400:
+                raise error_for_status(resp, body, where)
+            return parse(resp, body)
 
     async def _sse(
         self,
@@ -257,22 +264,22 @@ class JsonRpcBinding(BaseBinding):
     ) -> Any:
         rid, body = self._envelope(method, params)
         where = f"{method} (JSON-RPC {self.interface.url})"
-        async with large_body_scope():  # a large reply's slot lasts through its parse
-            resp, raw = await self._unary(
-                "POST",
-                self.interface.url,
-                json_body=body,
-                query=None,
-                content_type="application/json",
-                timeout=timeout,
-                deadline=deadline,
-                where=where,
-            )
-            if resp.status_code >= 400:
-                raise error_for_status(resp, raw, where)
-            return self._result(
-                decode_json(raw, where, mt=media_type(resp)), where, rid, resp.status_code
-            )
+
+        def parse(resp: httpx.Response, raw: bytes) -> Any:
+            obj = decode_json(raw, where, mt=media_type(resp))
+            return self._result(obj, where, rid, resp.status_code)
+
+        return await self._unary(
+            "POST",
+            self.interface.url,
+            json_body=body,
+            query=None,
+            content_type="application/json",
+            timeout=timeout,
+            deadline=deadline,
+            where=where,
+            parse=parse,
+        )
 
     def stream(
         self,
@@ -393,22 +400,21 @@ class RestBinding(BaseBinding):
         verb, path, body, query = self._route(method, params)
         url = self.base + path
         where = f"{method} ({verb} {url})"
-        async with large_body_scope():  # a large reply's slot lasts through its parse
-            resp, raw = await self._unary(
-                verb,
-                url,
-                json_body=body,
-                query=query,
-                content_type=REST_JSON_MEDIA,
-                timeout=timeout,
-                deadline=deadline,
-                where=where,
-            )
-            if resp.status_code >= 400:
-                raise error_for_status(resp, raw, where)
-            if not raw.strip():
-                return None
-            return decode_json(raw, where, mt=media_type(resp))
+
+        def parse(resp: httpx.Response, raw: bytes) -> Any:
+            return decode_json(raw, where, mt=media_type(resp)) if raw.strip() else None
+
+        return await self._unary(
+            verb,
+            url,
+            json_body=body,
+            query=query,
+            content_type=REST_JSON_MEDIA,
+            timeout=timeout,
+            deadline=deadline,
+            where=where,
+            parse=parse,
+        )
 
     @staticmethod
     def _raise_error_object(obj: Any, status: int | None) -> None:
