@@ -22,6 +22,8 @@ Modes:
 ``mixedcard``     a card: a ``file:`` interface first, then a valid http one
 ``big``           a Task whose one artifact holds ``big_bytes`` of text (a GetTask reply
                   of a task with a large artifact)
+``steady``        GetTask (JSON-RPC): the newest ``historyLength`` messages of ``steady_history``
+                  (a list the test grows), all of it when no length is asked
 ``newids``        GetTask (JSON-RPC): a history of fresh message ids each time, exactly as
                   long as asked (``NEWIDS_WHOLE`` when no length is asked)
 
@@ -80,6 +82,7 @@ class HostileServer:
     ) -> None:
         self.interval = interval  # seconds between trickled bytes
         self.big_bytes = big_bytes  # the text of the ``big`` mode's artifact
+        self.steady_history: list[dict[str, Any]] = []  # the ``steady`` mode's conversation
         self.trickle_bytes = trickle_bytes  # whitespace before a trickled reply
         self.port = 0
         self.conns: list[Conn] = []
@@ -295,6 +298,16 @@ class HostileServer:
             for _ in range(self.big_bytes // (1 << 20)):
                 await self._send(conn, writer, b"x" * (1 << 20))
             await self._send(conn, writer, b"x" * (self.big_bytes % (1 << 20)) + tail)
+        elif mode == "steady":
+            asked = None
+            with contextlib.suppress(ValueError, AttributeError):
+                asked = json.loads(body).get("params", {}).get("historyLength")
+            task = task_json()
+            history = list(self.steady_history)
+            task["history"] = history[-asked:] if isinstance(asked, int) and asked > 0 else history
+            payload = reply_text(json.dumps(task))
+            writer.write(self._head("200 OK", "application/json", len(payload)))
+            await self._send(conn, writer, payload)
         elif mode == "newids":
             # No window ever reaches back to a message the client holds.
             asked = None

@@ -140,3 +140,43 @@ def test_an_agent_whose_window_never_reaches_back_costs_at_most_four_calls_a_pol
         assert len(second.task["history"]) == NEWIDS_WHOLE
     finally:
         server.close()
+
+
+def test_an_agent_saying_the_same_amount_between_polls_costs_one_call_a_poll(shared_loop):
+    """The window follows what the agent said since the last poll: an agent saying 45
+    messages between polls (more than the first window) costs a widened first poll, then
+    one GetTask a poll, each window reaching back to a mirrored message."""
+    import httpx
+
+    from tasks_app.services.record import record
+
+    server = HostileServer().start()
+    try:
+        agent = Agent.objects.create(name="steady", base_url=server.url_for("steady"))
+        task = RemoteTask.objects.create(agent=agent, remote_id=TASK_ID, phase="task")
+
+        async def poll(length: int) -> polls.Polled:
+            async with httpx.AsyncClient() as http:
+                interface = Interface(url=server.url_for("steady"), binding="JSONRPC")  # type: ignore[arg-type]
+                return await polls.poll_task(
+                    A2AClient(interface, http=http), TASK_ID, task.pk, length
+                )
+
+        length, calls, recorded = polls.POLL_HISTORY, [], set()
+        for turn in range(5):
+            server.steady_history.extend(
+                {"messageId": f"m-{turn}-{i}", "role": "ROLE_AGENT", "parts": [{"text": "x"}]}
+                for i in range(45)
+            )
+            before = len(server.conns_for("steady"))
+            polled = eventloop.submit(poll(length)).result(timeout=60)
+            calls.append(len(server.conns_for("steady")) - before)
+            oldest = polled.task["history"][0]["messageId"]
+            assert oldest == "m-0-0" or oldest in recorded, oldest  # no hole
+            recorded.update(m["messageId"] for m in polled.task["history"])
+            record(task.pk, {"task": polled.task}, "poll")
+            length = polled.next_length
+        assert calls == [2, 1, 1, 1, 1], calls  # 20 left a hole, 160 held all 45; then 90
+        assert length == 90  # twice what the agent said since the last poll
+    finally:
+        server.close()
