@@ -2,7 +2,9 @@
 
 The task list, the inbox and the operator-action log page by (time, id): a page starts
 after the last row of the one before, so paging costs the page, never an OFFSET. A cursor
-that does not decode (edited by hand, cut short) is None: the caller shows the first page.
+that does not decode (edited by hand, cut short) is None: the page answers 400, lists
+nothing, and links to its first page (rows listed under a broken link would pass for the
+page it meant).
 """
 
 from __future__ import annotations

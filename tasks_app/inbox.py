@@ -115,8 +115,12 @@ def _page(
     # ``asked_at`` is stored when the question is recorded; the partial index ``inbox_order``
     # holds exactly the waiting tasks in this order, so a page costs its own rows.
     qs = waiting(access.readable_tasks(request.user))
-    cursor = cursors.decode(request.GET.get("cursor", "")) if request.GET.get("cursor") else None
-    if cursor:
+    cursor_text = request.GET.get("cursor", "")
+    cursor = cursors.decode(cursor_text) if cursor_text else None
+    cursor_broken = bool(cursor_text) and cursor is None
+    if cursor_broken:
+        qs = qs.none()  # as the audit page: its rows would pass for the page the link meant
+    elif cursor:
         value, pk = cursor
         qs = qs.filter(Q(asked_at__gt=value) | Q(asked_at=value, pk__gt=pk))
     # The order is found on two narrow columns, then the page's rows are read whole.
@@ -145,9 +149,10 @@ def _page(
         "count_capped": len(ids) > COUNT_LIMIT,
         "count_limit": COUNT_LIMIT,
         "next_url": next_url,
-        "first_url": reverse("inbox") if cursor else "",
+        "first_url": reverse("inbox") if cursor_text else "",
+        "cursor_broken": cursor_broken,
         # New waiting tasks are the newest questions: they belong on the last page.
-        "live_insert": not has_next,
+        "live_insert": not has_next and not cursor_broken,
         "now": timezone.now(),
     }
 
@@ -156,7 +161,10 @@ def _page(
 @require_GET
 @markdown_budgeted
 def inbox(request: HttpRequest) -> HttpResponse:
-    return render(request, "tasks_app/inbox.html", _page(request))
+    context = _page(request)
+    return render(
+        request, "tasks_app/inbox.html", context, status=400 if context["cursor_broken"] else 200
+    )
 
 
 @login_required

@@ -509,8 +509,10 @@ def task_list(request: HttpRequest) -> HttpResponse:
         # As on the audit page: nothing is listed under a filter that is not valid (all
         # tasks would look like the filtered result), until it is corrected.
         qs = qs.none()
-    cursor = cursors.decode(request.GET.get("cursor", "")) if request.GET.get("cursor") else None
-    page_qs = qs
+    cursor_text = request.GET.get("cursor", "")
+    cursor = cursors.decode(cursor_text) if cursor_text else None
+    cursor_broken = bool(cursor_text) and cursor is None
+    page_qs = qs.none() if cursor_broken else qs
     if cursor:
         value, pk = cursor
         if desc:
@@ -534,7 +536,7 @@ def task_list(request: HttpRequest) -> HttpResponse:
         next_url = "?" + urlencode(
             {**base_params, "cursor": cursors.encode(getattr(last, field), last.pk)}
         )
-    first_url = "?" + urlencode(base_params) if cursor else ""
+    first_url = "?" + urlencode(base_params) if cursor_text else ""
     agents = {a.pk: a.name for a in readable_agents}
     context = {
         "form": form,
@@ -545,6 +547,7 @@ def task_list(request: HttpRequest) -> HttpResponse:
         "valid": valid,
         "next_url": next_url,
         "first_url": first_url,
+        "cursor_broken": cursor_broken,
         "live_filters": {
             "agent": data["agent"].pk if data.get("agent") else None,
             "state": data.get("state") or "",
@@ -552,13 +555,15 @@ def task_list(request: HttpRequest) -> HttpResponse:
             "context": data.get("context") or "",
             "q": data.get("q") or "",
             # New tasks are prepended only on the first page of the default order.
-            "prepend": valid and not cursor and sort == "-updated",
+            "prepend": valid and not cursor_text and sort == "-updated",
         },
         "agent_names": {str(k): v for k, v in agents.items()},
         "state_labels": STATE_LABELS,
     }
-    # As the audit page answers: the filter as asked cannot be applied (the page says which).
-    return render(request, "tasks_app/task_list.html", context, status=200 if valid else 400)
+    # As the audit page answers: the filter or the page link as asked cannot be applied (the
+    # page says which). A broken link lists nothing: its rows would pass for the next page.
+    status = 200 if valid and not cursor_broken else 400
+    return render(request, "tasks_app/task_list.html", context, status=status)
 
 
 @login_required

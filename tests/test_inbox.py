@@ -793,7 +793,13 @@ def test_inbox_pages_by_keyset(people, alpha, no_dispatch, monkeypatch):
             break
         url = reverse("inbox") + found.group(1).replace("&amp;", "&")
     assert seen == [str(t.pk) for t in tasks]
-    assert client.get(reverse("inbox") + "?cursor=garbage").status_code == 200
+    # A page link cut short or edited: 400, nothing listed (the first page's rows would pass
+    # for the page the link meant), and a way back to the oldest question.
+    broken = client.get(reverse("inbox") + "?cursor=garbage")
+    html = broken.content.decode()
+    assert broken.status_code == 400 and 'id="inbox-bad-cursor"' in html
+    assert not re.findall(r'id="inbox-item-(\d+)"', html)
+    assert f'href="{reverse("inbox")}">start again' in html
 
 
 @pytest.mark.django_db

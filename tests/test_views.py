@@ -299,6 +299,16 @@ def test_task_list_filters_and_keyset_pages(
     ]
     by_remote = client_in.get("/tasks/?q=r-7").content.decode()
     assert "job 7<" in by_remote
+    # A page link cut short: 400, no rows (they would pass for page 2), a link to page 1
+    # that keeps the filters.
+    cut = client_in.get("/tasks/" + next_url[:-6])
+    cut_html = cut.content.decode()
+    assert cut.status_code == 400 and 'id="task-bad-cursor"' in cut_html
+    assert not re.findall(r">job (\d+)<", cut_html) and "the page link is broken" in cut_html
+    assert 'href="/tasks/?">start again from the first page' in cut_html
+    filtered_cut = client_in.get(f"/tasks/?context=ctx-b&cursor={next_url[8:-6]}")
+    assert filtered_cut.status_code == 400
+    assert 'href="/tasks/?context=ctx-b">start again' in filtered_cut.content.decode()
     bad = client_in.get("/tasks/?state=nonsense&cursor=%%%")
     assert bad.status_code == 400  # the filter cannot be applied, as on the audit page
     assert 'id="task-bad-filter"' in bad.content.decode()
