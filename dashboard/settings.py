@@ -152,6 +152,8 @@ def env_duration_or_off(name: str, default: float | None, unit: str = "seconds")
 
 PRODUCTION = env_flag("DASHBOARD_PRODUCTION")
 DATA_DIR = Path(os.environ.get("DATA_DIR") or BASE_DIR / "var").resolve()
+# The guides the pages link to (tasks_app/views_help.py) are read from here.
+DOCS_DIR = BASE_DIR / "docs"
 
 
 def _data_dir_unusable(exc: OSError | UnicodeDecodeError) -> ImproperlyConfigured:

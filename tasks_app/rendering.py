@@ -116,6 +116,11 @@ def markdown_budgeted(view: Callable[..., Any]) -> Callable[..., Any]:
     return budgeted
 
 
+def document_html(text: str) -> SafeString:
+    """One of the project's own guides (trusted, long): markdown to sanitized HTML, no budget."""
+    return sanitize_html(_md.render(text))
+
+
 def markdown_html(text: str) -> SafeString:
     """Markdown (raw HTML disabled) -> sanitized HTML; remembered for repeated views."""
     text = text or ""

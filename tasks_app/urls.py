@@ -1,7 +1,7 @@
 from django.urls import path
 from django.views.generic import RedirectView
 
-from . import inbox, views, views_a2ui, views_alerts, views_audit, webhooks
+from . import inbox, views, views_a2ui, views_alerts, views_audit, views_help, webhooks
 
 urlpatterns = [
     path("", views.overview, name="overview"),
@@ -47,6 +47,7 @@ urlpatterns = [
     path("audit/", views_audit.audit_log, name="audit"),
     path("audit/actions.csv", views_audit.audit_csv, name="audit-csv"),
     path("alerts/", views_alerts.alert_list, name="alerts"),
+    path("guides/<slug:name>/", views_help.guide, name="guide"),
     path("alerts/live/", views_alerts.alerts_live, name="alerts-live"),
     path("alerts/test/", views_alerts.alerts_test, name="alerts-test"),
     path("tasks/<int:pk>/push/", webhooks.push_configs, name="task-push-configs"),

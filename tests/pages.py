@@ -158,6 +158,7 @@ def _param(site: Site, url_name: str, param: str) -> object:
         "index": 0,
         "message_pk": site.message.pk,
         "config_id": site.push_config.config_id,
+        "name": "exports",  # a guide
     }
     if param not in values:
         raise LookupError(f"tests/pages.py does not know what to put in <{param}> of {url_name}")

@@ -123,6 +123,8 @@ RULES: dict[str, Rule] = {
     "alerts": Rule("GET", LOGIN, 200),
     "alerts-live": Rule("GET", LOGIN, 200),
     "alerts-test": Rule("POST", M, 302),
+    # The guides the pages link to: any logged-in person.
+    "guide": Rule("GET", LOGIN, 200),
 }
 ADMIN = "admin:index"  # the admin as a whole: staff only (checked on its index)
 
@@ -198,7 +200,7 @@ def world(django_user_model) -> dict:
     people["outsider"].force_login(outsider)
     kwargs = {
         "pk": None, "job_pk": job.pk, "artifact_pk": artifact.pk, "index": 0,
-        "message_pk": message.pk, "seq": 1, "config_id": uuid.uuid4().hex,
+        "message_pk": message.pk, "seq": 1, "config_id": uuid.uuid4().hex, "name": "exports",
     }  # fmt: skip
     return {"agent": agent, "task": task, "people": people, "kwargs": kwargs}
 
