@@ -1267,8 +1267,15 @@ class Holder:
         event of any size): bounded in events only, a stream of 1 MB chunks was
         read up to 1,000 MB ahead of the recorder, so a worker's memory grew
         with the artifact (2.4 times its size, measured).
+
+        An event past ``LARGE_BODY_BYTES`` is read in a ``large_body_scope``: it takes one
+        of its agent's large-body slots on this loop and the reader keeps it, reading no
+        further, until the recorder has stored the event. So an agent's large events, over
+        all its streams (and its large replies), are held at most a slot's worth at a time.
         """
-        queue: asyncio.Queue[tuple[Any, int]] = asyncio.Queue(maxsize=2 * BATCH)
+        queue: asyncio.Queue[tuple[Any, int, asyncio.Event | None]] = asyncio.Queue(
+            maxsize=2 * BATCH
+        )
         done = object()
         outcome = Outcome()
         read_ahead = STREAM_READ_AHEAD_BYTES
@@ -1279,19 +1286,27 @@ class Holder:
             nonlocal queued
             try:
                 async with contextlib.aclosing(events) as stream:  # type: ignore[type-var]
-                    async for event in stream:
-                        size = _event_size(event)
-                        while queued and queued + size > read_ahead:
-                            room.clear()
-                            await room.wait()
-                        queued += size
-                        await queue.put((event, size))
+                    while True:
+                        async with large_body_scope() as scope:
+                            try:
+                                event = await anext(stream)
+                            except StopAsyncIteration:
+                                break
+                            size = _event_size(event)
+                            while queued and queued + size > read_ahead:
+                                room.clear()
+                                await room.wait()
+                            queued += size
+                            stored = asyncio.Event() if scope.holding else None
+                            await queue.put((event, size, stored))
+                            if stored is not None:
+                                await stored.wait()  # the slot is kept until it is recorded
             except asyncio.CancelledError:
                 raise  # the turn is over: never wait on a full queue nobody reads
             except BaseException as exc:
-                await queue.put((exc, 0))
+                await queue.put((exc, 0, None))
                 return
-            await queue.put((done, 0))
+            await queue.put((done, 0, None))
 
         reader_task = self.loop.create_task(reader())
         first = True
@@ -1315,9 +1330,9 @@ class Holder:
                 taken = [item]
                 while not queue.empty() and len(taken) < BATCH:
                     taken.append(queue.get_nowait())
-                queued -= sum(size for _, size in taken)
+                queued -= sum(size for _, size, _ in taken)
                 room.set()
-                batch = [event for event, _ in taken]
+                batch = [event for event, _, _ in taken]
                 events_only = [e for e in batch if isinstance(e, StreamEvent)]
                 end = next((e for e in batch if not isinstance(e, StreamEvent)), None)
                 if events_only:
@@ -1343,6 +1358,9 @@ class Holder:
                             fence=self.token,
                         )
                         outcome.add(result)
+                    for _, _, stored in taken:
+                        if stored is not None:
+                            stored.set()  # a large event's reader may let its slot go
                     if first:
                         await eventloop.db(agent_services.mark_reachable, self.agent_id)
                     first = False

@@ -22,6 +22,8 @@ Modes:
 ``mixedcard``     a card: a ``file:`` interface first, then a valid http one
 ``big``           a Task whose one artifact holds ``big_bytes`` of text (a GetTask reply
                   of a task with a large artifact)
+``bigsse``        SSE: the Task, then ``bigsse_events`` artifact chunks of ``big_bytes`` of text
+                  each (``big-0``, ``big-1``, ...), then a completed status
 ``steady``        GetTask (JSON-RPC): the newest ``historyLength`` messages of ``steady_history``
                   (a list the test grows), all of it when no length is asked
 ``newids``        GetTask (JSON-RPC): a history of fresh message ids each time, exactly as
@@ -82,6 +84,7 @@ class HostileServer:
     ) -> None:
         self.interval = interval  # seconds between trickled bytes
         self.big_bytes = big_bytes  # the text of the ``big`` mode's artifact
+        self.bigsse_events = 3  # the ``bigsse`` mode's large events
         self.steady_history: list[dict[str, Any]] = []  # the ``steady`` mode's conversation
         self.trickle_bytes = trickle_bytes  # whitespace before a trickled reply
         self.port = 0
@@ -298,6 +301,23 @@ class HostileServer:
             for _ in range(self.big_bytes // (1 << 20)):
                 await self._send(conn, writer, b"x" * (1 << 20))
             await self._send(conn, writer, b"x" * (self.big_bytes % (1 << 20)) + tail)
+        elif mode == "bigsse":
+            writer.transport.set_write_buffer_limits(high=0)  # as ``big``: flushed before the end
+            writer.write(sse_head)
+            await self._send(conn, writer, event_text(json.dumps({"task": task_json()})))
+            for i in range(self.bigsse_events):
+                chunk = {
+                    "taskId": TASK_ID, "contextId": "ctx-hostile", "append": i > 0,
+                    "artifact": {"artifactId": "big", "parts": [{"text": f"big-{i}@@BIG@@"}]},
+                }  # fmt: skip
+                head, tail = event_text(json.dumps({"artifactUpdate": chunk})).split(b"@@BIG@@")
+                await self._send(conn, writer, head)
+                for _ in range(self.big_bytes // (1 << 20)):
+                    await self._send(conn, writer, b"x" * (1 << 20))
+                await self._send(conn, writer, b"x" * (self.big_bytes % (1 << 20)) + tail)
+            done = task_json(state="TASK_STATE_COMPLETED")
+            update = {"taskId": TASK_ID, "contextId": "ctx-hostile", "status": done["status"]}
+            await self._send(conn, writer, event_text(json.dumps({"statusUpdate": update})))
         elif mode == "steady":
             asked = None
             with contextlib.suppress(ValueError, AttributeError):

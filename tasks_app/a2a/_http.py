@@ -126,7 +126,7 @@ _gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.S
 )
 
 
-class _Scope:
+class LargeBodyScope:
     """One ``large_body_scope`` block: its task, and the slot a read in it took (if any)."""
 
     __slots__ = ("gate", "task")
@@ -135,8 +135,13 @@ class _Scope:
         self.task = task
         self.gate: asyncio.Semaphore | None = None
 
+    @property
+    def holding(self) -> bool:
+        """Whether a read in this block took a slot (kept until the block ends)."""
+        return self.gate is not None
 
-_scope: ContextVar[_Scope | None] = ContextVar("a2a_large_body_scope", default=None)
+
+_scope: ContextVar[LargeBodyScope | None] = ContextVar("a2a_large_body_scope", default=None)
 
 
 def _origin_gate(origin: str) -> asyncio.Semaphore:
@@ -148,29 +153,30 @@ def _origin_gate(origin: str) -> asyncio.Semaphore:
 
 
 @asynccontextmanager
-async def large_body_scope() -> AsyncIterator[None]:
+async def large_body_scope() -> AsyncIterator[LargeBodyScope]:
     """Keep the slot a large body read in this block takes until the block ends.
 
     Around everything that holds what was read (its parse, its recording). A scope inside
     another of the same task is the outer one; tasks started inside (``gather``) have
-    their own reads, not this scope's slot.
+    their own reads, not this scope's slot. An SSE event counts as a body: one read past
+    ``LARGE_BODY_BYTES`` in the block (the next event of a stream) takes a slot too.
     """
     outer = _scope.get()
     task = asyncio.current_task()
     if outer is not None and outer.task is task:
-        yield
+        yield outer
         return
-    scope = _Scope(task)
+    scope = LargeBodyScope(task)
     token = _scope.set(scope)
     try:
-        yield
+        yield scope
     finally:
         _scope.reset(token)
         if scope.gate is not None:
             scope.gate.release()
 
 
-async def _take_large_body_slot(origin: str) -> asyncio.Semaphore | None:
+async def take_large_body_slot(origin: str) -> asyncio.Semaphore | None:
     """Wait for a slot of ``origin`` on this loop. Returns the gate the caller must release
     itself (None: the enclosing scope keeps it, or kept one already)."""
     scope = _scope.get()
@@ -186,7 +192,7 @@ async def _take_large_body_slot(origin: str) -> asyncio.Semaphore | None:
     return gate
 
 
-def _origin_of(response: httpx.Response) -> str:
+def origin_of(response: httpx.Response) -> str:
     url = response.request.url
     return f"{url.scheme}://{url.netloc.decode('ascii', 'replace')}"
 
@@ -208,14 +214,14 @@ async def read_bounded(response: httpx.Response, limit: int, where: str) -> byte
     own: asyncio.Semaphore | None = None  # a slot taken outside any scope: released here
     try:
         if declared is not None and declared > LARGE_BODY_BYTES:
-            large, own = True, await _take_large_body_slot(_origin_of(response))
+            large, own = True, await take_large_body_slot(origin_of(response))
         async for chunk in response.aiter_bytes():
             size += len(chunk)
             if size > limit:
                 raise PayloadTooLarge(f"response exceeds the {limit}-byte limit", where=where)
             chunks.append(chunk)
             if size > LARGE_BODY_BYTES and not large:
-                large, own = True, await _take_large_body_slot(_origin_of(response))
+                large, own = True, await take_large_body_slot(origin_of(response))
         return b"".join(chunks)
     finally:
         if own is not None:

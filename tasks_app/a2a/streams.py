@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from ._http import LARGE_BODY_BYTES, origin_of, take_large_body_slot
 from .errors import DeadlineExceeded, PayloadTooLarge, ProtocolError, StreamIdleTimeout
 from .types import ALL_ROLES, ALL_STATES, EVENT_KINDS, StreamEvent
 
@@ -104,6 +105,44 @@ class _Clock:
         )
 
 
+class _LargeEvent:
+    """Takes a large body's slot (``_http.take_large_body_slot``) for an event past
+    ``LARGE_BODY_BYTES``, before more of it is read.
+
+    Bounded per stream alone (``max_event_bytes``), many streams of one agent each sending
+    large events held them all at once, each about three times its size while joined,
+    decoded and parsed: an agent's lever on a worker's memory, as large unary replies were.
+    The bytes of an event are counted by chunk (a chunk that ends one event and starts the
+    next counts for the first). Outside a ``large_body_scope`` the slot is released when the
+    consumer asks for the next event; inside one, the scope keeps it until its block ends.
+    """
+
+    __slots__ = ("origin", "own", "size", "taken")
+
+    def __init__(self, origin: str) -> None:
+        self.origin = origin
+        self.size = 0
+        self.taken = False
+        self.own: asyncio.Semaphore | None = None
+
+    async def grew(self, count: int, clock: _Clock | None) -> None:
+        self.size += count
+        if self.taken or self.size <= LARGE_BODY_BYTES:
+            return
+        self.taken = True
+        now = asyncio.get_running_loop().time
+        started = now()
+        self.own = await take_large_body_slot(self.origin)
+        if clock is not None:
+            clock.paused(now() - started)  # waiting for a slot is our time, not the agent's
+
+    def ended(self) -> None:
+        self.size, self.taken = 0, False
+        if self.own is not None:
+            self.own.release()
+            self.own = None
+
+
 async def _bounded_chunks(chunks: AsyncIterator[bytes], clock: _Clock) -> AsyncIterator[bytes]:
     """``chunks``, each awaited no later than the clock's next deadline."""
     it = aiter(chunks)
@@ -130,22 +169,43 @@ async def _bounded_chunks(chunks: AsyncIterator[bytes], clock: _Clock) -> AsyncI
 
 
 async def _iter_lines(
-    chunks: AsyncIterator[bytes], max_line: int, where: str, clock: _Clock | None = None
+    chunks: AsyncIterator[bytes],
+    max_line: int,
+    where: str,
+    clock: _Clock | None = None,
+    large: _LargeEvent | None = None,
 ) -> AsyncIterator[bytes]:
     """Split a byte stream into SSE lines (CRLF, CR or LF), bounding line length.
 
     Only new bytes are scanned and a partial line is kept as a list of pieces,
     so a large event costs linear time. ``clock`` (if any) learns when a
-    non-comment line starts.
+    non-comment line starts; ``large`` (if any) counts each event's bytes.
     """
-    partial: list[bytes] = []
-    partial_len = 0
-    cr_pending = False
     if clock is not None and clock.active:
         chunks = _bounded_chunks(chunks, clock)
     else:
         clock = None
+    try:
+        async for line in _split_lines(chunks, max_line, where, clock, large):
+            yield line
+    finally:
+        if large is not None:
+            large.ended()
+
+
+async def _split_lines(
+    chunks: AsyncIterator[bytes],
+    max_line: int,
+    where: str,
+    clock: _Clock | None,
+    large: _LargeEvent | None,
+) -> AsyncIterator[bytes]:
+    partial: list[bytes] = []
+    partial_len = 0
+    cr_pending = False
     async for chunk in chunks:
+        if large is not None:
+            await large.grew(len(chunk), clock)
         if cr_pending:
             cr_pending = False
             if chunk.startswith(b"\n"):
@@ -165,6 +225,8 @@ async def _iter_lines(
                 line = piece
             t0 = clock.now() if clock is not None else 0.0
             yield line
+            if not line and large is not None:
+                large.ended()  # a blank line ends an event: the consumer is done with it
             if clock is not None:
                 clock.paused(clock.now() - t0)
                 # The next line's first byte is here already: after the
@@ -192,12 +254,14 @@ async def iter_sse(
     where: str = "",
     event_deadline: float | None = None,
     event_gap: float | None = None,
+    origin: str | None = None,
 ) -> AsyncIterator[SSEMessage]:
     """Decode an SSE byte stream into events, bounding every event's size and time.
 
     ``event_deadline``: seconds an event may take from its first line to its
     end; ``event_gap``: seconds between complete events (keep-alives do not
-    count). ``None`` disables either bound.
+    count). ``None`` disables either bound. ``origin``: the agent's, whose large-body
+    slots an event past ``LARGE_BODY_BYTES`` takes (none: no slot is taken).
     """
     event = ""
     data: list[str] = []
@@ -208,7 +272,8 @@ async def iter_sse(
     idle_bytes = 0
     lines = 0
     clock = _Clock(event_deadline, event_gap, where)
-    async for raw in _iter_lines(chunks, max_event_bytes, where, clock):
+    large = _LargeEvent(origin) if origin is not None else None
+    async for raw in _iter_lines(chunks, max_event_bytes, where, clock, large):
         lines += 1
         if lines == 1 and raw.startswith(_BOM):
             raw = raw[len(_BOM) :]  # a leading byte order mark is not part of the stream
@@ -273,6 +338,7 @@ async def iter_sse_response(
         where=where,
         event_deadline=event_deadline,
         event_gap=event_gap,
+        origin=origin_of(response),
     ):
         yield msg
 
