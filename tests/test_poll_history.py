@@ -17,7 +17,7 @@ import pytest
 from tasks_app import eventloop
 from tasks_app.a2a import A2AClient
 from tasks_app.a2a.types import Interface
-from tasks_app.models import Agent, RemoteTask, TaskEvent
+from tasks_app.models import Agent, ConversationMessage, RemoteTask, TaskEvent
 from tasks_app.services import polls
 from tasks_app.services import tasks as task_services
 from tasks_app.services.agents import add_agent
@@ -178,5 +178,48 @@ def test_an_agent_saying_the_same_amount_between_polls_costs_one_call_a_poll(sha
             length = polled.next_length
         assert calls == [2, 1, 1, 1, 1], calls  # 20 left a hole, 160 held all 45; then 90
         assert length == 90  # twice what the agent said since the last poll
+    finally:
+        server.close()
+
+
+def test_the_push_drain_keeps_each_tasks_window_between_notifications(shared_loop):
+    """The push drain's GetTask follows the agent as a watcher's poll does: an agent saying
+    45 messages between notifications costs a widened first GetTask, then one a
+    notification (it began at the first window each time: two)."""
+    import httpx
+
+    from tasks_app.services import push
+
+    server = HostileServer().start()
+    try:
+        agent = Agent.objects.create(
+            name="steady push", base_url=server.url_for("steady"),
+            interface_url=server.url_for("steady"), binding="JSONRPC", protocol_version="1.0",
+        )  # fmt: skip
+        task = RemoteTask.objects.create(
+            agent=agent, remote_id=TASK_ID, phase="task", state="TASK_STATE_WORKING",
+            watch=RemoteTask.Watch.PUSH,
+        )  # fmt: skip
+
+        async def drain() -> None:
+            async with httpx.AsyncClient() as http:
+                await push.refresh_after_push(http, task.pk)
+
+        calls = []
+        for turn in range(4):
+            server.steady_history.extend(
+                {"messageId": f"m-{turn}-{i}", "role": "ROLE_AGENT", "parts": [{"text": "x"}]}
+                for i in range(45)
+            )
+            before = len(server.conns_for("steady"))
+            eventloop.submit(drain()).result(timeout=60)
+            calls.append(len(server.conns_for("steady")) - before)
+        assert calls == [2, 1, 1, 1], calls
+        # Every message the agent said is mirrored once, in its order.
+        mirrored = list(
+            ConversationMessage.objects.filter(task=task).order_by("seq", "pk")
+            .values_list("message_id", flat=True)
+        )  # fmt: skip
+        assert mirrored == [m["messageId"] for m in server.steady_history]
     finally:
         server.close()

@@ -13,7 +13,8 @@ window ``WIDEN`` times as wide, up to ``POLL_HISTORY_MAX``, then for the whole h
 most four GetTasks for a poll, whatever the agent sends. Asking for the whole history at
 once made a chatty agent (more than the window between two polls) cost the whole
 conversation every poll, in bytes fetched and stored, until its budget parked it. The next
-poll's window is twice what the agent said between the last two (a watcher keeps it), so a
+poll's window is twice what the agent said between the last two (a watcher keeps it, and
+the push drain per task), so a
 steady talker costs one GetTask a poll. The GetTask that settles a task, and the ones an
 operator's action makes, ask for all of it as before.
 """

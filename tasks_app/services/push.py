@@ -58,7 +58,7 @@ from tasks_app.a2a import A2AClient, A2AError, ProtocolError, large_body_scope, 
 from tasks_app.crypto import SecretError, decrypt_json, encrypt_json
 from tasks_app.models import TERMINAL_STATES, Agent, PushConfig, RemoteTask
 from tasks_app.runtime import shared_redis
-from tasks_app.services.polls import poll_task
+from tasks_app.services.polls import POLL_HISTORY, poll_task
 from tasks_app.services.record import RecordError, record, record_many, settle_if_ended
 
 log = logging.getLogger(__name__)
@@ -1524,6 +1524,22 @@ _http: httpx.AsyncClient | None = None
 _heard: dict[int, list[float]] = {}
 _ended: set[int] = set()
 _refreshers: dict[int, asyncio.Task[None]] = {}
+# The next GetTask's history window per task (``polls.window_for``), as a watcher keeps its
+# own: without it every drained notification began at the first window, and a chatty agent's
+# task cost two GetTasks each. A task forgotten here (the oldest go first) begins again there.
+PUSH_WINDOWS_KEPT = 10_000
+_windows: OrderedDict[int, int] = OrderedDict()
+
+
+def _next_window(task_pk: int) -> int:
+    return _windows.get(task_pk, POLL_HISTORY)
+
+
+def _keep_window(task_pk: int, length: int) -> None:
+    _windows[task_pk] = length
+    _windows.move_to_end(task_pk)
+    while len(_windows) > PUSH_WINDOWS_KEPT:
+        _windows.popitem(last=False)
 
 
 def _want_refresh(states: dict[int, str]) -> None:
@@ -1594,7 +1610,9 @@ async def refresh_after_push(http: httpx.AsyncClient, task_pk: int) -> None:
     async with large_body_scope():
         try:
             client = outbound.client_for(task.agent, http)
-            snapshot = (await poll_task(client, task.remote_id, task_pk)).task
+            polled = await poll_task(client, task.remote_id, task_pk, _next_window(task_pk))
+            _keep_window(task_pk, polled.next_length)
+            snapshot = polled.task
         except A2AError as exc:
             log.info("GetTask after a push notification for task %s failed: %s", task_pk, exc)
             return
@@ -1625,6 +1643,7 @@ async def refresh_after_push(http: httpx.AsyncClient, task_pk: int) -> None:
                 lease_expires_at=None,
             )
         )
+        _windows.pop(task_pk, None)
         await forget_configs(client, task_pk, "deleted when the task settled")
 
 
