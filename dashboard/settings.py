@@ -585,6 +585,8 @@ BUDGET_TASK_BYTES = env_int("BUDGET_TASK_BYTES", 64 * 1024 * 1024, minimum=1)
 # Artifacts one task may hold: within its bytes, a stream of chunks with fresh ids made
 # hundreds of thousands, and a snapshot's comparison reads them all.
 BUDGET_TASK_ARTIFACTS = env_int("BUDGET_TASK_ARTIFACTS", 1_000, minimum=1)
+# Per person: live sockets open at once, over every web process (tasks_app/socket_places.py).
+BUDGET_PERSON_SOCKETS = env_int("BUDGET_PERSON_SOCKETS", 40, minimum=1)
 # Per agent: protocol errors per minute before its tasks are parked.
 BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE = env_int(
     "BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE", 20, minimum=0

@@ -56,7 +56,9 @@ that arrives while one waits its turn is merged into it (at most one re-sync run
 waits, whatever arrives); the task socket still answers each merged frame with the one
 ``synced``. A list ``sync`` that follows a ``more`` the socket just sent costs no token (a
 long catch-up is one frame per answer). The pages send a ``sync`` at most every 5 s
-(``live.js``).
+(``live.js``). And sockets are bounded per person: each holds one of its person's
+``BUDGET_PERSON_SOCKETS`` places, over every web process; past them the handshake
+is refused with 4430 (the page says so and waits as after 4429).
 """
 
 from __future__ import annotations
@@ -73,12 +75,13 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import parse_qs
 
+from asgiref.sync import sync_to_async
 from autobahn.exception import Disconnected
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer, AsyncWebsocketConsumer
 from django.db.models import Q
 
-from tasks_app import access
+from tasks_app import access, socket_places
 from tasks_app.models import RemoteTask, TaskEvent
 from tasks_app.relay import LIST_GROUP, person_group, task_group
 from tasks_app.services.record import task_summary
@@ -111,6 +114,9 @@ MAX_FRAME_CHARS = 4096  # longer: dropped unread (daphne itself closes at 1 MiB)
 FRAME_BURST = 100  # frames a socket may send at once...
 FRAME_RATE = 1.0  # ...and then this many a second, on average (a token bucket)
 CLOSE_TOO_MANY_FRAMES = 4429  # as HTTP 429: the page backs off before it connects again
+# The person holds ``BUDGET_PERSON_SOCKETS`` open sockets: the page says so and
+# waits as after 4429 before it tries again.
+CLOSE_TOO_MANY_SOCKETS = 4430
 # No task changed before this: an older ``since`` asks for the same rows, and stays clear
 # of datetime's range (``since - LIST_OVERLAP`` near year 1 overflows).
 VERSION_FLOOR = datetime(1970, 1, 1, tzinfo=UTC)
@@ -354,6 +360,18 @@ class _ResyncingConsumer(AsyncJsonWebsocketConsumer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.access_checked_at = time.monotonic()  # connect checks it
+        self.place_renewed_at: float | None = None  # None: the socket holds no place
+
+    def _place(self) -> tuple[str, int, str]:
+        prefix = getattr(self.channel_layer, "prefix", None) or "asgi"
+        return prefix, self.scope["user"].pk, self.channel_name
+
+    async def take_place(self) -> bool:
+        """One of the person's ``BUDGET_PERSON_SOCKETS``; False (refused) past it."""
+        if not await sync_to_async(socket_places.take, thread_sensitive=False)(*self._place()):
+            return False
+        self.place_renewed_at = time.monotonic()
+        return True
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         """Run the consumer with a send that knows when the socket is gone, and leave the
@@ -386,6 +404,9 @@ class _ResyncingConsumer(AsyncJsonWebsocketConsumer):
         await _join(self, *groups)
 
     async def _leave(self) -> None:
+        if self.place_renewed_at is not None:
+            self.place_renewed_at = None
+            await sync_to_async(socket_places.give_back, thread_sensitive=False)(*self._place())
         joined, self.joined = self.joined, ()
         for group in joined:
             try:
@@ -436,6 +457,10 @@ class _ResyncingConsumer(AsyncJsonWebsocketConsumer):
         too, so a socket whose browser never asks for a re-sync is checked all the same."""
         if self.gone:
             return False
+        placed = self.place_renewed_at
+        if placed is not None and time.monotonic() - placed >= socket_places.RENEW_AFTER_SECONDS:
+            self.place_renewed_at = time.monotonic()
+            await sync_to_async(socket_places.renew, thread_sensitive=False)(*self._place())
         if self.access_due():
             return await self.check_access()
         return True
@@ -453,6 +478,9 @@ class TaskConsumer(_ResyncingConsumer):
     async def connect(self) -> None:
         if not _authenticated(self.scope):
             await refuse(self, CLOSE_UNAUTHENTICATED)
+            return
+        if not await self.take_place():
+            await refuse(self, CLOSE_TOO_MANY_SOCKETS)
             return
         self.task_pk = int(self.scope["url_route"]["kwargs"]["task_id"])
         # Join first: whatever is appended from now on is queued for us, and so is the news
@@ -696,6 +724,9 @@ class TaskListConsumer(_ResyncingConsumer):
     async def connect(self) -> None:
         if not _authenticated(self.scope):
             await refuse(self, CLOSE_UNAUTHENTICATED)
+            return
+        if not await self.take_place():
+            await refuse(self, CLOSE_TOO_MANY_SOCKETS)
             return
         self.unreadable = set()
         # Joined before the read, as the task socket: a change of access after it is told.

@@ -14,8 +14,9 @@
  *
  * Closed by the server with one of STOP_CODES, it does not connect again and says why
  * on the status line (connecting again would be refused the same way). Closed with
- * 4429 (more frames than the socket's budget, consumers.FRAME_BURST), it waits
- * BUSY_WAIT_MS to twice that before connecting again, whatever its backoff.
+ * 4429 (more frames than the socket's budget, consumers.FRAME_BURST) or 4430 (the person
+ * has too many sockets open, BUDGET_PERSON_SOCKETS), it waits BUSY_WAIT_MS to
+ * twice that before connecting again, whatever its backoff.
  */
 (function () {
   "use strict";
@@ -33,6 +34,7 @@
     4404: "not found",
   };
   const TOO_MANY_FRAMES = 4429;
+  const TOO_MANY_SOCKETS = 4430;  // the person's open sockets (BUDGET_PERSON_SOCKETS)
   const BUSY_WAIT_MS = 30000;
 
   /* The page's "live:" line (tests wait for data-state=open). */
@@ -117,6 +119,9 @@
         if (ev.code === TOO_MANY_FRAMES) {
           delay = BUSY_WAIT_MS + Math.random() * BUSY_WAIT_MS;
           why = "too many requests, reconnecting in ";
+        } else if (ev.code === TOO_MANY_SOCKETS) {
+          delay = BUSY_WAIT_MS + Math.random() * BUSY_WAIT_MS;
+          why = "too many live pages open (close some), reconnecting in ";
         }
         this.status("reconnecting", why + Math.round(delay / 100) / 10 + " s");
         this.timer = setTimeout(() => this.connect(), delay);

@@ -90,6 +90,9 @@ def _run_child(
         DJANGO_SETTINGS_MODULE="dashboard.settings",
         DASHBOARD_TEST_DB_FILE=str(data_dir / "unused-test.sqlite3"),
         LOG_LEVEL=env.get("BENCH_LOG_LEVEL", "WARNING"),
+        # The bench's browsers (up to 1,000 sockets) share one person's session: each stands
+        # for a person of their own, so the per-person socket cap is lifted for the bench.
+        BUDGET_PERSON_SOCKETS="100000",
     )
     env.pop("CELERY_BROKER_URL", None)
     # The bench agents listen on 127.0.0.1: the outbound guard is told so, for the bench only.
