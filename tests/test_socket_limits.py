@@ -361,16 +361,26 @@ def test_a_browser_learns_why_its_socket_was_refused(context, server):
 
 
 @in_browser
-def test_a_page_closed_for_too_many_frames_waits_before_it_connects_again(context, server):
-    """Closed with 4429 (past its socket's budget of frames) the page waits half a minute
-    or more, and says so, rather than connecting again at once."""
+@pytest.mark.parametrize(
+    ("code", "words"),
+    [
+        (consumers.CLOSE_TOO_MANY_FRAMES, "too many requests"),
+        (consumers.CLOSE_TOO_MANY_SOCKETS, r"too many live pages open \(close some\)"),
+    ],
+)
+def test_a_page_closed_for_too_many_frames_waits_before_it_connects_again(
+    context, server, code, words
+):
+    """Closed with 4429 (past its socket's budget of frames) or 4430 (its person holds as
+    many sockets as they may) the page waits half a minute or more, and says which, rather
+    than connecting again at once."""
     opened: list[str] = []
     page = context.new_page()
-    page.route_web_socket(re.compile(r"/ws/tasks/"), refusing(4429, opened))
+    page.route_web_socket(re.compile(r"/ws/tasks/"), refusing(code, opened))
     page.goto("/tasks/")
     page.wait_for_selector("#live-status[data-state=reconnecting]")
     status = page.text_content("#live-status") or ""
-    match = re.fullmatch(r"live: too many requests, reconnecting in ([0-9.]+) s", status)
+    match = re.fullmatch(rf"live: {words}, reconnecting in ([0-9.]+) s", status)
     assert match and 30 <= float(match.group(1)) <= 60, status
     page.wait_for_timeout(4000)
     assert opened == ["/ws/tasks/"]
