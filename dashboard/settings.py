@@ -587,6 +587,11 @@ BUDGET_TASK_BYTES = env_int("BUDGET_TASK_BYTES", 64 * 1024 * 1024, minimum=1)
 BUDGET_TASK_ARTIFACTS = env_int("BUDGET_TASK_ARTIFACTS", 1_000, minimum=1)
 # Per person: live sockets open at once, over every web process (tasks_app/socket_places.py).
 BUDGET_PERSON_SOCKETS = env_int("BUDGET_PERSON_SOCKETS", 40, minimum=1)
+# Per person: bytes of files attached to new tasks and answers in a clock hour
+# (tasks_app/upload_budget.py); one file is at most 10 MB (forms.MAX_UPLOAD_BYTES).
+BUDGET_PERSON_UPLOAD_BYTES_PER_HOUR = env_int(
+    "BUDGET_PERSON_UPLOAD_BYTES_PER_HOUR", 200 * 1024 * 1024, minimum=0
+)
 # Per agent: protocol errors per minute before its tasks are parked.
 BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE = env_int(
     "BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE", 20, minimum=0

@@ -43,6 +43,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError, ValidationError
 from jsonschema.validators import extend, validator_for
 
+from tasks_app import upload_budget
 from tasks_app.a2a.safejson import whole_number
 from tasks_app.forms import AnswerForm, NulRemovingForm
 from tasks_app.models import RemoteTask
@@ -927,6 +928,10 @@ def submit(request: HttpRequest, task: RemoteTask, form: forms.Form) -> tuple[bo
         return False, form
     text, data, files = form.message_parts()
     secrets = form.secret_values() if isinstance(form, SchemaAnswerForm) else set()
+    charged, refused = upload_budget.charge(request.user.id, files)
+    if refused:
+        form.add_error("file" if "file" in form.fields else None, refused)
+        return False, form
     try:
         task_services.answer_task(
             task,
@@ -938,6 +943,7 @@ def submit(request: HttpRequest, task: RemoteTask, form: forms.Form) -> tuple[bo
             logged=(lambda sent: hide_secrets(sent, secrets)) if secrets else None,
         )
     except task_services.TaskActionError as exc:
+        upload_budget.refund(request.user.id, charged)
         # What was typed stays; sending it again answers the question now shown.
         form.data = form.data.copy()
         current = RemoteTask.objects.filter(pk=task.pk).first()

@@ -28,7 +28,7 @@ from django.utils import timezone
 from django.views.decorators.debug import sensitive_post_parameters
 from django.views.decorators.http import require_GET, require_POST
 
-from tasks_app import access, answers, crypto, cursors, kept_uploads, views_a2ui
+from tasks_app import access, answers, crypto, cursors, kept_uploads, upload_budget, views_a2ui
 from tasks_app.a2a import validate_card
 from tasks_app.access import Perm, get_agent_for_user, get_task_for_user
 from tasks_app.forms import (
@@ -608,22 +608,28 @@ def task_new(request: HttpRequest) -> HttpResponse:
         if form.is_valid():
             data = form.cleaned_data
             metadata = {"skill": data["skill"]} if data.get("skill") else None
+            files = (data["file_part"],) if data.get("file_part") else ()
+            charged, refused = upload_budget.charge(request.user.id, files)
             try:
+                if refused:
+                    raise task_services.TaskActionError(refused)
                 task = task_services.start_task(
                     data["agent"],
                     data.get("text") or "",
                     mode=data["mode"],
                     data=data.get("data"),
-                    files=(data["file_part"],) if data.get("file_part") else (),
+                    files=files,
                     from_browser=True,
                     actor_id=request.user.id,
                     metadata=metadata,
                 )
             except task_services.TaskActionError as exc:
+                upload_budget.refund(request.user.id, charged)
                 message = str(exc)
-                form.add_error(
-                    "mode" if "mode" in message or "stream" in message else None, message
-                )
+                field = "file" if refused else None
+                if "mode" in message or "stream" in message:
+                    field = "mode"
+                form.add_error(field, message)
             else:
                 if data.get("kept_file"):
                     kept_uploads.drop(request.user.id)
