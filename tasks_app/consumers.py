@@ -360,18 +360,30 @@ class _ResyncingConsumer(AsyncJsonWebsocketConsumer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.access_checked_at = time.monotonic()  # connect checks it
-        self.place_renewed_at: float | None = None  # None: the socket holds no place
+        self.renewing: asyncio.Future[None] | None = None  # None: the socket holds no place
 
     def _place(self) -> tuple[str, int, str]:
         prefix = getattr(self.channel_layer, "prefix", None) or "asgi"
         return prefix, self.scope["user"].pk, self.channel_name
 
     async def take_place(self) -> bool:
-        """One of the person's ``BUDGET_PERSON_SOCKETS``; False (refused) past it."""
+        """One of the person's ``BUDGET_PERSON_SOCKETS``; False (refused) past it. Renewed
+        while the socket is open, whether its browser sends anything or not."""
         if not await sync_to_async(socket_places.take, thread_sensitive=False)(*self._place()):
             return False
-        self.place_renewed_at = time.monotonic()
+        self.renewing = asyncio.ensure_future(self._renew_place())
         return True
+
+    async def _renew_place(self) -> None:
+        """Every ``RENEW_AFTER_SECONDS``: push the place's lapse further; a place lost (it
+        lapsed while the process stalled, and others took the person's places) closes the
+        socket, as a refused handshake would."""
+        renew = sync_to_async(socket_places.renew, thread_sensitive=False)
+        while not self.gone:
+            await asyncio.sleep(socket_places.RENEW_AFTER_SECONDS)
+            if not await renew(*self._place()):
+                await self.close(code=CLOSE_TOO_MANY_SOCKETS)
+                return
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         """Run the consumer with a send that knows when the socket is gone, and leave the
@@ -404,8 +416,11 @@ class _ResyncingConsumer(AsyncJsonWebsocketConsumer):
         await _join(self, *groups)
 
     async def _leave(self) -> None:
-        if self.place_renewed_at is not None:
-            self.place_renewed_at = None
+        if self.renewing is not None:
+            renewing, self.renewing = self.renewing, None
+            renewing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewing
             await sync_to_async(socket_places.give_back, thread_sensitive=False)(*self._place())
         joined, self.joined = self.joined, ()
         for group in joined:
@@ -457,10 +472,6 @@ class _ResyncingConsumer(AsyncJsonWebsocketConsumer):
         too, so a socket whose browser never asks for a re-sync is checked all the same."""
         if self.gone:
             return False
-        placed = self.place_renewed_at
-        if placed is not None and time.monotonic() - placed >= socket_places.RENEW_AFTER_SECONDS:
-            self.place_renewed_at = time.monotonic()
-            await sync_to_async(socket_places.renew, thread_sensitive=False)(*self._place())
         if self.access_due():
             return await self.check_access()
         return True

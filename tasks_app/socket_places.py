@@ -4,9 +4,11 @@ A socket costs the server its group joins, a channel in Redis, re-syncs that rea
 database, and a frame budget of its own (``consumers.FRAME_BURST``). Bounded per socket
 only, one person (any role; a script with their session cookie) could open thousands and
 multiply all of it. So each open socket holds a *place*: a member of its person's sorted
-set in Redis, scored by when the place lapses. A socket renews its place as its browser
-re-syncs (the pages send one at least every 30 s); a web process killed with sockets open
-leaves places that lapse after ``PLACE_SECONDS`` instead of holding them for ever.
+set in Redis, scored by when the place lapses. An open socket renews its place every
+``RENEW_AFTER_SECONDS``, whatever its browser sends (an idle socket costs a channel all the
+same); a web process killed with sockets open leaves places that lapse after
+``PLACE_SECONDS`` instead of holding them for ever. A socket whose place is gone when it
+renews (it lapsed while its process stalled) is closed.
 
 Taking a place is add-then-count in one transaction (lapsed places dropped first): of
 connects released at once, never more than ``settings.BUDGET_PERSON_SOCKETS`` (40: a page
@@ -29,7 +31,7 @@ from tasks_app.runtime import shared_redis
 log = logging.getLogger(__name__)
 
 PLACE_SECONDS = 300.0
-RENEW_AFTER_SECONDS = 60.0  # a re-sync renews the place when it is older than this
+RENEW_AFTER_SECONDS = 60.0  # how often an open socket renews its place
 
 
 def _key(prefix: str, user_id: int) -> str:
@@ -65,16 +67,24 @@ def take(prefix: str, user_id: int, socket_id: str) -> bool:
         return True
 
 
-def renew(prefix: str, user_id: int, socket_id: str) -> None:
-    """Push this socket's place's lapse further (only a place it still holds)."""
+def renew(prefix: str, user_id: int, socket_id: str) -> bool:
+    """Push this socket's place's lapse further; False when it holds none any more (it
+    lapsed, and may have been taken). Redis out of reach: True (as ``take``)."""
     key = _key(prefix, user_id)
+    now = time.time()
     try:
         pipe = _client().pipeline(transaction=True)
-        pipe.zadd(key, {socket_id: time.time() + PLACE_SECONDS}, xx=True)
+        pipe.zscore(key, socket_id)
+        pipe.zadd(key, {socket_id: now + PLACE_SECONDS}, xx=True)
         pipe.expire(key, int(PLACE_SECONDS) + 60)
-        pipe.execute()
+        score = pipe.execute()[0]
     except redis.RedisError:
         log.warning("socket places: could not renew a place", exc_info=True)
+        return True
+    if score is not None and score > now:
+        return True
+    _client().zrem(key, socket_id)  # a lapsed place renewed above is not the socket's any more
+    return False
 
 
 def give_back(prefix: str, user_id: int, socket_id: str) -> None:

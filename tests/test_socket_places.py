@@ -90,20 +90,25 @@ async def test_a_place_left_by_a_killed_web_process_lapses(user):
     await comm.disconnect()
 
 
-async def test_a_socket_renews_its_place_as_its_browser_resyncs(user, monkeypatch):
-    monkeypatch.setattr(socket_places, "RENEW_AFTER_SECONDS", 0.0)
+async def test_an_open_socket_renews_its_place_and_one_that_lost_it_is_closed(user, monkeypatch):
+    """Renewed whatever the browser sends (an idle socket held its place only until it
+    lapsed, and then was not counted); a place gone when it renews closes the socket."""
+    monkeypatch.setattr(socket_places, "RENEW_AFTER_SECONDS", 0.1)
     prefix = get_channel_layer().prefix
     key = socket_places._key(prefix, user.pk)
+
+    def places() -> list[tuple[bytes, float]]:
+        return socket_places._client().zrange(key, 0, -1, withscores=True)
+
     comm = await communicator("/ws/tasks/", user)
     assert await refused_with(comm) is None
-    first = await database_sync_to_async(
-        lambda: socket_places._client().zrange(key, 0, -1, withscores=True)
-    )()
-    await asyncio.sleep(0.05)
-    await comm.send_json_to({"type": "sync"})
-    await comm.receive_json_from(timeout=5)
-    later = await database_sync_to_async(
-        lambda: socket_places._client().zrange(key, 0, -1, withscores=True)
-    )()
+    first = await database_sync_to_async(places)()
+    await asyncio.sleep(0.5)  # nothing sent by the browser
+    later = await database_sync_to_async(places)()
     assert len(first) == len(later) == 1 and later[0][1] > first[0][1]
+    # The place lapsed and went (a stalled process): the socket is closed at its renewal.
+    await database_sync_to_async(lambda: socket_places._client().delete(key))()
+    closed = await comm.receive_output(timeout=5)
+    assert closed == {"type": "websocket.close", "code": consumers.CLOSE_TOO_MANY_SOCKETS}
     await comm.disconnect()
+    assert await database_sync_to_async(places)() == []
