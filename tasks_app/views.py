@@ -626,10 +626,12 @@ def task_new(request: HttpRequest) -> HttpResponse:
             except task_services.TaskActionError as exc:
                 upload_budget.refund(request.user.id, charged)
                 message = str(exc)
-                field = "file" if refused else None
-                if "mode" in message or "stream" in message:
-                    field = "mode"
-                form.add_error(field, message)
+                if refused:
+                    form.add_error("file", message)
+                else:
+                    form.add_error(
+                        "mode" if "mode" in message or "stream" in message else None, message
+                    )
             else:
                 if data.get("kept_file"):
                     kept_uploads.drop(request.user.id)
