@@ -116,9 +116,16 @@ def markdown_budgeted(view: Callable[..., Any]) -> Callable[..., Any]:
     return budgeted
 
 
+# The project's own guides: their source is wrapped at a line length, so a line break is not
+# a break (an agent's message, above, keeps its line breaks).
+_md_document = MarkdownIt("commonmark", {"html": False, "linkify": False}).enable(
+    ["table", "strikethrough"]
+)
+
+
 def document_html(text: str) -> SafeString:
     """One of the project's own guides (trusted, long): markdown to sanitized HTML, no budget."""
-    return sanitize_html(_md.render(text))
+    return sanitize_html(_md_document.render(text))
 
 
 def markdown_html(text: str) -> SafeString:

@@ -72,3 +72,11 @@ def test_an_unknown_guide_and_a_missing_docs_folder_are_404(viewer, settings, tm
 def test_a_guide_needs_a_login():
     answer = Client().get(reverse("guide", args=["exports"]))
     assert answer.status_code == 302 and "/login" in answer["Location"]
+
+
+def test_a_guides_wrapped_lines_are_one_paragraph(viewer):
+    """The docs are wrapped at a line length: each line was a ``<br>`` (as in an agent's
+    message, where a line break is meant), so every paragraph broke mid-sentence."""
+    html = viewer.get(reverse("guide", args=["exports"])).content.decode()
+    article = html.split('id="guide-exports"', 1)[1].split("</article>", 1)[0]
+    assert "<p>" in article and "<br" not in article
