@@ -30,13 +30,17 @@ BIG = 8 * 1024 * 1024
 CALLS = 6
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[HostileServer]:
-    running = HostileServer(big_bytes=BIG).start()
+def running_server(big_bytes: int) -> Iterator[HostileServer]:
+    running = HostileServer(big_bytes=big_bytes).start()
     try:
         yield running
     finally:
         running.close()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[HostileServer]:
+    yield from running_server(BIG)
 
 
 @pytest.mark.parametrize("binding", ["JSONRPC", "HTTP+JSON"])
@@ -133,11 +137,7 @@ STREAMS = 5
 
 @pytest.fixture(scope="module")
 def stream_server() -> Iterator[HostileServer]:
-    running = HostileServer(big_bytes=STREAM_BIG).start()
-    try:
-        yield running
-    finally:
-        running.close()
+    yield from running_server(STREAM_BIG)
 
 
 def big_text(event: StreamEvent) -> str:

@@ -35,6 +35,13 @@ def budget(settings, django_user_model):
         client.delete(upload_budget._key(user_id, hour), upload_budget._key(user_id, hour - 1))
 
 
+@pytest.fixture
+def operator(people, django_user_model):  # noqa: F811
+    """The operator's logged-in client, and the person."""
+    person = django_user_model.objects.get(username=f"{Membership.Role.OPERATOR}-person")
+    return people[Membership.Role.OPERATOR], person
+
+
 def counted(person_id: int) -> int:
     from django.conf import settings
 
@@ -52,12 +59,10 @@ def answer_with_file(client, task: RemoteTask):
 
 def test_answers_past_the_persons_hourly_bytes_are_refused_next_to_the_file(
     alpha,  # noqa: F811
-    people,  # noqa: F811
+    operator,
     no_dispatch,
-    django_user_model,
 ):
-    operator = people[Membership.Role.OPERATOR]
-    person = django_user_model.objects.get(username=f"{Membership.Role.OPERATOR}-person")
+    operator, person = operator
     first, second = asking(alpha, "one", question()), asking(alpha, "two", question())
     assert answer_with_file(operator, first).status_code == 302
     assert counted(person.pk) == len(FILE)
@@ -75,12 +80,10 @@ def test_answers_past_the_persons_hourly_bytes_are_refused_next_to_the_file(
 
 def test_a_new_task_past_the_budget_is_refused_and_a_failed_start_is_refunded(
     alpha,  # noqa: F811
-    people,  # noqa: F811
+    operator,
     no_dispatch,
-    django_user_model,
 ):
-    operator = people[Membership.Role.OPERATOR]
-    person = django_user_model.objects.get(username=f"{Membership.Role.OPERATOR}-person")
+    operator, person = operator
     Agent.objects.filter(pk=alpha.pk).update(streaming=False)
 
     def start(mode: str):
