@@ -28,10 +28,11 @@ from tasks_app.runtime import shared_redis
 log = logging.getLogger(__name__)
 
 HOUR = 3600
+KEY_PREFIX = "upload-bytes:"
 
 
 def _key(person_id: int, hour: int) -> str:
-    return f"upload-bytes:{person_id}:{hour}"
+    return f"{KEY_PREFIX}{person_id}:{hour}"
 
 
 def size_of(parts: Iterable[dict]) -> int:

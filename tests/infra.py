@@ -298,29 +298,28 @@ def _claim_database(
        found nothing, took another running session's number, and emptied it at the end.)
     2. A free number is locked with SET NX and an expiry.
     3. A number whose owner was a process of this machine that died (a run killed before
-       it could release) is taken over, compare-and-set on that owner, and its database
-       emptied: what the dead session left there (channel groups, queues) is not ours.
-    4. With no number to have (every one held by a live owner, or a server with fewer
+       it could release) is taken over, compare-and-set on that owner.
+    4. The claimed database is emptied: what an earlier session left there (channel
+       groups, queues, a person's hourly counts under ids this session's people take
+       again) is not ours.
+    5. With no number to have (every one held by a live owner, or a server with fewer
        databases), the session shares ``base_url`` and says so.
     """
     client = redis.Redis.from_url(_with_db(base_url, 0), socket_timeout=2, socket_connect_timeout=2)
     for number in numbers:
         key = f"{_LOCK_PREFIX}{number}"
-        taken_over = False
         if not client.set(key, owner, nx=True, ex=_CLAIM_SECONDS):
             holder = client.get(key)
             if holder is None or not _owner_gone(holder.decode(errors="replace")):
                 continue
             if not client.eval(_TAKE_OVER, 1, key, holder, owner, _CLAIM_SECONDS):
                 continue
-            taken_over = True
         url = _with_db(base_url, number)
         if ping_error(url) is not None:  # e.g. a server configured with fewer databases
             client.delete(key)
             break
-        if taken_over:
-            with contextlib.closing(redis.Redis.from_url(url, socket_timeout=5)) as left:
-                left.flushdb()
+        with contextlib.closing(redis.Redis.from_url(url, socket_timeout=5)) as left:
+            left.flushdb()
 
         def release(key: str = key) -> None:
             with contextlib.suppress(redis.RedisError):

@@ -73,6 +73,23 @@ def test_a_claim_left_by_a_killed_session_is_taken_over_and_emptied(redis_url):
         locks.close()
 
 
+def test_a_released_number_is_emptied_for_its_next_owner(redis_url):
+    # What one session left (a person's hourly upload count, under an id the next session's
+    # people take again) must not count against the next one.
+    url, release = _claim_database(redis_url, claim_owner("test"), numbers=range(15, 0, -1))
+    number = int(url.rsplit("/", 1)[1])
+    left = redis.Redis.from_url(url)
+    try:
+        left.set("upload-bytes:3:1", "5")
+        release()
+        again, release = _claim_database(redis_url, claim_owner("test"), numbers=[number])
+        assert again == url
+        assert left.get("upload-bytes:3:1") is None
+    finally:
+        release()
+        left.close()
+
+
 def test_a_claim_held_by_a_live_session_is_never_taken(redis_url):
     session_number = int(redis_url.rsplit("/", 1)[1])
     with pytest.warns(UserWarning, match="sharing"):
