@@ -1,9 +1,9 @@
 """Every outbound request to an agent starts here.
 
 One place builds the HTTP clients and the A2A clients for stored agents, so the
-SSRF guard and limits have one home. httpx clients are costly to build (~33 ms of
-CPU for the SSL context) and bound to an event loop: the watcher loop keeps one
-for all its streams; one-off service calls build a short-lived one.
+SSRF guard and limits have one home. httpx clients are bound to an event loop: the
+watcher loop keeps a few for all its streams; one-off service calls build a
+short-lived one. Their SSL context (~30 ms of CPU to build) is one per process.
 
 The SSRF guard (``tasks_app.a2a.guard``): every client built here connects only to
 addresses the policy allows, checked at connect time for every hop - public addresses,
@@ -77,6 +77,18 @@ class _RefuseAll(http.cookiejar.DefaultCookiePolicy):
         return False
 
 
+@functools.cache
+def shared_ssl_context() -> ssl.SSLContext:
+    """The process's one SSL context (the system's certificates, loaded once).
+
+    Building one costs about 30 ms of CPU, most of it reading the certificate store; a
+    context is safe to share between threads and event loops once built, and nothing here
+    changes it after. So a one-off call (a card preview, a cancel) builds a client, not
+    a context.
+    """
+    return httpx.create_ssl_context()
+
+
 def new_http_client(ssl_context: ssl.SSLContext | None = None) -> httpx.AsyncClient:
     """An HTTP client whose every connection passes the outbound guard.
 
@@ -85,7 +97,9 @@ def new_http_client(ssl_context: ssl.SSLContext | None = None) -> httpx.AsyncCli
     the port). What an agent needs to know of us is in the credentials we send it.
     """
     return httpx.AsyncClient(
-        transport=guard.GuardedTransport(policy, limits=LIMITS, ssl_context=ssl_context),
+        transport=guard.GuardedTransport(
+            policy, limits=LIMITS, ssl_context=ssl_context or shared_ssl_context()
+        ),
         follow_redirects=False,
         timeout=30.0,
         cookies=http.cookiejar.CookieJar(policy=_RefuseAll()),
@@ -104,12 +118,11 @@ class ClientShards:
     streams of a hundred tasks ending in the same second (each closing, then its GetTask)
     kept the loop busy for most of a second, and every relay waited behind it (P1 on
     PostgreSQL, py-spy). A task keeps to its shard, so its keep-alive connection is
-    still reused; the shards share one SSL context (each costs ~30 ms of CPU to build).
+    still reused; the shards share the process's SSL context (``shared_ssl_context``).
     """
 
     def __init__(self, shards: int = SHARDS) -> None:
-        context = httpx.create_ssl_context()
-        self.clients = [new_http_client(context) for _ in range(shards)]
+        self.clients = [new_http_client() for _ in range(shards)]
 
     def for_task(self, task_pk: int) -> httpx.AsyncClient:
         return self.clients[task_pk % len(self.clients)]
