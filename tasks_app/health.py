@@ -121,17 +121,38 @@ def check_channel_layer(timeout: float) -> None:
     async_to_sync(bounded)()
 
 
+def _bound_workers(app: Any) -> int | None:
+    """How many workers' control queues the broker has bound, or None if it cannot tell.
+
+    Each worker binds one queue to the control exchange while it runs and unbinds it when it
+    stops; on Redis the bindings are a set the transport reads (``get_table``). A worker
+    that was killed leaves its binding behind, so the count can be high, never low.
+    """
+    with app.connection_for_read() as conn:
+        get_table = getattr(conn.default_channel, "get_table", None)
+        if get_table is None:  # a transport that keeps its bindings to itself
+            return None
+        return len({binding[-1] for binding in get_table(app.control.mailbox.exchange.name)})
+
+
 def check_worker(timeout: float) -> None:
     """A worker that consumes this dashboard's queue answers.
 
     Any worker on the same Redis answered a ping, a worker of another dashboard sharing it
     (``CELERY_QUEUE``) too: so the workers are asked which queues they consume. All of them
-    are waited for (one of them may be ours), so the check takes its whole timeout.
+    are waited for (one of them may be ours), but no longer than it takes the workers the
+    broker has bound to answer: with none bound nobody can, and the check fails at once;
+    when every bound worker has answered it is done (a healthy deployment's check took its
+    whole timeout, a second, before). A killed worker's leftover binding only brings back
+    the wait for the timeout.
     """
     from dashboard.celery import app
 
     queue = settings.CELERY_TASK_DEFAULT_QUEUE
-    replies = app.control.inspect(timeout=timeout).active_queues() or {}
+    bound = _bound_workers(app)
+    if bound == 0:
+        raise CheckFailed("no Celery worker answered")
+    replies = app.control.inspect(timeout=timeout, limit=bound).active_queues() or {}
     if not replies:
         raise CheckFailed("no Celery worker answered")
     if not any(

@@ -3,10 +3,14 @@ process fixtures (a real worker, a real daphne, one shared test database)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -60,6 +64,56 @@ def test_the_worker_check_counts_only_workers_of_this_dashboards_queue(
     settings.CELERY_TASK_DEFAULT_QUEUE = "another-dashboard"
     with pytest.raises(health.CheckFailed, match="consumes this dashboard's queue"):
         health.check_worker(1.0)
+
+
+@contextlib.contextmanager
+def pidbox_table() -> Iterator[tuple[Any, str]]:
+    """The broker's channel and the key of its control exchange's bindings (kombu's Redis)."""
+    from dashboard.celery import app
+
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        yield channel, channel.keyprefix_queue % app.control.mailbox.exchange.name
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_worker_check_is_done_when_every_bound_worker_has_answered(
+    celery_worker: WorkerProcess,
+) -> None:
+    """It waited its whole timeout for replies that might still come; it knows how many can."""
+    from tasks_app import health
+
+    started = time.monotonic()
+    health.check_worker(10.0)
+    assert time.monotonic() - started < 5.0  # the one worker answered; 10 s before
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_killed_workers_leftover_binding_is_waited_for_up_to_the_timeout(
+    celery_worker: WorkerProcess,
+) -> None:
+    from tasks_app import health
+
+    leftover = "killed@host.celery.pidbox"
+    with pidbox_table() as (channel, key):
+        channel.client.sadd(key, channel.sep.join(["", "", leftover]))
+        try:
+            started = time.monotonic()
+            health.check_worker(1.5)  # ours answered; the killed one might still
+            assert time.monotonic() - started >= 1.4
+        finally:
+            channel.client.srem(key, channel.sep.join(["", "", leftover]))
+
+
+def test_the_worker_check_fails_at_once_when_no_worker_is_bound() -> None:
+    from tasks_app import health
+
+    with pidbox_table() as (channel, key):
+        channel.client.delete(key)  # no worker of this session runs: a killed one's leftovers
+    started = time.monotonic()
+    with pytest.raises(health.CheckFailed, match="no Celery worker answered"):
+        health.check_worker(10.0)
+    assert time.monotonic() - started < 5.0
 
 
 def staff_client(base_url: str) -> httpx.Client:
