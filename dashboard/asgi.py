@@ -15,8 +15,10 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
 django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter  # noqa: E402
+from django.conf import settings  # noqa: E402
 
 from tasks_app.routing import websocket_application  # noqa: E402
+from tasks_app.runtime import request_bodies  # noqa: E402
 from tasks_app.webhooks import PushRoute  # noqa: E402
 
 
@@ -35,6 +37,7 @@ def _remember_content_types() -> None:
 
 
 _remember_content_types()
+request_bodies.install(settings.REQUEST_MAX_BODY_BYTES)
 
 application = ProtocolTypeRouter(
     {

@@ -414,6 +414,14 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = 5 * 1024 * 1024
 # Django's own: a schema answer form has at most 50 fields and 500 options; an A2UI surface
 # at most a2ui_render.MAX_NODES (1,500) components.
 DATA_UPLOAD_MAX_NUMBER_FIELDS = 1000
+# What daphne takes in of one request body before anything else sees it (Twisted spools the
+# whole body to disk first; tasks_app/runtime/request_bodies.py): the largest form (5 MB of
+# fields and two 10 MB files) with room for the multipart framing. Over it: 413, nothing kept.
+REQUEST_MAX_BODY_BYTES = env_int(
+    "REQUEST_MAX_BODY_BYTES",
+    DATA_UPLOAD_MAX_MEMORY_SIZE + DATA_UPLOAD_MAX_NUMBER_FILES * 10 * 1024 * 1024 + 1024 * 1024,
+    minimum=64 * 1024,
+)
 # Under ASGI, Django keeps a request body up to this in memory and spools the rest to a
 # temporary file before parsing (uploads themselves no longer use it: see above).
 FILE_UPLOAD_MAX_MEMORY_SIZE = 2621440
