@@ -121,18 +121,17 @@ def check_channel_layer(timeout: float) -> None:
     async_to_sync(bounded)()
 
 
-def _bound_workers(app: Any) -> int | None:
+def _bound_workers(app: Any, conn: Any) -> int | None:
     """How many workers' control queues the broker has bound, or None if it cannot tell.
 
     Each worker binds one queue to the control exchange while it runs and unbinds it when it
     stops; on Redis the bindings are a set the transport reads (``get_table``). A worker
     that was killed leaves its binding behind, so the count can be high, never low.
     """
-    with app.connection_for_read() as conn:
-        get_table = getattr(conn.default_channel, "get_table", None)
-        if get_table is None:  # a transport that keeps its bindings to itself
-            return None
-        return len({binding[-1] for binding in get_table(app.control.mailbox.exchange.name)})
+    get_table = getattr(conn.default_channel, "get_table", None)
+    if get_table is None:  # a transport that keeps its bindings to itself
+        return None
+    return len({binding[-1] for binding in get_table(app.control.mailbox.exchange.name)})
 
 
 def check_worker(timeout: float) -> None:
@@ -144,15 +143,17 @@ def check_worker(timeout: float) -> None:
     broker has bound to answer: with none bound nobody can, and the check fails at once;
     when every bound worker has answered it is done (a healthy deployment's check took its
     whole timeout, a second, before). A killed worker's leftover binding only brings back
-    the wait for the timeout.
+    the wait for the timeout. One broker connection serves both questions.
     """
     from dashboard.celery import app
 
     queue = settings.CELERY_TASK_DEFAULT_QUEUE
-    bound = _bound_workers(app)
-    if bound == 0:
-        raise CheckFailed("no Celery worker answered")
-    replies = app.control.inspect(timeout=timeout, limit=bound).active_queues() or {}
+    with app.connection_for_write() as conn:  # the one a broadcast publishes on
+        bound = _bound_workers(app, conn)
+        if bound == 0:
+            raise CheckFailed("no Celery worker answered")
+        inspect = app.control.inspect(timeout=timeout, limit=bound, connection=conn)
+        replies = inspect.active_queues() or {}
     if not replies:
         raise CheckFailed("no Celery worker answered")
     if not any(
