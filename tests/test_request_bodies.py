@@ -53,6 +53,20 @@ def read_answer(sock: socket.socket) -> bytes:
     return received
 
 
+def test_the_default_bound_admits_the_largest_form() -> None:
+    """Its default is written out in the settings (they cannot import the forms): the
+    largest form, every field and every file at its own limit, must still fit."""
+    from django.conf import settings
+
+    from tasks_app.forms import MAX_UPLOAD_BYTES
+
+    largest = (
+        settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        + settings.DATA_UPLOAD_MAX_NUMBER_FILES * MAX_UPLOAD_BYTES
+    )
+    assert largest < settings.REQUEST_MAX_BODY_BYTES <= largest + 2 * 1024 * 1024
+
+
 def test_a_declared_length_over_the_bound_is_413_before_any_of_it_is_read(server) -> None:
     sock = connect(server.url)
     with sock:
