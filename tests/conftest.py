@@ -12,9 +12,10 @@ import importlib.util
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from django.conf import settings
 
@@ -213,6 +214,15 @@ def no_dispatch(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     monkeypatch.setattr(task_services, "dispatch", lambda pk: calls.append(pk))
     return calls
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    """A plain client for a test's peers on loopback (``serving.loopback_client``)."""
+    from tests.serving import loopback_client
+
+    async with loopback_client() as client:
+        yield client
 
 
 @pytest.fixture

@@ -44,11 +44,27 @@ import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 TASK_ID = "hostile-task-1"
 DEEP_DEPTH = 10_000
 NEWIDS_WHOLE = 3_000
+
+
+@cache
+def _gzipped_filler(filler: bytes) -> tuple[bytes, Any]:
+    """64 MB of ``filler`` gzipped (64 KB), and the compressor's state after it: made once a
+    process, since the compression alone took about a second of CPU in each test."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, 31)
+    return packer.compress(filler * (64 * 1024 * 1024)), packer
+
+
+def gzip_bomb(filler: bytes, tail: bytes) -> bytes:
+    """64 MB of ``filler``, then ``tail``, as one gzip member."""
+    head, packer = _gzipped_filler(filler)
+    packer = packer.copy()  # the cached state stays where the filler ended
+    return head + packer.compress(tail) + packer.flush()
 
 
 def task_json(task_id: str = TASK_ID, state: str = "TASK_STATE_WORKING") -> dict[str, Any]:
@@ -251,9 +267,7 @@ class HostileServer:
             # Compressed whatever was asked: 64 KB of gzip that would decode to 64 MB of line
             # breaks (a stream of empty events) or of spaces before a JSON reply.
             filler = b"\n" if mode == "gzipsse" else b" "
-            packer = zlib.compressobj(9, zlib.DEFLATED, 31)
-            payload = packer.compress(filler * (64 * 1024 * 1024))
-            payload += packer.compress(reply_text(json.dumps(task_json()))) + packer.flush()
+            payload = gzip_bomb(filler, reply_text(json.dumps(task_json())))
             content_type = "text/event-stream" if mode == "gzipsse" else "application/json"
             head = self._head("200 OK", content_type, len(payload))
             writer.write(head.replace(b"\r\n\r\n", b"\r\nContent-Encoding: gzip\r\n\r\n", 1))

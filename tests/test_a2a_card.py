@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -66,12 +65,6 @@ GOOD = {
         }
     ],
 }
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient() as client:
-        yield client
 
 
 async def test_fetch_from_base_url_with_etag_revalidation(

@@ -38,12 +38,6 @@ pytestmark = pytest.mark.timeout(60)
 BINDINGS = ["jsonrpc", "rest"]
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient() as client:
-        yield client
-
-
 @pytest.fixture(params=BINDINGS)
 def binding(request: pytest.FixtureRequest) -> str:
     return str(request.param)

@@ -38,12 +38,6 @@ pytestmark = pytest.mark.timeout(30)
 BINDINGS = ["jsonrpc", "rest"]
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient() as client:
-        yield client
-
-
 def bad_client(
     server: BadServer, mode: str, binding: str, http: httpx.AsyncClient, **kw: object
 ) -> A2AClient:

@@ -273,12 +273,6 @@ def hostile() -> Iterator[HostileServer]:
         server.close()
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient() as client:
-        yield client
-
-
 BINDINGS = ["JSONRPC", "HTTP+JSON"]
 
 

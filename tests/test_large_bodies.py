@@ -24,7 +24,7 @@ import pytest
 from tasks_app.a2a import StreamEvent, large_body_scope
 from tasks_app.a2a import _http as http_layer
 from tests.hostile_servers import TASK_ID, HostileServer
-from tests.test_hostile_protocol import hostile_client, http  # noqa: F401 (a fixture)
+from tests.test_hostile_protocol import hostile_client
 
 BIG = 8 * 1024 * 1024
 CALLS = 6
@@ -46,7 +46,7 @@ def server() -> Iterator[HostileServer]:
 @pytest.mark.parametrize("binding", ["JSONRPC", "HTTP+JSON"])
 async def test_large_replies_read_at_once_hold_at_most_the_loops_slots(
     server,
-    http,  # noqa: F811 (the fixture)
+    http,
     binding,
 ):
     client = hostile_client(server, "big", binding, http)
@@ -80,7 +80,7 @@ async def test_large_replies_read_at_once_hold_at_most_the_loops_slots(
 
 async def test_a_small_reply_and_another_agents_large_one_are_not_held_behind_them(
     server,
-    http,  # noqa: F811 (the fixture)
+    http,
 ):
     """The slots are per origin: an agent that trickles its large replies (or whose tasks'
     recording waits) holds its own slots, never another agent's."""
@@ -150,7 +150,7 @@ def big_text(event: StreamEvent) -> str:
 @pytest.mark.parametrize("scoped", [True, False], ids=["in-a-scope", "plain-consumer"])
 async def test_large_stream_events_of_one_agent_are_held_a_slots_worth_at_a_time(
     stream_server,
-    http,  # noqa: F811 (the fixture)
+    http,
     scoped,
 ):
     """Five streams at once, three 1.5 MiB events each: at most the origin's slots' worth of
@@ -189,7 +189,7 @@ async def test_large_stream_events_of_one_agent_are_held_a_slots_worth_at_a_time
 
 async def test_a_stream_waiting_for_a_slot_is_not_cut_by_its_event_deadline(
     stream_server,
-    http,  # noqa: F811 (the fixture)
+    http,
 ):
     """Waiting for a slot is the worker's time, not the agent's: a stream whose large event
     waits longer than its event deadline still reads it (the deadline would cut it off if
@@ -235,12 +235,11 @@ def test_a_watchers_stream_keeps_a_large_events_slot_until_it_is_recorded(
     event while the last one waited in the queue for the recorder.)"""
     import threading
 
-    import httpx
-
     from tasks_app import eventloop, watchers
     from tasks_app.a2a import A2AClient, Interface
     from tasks_app.models import Agent, RemoteTask
     from tasks_app.services import tasks as task_services
+    from tests.serving import loopback_client
 
     lock = threading.Lock()
     in_hand = 0
@@ -272,7 +271,7 @@ def test_a_watchers_stream_keeps_a_large_events_slot_until_it_is_recorded(
         holder._take(await eventloop.db(RemoteTask.objects.get, pk=pk))  # as _hold does
         holder.streaming, holder.remote_id, holder.state = True, TASK_ID, "TASK_STATE_WORKING"
         await holder._go(watchers.Event.FOLLOW)
-        async with httpx.AsyncClient() as http_client:
+        async with loopback_client() as http_client:
             client = A2AClient(
                 Interface(url=stream_server.url_for("bigsse"), binding="JSONRPC"), http=http_client
             )

@@ -22,6 +22,7 @@ from tasks_app.services import polls
 from tasks_app.services import tasks as task_services
 from tasks_app.services.agents import add_agent
 from tests.hostile_servers import NEWIDS_WHOLE, TASK_ID, HostileServer
+from tests.serving import loopback_client
 from tests.test_mirror import assert_converged, settled, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -118,7 +119,6 @@ def test_an_agent_whose_window_never_reaches_back_costs_at_most_four_calls_a_pol
     many as asked, is asked three windows and then the whole history, once; the holder's
     next poll starts at the widest window (two calls, as when the window went straight to
     the whole history)."""
-    import httpx
 
     server = HostileServer().start()
     try:
@@ -126,7 +126,7 @@ def test_an_agent_whose_window_never_reaches_back_costs_at_most_four_calls_a_pol
         task = RemoteTask.objects.create(agent=agent, remote_id=TASK_ID, phase="task")
 
         async def poll(length: int) -> polls.Polled:
-            async with httpx.AsyncClient() as http:
+            async with loopback_client() as http:
                 interface = Interface(url=server.url_for("newids"), binding="JSONRPC")  # type: ignore[arg-type]
                 client = A2AClient(interface, http=http)
                 return await polls.poll_task(client, TASK_ID, task.pk, length)
@@ -146,7 +146,6 @@ def test_an_agent_saying_the_same_amount_between_polls_costs_one_call_a_poll(sha
     """The window follows what the agent said since the last poll: an agent saying 45
     messages between polls (more than the first window) costs a widened first poll, then
     one GetTask a poll, each window reaching back to a mirrored message."""
-    import httpx
 
     from tasks_app.services.record import record
 
@@ -156,7 +155,7 @@ def test_an_agent_saying_the_same_amount_between_polls_costs_one_call_a_poll(sha
         task = RemoteTask.objects.create(agent=agent, remote_id=TASK_ID, phase="task")
 
         async def poll(length: int) -> polls.Polled:
-            async with httpx.AsyncClient() as http:
+            async with loopback_client() as http:
                 interface = Interface(url=server.url_for("steady"), binding="JSONRPC")  # type: ignore[arg-type]
                 return await polls.poll_task(
                     A2AClient(interface, http=http), TASK_ID, task.pk, length
@@ -186,7 +185,6 @@ def test_the_push_drain_keeps_each_tasks_window_between_notifications(shared_loo
     """The push drain's GetTask follows the agent as a watcher's poll does: an agent saying
     45 messages between notifications costs a widened first GetTask, then one a
     notification (it began at the first window each time: two)."""
-    import httpx
 
     from tasks_app.services import push
 
@@ -202,7 +200,7 @@ def test_the_push_drain_keeps_each_tasks_window_between_notifications(shared_loo
         )  # fmt: skip
 
         async def drain() -> None:
-            async with httpx.AsyncClient() as http:
+            async with loopback_client() as http:
                 await push.refresh_after_push(http, task.pk)
 
         calls = []
