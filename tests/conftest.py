@@ -19,7 +19,7 @@ import httpx
 import pytest
 from django.conf import settings
 
-from tests import examples, static_scan
+from tests import examples, flush_rows, static_scan
 
 HOOK_DIR = Path(__file__).resolve().parent / "loopback_only"
 LOOPBACK_ALLOW = "127.0.0.0/8,::1/128"
@@ -41,6 +41,7 @@ import loopback_hook  # noqa: E402 - needs the folder on sys.path; the same modu
 loopback_hook.install()
 settings.OUTBOUND_ALLOW = LOOPBACK_ALLOW.split(",")  # in case the settings were read already
 static_scan.install()  # WhiteNoise lists the static files once per process, not per client
+flush_rows.install()  # a flush puts back post_migrate's rows, not sends the signal again
 # Users made here hash their password with 1,000 PBKDF2 iterations, not a million (tests/people.py).
 settings.PASSWORD_HASHERS = ["tests.people.QuickPBKDF2PasswordHasher", *settings.PASSWORD_HASHERS]
 
