@@ -11,6 +11,10 @@ Scripts (the first word of the message that starts the task):
   the action completes the task, echoing the action's context.
 * ``xss``: INPUT_REQUIRED with a v0.9.1 surface carrying ``PAYLOAD`` in every string field
   (v0.9.1 agents only).
+
+The negotiation tests' agents (``negotiating_agent``) ask once, with one surface or none, and
+complete on the answer. Test modules import this one inside their tests: the SDKs it loads
+cost each process about half a second, and every run collects every module.
 """
 
 from __future__ import annotations
@@ -253,3 +257,105 @@ def served(card: pb.AgentCard, executor: AgentExecutor, port: int) -> Iterator[N
     finally:
         server.should_exit = True
         thread.join(timeout=15)
+
+
+# The negotiation tests' agents (tests/test_a2ui_negotiation.py) ----------------------------
+# One surface each, asked once; the executor keeps the extensions and the message of each call.
+
+
+def question_091() -> tuple[list[dict], str]:
+    comps = [
+        {"id": "root", "component": "Column", "children": ["q", "name", "ok"]},
+        {"id": "q", "component": "Text", "text": {"path": "/question"}},
+        {"id": "name", "component": "TextField", "label": "Name", "value": {"path": "/name"}},
+        {"id": "ok", "component": "Button", "child": "ok-label",
+         "action": {"event": {"name": "submit", "context": {"name": {"path": "/name"}}}}},
+        {"id": "ok-label", "component": "Text", "text": "Send"},
+    ]  # fmt: skip
+    messages = [
+        _dump(s09.CreateSurfaceMessage(createSurface=s09.CreateSurface(surfaceId="form", catalogId=a2ui.V091_CATALOG))),
+        _dump(s09.UpdateComponentsMessage(updateComponents=s09.UpdateComponents(surfaceId="form", components=comps))),
+        _dump(s09.UpdateDataModelMessage(updateDataModel=s09.UpdateDataModel(surfaceId="form", value={"question": "Who?"}))),
+    ]  # fmt: skip
+    return messages, "application/a2ui+json"
+
+
+def question_08() -> tuple[list[dict], str]:
+    comps = [
+        {"id": "root", "component": {"Column": {"children": {"explicitList": ["q", "ok"]}}}},
+        {"id": "q", "component": {"Text": {"text": {"literalString": "Who?"}}}},
+        {"id": "ok", "component": {"Button": {"child": "q", "action": {"name": "submit"}}}},
+    ]
+    messages = [
+        _dump(s08.SurfaceUpdateMessage(surfaceUpdate=s08.SurfaceUpdate(surfaceId="form", components=comps))),
+        _dump(s08.BeginRenderingMessage(beginRendering=s08.BeginRendering(surfaceId="form", root="root"))),
+    ]  # fmt: skip
+    return messages, "application/json+a2ui"
+
+
+class RecordingExecutor(AgentExecutor):
+    """Asks once (with an A2UI surface when it has one), completes on the answer; keeps what arrived."""
+
+    def __init__(self, surface: tuple[list[dict], str] | None) -> None:
+        self.surface = surface
+        self.seen: list[dict[str, Any]] = []
+
+    async def execute(self, context: RequestContext, event_queue: EventQueue) -> None:
+        assert context.message is not None
+        self.seen.append(
+            {
+                "extensions": set(context.requested_extensions),
+                "message": MessageToDict(context.message),
+            }
+        )
+        task = context.current_task
+        if task is None:
+            task = new_task_from_user_message(context.message)
+            await event_queue.enqueue_event(task)
+        up = TaskUpdater(event_queue, task.id, task.context_id)
+        if context.current_task is not None:
+            await up.complete(up.new_agent_message([new_text_part("Thanks.")]))
+            return
+        parts = [new_text_part("Who are you?")]
+        if self.surface is not None:
+            messages, media = self.surface
+            part = new_data_part(messages, media)
+            if media == "application/json+a2ui":  # as the A2UI Python SDK marks v0.8/v0.9 parts
+                part.metadata.update({"mimeType": media})
+                part.media_type = ""
+            parts.append(part)
+        await up.requires_input(up.new_agent_message(parts))
+
+    async def cancel(self, context: RequestContext, event_queue: EventQueue) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def negotiating_agent(
+    version: str | None, surface: tuple[list[dict], str] | None
+) -> Iterator[tuple[str, RecordingExecutor]]:
+    """An a2a-sdk agent on 127.0.0.1 whose card declares A2UI ``version`` (or nothing)."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    extensions = []
+    if version is not None:
+        ext = pb.AgentExtension(uri=a2ui.EXTENSION_URIS[version], description="A2UI")
+        ext.params.update({"supportedCatalogIds": list(a2ui.BASIC_CATALOG_IDS[version])})
+        extensions.append(ext)
+    card = pb.AgentCard(
+        name=f"a2ui-{version or 'none'}",
+        description="A2UI negotiation test agent",
+        version="1.0.0",
+        supported_interfaces=[
+            pb.AgentInterface(
+                url=f"{base}/jsonrpc", protocol_binding="JSONRPC", protocol_version="1.0"
+            )
+        ],
+        capabilities=pb.AgentCapabilities(streaming=True, extensions=extensions),
+        default_input_modes=["text/plain", "application/json"],
+        default_output_modes=["text/plain", "application/json"],
+        skills=[pb.AgentSkill(id="ask", name="ask", description="asks", tags=["test"])],
+    )
+    executor = RecordingExecutor(surface)
+    with served(card, executor, port):
+        yield base, executor

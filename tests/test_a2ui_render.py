@@ -23,7 +23,6 @@ from tasks_app.models import Agent, Membership, OperatorAction, Project, RemoteT
 from tasks_app.redaction import HIDDEN
 from tasks_app.services import a2ui_actions
 from tasks_app.services.record import record
-from tests.a2ui_agents import form_08, form_091
 from tests.people import member
 
 pytestmark = pytest.mark.django_db
@@ -494,6 +493,8 @@ def test_a_folded_surface_of_each_version_is_drawn_and_acted_on(
     agent, people, no_dispatch, version
 ) -> None:
     """Surfaces built by the A2UI SDK models (tests/a2ui_agents.py), folded by record()."""
+    from tests.a2ui_agents import form_08, form_091  # the SDKs: when the test runs
+
     task = waiting(agent)
     media = a2ui.MEDIA_TYPE_OF[version]
     messages = form_08() if version == "0.8" else form_091()
