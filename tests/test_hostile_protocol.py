@@ -582,8 +582,12 @@ async def test_comment_lines_alone_end_at_the_gap() -> None:
 @pytest.fixture
 async def guarded() -> AsyncIterator[httpx.AsyncClient]:
     """A client on the outbound guard's transport (loopback allowed), as the dashboard's are."""
+    from tasks_app.outbound import shared_ssl_context
+
     transport = GuardedTransport(
-        lambda: Policy.from_entries(["127.0.0.0/8"]), limits=httpx.Limits()
+        lambda: Policy.from_entries(["127.0.0.0/8"]),
+        limits=httpx.Limits(),
+        ssl_context=shared_ssl_context(),  # as the dashboard's: one a process
     )
     async with httpx.AsyncClient(transport=transport) as client:
         yield client
