@@ -209,30 +209,43 @@ class FormExecutor(AgentExecutor):
 @contextlib.contextmanager
 def a2ui_agent(version: str) -> Iterator[tuple[str, FormExecutor]]:
     """An a2a-sdk agent on 127.0.0.1 declaring A2UI ``version``; yields (base URL, executor)."""
+    executor = FormExecutor(version)
+    extension = pb.AgentExtension(uri=a2ui.EXTENSION_URIS[version], description="A2UI")
+    skill = pb.AgentSkill(id="form", name="form", description="asks with a form", tags=["test"])
+    with on_loopback(
+        f"A2UI {version} agent", "Asks with A2UI forms", [extension], skill, executor
+    ) as base:
+        yield base, executor
+
+
+@contextlib.contextmanager
+def on_loopback(
+    name: str,
+    description: str,
+    extensions: list[pb.AgentExtension],
+    skill: pb.AgentSkill,
+    executor: AgentExecutor,
+) -> Iterator[str]:
+    """Serve ``executor`` on a free port of 127.0.0.1 behind a card (streaming, JSON-RPC at
+    /jsonrpc, ``extensions`` declared); yields the base URL."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     card = pb.AgentCard(
-        name=f"A2UI {version} agent",
-        description="Asks with A2UI forms",
+        name=name,
+        description=description,
         version="1.0.0",
         supported_interfaces=[
             pb.AgentInterface(
                 url=f"{base}/jsonrpc", protocol_binding="JSONRPC", protocol_version="1.0"
             )
         ],
-        capabilities=pb.AgentCapabilities(
-            streaming=True,
-            extensions=[pb.AgentExtension(uri=a2ui.EXTENSION_URIS[version], description="A2UI")],
-        ),
+        capabilities=pb.AgentCapabilities(streaming=True, extensions=extensions),
         default_input_modes=["text/plain", "application/json"],
         default_output_modes=["text/plain", "application/json"],
-        skills=[
-            pb.AgentSkill(id="form", name="form", description="asks with a form", tags=["test"])
-        ],
+        skills=[skill],
     )
-    executor = FormExecutor(version)
     with served(card, executor, port):
-        yield base, executor
+        yield base
 
 
 @contextlib.contextmanager
@@ -335,27 +348,13 @@ def negotiating_agent(
     version: str | None, surface: tuple[list[dict], str] | None
 ) -> Iterator[tuple[str, RecordingExecutor]]:
     """An a2a-sdk agent on 127.0.0.1 whose card declares A2UI ``version`` (or nothing)."""
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
     extensions = []
     if version is not None:
         ext = pb.AgentExtension(uri=a2ui.EXTENSION_URIS[version], description="A2UI")
         ext.params.update({"supportedCatalogIds": list(a2ui.BASIC_CATALOG_IDS[version])})
         extensions.append(ext)
-    card = pb.AgentCard(
-        name=f"a2ui-{version or 'none'}",
-        description="A2UI negotiation test agent",
-        version="1.0.0",
-        supported_interfaces=[
-            pb.AgentInterface(
-                url=f"{base}/jsonrpc", protocol_binding="JSONRPC", protocol_version="1.0"
-            )
-        ],
-        capabilities=pb.AgentCapabilities(streaming=True, extensions=extensions),
-        default_input_modes=["text/plain", "application/json"],
-        default_output_modes=["text/plain", "application/json"],
-        skills=[pb.AgentSkill(id="ask", name="ask", description="asks", tags=["test"])],
-    )
     executor = RecordingExecutor(surface)
-    with served(card, executor, port):
+    skill = pb.AgentSkill(id="ask", name="ask", description="asks", tags=["test"])
+    name = f"a2ui-{version or 'none'}"
+    with on_loopback(name, "A2UI negotiation test agent", extensions, skill, executor) as base:
         yield base, executor
