@@ -604,8 +604,8 @@ BUDGET_PERSON_UPLOAD_BYTES_PER_HOUR = env_int(
 BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE = env_int(
     "BUDGET_AGENT_PROTOCOL_ERRORS_PER_MINUTE", 20, minimum=0
 )
-# A part's content larger than this is stored once (in the part row); the log row keeps a
-# reference (its digest and size) instead of a second copy.
+# A part's content larger than this is stored once (in the part row, or a message's in its
+# conversation row); the log row keeps a reference (its digest and size) instead of a second copy.
 INLINE_CONTENT_BYTES = env_int("INLINE_CONTENT_BYTES", 64 * 1024, minimum=0)
 
 # Retention (tasks_app/retention.py, manage.py prune): settled tasks older than this many

@@ -1,10 +1,11 @@
-"""A file sent with a task's first message is stored once in the log and once in the
-conversation, not a third time in the task's request once the agent has it.
+"""A file sent with a task's first message is stored once, in the conversation: not again in
+the operator's log entry (a reference) nor in the task's request once the agent has it.
 
 The request is kept to send the same message again while the agent is known not to have
 it; after that only its ids are read. A 10 MB file was kept whole in it for as long as the
-task was, beside the operator's log entry and the conversation message. A real demo agent,
-a real worker.
+task was, beside the operator's log entry and the conversation message (and whole in the
+log entry too, until the log kept references to what the conversation holds:
+tests/test_message_contents.py). A real demo agent, a real worker.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 from tasks_app.models import ConversationMessage, RemoteTask, TaskEvent
 from tasks_app.services import tasks as task_services
 from tasks_app.services.agents import add_agent
-from tasks_app.services.record import STORED
+from tasks_app.services.record import STORED, stored_contents, with_content
 from tests.test_mirror import settled, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -52,11 +53,14 @@ def test_the_request_keeps_a_reference_once_the_agent_has_the_message(
     assert part[STORED] == {"field": "raw", "sha256": digest, "chars": len(CONTENT)}
     assert request["message"]["messageId"] == message_id  # the ids are what is read
     assert len(json.dumps(request)) < 2_000
-    # The content is still where the log and the conversation keep it.
+    # The content is where the conversation keeps it; the operator's log entry refers to it.
     kept = ConversationMessage.objects.get(task=task, message_id=message_id).message
     assert CONTENT in json.dumps(kept)
     first = TaskEvent.objects.filter(task=task, kind="operator").order_by("seq").first()
-    assert CONTENT in json.dumps(first.raw)
+    assert CONTENT not in json.dumps(first.raw)
+    assert first.raw["operator"]["message"]["parts"][1][STORED] == part[STORED]
+    restored = with_content(first.raw, stored_contents(task.pk))
+    assert restored["operator"]["message"]["parts"][1]["raw"] == CONTENT
 
 
 def test_a_request_that_may_be_sent_again_keeps_its_contents(db):

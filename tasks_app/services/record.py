@@ -474,9 +474,12 @@ def by_reference(raw: Any) -> tuple[Any, int]:
     return raw, 0
 
 
-def parts_by_reference(value: Any) -> tuple[Any, int]:
+def parts_by_reference(value: Any, kept: Collection[str] | None = None) -> tuple[Any, int]:
     """An artifact (or a message: anything with ``parts``) with each big part content replaced
-    by a reference (see :func:`by_reference`), and how many characters moved."""
+    by a reference (see :func:`by_reference`), and how many characters moved.
+
+    ``kept``: only contents whose sha256 is in it move (those another row is known to hold).
+    """
     if not isinstance(value, dict) or not isinstance(value.get("parts"), list):
         return value, 0
     limit = settings.INLINE_CONTENT_BYTES
@@ -486,11 +489,81 @@ def parts_by_reference(value: Any) -> tuple[Any, int]:
             for name in ("text", "raw"):
                 content = part.get(name)
                 if isinstance(content, str) and len(content) > limit:
-                    reference = {"field": name, "sha256": _sha256(content), "chars": len(content)}
+                    digest = _sha256(content)
+                    if kept is not None and digest not in kept:
+                        continue
+                    reference = {"field": name, "sha256": digest, "chars": len(content)}
                     part = {**{k: v for k, v in part.items() if k != name}, STORED: reference}
                     moved += len(content)
         parts.append(part)
     return ({**value, "parts": parts}, moved) if moved else (value, 0)
+
+
+def messages_by_reference(raw: Any, kept: Collection[str]) -> tuple[Any, int]:
+    """``raw`` with the big part contents of the messages it carries replaced by references,
+    where ``kept`` (sha256s) says the conversation holds that very content; and how many
+    characters moved.
+
+    A message with an id is stored as a conversation row when it is first seen, whole: a
+    file an operator attached, or one an agent sent in a status message, was kept there
+    and a second time in the log row. The row that stores the message now keeps the
+    reference (``kept`` is what its own conversation rows hold, see :func:`big_contents`),
+    and ``with_content`` puts the content back from the conversation.
+    """
+    return _map_messages(raw, lambda message: parts_by_reference(message, kept))
+
+
+def big_contents(messages: Sequence[Any], limit: int) -> set[str]:
+    """The sha256 of each part content over ``limit`` characters in ``messages``."""
+    found: set[str] = set()
+    for message in messages:
+        parts = message.get("parts") if isinstance(message, dict) else None
+        for part in parts if isinstance(parts, list) else ():
+            for name in ("text", "raw"):
+                content = part.get(name) if isinstance(part, dict) else None
+                if isinstance(content, str) and len(content) > limit:
+                    found.add(_sha256(content))
+    return found
+
+
+def _map_messages(raw: Any, change: Callable[[Any], tuple[Any, int]]) -> tuple[Any, int]:
+    """``raw`` with ``change`` applied to each message it carries (where ``_messages_in``
+    finds them: a message entry, an operator's message, a status message, a snapshot's
+    history), copied where a message changed (shared values are never changed in place),
+    and the sum of what ``change`` counted."""
+    if not isinstance(raw, dict):
+        return raw, 0
+    for kind in ("message", "operator"):
+        body = raw.get(kind)
+        if not isinstance(body, dict):
+            continue
+        if kind == "message":
+            message, moved = change(body)
+            return ({**raw, kind: message}, moved) if moved else (raw, 0)
+        if isinstance(body.get("message"), dict):
+            message, moved = change(body["message"])
+            return ({**raw, kind: {**body, "message": message}}, moved) if moved else (raw, 0)
+        return raw, 0
+    for kind in ("statusUpdate", "task"):
+        body = raw.get(kind)
+        if not isinstance(body, dict):
+            continue
+        changed, total = body, 0
+        status = body.get("status")
+        if isinstance(status, dict) and isinstance(status.get("message"), dict):
+            message, moved = change(status["message"])
+            if moved:
+                changed, total = {**changed, "status": {**status, "message": message}}, moved
+        if kind == "task" and isinstance(body.get("history"), list):
+            history, moved_in_history = [], 0
+            for item in body["history"]:
+                item, moved = change(item) if isinstance(item, dict) else (item, 0)
+                history.append(item)
+                moved_in_history += moved
+            if moved_in_history:
+                changed, total = {**changed, "history": history}, total + moved_in_history
+        return ({**raw, kind: changed}, total) if total else (raw, 0)
+    return raw, 0
 
 
 def _sha256(text: str) -> str:
@@ -498,20 +571,26 @@ def _sha256(text: str) -> str:
 
 
 def with_content(raw: Any, contents: dict[str, str]) -> Any:
-    """The reverse of :func:`by_reference`, from ``{sha256: content}``; unknown ones stay references."""
+    """The reverse of :func:`by_reference` and :func:`messages_by_reference`, from
+    ``{sha256: content}``; unknown ones stay references."""
 
-    def restore(artifact: Any) -> Any:
-        if not isinstance(artifact, dict) or not isinstance(artifact.get("parts"), list):
-            return artifact
-        parts = []
-        for part in artifact["parts"]:
+    def restored(value: Any) -> tuple[Any, int]:
+        if not isinstance(value, dict) or not isinstance(value.get("parts"), list):
+            return value, 0
+        parts, count = [], 0
+        for part in value["parts"]:
             reference = part.get(STORED) if isinstance(part, dict) else None
             if isinstance(reference, dict) and reference.get("sha256") in contents:
                 part = {k: v for k, v in part.items() if k != STORED}
                 part[reference["field"]] = contents[reference["sha256"]]
+                count += 1
             parts.append(part)
-        return {**artifact, "parts": parts}
+        return ({**value, "parts": parts}, count) if count else (value, 0)
 
+    def restore(artifact: Any) -> Any:
+        return restored(artifact)[0]
+
+    raw, _ = _map_messages(raw, restored)
     if isinstance(raw, dict) and isinstance(raw.get("artifactUpdate"), dict):
         update = raw["artifactUpdate"]
         return {**raw, "artifactUpdate": {**update, "artifact": restore(update.get("artifact"))}}
@@ -529,7 +608,7 @@ def with_content(raw: Any, contents: dict[str, str]) -> Any:
 
 def stored_contents(task_pk: int) -> dict[str, str]:
     """``{sha256: content}`` of the task's big part contents (what references point to),
-    in its part rows and kept from replaced ones."""
+    in its part rows and conversation rows, and kept from replaced ones."""
     limit = settings.INLINE_CONTENT_BYTES
     found: dict[str, str] = {}
     for part in (
@@ -542,6 +621,20 @@ def stored_contents(task_pk: int) -> dict[str, str]:
                 value = part.get(name)
                 if isinstance(value, str) and len(value) > limit:
                     found[_sha256(value)] = value
+    # Messages' contents, which the conversation keeps (see messages_by_reference).
+    messages = (
+        ConversationMessage.objects.filter(task_id=task_pk)
+        .annotate(size=Length(Cast("message", models.TextField())))
+        .filter(size__gt=limit)  # its JSON text is at least as long as any content in it
+        .values_list("message", flat=True)
+    )
+    for message in messages.iterator():
+        parts = message.get("parts") if isinstance(message, dict) else None
+        for part in parts if isinstance(parts, list) else ():
+            for name in ("text", "raw"):
+                value = part.get(name) if isinstance(part, dict) else None
+                if isinstance(value, str) and len(value) > limit:
+                    found.setdefault(_sha256(value), value)
     # Contents whose part rows an artifact's replacement deleted (see _Fold._keep_replaced).
     replaced = ReplacedContent.objects.filter(task_id=task_pk).values_list("sha256", "content")
     for digest, content in replaced.iterator():
@@ -1273,17 +1366,22 @@ class _Fold:
             if row.entry.note and row.entry.note != note:
                 note = f"{note}; {row.entry.note}" if note else row.entry.note
             raw, raw_digest = row.entry.raw, row.entry.digest
-            if (
-                row.apply
-                and row.kind in ("artifactUpdate", "task")
-                and row.entry.size > self.inline_limit  # else no part content can be over it
-            ):
-                # Big part contents live once, in the part rows; the log keeps a reference.
-                raw, moved = by_reference(raw)
-                if moved:
+            if row.apply and row.entry.size > self.inline_limit:  # else no content is over it
+                # Big part contents live once, in the part rows and the conversation rows this
+                # row writes; the log keeps a reference.
+                moved = in_messages = 0
+                if row.kind in ("artifactUpdate", "task"):
+                    raw, moved = by_reference(raw)
+                kept = big_contents(getattr(row, "messages", ()), self.inline_limit)
+                if kept:
+                    raw, in_messages = messages_by_reference(raw, kept)
+                if moved or in_messages:
                     raw_digest, _ = content_digest(raw)
-                    moved_note = f"{moved} characters of part content stored once, in the artifact"
-                    note = f"{note}; {moved_note}" if note else moved_note
+                for count, where in ((moved, "part"), (in_messages, "message")):
+                    if count:
+                        home = "the artifact" if where == "part" else "the conversation"
+                        moved_note = f"{count} characters of {where} content stored once, in {home}"
+                        note = f"{note}; {moved_note}" if note else moved_note
             previous_hash = chain_hash(previous_hash, row_text(
                 seq=seq, received_text=received_text, channel=self.channel, kind=row.kind,
                 raw_digest=raw_digest, note=note, state_after=row.state_after, actor_id=actor_id,

@@ -1,0 +1,193 @@
+"""A message's big part contents are stored once: in its conversation row, with a reference in
+the log row that stored it.
+
+A file an operator attached (or one an agent sent in a status message) was kept whole twice,
+in the log row and in the conversation. Now the row that first stores a message keeps
+``{"$stored": {field, sha256, chars}}`` in place of each content over ``INLINE_CONTENT_BYTES``
+that its own conversation rows hold; ``with_content`` puts it back from them, so the chain
+verifies and ``audit replay`` folds the same log. A message the conversation held already
+(an agent repeating it in a snapshot's history) keeps its content inline: only content a
+conversation row is known to hold becomes a reference.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from django.test import override_settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tasks_app.models import ConversationMessage, TaskEvent
+from tasks_app.services import record as record_module
+from tasks_app.services.chain import content_digest
+from tasks_app.services.record import STORED, record, record_many
+from tests.examples import examples
+from tests.test_log_properties import new_task
+from tests.test_truth import assert_sound
+
+pytestmark = pytest.mark.django_db
+
+LIMIT = 16  # INLINE_CONTENT_BYTES in these tests
+BIG = "b" * 40
+FILE = "Zm9v" * 20  # base64, over the limit
+
+
+def message(mid: str, *parts: dict, role: str = "ROLE_AGENT") -> dict:
+    return {"messageId": mid, "role": role, "parts": list(parts)}
+
+
+def status(state: str, msg: dict | None = None) -> dict:
+    body: dict[str, Any] = {"state": state}
+    if msg is not None:
+        body["message"] = msg
+    return {"statusUpdate": {"taskId": "t-1", "contextId": "c-1", "status": body}}
+
+
+def snapshot(state: str, history: list[dict]) -> dict:
+    task = {"id": "t-1", "contextId": "c-1", "status": {"state": state}, "history": history}
+    return {"task": task}
+
+
+def start(msg: dict) -> dict:
+    return {"operator": {"action": "start", "mode": "stream", "message": msg}}
+
+
+def stored_once(task: Any, obj: dict, seq: int) -> dict:
+    """The row at ``seq`` keeps references, and ``with_content`` gives back ``obj`` exactly."""
+    raw = TaskEvent.objects.get(task=task, seq=seq).raw
+    assert raw != obj and STORED in json.dumps(raw)
+    contents = record_module.stored_contents(task.pk)
+    assert record_module.with_content(raw, contents) == obj
+    return raw
+
+
+@override_settings(INLINE_CONTENT_BYTES=LIMIT)
+def test_an_operators_file_is_kept_in_the_conversation_and_referred_to_by_the_log():
+    task = new_task()
+    attached = {"raw": FILE, "filename": "f.bin", "mediaType": "application/octet-stream"}
+    obj = start(message("m-1", {"text": "hi"}, attached, role="ROLE_USER"))
+    record(task, obj, "operator")
+    raw = stored_once(task, obj, 1)
+    part = raw["operator"]["message"]["parts"][1]
+    assert "raw" not in part and part["filename"] == "f.bin"
+    assert part[STORED]["chars"] == len(FILE)
+    assert raw["operator"]["message"]["parts"][0] == {"text": "hi"}  # small ones stay
+    event = TaskEvent.objects.get(task=task, seq=1)
+    assert "message content stored once, in the conversation" in event.note
+    # The row's digest is still the content's as sent (a redelivery is recognized by it), and
+    # the conversation keeps the file whole: one copy in the database.
+    assert event.digest == content_digest(obj)[0]
+    kept = ConversationMessage.objects.get(task=task, message_id="m-1").message
+    assert kept["parts"][1]["raw"] == FILE
+    assert FILE not in json.dumps(event.raw)
+    assert_sound(task)
+
+
+@override_settings(INLINE_CONTENT_BYTES=LIMIT)
+@pytest.mark.parametrize("batched", [False, True])
+def test_an_agents_status_message_and_a_snapshots_new_history_are_stored_once(batched):
+    task = new_task()
+    objs = [
+        status("TASK_STATE_WORKING", message("m-1", {"text": BIG})),
+        status("TASK_STATE_WORKING", message("m-1", {"text": BIG})),  # the same, again
+        snapshot(
+            "TASK_STATE_INPUT_REQUIRED",
+            [message("m-1", {"text": BIG}), message("m-2", {"text": BIG + "2"})],
+        ),
+    ]
+    if batched:
+        record_many(task, objs, "stream")
+    else:
+        for obj in objs:
+            record(task, obj, "stream")
+    rows = list(TaskEvent.objects.filter(task=task).order_by("seq"))
+    assert [row.kind for row in rows] == ["statusUpdate", "task"]  # the repeat added nothing
+    stored_once(task, objs[0], 1)
+    second = stored_once(task, objs[2], 2)
+    history = second["task"]["history"]
+    # m-1 was stored by the first row: this row's copy of it stays whole (only content a
+    # conversation row of this very row holds becomes a reference); m-2 is new here.
+    assert history[0] == message("m-1", {"text": BIG})
+    assert STORED in history[1]["parts"][0] and "text" not in history[1]["parts"][0]
+    assert_sound(task)
+
+
+@override_settings(INLINE_CONTENT_BYTES=LIMIT)
+def test_a_message_id_repeated_with_other_content_keeps_that_content_inline():
+    """The conversation keeps the first content of an id: a second, different one under the same
+    id is not stored there, so its log row must keep it."""
+    task = new_task()
+    first = {"message": message("m-1", {"text": BIG})}
+    other = snapshot(
+        "TASK_STATE_WORKING",
+        [message("m-1", {"text": BIG + "x"}), message("m-2", {"text": BIG + "2"})],
+    )
+    record_many(task, [first, other], "poll")
+    stored_once(task, first, 1)
+    raw = stored_once(task, other, 2)  # m-2, new, is stored by this row
+    # m-1's second content is in no conversation row: the log row is its only copy.
+    assert raw["task"]["history"][0] == message("m-1", {"text": BIG + "x"})
+    assert_sound(task)
+
+
+@override_settings(INLINE_CONTENT_BYTES=LIMIT)
+def test_a_refused_entry_keeps_its_content():
+    """A status after the end is logged, not applied: no conversation row, no reference."""
+    task = new_task()
+    record(task, status("TASK_STATE_COMPLETED"), "stream")
+    late = status("TASK_STATE_COMPLETED", message("m-9", {"text": BIG}))
+    record(task, late, "push")
+    row = TaskEvent.objects.filter(task=task).order_by("-seq").first()
+    assert row.kind == "protocol-error" and row.raw == late
+    assert not ConversationMessage.objects.filter(task=task, message_id="m-9").exists()
+
+
+contents = st.sampled_from(["s", BIG, BIG + "y", "\ud800" + BIG, BIG + "\x00"])
+parts = st.lists(
+    st.builds(lambda field, text: {field: text}, st.sampled_from(["text", "raw"]), contents),
+    min_size=1,
+    max_size=3,
+)
+messages = st.builds(message, st.sampled_from(["m-1", "m-2", "m-3"]), parts)
+entries = st.one_of(
+    st.builds(lambda m: {"message": m}, messages),
+    st.builds(lambda m: start({**m, "role": "ROLE_USER"}), messages),
+    st.builds(
+        status, st.sampled_from(["TASK_STATE_WORKING", "TASK_STATE_INPUT_REQUIRED"]), messages
+    ),
+    st.builds(
+        snapshot,
+        st.sampled_from(["TASK_STATE_WORKING", "TASK_STATE_COMPLETED"]),
+        st.lists(messages, max_size=3),
+    ),
+)
+
+
+@override_settings(INLINE_CONTENT_BYTES=LIMIT)
+@settings(
+    max_examples=examples(60, fewest=8),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(objs=st.lists(entries, min_size=1, max_size=6), batched=st.booleans())
+def test_every_log_with_messages_stored_once_verifies_replays_and_gives_back_what_came(
+    objs, batched
+):
+    task = new_task()
+    if batched:
+        record_many(task, objs, "poll")
+    else:
+        for obj in objs:
+            record(task, obj, "poll" if "operator" not in obj else "operator")
+    assert_sound(task)
+    contents_held = record_module.stored_contents(task.pk)
+    cleaned = {}  # what each entry became once stored (lone surrogates and NULs replaced)
+    for obj in objs:
+        entry = record_module.parse_entry(obj)
+        cleaned[entry.digest] = entry.raw
+    for row in TaskEvent.objects.filter(task=task).exclude(kind__in=["gap", "system"]):
+        if row.digest in cleaned:
+            assert record_module.with_content(row.raw, contents_held) == cleaned[row.digest]
