@@ -1,13 +1,14 @@
-"""A message's big part contents are stored once: in its conversation row, with a reference in
-the log row that stored it.
+"""A message's big part contents are stored once, in the conversation; log rows refer to it.
 
 A file an operator attached (or one an agent sent in a status message) was kept whole twice,
-in the log row and in the conversation. Now the row that first stores a message keeps
-``{"$stored": {field, sha256, chars}}`` in place of each content over ``INLINE_CONTENT_BYTES``
-that its own conversation rows hold; ``with_content`` puts it back from them, so the chain
-verifies and ``audit replay`` folds the same log. A message the conversation held already
-(an agent repeating it in a snapshot's history) keeps its content inline: only content a
-conversation row is known to hold becomes a reference.
+in the log row and in the conversation, and again in every snapshot that repeated it. Now a
+log row keeps ``{"$stored": {field, sha256, chars}}`` in place of each content over
+``INLINE_CONTENT_BYTES`` that the conversation holds for the message's id; ``with_content``
+puts it back from there, so the chain verifies and ``audit replay`` folds the same log. A
+message repeated later (an agent's snapshot history carries the operator's first message on
+every GetTask) refers to the conversation's copy too, where it is the very content: the
+conversation keeps an id's first content only, so a different content under a known id
+stays inline.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from django.test import override_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tasks_app.models import ConversationMessage, TaskEvent
+from tasks_app.models import ConversationMessage, RemoteTask, TaskEvent
 from tasks_app.services import record as record_module
 from tasks_app.services.chain import content_digest
 from tasks_app.services.record import STORED, record, record_many
@@ -108,10 +109,44 @@ def test_an_agents_status_message_and_a_snapshots_new_history_are_stored_once(ba
     stored_once(task, objs[0], 1)
     second = stored_once(task, objs[2], 2)
     history = second["task"]["history"]
-    # m-1 was stored by the first row: this row's copy of it stays whole (only content a
-    # conversation row of this very row holds becomes a reference); m-2 is new here.
-    assert history[0] == message("m-1", {"text": BIG})
-    assert STORED in history[1]["parts"][0] and "text" not in history[1]["parts"][0]
+    # m-1, stored by the first row (before this call, or earlier in the same batch), and m-2,
+    # new here: the conversation holds both contents, so the snapshot refers to both.
+    for held in history:
+        assert STORED in held["parts"][0] and "text" not in held["parts"][0]
+    assert_sound(task)
+
+
+@override_settings(INLINE_CONTENT_BYTES=LIMIT)
+@pytest.mark.parametrize("batched", [False, True])
+def test_snapshots_repeating_the_operators_file_refer_to_the_conversation(batched):
+    """GetTask's history carries the operator's first message on every poll, and a snapshot
+    after the end is logged as a protocol error with its content: none keeps the file again."""
+    task = new_task(RemoteTask.Watch.POLL)
+    attached = {"raw": FILE, "filename": "f.bin"}
+    objs = [
+        start(message("m-1", {"text": "hi"}, attached, role="ROLE_USER")),
+        snapshot(
+            "TASK_STATE_WORKING", [message("m-1", {"text": "hi"}, attached, role="ROLE_USER")]
+        ),
+        snapshot(
+            "TASK_STATE_COMPLETED", [message("m-1", {"text": "hi"}, attached, role="ROLE_USER")]
+        ),
+    ]
+    record(task, objs[0], "operator")
+    if batched:
+        record_many(task, objs[1:], "poll")
+    else:
+        for obj in objs[1:]:
+            record(task, obj, "poll")
+    late = snapshot(
+        "TASK_STATE_INPUT_REQUIRED", [message("m-1", {"text": "hi"}, attached, role="ROLE_USER")]
+    )
+    record(task, late, "poll")
+    rows = list(TaskEvent.objects.filter(task=task).order_by("seq"))
+    assert [row.kind for row in rows] == ["operator", "task", "task", "protocol-error"]
+    assert not [row.seq for row in rows if FILE in json.dumps(row.raw)]
+    for seq, obj in enumerate([*objs, late], start=1):
+        stored_once(task, obj, seq)
     assert_sound(task)
 
 

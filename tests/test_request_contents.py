@@ -61,6 +61,8 @@ def test_the_request_keeps_a_reference_once_the_agent_has_the_message(
     assert first.raw["operator"]["message"]["parts"][1][STORED] == part[STORED]
     restored = with_content(first.raw, stored_contents(task.pk))
     assert restored["operator"]["message"]["parts"][1]["raw"] == CONTENT
+    # Nor in any later row (the agent's snapshots repeat the message in their history).
+    assert not [e.seq for e in TaskEvent.objects.filter(task=task) if CONTENT in json.dumps(e.raw)]
 
 
 def test_a_request_that_may_be_sent_again_keeps_its_contents(db):

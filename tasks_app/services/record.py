@@ -1357,6 +1357,7 @@ class _Fold:
         answer began (``question_since``), before the compare-and-set writes the snapshot.
         """
         events = []
+        stored_here: list[dict] = []  # messages this batch's rows store, in order
         previous_state, previous_hash = self.initial_state, self.task.last_hash
         received_text = timestamp_text(now)
         for seq, row in enumerate(self.rows, start=first_seq):
@@ -1366,13 +1367,14 @@ class _Fold:
             if row.entry.note and row.entry.note != note:
                 note = f"{note}; {row.entry.note}" if note else row.entry.note
             raw, raw_digest = row.entry.raw, row.entry.digest
-            if row.apply and row.entry.size > self.inline_limit:  # else no content is over it
-                # Big part contents live once, in the part rows and the conversation rows this
-                # row writes; the log keeps a reference.
+            if row.entry.size > self.inline_limit:  # else no content is over it
+                # Big part contents live once, in the part rows and the conversation rows; the
+                # log keeps a reference.
                 moved = in_messages = 0
-                if row.kind in ("artifactUpdate", "task"):
+                if row.apply and row.kind in ("artifactUpdate", "task"):
                     raw, moved = by_reference(raw)
-                kept = big_contents(getattr(row, "messages", ()), self.inline_limit)
+                held = self._conversation_copies(row, stored_here)
+                kept = big_contents(held, self.inline_limit)
                 if kept:
                     raw, in_messages = messages_by_reference(raw, kept)
                 if moved or in_messages:
@@ -1382,6 +1384,8 @@ class _Fold:
                         home = "the artifact" if where == "part" else "the conversation"
                         moved_note = f"{count} characters of {where} content stored once, in {home}"
                         note = f"{note}; {moved_note}" if note else moved_note
+            if row.apply:
+                stored_here.extend(getattr(row, "messages", ()))
             previous_hash = chain_hash(previous_hash, row_text(
                 seq=seq, received_text=received_text, channel=self.channel, kind=row.kind,
                 raw_digest=raw_digest, note=note, state_after=row.state_after, actor_id=actor_id,
@@ -1403,6 +1407,32 @@ class _Fold:
                 self.set(asked_seq=seq, asked_at=now)
             previous_state = row.state_after
         return events
+
+    def _conversation_copies(self, row: _Row, stored_here: list[dict]) -> list[dict]:
+        """The conversation's copy of each message ``row`` carries (by id; the conversation
+        keeps an id's first content): stored before this batch (read), by an earlier row of
+        it (``stored_here``, written after the log rows), or by this row itself.
+
+        An agent repeats messages: a snapshot's history carries the operator's first message
+        (and its file) on every GetTask, a stream's first Task event too. Each such row kept
+        the file whole again; now it refers to the conversation's copy where that is the very
+        content (``messages_by_reference`` compares each content's sha256).
+        """
+        carried = {m["messageId"] for m in _messages_in(row.entry)}
+        mine = getattr(row, "messages", []) if row.apply else []
+        copies = {m["messageId"]: m for m in stored_here if m["messageId"] in carried}
+        for message in mine:
+            copies.setdefault(message["messageId"], message)
+        missing = sorted(carried - copies.keys())
+        for start in range(0, len(missing), LOOKUP_SLICE):
+            copies.update(
+                ConversationMessage.objects.filter(
+                    task_id=self.task.pk, message_id__in=missing[start : start + LOOKUP_SLICE]
+                )
+                .order_by()
+                .values_list("message_id", "message")
+            )
+        return list(copies.values())
 
     def write_rows(self, events: list[TaskEvent], now: datetime) -> None:
         """Append the log rows and apply them to the snapshot's rows.
