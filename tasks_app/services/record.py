@@ -1429,6 +1429,8 @@ class _Fold:
                 ConversationMessage.objects.filter(
                     task_id=self.task.pk, message_id__in=missing[start : start + LOOKUP_SLICE]
                 )
+                .annotate(size=Length(Cast("message", models.TextField())))
+                .filter(size__gt=self.inline_limit)  # only those with a content over it
                 .order_by()
                 .values_list("message_id", "message")
             )
