@@ -30,6 +30,7 @@ from tasks_app.a2a import safejson
 from tasks_app.actionlog import after_cursor, sanitize
 from tasks_app.models import OperatorAction, RemoteTask, TaskEvent
 from tasks_app.services.chain import timestamp_text
+from tasks_app.services.record import STORED, iter_stored_contents, references_in
 
 FORMAT = "a2a-dashboard/task-history"
 VERSION = 1
@@ -53,6 +54,8 @@ CSV_COLUMNS = ("id", "created_at", "person", "action", "project", "agent_id", "a
                "outcome", "details")  # fmt: skip
 
 _ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
+# How a reference's key looks in an event's JSON text (see _noting_references).
+STORED_KEY = _ENCODER.encode(STORED)
 
 
 def _iso(moment: Any) -> str | None:
@@ -143,26 +146,54 @@ def _header(task: RemoteTask) -> dict[str, Any]:
 
 
 def jsonl_chunks(task: RemoteTask, batch: int = EVENT_BATCH) -> Iterator[bytes]:
-    """JSON Lines: a first line describing the task, then one line per event, in seq order."""
+    """JSON Lines: a first line describing the task, then one line per event, in seq order,
+    then one line per content the events refer to (see :func:`referred_contents`)."""
     yield (_ENCODER.encode(_header(task)) + "\n").encode("ascii")
     lines: list[str] = []
+    referred: set[str] = set()
     for event in event_rows(task.pk, batch, up_to=task.last_seq):
-        lines.append(_ENCODER.encode(event))
+        lines.append(_noting_references(_ENCODER.encode(event), event, referred))
         if len(lines) >= batch:
             yield ("\n".join(lines) + "\n").encode("ascii")
             lines.clear()
     if lines:
         yield ("\n".join(lines) + "\n").encode("ascii")
+    for content in referred_contents(task.pk, referred):
+        yield (_ENCODER.encode(content) + "\n").encode("ascii")
+
+
+def _noting_references(line: str, event: dict[str, Any], referred: set[str]) -> str:
+    """``line`` (the event's JSON); the contents its raw refers to are added to ``referred``."""
+    if STORED_KEY in line:  # rare: a quick look at the text, then the walk
+        referred |= references_in(event["raw"])
+    return line
+
+
+def referred_contents(task_pk: int, referred: set[str]) -> Iterator[dict[str, str]]:
+    """``{"sha256", "content"}`` for each content in ``referred`` that the task keeps, one at a
+    time. The log keeps a big part content once, in its artifact or conversation row, and a
+    reference in the entry (``record.by_reference``); an export without them lost the
+    content with the task (retention exports, then deletes)."""
+    sent: set[str] = set()
+    if not referred:
+        return
+    for digest, content in iter_stored_contents(task_pk):
+        if digest in referred and digest not in sent:
+            sent.add(digest)
+            yield {"sha256": digest, "content": content}
 
 
 def json_chunks(task: RemoteTask, batch: int = EVENT_BATCH) -> Iterator[bytes]:
-    """One JSON document, written as it is read: the header's keys, ``events``, then a count."""
+    """One JSON document, written as it is read: the header's keys, ``events``, the contents
+    they refer to (``contents``), then a count."""
     head = _ENCODER.encode(_header(task))
     yield (head[:-1] + ',"events":[\n').encode("ascii")
     count, last_hash = 0, ""
     lines: list[str] = []
+    referred: set[str] = set()
     for event in event_rows(task.pk, batch, up_to=task.last_seq):
-        lines.append(("," if count else "") + _ENCODER.encode(event))
+        line = _noting_references(_ENCODER.encode(event), event, referred)
+        lines.append(("," if count else "") + line)
         count += 1
         last_hash = event["hash"]
         if len(lines) >= batch:
@@ -170,6 +201,9 @@ def json_chunks(task: RemoteTask, batch: int = EVENT_BATCH) -> Iterator[bytes]:
             lines.clear()
     if lines:
         yield ("\n".join(lines) + "\n").encode("ascii")
+    yield b'],"contents":[\n'
+    for index, content in enumerate(referred_contents(task.pk, referred)):
+        yield (("," if index else "") + _ENCODER.encode(content) + "\n").encode("ascii")
     yield (f'],"event_count":{count},"events_last_hash":{_ENCODER.encode(last_hash)}}}\n').encode(
         "ascii"
     )

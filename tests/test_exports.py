@@ -294,3 +294,65 @@ def test_a_log_with_a_gap_is_exported_as_it_is_for_the_offline_check(world) -> N
     TaskEvent.objects.filter(task=task, seq=12).delete()
     doc = json.loads(b"".join(exports.json_chunks(task, 10)))
     assert doc["event_count"] == 29 and doc["task"]["last_seq"] == 30
+
+
+@pytest.mark.parametrize("fmt", ["json", "jsonl"])
+def test_an_export_carries_the_contents_its_entries_refer_to(world, fmt, settings) -> None:
+    """A big part content is kept once (its artifact's or conversation's row, or apart once
+    the artifact was replaced) and the entry keeps a reference: an export of entries alone
+    lost the content with the task, and retention exports a task before it deletes it."""
+    from tasks_app import exports
+    from tasks_app.services.record import references_in, with_content
+
+    settings.INLINE_CONTENT_BYTES = 16
+    task = world["task"]
+    attached = {"raw": "Zm9v" * 20, "filename": "f.bin"}
+    message = {"messageId": "m-1", "role": "ROLE_USER", "parts": [{"text": "hi"}, attached]}
+
+    def chunk(text: str) -> dict:
+        return {"artifactUpdate": {"taskId": "t-big", "contextId": "c-1",
+                                   "artifact": {"artifactId": "a-1", "parts": [{"text": text}]}}}  # fmt: skip
+
+    sent = [
+        {"operator": {"action": "start", "mode": "stream", "message": message}},
+        chunk("A" * 40),
+        chunk("B" * 40),  # replaces the artifact: "A" * 40 is kept apart
+        {
+            "statusUpdate": {
+                "taskId": "t-big",
+                "contextId": "c-1",
+                "status": {"state": "TASK_STATE_COMPLETED"},
+            }
+        },
+    ]
+    record(task, sent[0], "operator")
+    for obj in sent[1:]:
+        record(task, obj, "stream")
+    task.refresh_from_db()
+    body = b"".join(exports.task_chunks(task, fmt))
+    if fmt == "json":
+        doc = json.loads(body)
+        events, contents = doc["events"], doc["contents"]
+        assert doc["event_count"] == len(events) == 4
+    else:
+        lines = [json.loads(line) for line in body.splitlines()[1:]]
+        events = [line for line in lines if "seq" in line]
+        contents = [line for line in lines if "seq" not in line]
+        assert lines == events + contents  # the contents after the events
+    assert verify_offline(events) == task.last_hash
+    held = {content["sha256"]: content["content"] for content in contents}
+    assert len(held) == len(contents) == 3  # each once
+    for digest, content in held.items():
+        assert hashlib.sha256(content.encode()).hexdigest() == digest
+    assert set(held) == set().union(*(references_in(e["raw"]) for e in events))
+    assert [with_content(e["raw"], held) for e in events] == sent
+
+
+def test_an_export_without_references_has_no_contents(world) -> None:
+    from tasks_app import exports
+
+    task = world["task"]
+    bulk_log(task, 5)
+    task.refresh_from_db()
+    assert json.loads(b"".join(exports.json_chunks(task)))["contents"] == []
+    assert len(b"".join(exports.jsonl_chunks(task)).splitlines()) == 6

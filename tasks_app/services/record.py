@@ -25,7 +25,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -609,18 +609,30 @@ def with_content(raw: Any, contents: dict[str, str]) -> Any:
 def stored_contents(task_pk: int) -> dict[str, str]:
     """``{sha256: content}`` of the task's big part contents (what references point to),
     in its part rows and conversation rows, and kept from replaced ones."""
-    limit = settings.INLINE_CONTENT_BYTES
     found: dict[str, str] = {}
+    for digest, content in iter_stored_contents(task_pk):
+        found.setdefault(digest, content)
+    return found
+
+
+def iter_stored_contents(task_pk: int) -> Iterator[tuple[str, str]]:
+    """``(sha256, content)`` of each big part content the task keeps, one row at a time (an
+    export streams them; the same content may come more than once)."""
+    limit = settings.INLINE_CONTENT_BYTES
+
+    def big(parts: Any) -> Iterator[tuple[str, str]]:
+        for part in parts if isinstance(parts, list) else ():
+            for name in ("text", "raw"):
+                value = part.get(name) if isinstance(part, dict) else None
+                if isinstance(value, str) and len(value) > limit:
+                    yield _sha256(value), value
+
     for part in (
         ArtifactPart.objects.filter(artifact__task_id=task_pk)
         .values_list("part", flat=True)
         .iterator()
     ):
-        if isinstance(part, dict):
-            for name in ("text", "raw"):
-                value = part.get(name)
-                if isinstance(value, str) and len(value) > limit:
-                    found[_sha256(value)] = value
+        yield from big([part])
     # Messages' contents, which the conversation keeps (see messages_by_reference).
     messages = (
         ConversationMessage.objects.filter(task_id=task_pk)
@@ -629,16 +641,25 @@ def stored_contents(task_pk: int) -> dict[str, str]:
         .values_list("message", flat=True)
     )
     for message in messages.iterator():
-        parts = message.get("parts") if isinstance(message, dict) else None
-        for part in parts if isinstance(parts, list) else ():
-            for name in ("text", "raw"):
-                value = part.get(name) if isinstance(part, dict) else None
-                if isinstance(value, str) and len(value) > limit:
-                    found.setdefault(_sha256(value), value)
+        yield from big(message.get("parts") if isinstance(message, dict) else None)
     # Contents whose part rows an artifact's replacement deleted (see _Fold._keep_replaced).
     replaced = ReplacedContent.objects.filter(task_id=task_pk).values_list("sha256", "content")
-    for digest, content in replaced.iterator():
-        found.setdefault(digest, content)
+    yield from replaced.iterator()
+
+
+def references_in(value: Any) -> set[str]:
+    """The sha256 of each reference (``{"$stored": {...}}``) anywhere in ``value``."""
+    found: set[str] = set()
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            reference = item.get(STORED)
+            if isinstance(reference, dict) and isinstance(reference.get("sha256"), str):
+                found.add(reference["sha256"])
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
     return found
 
 
