@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.db.models import QuerySet
 from django.utils import timezone
 
@@ -150,7 +151,7 @@ def jsonl_chunks(task: RemoteTask, batch: int = EVENT_BATCH) -> Iterator[bytes]:
     then one line per content the events refer to (see :func:`referred_contents`)."""
     yield (_ENCODER.encode(_header(task)) + "\n").encode("ascii")
     lines: list[str] = []
-    referred: set[str] = set()
+    referred: dict[str, int] = {}
     for event in event_rows(task.pk, batch, up_to=task.last_seq):
         lines.append(_noting_references(_ENCODER.encode(event), event, referred))
         if len(lines) >= batch:
@@ -162,22 +163,28 @@ def jsonl_chunks(task: RemoteTask, batch: int = EVENT_BATCH) -> Iterator[bytes]:
         yield (_ENCODER.encode(content) + "\n").encode("ascii")
 
 
-def _noting_references(line: str, event: dict[str, Any], referred: set[str]) -> str:
+def _noting_references(line: str, event: dict[str, Any], referred: dict[str, int]) -> str:
     """``line`` (the event's JSON); the contents its raw refers to are added to ``referred``."""
     if STORED_KEY in line:  # rare: a quick look at the text, then the walk
-        referred |= references_in(event["raw"])
+        referred.update(references_in(event["raw"]))
     return line
 
 
-def referred_contents(task_pk: int, referred: set[str]) -> Iterator[dict[str, str]]:
+def referred_contents(task_pk: int, referred: dict[str, int]) -> Iterator[dict[str, str]]:
     """``{"sha256", "content"}`` for each content in ``referred`` that the task keeps, one at a
     time. The log keeps a big part content once, in its artifact or conversation row, and a
     reference in the entry (``record.by_reference``); an export without them lost the
-    content with the task (retention exports, then deletes)."""
+    content with the task (retention exports, then deletes). ``referred``: ``{sha256:
+    chars}``; contents shorter than today's ``INLINE_CONTENT_BYTES`` are looked for too when
+    a reference says so (one made before the setting was raised).
+    """
     sent: set[str] = set()
     if not referred:
         return
-    for digest, content in iter_stored_contents(task_pk):
+    shortest = max(0, min(referred.values()) - 1)
+    for digest, content in iter_stored_contents(
+        task_pk, min(shortest, settings.INLINE_CONTENT_BYTES)
+    ):
         if digest in referred and digest not in sent:
             sent.add(digest)
             yield {"sha256": digest, "content": content}
@@ -190,7 +197,7 @@ def json_chunks(task: RemoteTask, batch: int = EVENT_BATCH) -> Iterator[bytes]:
     yield (head[:-1] + ',"events":[\n').encode("ascii")
     count, last_hash = 0, ""
     lines: list[str] = []
-    referred: set[str] = set()
+    referred: dict[str, int] = {}
     for event in event_rows(task.pk, batch, up_to=task.last_seq):
         line = _noting_references(_ENCODER.encode(event), event, referred)
         lines.append(("," if count else "") + line)

@@ -344,7 +344,7 @@ def test_an_export_carries_the_contents_its_entries_refer_to(world, fmt, setting
     assert len(held) == len(contents) == 3  # each once
     for digest, content in held.items():
         assert hashlib.sha256(content.encode()).hexdigest() == digest
-    assert set(held) == set().union(*(references_in(e["raw"]) for e in events))
+    assert set(held) == {sha for e in events for sha in references_in(e["raw"])}
     assert [with_content(e["raw"], held) for e in events] == sent
 
 
@@ -356,3 +356,21 @@ def test_an_export_without_references_has_no_contents(world) -> None:
     task.refresh_from_db()
     assert json.loads(b"".join(exports.json_chunks(task)))["contents"] == []
     assert len(b"".join(exports.jsonl_chunks(task)).splitlines()) == 6
+
+
+def test_contents_referred_to_under_a_lower_inline_limit_are_exported_after_it_is_raised(
+    world, settings
+) -> None:
+    """A reference says how long its content is: raising INLINE_CONTENT_BYTES later does not
+    hide the contents referred to under the old value (they are shorter than the new one)."""
+    from tasks_app import exports
+
+    settings.INLINE_CONTENT_BYTES = 16
+    task = world["task"]
+    chunk = {"artifactUpdate": {"taskId": "t-big", "contextId": "c-1",
+                                "artifact": {"artifactId": "a-1", "parts": [{"text": "A" * 40}]}}}  # fmt: skip
+    record(task, chunk, "stream")
+    settings.INLINE_CONTENT_BYTES = 64 * 1024
+    task.refresh_from_db()
+    doc = json.loads(b"".join(exports.json_chunks(task)))
+    assert [c["content"] for c in doc["contents"]] == ["A" * 40]

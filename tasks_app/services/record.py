@@ -615,10 +615,15 @@ def stored_contents(task_pk: int) -> dict[str, str]:
     return found
 
 
-def iter_stored_contents(task_pk: int) -> Iterator[tuple[str, str]]:
-    """``(sha256, content)`` of each big part content the task keeps, one row at a time (an
-    export streams them; the same content may come more than once)."""
-    limit = settings.INLINE_CONTENT_BYTES
+def iter_stored_contents(task_pk: int, longer_than: int | None = None) -> Iterator[tuple[str, str]]:
+    """``(sha256, content)`` of each part content over ``longer_than`` characters (by default
+    ``INLINE_CONTENT_BYTES``) the task keeps, one row at a time (an export streams them; the
+    same content may come more than once).
+
+    A reference made under a lower ``INLINE_CONTENT_BYTES`` than today's is found by passing
+    less than its ``chars`` (see :func:`references_in`).
+    """
+    limit = settings.INLINE_CONTENT_BYTES if longer_than is None else longer_than
 
     def big(parts: Any) -> Iterator[tuple[str, str]]:
         for part in parts if isinstance(parts, list) else ():
@@ -647,16 +652,17 @@ def iter_stored_contents(task_pk: int) -> Iterator[tuple[str, str]]:
     yield from replaced.iterator()
 
 
-def references_in(value: Any) -> set[str]:
-    """The sha256 of each reference (``{"$stored": {...}}``) anywhere in ``value``."""
-    found: set[str] = set()
+def references_in(value: Any) -> dict[str, int]:
+    """``{sha256: chars}`` of each reference (``{"$stored": {...}}``) anywhere in ``value``."""
+    found: dict[str, int] = {}
     stack = [value]
     while stack:
         item = stack.pop()
         if isinstance(item, dict):
             reference = item.get(STORED)
             if isinstance(reference, dict) and isinstance(reference.get("sha256"), str):
-                found.add(reference["sha256"])
+                chars = reference.get("chars")
+                found[reference["sha256"]] = chars if type(chars) is int else 0
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)
