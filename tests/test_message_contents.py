@@ -226,3 +226,17 @@ def test_every_log_with_messages_stored_once_verifies_replays_and_gives_back_wha
     for row in TaskEvent.objects.filter(task=task).exclude(kind__in=["gap", "system"]):
         if row.digest in cleaned:
             assert record_module.with_content(row.raw, contents_held) == cleaned[row.digest]
+
+
+def test_a_log_stored_under_a_lower_inline_limit_replays_after_it_is_raised():
+    """A reference says how long its content is: replay reads the shorter contents it needs
+    (it read only those over today's INLINE_CONTENT_BYTES, and the snapshot replayed without
+    its file or chunk, a difference, as if the log had been tampered with)."""
+    task = new_task()
+    with override_settings(INLINE_CONTENT_BYTES=LIMIT):
+        record(task, start(message("m-1", {"raw": FILE}, role="ROLE_USER")), "operator")
+        record(task, status("TASK_STATE_WORKING", message("m-2", {"text": BIG})), "stream")
+        record(task, {"artifactUpdate": {"taskId": "t-1", "artifact": {"artifactId": "a-1",
+                                         "parts": [{"text": BIG}]}}}, "stream")  # fmt: skip
+    assert STORED in json.dumps(TaskEvent.objects.get(task=task, seq=3).raw)
+    assert_sound(task)  # at the default limit (64 KB), over every content here

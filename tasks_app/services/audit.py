@@ -311,7 +311,12 @@ def replay(task: RemoteTask | int) -> Replay:
     3. The rows the replay appends, gaps left out, must have the same kinds and
        states as the stored ones; the scratch view must equal the stored view.
     """
-    from tasks_app.services.record import record_many, stored_contents, with_content
+    from tasks_app.services.record import (
+        record_many,
+        references_in,
+        stored_contents,
+        with_content,
+    )
 
     task_pk = task.pk if isinstance(task, RemoteTask) else task
     result = Replay(task_pk)
@@ -324,6 +329,7 @@ def replay(task: RemoteTask | int) -> Replay:
                 if kind != TaskEvent.Kind.GAP
             ]
             contents = stored_contents(stored.pk)
+            looked_below = settings.INLINE_CONTENT_BYTES  # contents read: those longer than this
             agent = Agent.objects.create(
                 name="replay", base_url=f"http://replay.invalid/{uuid.uuid4().hex}"
             )
@@ -340,6 +346,17 @@ def replay(task: RemoteTask | int) -> Replay:
                     record_many(scratch.pk, run, run_key[0], actor_id=run_key[1])  # type: ignore[index]
                     run = []
                 run_key = key
+                missing = {
+                    sha: chars
+                    for sha, chars in references_in(event.raw).items()
+                    if sha not in contents
+                }
+                if missing:
+                    # Referred to under a lower INLINE_CONTENT_BYTES than today's: shorter.
+                    shortest = max(0, min(missing.values()) - 1)
+                    if shortest < looked_below:
+                        contents.update(stored_contents(stored.pk, shortest))
+                        looked_below = shortest
                 run.append(with_content(event.raw, contents) if contents else event.raw)
                 result.rows += 1
             if run and run_key is not None:

@@ -606,11 +606,12 @@ def with_content(raw: Any, contents: dict[str, str]) -> Any:
     return raw
 
 
-def stored_contents(task_pk: int) -> dict[str, str]:
+def stored_contents(task_pk: int, longer_than: int | None = None) -> dict[str, str]:
     """``{sha256: content}`` of the task's big part contents (what references point to),
-    in its part rows and conversation rows, and kept from replaced ones."""
+    in its part rows and conversation rows, and kept from replaced ones (``longer_than``: see
+    :func:`iter_stored_contents`)."""
     found: dict[str, str] = {}
-    for digest, content in iter_stored_contents(task_pk):
+    for digest, content in iter_stored_contents(task_pk, longer_than):
         found.setdefault(digest, content)
     return found
 
