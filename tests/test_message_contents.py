@@ -26,7 +26,7 @@ from tasks_app.services import record as record_module
 from tasks_app.services.chain import content_digest
 from tasks_app.services.record import STORED, record, record_many
 from tests.examples import examples
-from tests.test_log_properties import new_task
+from tests.test_log_properties import log_rows, new_task
 from tests.test_truth import assert_sound
 
 pytestmark = pytest.mark.django_db
@@ -186,7 +186,9 @@ parts = st.lists(
     min_size=1,
     max_size=3,
 )
-messages = st.builds(message, st.sampled_from(["m-1", "m-2", "m-3"]), parts)
+messages = st.builds(
+    lambda mid, ps: message(mid, *ps), st.sampled_from(["m-1", "m-2", "m-3"]), parts
+)
 entries = st.one_of(
     st.builds(lambda m: {"message": m}, messages),
     st.builds(lambda m: start({**m, "role": "ROLE_USER"}), messages),
@@ -240,3 +242,58 @@ def test_a_log_stored_under_a_lower_inline_limit_replays_after_it_is_raised():
                                          "parts": [{"text": BIG}]}}}, "stream")  # fmt: skip
     assert STORED in json.dumps(TaskEvent.objects.get(task=task, seq=3).raw)
     assert_sound(task)  # at the default limit (64 KB), over every content here
+
+
+@override_settings(INLINE_CONTENT_BYTES=LIMIT, BUDGET_TASK_BYTES=2_000)
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_file_the_agent_repeats_counts_against_the_budget_once(batched):
+    """The task's byte budget counts what it stores: a snapshot repeating the operator's file
+    in its history stores a reference, and counting the file whole each time parked a polled
+    task with an attachment after a few polls (here: six snapshots, 3,700 bytes as sent)."""
+    task = new_task(RemoteTask.Watch.POLL)
+    attached = {"raw": "Zm9v" * 100, "filename": "f.bin"}
+    first = message("m-1", {"text": "hi"}, attached, role="ROLE_USER")
+    record(task, start(first), "operator")
+    states = ["TASK_STATE_WORKING", "TASK_STATE_INPUT_REQUIRED"] * 3
+    snapshots = []
+    for i, state in enumerate(states):
+        snap = snapshot(state, [first])
+        snap["task"]["status"]["timestamp"] = f"2026-01-01T00:00:0{i}Z"
+        snapshots.append(snap)
+    sent = sum(record_module.parse_entry(s).size for s in snapshots)
+    assert sent > 2_000
+    if batched:
+        record_many(task, snapshots, "poll")
+    else:
+        for snap in snapshots:
+            record(task, snap, "poll")
+    task.refresh_from_db()
+    assert task.stored_bytes <= 2_000 and not task.events.filter(kind="system").exists()
+    assert [row.kind for row in task.events.order_by("seq")] == ["operator", *["task"] * 6]
+    # Each snapshot counted without the file: what its log row keeps, give or take the reference.
+    stored = sum(len(json.dumps(row.raw)) for row in task.events.filter(kind="task"))
+    assert task.stored_bytes <= stored
+    assert_sound(task)
+
+
+@settings(
+    max_examples=examples(60, fewest=8),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    objs=st.lists(entries, min_size=1, max_size=6),
+    budget=st.integers(min_value=0, max_value=3_000),
+)
+def test_a_batch_stores_and_counts_its_messages_as_one_by_one(objs, budget):
+    """References and the byte budget alike: what an entry refers to, and what it counts, does
+    not depend on whether the message it repeats was stored in this batch or an earlier one."""
+    with override_settings(INLINE_CONTENT_BYTES=LIMIT, BUDGET_TASK_BYTES=budget):
+        one, batch = new_task(), new_task()
+        for obj in objs:
+            record(one, obj, "poll")
+        record_many(batch, objs, "poll")
+    one.refresh_from_db()
+    batch.refresh_from_db()
+    assert log_rows(batch) == log_rows(one)
+    assert batch.stored_bytes == one.stored_bytes

@@ -764,6 +764,10 @@ class _Fold:
         self._held_count: int | None = None
         self._message_ids: set[str] | None = None
         self._checked_ids: set[str] = set()
+        # Messages this fold stored, by id; conversation rows read for their big contents
+        # (None: none such), by id (see ``_counted_size`` and ``_conversation_copies``).
+        self._remembered: dict[str, dict] = {}
+        self._copies: dict[str, dict | None] = {}
 
     # -- reads, cached for the fold
     def artifacts(self) -> dict[str, Artifact]:
@@ -877,6 +881,40 @@ class _Fold:
         if self._message_ids is None:
             self._message_ids = set()
         self._message_ids.update(m["messageId"] for m in messages)
+        self._remembered.update((m["messageId"], m) for m in messages)
+
+    def _counted_size(self, entry: Entry) -> int:
+        """The bytes ``entry`` adds to what the task stores: its size, less each big message
+        content the conversation held before it (its log row keeps a reference there, see
+        ``_conversation_copies``).
+
+        An agent's snapshots repeat the operator's first message in their history: counted
+        whole each time, a 10 MB file passed the task's 64 MB budget after a few polls, while
+        it was stored once.
+        """
+        if entry.size <= self.inline_limit:  # no content of it is over the limit
+            return entry.size
+        known = self._message_ids or set()
+        carried = [m for m in _messages_in(entry) if m["messageId"] in known]
+        if not carried:
+            return entry.size
+        held = {m["messageId"] for m in carried}
+        copies = {aid: self._remembered[aid] for aid in held if aid in self._remembered}
+        copies.update(self._stored_copies(held - copies.keys()))
+        kept = big_contents(list(copies.values()), self.inline_limit)
+        saved = 0
+        for message in carried:
+            parts = message.get("parts")
+            for part in parts if isinstance(parts, list) else ():
+                for name in ("text", "raw"):
+                    content = part.get(name) if isinstance(part, dict) else None
+                    if (
+                        isinstance(content, str)
+                        and len(content) > self.inline_limit
+                        and _sha256(content) in kept
+                    ):
+                        saved += len(canonical_json(content))
+        return max(0, entry.size - saved)
 
     def get(self, name: str) -> Any:
         changes = self.changes  # asked about nine times an entry: no getattr when changed
@@ -927,8 +965,9 @@ class _Fold:
         """Count the agent's bytes; past the task's budget, one entry says so and the rest is dropped."""
         budget = self.budget
         used = self.get("stored_bytes")
-        if used + entry.size <= budget:
-            self.set(stored_bytes=used + entry.size)
+        size = self._counted_size(entry)
+        if used + size <= budget:
+            self.set(stored_bytes=used + size)
             return True
         self.over_budget = True
         if used <= budget:  # the first entry past the budget: say so, once
@@ -1451,18 +1490,25 @@ class _Fold:
         copies = {m["messageId"]: m for m in stored_here if m["messageId"] in carried}
         for message in mine:
             copies.setdefault(message["messageId"], message)
-        missing = sorted(carried - copies.keys())
+        copies.update(self._stored_copies(carried - copies.keys()))
+        return list(copies.values())
+
+    def _stored_copies(self, ids: Collection[str]) -> dict[str, dict]:
+        """The conversation rows stored before this batch for ``ids`` that hold a content over
+        ``INLINE_CONTENT_BYTES`` (the others can be no reference's home), read once a fold."""
+        cache = self._copies
+        missing = sorted(aid for aid in ids if aid not in cache)
         for start in range(0, len(missing), LOOKUP_SLICE):
-            copies.update(
-                ConversationMessage.objects.filter(
-                    task_id=self.task.pk, message_id__in=missing[start : start + LOOKUP_SLICE]
-                )
+            chunk = missing[start : start + LOOKUP_SLICE]
+            cache.update(dict.fromkeys(chunk))
+            cache.update(
+                ConversationMessage.objects.filter(task_id=self.task.pk, message_id__in=chunk)
                 .annotate(size=Length(Cast("message", models.TextField())))
                 .filter(size__gt=self.inline_limit)  # only those with a content over it
                 .order_by()
                 .values_list("message_id", "message")
             )
-        return list(copies.values())
+        return {aid: cache[aid] for aid in ids if cache.get(aid) is not None}
 
     def write_rows(self, events: list[TaskEvent], now: datetime) -> None:
         """Append the log rows and apply them to the snapshot's rows.
