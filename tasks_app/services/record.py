@@ -515,15 +515,26 @@ def messages_by_reference(raw: Any, kept: Collection[str]) -> tuple[Any, int]:
 
 def big_contents(messages: Sequence[Any], limit: int) -> set[str]:
     """The sha256 of each part content over ``limit`` characters in ``messages``."""
-    found: set[str] = set()
-    for message in messages:
-        parts = message.get("parts") if isinstance(message, dict) else None
-        for part in parts if isinstance(parts, list) else ():
-            for name in ("text", "raw"):
-                content = part.get(name) if isinstance(part, dict) else None
-                if isinstance(content, str) and len(content) > limit:
-                    found.add(_sha256(content))
-    return found
+    return {
+        _sha256(content)
+        for message in messages
+        for content in contents_over(parts_of(message), limit)
+    }
+
+
+def parts_of(value: Any) -> Any:
+    """A message's or an artifact's ``parts`` (anything else: None)."""
+    return value.get("parts") if isinstance(value, dict) else None
+
+
+def contents_over(parts: Any, limit: int) -> Iterator[str]:
+    """Each content (``text`` or ``raw``) over ``limit`` characters of the parts in ``parts``
+    (a list; anything else has none)."""
+    for part in parts if isinstance(parts, list) else ():
+        for name in ("text", "raw"):
+            content = part.get(name) if isinstance(part, dict) else None
+            if isinstance(content, str) and len(content) > limit:
+                yield content
 
 
 def _map_messages(raw: Any, change: Callable[[Any], tuple[Any, int]]) -> tuple[Any, int]:
@@ -625,20 +636,13 @@ def iter_stored_contents(task_pk: int, longer_than: int | None = None) -> Iterat
     less than its ``chars`` (see :func:`references_in`).
     """
     limit = settings.INLINE_CONTENT_BYTES if longer_than is None else longer_than
-
-    def big(parts: Any) -> Iterator[tuple[str, str]]:
-        for part in parts if isinstance(parts, list) else ():
-            for name in ("text", "raw"):
-                value = part.get(name) if isinstance(part, dict) else None
-                if isinstance(value, str) and len(value) > limit:
-                    yield _sha256(value), value
-
     for part in (
         ArtifactPart.objects.filter(artifact__task_id=task_pk)
         .values_list("part", flat=True)
         .iterator()
     ):
-        yield from big([part])
+        for content in contents_over([part], limit):
+            yield _sha256(content), content
     # Messages' contents, which the conversation keeps (see messages_by_reference).
     messages = (
         ConversationMessage.objects.filter(task_id=task_pk)
@@ -647,7 +651,8 @@ def iter_stored_contents(task_pk: int, longer_than: int | None = None) -> Iterat
         .values_list("message", flat=True)
     )
     for message in messages.iterator():
-        yield from big(message.get("parts") if isinstance(message, dict) else None)
+        for content in contents_over(parts_of(message), limit):
+            yield _sha256(content), content
     # Contents whose part rows an artifact's replacement deleted (see _Fold._keep_replaced).
     replaced = ReplacedContent.objects.filter(task_id=task_pk).values_list("sha256", "content")
     yield from replaced.iterator()
@@ -902,18 +907,12 @@ class _Fold:
         copies = {aid: self._remembered[aid] for aid in held if aid in self._remembered}
         copies.update(self._stored_copies(held - copies.keys()))
         kept = big_contents(list(copies.values()), self.inline_limit)
-        saved = 0
-        for message in carried:
-            parts = message.get("parts")
-            for part in parts if isinstance(parts, list) else ():
-                for name in ("text", "raw"):
-                    content = part.get(name) if isinstance(part, dict) else None
-                    if (
-                        isinstance(content, str)
-                        and len(content) > self.inline_limit
-                        and _sha256(content) in kept
-                    ):
-                        saved += len(canonical_json(content))
+        saved = sum(
+            len(canonical_json(content))
+            for message in carried
+            for content in contents_over(parts_of(message), self.inline_limit)
+            if _sha256(content) in kept
+        )
         return max(0, entry.size - saved)
 
     def get(self, name: str) -> Any:
@@ -1653,11 +1652,8 @@ class _Fold:
         )
         queued = [p.part for p in self._new_parts if p.artifact_id in artifact_pks]
         for part in [*stored, *queued]:
-            if isinstance(part, dict):
-                for name in ("text", "raw"):
-                    value = part.get(name)
-                    if isinstance(value, str) and len(value) > limit:
-                        self._replaced[_sha256(value)] = value
+            for content in contents_over([part], limit):
+                self._replaced[_sha256(content)] = content
 
     def _next_place(self) -> int:
         """A new artifact's place: after every one the task holds (places are 0 to n - 1)."""
