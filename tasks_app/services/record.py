@@ -638,6 +638,8 @@ def iter_stored_contents(task_pk: int, longer_than: int | None = None) -> Iterat
     limit = settings.INLINE_CONTENT_BYTES if longer_than is None else longer_than
     for part in (
         ArtifactPart.objects.filter(artifact__task_id=task_pk)
+        .annotate(size=Length(Cast("part", models.TextField())))
+        .filter(size__gt=limit)  # its JSON text is at least as long as any content in it
         .values_list("part", flat=True)
         .iterator()
     ):
