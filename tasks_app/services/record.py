@@ -506,9 +506,10 @@ def messages_by_reference(raw: Any, kept: Collection[str]) -> tuple[Any, int]:
 
     A message with an id is stored as a conversation row when it is first seen, whole: a
     file an operator attached, or one an agent sent in a status message, was kept there
-    and a second time in the log row. The row that stores the message now keeps the
-    reference (``kept`` is what its own conversation rows hold, see :func:`big_contents`),
-    and ``with_content`` puts the content back from the conversation.
+    and again in the log row, and in every later row that repeated the message. Those rows
+    now keep the reference (``kept``: the big contents of the conversation's copies of the
+    messages a row carries, see ``_Fold._conversation_copies``), and ``with_content`` puts
+    the content back from the conversation.
     """
     return _map_messages(raw, lambda message: parts_by_reference(message, kept))
 
