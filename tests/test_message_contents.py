@@ -297,3 +297,46 @@ def test_a_batch_stores_and_counts_its_messages_as_one_by_one(objs, budget):
     batch.refresh_from_db()
     assert log_rows(batch) == log_rows(one)
     assert batch.stored_bytes == one.stored_bytes
+
+
+@override_settings(INLINE_CONTENT_BYTES=LIMIT)
+def test_a_stored_key_an_agent_sends_itself_is_content_not_a_reference():
+    """An agent may send a part with a ``$stored`` key, naming a content of the task it sent
+    before (its sha256 is no secret). Taken for a reference, it made replay put that content
+    in (the replayed artifact differed from the stored one, as if tampered with) or raise (a
+    field that is a list); it stays as the agent sent it."""
+    import hashlib
+
+    task = new_task()
+    digest = hashlib.sha256(BIG.encode()).hexdigest()
+    fakes = [
+        {"text": "own", STORED: {"field": "text", "sha256": digest, "chars": len(BIG)}},
+        {STORED: {"field": ["text"], "sha256": digest, "chars": len(BIG)}},
+        {STORED: {"field": "raw", "sha256": digest, "chars": 3}},
+    ]
+    sent = [
+        {
+            "artifactUpdate": {
+                "taskId": "t-1",
+                "artifact": {"artifactId": "a-1", "parts": [{"text": BIG}]},
+            }
+        },
+        *(
+            {
+                "artifactUpdate": {
+                    "taskId": "t-1",
+                    "append": True,
+                    "artifact": {"artifactId": "a-1", "parts": [fake]},
+                }
+            }
+            for fake in fakes
+        ),
+    ]
+    for obj in sent:
+        record(task, obj, "stream")
+    contents = record_module.stored_contents(task.pk)
+    assert digest in contents  # the agent's first chunk, by reference
+    for seq, obj in enumerate(sent[1:], start=2):
+        raw = TaskEvent.objects.get(task=task, seq=seq).raw
+        assert raw == obj and record_module.with_content(raw, contents) == obj
+    assert_sound(task)

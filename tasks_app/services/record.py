@@ -591,8 +591,8 @@ def with_content(raw: Any, contents: dict[str, str]) -> Any:
             return value, 0
         parts, count = [], 0
         for part in value["parts"]:
-            reference = part.get(STORED) if isinstance(part, dict) else None
-            if isinstance(reference, dict) and reference.get("sha256") in contents:
+            if _ours(part, contents):
+                reference = part[STORED]
                 part = {k: v for k, v in part.items() if k != STORED}
                 part[reference["field"]] = contents[reference["sha256"]]
                 count += 1
@@ -616,6 +616,25 @@ def with_content(raw: Any, contents: dict[str, str]) -> Any:
             "task": {**raw["task"], "artifacts": [restore(a) for a in raw["task"]["artifacts"]]},
         }
     return raw
+
+
+def _ours(part: Any, contents: dict[str, str]) -> bool:
+    """Whether ``part`` holds a reference as ``parts_by_reference`` writes one, to a content in
+    ``contents``: the field it names (``text`` or ``raw``) absent, and the content as long as
+    it says. An agent may send a ``$stored`` key of its own: one naming a field that is
+    there, or no such field (a list made ``with_content`` raise), or another length, is
+    content the agent sent, and stays as it came."""
+    reference = part.get(STORED) if isinstance(part, dict) else None
+    if not isinstance(reference, dict):
+        return False
+    field, digest = reference.get("field"), reference.get("sha256")
+    return (
+        field in ("text", "raw")
+        and field not in part
+        and isinstance(digest, str)
+        and digest in contents
+        and reference.get("chars") == len(contents[digest])
+    )
 
 
 def stored_contents(task_pk: int, longer_than: int | None = None) -> dict[str, str]:
