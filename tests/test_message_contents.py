@@ -304,7 +304,8 @@ def test_a_stored_key_an_agent_sends_itself_is_content_not_a_reference():
     """An agent may send a part with a ``$stored`` key, naming a content of the task it sent
     before (its sha256 is no secret). Taken for a reference, it made replay put that content
     in (the replayed artifact differed from the stored one, as if tampered with) or raise (a
-    field that is a list); it stays as the agent sent it."""
+    field that is a list); it stays as the agent sent it. And a part is given one reference
+    at most: a second overwrote the first, whose content was lost."""
     import hashlib
 
     task = new_task()
@@ -313,6 +314,8 @@ def test_a_stored_key_an_agent_sends_itself_is_content_not_a_reference():
         {"text": "own", STORED: {"field": "text", "sha256": digest, "chars": len(BIG)}},
         {STORED: {"field": ["text"], "sha256": digest, "chars": len(BIG)}},
         {STORED: {"field": "raw", "sha256": digest, "chars": 3}},
+        {"text": BIG + "1", STORED: "mine"},  # its own key: no reference over it
+        {"text": BIG + "2", "raw": BIG + "3"},  # two contents (not a valid part): one reference
     ]
     sent = [
         {
@@ -336,7 +339,10 @@ def test_a_stored_key_an_agent_sends_itself_is_content_not_a_reference():
         record(task, obj, "stream")
     contents = record_module.stored_contents(task.pk)
     assert digest in contents  # the agent's first chunk, by reference
-    for seq, obj in enumerate(sent[1:], start=2):
+    for seq, obj in enumerate(sent[1:4], start=2):
         raw = TaskEvent.objects.get(task=task, seq=seq).raw
         assert raw == obj and record_module.with_content(raw, contents) == obj
+    assert TaskEvent.objects.get(task=task, seq=5).raw == sent[4]  # nothing moved
+    both = stored_once(task, sent[5], 6)["artifactUpdate"]["artifact"]["parts"][0]
+    assert both["raw"] == BIG + "3" and both[STORED]["field"] == "text"
     assert_sound(task)

@@ -485,18 +485,32 @@ def parts_by_reference(value: Any, kept: Collection[str] | None = None) -> tuple
     limit = settings.INLINE_CONTENT_BYTES
     parts, moved = [], 0
     for part in value["parts"]:
-        if isinstance(part, dict):
-            for name in ("text", "raw"):
-                content = part.get(name)
-                if isinstance(content, str) and len(content) > limit:
-                    digest = _sha256(content)
-                    if kept is not None and digest not in kept:
-                        continue
-                    reference = {"field": name, "sha256": digest, "chars": len(content)}
-                    part = {**{k: v for k, v in part.items() if k != name}, STORED: reference}
-                    moved += len(content)
+        movable = _movable(part, limit, kept)
+        if movable is not None:
+            name, content, digest = movable
+            reference = {"field": name, "sha256": digest, "chars": len(content)}
+            part = {**{k: v for k, v in part.items() if k != name}, STORED: reference}
+            moved += len(content)
         parts.append(part)
     return ({**value, "parts": parts}, moved) if moved else (value, 0)
+
+
+def _movable(part: Any, limit: int, kept: Collection[str] | None) -> tuple[str, str, str] | None:
+    """The content of ``part`` a reference replaces, as (field, content, sha256): its first
+    ``text`` or ``raw`` over ``limit`` (and in ``kept``, when given); None: none.
+
+    One a part, and none in a part that has a ``$stored`` key already (an agent's own):
+    a second reference overwrote the first, and that content was lost.
+    """
+    if not isinstance(part, dict) or STORED in part:
+        return None
+    for name in ("text", "raw"):
+        content = part.get(name)
+        if isinstance(content, str) and len(content) > limit:
+            digest = _sha256(content)
+            if kept is None or digest in kept:
+                return name, content, digest
+    return None
 
 
 def messages_by_reference(raw: Any, kept: Collection[str]) -> tuple[Any, int]:
@@ -929,12 +943,13 @@ class _Fold:
         copies = {aid: self._remembered[aid] for aid in held if aid in self._remembered}
         copies.update(self._stored_copies(held - copies.keys()))
         kept = big_contents(list(copies.values()), self.inline_limit)
-        saved = sum(
-            len(canonical_json(content))
-            for message in carried
-            for content in contents_over(parts_of(message), self.inline_limit)
-            if _sha256(content) in kept
-        )
+        saved = 0
+        for message in carried:  # what messages_by_reference will move
+            parts = parts_of(message)
+            for part in parts if isinstance(parts, list) else ():
+                movable = _movable(part, self.inline_limit, kept)
+                if movable is not None:
+                    saved += len(canonical_json(movable[1]))
         return max(0, entry.size - saved)
 
     def get(self, name: str) -> Any:
