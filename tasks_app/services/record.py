@@ -441,7 +441,7 @@ def _parse_timestamp(value: str) -> datetime | None:
 
 # Big contents, stored once ------------------------------------------------------------------
 
-STORED = "$stored"  # the key of a part whose content is kept in the artifact's part row
+STORED = "$stored"  # the key of a part whose content is kept in its part or conversation row
 
 
 def by_reference(raw: Any) -> tuple[Any, int]:
