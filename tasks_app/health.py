@@ -134,33 +134,54 @@ def _bound_workers(app: Any, conn: Any) -> int | None:
     return len({binding[-1] for binding in get_table(app.control.mailbox.exchange.name)})
 
 
+class _OursAnswered(Exception):
+    """A worker consuming this dashboard's queue answered: the others need not be waited for."""
+
+
+def _consumes(queue: str, queues: Any) -> bool:
+    return isinstance(queues, list) and any(
+        isinstance(q, dict) and q.get("name") == queue for q in queues
+    )
+
+
 def check_worker(timeout: float) -> None:
     """A worker that consumes this dashboard's queue answers.
 
     Any worker on the same Redis answered a ping, a worker of another dashboard sharing it
-    (``CELERY_QUEUE``) too: so the workers are asked which queues they consume. All of them
-    are waited for (one of them may be ours), but no longer than it takes the workers the
-    broker has bound to answer: with none bound nobody can, and the check fails at once;
-    when every bound worker has answered it is done (a healthy deployment's check took its
-    whole timeout, a second, before). A killed worker's leftover binding only brings back
-    the wait for the timeout. One broker connection serves both questions.
+    (``CELERY_QUEUE``) too: so the workers are asked which queues they consume.
+
+    1. With no worker bound to the control exchange nobody can answer: the check fails at
+       once.
+    2. The check is done at the first reply of a worker that consumes this dashboard's
+       queue; each reply is looked at as it arrives (a healthy deployment's check took its
+       whole timeout, a second, before).
+    3. Otherwise the replies are waited for, but no longer than it takes the workers the
+       broker has bound to answer (or the timeout), and the check fails.
+
+    A killed worker leaves its binding behind (the broker cannot tell it from a slow
+    worker): it costs the timeout only when no worker of ours answers. One broker
+    connection serves both questions.
     """
     from dashboard.celery import app
 
     queue = settings.CELERY_TASK_DEFAULT_QUEUE
+
+    def look(reply: Any) -> None:  # called by kombu for each reply as it arrives
+        if isinstance(reply, dict) and any(_consumes(queue, q) for q in reply.values()):
+            raise _OursAnswered
+
     with app.connection_for_write() as conn:  # the one a broadcast publishes on
         bound = _bound_workers(app, conn)
-        if bound == 0:
+        if bound == 0:  # 1
             raise CheckFailed("no Celery worker answered")
-        inspect = app.control.inspect(timeout=timeout, limit=bound, connection=conn)
-        replies = inspect.active_queues() or {}
-    if not replies:
+        inspect = app.control.inspect(timeout=timeout, limit=bound, connection=conn, callback=look)
+        try:
+            replies = inspect.active_queues() or {}
+        except _OursAnswered:  # 2
+            return
+    if not replies:  # 3
         raise CheckFailed("no Celery worker answered")
-    if not any(
-        isinstance(q, dict) and q.get("name") == queue
-        for queues in replies.values()
-        for q in queues or ()
-    ):
+    if not any(_consumes(queue, queues) for queues in replies.values()):
         raise CheckFailed("no Celery worker consumes this dashboard's queue (CELERY_QUEUE)")
 
 
