@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlencode
 
 from django.contrib import messages
@@ -28,7 +29,16 @@ from django.utils import timezone
 from django.views.decorators.debug import sensitive_post_parameters
 from django.views.decorators.http import require_GET, require_POST
 
-from tasks_app import access, answers, crypto, cursors, kept_uploads, upload_budget, views_a2ui
+from tasks_app import (
+    access,
+    answers,
+    crypto,
+    cursors,
+    exports,
+    kept_uploads,
+    upload_budget,
+    views_a2ui,
+)
 from tasks_app.a2a import validate_card
 from tasks_app.access import Perm, get_agent_for_user, get_task_for_user
 from tasks_app.forms import (
@@ -72,7 +82,7 @@ from tasks_app.services import agents as agent_services
 from tasks_app.services import audit
 from tasks_app.services import imports as import_services
 from tasks_app.services import tasks as task_services
-from tasks_app.services.record import task_summary
+from tasks_app.services.record import STORED_ONCE, references_in, task_summary
 from tasks_app.svg import timeline_svg
 
 log = logging.getLogger(__name__)
@@ -1067,7 +1077,13 @@ def event_detail(request: HttpRequest, pk: int, seq: int) -> HttpResponse:
     task = get_task_for_user(request, pk)
     if request.GET.get("format") == "json":
         event = get_object_or_404(TaskEvent, task=task, seq=seq)
-        return JsonResponse({"seq": event.seq, "raw": event.raw}, json_dumps_params={"indent": 2})
+        body: dict[str, Any] = {"seq": event.seq, "raw": event.raw}
+        referred = references_in(event.raw)
+        if referred:
+            # A big content lives once, in its artifact or conversation row, and the entry
+            # keeps a reference: as an export does, the contents come beside the entry.
+            body["contents"] = list(exports.referred_contents(task.pk, referred))
+        return JsonResponse(body, json_dumps_params={"indent": 2})
     as_text = Cast("raw", TextField())
     event = get_object_or_404(
         TaskEvent.objects.defer("raw").annotate(
@@ -1079,10 +1095,12 @@ def event_detail(request: HttpRequest, pk: int, seq: int) -> HttpResponse:
     cut = max(0, event.raw_chars - EVENT_PAGE_JSON_CHARS)
     # Short, the head is the whole entry's JSON text: indented from it, not read again.
     raw = event.raw_head if cut else pretty_json(json.loads(event.raw_head))
+    # The row's note says when it keeps references (an agent's own ``$stored`` key is none).
+    refers = STORED_ONCE in event.note
     return render(
         request,
         "tasks_app/event_detail.html",
-        {"task": task, "event": event, "raw": raw, "cut": cut},
+        {"task": task, "event": event, "raw": raw, "cut": cut, "refers": refers},
     )
 
 

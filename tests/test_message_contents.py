@@ -17,15 +17,17 @@ import json
 from typing import Any
 
 import pytest
-from django.test import override_settings
+from django.contrib.auth.models import User
+from django.test import Client, override_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tasks_app.models import ConversationMessage, RemoteTask, TaskEvent
+from tasks_app.models import ConversationMessage, Membership, RemoteTask, TaskEvent
 from tasks_app.services import record as record_module
 from tasks_app.services.chain import content_digest
 from tasks_app.services.record import STORED, record, record_many
 from tests.examples import examples
+from tests.people import member
 from tests.test_log_properties import log_rows, new_task
 from tests.test_truth import assert_sound
 
@@ -346,3 +348,24 @@ def test_a_stored_key_an_agent_sends_itself_is_content_not_a_reference():
     both = stored_once(task, sent[5], 6)["artifactUpdate"]["artifact"]["parts"][0]
     assert both["raw"] == BIG + "3" and both[STORED]["field"] == "text"
     assert_sound(task)
+
+
+@override_settings(INLINE_CONTENT_BYTES=LIMIT)
+def test_an_entrys_page_says_it_refers_and_its_json_brings_the_contents():
+    """The event page showed a reference where the content had been, and its JSON (the
+    "whole entry") did not have the content at all."""
+    task = new_task()
+    obj = status("TASK_STATE_WORKING", message("m-1", {"text": BIG}))
+    record_many(task, [obj, status("TASK_STATE_INPUT_REQUIRED")], "stream")
+    reader = Client()
+    reader.force_login(member(User.objects.create_user("reader"), Membership.Role.VIEWER))
+    whole = reader.get(f"/tasks/{task.pk}/events/1/?format=json").json()
+    assert whole["raw"] == TaskEvent.objects.get(task=task, seq=1).raw  # the row as hashed
+    assert STORED in json.dumps(whole["raw"])
+    contents = {item["sha256"]: item["content"] for item in whole["contents"]}
+    assert list(contents.values()) == [BIG]
+    assert record_module.with_content(whole["raw"], contents) == obj
+    assert 'id="raw-refers"' in reader.get(f"/tasks/{task.pk}/events/1/").content.decode()
+    plain = reader.get(f"/tasks/{task.pk}/events/2/?format=json").json()
+    assert "contents" not in plain
+    assert 'id="raw-refers"' not in reader.get(f"/tasks/{task.pk}/events/2/").content.decode()

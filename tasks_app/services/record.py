@@ -442,6 +442,8 @@ def _parse_timestamp(value: str) -> datetime | None:
 # Big contents, stored once ------------------------------------------------------------------
 
 STORED = "$stored"  # the key of a part whose content is kept in its part or conversation row
+# What the note of a row that keeps references says (the event page looks for it).
+STORED_ONCE = "content stored once"
 
 
 def by_reference(raw: Any) -> tuple[Any, int]:
@@ -1485,7 +1487,7 @@ class _Fold:
                 for count, where in ((moved, "part"), (in_messages, "message")):
                     if count:
                         home = "the artifact" if where == "part" else "the conversation"
-                        moved_note = f"{count} characters of {where} content stored once, in {home}"
+                        moved_note = f"{count} characters of {where} {STORED_ONCE}, in {home}"
                         note = f"{note}; {moved_note}" if note else moved_note
             if row.apply:
                 stored_here.extend(getattr(row, "messages", ()))
