@@ -7,6 +7,7 @@ watchers, webhooks and commands go through services.
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 from django.conf import settings
 from django.db import models
@@ -43,6 +44,21 @@ class BulkJSONField(models.JSONField):
 
     def get_placeholder(self, value: object, compiler: object, connection: object) -> str:
         return "%s"
+
+    def get_db_prep_save(self, value: object, connection: Any) -> object:
+        if type(value) is JSONText:  # written already (see record.insert_rows)
+            return value.text
+        return super().get_db_prep_save(value, connection)
+
+
+class JSONText:
+    """A JSON value's text, written already: a :class:`BulkJSONField` on SQLite (which keeps
+    JSON as text) stores it as it is. Only ``record.insert_rows`` makes these."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
 
 
 class Project(models.Model):

@@ -6,10 +6,13 @@ import gc
 import threading
 
 import pytest
-from django.db import close_old_connections
+from django.db import close_old_connections, connection
+from django.db.models import TextField
+from django.db.models.functions import Cast
 
 from tasks_app.models import Agent, ArtifactPart, RemoteTask, TaskEvent
 from tasks_app.services import record as record_module
+from tasks_app.services.chain import canonical_json
 from tasks_app.services.record import record, record_many
 from tasks_app.services.snapshot import task_view
 
@@ -340,6 +343,41 @@ def test_rows_written_from_their_canonical_text_read_back_as_they_came(task, mon
     # Every row from its text but the one with an emoji: its escaped surrogate pair makes
     # the scan send it through the cleaning walk, which serializes as before.
     assert [text is None for text in log_texts["raw"]] == [i == 3 for i in range(len(texts))]
+    if connection.vendor == "sqlite":  # JSON kept as text: the very text, on SQLite too
+        kept = (
+            TaskEvent.objects.filter(task=task)
+            .order_by("seq")
+            .annotate(text=Cast("raw", TextField()))
+            .values_list("text", flat=True)
+        )
+        assert [
+            text == canonical_json(obj).decode() for text, obj in zip(kept, objs, strict=True)
+        ] == [i != 3 for i in range(len(texts))]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_rows_inserted_from_their_texts_hold_their_values_after_even_a_failed_insert(task):
+    """The rows of a batch are relayed after their insert: on SQLite the insert puts each
+    written text in place of its value for the time of the statement, and puts it back."""
+    from django.db import IntegrityError, transaction
+
+    from tasks_app.services.record import insert_rows
+
+    def rows(first: int) -> list[TaskEvent]:
+        return [
+            TaskEvent(task=task, seq=seq, channel="stream", kind="system", raw={"n": seq})
+            for seq in (first, first + 1)
+        ]
+
+    made = rows(1)
+    insert_rows(TaskEvent, made, json_texts={"raw": [canonical_json(e.raw) for e in made]})
+    assert [e.raw for e in made] == [{"n": 1}, {"n": 2}]
+    again = rows(2)  # seq 2 is taken: the insert fails
+    with pytest.raises(IntegrityError), transaction.atomic():
+        insert_rows(TaskEvent, again, json_texts={"raw": [canonical_json(e.raw) for e in again]})
+    assert [e.raw for e in again] == [{"n": 2}, {"n": 3}]
+    stored = TaskEvent.objects.filter(task=task).order_by("seq").values_list("raw", flat=True)
+    assert list(stored) == [{"n": 1}, {"n": 2}]
 
 
 def test_a_document_shows_the_log_up_to_the_row_it_was_read_with(task):
