@@ -390,10 +390,14 @@ def _canonical(value: Any) -> bytes:
     return _encode_part(value).encode()
 
 
-def chain_digest(digest: str, parts: Sequence[Any]) -> str:
-    """Extend the chained digest of an artifact's parts by ``parts``."""
+def chain_digest(digest: str, parts: Sequence[Any], texts: list[str] | None = None) -> str:
+    """Extend the chained digest of an artifact's parts by ``parts``; each part's canonical
+    text is appended to ``texts`` when given (its row is written from it: ``PART_TEXT``)."""
     for part in parts:
-        digest = hashlib.sha256(digest.encode() + _canonical(part)).hexdigest()
+        text = _encode_part(part)
+        if texts is not None:
+            texts.append(text)
+        digest = hashlib.sha256(digest.encode() + text.encode()).hexdigest()
     return digest
 
 
@@ -731,6 +735,8 @@ class _Row:
     # An artifact update: the digest its parts were chained onto, and the digest after them
     # (the fold computes it; writing the parts reuses it when it starts from the same digest).
     chained: tuple[str, str] | None = None
+    # Each of its parts' canonical text, written by the fold's chain (see ``PART_TEXT``).
+    part_texts: list[str] | None = None
 
 
 class _Rows(list):
@@ -1337,7 +1343,8 @@ class _Fold:
         append = bool(update.get("append")) and current is not None
         start = current if append else ""
         parts = data.get("parts") or []
-        self._pending[data["artifactId"]] = digest = chain_digest(start, parts)
+        texts: list[str] = []
+        self._pending[data["artifactId"]] = digest = chain_digest(start, parts, texts)
         if append:
             held = self.artifact(data["artifactId"])
             stored_count, after = self._pending_parts.get(
@@ -1350,7 +1357,7 @@ class _Fold:
         self._labels[data["artifactId"]] = labels_after(
             self.labels(data["artifactId"]) if current is not None else NO_LABELS, data
         )
-        self.rows.append(_Row(entry, "artifactUpdate", chained=(start, digest)))
+        self.rows.append(_Row(entry, "artifactUpdate", chained=(start, digest), part_texts=texts))
 
     def _shown_by_snapshot(self, update: dict) -> bool:
         """Whether an appended chunk is the end of an artifact that a snapshot set last.
@@ -1573,11 +1580,18 @@ class _Fold:
         # A row that keeps its entry's raw as it came is written from the entry's canonical
         # text (parsing wrote it for the digest), not serialized a second time.
         texts = [
-            row.entry.text if event.raw is row.entry.raw else None
+            row.entry.text.decode("ascii")
+            if event.raw is row.entry.raw and row.entry.text is not None
+            else None
             for row, event in zip(self.rows, events, strict=True)
         ]
         insert_rows(TaskEvent, events, json_texts={"raw": texts})
-        insert_rows(ArtifactPart, self._new_parts, batch_size=500)
+        insert_rows(
+            ArtifactPart,
+            self._new_parts,
+            batch_size=500,
+            json_texts={"part": [p.__dict__.get(PART_TEXT) for p in self._new_parts]},
+        )
         insert_rows(ConversationMessage, self._new_messages, batch_size=500)
         names = ["name", "description", "metadata", "extensions", "part_count",
                  "digest", "complete", "position", "updated_seq", "updated_at"]  # fmt: skip
@@ -1613,7 +1627,12 @@ class _Fold:
             append = bool(update.get("append")) and self.artifact(data["artifactId"]) is not None
             artifact = self._put_artifact(data, seq, now, complete=bool(update.get("lastChunk")))
             self._add_parts(
-                artifact, data.get("parts") or [], seq, replace=not append, chained=row.chained
+                artifact,
+                data.get("parts") or [],
+                seq,
+                replace=not append,
+                chained=row.chained,
+                texts=row.part_texts,
             )
 
     def _replace_all_artifacts(
@@ -1711,6 +1730,7 @@ class _Fold:
         *,
         replace: bool,
         chained: tuple[str, str] | None = None,
+        texts: list[str] | None = None,
     ) -> None:
         if replace:
             if artifact.part_count:
@@ -1720,9 +1740,11 @@ class _Fold:
             artifact.part_count, artifact.digest = 0, ""
         start = artifact.part_count
         # In PART_FIELDS order (see _row_maker).
-        self._new_parts.extend(
-            _new_part(None, artifact.pk, start + i, part, seq) for i, part in enumerate(parts)
-        )
+        rows = [_new_part(None, artifact.pk, start + i, part, seq) for i, part in enumerate(parts)]
+        if texts is not None and len(texts) == len(rows):
+            for row, text in zip(rows, texts, strict=True):
+                row.__dict__[PART_TEXT] = text
+        self._new_parts.extend(rows)
         artifact.part_count = start + len(parts)
         if chained is not None and chained[0] == artifact.digest:
             artifact.digest = chained[1]  # the same parts onto the same digest: the fold's result
@@ -1760,6 +1782,9 @@ def _row_maker(model: type[M], attnames: tuple[str, ...]) -> Callable[..., M]:
 
 _new_event = _row_maker(TaskEvent, EVENT_FIELDS)
 _new_part = _row_maker(ArtifactPart, PART_FIELDS)
+# A new part row's canonical JSON text, when the fold wrote it (``chain_digest``): the insert
+# writes it as it is (``json_texts``), not serialized a second time.
+PART_TEXT = "_json_text"
 
 _AS_IS = (int, str, bool)
 # COPY takes two round trips (the statement, then the rows): a few rows, as a live stream's
@@ -1772,7 +1797,7 @@ def insert_rows(
     objs: list[Any],
     *,
     batch_size: int | None = None,
-    json_texts: dict[str, list[bytes | None]] | None = None,
+    json_texts: dict[str, list[str | None]] | None = None,
 ) -> None:
     """Insert new rows of ``model`` in bulk, in the current transaction.
 
@@ -1784,9 +1809,9 @@ def insert_rows(
     back: nothing after a record needs them. Fewer than ``COPY_FROM_ROWS`` rows, and
     other databases: ``bulk_create`` (``batch_size``).
 
-    ``json_texts``: for a JSON field (by attname), each row's value as ASCII JSON text
-    already written (None: serialize the value), used by COPY and on SQLite; a text
-    must be JSON of that very value (the rows keep the value).
+    ``json_texts``: for a JSON field (by attname), each row's value as JSON text already
+    written (None: serialize the value), used by COPY and on SQLite; a text must be JSON
+    of that very value (the rows keep the value).
     """
     if not objs:
         return
@@ -1822,7 +1847,7 @@ def insert_rows(
             # COPY's text form of a JSON column is parsed as JSON: a text at hand is written
             # as it is, and only a row without one is serialized.
             row[index] = (
-                text.decode("ascii")
+                text
                 if text is not None
                 else fields[index].get_db_prep_save(getattr(obj, name), wrapper)
             )
@@ -1844,7 +1869,7 @@ def _bulk_create_with_texts(
     model: type[models.Model],
     objs: list[Any],
     batch_size: int | None,
-    json_texts: dict[str, list[bytes | None]],
+    json_texts: dict[str, list[str | None]],
 ) -> None:
     """``bulk_create`` on SQLite, each JSON value whose text is at hand written as that text.
 
@@ -1858,7 +1883,7 @@ def _bulk_create_with_texts(
             for obj, text in zip(objs, texts, strict=True):
                 if text is not None:
                     swapped.append((obj, name, obj.__dict__[name]))
-                    obj.__dict__[name] = JSONText(text.decode("ascii"))
+                    obj.__dict__[name] = JSONText(text)
         model.objects.bulk_create(objs, batch_size=batch_size)
     finally:
         for obj, name, value in swapped:
