@@ -49,6 +49,7 @@ EVENT_FIELDS = (
     "actor_id",
     "actor__username",
     "raw",
+    "digest",
     "hash",
 )
 CSV_COLUMNS = ("id", "created_at", "person", "action", "project", "agent_id", "agent", "task_id", "task",
@@ -99,6 +100,7 @@ def event_record(row: dict[str, Any]) -> dict[str, Any]:
         "actor": row["actor__username"],
         "actor_id": row["actor_id"],
         "raw": row["raw"],
+        "digest": row["digest"],
         "hash": row["hash"],
     }
 

@@ -20,6 +20,7 @@ from django.urls import reverse
 
 from tasks_app.models import Agent, Membership, Project, RemoteTask, TaskEvent
 from tasks_app.services import audit
+from tasks_app.services.chain import content_digest
 from tasks_app.services.record import record
 from tests.bulklog import bulk_log
 from tests.people import member
@@ -112,9 +113,11 @@ def test_a_10000_event_task_exports_every_event_as_json_and_jsonl(world) -> None
         "actor",
         "actor_id",
         "raw",
+        "digest",
         "hash",
     }
     assert first["raw"]["statusUpdate"]["metadata"]["p"] == 1 / 7
+    assert first["digest"] == content_digest(first["raw"])[0]  # nothing kept apart: as stored
 
     response = world["auditor"].get(url, {"format": "jsonl"})
     assert response.status_code == 200 and response["Content-Type"].startswith(

@@ -369,3 +369,39 @@ def test_an_entrys_page_says_it_refers_and_its_json_brings_the_contents():
     plain = reader.get(f"/tasks/{task.pk}/events/2/?format=json").json()
     assert "contents" not in plain
     assert 'id="raw-refers"' not in reader.get(f"/tasks/{task.pk}/events/2/").content.decode()
+
+
+@override_settings(INLINE_CONTENT_BYTES=LIMIT)
+def test_a_reference_an_agent_mimics_exactly_is_replayed_as_it_came():
+    """A ``$stored`` key shaped exactly like one of ours (the field absent, the right length,
+    the sha256 of a content the task keeps) cannot be told from ours by its shape: the
+    replay put the content in, folded what the agent never sent, and reported the view as
+    differing. The row's digest is the entry's as it came: restoring must give it back."""
+    import hashlib
+
+    task = new_task()
+    digest = hashlib.sha256(BIG.encode()).hexdigest()
+    mimic = {STORED: {"field": "text", "sha256": digest, "chars": len(BIG)}}
+    sent = [
+        {"artifactUpdate": {"taskId": "t-1", "artifact": {"artifactId": "a-1", "parts": [{"text": BIG}]}}},
+        {"artifactUpdate": {"taskId": "t-1", "artifact": {"artifactId": "a-2", "parts": [mimic]}}},
+    ]  # fmt: skip
+    record_many(task, sent, "stream")
+    stored = [e.raw for e in TaskEvent.objects.filter(task=task).order_by("seq")]
+    contents = record_module.stored_contents(task.pk)
+    assert stored[1] == sent[1] and digest in contents
+    rows = TaskEvent.objects.filter(task=task).order_by("seq")
+    assert [record_module.as_it_came(e.raw, e.digest, contents) for e in rows] == sent
+    assert_sound(task)
+    # An export's reader, with the export alone: contents put back, then checked by digest.
+    from tasks_app import exports
+
+    document = json.loads(b"".join(exports.json_chunks(RemoteTask.objects.get(pk=task.pk))))
+    kept = {item["sha256"]: item["content"] for item in document["contents"]}
+    read = []
+    for event in document["events"]:
+        back = record_module.with_content(event["raw"], kept)
+        read.append(back if content_digest(back)[0] == event["digest"] else event["raw"])
+    assert (
+        read == sent and record_module.with_content(document["events"][1]["raw"], kept) != sent[1]
+    )

@@ -312,10 +312,10 @@ def replay(task: RemoteTask | int) -> Replay:
        states as the stored ones; the scratch view must equal the stored view.
     """
     from tasks_app.services.record import (
+        as_it_came,
         record_many,
         references_in,
         stored_contents,
-        with_content,
     )
 
     task_pk = task.pk if isinstance(task, RemoteTask) else task
@@ -357,7 +357,7 @@ def replay(task: RemoteTask | int) -> Replay:
                     if shortest < looked_below:
                         contents.update(stored_contents(stored.pk, shortest))
                         looked_below = shortest
-                run.append(with_content(event.raw, contents) if contents else event.raw)
+                run.append(as_it_came(event.raw, event.digest, contents) if contents else event.raw)
                 result.rows += 1
             if run and run_key is not None:
                 record_many(scratch.pk, run, run_key[0], actor_id=run_key[1])

@@ -639,6 +639,29 @@ def with_content(raw: Any, contents: dict[str, str]) -> Any:
     return raw
 
 
+def as_it_came(raw: Any, digest: str, contents: dict[str, str]) -> Any:
+    """A log row's entry with the contents its references point to put back
+    (:func:`with_content`), when that gives the entry as it came: the one whose digest the
+    row keeps (references are made after the digest, from the entry as parsed).
+
+    An agent may send a ``$stored`` key shaped exactly like one of ours, naming a content
+    the task keeps (its sha256 is no secret): by its shape ``_ours`` takes it for a
+    reference. Put back, it is content the agent never sent, and a replay folding it did
+    not meet the view the agent's entry made. Such an entry is given back as stored (with
+    one of ours beside it, that one stays a reference too).
+    """
+    if not references_in(raw):
+        return raw
+    restored = with_content(raw, contents)
+    if not digest:  # a row without one (none is written so): as before
+        return restored
+    try:
+        same = content_digest(restored)[0] == digest
+    except (RecursionError, ValueError, TypeError):
+        same = False
+    return restored if same else raw
+
+
 def _ours(part: Any, contents: dict[str, str]) -> bool:
     """Whether ``part`` holds a reference as ``parts_by_reference`` writes one, to a content in
     ``contents``: the field it names (``text`` or ``raw``) absent, and the content as long as
