@@ -346,18 +346,16 @@ def replay(task: RemoteTask | int) -> Replay:
                     record_many(scratch.pk, run, run_key[0], actor_id=run_key[1])  # type: ignore[index]
                     run = []
                 run_key = key
-                missing = {
-                    sha: chars
-                    for sha, chars in references_in(event.raw).items()
-                    if sha not in contents
-                }
+                referred = references_in(event.raw)
+                missing = {sha: chars for sha, chars in referred.items() if sha not in contents}
                 if missing:
                     # Referred to under a lower INLINE_CONTENT_BYTES than today's: shorter.
                     shortest = max(0, min(missing.values()) - 1)
                     if shortest < looked_below:
                         contents.update(stored_contents(stored.pk, shortest))
                         looked_below = shortest
-                run.append(as_it_came(event.raw, event.digest, contents) if contents else event.raw)
+                # Only a row that refers is put back (and hashed again to check it).
+                run.append(as_it_came(event.raw, event.digest, contents) if referred else event.raw)
                 result.rows += 1
             if run and run_key is not None:
                 record_many(scratch.pk, run, run_key[0], actor_id=run_key[1])
