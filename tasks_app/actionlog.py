@@ -230,13 +230,13 @@ class ActionFilterForm(forms.Form):
         name = (self.cleaned_data.get("person") or "").strip()
         if not name:
             return None
-        people = get_user_model().objects.filter(username=name)
-        if self.audited is not None:
-            actors = self._audited_actions().values("actor_id")
-            people = people.filter(
-                Q(memberships__project_id__in=self.audited) | Q(pk__in=actors)
-            ).distinct()
-        person = people.first()
+        person = get_user_model().objects.filter(username=name).first()
+        if person is not None and self.audited is not None:
+            # Asked of this one person, each through its own index: "is anyone among all
+            # the log's actors" read the whole audited log (125 ms for 100,000 actions).
+            member = person.memberships.filter(project_id__in=self.audited).exists()
+            if not member and not self._audited_actions().filter(actor=person).exists():
+                person = None
         if person is None:
             where = "" if self.audited is None else " in the projects you audit"
             raise forms.ValidationError(f"No person named “{name[:40]}”{where}.")
