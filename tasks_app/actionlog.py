@@ -292,7 +292,7 @@ def after_cursor(
     if cursor is None:
         return ordered
     moment, pk = cursor
-    return ordered.filter(Q(created_at__lt=moment) | Q(created_at=moment, id__lt=pk))
+    return ordered.filter(cursors.after("created_at", moment, pk, descending=True))
 
 
 @dataclass

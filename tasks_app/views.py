@@ -524,15 +524,7 @@ def task_list(request: HttpRequest) -> HttpResponse:
     cursor_broken = bool(cursor_text) and cursor is None
     page_qs = qs.none() if cursor_broken else qs
     if cursor:
-        value, pk = cursor
-        if desc:
-            page_qs = page_qs.filter(
-                Q(**{f"{field}__lt": value}) | Q(**{field: value, "pk__lt": pk})
-            )
-        else:
-            page_qs = page_qs.filter(
-                Q(**{f"{field}__gt": value}) | Q(**{field: value, "pk__gt": pk})
-            )
+        page_qs = page_qs.filter(cursors.after(field, *cursor, descending=desc))
     order = [f"-{field}", "-pk"] if desc else [field, "pk"]
     rows = list(page_qs.select_related("agent").order_by(*order)[: PAGE_SIZE + 1])
     has_next = len(rows) > PAGE_SIZE
