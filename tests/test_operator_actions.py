@@ -264,6 +264,36 @@ def test_not_cancelable_asks_gettask_before_calling_it_a_failure(agent, ann, rep
     assert actions(task, "cancel") == ["already canceled"]
 
 
+def test_a_cancel_answered_task_not_found_asks_gettask_and_finds_the_task_gone(agent, ann, replies):
+    """TaskNotFound to CancelTask fell into "Cancel failed" without asking GetTask: the task
+    stayed watched as if alive, though the agent had forgotten it (the doc promised "gone")."""
+    task = named(agent)
+    replies["CancelTask"] = RpcError(-32001, "no such task")
+    replies["GetTask"] = RpcError(-32001, "no such task")
+    page = ann.post(reverse("task-cancel", args=[task.pk]), {"reason": ""}, follow=True)
+    assert "gone at the agent" in page.content.decode()
+    task.refresh_from_db()
+    assert task.gone_at is not None and task.watcher_status == RemoteTask.WatcherStatus.GONE
+    (gone,) = TaskEvent.objects.filter(task=task, kind="system")
+    assert gone.raw["system"]["event"] == "gone"
+    (outcome,) = actions(task, "cancel")
+    assert "gone at the agent" in outcome
+    # An agent that answers TaskNotFound for a task that ended: GetTask shows it canceled.
+    other = RemoteTask.objects.create(
+        agent=agent, title="t", remote_id="t-8", context_id="c-8", phase=RemoteTask.Phase.TASK,
+        state="TASK_STATE_WORKING", watch=RemoteTask.Watch.POLL,
+    )  # fmt: skip
+    replies["GetTask"] = {
+        "id": "t-8",
+        "contextId": "c-8",
+        "status": {"state": "TASK_STATE_CANCELED"},
+    }
+    ann.post(reverse("task-cancel", args=[other.pk]), {"reason": ""})
+    other.refresh_from_db()
+    assert other.state == "TASK_STATE_CANCELED" and other.gone_at is None
+    assert actions(other, "cancel") == ["already canceled"]
+
+
 # The command line: the same refusals as the page ----------------------------------------------
 
 

@@ -479,13 +479,19 @@ def cancel_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = No
                 task.remote_id, metadata=client_metadata
             )
         )
-    except TaskNotCancelableError as exc:
-        # Not cancelable: it may have ended already, canceled included, before the mirror
-        # heard of it. GetTask decides (recorded), not the row we hold.
+    except (TaskNotCancelableError, TaskNotFoundError) as exc:
+        # Refused: the task may have ended already, canceled included, before the mirror
+        # heard of it, and some agents answer TaskNotFound for a task that ended. GetTask
+        # decides (recorded), not the row we hold; TaskNotFound there too: gone at the agent.
+        agent_services.mark_reachable(agent.pk)  # an answer, even a refusal
+        gone: TaskNotFoundError | None = None
         try:
             snapshot = outbound.run(
                 lambda http: outbound.client_for(agent, http).get_task(task.remote_id)
             )
+        except TaskNotFoundError as not_found:
+            gone = not_found
+            mark_gone(task.pk, None, str(not_found))
         except A2AError:
             pass
         else:
@@ -499,7 +505,10 @@ def cancel_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = No
             return task  # already canceled: cancel is idempotent in effect
         # The error's own text: one line, bounded (the agent's message could be megabytes
         # of anything, shown on the page and kept in the session).
-        outcome = f"The agent will not cancel this task: {exc}"
+        if gone is not None:
+            outcome = f"The agent does not know this task: gone at the agent. ({gone})"
+        else:
+            outcome = f"The agent will not cancel this task: {exc}"
         _action(task, actor_id, "cancel", {"reason": reason}, outcome)
         raise TaskActionError(outcome) from exc
     except A2AError as exc:
