@@ -19,7 +19,6 @@ import asyncio
 import functools
 import http.cookiejar
 import os
-import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -146,11 +145,12 @@ def url_problem(url: str, *, resolve: bool = True) -> str | None:
     host = parts.hostname or ""
     if guard.literal_ip(host) is not None:
         return None
-    try:
-        infos = socket.getaddrinfo(host, parts.port or 443, type=socket.SOCK_STREAM)
-    except (OSError, ValueError):
+    # On the guard's threads, within the call deadline: a resolver that ignores deadlines
+    # held the page that asked (agent add, interface choice) as long as it liked.
+    port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+    addresses = guard.lookup_within(host, port, settings.A2A_CALL_DEADLINE_SECONDS)
+    if addresses is None:
         return None
-    addresses = [str(info[4][0]) for info in infos if info[0] in (socket.AF_INET, socket.AF_INET6)]
     try:
         guard.check_addresses(policy(), host, addresses)
     except guard.GuardRefusal as exc:

@@ -17,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -318,6 +319,36 @@ def test_add_view_refuses_card_urls_before_connecting(
     assert not Agent.objects.exists()  # nothing half-saved
     assert (v4.connections, v6.connections) == (0, 0)
     no_attempt_off_loopback(mark)
+
+
+def test_the_check_before_a_fetch_gives_up_a_lookup_at_the_call_deadline(
+    names: list[str], settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``outbound.url_problem`` looked the name up on the page's own thread with no deadline:
+    a resolver that ignores deadlines held the agent-add page as long as it liked. It now
+    asks the guard's threads for at most the call deadline and leaves the rest to the fetch;
+    a name that resolves in time is still checked (here, to a refused address)."""
+    stubbed = socket.getaddrinfo  # the ``names`` stub
+    released = threading.Event()
+
+    def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host == "slow-dns.test":
+            released.wait(6)  # a resolver that ignores every deadline
+            host = "loopback.internal.test"  # then answers, never off this machine
+        return stubbed(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    settings.A2A_CALL_DEADLINE_SECONDS = 0.5
+    started = time.monotonic()
+    try:
+        problem = outbound.url_problem("https://slow-dns.test/.well-known/agent-card.json")
+        took = time.monotonic() - started
+    finally:
+        released.set()
+    assert problem is None and took < 3, f"held {took:.1f} s by the resolver"
+    settings.OUTBOUND_ALLOW = []
+    refused = outbound.url_problem("http://private.internal.test/")
+    assert refused and "10.0.0.1" in refused, refused
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ nothing from Django: ``tasks_app.outbound`` builds the policy from ``OUTBOUND_AL
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ipaddress
 import re
 import socket
@@ -271,6 +272,18 @@ _resolver = ThreadPoolExecutor(RESOLVER_THREADS, thread_name_prefix="outbound-re
 def _lookup(host: str, port: int) -> list[tuple]:
     # Looked up at call time, so tests can stub names.
     return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+
+
+def lookup_within(host: str, port: int, timeout: float) -> list[str] | None:
+    """The addresses ``host`` resolves to, looked up on the guard's threads for at most
+    ``timeout`` seconds (for a caller that is not on a loop: a page's check before a fetch);
+    None when the name does not resolve in time or at all (the fetch says so in its words)."""
+    try:
+        infos = _resolver.submit(_lookup, host, port).result(timeout=timeout)
+    except (OSError, ValueError, concurrent.futures.TimeoutError):
+        return None
+    inet = (socket.AF_INET, socket.AF_INET6)
+    return [str(info[4][0]) for info in infos if info[0] in inet]
 
 
 async def resolve_checked(policy: Policy, host: str, port: int, timeout: float | None) -> list[str]:
