@@ -558,6 +558,9 @@ def test_in_production_the_admin_password_is_shown_once(tmp_path: Path) -> None:
     [
         (["--only", "web,cache"], {"REDIS_URL": "redis://127.0.0.1:1/0"}, "Error: Unknown role cache for --only; the roles are web, worker, beat, webhook."),
         (["--only", "worker"], {}, "Error: --only needs REDIS_URL: parts on different machines must share one Redis"),
+        # Every role named is still a part: a private Redis per machine would split the work.
+        (["--only", "web,worker,beat"], {}, "Error: --only needs REDIS_URL: parts on different machines must share one Redis"),
+        (["--only", "web,worker,beat", "--demo"], {"REDIS_URL": "redis://127.0.0.1:1/0"}, "Error: --demo starts every part on this machine; leave out --only."),
         (["--only", "web", "--demo"], {"REDIS_URL": "redis://127.0.0.1:1/0"}, "Error: --demo starts every part on this machine; leave out --only."),
         (["--only", ","], {"REDIS_URL": "redis://127.0.0.1:1/0"}, "Error: --only needs a role; the roles are web, worker, beat, webhook."),
         (["--only", "worker"], {"REDIS_URL": "redis://:hunter2@127.0.0.1:1/0"}, "Error: Cannot reach Redis at REDIS_URL (redis://:***@127.0.0.1:1/0): "),

@@ -311,6 +311,7 @@ class Command(BaseCommand):
             demo=options["demo"],
             roles=roles,
             proxy_headers=options["proxy_headers"],
+            partial=bool(options.get("only")),
         )
         try:
             code = runner.run()
@@ -337,12 +338,15 @@ class Runner:
         demo: bool,
         roles: tuple[str, ...] = ALL_IN_ONE,
         proxy_headers: bool = False,
+        partial: bool | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self.demo = demo
         self.roles = roles
-        self.partial = roles != ALL_IN_ONE
+        # Any --only is a part of a deployment, even naming every role: it shares the
+        # configured Redis and never starts a private one (each machine would have its own).
+        self.partial = roles != ALL_IN_ONE if partial is None else partial
         self.proxy_headers = proxy_headers
         self.supervisor = Supervisor(output=sys.stdout)
         self.stopping = threading.Event()
