@@ -247,6 +247,27 @@ def test_watch_again_is_offered_for_a_send_parked_before_it_went_out(agent, oper
     assert task.watcher_status == RemoteTask.WatcherStatus.IDLE
 
 
+def test_watch_again_refuses_an_ended_or_failed_task_that_kept_its_parked_status(agent, operator):
+    """The page offers "watch again" only for unfinished tasks, but the service (and the
+    command line through it) took a task settled while parked: an operator entry after the
+    task's end and a watcher dispatched for nothing. Refused now in one sentence, nothing written."""
+    ended = named(agent)
+    RemoteTask.objects.filter(pk=ended.pk).update(
+        state="TASK_STATE_COMPLETED", watcher_status=RemoteTask.WatcherStatus.PARKED
+    )
+    failed = RemoteTask.objects.create(
+        agent=agent, title="f", phase=RemoteTask.Phase.FAILED, watch=RemoteTask.Watch.POLL,
+        watcher_status=RemoteTask.WatcherStatus.PARKED,
+    )  # fmt: skip
+    for task, words in ((ended, "has ended"), (failed, "send failed")):
+        task.refresh_from_db()
+        assert not task_services.offered_actions(task)["can_watch_again"]
+        with pytest.raises(task_services.TaskActionError, match=words):
+            task_services.watch_again(task, actor_id=operator.pk)
+        assert not TaskEvent.objects.filter(task=task, kind="operator").exists()
+        assert actions(task, "watch") == []
+
+
 def test_not_cancelable_asks_gettask_before_calling_it_a_failure(agent, ann, replies):
     """On "not cancelable" only our copy was read: a task the agent had canceled already
     (the mirror not told yet) was reported as refusing to cancel."""

@@ -640,9 +640,13 @@ def watch_again(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask:
                 RemoteTask.WatcherStatus.RECONNECTING,
             ]
         ) | Q(watcher_status=RemoteTask.WatcherStatus.IDLE, fruitless_turns__gt=0)
+        # Not ended (a task settled while parked kept its status), not a failed send: the
+        # page offers neither, and an entry after the end would follow the task's last word.
         won = RemoteTask.objects.filter(
             free,
             statuses,
+            unfinished(),
+            ~Q(phase=RemoteTask.Phase.FAILED),
             pk=task.pk,
             abandoned_at__isnull=True,
             gone_at__isnull=True,
