@@ -998,7 +998,11 @@ def task_events(request: HttpRequest, pk: int) -> HttpResponse:
     form.is_valid()
     wanted = {k: v for k, v in form.cleaned_data.items() if v and k not in form.errors}
     view = wanted.get("view", "full")
-    context: dict = {"task": task, "form": form, "view": view, "chain": _chain(request, task)}
+    context: dict = {
+        "task": task, "form": form, "view": view, "chain": _chain(request, task),
+        # This task's project's permissions: auditing another project offers no export here.
+        "can": access.can(request.user, task.agent.project_id),
+    }  # fmt: skip
     if view == "compact":
         context.update(_compact_history(task))
         return render(request, "tasks_app/task_events.html", context)

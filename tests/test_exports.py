@@ -14,6 +14,7 @@ import stat
 from datetime import UTC, datetime
 
 import pytest
+from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
 from django.test import AsyncClient, Client
 from django.urls import reverse
@@ -208,6 +209,12 @@ def test_the_events_page_links_to_the_exports_for_auditors(world) -> None:
     )
     page = world["people"]["viewer"].get(reverse("task-events", args=[task.pk])).content.decode()
     assert 'id="export-links"' not in page
+    # Auditing another project offers no export of this one's tasks (the click was a 403 and
+    # a refusal row): the links follow this task's project, not any project's audit.
+    member(get_user_model().objects.get(username="viewer"), Membership.Role.AUDITOR, "beta")
+    page = world["people"]["viewer"].get(reverse("task-events", args=[task.pk])).content.decode()
+    assert 'id="export-links"' not in page
+    assert world["people"]["viewer"].get(reverse("audit")).status_code == 200  # audits beta
 
 
 def test_the_command_exports_to_stdout_and_to_a_private_file(world, tmp_path) -> None:
