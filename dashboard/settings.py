@@ -311,7 +311,7 @@ def _redis_url_problem(url: str) -> str | None:
             return "it does not start with redis://, rediss:// or unix://"
         return (
             "it cannot be read as one (its port must be a number from 1 to 65535, and a "
-            "password holding / # ? or @ must be percent-encoded)"
+            "password holding / # or ? must be percent-encoded)"
         )
     return "its port is 0" if port == 0 else None
 

@@ -154,9 +154,10 @@ def parse_entry(obj: Any) -> Entry:
         except (RecursionError, ValueError, TypeError) as exc:
             return _unwritable(exc)
     if replaced:
+        # One count for both kinds (safejson.clean): the words name each change it makes.
         note = (
-            f"{replaced} character(s) no database can store (lone surrogates, NUL) replaced by "
-            "U+FFFD, or surrogate halves joined"
+            f"{replaced} value(s) no database can store changed: lone surrogates and NUL "
+            "replaced by U+FFFD, surrogate halves joined, NaN and Infinity written as strings"
         )
         entry.note = f"{entry.note}; {note}" if entry.note else note
     return entry

@@ -100,7 +100,7 @@ def webhook_argv(python: str, host: str, port: int, proxy_headers: bool) -> list
     ``dashboard.webhook_asgi`` under uvicorn: per delivery, its HTTP handling costs a
     fraction of daphne's (docs/performance.md, P10). Client addresses come from
     ``X-Forwarded-For`` only with ``proxy_headers``, and then only from the proxies
-    uvicorn trusts (``FORWARDED_ALLOW_IPS``, default 127.0.0.1).
+    uvicorn trusts (``FORWARDED_ALLOW_IPS``, default ``127.0.0.1,::1``).
     """
     # uvicorn's own lines (its start, a malformed request) follow LOG_LEVEL; they are its
     # plain text whatever LOG_FORMAT says (docs/operations.md lists them).
