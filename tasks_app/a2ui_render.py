@@ -49,6 +49,7 @@ MAX_STRING = 10_000
 MAX_JSON_SHOWN = 20_000
 MAX_INPUT_CHARS = 5_000
 MAX_OPTIONS = 200
+MAX_TABS = 50
 # Dynamic values and function calls evaluated per drawing, per check of a posted form and per
 # action context: one component of nested ``and`` calls (400 KB) evaluated at each of 1,400
 # repeated child ids made a task page (and a submit) take 22 s. A real form needs a few hundred.
@@ -582,6 +583,10 @@ class Walk:
             return mark_safe("")
         return get_template(f"tasks_app/a2ui/{name}.html").render(context)
 
+    def _cut_short(self, reason: str) -> None:
+        """Say the drawing stopped short (the first reason wins): the page notes it is partial."""
+        self.cut = self.cut or reason
+
     def _note(self, kind: str, message: str, raw: Any) -> SafeString:
         return self._render(
             "placeholder",
@@ -592,6 +597,8 @@ class Walk:
         children = comp.get("children")
         out: list[SafeString] = []
         if isinstance(children, list):
+            if len(children) > MAX_TEMPLATE_ITEMS:
+                self._cut_short(f"more than {MAX_TEMPLATE_ITEMS} children in one component")
             for child in children[:MAX_TEMPLATE_ITEMS]:
                 out.append(self.node(child, scope, depth, stack))
         elif isinstance(children, dict):
@@ -603,6 +610,8 @@ class Walk:
                 keys = [k.replace("~", "~0").replace("/", "~1") for k in items][:MAX_TEMPLATE_ITEMS]
             else:
                 keys = []
+            if isinstance(items, list | dict) and len(items) > MAX_TEMPLATE_ITEMS:
+                self._cut_short(f"more than {MAX_TEMPLATE_ITEMS} items in one template")
             for key in keys:
                 out.append(
                     self.node(
@@ -727,7 +736,9 @@ class Walk:
         tabs = comp.get("tabs") if isinstance(comp.get("tabs"), list) else []
         common = self._common(comp, scope)
         drawn = []
-        for i, tab in enumerate(tabs[:50]):
+        if len(tabs) > MAX_TABS:
+            self._cut_short(f"more than {MAX_TABS} tabs in one Tabs component")
+        for i, tab in enumerate(tabs[:MAX_TABS]):
             if not isinstance(tab, dict):
                 continue
             drawn.append(
@@ -831,6 +842,8 @@ class Walk:
         selected = ctx["value"] if isinstance(ctx["value"], list) else []
         selected = {str(v) for v in selected[:MAX_OPTIONS]}
         options = comp.get("options") if isinstance(comp.get("options"), list) else []
+        if len(options) > MAX_OPTIONS:  # posted_value reads back only these too
+            self._cut_short(f"more than {MAX_OPTIONS} options in one ChoicePicker")
         drawn = [
             {
                 "value": str(o.get("value", ""))[:500],

@@ -663,7 +663,9 @@ class SchemaAnswerForm(NulRemovingForm):
             return True, bool(value)
         if item.kind == "enum":
             if value in ("", None):
-                return False, None
+                # The blank choice "—": a nullable enum is never marked required (make_field),
+                # so, as for every nullable type, a required one left blank is sent as null.
+                return (True, None) if item.nullable and item.needed else (False, None)
             return True, json.loads(value)
         if item.kind == "choices":
             values = [json.loads(v) for v in value or []]

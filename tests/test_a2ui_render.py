@@ -700,6 +700,56 @@ def test_one_surface_draws_at_most_its_byte_budget(agent) -> None:
     assert "bytes of drawing" in html
 
 
+def test_a_column_of_more_children_than_are_drawn_says_it_is_drawn_in_part(agent) -> None:
+    """A Column of 300 TextFields drew 200 inputs and no "Drawn in part" note: the person
+    could send the form without knowing 100 of its fields were never shown."""
+    task = waiting(agent)
+    components = {
+        "root": {"id": "root", "component": "Column", "children": ["f"] * 300},
+        "f": {"id": "f", "component": "TextField", "label": "x", "value": {"path": "/x"}},
+    }
+    html = draw(surface_of(task, surface_id="wide", components=components, data_model={}))
+    fields = [a for tag, a in parse(html).tags if tag == "input" and a.get("type") == "text"]
+    assert len(fields) == a2ui_render.MAX_TEMPLATE_ITEMS == 200
+    limit = a2ui_render.MAX_TEMPLATE_ITEMS
+    assert f"Drawn in part: more than {limit} children in one component." in html
+
+
+@pytest.mark.parametrize(
+    ("component", "data_model", "marker", "drawn", "cut"),
+    [
+        ({"component": "Tabs", "tabs": [{"title": f"T{i}", "child": "t"} for i in range(60)]},
+         {}, 'role="tabpanel"', a2ui_render.MAX_TABS,
+         f"more than {a2ui_render.MAX_TABS} tabs in one Tabs component"),
+        ({"component": "ChoicePicker", "label": "Pick", "value": {"path": "/p"},
+          "options": [{"label": f"O{i}", "value": f"o{i}"} for i in range(250)]},
+         {}, 'class="a2ui-option"', a2ui_render.MAX_OPTIONS,
+         f"more than {a2ui_render.MAX_OPTIONS} options in one ChoicePicker"),
+        ({"component": "List", "children": {"componentId": "t", "path": "/rows"}},
+         {"rows": list(range(250))}, "an item", a2ui_render.MAX_TEMPLATE_ITEMS,
+         f"more than {a2ui_render.MAX_TEMPLATE_ITEMS} items in one template"),
+    ],
+    ids=["tabs", "options", "template"],
+)  # fmt: skip
+def test_tabs_options_and_template_items_beyond_their_cap_say_the_drawing_is_cut(
+    agent, component: dict, data_model: dict, marker: str, drawn: int, cut: str
+) -> None:
+    """Tabs past 50, ChoicePicker options past 200 and template items past 200 were dropped
+    without the "Drawn in part" note (``Walk.cut`` stayed empty)."""
+    task = waiting(agent)
+    components = {
+        "root": {"id": "root", **component},
+        "t": {"id": "t", "component": "Text", "text": "an item"},
+    }
+    surface = surface_of(task, surface_id="many", components=components, data_model=data_model)
+    walk = a2ui_render.Walk(components=components, model=data_model)
+    walk.run("root")
+    assert walk.cut == cut
+    html = draw(surface)
+    assert html.count(marker) == drawn
+    assert f"Drawn in part: {cut}." in html
+
+
 def test_a_data_path_too_long_to_write_into_a_page_is_a_problem(agent) -> None:
     from tasks_app.a2a import a2ui
 

@@ -112,6 +112,27 @@ def test_an_optional_object_with_an_unticked_box_may_stay_empty() -> None:
     assert not form.is_valid() and by_path[("extra", "why")] in form.errors
 
 
+@pytest.mark.parametrize(("required", "sent"), [(["m"], {"m": None}), ([], {})])
+def test_a_nullable_enum_left_on_the_blank_choice_is_null_when_required(
+    required: list[str], sent: dict
+) -> None:
+    """A nullable enum gets the blank choice "—" and is not marked required, but choosing it
+    left the value out, so the schema's ``required`` refused every such answer ("This field
+    is required.") while a nullable integer left blank sent null. An optional one is still
+    left out."""
+    schema = {
+        "type": "object",
+        "properties": {"m": {"type": ["string", "null"], "enum": ["a", "b", None]}},
+        "required": required,
+    }
+    spec = answers.read_question(schema)
+    (item,) = spec.inputs()
+    assert "—" in str(answers.SchemaAnswerForm(spec)[item.name])
+    form = answers.SchemaAnswerForm(spec, {"question": "1", item.name: ""})
+    assert form.is_valid(), form.errors
+    assert form.answer() == sent
+
+
 def test_a_password_in_an_answer_goes_to_the_agent_only(alpha, people, no_dispatch) -> None:  # noqa: F811
     """A ``writeOnly`` / ``format: password`` property was a plain text input, typed back
     into the page after an error, and kept in the log for every viewer."""
