@@ -31,7 +31,12 @@ from tasks_app.a2a import safejson
 from tasks_app.actionlog import after_cursor, sanitize
 from tasks_app.models import OperatorAction, RemoteTask, TaskEvent
 from tasks_app.services.chain import timestamp_text
-from tasks_app.services.record import STORED, iter_stored_contents, references_in
+from tasks_app.services.record import (
+    STORED,
+    contents_of_entry,
+    iter_stored_contents,
+    references_in,
+)
 
 FORMAT = "a2a-dashboard/task-history"
 VERSION = 1
@@ -190,6 +195,18 @@ def referred_contents(task_pk: int, referred: dict[str, int]) -> Iterator[dict[s
         if digest in referred and digest not in sent:
             sent.add(digest)
             yield {"sha256": digest, "content": content}
+
+
+def entry_contents(event: TaskEvent) -> list[dict[str, str]]:
+    """``{"sha256", "content"}`` for each content one entry refers to, as an export carries
+    them: found through the entry's own rows first (``record.contents_of_entry``), and only
+    a reference found nowhere there through the task's whole scan (:func:`referred_contents`)."""
+    referred = references_in(event.raw)
+    near = contents_of_entry(event.task_id, event.seq, event.raw, referred)
+    missing = {digest: chars for digest, chars in referred.items() if digest not in near}
+    if missing:
+        near.update((c["sha256"], c["content"]) for c in referred_contents(event.task_id, missing))
+    return [{"sha256": digest, "content": near[digest]} for digest in referred if digest in near]
 
 
 def json_chunks(task: RemoteTask, batch: int = EVENT_BATCH) -> Iterator[bytes]:

@@ -1074,11 +1074,10 @@ def event_detail(request: HttpRequest, pk: int, seq: int) -> HttpResponse:
     if request.GET.get("format") == "json":
         event = get_object_or_404(TaskEvent, task=task, seq=seq)
         body: dict[str, Any] = {"seq": event.seq, "raw": event.raw}
-        referred = references_in(event.raw)
-        if referred:
+        if references_in(event.raw):
             # A big content lives once, in its artifact or conversation row, and the entry
             # keeps a reference: as an export does, the contents come beside the entry.
-            body["contents"] = list(exports.referred_contents(task.pk, referred))
+            body["contents"] = exports.entry_contents(event)
         return JsonResponse(body, json_dumps_params={"indent": 2})
     as_text = Cast("raw", TextField())
     event = get_object_or_404(

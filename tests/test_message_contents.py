@@ -372,6 +372,55 @@ def test_an_entrys_page_says_it_refers_and_its_json_brings_the_contents():
 
 
 @override_settings(INLINE_CONTENT_BYTES=LIMIT)
+def test_an_entrys_json_finds_its_contents_through_its_own_rows(monkeypatch):
+    """An entry's JSON read every big content the task keeps (up to its byte budget) to find
+    the one or two it refers to, on every click. Its contents come from its own part rows,
+    its messages' conversation rows and the contents kept from replaced parts; the whole
+    scan is left for a reference found nowhere there (a snapshot's part another row wrote)."""
+    task = new_task()
+
+    def chunk(aid: str, text: str, append: bool = False) -> dict:
+        update = {"taskId": "t-1", "artifact": {"artifactId": aid, "parts": [{"text": text}]}}
+        return {"artifactUpdate": {**update, "append": append}}
+
+    sent = [
+        status("TASK_STATE_WORKING", message("m-1", {"text": BIG})),  # 1: conversation row
+        chunk("a-1", BIG + "1"),  # 2: its own part row
+        chunk("a-2", BIG + "2"),  # 3: a part row the next entry replaces
+        chunk("a-2", "small"),  # 4
+    ]
+    record_many(task, sent, "stream")
+    snap = {"task": {"id": "t-1", "status": {"state": "TASK_STATE_WORKING"},
+                     "artifacts": [{"artifactId": "a-1", "parts": [{"text": BIG + "1"}]}]}}  # fmt: skip
+    record(task, snap, "poll")  # refers to the part row entry 2 wrote (after a gap row)
+    last = TaskEvent.objects.get(task=task, kind="task").seq
+    reader = Client()
+    reader.force_login(member(User.objects.create_user("reader"), Membership.Role.VIEWER))
+    kept = record_module.stored_contents(task.pk)  # the whole scan, for the expected entries
+
+    def contents_of(seq: int) -> list[str]:
+        whole = reader.get(f"/tasks/{task.pk}/events/{seq}/?format=json").json()
+        contents = {item["sha256"]: item["content"] for item in whole["contents"]}
+        expected = TaskEvent.objects.get(task=task, seq=seq)
+        assert record_module.with_content(whole["raw"], contents) == record_module.as_it_came(
+            expected.raw, expected.digest, kept
+        )
+        return sorted(contents.values())
+
+    assert contents_of(last) == [BIG + "1"]  # through the task's scan
+    assert STORED in json.dumps(TaskEvent.objects.get(task=task, seq=last).raw)
+
+    def no_scan(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the whole task's contents were read for one entry")
+
+    monkeypatch.setattr(record_module, "iter_stored_contents", no_scan)
+    monkeypatch.setattr("tasks_app.exports.iter_stored_contents", no_scan)
+    assert contents_of(1) == [BIG]
+    assert contents_of(2) == [BIG + "1"]
+    assert contents_of(3) == [BIG + "2"]  # kept apart when entry 4 replaced the part
+
+
+@override_settings(INLINE_CONTENT_BYTES=LIMIT)
 def test_a_reference_an_agent_mimics_exactly_is_replayed_as_it_came():
     """A ``$stored`` key shaped exactly like one of ours (the field absent, the right length,
     the sha256 of a content the task keeps) cannot be told from ours by its shape: the

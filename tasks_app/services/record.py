@@ -725,6 +725,63 @@ def iter_stored_contents(task_pk: int, longer_than: int | None = None) -> Iterat
     yield from replaced.iterator()
 
 
+def contents_of_entry(
+    task_pk: int, seq: int, raw: Any, referred: Collection[str]
+) -> dict[str, str]:
+    """``{sha256: content}`` of the contents ``referred`` that the rows around one entry keep:
+    the part rows the entry wrote (its ``seq``, of the artifacts it names), the conversation
+    rows of the messages it carries, and the contents kept from replaced parts.
+
+    An entry's JSON asks this first: the task's whole scan (:func:`iter_stored_contents`)
+    read every big content the task keeps, up to its byte budget, for each entry shown.
+    A reference found nowhere here (a part another row wrote) is left to that scan.
+    """
+    wanted = set(referred)
+    found: dict[str, str] = {}
+    if not wanted:
+        return found
+
+    def keep(parts: Any) -> None:
+        for content in contents_over(parts, 0):
+            digest = _sha256(content)
+            if digest in wanted:
+                found.setdefault(digest, content)
+
+    kept = ReplacedContent.objects.filter(task_id=task_pk, sha256__in=wanted)
+    found.update(kept.values_list("sha256", "content"))
+    messages, artifacts = _ids_with_parts(raw)
+    if messages and wanted - found.keys():
+        for message in ConversationMessage.objects.filter(
+            task_id=task_pk, message_id__in=messages
+        ).values_list("message", flat=True):
+            keep(parts_of(message))
+    if artifacts and wanted - found.keys():
+        for part in ArtifactPart.objects.filter(
+            artifact__task_id=task_pk, artifact__artifact_id__in=artifacts, seq=seq
+        ).values_list("part", flat=True):
+            keep([part])
+    return found
+
+
+def _ids_with_parts(raw: Any) -> tuple[list[str], list[str]]:
+    """The message ids and artifact ids of the values with ``parts`` anywhere in ``raw``."""
+    messages: set[str] = set()
+    artifacts: set[str] = set()
+    stack = [raw]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("parts"), list):
+                if isinstance(item.get("messageId"), str):
+                    messages.add(item["messageId"])
+                if isinstance(item.get("artifactId"), str):
+                    artifacts.add(item["artifactId"])
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return sorted(messages), sorted(artifacts)
+
+
 def references_in(value: Any) -> dict[str, int]:
     """``{sha256: chars}`` of each reference (``{"$stored": {...}}``) anywhere in ``value``."""
     found: dict[str, int] = {}
