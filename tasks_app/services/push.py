@@ -1362,15 +1362,69 @@ async def _drain_held(r: redis.Redis, token: str, deadline: float) -> int:
 DRAIN_BATCH_BYTES = 32 * 1024 * 1024
 
 
+# The end of a batch, when less room is left than a delivery can weigh: items popped one at a
+# time while they fit in ARGV[1] bytes (the first however large when ARGV[3] is 1: the batch
+# is empty, and an item larger than the whole bound must still go through), at most ARGV[2];
+# the one that does not fit goes back to the head. A script, for one round trip instead of
+# one per item; what it copies is bounded by the room left (a script copying 32 MB of items
+# blocked Redis ten times as long as plain pops of them).
+_TAKE_REST = """
+local room, most, first = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == '1'
+local taken, bytes = {}, 0
+while #taken < most do
+  local item = redis.call('LPOP', KEYS[1])
+  if not item then break end
+  local size = string.len(item)
+  if bytes + size > room and not (first and #taken == 0) then
+    redis.call('LPUSH', KEYS[1], item)
+    break
+  end
+  taken[#taken + 1] = item
+  bytes = bytes + size
+end
+return taken
+"""
+
+
 def _take(r: redis.Redis) -> list[bytes]:
-    """The next batch: DRAIN_BATCH items, fewer when they are large (by the queue's mean)."""
-    waiting, size = r.llen(QUEUE_KEY), int(r.get(QUEUE_BYTES_KEY) or 0)
-    count = DRAIN_BATCH
-    if waiting and size:
-        count = max(1, min(DRAIN_BATCH, DRAIN_BATCH_BYTES * waiting // size))
-    items = r.lpop(QUEUE_KEY, count) or []
+    """The next batch, from the queue's head: at most DRAIN_BATCH items and DRAIN_BATCH_BYTES
+    bytes (an item larger than that alone is a batch of its own, so it still goes through).
+
+    Sized by the queue's mean instead, a few large items ahead of many small ones made a
+    200 MB batch. Popped in chunks that cannot pass the bytes left: all that waits when the
+    queue's byte count says it fits (one pop, the usual case), else what fits at a
+    delivery's largest, and the last of the room by _TAKE_REST. A chunk's surplus (an item
+    larger than a delivery's largest, or a count gone wrong) goes back to the head, in order.
+    """
+    # What a queued delivery weighs at most: its body and the envelope _queued() adds.
+    largest = settings.PUSH_MAX_BODY_BYTES + 64
+    fits = int(r.get(QUEUE_BYTES_KEY) or 0) <= DRAIN_BATCH_BYTES
+    items: list[bytes] = []
+    taken = 0
+    surplus: list[bytes] = []
+    while len(items) < DRAIN_BATCH and taken < DRAIN_BATCH_BYTES:
+        room, most = DRAIN_BATCH_BYTES - taken, DRAIN_BATCH - len(items)
+        if not fits and room < largest:
+            rest = r.eval(_TAKE_REST, 1, QUEUE_KEY, room, most, 0 if items else 1) or []
+            items.extend(rest)
+            taken += sum(len(item) for item in rest)
+            break
+        step = most if fits else min(most, room // largest)
+        chunk = r.lpop(QUEUE_KEY, step) or []
+        for i, item in enumerate(chunk):
+            if items and taken + len(item) > DRAIN_BATCH_BYTES:
+                surplus = chunk[i:]
+                break
+            items.append(item)
+            taken += len(item)
+        if surplus or len(chunk) < step or fits:
+            break
     if items:
-        r.decrby(QUEUE_BYTES_KEY, sum(len(item) for item in items))
+        with r.pipeline() as pipe:  # MULTI: the queue and its byte count change together
+            if surplus:
+                pipe.lpush(QUEUE_KEY, *reversed(surplus))
+            pipe.decrby(QUEUE_BYTES_KEY, taken)
+            pipe.execute()
     return items
 
 
@@ -1441,6 +1495,10 @@ def record_batch(items: list[bytes]) -> dict[int, str]:
             result = record_many(task_pk, objs, "push")
         except RecordError as exc:
             log.warning("push notifications for task %s not recorded: %s", task_pk, exc)
+            # A task still there lost them to contention (record_many gave up): they are off
+            # the queue, so its log says so. A task deleted meanwhile has no log to tell.
+            if RemoteTask.objects.filter(pk=task_pk).exists():
+                _note_unrecorded(task_pk, len(objs), exc)
             continue
         except (OperationalError, InterfaceError):
             raise  # the database is down, not this task's fault: the drain puts the batch back

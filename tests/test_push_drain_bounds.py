@@ -1,0 +1,131 @@
+"""The push drain's promises (docs/architecture.md): a batch is bounded in bytes, and a task
+whose notifications could not be recorded says so in its log.
+
+Real Redis (the session's database) and the real ``record_many``; only the contention that
+makes ``record_many`` give up is forced, since real contention cannot be made reliably.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any
+
+import pytest
+
+from tasks_app.models import Agent, PushConfig, RemoteTask, TaskEvent
+from tasks_app.services import push
+from tasks_app.services.record import MAX_RETRIES, RecordError
+
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("empty_push_queue")]
+
+BOUND = 10_000  # DRAIN_BATCH_BYTES here: 32 MB of items is slow to build on a shared machine
+
+
+def item(n: int, size: int) -> bytes:
+    """A queued item ``size`` bytes long that says where it was in the queue."""
+    return f"{n:06d}".encode().ljust(size, b"x")
+
+
+def enqueue(items: list[bytes]) -> None:
+    """What the webhook's queue script does for each: RPUSH, and count its bytes."""
+    r = push._redis()
+    r.rpush(push.QUEUE_KEY, *items)
+    r.incrby(push.QUEUE_BYTES_KEY, sum(len(x) for x in items))
+
+
+@pytest.mark.parametrize("largest_body", [1024 * 1024, 100], ids=["by-script", "by-chunks"])
+def test_a_take_is_bounded_by_bytes_even_when_large_items_precede_small_ones(
+    settings: Any, monkeypatch: pytest.MonkeyPatch, largest_body: int
+) -> None:
+    """_take sized a batch by the queue's mean item: three 4 KB items ahead of 2,000 tiny ones
+    made a batch of 17.7 KB against a 10 KB bound (at the real bound, ~200 MB in one worker).
+
+    ``largest_body`` picks the path: with room below a delivery's largest the rest is taken
+    by the script; with a small largest, by chunks whose surplus goes back to the head.
+    """
+    settings.PUSH_MAX_BODY_BYTES = largest_body
+    monkeypatch.setattr(push, "DRAIN_BATCH_BYTES", BOUND)
+    monkeypatch.setattr(push, "DRAIN_BATCH", 400)
+    r = push._redis()
+    first = [item(n, 4_000) for n in range(3)] + [item(n, 20) for n in range(3, 2_003)]
+    first += [item(2_003, 3 * BOUND)]  # larger than the bound: a batch of its own
+    first += [item(n, 20) for n in range(2_004, 2_504)]
+    enqueue(first)
+    later = [item(n, 30) for n in range(2_504, 2_604)]  # pushed while the drain runs
+
+    batches: list[list[bytes]] = []
+    while batch := push._take(r):
+        batches.append(batch)
+        size = sum(len(x) for x in batch)
+        assert len(batch) <= push.DRAIN_BATCH
+        assert size <= BOUND or len(batch) == 1, (len(batches), len(batch), size)
+        left = r.lrange(push.QUEUE_KEY, 0, -1)
+        assert int(r.get(push.QUEUE_BYTES_KEY)) == sum(len(x) for x in left)
+        if len(batches) == 1:
+            enqueue(later)
+    taken = [x for batch in batches for x in batch]
+    assert taken == first + later  # nothing lost, nothing repeated, in queue order
+    assert [len(b) for b in batches if sum(len(x) for x in b) > BOUND] == [1]
+    assert r.llen(push.QUEUE_KEY) == 0 and int(r.get(push.QUEUE_BYTES_KEY)) == 0
+
+
+def status_update(task: RemoteTask) -> bytes:
+    status = {"state": "TASK_STATE_WORKING", "timestamp": "2026-01-01T00:00:01Z"}
+    return json.dumps(
+        {"statusUpdate": {"taskId": task.remote_id, "contextId": "c", "status": status}}
+    ).encode()
+
+
+def queued_for(config: PushConfig, task: RemoteTask) -> bytes:
+    """A queued notification as the webhook writes it (see push._queued)."""
+    return b'{"c": %d, "t": %d, "e": %b}' % (config.pk, task.pk, status_update(task))
+
+
+def push_task(agent: Agent, name: str) -> RemoteTask:
+    return RemoteTask.objects.create(
+        agent=agent, title=name, remote_id=f"r-{name}", phase=RemoteTask.Phase.TASK,
+        state="TASK_STATE_SUBMITTED", watch=RemoteTask.Watch.PUSH,
+    )  # fmt: skip
+
+
+def test_a_task_whose_batch_loses_to_contention_gets_a_protocol_error_row(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A RecordError from record_many was only logged: when it gave up after MAX_RETRIES
+    concurrent updates, the task still existed, its notifications were off the queue, and
+    its log showed nothing of them. A task deleted meanwhile still gets no row (none can be
+    written) and no attempt at one; the batch's other tasks are recorded."""
+    agent = Agent.objects.create(
+        name="pushy", base_url=f"http://127.0.0.1:1/{uuid.uuid4().hex}/", push=True
+    )
+    busy, fine, gone = (push_task(agent, name) for name in ("busy", "fine", "gone"))
+    items = [queued_for(push.new_config(task), task) for task in (busy, fine, gone)]
+    real_record_many = push.record_many
+    calls: list[tuple[int, str]] = []
+
+    def contended(task: RemoteTask | int, objs: list[Any], channel: str, **kwargs: Any) -> Any:
+        pk = task if isinstance(task, int) else task.pk
+        calls.append((pk, channel))
+        if (pk, channel) == (busy.pk, "push"):  # as record_many says when it gives up
+            raise RecordError(f"task {pk}: gave up after {MAX_RETRIES} concurrent updates")
+        if (pk, channel) == (gone.pk, "push"):  # deleted by an operator meanwhile
+            RemoteTask.objects.filter(pk=pk).delete()
+        return real_record_many(task, objs, channel, **kwargs)
+
+    monkeypatch.setattr(push, "record_many", contended)
+    with caplog.at_level(logging.WARNING, logger=push.log.name):
+        touched = push.record_batch(items)
+
+    assert set(touched) == {fine.pk}
+    assert list(fine.events.values_list("channel", "kind")) == [("push", "statusUpdate")]
+    row = TaskEvent.objects.get(task=busy)
+    assert (row.channel, row.kind) == ("system", "protocol-error")
+    assert "1 push notification(s) could not be recorded (RecordError)" in json.dumps(row.raw)
+    assert not RemoteTask.objects.filter(pk=gone.pk).exists()
+    assert [call for call in calls if call[0] == gone.pk] == [(gone.pk, "push")]  # no note tried
+    warned = [rec.getMessage() for rec in caplog.records]
+    assert any(f"task {busy.pk} not recorded: " in line for line in warned), warned
+    assert any(f"task {gone.pk} not recorded: " in line for line in warned), warned
+    assert not any("could not note" in line for line in warned), warned
