@@ -13,6 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import jwt
@@ -101,7 +102,14 @@ def sign(keys: Keys, config: PushConfig, body: bytes, **overrides: object) -> st
         "jti": uuid.uuid4().hex,
         "request_body_sha256": hashlib.sha256(body).hexdigest(),
     }
-    claims.update(overrides)
+    # A time given as a timedelta is that long after signing: computed when the test runs,
+    # not when the module is collected (a long suite made a "future" iat a past one).
+    claims.update(
+        {
+            k: now + int(v.total_seconds()) if isinstance(v, timedelta) else v
+            for k, v in overrides.items()
+        }
+    )
     claims = {k: v for k, v in claims.items() if v is not None}
     return jwt.encode(claims, keys.key, algorithm="ES256", headers={"kid": keys.kid})
 
@@ -182,8 +190,8 @@ def test_a_replayed_token_is_refused(keys, config):
         {"request_body_sha256": hashlib.sha256(b"other").hexdigest()},
         {"request_body_sha256": None},
         {"jti": None},
-        {"exp": int(time.time()) + 3600},  # lives longer than PUSH_JWT_MAX_LIFETIME_SECONDS
-        {"iat": int(time.time()) + 600, "exp": int(time.time()) + 660},  # issued in the future
+        {"exp": timedelta(seconds=3600)},  # lives longer than PUSH_JWT_MAX_LIFETIME_SECONDS
+        {"iat": timedelta(seconds=600), "exp": timedelta(seconds=660)},  # issued in the future
     ],
     ids=["audience", "issuer", "body hash", "no body hash", "no jti", "too long", "future"],
 )
