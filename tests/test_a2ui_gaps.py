@@ -115,9 +115,11 @@ def test_a_function_drawn_at_many_repeated_ids_is_evaluated_within_a_budget(
         "t": {"id": "t", "component": "Text", "text": nested_and(12)},
     }
     surface_of(task, surface_id="heavy", components=components, data_model={"x": "a"})
-    start = time.monotonic()
+    # The server's CPU (in this process), not the wall clock: under a loaded CI machine the
+    # same request took 13 s of wall time for 2.4 s of work.
+    start = time.process_time()
     page = people["ann"].get(reverse("task-detail", args=[task.pk])).content.decode()
-    assert time.monotonic() - start < 5
+    assert time.process_time() - start < 5
     assert "values and functions evaluated" in page  # said to be drawn in part
 
 
@@ -140,14 +142,14 @@ def test_checks_of_a_posted_form_are_evaluated_within_a_budget(
         "gl": {"id": "gl", "component": "Text", "text": "Go"},
     }  # fmt: skip
     surface = surface_of(task, surface_id="heavy", components=components, data_model={"x": "a"})
-    start = time.monotonic()
+    start = time.process_time()  # the server's CPU, as above
     with django_capture_on_commit_callbacks(execute=True):
         resp = people["ann"].post(
             reverse("task-surface-act", args=[task.pk]),
             {"surface": "heavy", "seq": str(surface.updated_seq), "source": "b0"},
             follow=True,
         )
-    assert time.monotonic() - start < 5
+    assert time.process_time() - start < 5
     assert "Sent to the agent" in resp.content.decode()
 
 
