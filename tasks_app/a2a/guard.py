@@ -282,6 +282,11 @@ def lookup_within(host: str, port: int, timeout: float) -> list[str] | None:
         infos = _resolver.submit(_lookup, host, port).result(timeout=timeout)
     except (OSError, ValueError, concurrent.futures.TimeoutError):
         return None
+    return _addresses(infos)
+
+
+def _addresses(infos: list[tuple]) -> list[str]:
+    """The IPv4 and IPv6 addresses of ``getaddrinfo``'s answer, in its order."""
     inet = (socket.AF_INET, socket.AF_INET6)
     return [str(info[4][0]) for info in infos if info[0] in inet]
 
@@ -304,8 +309,7 @@ async def resolve_checked(policy: Policy, host: str, port: int, timeout: float |
         raise
     except OSError as exc:
         raise httpcore.ConnectError(f"cannot resolve {host}: {exc.strerror or exc}") from None
-    inet = (socket.AF_INET, socket.AF_INET6)
-    return check_addresses(policy, host, [str(info[4][0]) for info in infos if info[0] in inet])
+    return check_addresses(policy, host, _addresses(infos))
 
 
 class GuardedBackend(httpcore.AsyncNetworkBackend):
