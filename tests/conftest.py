@@ -170,8 +170,22 @@ def _record_process_starts(event: str, args: tuple[object, ...]) -> None:
         _started.append(f"{event} {what!r}"[:300])
 
 
+_controller = True  # False in a pytest-xdist worker: its reports reach the controller
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Name a failure the moment it happens, not only in the summary at the end: a pass cut
+    short by ``./dash test``'s time limit (or CI's) still says which tests failed."""
+    if report.failed and _controller:
+        sys.stderr.write(
+            f"\ndash test: FAILED {report.nodeid} ({report.when}, {report.duration:.1f} s)\n"
+        )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """``--fast``: narrow the marker expression, and watch for processes started anyway."""
+    global _controller
+    _controller = not hasattr(config, "workerinput")
     if not config.getoption("--fast", default=False):
         return
     given = config.option.markexpr
