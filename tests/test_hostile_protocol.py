@@ -274,6 +274,10 @@ def hostile() -> Iterator[HostileServer]:
 
 
 BINDINGS = ["JSONRPC", "HTTP+JSON"]
+# The call deadline of the trickling tests: long enough that a loaded machine (4 test processes
+# on 2 cores) still reaches the server inside it (at 1 s, one CI run ended before the request
+# was read), far under the trickle it cuts short (160 bytes, one per 0.25 s: 40 s).
+DEADLINE = 3.0
 
 
 def hostile_client(
@@ -305,14 +309,14 @@ def _last_conn(server: HostileServer, mode: str) -> Conn:
 async def test_trickling_reply_fails_at_the_call_deadline(
     hostile: HostileServer, http: httpx.AsyncClient, binding: str
 ) -> None:
-    client = hostile_client(hostile, "trickle", binding, http, call_deadline=1.0, timeout=30.0)
+    client = hostile_client(hostile, "trickle", binding, http, call_deadline=DEADLINE, timeout=30.0)
     trickle_seconds = hostile.trickle_bytes * hostile.interval  # 40 s to finish the reply
     start = time.monotonic()
     with pytest.raises(DeadlineExceeded) as info:
         await client.get_task(TASK_ID)
     elapsed = time.monotonic() - start
     assert isinstance(info.value, TransportError)
-    assert "no complete response after 1 s" in str(info.value)
+    assert f"no complete response after {DEADLINE:g} s" in str(info.value)
     assert elapsed < trickle_seconds / 4  # well under the trickle, though bytes kept coming
     conn = _last_conn(hostile, "trickle")
     assert hostile.wait_peer_closed(conn), "the client kept the connection open"
@@ -323,10 +327,12 @@ async def test_trickling_blocking_send_uses_the_send_deadline(
     hostile: HostileServer, http: httpx.AsyncClient
 ) -> None:
     client = hostile_client(
-        hostile, "trickle", "JSONRPC", http, call_deadline=60.0, send_deadline=1.0
+        hostile, "trickle", "JSONRPC", http, call_deadline=60.0, send_deadline=DEADLINE
     )
     start = time.monotonic()
-    with pytest.raises(DeadlineExceeded, match=r"SendMessage.*no complete response after 1 s"):
+    with pytest.raises(
+        DeadlineExceeded, match=rf"SendMessage.*no complete response after {DEADLINE:g} s"
+    ):
         await client.send_message(user_message("hello"))
     assert time.monotonic() - start < hostile.trickle_bytes * hostile.interval / 4
     assert hostile.wait_peer_closed(_last_conn(hostile, "trickle"))
@@ -336,8 +342,10 @@ async def test_trickling_card_fails_at_its_deadline(
     hostile: HostileServer, http: httpx.AsyncClient
 ) -> None:
     start = time.monotonic()
-    with pytest.raises(DeadlineExceeded, match=r"card fetch .* no complete response after 1 s"):
-        await fetch_card(hostile.url_for("trickle"), http=http, deadline=1.0)
+    with pytest.raises(
+        DeadlineExceeded, match=rf"card fetch .* no complete response after {DEADLINE:g} s"
+    ):
+        await fetch_card(hostile.url_for("trickle"), http=http, deadline=DEADLINE)
     assert time.monotonic() - start < hostile.trickle_bytes * hostile.interval / 4
     conn = _last_conn(hostile, "trickle")
     assert conn.path.endswith("/.well-known/agent-card.json")
@@ -373,7 +381,7 @@ async def test_event_that_never_finishes_fails_at_the_call_deadline(
     hostile: HostileServer, http: httpx.AsyncClient, binding: str
 ) -> None:
     client = hostile_client(
-        hostile, "slowevent", binding, http, call_deadline=1.0, stream_idle_timeout=30.0
+        hostile, "slowevent", binding, http, call_deadline=DEADLINE, stream_idle_timeout=30.0
     )
     events = []
     start = time.monotonic()
@@ -382,8 +390,9 @@ async def test_event_that_never_finishes_fails_at_the_call_deadline(
             async for event in stream:
                 events.append(event)
     elapsed = time.monotonic() - start
-    assert "no complete response after 1 s (an SSE event started and did not finish)" in str(
-        info.value
+    assert (
+        f"no complete response after {DEADLINE:g} s (an SSE event started and did not finish)"
+        in str(info.value)
     )
     assert [e.kind for e in events] == ["task"]  # the complete event before it got through
     assert elapsed < 10  # the idle bound (30 s) was not what ended it
