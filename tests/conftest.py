@@ -181,8 +181,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Name a failure the moment it happens, not only in the summary at the end: a pass cut
     short by ``./dash test``'s time limit (or CI's) still says which tests failed."""
     if report.failed and _controller:
+        what = "FAILED" if report.when == "call" else "ERROR"  # as pytest's summary says
         sys.stderr.write(
-            f"\ndash test: FAILED {report.nodeid} ({report.when}, {report.duration:.1f} s)\n"
+            f"\ndash test: {what} {report.nodeid} ({report.when}, {report.duration:.1f} s)\n"
         )
 
 
