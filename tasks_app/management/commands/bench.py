@@ -103,7 +103,7 @@ def _run_child(
         argv.append("--quick")
     # A guard against a hang, not a speed goal. The longest quick row (P9) took 30 s alone on a
     # quiet machine here; three at once (the smoke test) on a machine three times slower can
-    # take it past 150 s, which failed a CI run's smoke test without anything hung.
+    # take it past 150 s with nothing hung (a likely cause of a CI run's unnamed failures).
     limit = timeout or (300 if quick else 1200)
     err_path = work / f"child-{name}-{db}.err"
     started = time.monotonic()
