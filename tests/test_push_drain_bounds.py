@@ -42,8 +42,9 @@ def test_a_take_is_bounded_by_bytes_even_when_large_items_precede_small_ones(
     """_take sized a batch by the queue's mean item: three 4 KB items ahead of 2,000 tiny ones
     made a batch of 17.7 KB against a 10 KB bound (at the real bound, ~200 MB in one worker).
 
-    ``largest_body`` picks the path: with room below a delivery's largest the rest is taken
-    by the script; with a small largest, by chunks whose surplus goes back to the head.
+    ``largest_body`` picks the path: with room below a delivery's largest the rest is read
+    by the script; with a small largest, by chunks whose surplus is left for the next batch.
+    Each batch is taken off once "recorded", as the drain does, while it holds the claim.
     """
     settings.PUSH_MAX_BODY_BYTES = largest_body
     monkeypatch.setattr(push, "DRAIN_BATCH_BYTES", BOUND)
@@ -55,8 +56,11 @@ def test_a_take_is_bounded_by_bytes_even_when_large_items_precede_small_ones(
     enqueue(first)
     later = [item(n, 30) for n in range(2_504, 2_604)]  # pushed while the drain runs
 
+    r.set(push.RUNNING_KEY, "this-drain")
     batches: list[list[bytes]] = []
     while batch := push._take(r):
+        assert push._take(r) == batch  # read, not taken: a drain that dies leaves it queued
+        assert push._taken(r, "this-drain", batch)
         batches.append(batch)
         size = sum(len(x) for x in batch)
         assert len(batch) <= push.DRAIN_BATCH
@@ -69,6 +73,26 @@ def test_a_take_is_bounded_by_bytes_even_when_large_items_precede_small_ones(
     assert taken == first + later  # nothing lost, nothing repeated, in queue order
     assert [len(b) for b in batches if sum(len(x) for x in b) > BOUND] == [1]
     assert r.llen(push.QUEUE_KEY) == 0 and int(r.get(push.QUEUE_BYTES_KEY)) == 0
+
+
+def test_a_drain_that_lost_its_claim_takes_nothing_off_the_queue() -> None:
+    """A batch leaves the queue only once recorded, by the drain holding the claim. A drain
+    that stalled past its claim and then finished its batch would otherwise take off the
+    head again: notifications that arrived since, which the drain that took over had not
+    yet read."""
+    r = push._redis()
+    enqueue([item(n, 50) for n in range(3)])
+    r.set(push.RUNNING_KEY, "stalled")
+    stalled_batch = push._take(r)
+    r.set(push.RUNNING_KEY, "took-over")  # the claim lapsed while the first drain stalled
+    batch = push._take(r)
+    assert batch == stalled_batch  # the same head, recorded again by the new drain
+    assert push._taken(r, "took-over", batch)
+    later = [item(n, 50) for n in range(3, 5)]
+    enqueue(later)
+    assert not push._taken(r, "stalled", stalled_batch)  # the stalled drain wakes: nothing
+    assert r.lrange(push.QUEUE_KEY, 0, -1) == later
+    assert int(r.get(push.QUEUE_BYTES_KEY)) == sum(len(x) for x in later)
 
 
 def status_update(task: RemoteTask) -> bytes:

@@ -408,8 +408,8 @@ def test_starting_in_push_mode_on_an_agent_without_push_says_so_under_the_mode_f
 def test_notifications_drained_while_the_database_is_down_wait_for_the_next_drain(
     task, config, shared_loop, monkeypatch
 ):
-    """The drain pops its batch before recording it: with the database down they were lost
-    (and the agent's retries refused as already seen). They go back to the queue, in order."""
+    """The drain popped its batch before recording it: with the database down they were lost
+    (and the agent's retries refused as already seen). They stay in the queue, in order."""
     from django.db import OperationalError
 
     for n in range(1, 4):
@@ -431,6 +431,51 @@ def test_notifications_drained_while_the_database_is_down_wait_for_the_next_drai
     assert push.drain(max_seconds=5) == 3
     assert TaskEvent.objects.filter(task=task, channel="push").count() == 3
     assert queued() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("stopped", ["before its commit", "after its commit"])
+def test_a_drain_stopped_mid_batch_leaves_the_batch_to_the_next_drain(
+    task, config, shared_loop, monkeypatch, stopped
+):
+    """The drain popped its batch before recording it: a worker that ended in between (killed,
+    or stopped mid-batch) lost the notifications, with nothing in the task's log to say so.
+    A batch leaves the queue only once recorded; the next drain records what the stopped one
+    left, and what it had committed already appends nothing."""
+    import threading
+
+    from tasks_app import eventloop
+
+    for n in range(1, 4):
+        assert good(config, status_update(ts=f"2026-01-01T00:00:0{n}Z"))[0] == 202
+    queued_before = push._redis().lrange(push.QUEUE_KEY, 0, -1)
+    real_record_batch = push.record_batch
+    inside, release = threading.Event(), threading.Event()
+
+    def ends_here(items):  # the worker's last moment, before or after its commit
+        if stopped == "after its commit":
+            real_record_batch(items)
+        inside.set()
+        release.wait(10)
+        return {}
+
+    monkeypatch.setattr(push, "record_batch", ends_here)
+    push._redis().set(push.DRAIN_KEY, 1)
+    running = eventloop.submit(push._drain(5))
+    assert inside.wait(10)
+    running.cancel()  # the drain stops inside its batch, as at a worker's end
+    release.set()
+    assert push._redis().lrange(push.QUEUE_KEY, 0, -1) == queued_before  # still there, in order
+    committed = TaskEvent.objects.filter(task=task, channel="push").count()
+    assert committed == (3 if stopped == "after its commit" else 0)
+
+    monkeypatch.setattr(push, "record_batch", real_record_batch)  # the next worker's drain
+    assert push.drain(max_seconds=5) == 3
+    rows = TaskEvent.objects.filter(task=task, channel="push").order_by("seq")
+    assert [row.raw["statusUpdate"]["status"]["timestamp"] for row in rows] == [
+        f"2026-01-01T00:00:0{n}Z" for n in range(1, 4)
+    ]  # each once, in order
+    assert queued() == 0 and int(push._redis().get(push.QUEUE_BYTES_KEY)) == 0
 
 
 def test_a_config_made_while_redis_is_down_is_kept_and_known_once_redis_answers(
@@ -536,7 +581,11 @@ def test_the_queue_takes_notifications_up_to_its_bytes_and_a_drain_takes_a_bound
     assert deliver(config.config_id, bodies[6], token="nope")[0] == 401  # refusals come first
     monkeypatch.setattr(push, "DRAIN_BATCH_BYTES", 2_500)  # about two of them a batch
     taken = push._take(push._redis())
-    assert len(taken) == 2 and int(push._redis().get(push.QUEUE_BYTES_KEY)) < waiting
+    assert len(taken) == 2 and int(push._redis().get(push.QUEUE_BYTES_KEY)) == waiting
+    assert good(config, bodies[5])[0] == 503  # read, not yet recorded: still queued
+    push._redis().set(push.RUNNING_KEY, "this-drain")
+    assert push._taken(push._redis(), "this-drain", taken)  # recorded: taken off
+    assert int(push._redis().get(push.QUEUE_BYTES_KEY)) < waiting
     assert good(config, bodies[5])[0] == 202  # room again
 
 

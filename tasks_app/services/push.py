@@ -67,8 +67,8 @@ security_log = logging.getLogger("tasks_app.security")
 CONTENT_TYPES = ("application/a2a+json", "application/json")
 EVENT_KINDS = ("task", "message", "statusUpdate", "artifactUpdate")
 QUEUE_KEY = "push:queue"
-# Bytes the queue holds (added by the queue script, taken off by the drain; set to 0 when
-# the drain finds the queue empty, so a drain that died between the two cannot leave it high).
+# Bytes the queue holds (added by the queue script, taken off with a recorded batch by the
+# drain; set to 0 when the drain finds the queue empty, whatever a count gone wrong left).
 QUEUE_BYTES_KEY = "push:queue:bytes"
 DRAIN_KEY = "push:drain"
 # Notifications taken from the queue at once. Each task's share is one record_many()
@@ -1317,6 +1317,14 @@ async def _drain(max_seconds: float) -> int:
 
 
 async def _drain_held(r: redis.Redis, token: str, deadline: float) -> int:
+    """Batch by batch: read the queue's head, record it, and only then take it off.
+
+    A batch stays at the head of the queue until it is recorded: a worker killed (or a
+    drain stopped) mid-batch leaves it there for the next drain, which records it again
+    (a notification recorded already appends nothing; the push channel's entries equal to
+    one in the log are the same delivery). Popped first, as before, such a batch was
+    lost, with nothing in any task's log to say so.
+    """
     total = 0
     while time.monotonic() < deadline:
         if not await asyncio.to_thread(r.eval, _RENEW, 1, RUNNING_KEY, token, RUNNING_SECONDS):
@@ -1336,19 +1344,25 @@ async def _drain_held(r: redis.Redis, token: str, deadline: float) -> int:
         )
         down = next((x for x in results if isinstance(x, OperationalError | InterfaceError)), None)
         if down is not None:
-            # The database is down: the batch goes back to the head of the queue, in order, for
+            # The database is down: the batch stays at the head of the queue, in order, for
             # the next drain (a group recorded already is recorded again: that appends nothing).
-            await asyncio.to_thread(_give_back, r, items)
             await asyncio.to_thread(r.delete, DRAIN_KEY)
             log.warning("push drain: the database is unreachable (%s); %d notifications wait "
                         "for the next drain", type(down).__name__, len(items))  # fmt: skip
             return total
+        failed = next((x for x in results if isinstance(x, BaseException)), None)
+        if failed is not None:
+            # Not the database: a batch that makes the recorder fail would fail every drain
+            # after this one as well. It is taken off (logged as the error goes up).
+            await asyncio.to_thread(_taken, r, token, items)
+            raise failed
         for recorded in results:
-            if isinstance(recorded, BaseException):
-                raise recorded
             touched.update(recorded)
         total += len(items)
         _want_refresh(touched)
+        if not await asyncio.to_thread(_taken, r, token, items):
+            log.warning("push drain: another drain took over (this one stalled); stopping")
+            return total
         if DRAIN_GATHER_FROM <= len(items) < DRAIN_BATCH:
             await _gather(r, min(DRAIN_BATCH, DRAIN_GATHER_PER_TASK * len(touched)))
     # Out of time: the next drain goes on.
@@ -1362,23 +1376,20 @@ async def _drain_held(r: redis.Redis, token: str, deadline: float) -> int:
 DRAIN_BATCH_BYTES = 32 * 1024 * 1024
 
 
-# The end of a batch, when less room is left than a delivery can weigh: items popped one at a
-# time while they fit in ARGV[1] bytes (the first however large when ARGV[3] is 1: the batch
-# is empty, and an item larger than the whole bound must still go through), at most ARGV[2];
-# the one that does not fit goes back to the head. A script, for one round trip instead of
-# one per item; what it copies is bounded by the room left (a script copying 32 MB of items
-# blocked Redis ten times as long as plain pops of them).
-_TAKE_REST = """
-local room, most, first = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == '1'
+# The end of a batch, when less room is left than a delivery can weigh: items read one at a
+# time from ARGV[1] (the batch's length so far) while they fit in ARGV[2] bytes (the first
+# however large when ARGV[4] is 1: the batch is empty, and an item larger than the whole bound
+# must still go through), at most ARGV[3]. A script, for one round trip instead of one per
+# item; what it copies is bounded by the room left (a script copying 32 MB of items blocked
+# Redis ten times as long as plain reads of them).
+_READ_REST = """
+local start, room, most, first = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4] == '1'
 local taken, bytes = {}, 0
 while #taken < most do
-  local item = redis.call('LPOP', KEYS[1])
+  local item = redis.call('LINDEX', KEYS[1], start + #taken)
   if not item then break end
   local size = string.len(item)
-  if bytes + size > room and not (first and #taken == 0) then
-    redis.call('LPUSH', KEYS[1], item)
-    break
-  end
+  if bytes + size > room and not (first and #taken == 0) then break end
   taken[#taken + 1] = item
   bytes = bytes + size
 end
@@ -1387,50 +1398,61 @@ return taken
 
 
 def _take(r: redis.Redis) -> list[bytes]:
-    """The next batch, from the queue's head: at most DRAIN_BATCH items and DRAIN_BATCH_BYTES
-    bytes (an item larger than that alone is a batch of its own, so it still goes through).
+    """The next batch, read from the queue's head and left there (:func:`_taken` takes it off
+    once recorded): at most DRAIN_BATCH items and DRAIN_BATCH_BYTES bytes (an item larger
+    than that alone is a batch of its own, so it still goes through).
+
+    Only the drain that holds the running claim reads and takes off the head, and deliveries
+    are pushed at the tail, so what it read is still the head when it takes it off.
 
     Sized by the queue's mean instead, a few large items ahead of many small ones made a
-    200 MB batch. Popped in chunks that cannot pass the bytes left: all that waits when the
-    queue's byte count says it fits (one pop, the usual case), else what fits at a
-    delivery's largest, and the last of the room by _TAKE_REST. A chunk's surplus (an item
-    larger than a delivery's largest, or a count gone wrong) goes back to the head, in order.
+    200 MB batch. Read in chunks that cannot pass the bytes left: all that waits when the
+    queue's byte count says it fits (one read, the usual case), else what fits at a
+    delivery's largest, and the last of the room by _READ_REST. A chunk's surplus (an item
+    larger than a delivery's largest, or a count gone wrong) is left for the next batch.
     """
     # What a queued delivery weighs at most: its body and the envelope _queued() adds.
     largest = settings.PUSH_MAX_BODY_BYTES + 64
     fits = int(r.get(QUEUE_BYTES_KEY) or 0) <= DRAIN_BATCH_BYTES
     items: list[bytes] = []
     taken = 0
-    surplus: list[bytes] = []
     while len(items) < DRAIN_BATCH and taken < DRAIN_BATCH_BYTES:
         room, most = DRAIN_BATCH_BYTES - taken, DRAIN_BATCH - len(items)
         if not fits and room < largest:
-            rest = r.eval(_TAKE_REST, 1, QUEUE_KEY, room, most, 0 if items else 1) or []
-            items.extend(rest)
-            taken += sum(len(item) for item in rest)
+            rest = r.eval(_READ_REST, 1, QUEUE_KEY, len(items), room, most, 0 if items else 1)
+            items.extend(rest or [])
             break
         step = most if fits else min(most, room // largest)
-        chunk = r.lpop(QUEUE_KEY, step) or []
-        for i, item in enumerate(chunk):
+        chunk = r.lrange(QUEUE_KEY, len(items), len(items) + step - 1)
+        surplus = False
+        for item in chunk:
             if items and taken + len(item) > DRAIN_BATCH_BYTES:
-                surplus = chunk[i:]
+                surplus = True
                 break
             items.append(item)
             taken += len(item)
         if surplus or len(chunk) < step or fits:
             break
-    if items:
-        with r.pipeline() as pipe:  # MULTI: the queue and its byte count change together
-            if surplus:
-                pipe.lpush(QUEUE_KEY, *reversed(surplus))
-            pipe.decrby(QUEUE_BYTES_KEY, taken)
-            pipe.execute()
     return items
 
 
-def _give_back(r: redis.Redis, items: list[bytes]) -> None:
-    r.lpush(QUEUE_KEY, *reversed(items))
-    r.incrby(QUEUE_BYTES_KEY, sum(len(item) for item in items))
+# Take a recorded batch off the queue's head, with its bytes, while the running claim
+# (KEYS[1]) is still ARGV[1]'s: a drain that stalled past its claim leaves the head to the
+# drain that took over, which read the same batch and takes it off itself.
+_TAKE_OFF = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('LTRIM', KEYS[2], tonumber(ARGV[2]), -1)
+redis.call('DECRBY', KEYS[3], tonumber(ARGV[3]))
+return 1
+"""
+
+
+def _taken(r: redis.Redis, token: str, items: list[bytes]) -> bool:
+    """Take ``items`` (what :func:`_take` read) off the queue; False if the claim was lost."""
+    size = sum(len(item) for item in items)
+    return bool(
+        r.eval(_TAKE_OFF, 3, RUNNING_KEY, QUEUE_KEY, QUEUE_BYTES_KEY, token, len(items), size)
+    )
 
 
 def _cleared_and_empty(r: redis.Redis) -> bool:
