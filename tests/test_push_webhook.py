@@ -478,6 +478,31 @@ def test_a_drain_stopped_mid_batch_leaves_the_batch_to_the_next_drain(
     assert queued() == 0 and int(push._redis().get(push.QUEUE_BYTES_KEY)) == 0
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_that_makes_the_recorder_fail_is_taken_off_not_drained_forever(
+    task, config, shared_loop, monkeypatch
+):
+    """A batch leaves the queue once recorded; one that makes the recorder raise (not the
+    database being down) would raise in every drain after, and hold up every notification
+    behind it. It is taken off as the error goes up, and what came after it is recorded."""
+    assert good(config, status_update(ts="2026-01-01T00:00:01Z"))[0] == 202
+    real_record_batch = push.record_batch
+
+    def broken(items):
+        raise ValueError("a recorder bug")
+
+    monkeypatch.setattr(push, "record_batch", broken)
+    push._redis().set(push.DRAIN_KEY, 1)
+    with pytest.raises(ValueError, match="a recorder bug"):
+        push.drain(max_seconds=5)
+    assert queued() == 0 and int(push._redis().get(push.QUEUE_BYTES_KEY)) == 0
+    monkeypatch.setattr(push, "record_batch", real_record_batch)
+    assert good(config, status_update(ts="2026-01-01T00:00:02Z"))[0] == 202
+    assert push.drain(max_seconds=5) == 1
+    (row,) = TaskEvent.objects.filter(task=task, channel="push")
+    assert row.raw["statusUpdate"]["status"]["timestamp"] == "2026-01-01T00:00:02Z"
+
+
 def test_a_config_made_while_redis_is_down_is_kept_and_known_once_redis_answers(
     task, settings, caplog
 ):

@@ -1350,12 +1350,14 @@ async def _drain_held(r: redis.Redis, token: str, deadline: float) -> int:
             log.warning("push drain: the database is unreachable (%s); %d notifications wait "
                         "for the next drain", type(down).__name__, len(items))  # fmt: skip
             return total
-        failed = next((x for x in results if isinstance(x, BaseException)), None)
-        if failed is not None:
-            # Not the database: a batch that makes the recorder fail would fail every drain
-            # after this one as well. It is taken off (logged as the error goes up).
-            await asyncio.to_thread(_taken, r, token, items)
-            raise failed
+        error = next((x for x in results if isinstance(x, BaseException)), None)
+        if error is not None:
+            if isinstance(error, Exception):
+                # Not the database: a batch that makes the recorder fail would fail every
+                # drain after this one as well. It is taken off (logged as the error goes up).
+                await asyncio.to_thread(_taken, r, token, items)
+            # Otherwise a call cancelled as the worker stops: the batch stays for the next drain.
+            raise error
         for recorded in results:
             touched.update(recorded)
         total += len(items)
