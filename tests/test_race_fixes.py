@@ -133,6 +133,58 @@ def test_a_push_task_settled_by_the_drain_stops_awaiting_push(shared_loop) -> No
     assert task.settled_at is not None and task.watcher_status == Status.IDLE
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_push_tasks_settling_waits_for_the_loops_gate_as_a_watchers_does(shared_loop) -> None:
+    """A watcher's settle (the fold of the agent's whole, final task) waits its turn at
+    ``eventloop.later()``, so tasks ending together do not hold back the loop's streams; the
+    settle after a push notification did not wait, so a hundred push tasks ending in the same
+    second folded all at once. With the gate held, the drain's GetTask is answered but nothing
+    is recorded or settled until the gate opens."""
+    import threading
+    import time
+
+    from tasks_app.models import TaskEvent
+
+    asked = threading.Event()
+    completed = {"id": "t-1", "contextId": "c", "status": {"state": "TASK_STATE_COMPLETED"}}
+
+    def answer(request: dict) -> Any:
+        if request.get("method") == "GetTask":
+            asked.set()
+        return completed
+
+    with json_rpc_peer(answer) as url:
+        task = push_task(watcher_status=Status.AWAITING_PUSH)
+        Agent.objects.filter(pk=task.agent_id).update(
+            base_url=url, interface_url=f"{url}/rpc", binding="JSONRPC", protocol_version="1.0"
+        )
+
+        async def hold() -> Any:  # every permit of the gate, as settles already running would
+            gate = eventloop.later()
+            for _ in range(eventloop.LATER_AT_ONCE):
+                await gate.acquire()
+            return gate
+
+        async def release(gate: Any) -> None:
+            for _ in range(eventloop.LATER_AT_ONCE):
+                gate.release()
+
+        async def refresh() -> None:
+            async with outbound.new_http_client() as http:
+                await push.refresh_after_push(http, task.pk)
+
+        gate = eventloop.submit(hold()).result(timeout=10)
+        running = eventloop.submit(refresh())
+        assert asked.wait(30)
+        time.sleep(1.0)  # ungated, the record and the settle are done well within this
+        assert not running.done()
+        assert not TaskEvent.objects.filter(task=task).exists()
+        eventloop.submit(release(gate)).result(timeout=10)
+        running.result(timeout=60)
+    task.refresh_from_db()
+    assert task.settled_at is not None and task.watcher_status == Status.IDLE
+
+
 @pytest.mark.django_db
 def test_an_alert_is_not_opened_on_what_find_read_before_the_task_had_news() -> None:
     """The task had news between the rule's find and the insert: the alert opened (and was

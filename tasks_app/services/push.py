@@ -1698,15 +1698,19 @@ async def refresh_after_push(http: httpx.AsyncClient, task_pk: int) -> None:
         except A2AError as exc:
             log.info("GetTask after a push notification for task %s failed: %s", task_pk, exc)
             return
-        result = await eventloop.db(record, task_pk, {"task": snapshot}, "poll")
         ended = (snapshot.get("status") or {}).get("state") in TERMINAL_STATES
-        if ended:
-            await eventloop.db(
-                settle_if_ended,
-                task_pk,
-                snapshot,
-                note="reconciled with GetTask after a push notification",
-            )
+        # Settling (the fold of the agent's whole, final task) waits its turn as a watcher's
+        # does: a hundred push tasks ending in the same second must not hold back the
+        # events of the streams on this loop (``eventloop.later``).
+        async with eventloop.later() if ended else contextlib.nullcontext():
+            result = await eventloop.db(record, task_pk, {"task": snapshot}, "poll")
+            if ended:
+                await eventloop.db(
+                    settle_if_ended,
+                    task_pk,
+                    snapshot,
+                    note="reconciled with GetTask after a push notification",
+                )
     if result.over_budget and not ended:
         await eventloop.db(park_over_budget, {task_pk})
     if ended:
@@ -1726,7 +1730,8 @@ async def refresh_after_push(http: httpx.AsyncClient, task_pk: int) -> None:
             )
         )
         _windows.pop(task_pk, None)
-        await forget_configs(client, task_pk, "deleted when the task settled")
+        async with eventloop.later(f"agent-{task.agent_id}"):  # as a watcher's settle does
+            await forget_configs(client, task_pk, "deleted when the task settled")
 
 
 # The task page: the agent's list, deleting one -------------------------------------------------
