@@ -24,7 +24,7 @@ import time
 def test_fails_at_once():
     assert 1 == 2
 
-def test_outlives_the_limit():
+def test_outlives_the_limit():  # a test still running at the limit: SIGINT ends it, not this
     time.sleep(300)
 """
 

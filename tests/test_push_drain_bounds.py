@@ -39,7 +39,7 @@ def enqueue(items: list[bytes]) -> None:
 def test_a_take_is_bounded_by_bytes_even_when_large_items_precede_small_ones(
     settings: Any, monkeypatch: pytest.MonkeyPatch, largest_body: int
 ) -> None:
-    """_take sized a batch by the queue's mean item: three 4 KB items ahead of 2,000 tiny ones
+    """The drain sized a batch by the queue's mean item: three 4 KB items ahead of 2,000 tiny ones
     made a batch of 17.7 KB against a 10 KB bound (at the real bound, ~200 MB in one worker).
 
     ``largest_body`` picks the path: with room below a delivery's largest the rest is read
@@ -58,9 +58,9 @@ def test_a_take_is_bounded_by_bytes_even_when_large_items_precede_small_ones(
 
     r.set(push.RUNNING_KEY, "this-drain")
     batches: list[list[bytes]] = []
-    while batch := push._take(r):
-        assert push._take(r) == batch  # read, not taken: a drain that dies leaves it queued
-        assert push._taken(r, "this-drain", batch)
+    while batch := push._read_batch(r):
+        assert push._read_batch(r) == batch  # read, not taken: a drain that dies leaves it queued
+        assert push._take_off(r, "this-drain", batch)
         batches.append(batch)
         size = sum(len(x) for x in batch)
         assert len(batch) <= push.DRAIN_BATCH
@@ -83,14 +83,14 @@ def test_a_drain_that_lost_its_claim_takes_nothing_off_the_queue() -> None:
     r = push._redis()
     enqueue([item(n, 50) for n in range(3)])
     r.set(push.RUNNING_KEY, "stalled")
-    stalled_batch = push._take(r)
+    stalled_batch = push._read_batch(r)
     r.set(push.RUNNING_KEY, "took-over")  # the claim lapsed while the first drain stalled
-    batch = push._take(r)
+    batch = push._read_batch(r)
     assert batch == stalled_batch  # the same head, recorded again by the new drain
-    assert push._taken(r, "took-over", batch)
+    assert push._take_off(r, "took-over", batch)
     later = [item(n, 50) for n in range(3, 5)]
     enqueue(later)
-    assert not push._taken(r, "stalled", stalled_batch)  # the stalled drain wakes: nothing
+    assert not push._take_off(r, "stalled", stalled_batch)  # the stalled drain wakes: nothing
     assert r.lrange(push.QUEUE_KEY, 0, -1) == later
     assert int(r.get(push.QUEUE_BYTES_KEY)) == sum(len(x) for x in later)
 

@@ -605,11 +605,11 @@ def test_the_queue_takes_notifications_up_to_its_bytes_and_a_drain_takes_a_bound
     assert 5_000 <= waiting < 6_000 and queued() == 5
     assert deliver(config.config_id, bodies[6], token="nope")[0] == 401  # refusals come first
     monkeypatch.setattr(push, "DRAIN_BATCH_BYTES", 2_500)  # about two of them a batch
-    taken = push._take(push._redis())
+    taken = push._read_batch(push._redis())
     assert len(taken) == 2 and int(push._redis().get(push.QUEUE_BYTES_KEY)) == waiting
     assert good(config, bodies[5])[0] == 503  # read, not yet recorded: still queued
     push._redis().set(push.RUNNING_KEY, "this-drain")
-    assert push._taken(push._redis(), "this-drain", taken)  # recorded: taken off
+    assert push._take_off(push._redis(), "this-drain", taken)  # recorded: taken off
     assert int(push._redis().get(push.QUEUE_BYTES_KEY)) < waiting
     assert good(config, bodies[5])[0] == 202  # room again
 

@@ -1330,7 +1330,7 @@ async def _drain_held(r: redis.Redis, token: str, deadline: float) -> int:
         if not await asyncio.to_thread(r.eval, _RENEW, 1, RUNNING_KEY, token, RUNNING_SECONDS):
             log.warning("push drain: another drain took over (this one stalled); stopping")
             return total
-        items = await asyncio.to_thread(_take, r)
+        items = await asyncio.to_thread(_read_batch, r)
         if not items:
             # Off the loop, as every Redis call here: a Redis that hangs must not stall the
             # streams the loop holds.
@@ -1355,14 +1355,14 @@ async def _drain_held(r: redis.Redis, token: str, deadline: float) -> int:
             if isinstance(error, Exception):
                 # Not the database: a batch that makes the recorder fail would fail every
                 # drain after this one as well. It is taken off (logged as the error goes up).
-                await asyncio.to_thread(_taken, r, token, items)
+                await asyncio.to_thread(_take_off, r, token, items)
             # Otherwise a call cancelled as the worker stops: the batch stays for the next drain.
             raise error
         for recorded in results:
             touched.update(recorded)
         total += len(items)
         _want_refresh(touched)
-        if not await asyncio.to_thread(_taken, r, token, items):
+        if not await asyncio.to_thread(_take_off, r, token, items):
             log.warning("push drain: another drain took over (this one stalled); stopping")
             return total
         if DRAIN_GATHER_FROM <= len(items) < DRAIN_BATCH:
@@ -1399,8 +1399,8 @@ return taken
 """
 
 
-def _take(r: redis.Redis) -> list[bytes]:
-    """The next batch, read from the queue's head and left there (:func:`_taken` takes it off
+def _read_batch(r: redis.Redis) -> list[bytes]:
+    """The next batch, read from the queue's head and left there (:func:`_take_off` takes it off
     once recorded): at most DRAIN_BATCH items and DRAIN_BATCH_BYTES bytes (an item larger
     than that alone is a batch of its own, so it still goes through).
 
@@ -1449,8 +1449,8 @@ return 1
 """
 
 
-def _taken(r: redis.Redis, token: str, items: list[bytes]) -> bool:
-    """Take ``items`` (what :func:`_take` read) off the queue; False if the claim was lost."""
+def _take_off(r: redis.Redis, token: str, items: list[bytes]) -> bool:
+    """Take ``items`` (what :func:`_read_batch` read) off the queue; False if the claim was lost."""
     size = sum(len(item) for item in items)
     return bool(
         r.eval(_TAKE_OFF, 3, RUNNING_KEY, QUEUE_KEY, QUEUE_BYTES_KEY, token, len(items), size)
