@@ -36,6 +36,9 @@ Behaviours:
 ``badtext``      tasks complete at once; their status message, artifact name and
                  text, and metadata hold lone surrogates, NUL, markup and an RTL
                  override (``BAD_TEXT``), sent as JSON escapes
+``cutafterword`` every stream (the send's and each SubscribeToTask) brings one new status
+                 (the task, with a later status timestamp), then half an event, and the
+                 connection is cut; GetTask answers the task as it is
 ``huge``         SendStreamingMessage streams one artifact of ``huge_chunks``
                  chunks of ``huge_chunk_chars`` characters (appended, with flow
                  control), then completes; GetTask answers the whole task
@@ -56,6 +59,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -268,6 +272,17 @@ class HostileAgent:
                 event = json.dumps({"jsonrpc": "2.0", "id": rpc_id, "result": {"task": task}})
                 await self._write(reader, writer, f"data: {event}\n\n".encode())
             await self._forever(reader, writer, b": keep-alive\n\n", self.keepalive_interval)
+            return True
+        if b == "cutafterword" and streaming:
+            task["status"] = {
+                "state": WORKING,
+                "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+            }
+            self._sse_head(writer)
+            event = json.dumps({"jsonrpc": "2.0", "id": rpc_id, "result": {"task": task}})
+            await self._write(reader, writer, f"data: {event}\n\n".encode())
+            await self._write(reader, writer, b'data: {"jsonrpc": "2.0", "res')
+            writer.transport.abort()
             return True
         if b == "huge" and method == "SendStreamingMessage":
             await self._stream_huge(rpc_id, task, reader, writer)

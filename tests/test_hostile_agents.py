@@ -16,6 +16,7 @@ wrong-id answers (and UNSPECIFIED states, garbage, streams that close at once)
     ``::test_an_agent_answering_nonsense_is_parked_after_a_few_fruitless_turns`` (poll and
     stream: a handful of requests and rows, then none once parked; watch again re-parks),
     ``::test_a_stream_that_closes_cleanly_is_not_reopened_at_once``,
+    ``::test_streams_cut_after_each_new_event_are_reopened_ever_more_slowly``,
     ``::test_an_agent_over_its_protocol_error_budget_has_its_tasks_parked``
 repeating page tokens
     ``tests/test_imports.py::test_web_import_returns_at_once_and_the_worker_stops_on_a_repeated_token``
@@ -240,6 +241,36 @@ def test_a_stream_that_closes_cleanly_is_not_reopened_at_once(hostile, start_cel
     task.refresh_from_db()
     assert task.watcher_status in (Status.STREAMING, Status.POLLING)  # quiet is not fruitless
     assert task.last_seq <= 4  # equal snapshots append nothing
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
+def test_streams_cut_after_each_new_event_are_reopened_ever_more_slowly(
+    hostile, start_celery_worker
+):
+    """An agent whose every stream brings one new status and then breaks: each break is news
+    (progress), so it was never fruitless, and every stream was reopened after the first step
+    of the backoff, a request and a ``stream-dropped`` row each time for as long as the agent
+    liked. Streams that break one after another, each soon after it opened, now wait each
+    step of the backoff in turn."""
+    worker = start_celery_worker(
+        **dict(FAST, WATCH_BACKOFF_BASE_SECONDS="0.2", WATCH_BACKOFF_MAX_SECONDS="3")
+    )
+    cutter = hostile("cutafterword")
+    task = task_services.start_task(hostile_row(cutter, streaming=True), "go", mode="stream")
+    wait_for(lambda: cutter.calls["SubscribeToTask"] >= 1, what="the first resubscription")
+    start = time.monotonic()
+    time.sleep(10)
+    # Backoff steps of 0.1-0.2, 0.2-0.4, 0.4-0.8, 0.8-1.6 s, then 1.5-3 s each: at most eleven
+    # streams in ten seconds. With the first step each time (0.1-0.2 s) there were about fifty.
+    opened = cutter.calls_since(start, "SubscribeToTask")
+    assert 3 <= opened <= 11
+    dropped = kinds(task, "system", "stream-dropped")
+    assert len(dropped) <= opened + 2  # one row a break, no more
+    task.refresh_from_db()
+    assert task.watcher_status in (Status.STREAMING, Status.POLLING)  # news is not fruitless
+    assert task.state == "TASK_STATE_WORKING"
+    no_traceback(worker)
 
 
 # 3. Budgets -------------------------------------------------------------------------------------
