@@ -573,6 +573,9 @@ METRICS_TOKEN = os.environ.get("METRICS_TOKEN", "").strip()
 # Workers also tick the reconciler (claimed once per period in Redis), so beat is no single point.
 RECONCILE_IN_WORKERS = env_flag("RECONCILE_IN_WORKERS", True)
 WATCH_STREAM_IDLE_SECONDS = env_duration("WATCH_STREAM_IDLE_SECONDS", 60)
+# A holder's own note that can come back every turn (a cut stream, a failed poll, the agent's
+# error): logged at most once per this many seconds; the next one counts those in between.
+WATCH_REPEATED_NOTE_SECONDS = env_duration("WATCH_REPEATED_NOTE_SECONDS", 60)
 WATCH_BACKOFF_BASE_SECONDS = env_duration("WATCH_BACKOFF_BASE_SECONDS", 0.5)
 WATCH_BACKOFF_MAX_SECONDS = env_duration("WATCH_BACKOFF_MAX_SECONDS", 30)
 _ordered("WATCH_BACKOFF_BASE_SECONDS", WATCH_BACKOFF_BASE_SECONDS, "WATCH_BACKOFF_MAX_SECONDS",

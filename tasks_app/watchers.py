@@ -36,6 +36,7 @@ import contextlib
 import enum
 import json
 import logging
+import math
 import os
 import random
 import socket
@@ -108,6 +109,8 @@ BATCH = 500
 RECORD_CALL_EVENTS = 100
 # A parked task is looked at again this rarely (one call), in case the agent recovered.
 PARKED_RECHECK_SECONDS = 600
+# The holder's own entries that can come back every turn: rate-limited (Holder._system).
+REPEATED_NOTES = frozenset({"stream-dropped", "stream-error", "poll-failed", "agent-error"})
 # While a task waits for authorization, the outbox is checked this often (an answer goes at once).
 OUTBOX_CHECK_SECONDS = 1.0
 # A stream is read at most this far ahead of the recorder (one bigger event is still taken):
@@ -637,6 +640,8 @@ class Holder:
         self.releasing = False
         # Streams in a row that broke soon after bringing news (see _after_drop).
         self.drops = 0
+        # Per kind of repeated note: when it was last logged, and how many since (see _system).
+        self.notes: dict[str, tuple[float, int]] = {}
 
     # -- the outline
     async def run(self) -> None:
@@ -656,6 +661,7 @@ class Holder:
             log.exception("watcher of task %s failed", self.task_pk)
             turn = await self._failed(f"watcher error: {type(exc).__name__}: {exc}")
         log.debug("turn ended: %s (%s)", turn.status, turn.note)
+        await self._held_notes()
         self.releasing = True  # from here on this holder never looks at the task again
         try:
             released = await eventloop.db(
@@ -1205,6 +1211,9 @@ class Holder:
                     if self.state not in TERMINAL_STATES:
                         await self._system("subscribe-refused", f"{exc}; polling instead")
                         self.streaming = False
+                        # Kept on the task (an operator can switch it back): each holder after
+                        # this one was refused again, a request and a row every slice.
+                        await eventloop.db(self._stream_refused)
                     return outcome
                 if self.state not in TERMINAL_STATES and self.state != INPUT_REQUIRED:
                     # A stream that closed while the task goes on proves nothing:
@@ -1479,6 +1488,11 @@ class Holder:
         if self.loop.time() >= self.deadline:
             raise HandOver
 
+    def _stream_refused(self) -> None:
+        RemoteTask.objects.filter(pk=self.task_pk, watch=RemoteTask.Watch.STREAM).update(
+            watch=RemoteTask.Watch.POLL
+        )
+
     async def _push_refused(self, reason: str) -> None:
         """Push cannot follow this task: say so once and poll instead."""
         await self._system("push-unavailable", f"{reason}; polling instead")
@@ -1489,6 +1503,47 @@ class Holder:
         )
 
     async def _system(self, event: str, detail: str) -> None:
+        """Log one of the holder's own entries; a note in ``REPEATED_NOTES`` at most once per
+        ``WATCH_REPEATED_NOTE_SECONDS``, the next one saying how many came in between.
+
+        Those notes can come back every turn, and they count against no budget (they are
+        ours, not the agent's content): an agent that answers an error, then a snapshot equal
+        to the mirror (which ends a fruitless series), and so on, or whose every stream sends
+        the task and then an error, wrote one row every turn, about ten a minute per task,
+        for as long as the task was watched. The agent's own entries are all logged, and the
+        watcher's note shows the latest problem.
+        """
+        if event in REPEATED_NOTES:
+            now = self.loop.time()
+            logged, held = self.notes.get(event, (-math.inf, 0))
+            if now - logged < settings.WATCH_REPEATED_NOTE_SECONDS:
+                self.notes[event] = (logged, held + 1)
+                return
+            if held:
+                detail = f"{detail[:1800]} ({held} more like this since the last such entry)"
+            self.notes[event] = (now, 0)
+        await self._log_system(event, detail)
+
+    async def _held_notes(self) -> None:
+        """At the end of the holder's turn, the repeated notes not logged yet, as one count each."""
+        for event, (_, held) in list(self.notes.items()):
+            if not held:
+                continue
+            self.notes[event] = (self.loop.time(), 0)
+            try:
+                await self._log_system(
+                    event,
+                    f"{held} more like this since the last such entry (not logged one by one)",
+                )
+            except Fenced:
+                return  # the lease moved on: the next holder speaks for the task
+            except Exception as exc:  # the count is lost, the lease must still be given back
+                log.warning(
+                    "could not log the held notes of task %s: %s", self.task_pk, type(exc).__name__
+                )
+                return
+
+    async def _log_system(self, event: str, detail: str) -> None:
         result = await eventloop.db(
             record,
             self.task_pk,

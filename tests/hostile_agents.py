@@ -39,6 +39,9 @@ Behaviours:
 ``cutafterword`` every stream (the send's and each SubscribeToTask) brings one new status
                  (the task, with a later status timestamp), then half an event, and the
                  connection is cut; GetTask answers the task as it is
+``errorafterword`` each SubscribeToTask sends the task as it is, then an ``error`` event
+                 (a JSON-RPC error); GetTask answers the task as it is
+``nosubscribe``  SubscribeToTask is refused as unsupported; GetTask answers the task
 ``huge``         SendStreamingMessage streams one artifact of ``huge_chunks``
                  chunks of ``huge_chunk_chars`` characters (appended, with flow
                  control), then completes; GetTask answers the whole task
@@ -283,6 +286,17 @@ class HostileAgent:
             await self._write(reader, writer, f"data: {event}\n\n".encode())
             await self._write(reader, writer, b'data: {"jsonrpc": "2.0", "res')
             writer.transport.abort()
+            return True
+        if b == "errorafterword" and method == "SubscribeToTask":
+            failure = {"code": -32603, "message": "internal error after the snapshot"}
+            self._sse_head(writer)
+            for body in ({"result": {"task": task}}, {"error": failure}):
+                event = json.dumps({"jsonrpc": "2.0", "id": rpc_id, **body})
+                await self._write(reader, writer, f"data: {event}\n\n".encode())
+            return True
+        if b == "nosubscribe" and method == "SubscribeToTask":
+            failure = {"code": -32004, "message": "resubscription is not supported"}
+            self._json(writer, {"jsonrpc": "2.0", "id": rpc_id, "error": failure})
             return True
         if b == "huge" and method == "SendStreamingMessage":
             await self._stream_huge(rpc_id, task, reader, writer)

@@ -364,6 +364,24 @@ def test_too_many_messages_in_one_event(task):
     assert replay(task).ok
 
 
+def test_diagnoses_per_event_are_bounded(task):
+    """Each refused message is diagnosed, but one event makes at most five rows of them: a
+    chunk of 200 messages in an unknown version wrote 200 protocol-error rows."""
+    unknown = [{"version": "v7", "createSurface": {"surfaceId": f"s{i}"}} for i in range(30)]
+    record(task, reply([part(unknown)], mid="m-1"), "stream")
+    limit = a2ui.MAX_DIAGNOSES_PER_EVENT
+    listed = [f"A2UI surface 's{i}': unsupported A2UI version 'v7'" for i in range(limit - 1)]
+    rest = 30 - (limit - 1)
+    assert errors(task) == [
+        *listed,
+        f"A2UI: {rest} more problems in this event, not listed (at most {limit} entries an event)",
+    ]
+    # Each surface keeps its own problem all the same, and the log replays to the same.
+    assert Surface.objects.filter(task=task).count() == 30
+    assert all(s.problem for s in Surface.objects.filter(task=task))
+    assert replay(task).ok
+
+
 def test_components_per_event_are_bounded(task):
     half = a2ui.MAX_COMPONENTS // 2 + 10
 

@@ -17,6 +17,8 @@ wrong-id answers (and UNSPECIFIED states, garbage, streams that close at once)
     stream: a handful of requests and rows, then none once parked; watch again re-parks),
     ``::test_a_stream_that_closes_cleanly_is_not_reopened_at_once``,
     ``::test_streams_cut_after_each_new_event_are_reopened_ever_more_slowly``,
+    ``::test_a_stream_error_after_every_snapshot_is_logged_once_per_spell``,
+    ``::test_a_refused_resubscription_switches_the_task_to_polling_for_good``,
     ``::test_an_agent_over_its_protocol_error_budget_has_its_tasks_parked``
 repeating page tokens
     ``tests/test_imports.py::test_web_import_returns_at_once_and_the_worker_stops_on_a_repeated_token``
@@ -270,6 +272,54 @@ def test_streams_cut_after_each_new_event_are_reopened_ever_more_slowly(
     task.refresh_from_db()
     assert task.watcher_status in (Status.STREAMING, Status.POLLING)  # news is not fruitless
     assert task.state == "TASK_STATE_WORKING"
+    no_traceback(worker)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
+def test_a_stream_error_after_every_snapshot_is_logged_once_per_spell(hostile, start_celery_worker):
+    """Every stream sends the task as it is, then an error: each turn is quiet (a valid answer,
+    nothing new), never fruitless, and each wrote a ``stream-error`` row, for as long as the
+    task was watched. The note is logged at most once per ``WATCH_REPEATED_NOTE_SECONDS``, and
+    the next one counts those in between."""
+    worker = start_celery_worker(**dict(FAST, WATCH_REPEATED_NOTE_SECONDS="4"))
+    erring = hostile("errorafterword")
+    task = task_services.start_task(hostile_row(erring, streaming=True), "go", mode="stream")
+    wait_for(lambda: erring.calls["SubscribeToTask"] >= 1, what="the first resubscription")
+    start = time.monotonic()
+    wait_for(
+        lambda: len(kinds(task, "system", "stream-error")) >= 2,
+        timeout=30,
+        what="a second stream-error entry, after the spell",
+    )
+    opened = erring.calls_since(start, "SubscribeToTask")
+    rows = kinds(task, "system", "stream-error")
+    spells = (time.monotonic() - start) / 4
+    assert len(rows) <= spells + 2 < opened  # one a spell, not one a stream
+    assert "more like this since the last such entry" in rows[1].raw["system"]["detail"]
+    task.refresh_from_db()
+    assert task.watcher_status in (Status.STREAMING, Status.POLLING)  # quiet, not fruitless
+    no_traceback(worker)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
+def test_a_refused_resubscription_switches_the_task_to_polling_for_good(
+    hostile, start_celery_worker
+):
+    """SubscribeToTask refused as unsupported: the holder polled, wrote ``subscribe-refused``
+    and stopped streaming, but only for itself; every holder after it (one a slice) was
+    refused again, a request and a row each time. The switch is kept on the task now."""
+    worker = start_celery_worker(**dict(FAST, WATCH_SLICE_SECONDS="1.5"))
+    refusing = hostile("nosubscribe")
+    task = task_services.start_task(hostile_row(refusing, streaming=True), "go", mode="stream")
+    wait_for(lambda: refusing.calls["SubscribeToTask"] >= 1, what="the first resubscription")
+    time.sleep(6)  # four slices: each holder after the first polls
+    assert refusing.calls["SubscribeToTask"] == 1
+    assert refusing.calls["GetTask"] >= 4
+    assert len(kinds(task, "system", "subscribe-refused")) == 1
+    task.refresh_from_db()
+    assert task.watch == RemoteTask.Watch.POLL and task.watcher_status == Status.POLLING
     no_traceback(worker)
 
 

@@ -97,6 +97,7 @@ MAX_SURFACE_BYTES = 512 * 1024  # components + data model + styles, as canonical
 MAX_DATA_MODEL_BYTES = 256 * 1024  # the data model alone
 MAX_SURFACES = 50  # surfaces per task
 MAX_MESSAGES_PER_EVENT = 200  # A2UI messages folded from one log row (each is validated)
+MAX_DIAGNOSES_PER_EVENT = 5  # protocol-error rows after one log row (the last counts the rest)
 MAX_REASON = 500  # characters of a problem / reason
 MAX_ID_CHARS = 200  # a surfaceId or root id (the Surface row's columns)
 MAX_CATALOG_ID_CHARS = 500

@@ -189,7 +189,31 @@ class SurfaceFold:
             old_problem = marks[surface_id][0] if surface_id in marks else ""
             if problem and problem != old_problem and not already:
                 reasons.append((surface_id, state["version"], problem))
+        return _few(reasons)
+
+
+def _few(
+    reasons: list[tuple[str | None, str | None, str]],
+) -> list[tuple[str | None, str | None, str]]:
+    """At most ``MAX_DIAGNOSES_PER_EVENT`` diagnoses for one row, the last counting the rest.
+
+    Each refused message is diagnosed, and a row may carry 200: a 550-byte chunk of
+    200 messages that are not A2UI wrote 201 rows, and under the events-per-second budget
+    an agent could make ten thousand rows a second, none counted against the task's
+    bytes. Each surface keeps its own problem (``Surface.problem``) whatever is listed.
+    """
+    limit = a2ui.MAX_DIAGNOSES_PER_EVENT
+    if len(reasons) <= limit:
         return reasons
+    rest = len(reasons) - (limit - 1)
+    return [
+        *reasons[: limit - 1],
+        (
+            None,
+            None,
+            f"{rest} more problems in this event, not listed (at most {limit} entries an event)",
+        ),
+    ]
 
 
 def collect(fold: _Fold) -> SurfaceFold | None:
