@@ -4,6 +4,7 @@ other writer inside the window (or releases both at once) and names what happene
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -337,6 +338,46 @@ def test_a_finished_push_refresher_is_forgotten(shared_loop) -> None:
     while task.pk in push._refreshers and time.monotonic() < deadline:
         time.sleep(0.05)
     assert task.pk not in push._refreshers
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_ended_push_task_is_refreshed_at_once_but_not_for_every_notification(
+    shared_loop,
+) -> None:
+    """A push made the task look ended, and its GetTask says it is still working: each
+    notification after it asked for a GetTask at once, one after another for as long as the
+    agent pushed (up to PUSH_RATE_PER_CONFIG a second). The first is at once; the next waits
+    out PUSH_REFRESH_DELAY_SECONDS (1 s)."""
+    import threading
+    import time
+
+    calls: list[float] = []
+    lock = threading.Lock()
+    working = {"id": "t-1", "contextId": "c", "status": {"state": "TASK_STATE_WORKING"}}
+
+    def answer(request: dict) -> Any:
+        if request.get("method") == "GetTask":
+            with lock:
+                calls.append(time.monotonic())
+        return working
+
+    with json_rpc_peer(answer) as url:
+        task = push_task(state="TASK_STATE_COMPLETED")  # ended by a push, not settled
+        Agent.objects.filter(pk=task.agent_id).update(
+            base_url=url, interface_url=f"{url}/rpc", binding="JSONRPC", protocol_version="1.0"
+        )
+
+        async def notified() -> None:
+            push._want_refresh({task.pk: "TASK_STATE_COMPLETED"})
+
+        started = time.monotonic()
+        while time.monotonic() - started < 1.5:  # a notification every 20 ms
+            eventloop.submit(notified()).result(timeout=10)
+            time.sleep(0.02)
+        time.sleep(0.3)
+    assert calls and calls[0] - started < 0.9  # the first at once (not after the debounce)
+    assert 2 <= len(calls) <= 3  # then at most one a second, not one a notification
+    assert all(b - a >= 0.9 for a, b in itertools.pairwise(calls))
 
 
 @pytest.mark.django_db(transaction=True)

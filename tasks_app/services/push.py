@@ -31,6 +31,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import random
 import secrets
 import threading
@@ -1606,6 +1607,8 @@ _http: httpx.AsyncClient | None = None
 _heard: dict[int, list[float]] = {}
 _ended: set[int] = set()
 _refreshers: dict[int, asyncio.Task[None]] = {}
+# When each task's last refresh ended (loop time), for the PUSH_WINDOWS_KEPT latest tasks.
+_refreshed_at: OrderedDict[int, float] = OrderedDict()
 # The next GetTask's history window per task (``polls.window_for``), as a watcher keeps its
 # own: without it every drained notification began at the first window, and a chatty agent's
 # task cost two GetTasks each. A task forgotten here (the oldest go first) begins again there.
@@ -1655,7 +1658,15 @@ async def _refresher(task_pk: int) -> None:
             last + settings.PUSH_REFRESH_DELAY_SECONDS,
             first + settings.PUSH_REFRESH_MAX_WAIT_SECONDS,
         )
-        wait = 0.0 if task_pk in _ended else due - loop.time()
+        if task_pk in _ended:
+            # At once, but not twice within the debounce: an agent that pushed an end its
+            # GetTask did not show (working still, or failing) got a GetTask for every
+            # notification after it, up to PUSH_RATE_PER_CONFIG a second, until a holder
+            # settled the task.
+            since = _refreshed_at.get(task_pk, -math.inf)
+            wait = since + settings.PUSH_REFRESH_DELAY_SECONDS - loop.time()
+        else:
+            wait = due - loop.time()
         if wait <= 0:
             break
         await asyncio.sleep(wait)
@@ -1668,6 +1679,10 @@ async def _refresher(task_pk: int) -> None:
     except Exception:  # one task's refresh must not stop the others
         log.exception("GetTask after push notifications for task %s failed", task_pk)
     finally:
+        _refreshed_at[task_pk] = loop.time()
+        _refreshed_at.move_to_end(task_pk)
+        while len(_refreshed_at) > PUSH_WINDOWS_KEPT:
+            _refreshed_at.popitem(last=False)
         # Forgotten once done (the map grew by every push-watched task a worker ever saw);
         # notifications heard during this GetTask get a refresh of their own.
         if _refreshers.get(task_pk) is asyncio.current_task():
