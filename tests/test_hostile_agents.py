@@ -319,7 +319,8 @@ def test_a_refused_resubscription_switches_the_task_to_polling_for_good(
     assert refusing.calls["GetTask"] >= 4
     assert len(kinds(task, "system", "subscribe-refused")) == 1
     task.refresh_from_db()
-    assert task.watch == RemoteTask.Watch.POLL and task.watcher_status == Status.POLLING
+    assert task.watch == RemoteTask.Watch.POLL
+    assert task.watcher_status in (Status.POLLING, Status.IDLE)  # idle: between two slices
     no_traceback(worker)
 
 
