@@ -90,6 +90,25 @@ def test_an_agent_url_with_a_password_is_refused_and_not_shown_back(django_user_
     assert not any("s3cret" in str(a.payload) for a in OperatorAction.objects.all())
 
 
+def test_an_agent_url_whose_host_is_no_domain_is_an_error_on_the_form(django_user_model):
+    """A host name that does not encode as IDNA (a right-to-left override): Django's URL field
+    takes it, and httpx refused it with ``InvalidURL``, which is not an ``httpx.HTTPError``:
+    the card preview answered 500. Nothing is looked up or connected to (the name cannot be
+    written on the wire)."""
+    from tasks_app.models import Agent, Membership
+
+    admin = member(django_user_model.objects.create_user("ada"), Membership.Role.AGENT_ADMIN)
+    client = Client()
+    client.force_login(admin)
+    for url in ("\u202egnp.exe", "http://\u202egnp.exe/agent"):
+        for action in ("preview", "save"):
+            answer = client.post("/agents/add/", {"url": url, "action": action})
+            assert answer.status_code == 200, (url, action)
+            assert "Could not read an agent card" in answer.content.decode()
+            assert "bad URL" in answer.content.decode()
+    assert not Agent.objects.exists()
+
+
 def test_a_large_file_kept_after_a_form_error_goes_with_the_next_try(
     django_user_model, no_dispatch, django_capture_on_commit_callbacks
 ):

@@ -44,7 +44,15 @@ def is_json_media(mt: str) -> bool:
     return mt in JSON_MEDIA_TYPES or mt.endswith("+json")
 
 
-def map_transport_error(exc: httpx.HTTPError, where: str, *, streaming: bool = False) -> A2AError:
+# What httpx raises for a request it could not make or finish. ``InvalidURL`` is not an
+# ``HTTPError``: a host that does not encode as IDNA (a right-to-left override in a URL an
+# operator typed, or a card's interface URL) escaped as a 500 from the card preview.
+HTTPX_ERRORS = (httpx.HTTPError, httpx.InvalidURL)
+
+
+def map_transport_error(
+    exc: httpx.HTTPError | httpx.InvalidURL, where: str, *, streaming: bool = False
+) -> A2AError:
     """Translate an httpx exception into our hierarchy (keeps it as ``__cause__``)."""
     refusal = refusal_in(exc)
     if refusal is not None:  # never connected: the reason is all there is to say

@@ -20,6 +20,7 @@ import httpx
 from httpx_sse import aconnect_sse
 
 from ._http import (
+    HTTPX_ERRORS,
     SSE_MEDIA_TYPE,
     decode_json,
     error_for_status,
@@ -134,7 +135,7 @@ class BaseBinding:
                     ) as resp,
                 ):
                     body = await read_bounded(resp, self.max_response_bytes, where)
-            except httpx.HTTPError as exc:
+            except HTTPX_ERRORS as exc:
                 raise map_transport_error(exc, where) from exc
             if resp.status_code >= 400:
                 raise error_for_status(resp, body, where)
@@ -186,7 +187,7 @@ class BaseBinding:
                 ):
                     obj = decode_json(msg.data.encode("utf-8"), f"{where} SSE event", mt="SSE data")
                     yield unwrap_event(obj, msg.event)
-        except httpx.HTTPError as exc:
+        except HTTPX_ERRORS as exc:
             raise map_transport_error(exc, where, streaming=True) from exc
 
     async def _check_sse_response(

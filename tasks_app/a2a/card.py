@@ -16,14 +16,15 @@ from urllib.parse import urljoin, urlsplit
 
 import httpx
 
-from ._http import deadline as deadline_scope  # ``deadline`` is a parameter name here
 from ._http import (
+    HTTPX_ERRORS,
     decode_json,
     error_for_status,
     map_transport_error,
     media_type,
     read_bounded,
 )
+from ._http import deadline as deadline_scope  # ``deadline`` is a parameter name here
 from .errors import IncompatibleAgentError, ProtocolError
 from .guard import path_problem
 from .origins import split_http_url
@@ -205,7 +206,7 @@ async def _fetch_candidate(
                     return await _card_from(
                         resp, hop, where, etag=etag, max_bytes=max_bytes, tried=tried
                     )
-        except httpx.HTTPError as exc:
+        except HTTPX_ERRORS as exc:
             raise map_transport_error(exc, where) from exc
         hop = target
     raise ProtocolError(f"more than {MAX_CARD_REDIRECTS} redirects", where=f"GET {url}")
