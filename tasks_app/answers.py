@@ -29,7 +29,7 @@ import math
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import date, datetime
 from decimal import Decimal, InvalidOperation
@@ -39,7 +39,7 @@ import regex
 from django import forms
 from django.http import HttpRequest
 from django.utils import timezone
-from jsonschema import Draft202012Validator
+from jsonschema import Draft202012Validator, FormatChecker
 from jsonschema.exceptions import SchemaError, ValidationError
 from jsonschema.validators import extend, validator_for
 
@@ -118,6 +118,32 @@ def _bounded(cls: type) -> type:
     """The schema's validator class with ``pattern`` bounded in time and ``multipleOf``
     decided in decimal (made once per draft)."""
     return extend(cls, {"pattern": _bounded_pattern, "multipleOf": _multiple_of})
+
+
+@functools.cache
+def _format_checker(cls: type) -> FormatChecker:
+    """The draft's ``format`` checks, each sure to answer (made once per draft).
+
+    A check that raises anything but its own error says the text is not of the format:
+    ``format: regex`` compiles what the person typed with ``re``, and ``a{4294967296}``
+    raised ``OverflowError``, 4,000 ``(`` ``RecursionError``: the answer form answered 500.
+    """
+    checker = FormatChecker(formats=())
+    for name, (func, raises) in cls.FORMAT_CHECKER.checkers.items():
+        checker.checks(name, raises=raises)(_always_answers(func, raises))
+    return checker
+
+
+def _always_answers(func: Callable[[Any], bool], raises: Any) -> Callable[[Any], bool]:
+    def check(instance: Any) -> bool:
+        try:
+            return func(instance)
+        except raises:
+            raise  # the check's own way of saying no (it becomes the error's cause)
+        except (RecursionError, OverflowError, ValueError, TypeError, LookupError):
+            return False
+
+    return check
 
 
 class Unusable(Exception):
@@ -732,7 +758,7 @@ class SchemaAnswerForm(NulRemovingForm):
         if self.errors:
             return data
         cls = validator_for(self.spec.schema, default=Draft202012Validator)
-        validator = _bounded(cls)(self.spec.schema, format_checker=cls.FORMAT_CHECKER)
+        validator = _bounded(cls)(self.spec.schema, format_checker=_format_checker(cls))
         errors = sorted(
             validator.iter_errors(answer), key=lambda e: list(map(str, e.absolute_path))
         )

@@ -90,6 +90,17 @@ def test_a_step_beyond_any_float_is_a_form_error_not_a_500() -> None:
     assert answers.SchemaAnswerForm(spec, {"question": "1", item.name: "0"}).is_valid()
 
 
+@pytest.mark.parametrize("typed", ["a{4294967296}", "(" * 4000, "[z-a]"])
+def test_text_that_is_no_regex_is_a_form_error_not_a_500(typed: str) -> None:
+    """``format: regex`` compiled what the person typed with ``re``: a repeat count past
+    ``re``'s limit raised OverflowError and 4,000 ``(`` RecursionError, a 500 each."""
+    spec = answers.read_question(schema_of(rule={"type": "string", "format": "regex"}))
+    (item,) = spec.inputs()
+    refused = answers.SchemaAnswerForm(spec, {"question": "1", item.name: typed})
+    assert not refused.is_valid() and "Enter a valid regex" in str(refused.errors)
+    assert answers.SchemaAnswerForm(spec, {"question": "1", item.name: "^a+$"}).is_valid()
+
+
 def test_an_optional_object_with_an_unticked_box_may_stay_empty() -> None:
     """An unticked box is a value: the optional object counted as filled in, and its
     required field insisted, though nothing had been typed into it."""

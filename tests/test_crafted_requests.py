@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 
+import httpx
 import pytest
 from django.core.management import CommandError, call_command
 from django.test import Client
@@ -100,13 +101,42 @@ def test_an_agent_url_whose_host_is_no_domain_is_an_error_on_the_form(django_use
     admin = member(django_user_model.objects.create_user("ada"), Membership.Role.AGENT_ADMIN)
     client = Client()
     client.force_login(admin)
-    for url in ("\u202egnp.exe", "http://\u202egnp.exe/agent"):
+    refused = {
+        "\u202egnp.exe": "not a valid (internationalized) domain name",
+        "http://\u202egnp.exe/agent": "not a valid (internationalized) domain name",
+        "http://a\u0301.test/": "not a valid (internationalized) domain name",
+        "http://xn--a.test/": "not a valid (internationalized) domain name",
+        "http://localhost:99999/": "the port must be a number from 0 to 65535",
+        "https://agent.test:70000/": "the port must be a number from 0 to 65535",
+    }
+    for url, says in refused.items():
         for action in ("preview", "save"):
             answer = client.post("/agents/add/", {"url": url, "action": action})
             assert answer.status_code == 200, (url, action)
-            assert "Could not read an agent card" in answer.content.decode()
-            assert "bad URL" in answer.content.decode()
+            assert says in answer.content.decode(), (url, action)
     assert not Agent.objects.exists()
+
+
+@pytest.mark.parametrize(
+    "url", ["http://xn--a.test/", "http://a\u0301.test/", "http://127.0.0.1:99999/"]
+)
+def test_a_card_url_no_request_can_carry_is_a_protocol_error_before_any_fetch(url):
+    """The protocol layer's own check (a redirect's target and a card's interface URLs pass
+    through it too): httpx raised ``idna``'s ``UnicodeError`` as it built the request, and
+    reading the port raised ``ValueError``, past ``map_transport_error``."""
+    import asyncio
+
+    from tasks_app.a2a import ProtocolError
+    from tasks_app.a2a.card import fetch_card, http_url_problem
+
+    assert http_url_problem(url)
+
+    async def fetch() -> None:
+        async with httpx.AsyncClient() as http:
+            await fetch_card(url, http=http)
+
+    with pytest.raises(ProtocolError):
+        asyncio.run(fetch())
 
 
 def test_a_large_file_kept_after_a_form_error_goes_with_the_next_try(

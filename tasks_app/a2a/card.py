@@ -26,7 +26,7 @@ from ._http import (
 )
 from ._http import deadline as deadline_scope  # ``deadline`` is a parameter name here
 from .errors import IncompatibleAgentError, ProtocolError
-from .guard import path_problem
+from .guard import path_problem, unwritable
 from .origins import split_http_url
 from .types import (
     A2A_VERSION,
@@ -79,7 +79,7 @@ def http_url_problem(url: str, *, relative_ok: bool = False) -> str | None:
         return HTTP_ONLY
     if parts.scheme.lower() not in HTTP_SCHEMES or not host:
         return HTTP_ONLY
-    return path_problem(parts.path)
+    return path_problem(parts.path) or unwritable(url)
 
 
 def card_urls(base_or_card_url: str) -> list[str]:

@@ -234,7 +234,7 @@ def url_problem(url: str, policy: Policy) -> str | None:
         return "not a valid URL"
     if parts.scheme.lower() not in ("http", "https") or not host:
         return "only http and https URLs are accepted"
-    problem = path_problem(parts.path)
+    problem = path_problem(parts.path) or unwritable(url)
     if problem:
         return problem
     ip = literal_ip(host)
@@ -242,6 +242,25 @@ def url_problem(url: str, policy: Policy) -> str | None:
         reason = policy.address_problem(ip, host)
         if reason:
             return PREFIX + reason
+    return None
+
+
+def unwritable(url: str) -> str | None:
+    """Why a request to the http(s) URL ``url`` cannot be written at all, or None.
+
+    Its port past 65535, or a host that is no internationalized domain name (a right-to-left
+    override, a combining accent, an ``xn--`` label that decodes to nothing): ``urlsplit``
+    and httpx raise ``ValueError`` or ``httpx.InvalidURL`` for those only when the port or
+    host is read, or as the request is built, and the agent-add page answered 500.
+    """
+    try:
+        _ = urlsplit(url.strip()).port  # read: past 65535 it raises
+    except ValueError:
+        return "the port must be a number from 0 to 65535"
+    try:
+        _ = httpx.URL(url.strip()).host  # read: an IDNA host is decoded here
+    except (httpx.InvalidURL, ValueError):
+        return "the host name is not a valid (internationalized) domain name"
     return None
 
 
