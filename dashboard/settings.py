@@ -6,7 +6,7 @@ Redis that ``manage.py up`` starts itself when ``REDIS_URL`` is unset.
 
 Environment variables:
     DATA_DIR        folder for local state (default ``./var``)
-    DATABASE_URL    any dj-database-url URL (default: SQLite in DATA_DIR)
+    DATABASE_URL    a dj-database-url URL, sqlite:// or postgres:// (default: SQLite in DATA_DIR)
     REDIS_URL       broker, channel layer and health checks (default ``redis://127.0.0.1:6379/0``
                     for tools; ``manage.py up`` starts its own when unset)
     SECRET_KEY      required in production; generated into DATA_DIR otherwise
@@ -275,6 +275,17 @@ def _database() -> dict:
         config = dj_database_url.parse(url, conn_max_age=60, conn_health_checks=True)
     except Exception as exc:  # dj-database-url raises bare ValueErrors and KeyErrors
         raise ImproperlyConfigured(f"DATABASE_URL is not a valid database URL: {exc}") from exc
+    # Any other engine (mysql://, oracle://) failed at the first query with a traceback: its
+    # driver is not installed, and nothing here was made or tested for it.
+    if config["ENGINE"] not in ("django.db.backends.sqlite3", "django.db.backends.postgresql"):
+        raise ImproperlyConfigured(
+            "DATABASE_URL must be a sqlite:// or postgres:// URL: the dashboard runs on SQLite "
+            "and PostgreSQL."
+        )
+    if not config.get("NAME"):
+        raise ImproperlyConfigured(
+            "DATABASE_URL names no database (postgres://USER@HOST:PORT/NAME, or sqlite:///PATH)."
+        )
     if config["ENGINE"] == "django.db.backends.sqlite3":
         # WAL and a busy timeout let the web server, workers and beat write concurrently.
         # Connections are kept: opening one (and its PRAGMAs) cost about a third of a

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError as RedisResponseError
 
 from tasks_app import metrics
 from tasks_app.runtime.logs import FailureSpell
@@ -309,5 +310,9 @@ def publish(messages: Iterable[Message]) -> None:
     except (OSError, TimeoutError, RedisConnectionError) as exc:
         # Redis down or slow: one line (a command run with Redis down printed a traceback).
         log.warning("relay failed (%s); browsers catch up from the log", type(exc).__name__)
+    except RedisResponseError as exc:
+        # Redis refused the command (REDIS_URL names a database it does not have, say): its
+        # own words, one line; they hold no secret.
+        log.warning("relay failed (Redis said: %s); browsers catch up from the log", exc)
     except Exception:  # the log is the truth; browsers catch up from it on reconnect
         log.exception("relay failed")

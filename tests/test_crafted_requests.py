@@ -71,6 +71,50 @@ def test_a_task_or_agent_reference_int_refuses_is_not_found(ref):
         call_command("tasks", "show", ref)
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("tasks", "show", ""),
+        ("tasks", "cancel", ""),
+        ("tasks", "abandon", " "),
+        ("audit", "export", ""),
+        ("tasks", "start", "", "hi"),
+        ("tasks", "import", " "),
+    ],
+)
+def test_an_empty_reference_names_nothing(command, no_dispatch):
+    """An empty task reference matched the one task with no remote id yet (a send not
+    answered): ``tasks cancel ''`` canceled it and ``tasks abandon ''`` abandoned it."""
+    from tasks_app.models import Agent, RemoteTask
+
+    agent = Agent.objects.create(name="a", base_url="http://127.0.0.1:9/a")
+    unsent = RemoteTask.objects.create(agent=agent, title="t", remote_id="", phase="sending")
+    with pytest.raises(CommandError, match="an empty reference names none"):
+        call_command(*command)
+    unsent.refresh_from_db()
+    assert unsent.phase == "sending" and unsent.abandoned_at is None
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("tasks", "start", "http://u:s3cret@127.0.0.1:9/", "hi"),
+        ("tasks", "import", "http://u:s3cret@127.0.0.1:9/"),
+        ("audit", "actions", "--agent", "http://u:s3cret@127.0.0.1:9/"),
+    ],
+)
+def test_a_reference_that_names_nothing_is_not_echoed_with_its_password(command):
+    with pytest.raises(CommandError) as err:
+        call_command(*command)
+    assert "s3cret" not in str(err.value) and "127.0.0.1:9" in str(err.value)
+
+
+def test_prune_says_when_the_export_folder_name_is_refused(tmp_path):
+    """A name past the system's limit raised OSError from ``exists()``, a traceback."""
+    with pytest.raises(CommandError, match="--export-to cannot be used: File name too long"):
+        call_command("prune", "--older-than", "1", "--export-to", str(tmp_path / ("z" * 300)))
+
+
 def test_an_agent_url_with_a_password_is_refused_and_not_shown_back(django_user_model):
     from tasks_app.models import Agent, Membership, OperatorAction
 

@@ -296,3 +296,23 @@ def test_a_redis_outage_logs_one_traceback_then_a_count_not_one_per_send(
         if server is not None:
             server.kill()
             server.wait(10)
+
+
+def test_a_command_redis_refuses_is_one_line_not_a_traceback(monkeypatch, caplog) -> None:
+    """A REDIS_URL naming a database Redis does not have (``/99999``) passed the settings,
+    and a command's relay (``tasks start``, say) printed Redis's refusal with a traceback."""
+    from redis.exceptions import ResponseError
+
+    class Refusing:
+        async def group_send(self, group: str, message: dict) -> None:
+            raise ResponseError("DB index is out of range")
+
+    monkeypatch.setattr(relay, "_loop_relay", None)  # the synchronous way, as in a command
+    monkeypatch.setattr(relay, "get_channel_layer", lambda: Refusing())
+    with caplog.at_level("WARNING", logger="tasks_app.relay"):
+        relay.publish([("task-1", {"type": "task.event", "seq": 1})])
+    (record,) = [r for r in caplog.records if r.name == "tasks_app.relay"]
+    assert record.getMessage() == (
+        "relay failed (Redis said: DB index is out of range); browsers catch up from the log"
+    )
+    assert record.exc_info is None

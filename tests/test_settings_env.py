@@ -154,6 +154,28 @@ def test_a_bad_alert_webhook_url_is_refused_without_showing_it(
     assert "s3cr3t" not in output and "hooks.example.org" not in output
 
 
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("mysql://someone:pw-s3cr3t@127.0.0.1:1/db",
+         "DATABASE_URL must be a sqlite:// or postgres:// URL: the dashboard runs on SQLite and "
+         "PostgreSQL."),
+        ("oracle://someone:pw-s3cr3t@127.0.0.1:1/db",
+         "DATABASE_URL must be a sqlite:// or postgres:// URL: the dashboard runs on SQLite and "
+         "PostgreSQL."),
+        ("postgres://", "DATABASE_URL names no database (postgres://USER@HOST:PORT/NAME, or "
+         "sqlite:///PATH)."),
+    ],
+)  # fmt: skip
+def test_a_database_url_the_dashboard_cannot_run_on_is_one_sentence(
+    child_env: ChildEnv, url: str, message: str
+) -> None:
+    """A MySQL or Oracle URL (no driver installed) and a PostgreSQL URL without a database
+    passed the settings and failed at the first query, with a traceback."""
+    assert refused(child_env, "DATABASE_URL", url) == f"Configuration error: {message}"
+    assert "s3cr3t" not in manage(child_env, "check", DATABASE_URL=url).stderr
+
+
 def test_defaults_load_unchanged(child_env: ChildEnv) -> None:
     """With none of them set, every setting has the default it had before it was checked."""
     assert manage(child_env, "check", unset=UNSET).returncode == 0

@@ -13,6 +13,10 @@ import argparse
 import math
 from collections.abc import Callable
 
+from django.core.management.base import CommandError
+
+from tasks_app.runtime.net import redact_url
+
 
 def int_between(low: int, high: int) -> Callable[[str], int]:
     """An int from ``low`` to ``high`` (both included)."""
@@ -46,3 +50,18 @@ def float_between(
         return value
 
     return parse
+
+
+def shown(ref: str) -> str:
+    """A reference (an id, a name, a URL) as an error message repeats it: a URL without its
+    password or query values (``No agent 'http://u:secret@…'`` printed the password), and at
+    most 200 characters, quoted."""
+    text = redact_url(ref) if "://" in ref else ref
+    return repr(text if len(text) <= 200 else text[:199] + "…")
+
+
+def require_reference(ref: str, what: str) -> None:
+    """An empty reference names nothing: it matched the one task with no remote id yet (a
+    send not answered), and ``tasks cancel ''`` canceled it."""
+    if not ref.strip():
+        raise CommandError(f"Name {what}: an empty reference names none.")

@@ -22,6 +22,7 @@ from django.db.models import Q
 
 from tasks_app import actionlog, exports
 from tasks_app.a2a.safejson import whole_number
+from tasks_app.management.arguments import require_reference, shown
 from tasks_app.management.commands._stopping import StoppableCommand
 from tasks_app.models import Agent, Project, RemoteTask
 from tasks_app.services.audit import replay, verify
@@ -167,11 +168,12 @@ def _line(row: Any) -> bytes:
 
 def _named(model: type, text: str, what: str) -> int:
     """An agent or project by id or exact name."""
+    require_reference(text, f"a {what}" if what[0] not in "aeiou" else f"an {what}")
     pk = whole_number(text)
     query = Q(name=text) | (Q(pk=pk) if pk is not None else Q())
     pks = list(model.objects.filter(query).values_list("pk", flat=True)[:2])
     if len(pks) != 1:
-        raise CommandError(f"{'no' if not pks else 'more than one'} {what} matches {text!r}.")
+        raise CommandError(f"{'no' if not pks else 'more than one'} {what} matches {shown(text)}.")
     return pks[0]
 
 
@@ -187,10 +189,10 @@ def _no_one_task(text: str, pks: list[int]) -> CommandError:
     """No task, or several, for ``text`` ("use the local id" was said of a local id too)."""
     if not pks:
         return CommandError(
-            f"No task {text!r}: neither a local id nor a remote task id (see 'manage.py tasks list')."
+            f"No task {shown(text)}: neither a local id nor a remote task id (see 'manage.py tasks list')."
         )
     return CommandError(
-        f"Several tasks have the remote id {text!r} (of several agents): use the local id."
+        f"Several tasks have the remote id {shown(text)} (of several agents): use the local id."
     )
 
 
@@ -202,6 +204,7 @@ def _one_task(text: str) -> RemoteTask:
 
 
 def _lookup(text: str) -> Q:
+    require_reference(text, "a task")
     query = Q(remote_id=text)
     pk = whole_number(text)
     if pk is not None:

@@ -61,7 +61,11 @@ class Command(StoppableCommand):
             raise CommandError("Say how old: --older-than DAYS (or set RETENTION_DAYS).")
         days = _days(text, "--older-than" if options["older_than"] else "RETENTION_DAYS")
         export_to = Path(options["export_to"]) if options["export_to"] else None
-        if export_to is not None and export_to.exists() and not export_to.is_dir():
+        try:  # a name the system refuses (too long, say) is said, not a traceback
+            not_a_folder = export_to is not None and export_to.exists() and not export_to.is_dir()
+        except OSError as exc:
+            raise CommandError(f"--export-to cannot be used: {exc.strerror or exc}.") from None
+        if not_a_folder:
             raise CommandError(f"--export-to {export_to} is not a folder.")
         if export_to is not None and not options["dry_run"]:
             try:  # made here, so that a folder that cannot be is said before anything is pruned

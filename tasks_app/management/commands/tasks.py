@@ -10,7 +10,12 @@ from django.core.management.base import CommandError, CommandParser
 
 from tasks_app.a2a.card import registration_url
 from tasks_app.a2a.safejson import whole_number
-from tasks_app.management.arguments import float_between, int_between
+from tasks_app.management.arguments import (
+    float_between,
+    int_between,
+    require_reference,
+    shown,
+)
 from tasks_app.management.commands._stopping import StoppableCommand
 from tasks_app.models import Agent, ImportJob, RemoteTask
 from tasks_app.services import imports
@@ -27,7 +32,7 @@ def _one(ref: str, what: str, *candidates: Any) -> Any:
         found = list(queryset[:2])
         if len(found) > 1:
             raise CommandError(
-                f"{ref!r} names more than one {what}: give its number "
+                f"{shown(ref)} names more than one {what}: give its number "
                 f"(see 'manage.py {what}s list')."
             )
         if found:
@@ -36,6 +41,7 @@ def _one(ref: str, what: str, *candidates: Any) -> Any:
 
 
 def find_agent(ref: str) -> Agent:
+    require_reference(ref, "an agent")
     pk = whole_number(ref)
     agent = (
         Agent.objects.filter(pk=pk).first()
@@ -48,16 +54,17 @@ def find_agent(ref: str) -> Agent:
         )
     )
     if agent is None:
-        raise CommandError(f"No agent {ref!r}: see 'manage.py agents list'.")
+        raise CommandError(f"No agent {shown(ref)}: see 'manage.py agents list'.")
     return agent
 
 
 def find_task(ref: str) -> RemoteTask:
+    require_reference(ref, "a task")
     pk = whole_number(ref)
     task = RemoteTask.objects.filter(pk=pk).first() if pk is not None else None
     task = task or _one(ref, "task", RemoteTask.objects.filter(remote_id=ref).order_by("pk"))
     if task is None:
-        raise CommandError(f"No task {ref!r}.")
+        raise CommandError(f"No task {shown(ref)}.")
     return task
 
 
