@@ -260,6 +260,33 @@ TEMPLATES = [
 ]
 
 
+# Keys of a PostgreSQL URL's query that Django's backend takes itself; the rest go to libpq.
+_DJANGO_POSTGRES_OPTIONS = (
+    "assume_role",
+    "isolation_level",
+    "pool",
+    "server_side_binding",
+    "service",
+)
+
+
+def _check_postgres_options(options: dict) -> None:
+    """A connection option libpq does not know (``?conn_max_age=60``: dj-database-url passes
+    the query on) failed at the first query with a traceback: said at start, by its name."""
+    import psycopg
+    from psycopg.conninfo import make_conninfo
+
+    given = {k: str(v) for k, v in options.items() if k not in _DJANGO_POSTGRES_OPTIONS}
+    try:
+        make_conninfo("", **given)
+    except psycopg.ProgrammingError as exc:
+        unknown = sorted(k for k in given if f'"{k}"' in str(exc))
+        named = f" ({', '.join(unknown)})" if unknown else ""
+        raise ImproperlyConfigured(
+            f"DATABASE_URL's query holds an option PostgreSQL does not know{named}."
+        ) from None
+
+
 def _database() -> dict:
     url = os.environ.get("DATABASE_URL", "").strip()
     if not url:
@@ -286,6 +313,8 @@ def _database() -> dict:
         raise ImproperlyConfigured(
             "DATABASE_URL names no database (postgres://USER@HOST:PORT/NAME, or sqlite:///PATH)."
         )
+    if config["ENGINE"] == "django.db.backends.postgresql":
+        _check_postgres_options(config.get("OPTIONS") or {})
     if config["ENGINE"] == "django.db.backends.sqlite3":
         # WAL and a busy timeout let the web server, workers and beat write concurrently.
         # Connections are kept: opening one (and its PRAGMAs) cost about a third of a

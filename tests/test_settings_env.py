@@ -165,13 +165,16 @@ def test_a_bad_alert_webhook_url_is_refused_without_showing_it(
          "PostgreSQL."),
         ("postgres://", "DATABASE_URL names no database (postgres://USER@HOST:PORT/NAME, or "
          "sqlite:///PATH)."),
+        ("postgres://someone:pw-s3cr3t@127.0.0.1:1/db?conn_max_age=abc&sslmode=require",
+         "DATABASE_URL's query holds an option PostgreSQL does not know (conn_max_age)."),
     ],
 )  # fmt: skip
 def test_a_database_url_the_dashboard_cannot_run_on_is_one_sentence(
     child_env: ChildEnv, url: str, message: str
 ) -> None:
-    """A MySQL or Oracle URL (no driver installed) and a PostgreSQL URL without a database
-    passed the settings and failed at the first query, with a traceback."""
+    """A MySQL or Oracle URL (no driver installed), a PostgreSQL URL without a database or with
+    an option libpq does not know passed the settings and failed at the first query, with a
+    traceback."""
     assert refused(child_env, "DATABASE_URL", url) == f"Configuration error: {message}"
     assert "s3cr3t" not in manage(child_env, "check", DATABASE_URL=url).stderr
 
