@@ -361,7 +361,17 @@ def _redis_setting(name: str, default: str) -> str:
     url = env_text(name, default)
     scheme = url.partition("://")[0].lower()
     if name == "CELERY_BROKER_URL" and scheme not in ("redis", "rediss", "unix"):
-        return url  # another broker (Celery speaks several): Celery reads it
+        # Another broker (Celery speaks several): Celery reads it. One that names none of them
+        # (``abc``, ``http://...``) passed, and every dispatch failed with the task unsent.
+        from kombu.transport import TRANSPORT_ALIASES
+
+        if "://" not in url or scheme not in TRANSPORT_ALIASES:
+            raise ImproperlyConfigured(
+                f"{name} must be a broker URL Celery knows (redis://HOST:PORT/DB, or another "
+                "of its transports, such as amqp://); the value is not shown, as it may hold "
+                "a password."
+            )
+        return url
     problem = _redis_url_problem(url)
     if problem:
         raise ImproperlyConfigured(

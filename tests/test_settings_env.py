@@ -179,6 +179,18 @@ def test_a_database_url_the_dashboard_cannot_run_on_is_one_sentence(
     assert "s3cr3t" not in manage(child_env, "check", DATABASE_URL=url).stderr
 
 
+@pytest.mark.parametrize("url", ["abc", "http://broker-s3cr3t.example/", "bogus://u:s3cr3t@x/"])
+def test_a_broker_url_celery_does_not_know_is_one_sentence(child_env: ChildEnv, url: str) -> None:
+    """Not a transport Celery has: it passed the settings, and every dispatch failed (``abc``
+    even sent the broker's name to the resolver)."""
+    assert refused(child_env, "CELERY_BROKER_URL", url) == (
+        "Configuration error: CELERY_BROKER_URL must be a broker URL Celery knows "
+        "(redis://HOST:PORT/DB, or another of its transports, such as amqp://); the value is "
+        "not shown, as it may hold a password."
+    )
+    assert "s3cr3t" not in manage(child_env, "check", CELERY_BROKER_URL=url).stderr
+
+
 def test_defaults_load_unchanged(child_env: ChildEnv) -> None:
     """With none of them set, every setting has the default it had before it was checked."""
     assert manage(child_env, "check", unset=UNSET).returncode == 0
