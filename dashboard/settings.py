@@ -309,9 +309,10 @@ def _database() -> dict:
             "DATABASE_URL must be a sqlite:// or postgres:// URL: the dashboard runs on SQLite "
             "and PostgreSQL."
         )
-    if not config.get("NAME"):
+    if not config.get("NAME") and not (config.get("OPTIONS") or {}).get("service"):
         raise ImproperlyConfigured(
-            "DATABASE_URL names no database (postgres://USER@HOST:PORT/NAME, or sqlite:///PATH)."
+            "DATABASE_URL names no database (postgres://USER@HOST:PORT/NAME, ?service=NAME, or "
+            "sqlite:///PATH)."
         )
     if config["ENGINE"] == "django.db.backends.postgresql":
         _check_postgres_options(config.get("OPTIONS") or {})

@@ -1211,9 +1211,9 @@ class Holder:
                     if self.state not in TERMINAL_STATES:
                         await self._system("subscribe-refused", f"{exc}; polling instead")
                         self.streaming = False
-                        # Kept on the task (an operator can switch it back): each holder after
-                        # this one was refused again, a request and a row every slice.
-                        await eventloop.db(self._stream_refused)
+                        # Kept on the task, as a refused push is: each holder after this one
+                        # was refused again, a request and a row every slice.
+                        await eventloop.db(self._to_polling, RemoteTask.Watch.STREAM)
                     return outcome
                 if self.state not in TERMINAL_STATES and self.state != INPUT_REQUIRED:
                     # A stream that closed while the task goes on proves nothing:
@@ -1488,19 +1488,14 @@ class Holder:
         if self.loop.time() >= self.deadline:
             raise HandOver
 
-    def _stream_refused(self) -> None:
-        RemoteTask.objects.filter(pk=self.task_pk, watch=RemoteTask.Watch.STREAM).update(
-            watch=RemoteTask.Watch.POLL
-        )
+    def _to_polling(self, watch: str) -> None:
+        """The task, watched by ``watch`` still, is polled from now on (an operator can switch back)."""
+        RemoteTask.objects.filter(pk=self.task_pk, watch=watch).update(watch=RemoteTask.Watch.POLL)
 
     async def _push_refused(self, reason: str) -> None:
         """Push cannot follow this task: say so once and poll instead."""
         await self._system("push-unavailable", f"{reason}; polling instead")
-        await eventloop.db(
-            lambda: RemoteTask.objects.filter(pk=self.task_pk, watch=RemoteTask.Watch.PUSH).update(
-                watch=RemoteTask.Watch.POLL
-            )
-        )
+        await eventloop.db(self._to_polling, RemoteTask.Watch.PUSH)
 
     async def _system(self, event: str, detail: str) -> None:
         """Log one of the holder's own entries; a note in ``REPEATED_NOTES`` at most once per

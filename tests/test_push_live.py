@@ -240,3 +240,25 @@ def test_deleting_a_push_tasks_last_config_has_it_polled(
     task.refresh_from_db()
     assert task.state == "TASK_STATE_COMPLETED"
     assert TaskEvent.objects.filter(task=task, channel="poll", kind="task").exists()
+
+
+def test_a_worker_without_public_url_polls_a_push_task_for_good(
+    agent, settings, start_celery_worker
+):
+    """The start decided on push, but the worker that sends cannot give the agent an address:
+    it says so once, switches the task to polling (kept on the task, as a refused
+    resubscription is) and follows it to the end."""
+    settings.PUBLIC_URL = "http://127.0.0.1:9"  # this process decides the start mode
+    start_celery_worker(PUBLIC_URL="")
+    stored = add_agent(agent.base_url)
+    task = task_services.start_task(stored, "batch 3 0.3", mode="push")
+    assert task.watch == RemoteTask.Watch.PUSH
+    wait_for(lambda: settled(task), 60, "the task to settle by polling")
+    assert task.watch == RemoteTask.Watch.POLL and task.state == "TASK_STATE_COMPLETED"
+    unavailable = [
+        e
+        for e in TaskEvent.objects.filter(task=task, kind="system")
+        if (e.raw.get("system") or {}).get("event") == "push-unavailable"
+    ]
+    assert len(unavailable) == 1
+    assert not PushConfig.objects.filter(task=task).exists()

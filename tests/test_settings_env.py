@@ -163,8 +163,8 @@ def test_a_bad_alert_webhook_url_is_refused_without_showing_it(
         ("oracle://someone:pw-s3cr3t@127.0.0.1:1/db",
          "DATABASE_URL must be a sqlite:// or postgres:// URL: the dashboard runs on SQLite and "
          "PostgreSQL."),
-        ("postgres://", "DATABASE_URL names no database (postgres://USER@HOST:PORT/NAME, or "
-         "sqlite:///PATH)."),
+        ("postgres://", "DATABASE_URL names no database (postgres://USER@HOST:PORT/NAME, "
+         "?service=NAME, or sqlite:///PATH)."),
         ("postgres://someone:pw-s3cr3t@127.0.0.1:1/db?conn_max_age=abc&sslmode=require",
          "DATABASE_URL's query holds an option PostgreSQL does not know (conn_max_age)."),
     ],
@@ -189,6 +189,14 @@ def test_a_broker_url_celery_does_not_know_is_one_sentence(child_env: ChildEnv, 
         "not shown, as it may hold a password."
     )
     assert "s3cr3t" not in manage(child_env, "check", CELERY_BROKER_URL=url).stderr
+
+
+def test_a_postgres_url_naming_a_service_instead_of_a_database_is_taken(
+    child_env: ChildEnv,
+) -> None:
+    """A connection service (pg_service.conf) names the database itself: no NAME is needed."""
+    result = manage(child_env, "check", DATABASE_URL="postgres://?service=dashboard")
+    assert result.returncode == 0, result.stderr
 
 
 def test_defaults_load_unchanged(child_env: ChildEnv) -> None:

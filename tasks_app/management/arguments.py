@@ -64,4 +64,4 @@ def require_reference(ref: str, what: str) -> None:
     """An empty reference names nothing: it matched the one task with no remote id yet (a
     send not answered), and ``tasks cancel ''`` canceled it."""
     if not ref.strip():
-        raise CommandError(f"Name {what}: an empty reference names none.")
+        raise CommandError(f"Name the {what}: an empty reference names none.")

@@ -1621,10 +1621,15 @@ def _next_window(task_pk: int) -> int:
 
 
 def _keep_window(task_pk: int, length: int) -> None:
-    _windows[task_pk] = length
-    _windows.move_to_end(task_pk)
-    while len(_windows) > PUSH_WINDOWS_KEPT:
-        _windows.popitem(last=False)
+    _keep(_windows, task_pk, length)
+
+
+def _keep(kept: OrderedDict[int, Any], task_pk: int, value: Any) -> None:
+    """Remember ``value`` for ``task_pk`` in ``kept``, for the PUSH_WINDOWS_KEPT latest tasks."""
+    kept[task_pk] = value
+    kept.move_to_end(task_pk)
+    while len(kept) > PUSH_WINDOWS_KEPT:
+        kept.popitem(last=False)
 
 
 def _want_refresh(states: dict[int, str]) -> None:
@@ -1679,10 +1684,7 @@ async def _refresher(task_pk: int) -> None:
     except Exception:  # one task's refresh must not stop the others
         log.exception("GetTask after push notifications for task %s failed", task_pk)
     finally:
-        _refreshed_at[task_pk] = loop.time()
-        _refreshed_at.move_to_end(task_pk)
-        while len(_refreshed_at) > PUSH_WINDOWS_KEPT:
-            _refreshed_at.popitem(last=False)
+        _keep(_refreshed_at, task_pk, loop.time())
         # Forgotten once done (the map grew by every push-watched task a worker ever saw);
         # notifications heard during this GetTask get a refresh of their own.
         if _refreshers.get(task_pk) is asyncio.current_task():

@@ -168,7 +168,7 @@ def _line(row: Any) -> bytes:
 
 def _named(model: type, text: str, what: str) -> int:
     """An agent or project by id or exact name."""
-    require_reference(text, f"a {what}" if what[0] not in "aeiou" else f"an {what}")
+    require_reference(text, what)
     pk = whole_number(text)
     query = Q(name=text) | (Q(pk=pk) if pk is not None else Q())
     pks = list(model.objects.filter(query).values_list("pk", flat=True)[:2])
@@ -204,7 +204,7 @@ def _one_task(text: str) -> RemoteTask:
 
 
 def _lookup(text: str) -> Q:
-    require_reference(text, "a task")
+    require_reference(text, "task")
     query = Q(remote_id=text)
     pk = whole_number(text)
     if pk is not None:

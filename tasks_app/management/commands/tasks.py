@@ -41,7 +41,7 @@ def _one(ref: str, what: str, *candidates: Any) -> Any:
 
 
 def find_agent(ref: str) -> Agent:
-    require_reference(ref, "an agent")
+    require_reference(ref, "agent")
     pk = whole_number(ref)
     agent = (
         Agent.objects.filter(pk=pk).first()
@@ -59,7 +59,7 @@ def find_agent(ref: str) -> Agent:
 
 
 def find_task(ref: str) -> RemoteTask:
-    require_reference(ref, "a task")
+    require_reference(ref, "task")
     pk = whole_number(ref)
     task = RemoteTask.objects.filter(pk=pk).first() if pk is not None else None
     task = task or _one(ref, "task", RemoteTask.objects.filter(remote_id=ref).order_by("pk"))
