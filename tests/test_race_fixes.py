@@ -99,6 +99,34 @@ def test_a_notification_heard_does_not_undo_an_abandon_made_meanwhile(monkeypatc
 
 
 @pytest.mark.django_db
+def test_a_switch_to_streaming_made_while_the_last_push_config_goes_stands(monkeypatch) -> None:
+    """The last config deleted, the task was switched to polling on what had been read before:
+    an operator's switch to streaming committed in between was overwritten (two switch rows,
+    the page having said "now followed by streaming")."""
+    from tasks_app.services import tasks as task_services
+
+    task = push_task()
+    Agent.objects.filter(pk=task.agent_id).update(streaming=True)
+    real_switch = task_services.switch_watch
+    calls: list[str] = []
+
+    def another_operator_first(task: RemoteTask, watch: str, **kw: Any) -> RemoteTask:
+        if not calls:  # the other operator's switch, inside the window
+            calls.append(RemoteTask.Watch.STREAM)
+            real_switch(RemoteTask.objects.get(pk=task.pk), RemoteTask.Watch.STREAM)
+        calls.append(watch)
+        return real_switch(task, watch, **kw)
+
+    monkeypatch.setattr(task_services, "switch_watch", another_operator_first)
+    push._polled_without_configs(RemoteTask.objects.get(pk=task.pk), None)
+    assert calls == [RemoteTask.Watch.STREAM, RemoteTask.Watch.POLL]  # the window was hit
+    task.refresh_from_db()
+    assert task.watch == RemoteTask.Watch.STREAM
+    switches = [e.raw["operator"]["watch"] for e in task.events.filter(kind="operator")]
+    assert switches == [RemoteTask.Watch.STREAM]
+
+
+@pytest.mark.django_db
 def test_a_notification_heard_leaves_ended_and_parked_tasks_alone() -> None:
     ended = push_task(state="TASK_STATE_COMPLETED", settled_at=timezone.now())
     parked = push_task(watcher_status=Status.PARKED)

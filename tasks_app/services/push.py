@@ -1891,5 +1891,9 @@ def _polled_without_configs(task: RemoteTask, actor_id: int | None) -> None:
         return
     if PushConfig.objects.filter(task=task, deleted_at__isnull=True).exists():
         return
-    with contextlib.suppress(TaskActionError):  # ended, abandoned or gone: nothing to follow
-        switch_watch(task, RemoteTask.Watch.POLL, actor_id=actor_id)
+    # Ended, abandoned or gone: nothing to follow. Switched by someone else since the read
+    # above: their choice stands.
+    with contextlib.suppress(TaskActionError):
+        switch_watch(
+            task, RemoteTask.Watch.POLL, actor_id=actor_id, only_from=RemoteTask.Watch.PUSH
+        )

@@ -680,8 +680,14 @@ def unfinished() -> Q:
     return ~Q(state__in=TERMINAL_STATES) & ~Q(phase=RemoteTask.Phase.MESSAGE)
 
 
-def switch_watch(task: RemoteTask, watch: str, *, actor_id: int | None = None) -> RemoteTask:
+def switch_watch(
+    task: RemoteTask, watch: str, *, actor_id: int | None = None, only_from: str | None = None
+) -> RemoteTask:
     """An operator switches a task followed by push (or anything else) to streaming or polling.
+
+    ``only_from``: switch only a task still followed that way (part of the compare-and-set).
+    A caller that decided from what it read (the last push config deleted: poll) must not
+    overwrite another operator's switch made since.
 
     The hold-off of "awaiting push" is lifted and a watcher dispatched at once; a running
     holder notices the new way at its next turn. The task's push configs are deleted first
@@ -697,13 +703,15 @@ def switch_watch(task: RemoteTask, watch: str, *, actor_id: int | None = None) -
     if watch == RemoteTask.Watch.STREAM and not task.agent.streaming:
         raise TaskActionError(f"{task.agent.name} does not declare streaming; choose polling.")
     with transaction.atomic():
+        followed = {"watch": only_from} if only_from is not None else {}
         won = (
             RemoteTask.objects.filter(
-                unfinished(), pk=task.pk, abandoned_at__isnull=True, gone_at__isnull=True
+                unfinished(), pk=task.pk, abandoned_at__isnull=True, gone_at__isnull=True,
+                **followed,
             )
             .exclude(watch=watch)
             .update(watch=watch)
-        )
+        )  # fmt: skip
         if not won:
             raise TaskActionError(
                 "This task is followed that way already, has ended, or is not watched any more."
