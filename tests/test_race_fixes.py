@@ -68,6 +68,35 @@ def test_a_card_refresh_keeps_credentials_set_meanwhile(server: CardServer, monk
     assert decrypt_json(stored) == {"token": "new-token"}
 
 
+@pytest.mark.django_db
+def test_credentials_saved_while_a_refresh_moves_the_origin_are_bound_to_the_new_one() -> None:
+    """Saved on the row read before, the credentials were bound to the old origin and the
+    refresh's pending approval was cleared: withheld from the new origin, nothing to approve."""
+    agent = Agent.objects.create(
+        name="moving", base_url="http://127.0.0.1:9/moving",
+        interface_url="http://127.0.0.1:9/rpc", card_fetched_at=timezone.now(),
+    )  # fmt: skip
+    moved: list[bool] = []
+
+    def refresh_first(execute, sql, params, many, context):  # the refresh, in the window
+        if sql.startswith("UPDATE") and "credentials_encrypted" in sql and not moved:
+            moved.append(True)
+            Agent.objects.filter(pk=agent.pk).update(
+                interface_url="http://127.0.0.1:10/rpc",
+                card_fetched_at=timezone.now() + timedelta(seconds=1),
+                pending_origin="http://127.0.0.1:10",
+            )
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(refresh_first):
+        agent_services.set_credentials(agent, {"token": "t0ken"})
+    fresh = Agent.objects.get(pk=agent.pk)
+    assert moved and fresh.interface_url == "http://127.0.0.1:10/rpc"
+    assert fresh.credential_origins == ["http://127.0.0.1:10"] and fresh.pending_origin == ""
+    assert decrypt_json(fresh.credentials_encrypted) == {"token": "t0ken"}
+    assert outbound.credentials_for(fresh).token == "t0ken"  # type: ignore[union-attr]
+
+
 def push_task(**fields: Any) -> RemoteTask:
     name = f"p-{uuid.uuid4().hex[:8]}"
     agent = Agent.objects.create(name=name, base_url=f"http://127.0.0.1:9/{name}")

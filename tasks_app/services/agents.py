@@ -345,12 +345,29 @@ def set_credentials(
     They are never shown back. Empty ``credentials`` clear them.
     """
     require(actor_id, agent.project_id, Perm.MANAGE_AGENTS)
-    _put_credentials(agent, credentials)
-    Agent.objects.filter(pk=agent.pk).update(
-        credentials_encrypted=agent.credentials_encrypted,
-        credential_origins=agent.credential_origins,
-        pending_origin="",
-    )
+    # Bound to the origin (and the API key placed by the card) of the row as read now, and
+    # written only while its card is that one: a refresh that moved the interface to another
+    # origin in between left the credentials bound to the old one with nothing pending,
+    # withheld from the new origin and nothing on the page to approve.
+    for _ in range(5):
+        current = Agent.objects.get(pk=agent.pk)
+        _put_credentials(current, credentials)
+        if Agent.objects.filter(
+            pk=agent.pk,
+            interface_url=current.interface_url,
+            card_fetched_at=current.card_fetched_at,
+        ).update(
+            credentials_encrypted=current.credentials_encrypted,
+            credential_origins=current.credential_origins,
+            pending_origin="",
+        ):
+            break
+    else:
+        raise AgentError(
+            "The agent's card kept changing while the credentials were saved; try again."
+        )
+    for name in ("credentials_encrypted", "credential_origins", "pending_origin"):
+        setattr(agent, name, getattr(current, name))
     OperatorAction.objects.create(
         agent=agent,
         actor_id=actor_id,
