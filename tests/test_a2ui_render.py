@@ -453,6 +453,83 @@ def test_one_action_per_surface_state_in_the_service(agent, django_user_model, n
     assert surface.action_by == bob and surface.action_seq == surface.updated_seq
 
 
+@pytest.mark.django_db(transaction=True)
+def test_an_action_racing_the_agents_change_of_its_form_is_refused_as_changed(
+    agent, django_user_model, no_dispatch
+) -> None:
+    """The agent changes the form while a person submits it. On PostgreSQL the two took the
+    task's and the surface's rows in opposite orders and waited for each other until one was
+    aborted as a deadlock (an error page, or a watcher's batch not recorded); elsewhere the
+    person read "Already submitted by a command-line user". The recorder here pauses holding
+    the task's row until the action has written, or for a second if it cannot."""
+    import threading
+
+    from django.db import connection
+    from django.http import QueryDict
+
+    from tests.a2ui_agents import form_091
+
+    task = waiting(agent)
+    media = a2ui.MEDIA_TYPE_OF["0.9.1"]
+    status = {"state": "TASK_STATE_INPUT_REQUIRED", "message": {
+        "messageId": "a2ui-form", "role": "ROLE_AGENT",
+        "parts": [{"data": form_091(), "metadata": {"mimeType": media}}]}}  # fmt: skip
+    record(
+        task, {"statusUpdate": {"taskId": "t-booking", "contextId": "c", "status": status}}, "poll"
+    )
+    task.refresh_from_db()
+    surface = Surface.objects.get(task=task, surface_id="form")
+    ann = member(django_user_model.objects.create_user("ann3"), Membership.Role.OPERATOR, "alpha")
+    post = QueryDict(mutable=True)
+    post.update({"surface": "form", "seq": str(surface.updated_seq), "source": "b0",
+                 "v0": "Lin", "v1": "3", "v2": "fish", "v3": "on"})  # fmt: skip
+    change = form_091()[2]
+    change["updateDataModel"]["value"]["question"] = "Who is coming, and when?"
+    news = {"message": {"messageId": "a2ui-change", "role": "ROLE_AGENT", "contextId": "c",
+                        "parts": [{"data": [change], "metadata": {"mimeType": media}}]}}  # fmt: skip
+    holding, action_wrote = threading.Event(), threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def hold_the_task_row(execute, sql, params, many, context):
+        result = execute(sql, params, many, context)
+        if sql.startswith('UPDATE "tasks_app_remotetask"') and "last_seq" in sql:
+            holding.set()
+            action_wrote.wait(1.0)
+        return result
+
+    def agent_changes_the_form() -> None:
+        try:
+            with connection.execute_wrapper(hold_the_task_row):
+                outcome["recorded"] = record(task.pk, news, "stream")
+        except Exception as exc:
+            outcome["recorded"] = exc
+        finally:
+            connection.close()
+
+    def note_the_first_write(execute, sql, params, many, context):
+        result = execute(sql, params, many, context)
+        if sql.startswith("UPDATE"):
+            action_wrote.set()
+        return result
+
+    recorder = threading.Thread(target=agent_changes_the_form)
+    recorder.start()
+    assert holding.wait(10)
+    with (
+        connection.execute_wrapper(note_the_first_write),
+        pytest.raises(a2ui_actions.ActionRefused) as refused,
+    ):
+        a2ui_actions.act(ann, task, "form", surface.updated_seq, "b0", post)
+    recorder.join(10)
+    assert "The agent changed this form since it was shown" in str(refused.value)
+    assert not isinstance(outcome["recorded"], Exception), outcome["recorded"]
+    assert outcome["recorded"].seqs  # the agent's change is in the log
+    surface.refresh_from_db()
+    task.refresh_from_db()
+    assert surface.updated_seq > int(post["seq"]) and surface.action_seq is None
+    assert task.outbox is None and not OperatorAction.objects.filter(task=task).exists()
+
+
 def test_the_conversation_shows_the_surface_its_message_carried(agent, people) -> None:
     task = waiting(agent)
     surface_of(task, surface_id="conv-form")

@@ -106,17 +106,11 @@ def act(
     secrets = a2ui_render.secret_values(walk, model)
     now = timezone.now()
     with transaction.atomic():
-        # ``action_seq`` below the state's seq is an action on an earlier state of the surface.
-        won = Surface.objects.filter(
-            Q(action_seq__isnull=True) | Q(action_seq__lt=form_seq),
-            pk=surface.pk,
-            updated_seq=form_seq,
-            deleted=False,
-        ).update(action_seq=form_seq, action_by_id=actor_id, action_at=now, action_name=name)
-        if not won:
-            raise _already(Surface.objects.select_related("action_by").get(pk=surface.pk))
-        # The answers' own compare-and-set (one answer per question) is taken in the same
-        # transaction: if it refuses, the surface's claim above is rolled back with it.
+        # The task's row first (the answer's compare-and-set), then the surface's claim: the
+        # order record() takes them in when the agent changes the form. Taken the other way
+        # round, on PostgreSQL an action and the agent's change of the same form each waited
+        # for the other's row until one was aborted as a deadlock (the person got an error
+        # page, or the watcher lost its batch). A claim refused rolls the answer back.
         task_services.answer_task(
             task,
             files=(part,),
@@ -132,9 +126,32 @@ def act(
             },
             logged=(lambda sent: hide_secrets(sent, secrets)) if secrets else None,
         )
+        # ``action_seq`` below the state's seq is an action on an earlier state of the surface.
+        won = Surface.objects.filter(
+            Q(action_seq__isnull=True) | Q(action_seq__lt=form_seq),
+            pk=surface.pk,
+            updated_seq=form_seq,
+            deleted=False,
+        ).update(action_seq=form_seq, action_by_id=actor_id, action_at=now, action_name=name)
+        if not won:
+            raise _claim_refused(surface.pk, form_seq)
     surface.refresh_from_db()
     task.refresh_from_db()
     return Sent(task=task, surface=surface, message=hide_secrets(message, secrets))
+
+
+def _claim_refused(surface_pk: int, form_seq: int) -> ActionRefused:
+    """Why the claim on state ``form_seq`` was refused: the agent changed or removed the form
+    since it was read (it was called "already submitted by a command-line user"), or
+    someone's action on that state won."""
+    current = Surface.objects.select_related("action_by").filter(pk=surface_pk).first()
+    if current is None or current.deleted:
+        return ActionRefused("This form is no longer there; the agent removed it.")
+    if current.updated_seq != form_seq:
+        return ActionRefused(
+            "The agent changed this form since it was shown; review it and submit again."
+        )
+    return _already(current)
 
 
 def _already(surface: Surface) -> AlreadySubmitted:
