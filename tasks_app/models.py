@@ -425,6 +425,9 @@ class ConversationMessage(models.Model):
     message = BulkJSONField()
     seq = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(default=timezone.now)
+    # One of our messages stored with the values typed into password fields hidden (the agent
+    # got them): an agent's copy of it (a snapshot's history) is stored as this one.
+    typed_values_hidden = models.BooleanField(default=False)
 
     class Meta:
         ordering = ["task", "seq", "id"]

@@ -947,3 +947,10 @@ def test_a_password_field_goes_to_the_agent_only(
     logged = entry["message"]["parts"][0]["data"][0]["action"]["context"]
     assert logged == {"who": "ada", "pw": HIDDEN, "line": f"ada:{HIDDEN}"}
     assert "password fields" in entry["hidden"]
+    # The agent's snapshot carries the message back in its history: kept as the conversation
+    # holds it, not as the agent repeats it.
+    reply = {"task": {"id": "t-login", "contextId": "c", "history": [message],
+                      "status": {"state": "TASK_STATE_WORKING"}}}  # fmt: skip
+    (seq,) = record(task, reply, "send").seqs
+    echoed = TaskEvent.objects.get(task=task, seq=seq)
+    assert "S3CRET-PW" not in json.dumps(echoed.raw) and "password fields hidden" in echoed.note

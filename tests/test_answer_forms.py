@@ -170,6 +170,40 @@ def test_a_password_in_an_answer_goes_to_the_agent_only(alpha, people, no_dispat
     assert "s3cr3t" not in kept and HIDDEN in kept
 
 
+def test_a_password_the_agent_carries_back_in_its_history_is_not_kept(
+    alpha,  # noqa: F811
+    people,  # noqa: F811
+    no_dispatch,
+) -> None:
+    """The answer's own row hid the typed value, but the agent's snapshot carries the message
+    back whole in its history (the send's reply, every GetTask, a push): that row kept it,
+    for every reader of the log, the exports and the live rows."""
+    schema = {**schema_of(pin={"type": "string", "format": "password"}), "required": ["pin"]}
+    task = asking(alpha, "echo", question(schema))
+    post_answer(people[Membership.Role.OPERATOR], task, {"pin": "s3cr3t-PIN-42"})
+    task.refresh_from_db()
+    sent = task.outbox["message"]  # what the agent got, and repeats
+    assert "s3cr3t-PIN-42" in json.dumps(sent)
+    reply = {"task": {"id": "t-echo", "contextId": "c", "history": [sent],
+                      "status": {"state": "TASK_STATE_WORKING"}}}  # fmt: skip
+    first = record(task, reply, "send")
+    again = record(task, reply, "poll")  # the same snapshot read again: nothing new
+    assert first.seqs and not again.seqs
+    row = TaskEvent.objects.get(task=task, seq=first.seqs[0])
+    assert "s3cr3t" not in json.dumps(row.raw) and HIDDEN in json.dumps(row.raw)
+    assert "password fields hidden" in row.note
+    viewer = people[Membership.Role.VIEWER]
+    page = viewer.get(reverse("task-detail", args=[task.pk])).content.decode()
+    event = viewer.get(reverse("event-detail", args=[task.pk, row.seq])).content.decode()
+    assert "s3cr3t" not in page + event
+    # An agent's message of its own that repeats nothing of ours is kept as it came.
+    own = {"statusUpdate": {"taskId": "t-echo", "contextId": "c", "status": {
+        "state": "TASK_STATE_WORKING", "message": {"messageId": "m-agent", "role": "ROLE_AGENT",
+                                                    "parts": [{"text": "PIN taken"}]}}}}  # fmt: skip
+    kept = TaskEvent.objects.get(task=task, seq=record(task, own, "poll").seqs[0])
+    assert kept.raw == own and "password" not in kept.note
+
+
 def test_a_question_changed_under_the_same_seq_is_not_answered_blind(
     alpha,  # noqa: F811
     people,  # noqa: F811

@@ -226,6 +226,11 @@ def _normalized(kind: str, payload: dict) -> dict:
     return payload
 
 
+TYPED_VALUES_NOTE = (
+    "a message we sent, carried back by the agent, kept as the conversation holds it "
+    "(values typed into password fields hidden)"
+)
+
 # Message ids looked up in one query at most (see _Fold._lookup_messages).
 LOOKUP_SLICE = 5_000
 
@@ -895,6 +900,8 @@ class _Fold:
         self._held_count: int | None = None
         self._message_ids: set[str] | None = None
         self._checked_ids: set[str] = set()
+        # Of those, ours stored with password-field values hidden (``without_typed_values``).
+        self._hiding_ids: set[str] = set()
         # Messages this fold stored, by id; conversation rows read for their big contents
         # (None: none such), by id (see ``_counted_size`` and ``_conversation_copies``).
         self._remembered: dict[str, dict] = {}
@@ -993,8 +1000,50 @@ class _Fold:
             stored = ConversationMessage.objects.filter(
                 task_id=self.task.pk, message_id__in=listed[start : start + LOOKUP_SLICE]
             ).order_by()
-            self._message_ids.update(stored.values_list("message_id", flat=True))
+            for message_id, hidden in stored.values_list("message_id", "typed_values_hidden"):
+                self._message_ids.add(message_id)
+                if hidden:
+                    self._hiding_ids.add(message_id)
         self._checked_ids |= ids
+
+    def without_typed_values(self, entries: list[Entry]) -> list[Entry]:
+        """``entries`` with each of our messages that the conversation keeps with password-field
+        values hidden carried as kept there, not as the agent repeats it.
+
+        The person's answer is logged with those values hidden, and the agent gets them. An
+        agent's snapshot carries the message back in its history (on every GetTask, in a
+        send's reply, in a push), so every reader of the log read them in that row. The
+        entry is parsed again from the changed content: its digest, size and the refusal of
+        a redelivery are those of what is stored, and a row's note says so.
+        """
+        carried = {
+            m["messageId"] for entry in entries if entry.kind in A2A_KINDS
+            for m in _messages_in(entry)
+        } & self._hiding_ids  # fmt: skip
+        if not carried:
+            return entries
+        kept = dict(
+            ConversationMessage.objects.filter(task_id=self.task.pk, message_id__in=carried)
+            .order_by()
+            .values_list("message_id", "message")
+        )
+
+        def as_kept(message: Any) -> tuple[Any, int]:
+            copy = kept.get(message.get("messageId"))
+            return (copy, 1) if copy is not None and copy != message else (message, 0)
+
+        out = []
+        for entry in entries:
+            raw, changed = (
+                _map_messages(entry.raw, as_kept) if entry.kind in A2A_KINDS else (entry.raw, 0)
+            )
+            if changed:
+                entry = parse_entry(raw)
+                entry.note = (
+                    f"{entry.note}; {TYPED_VALUES_NOTE}" if entry.note else TYPED_VALUES_NOTE
+                )
+            out.append(entry)
+        return out
 
     def unknown_messages(self, messages: list[dict]) -> list[dict]:
         """The messages (by messageId) that neither the mirror nor this fold holds yet."""
@@ -1541,6 +1590,8 @@ class _Fold:
         if isinstance(message, dict) and message.get("messageId"):
             row.messages = self.unknown_messages([message])  # type: ignore[attr-defined]
             self.remember_messages(row.messages)  # type: ignore[attr-defined]
+            # Logged with password-field values hidden (tasks.answer_task's ``logged``).
+            row.typed_values_hidden = "hidden" in entry.payload  # type: ignore[attr-defined]
         self.rows.append(row)
 
     # -- writes
@@ -1695,6 +1746,7 @@ class _Fold:
                     message=message,
                     seq=seq,
                     created_at=now,
+                    typed_values_hidden=getattr(row, "typed_values_hidden", False),
                 )
             )
         if row.kind == "task" and getattr(row, "replace_artifacts", False):
@@ -2192,6 +2244,7 @@ def _record_once(
         )
         fold.not_held(named)
         fold.prefetch_messages(entries)
+        entries = fold.without_typed_values(entries)
         for entry in entries:
             fold.add(entry)
         a2ui_surfaces = surfaces.collect(fold)  # A2UI surfaces, and diagnoses as rows
