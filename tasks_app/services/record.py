@@ -1016,6 +1016,8 @@ class _Fold:
         entry is parsed again from the changed content: its digest, size and the refusal of
         a redelivery are those of what is stored, and a row's note says so.
         """
+        if not self._hiding_ids:  # the batch carries none (prefetch_messages looked)
+            return entries
         carried = {
             m["messageId"] for entry in entries if entry.kind in A2A_KINDS
             for m in _messages_in(entry)
