@@ -106,6 +106,17 @@ class AgentAddForm(NulRemovingForm):
             raise forms.ValidationError(str(exc)) from None
         return url
 
+    def clean(self) -> dict[str, Any]:
+        """A refused URL that may hold a password is not drawn back: ``clean_url`` runs only
+        when Django's own URL and length checks pass, and a password holding a space or a
+        ``/`` fails those first (the page showed it under "Enter a valid URL")."""
+        data = super().clean()
+        posted = self.data.get(self.add_prefix("url"), "")
+        if "url" in self.errors and "@" in str(posted).partition("://")[2]:
+            self.data = self.data.copy()
+            self.data[self.add_prefix("url")] = ""
+        return data
+
     def clean_project(self) -> Project:
         """The chosen project; may be left out when the person can add agents to only one."""
         project = self.cleaned_data.get("project")

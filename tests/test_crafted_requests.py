@@ -135,6 +135,30 @@ def test_an_agent_url_with_a_password_is_refused_and_not_shown_back(django_user_
     assert not any("s3cret" in str(a.payload) for a in OperatorAction.objects.all())
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://someone:s3cret pass@127.0.0.1:9/agent",  # a space: Django's URL check first
+        "https://someone:s3cret/pass@127.0.0.1:9/agent",  # a "/" ends the host part early
+        "https://someone:s3cret-pass@127.0.0.1:9/" + "a" * 1000,  # past the field's length
+    ],
+)
+def test_a_password_that_hides_from_the_url_parser_is_not_shown_back(django_user_model, url):
+    """Refused by Django's own URL or length check, the field was drawn back whole; a "/" in
+    the password hid it from the parser, and the refusal quoted the URL."""
+    from tasks_app.models import Membership
+
+    admin = member(django_user_model.objects.create_user("ada"), Membership.Role.AGENT_ADMIN)
+    client = Client()
+    client.force_login(admin)
+    answer = client.post("/agents/add/", {"url": url, "action": "preview"})
+    assert answer.status_code == 200 and "s3cret" not in answer.content.decode()
+    assert "Enter a valid URL" in answer.content.decode() or "at most" in answer.content.decode()
+    with pytest.raises(CommandError) as err:
+        call_command("agents", "add", url)
+    assert "s3cret" not in str(err.value)
+
+
 def test_an_agent_url_whose_host_is_no_domain_is_an_error_on_the_form(django_user_model):
     """A host name that does not encode as IDNA (a right-to-left override): Django's URL field
     takes it, and httpx refused it with ``InvalidURL``, which is not an ``httpx.HTTPError``:

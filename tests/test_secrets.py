@@ -157,3 +157,25 @@ def test_planted_secrets_never_come_out(
     found += leaks("this process's log", caplog.text)
     found += leaks("log record arguments", " ".join(repr(r.args) for r in caplog.records))
     assert found == []
+
+
+def test_what_holds_secrets_leaves_them_out_of_its_repr() -> None:
+    """A push config's secrets and an agent's auth plan (its headers and query) are dataclasses:
+    their default repr, in a log line or a debug page's locals, showed the tokens."""
+    from tasks_app.a2a.client import AuthPlan
+    from tasks_app.services.push import _Config
+
+    config = _Config(1, "cfg", 2, "remote", {"token": "push-S3CRET"}, "", "")
+    plan = AuthPlan(headers={"Authorization": "Bearer agent-S3CRET"}, query={"key": "q-S3CRET"})
+    assert "S3CRET" not in repr(config) + repr(plan) and "cfg" in repr(config)
+
+
+def test_the_bench_does_not_print_its_postgresql_password(monkeypatch) -> None:
+    from django.core.management.base import CommandError
+
+    from bench import procs
+
+    monkeypatch.setattr(procs, "PG_ADMIN_URL", "postgres://postgres:pg-S3CRET@127.0.0.1:1/postgres")
+    with pytest.raises(CommandError, match="not reachable") as err:
+        call_command("bench", "P3", "--db", "postgres")
+    assert "S3CRET" not in str(err.value) and "127.0.0.1:1" in str(err.value)

@@ -94,8 +94,9 @@ def user_message(
 class AuthPlan:
     """Where credentials go for one agent: headers and query parameters."""
 
-    headers: dict[str, str] = field(default_factory=dict)
-    query: dict[str, str] = field(default_factory=dict)
+    # Not in its repr: both carry the secrets themselves.
+    headers: dict[str, str] = field(default_factory=dict, repr=False)
+    query: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 def _card_scheme(card: Mapping[str, Any] | None, kind: str) -> dict[str, Any] | None:

@@ -28,6 +28,7 @@ from tasks_app.a2a.origins import origin_of
 from tasks_app.access import Perm, require
 from tasks_app.crypto import encrypt_json
 from tasks_app.models import Agent, OperatorAction, Project, RemoteTask
+from tasks_app.runtime.net import redact_url
 
 
 class AgentError(Exception):
@@ -87,15 +88,17 @@ def preview_card(url: str) -> CardPreview:
     check_agent_url(url)
     problem = outbound.url_problem(url)
     if problem:
-        raise AgentError(f"Could not read an agent card at {url}: {problem}")
+        raise AgentError(f"Could not read an agent card at {redact_url(url)}: {problem}")
     try:
         result = outbound.run(
             lambda http: fetch_card(url, http=http, deadline=settings.A2A_CALL_DEADLINE_SECONDS)
         )
     except A2AError as exc:
-        raise AgentError(f"Could not read an agent card at {url}: {exc}") from exc
+        raise AgentError(f"Could not read an agent card at {redact_url(url)}: {exc}") from exc
     if len(result.url) > _longest("card_url"):
-        raise AgentError(f"The agent card at {url} was found at a URL too long to keep.")
+        raise AgentError(
+            f"The agent card at {redact_url(url)} was found at a URL too long to keep."
+        )
     # The card is the agent's text: stored (and shown) only in a form every database takes.
     card, _ = safejson.clean(result.card or {})
     # An ETag too long to keep is not kept: the next refresh fetches the whole card.
@@ -225,7 +228,7 @@ def add_agent(
     preview = preview_card(typed)
     if not preview.interface:
         raise AgentError(
-            f"The agent at {typed} offers no interface this dashboard speaks: {'; '.join(preview.problems)}"
+            f"The agent at {redact_url(typed)} offers no interface this dashboard speaks: {'; '.join(preview.problems)}"
         )
     agent = Agent(base_url=url, project=project)
     _apply_preview(agent, preview)

@@ -41,7 +41,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -485,7 +485,9 @@ class _Config:
     config_id: str
     task_pk: int
     remote_id: str
-    secrets: dict[str, str]
+    secrets: dict[str, str] = field(
+        repr=False
+    )  # its repr (a log line, a debug page) leaves them out
     jwks_url: str
     jwt_issuer: str
     unreadable: bool = False  # its secrets could not be decrypted

@@ -29,6 +29,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from bench import procs
 from bench.report import Row, merge_rows, notes, rows_from_docs, table, write_docs
 from tasks_app.outbound import with_loopback
+from tasks_app.runtime.net import redact_url
 
 ALL_ROWS = ("P3", "P8", "P4", "P5", "P1", "P6", "P7", "P2", "P2x", "P9", "P10")
 DOCS_PATH = procs.REPO_ROOT / "docs" / "performance.md"
@@ -179,7 +180,7 @@ class Command(BaseCommand):
             if why:
                 if options["db"] == "postgres":
                     raise CommandError(
-                        f"PostgreSQL is not reachable at {procs.PG_ADMIN_URL}: {why}"
+                        f"PostgreSQL is not reachable at {redact_url(procs.PG_ADMIN_URL)}: {why}"
                     )
                 self.stderr.write(f"PostgreSQL not reachable ({why}); running on SQLite only")
                 databases = ["sqlite"]
