@@ -153,3 +153,32 @@ def test_a_task_whose_batch_loses_to_contention_gets_a_protocol_error_row(
     assert any(f"task {busy.pk} not recorded: " in line for line in warned), warned
     assert any(f"task {gone.pk} not recorded: " in line for line in warned), warned
     assert not any("could not note" in line for line in warned), warned
+
+
+def test_a_delivery_queued_while_the_drain_finds_the_queue_empty_keeps_its_bytes_counted() -> None:
+    """The drain looked at the queue's length and then reset its byte count: a delivery queued
+    between the two lost its bytes from the count, which then stood below what the queue held
+    (and went negative as the drain took the delivery off)."""
+    r = push._redis()
+    queued = item(1, 500)
+
+    class DeliveryInTheWindow:
+        """The drain's Redis, with a delivery queued right after its first look at the length."""
+
+        looked = False
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(r, name)
+
+        def llen(self, key: str) -> int:
+            length = r.llen(key)
+            if not self.looked:
+                self.looked = True
+                enqueue([queued])
+            return length
+
+    drains_redis = DeliveryInTheWindow()
+    push._cleared_and_empty(drains_redis)  # type: ignore[arg-type]
+    assert drains_redis.looked  # the delivery came inside the drain's look
+    assert r.lrange(push.QUEUE_KEY, 0, -1) == [queued]
+    assert int(r.get(push.QUEUE_BYTES_KEY)) == len(queued)

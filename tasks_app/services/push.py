@@ -1452,6 +1452,11 @@ return 1
 """
 
 
+_RESET_IF_EMPTY = (
+    "if redis.call('LLEN', KEYS[1]) == 0 then redis.call('SET', KEYS[2], 0) end return 0"
+)
+
+
 def _take_off(r: redis.Redis, token: str, items: list[bytes]) -> bool:
     """Take ``items`` (what :func:`_read_batch` read) off the queue; False if the claim was lost."""
     size = sum(len(item) for item in items)
@@ -1464,8 +1469,10 @@ def _cleared_and_empty(r: redis.Redis) -> bool:
     """The queue looked empty: clear the drain flag, and look once more (a notification pushed
     in between would otherwise wait for no drain). False: go on draining (the flag is ours)."""
     r.delete(DRAIN_KEY)
-    if not r.llen(QUEUE_KEY):
-        r.set(QUEUE_BYTES_KEY, 0)  # whatever a drain that died left counted
+    # Whatever a drain that died left counted, reset in one step with the look: looked at and
+    # then reset, a delivery queued in between had its bytes wiped, and every later take-off
+    # pushed the count below what the queue held (PUSH_QUEUE_MAX_BYTES loosened by as much).
+    r.eval(_RESET_IF_EMPTY, 2, QUEUE_KEY, QUEUE_BYTES_KEY)
     return not (r.llen(QUEUE_KEY) and r.set(DRAIN_KEY, 1, nx=True, ex=60))
 
 
