@@ -76,6 +76,17 @@ class AgentAdmin(admin.ModelAdmin):
     exclude = ("credentials_encrypted", "credential_origins", "pending_origin")
     formfield_overrides = {models.URLField: {"assume_scheme": "https"}}
 
+    def save_model(self, request: HttpRequest, obj: Agent, form, change: bool) -> None:  # type: ignore[no-untyped-def]
+        """Only the fields the form changed: a whole-row save wrote back the credentials, their
+        origins and the card as read at the start of the request, undoing a credential change
+        (a leaked token cleared), an approval or a card refresh made meanwhile."""
+        if not change:
+            obj.save()
+            return
+        changed = [name for name in form.changed_data if name in form.fields]
+        if changed:
+            obj.save(update_fields=changed)
+
 
 class ViewOnly:
     """View permission only: no add, change or delete, whoever asks."""

@@ -710,6 +710,51 @@ def test_admin_lists_the_mirror(client, django_user_model, rich_task):
     )
 
 
+def test_an_admin_edit_keeps_credentials_cleared_while_it_was_saved(
+    client, django_user_model, rich_task, monkeypatch
+):
+    """The admin saved the whole row read at the start of its request: credentials an agent
+    admin cleared meanwhile (a leaked token) came back with the new name."""
+    from tasks_app.admin import AgentAdmin
+    from tasks_app.crypto import encrypt_json
+    from tasks_app.models import Agent
+    from tasks_app.services import agents as agent_services
+
+    pk = rich_task.agent_id
+    Agent.objects.filter(pk=pk).update(
+        credentials_encrypted=encrypt_json({"token": "leaked"}),
+        credential_origins=["http://127.0.0.1:9"],
+    )
+    admin = django_user_model.objects.create_superuser("root", "r@example.org", "pw-12345678")
+    client.force_login(admin)
+    page = client.get(f"/admin/tasks_app/agent/{pk}/change/")
+    form = page.context["adminform"].form
+    posted: dict = {}
+    for name, field in form.fields.items():  # the form as drawn, sent back
+        value = form[name].value()
+        if hasattr(field.widget, "widgets"):  # a date and a time
+            parts = field.widget.decompress(value)
+            posted.update({f"{name}_{i}": "" if p is None else str(p) for i, p in enumerate(parts)})
+        elif value is not False:
+            posted[name] = "" if value is None else value
+    posted["name"] = "renamed"
+    real_get_object = AgentAdmin.get_object
+
+    def read_then_cleared(
+        self, request, object_id, from_field=None
+    ):  # the other writer, in the window
+        agent = real_get_object(self, request, object_id, from_field)
+        agent_services.set_credentials(Agent.objects.get(pk=pk), {})
+        return agent
+
+    monkeypatch.setattr(AgentAdmin, "get_object", read_then_cleared)
+    answer = client.post(f"/admin/tasks_app/agent/{pk}/change/", posted)
+    assert answer.status_code == 302, answer.context["adminform"].form.errors
+    fresh = Agent.objects.get(pk=pk)
+    assert fresh.name == "renamed"
+    assert fresh.credentials_encrypted == "" and fresh.credential_origins == []
+
+
 # Both backends take %s parameters here, so a literal % is written %%.
 STATE_CASE = """CASE i %% 4 WHEN 0 THEN 'TASK_STATE_COMPLETED' WHEN 1 THEN 'TASK_STATE_WORKING'
                    WHEN 2 THEN 'TASK_STATE_FAILED' ELSE 'TASK_STATE_INPUT_REQUIRED' END"""
