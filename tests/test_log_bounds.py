@@ -159,3 +159,20 @@ def test_deliveries_that_cannot_be_checked_log_one_traceback_then_a_count(
     assert lines[0].exc_info and "could not be checked" in lines[0].getMessage()
     assert "checked again: 40 could not be" in lines[1].getMessage()
     assert not lines[1].exc_info
+
+
+def test_a_json_request_record_names_the_path_without_its_query() -> None:
+    """Django's request log records carry the request: the JSON format wrote its repr, whose
+    query string held whatever was in the URL (``?url=https://bob:secret@...``)."""
+    from django.test import RequestFactory
+
+    formatter = logging.config.DictConfigurator({}).configure_formatter(
+        logs.formatter_config("json")
+    )
+    request = RequestFactory().get("/agents/add/", {"url": "https://bob:hunter2@a.example/"})
+    record = logging.LogRecord("django.request", logging.WARNING, __file__, 1, "Not Found: %s",
+                               (request.path,), None)  # fmt: skip
+    record.request, record.status_code = request, 404
+    line = json.loads(formatter.format(record))
+    assert line["request"] == "GET /agents/add/" and line["status_code"] == 404
+    assert "hunter2" not in json.dumps(line)

@@ -279,6 +279,12 @@ def json_formatter(**options: Any) -> logging.Formatter:
             for name in ("exc_info", "stack_info"):
                 if isinstance(log_data.get(name), str):
                     log_data[name] = cut(log_data[name], EXCEPTION_LIMIT)
+            request = log_data.get("request")
+            if request is not None and not isinstance(request, str):
+                # Django's request log records carry the request, whose repr holds the query
+                # string (``?token=...``): its method and path only, as the text format says.
+                method, path = getattr(request, "method", ""), getattr(request, "path", "")
+                log_data["request"] = one_line(f"{method} {path}")
             return super().process_log_record(log_data)
 
     return Bounded(**options)
