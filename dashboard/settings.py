@@ -739,13 +739,19 @@ def _public_url() -> str:
     url = os.environ.get("PUBLIC_URL", "").strip().rstrip("/")
     if not url:
         return ""
-    wrong = _http_url_problem(url)
+    # Every webhook URL handed to agents, the push configs' page and alert links show it. (A
+    # "/" in a password ends the host part early: any "@" after the scheme is refused.)
+    if "@" in url.partition("://")[2]:
+        wrong: str | None = "it holds a user name or password"
+    else:
+        wrong = _http_url_problem(url)
     if wrong is None and ("?" in url or "#" in url):
         wrong = "it has a query or fragment"
     if wrong is not None:
         raise ImproperlyConfigured(
             "PUBLIC_URL must be the dashboard's http:// or https:// base URL with a host, a "
-            f"valid port and no query, but {wrong} (the value is not shown: it may hold a secret)."
+            "valid port, no user name or password and no query, but "
+            f"{wrong} (the value is not shown: it may hold a secret)."
         )
     return url
 

@@ -113,6 +113,8 @@ def test_another_broker_and_a_unix_socket_are_still_taken(child_env: ChildEnv) -
         ("https://dash.example.org:99999", "its port is not a number from 1 to 65535"),
         (f"https://dash.example.org/?token={SECRET}", "it has a query or fragment"),
         ("https://dash.example.org/#top", "it has a query or fragment"),
+        (f"https://ops:{SECRET}@dash.example.org/", "it holds a user name or password"),
+        (f"https://ops:{SECRET}/x@dash.example.org/", "it holds a user name or password"),
     ],
 )
 def test_a_public_url_agents_cannot_use_stops_the_start(
