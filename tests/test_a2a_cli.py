@@ -147,3 +147,27 @@ def test_the_outbound_guard_applies(agent: AgentHandle, settings: Any) -> None:
         CommandError, match=r"refused by the outbound guard: 127\.0\.0\.1 is loopback"
     ):
         run("card", agent.base_url)
+
+
+def test_credentials_do_not_follow_a_card_to_another_origin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The token given for one agent went to whatever interface URL its card named."""
+    from tests.test_ssrf import CardServer, card
+
+    elsewhere = CardServer("127.0.0.1")
+    named = CardServer("127.0.0.1")
+    named.card(card(f"{elsewhere.base}/rpc"))
+    try:
+        monkeypatch.setenv("A2A_TOKEN", "cli-S3CRET")
+        with pytest.raises(CommandError, match="the credentials are not sent there") as err:
+            run("get", named.base, "task-1")
+        assert elsewhere.base.replace("http://", "") in str(err.value)
+        assert elsewhere.connections == 0
+        # Named as an origin they may go to, they go (this server speaks no A2A: an HTTP error).
+        with pytest.raises(CommandError, match="HTTP 501"):
+            run("get", named.base, "task-1", "--credentials-origin", elsewhere.base)
+        assert elsewhere.connections == 1
+    finally:
+        named.close()
+        elsewhere.close()

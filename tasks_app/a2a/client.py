@@ -18,7 +18,7 @@ back as a :class:`StreamEvent` so callers branch on ``event.kind``.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -28,7 +28,8 @@ import httpx
 from . import a2ui
 from .bindings import BaseBinding, make_binding
 from .card import choose_interface, fetch_card
-from .errors import ProtocolError
+from .errors import CredentialsWithheld, ProtocolError
+from .origins import origin_of
 from .streams import DEFAULT_MAX_EVENT_BYTES, check_task, parse_stream_response
 from .types import (
     A2A_VERSION,
@@ -256,14 +257,27 @@ class A2AClient:
         http: httpx.AsyncClient,
         binding: str | None = None,
         credentials: Credentials | None = None,
+        credential_origins: Collection[str] = (),
         **kwargs: Any,
     ) -> A2AClient:
-        """Fetch the card at ``url`` (base or card URL), choose an interface, build a client."""
+        """Fetch the card at ``url`` (base or card URL), choose an interface, build a client.
+
+        ``credentials`` go only to an interface at the origin of ``url`` or one of
+        ``credential_origins`` (``scheme://host:port``); another raises
+        :class:`CredentialsWithheld` before anything is sent there.
+        """
         result = await fetch_card(
             url, http=http, deadline=kwargs.get("call_deadline", DEFAULT_CALL_DEADLINE)
         )
         assert result.card is not None
         iface = choose_interface(result.card, binding=binding, card_url=result.url)
+        allowed = {origin_of(url), *(origin_of(o) or o for o in credential_origins)}
+        if credentials is not None and origin_of(iface.url) not in allowed:
+            raise CredentialsWithheld(
+                f"the card names its interface at {origin_of(iface.url)}, not at "
+                f"{origin_of(url)}: the credentials are not sent there (name that origin as "
+                "one they may go to, if it is the agent's)"
+            )
         return cls(iface, http=http, credentials=credentials, card=result.card, **kwargs)
 
     @property

@@ -117,6 +117,11 @@ class IncompatibleAgentError(A2AError):
         self.problems = list(problems or [])
 
 
+class CredentialsWithheld(A2AError):
+    """The card names an interface at another origin than the URL given: credentials meant for
+    one host are not sent to another the card chose (a card can name any URL)."""
+
+
 # --------------------------------------------------------------------------- remote
 
 

@@ -148,6 +148,14 @@ class Command(StoppableCommand):
         common.add_argument("--api-key-name", help="API key name when the card declares none")
         common.add_argument("--api-key-location", choices=["header", "query", "cookie"])
         common.add_argument(
+            "--credentials-origin",
+            action="append",
+            default=[],
+            metavar="ORIGIN",
+            help="another origin (https://host:port) the token or API key may go to, when the "
+            "card names an interface there (repeatable)",
+        )
+        common.add_argument(
             "--extension",
             action="append",
             default=[],
@@ -296,6 +304,7 @@ class Command(StoppableCommand):
                 http=http,
                 binding=options.get("binding"),
                 credentials=self._credentials(options),
+                credential_origins=options.get("credentials_origin") or (),
                 extensions=options.get("extension") or (),
                 **kwargs,
             )
