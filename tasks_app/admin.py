@@ -125,6 +125,9 @@ class RemoteTaskAdmin(ReadOnlyAdmin):
     search_fields = ("remote_id", "title", "context_id")
     raw_id_fields = ("agent", "started_by")
     show_full_result_count = False  # no COUNT(*) over a huge table
+    # The message waiting to be sent, as the agent gets it: values typed into password fields
+    # included (the log and the pages keep it with them hidden).
+    exclude = ("outbox",)
 
 
 @admin.register(TaskEvent)

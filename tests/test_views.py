@@ -755,6 +755,19 @@ def test_an_admin_edit_keeps_credentials_cleared_while_it_was_saved(
     assert fresh.credentials_encrypted == "" and fresh.credential_origins == []
 
 
+def test_the_admin_does_not_show_a_message_waiting_to_be_sent(client, django_user_model, rich_task):
+    """The outbox holds the message as the agent gets it: a password typed into a form too."""
+    from tasks_app.models import RemoteTask
+
+    RemoteTask.objects.filter(pk=rich_task.pk).update(
+        outbox={"message": {"parts": [{"text": "S3CRET-PIN"}]}}
+    )
+    admin = django_user_model.objects.create_superuser("root", "r@example.org", "pw-12345678")
+    client.force_login(admin)
+    page = client.get(f"/admin/tasks_app/remotetask/{rich_task.pk}/change/")
+    assert page.status_code == 200 and "S3CRET-PIN" not in page.content.decode()
+
+
 # Both backends take %s parameters here, so a literal % is written %%.
 STATE_CASE = """CASE i %% 4 WHEN 0 THEN 'TASK_STATE_COMPLETED' WHEN 1 THEN 'TASK_STATE_WORKING'
                    WHEN 2 THEN 'TASK_STATE_FAILED' ELSE 'TASK_STATE_INPUT_REQUIRED' END"""
