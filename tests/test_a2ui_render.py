@@ -461,7 +461,7 @@ def test_an_action_racing_the_agents_change_of_its_form_is_refused_as_changed(
     task's and the surface's rows in opposite orders and waited for each other until one was
     aborted as a deadlock (an error page, or a watcher's batch not recorded); elsewhere the
     person read "Already submitted by a command-line user". The recorder here pauses holding
-    the task's row until the action has written, or for a second if it cannot."""
+    the task's row until the action has written, or for half a second if it cannot."""
     import threading
 
     from django.db import connection
@@ -494,7 +494,7 @@ def test_an_action_racing_the_agents_change_of_its_form_is_refused_as_changed(
         result = execute(sql, params, many, context)
         if sql.startswith('UPDATE "tasks_app_remotetask"') and "last_seq" in sql:
             holding.set()
-            action_wrote.wait(1.0)
+            action_wrote.wait(0.5)
         return result
 
     def agent_changes_the_form() -> None:
