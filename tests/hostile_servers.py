@@ -25,7 +25,8 @@ Modes:
 ``bigsse``        SSE: the Task, then ``bigsse_events`` artifact chunks of ``big_bytes`` of text
                   each (``big-0``, ``big-1``, ...), then a completed status
 ``steady``        GetTask (JSON-RPC): the newest ``historyLength`` messages of ``steady_history``
-                  (a list the test grows), all of it when no length is asked
+                  (a list the test grows; at most ``steady_cap`` when set), all of it when no
+                  length is asked
 ``newids``        GetTask (JSON-RPC): a history of fresh message ids each time, exactly as
                   long as asked (``NEWIDS_WHOLE`` when no length is asked)
 
@@ -102,6 +103,8 @@ class HostileServer:
         self.big_bytes = big_bytes  # the text of the ``big`` mode's artifact
         self.bigsse_events = 3  # the ``bigsse`` mode's large events
         self.steady_history: list[dict[str, Any]] = []  # the ``steady`` mode's conversation
+        # A lower limit of the agent's own on a windowed GetTask (the spec allows one).
+        self.steady_cap: int | None = None
         self.trickle_bytes = trickle_bytes  # whitespace before a trickled reply
         self.port = 0
         self.conns: list[Conn] = []
@@ -338,7 +341,9 @@ class HostileServer:
                 asked = json.loads(body).get("params", {}).get("historyLength")
             task = task_json()
             history = list(self.steady_history)
-            task["history"] = history[-asked:] if isinstance(asked, int) and asked > 0 else history
+            if isinstance(asked, int) and asked > 0:
+                history = history[-min(asked, self.steady_cap or asked) :]
+            task["history"] = history
             payload = reply_text(json.dumps(task))
             writer.write(self._head("200 OK", "application/json", len(payload)))
             await self._send(conn, writer, payload)

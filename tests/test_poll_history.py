@@ -175,16 +175,60 @@ def test_an_agent_saying_the_same_amount_between_polls_costs_one_call_a_poll(sha
             recorded.update(m["messageId"] for m in polled.task["history"])
             record(task.pk, {"task": polled.task}, "poll")
             length = polled.next_length
-        assert calls == [2, 1, 1, 1, 1], calls  # 20 left a hole, 160 held all 45; then 90
+        # 20 left a hole; 160 brought all 45, fewer than asked with the oldest new (all it has,
+        # or a limit of its own: the whole history says which); then 90, reaching back.
+        assert calls == [3, 1, 1, 1, 1], calls
         assert length == 90  # twice what the agent said since the last poll
+    finally:
+        server.close()
+
+
+def test_an_agent_that_caps_the_window_leaves_no_hole(shared_loop):
+    """An agent may answer fewer messages than asked (the spec lets it apply a lower limit):
+    fewer was taken for all it had, and the messages before its cap were skipped until the
+    settling GetTask found them, after newer ones. Now the whole history is read then."""
+
+    from tasks_app.services.record import record
+
+    server = HostileServer().start()
+    server.steady_cap = 10
+    try:
+        agent = Agent.objects.create(name="capped", base_url=server.url_for("steady"))
+        task = RemoteTask.objects.create(agent=agent, remote_id=TASK_ID, phase="task")
+
+        async def poll(length: int) -> polls.Polled:
+            async with loopback_client() as http:
+                interface = Interface(url=server.url_for("steady"), binding="JSONRPC")  # type: ignore[arg-type]
+                return await polls.poll_task(
+                    A2AClient(interface, http=http), TASK_ID, task.pk, length
+                )
+
+        length, calls, recorded = polls.POLL_HISTORY, [], set()
+        for turn, said in enumerate((15, 5, 30)):
+            server.steady_history.extend(
+                {"messageId": f"m-{turn}-{i}", "role": "ROLE_AGENT", "parts": [{"text": "x"}]}
+                for i in range(said)
+            )
+            before = len(server.conns_for("steady"))
+            polled = eventloop.submit(poll(length)).result(timeout=60)
+            calls.append(len(server.conns_for("steady")) - before)
+            oldest = polled.task["history"][0]["messageId"]
+            assert oldest == "m-0-0" or oldest in recorded, oldest  # no hole
+            recorded.update(m["messageId"] for m in polled.task["history"])
+            record(task.pk, {"task": polled.task}, "poll")
+            length = polled.next_length
+        # Over the cap: the window, then the whole history; within it, the window alone.
+        assert calls == [2, 1, 2], calls
+        assert len(recorded) == 50
     finally:
         server.close()
 
 
 def test_the_push_drain_keeps_each_tasks_window_between_notifications(shared_loop):
     """The push drain's GetTask follows the agent as a watcher's poll does: an agent saying
-    45 messages between notifications costs a widened first GetTask, then one a
-    notification (it began at the first window each time: two)."""
+    45 messages between notifications costs a widened first GetTask (and the whole history
+    once: fewer came than asked, and none the mirror holds), then one a notification (it
+    began at the first window each time: two)."""
 
     from tasks_app.services import push
 
@@ -212,7 +256,7 @@ def test_the_push_drain_keeps_each_tasks_window_between_notifications(shared_loo
             before = len(server.conns_for("steady"))
             eventloop.submit(drain()).result(timeout=60)
             calls.append(len(server.conns_for("steady")) - before)
-        assert calls == [2, 1, 1, 1], calls
+        assert calls == [3, 1, 1, 1], calls
         # Every message the agent said is mirrored once, in its order.
         mirrored = list(
             ConversationMessage.objects.filter(task=task).order_by("seq", "pk")

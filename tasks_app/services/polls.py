@@ -56,9 +56,11 @@ async def poll_task(
 
     1. Ask for the window. An agent may send fewer than asked, or ignore the length.
     2. No message with an id in it (an agent that keeps no history): it is what there is.
-    3. Its oldest message is one the mirror holds, or the agent sent a number other than
-       the one asked (all it has, or it ignores the length): nothing is skipped.
-    4. Otherwise ask again with a window ``WIDEN`` times as wide; past
+    3. Its oldest message is one the mirror holds, or the agent sent more than asked (it
+       ignores the length: all it has): nothing is skipped.
+    4. Fewer than asked, the oldest new: all the agent has, or a lower limit of its own
+       (the spec lets it apply one), which left a hole. The whole history, once, says which.
+    5. Otherwise ask again with a window ``WIDEN`` times as wide; past
        ``POLL_HISTORY_MAX``, for the whole history, once.
     """
     length = min(max(length, POLL_HISTORY), POLL_HISTORY_MAX)
@@ -72,8 +74,11 @@ async def poll_task(
         if not ids:
             return Polled(window, length)
         held = await eventloop.db(_held, task_pk, ids)
-        if ids[0] in held or len(window.get("history") or []) != length:
+        count = len(window.get("history") or [])
+        if ids[0] in held or count > length:
             return Polled(window, window_for(len(set(ids) - held)))
+        if count < length:
+            return Polled(await client.get_task(remote_id), length)
         if length >= POLL_HISTORY_MAX:
             return Polled(await client.get_task(remote_id), POLL_HISTORY_MAX)
         length = min(length * WIDEN, POLL_HISTORY_MAX)
