@@ -189,6 +189,27 @@ def test_validate_lists_every_problem() -> None:
     assert str(validate_card({"name": 1})[0]) == "name: must be a string, got int"
 
 
+def test_a_scheme_with_0_3_fields_beside_its_1_0_wrapper_is_checked_as_1_0() -> None:
+    """The official SDK writes 0.3's ``type``, ``in`` and ``scheme`` into every scheme of a card
+    that also offers a 0.3 interface: unknown fields beside the 1.0 wrapper, to be ignored.
+    They made the scheme "OpenAPI-style (A2A 0.3)" and its 1.0 content went unchecked."""
+    card = copy.deepcopy(GOOD)
+    card["securitySchemes"] = {
+        "both": {
+            "type": "http",
+            "scheme": "bearer",
+            "httpAuthSecurityScheme": {"scheme": "Bearer"},
+        },
+        "broken": {"type": "http", "httpAuthSecurityScheme": {}},
+        "oauth": {"oauth2SecurityScheme": {"flows": {"password": {"scopes": {}}}}},
+    }
+    card["securityRequirements"] = [{"schemes": {"both": {"list": []}}}]
+    problems = {p.path: p.message for p in validate_card(card)}
+    assert problems == {
+        "securitySchemes.broken.httpAuthSecurityScheme.scheme": "required field is missing"
+    }
+
+
 @pytest.mark.parametrize(
     ("written", "registered"),
     [

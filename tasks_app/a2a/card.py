@@ -490,10 +490,12 @@ def _check_link(c: _Checker, obj: dict[str, Any], key: str, path: str) -> None:
 def _check_scheme(c: _Checker, scheme: Any, path: str) -> None:
     if not c.obj(scheme, path):
         return
-    if "type" in scheme:
+    kinds = [k for k in SCHEME_KINDS if k in scheme]
+    if "type" in scheme and not kinds:
+        # Beside a 1.0 wrapper key, 0.3's fields are unknown fields to ignore: the official SDK
+        # writes both into every scheme of a card that also offers a 0.3 interface.
         c.add(path, "OpenAPI-style scheme with 'type' (A2A 0.3); 1.0 uses a oneof wrapper key")
         return
-    kinds = [k for k in SCHEME_KINDS if k in scheme]
     if len(kinds) != 1:
         c.add(path, f"must have exactly one of {', '.join(SCHEME_KINDS)} (found {len(kinds)})")
         return
@@ -525,10 +527,12 @@ def _check_scheme(c: _Checker, scheme: Any, path: str) -> None:
             for f in present:
                 fp = f"{p}.flows.{f}"
                 if c.obj(flows[f], fp):
+                    # The proto marks these REQUIRED in the current flows only, not in the
+                    # deprecated password and implicit ones.
                     if f in ("authorizationCode", "clientCredentials", "deviceCode", "password"):
-                        c.string(flows[f], "tokenUrl", fp, required=True)
+                        c.string(flows[f], "tokenUrl", fp, required=f != "password")
                     if f in ("authorizationCode", "implicit"):
-                        c.string(flows[f], "authorizationUrl", fp, required=True)
+                        c.string(flows[f], "authorizationUrl", fp, required=f != "implicit")
                     if f == "deviceCode":
                         c.string(flows[f], "deviceAuthorizationUrl", fp, required=True)
                     if "scopes" in flows[f]:
