@@ -142,39 +142,47 @@ def test_an_agent_whose_window_never_reaches_back_costs_at_most_four_calls_a_pol
         server.close()
 
 
+def _poll_as_the_agent_speaks(
+    server: HostileServer, said_per_turn: list[int]
+) -> tuple[list[int], set[str], int]:
+    """Each turn the ``steady`` agent says that many new messages, then a poll records what
+    it read; checks each window reaches back to a message held. The GetTasks each poll made,
+    the ids recorded, and the next window."""
+    from tasks_app.services.record import record
+
+    agent = Agent.objects.create(name="steady", base_url=server.url_for("steady"))
+    task = RemoteTask.objects.create(agent=agent, remote_id=TASK_ID, phase="task")
+
+    async def poll(length: int) -> polls.Polled:
+        async with loopback_client() as http:
+            interface = Interface(url=server.url_for("steady"), binding="JSONRPC")  # type: ignore[arg-type]
+            return await polls.poll_task(A2AClient(interface, http=http), TASK_ID, task.pk, length)
+
+    length, calls, recorded = polls.POLL_HISTORY, [], set()
+    for turn, said in enumerate(said_per_turn):
+        server.steady_history.extend(
+            {"messageId": f"m-{turn}-{i}", "role": "ROLE_AGENT", "parts": [{"text": "x"}]}
+            for i in range(said)
+        )
+        before = len(server.conns_for("steady"))
+        polled = eventloop.submit(poll(length)).result(timeout=60)
+        calls.append(len(server.conns_for("steady")) - before)
+        oldest = polled.task["history"][0]["messageId"]
+        assert oldest == "m-0-0" or oldest in recorded, oldest  # no hole
+        recorded.update(m["messageId"] for m in polled.task["history"])
+        record(task.pk, {"task": polled.task}, "poll")
+        length = polled.next_length
+    return calls, recorded, length
+
+
 def test_an_agent_saying_the_same_amount_between_polls_costs_one_call_a_poll(shared_loop):
     """The window follows what the agent said since the last poll: an agent saying 45
     messages between polls (more than the first window) costs a widened first poll, then
     one GetTask a poll, each window reaching back to a mirrored message."""
 
-    from tasks_app.services.record import record
-
     server = HostileServer().start()
     try:
-        agent = Agent.objects.create(name="steady", base_url=server.url_for("steady"))
-        task = RemoteTask.objects.create(agent=agent, remote_id=TASK_ID, phase="task")
-
-        async def poll(length: int) -> polls.Polled:
-            async with loopback_client() as http:
-                interface = Interface(url=server.url_for("steady"), binding="JSONRPC")  # type: ignore[arg-type]
-                return await polls.poll_task(
-                    A2AClient(interface, http=http), TASK_ID, task.pk, length
-                )
-
-        length, calls, recorded = polls.POLL_HISTORY, [], set()
-        for turn in range(5):
-            server.steady_history.extend(
-                {"messageId": f"m-{turn}-{i}", "role": "ROLE_AGENT", "parts": [{"text": "x"}]}
-                for i in range(45)
-            )
-            before = len(server.conns_for("steady"))
-            polled = eventloop.submit(poll(length)).result(timeout=60)
-            calls.append(len(server.conns_for("steady")) - before)
-            oldest = polled.task["history"][0]["messageId"]
-            assert oldest == "m-0-0" or oldest in recorded, oldest  # no hole
-            recorded.update(m["messageId"] for m in polled.task["history"])
-            record(task.pk, {"task": polled.task}, "poll")
-            length = polled.next_length
+        calls, _, length = _poll_as_the_agent_speaks(server, [45] * 5)
         # 20 left a hole; 160 brought all 45, fewer than asked with the oldest new (all it has,
         # or a limit of its own: the whole history says which); then 90, reaching back.
         assert calls == [3, 1, 1, 1, 1], calls
@@ -188,35 +196,10 @@ def test_an_agent_that_caps_the_window_leaves_no_hole(shared_loop):
     fewer was taken for all it had, and the messages before its cap were skipped until the
     settling GetTask found them, after newer ones. Now the whole history is read then."""
 
-    from tasks_app.services.record import record
-
     server = HostileServer().start()
     server.steady_cap = 10
     try:
-        agent = Agent.objects.create(name="capped", base_url=server.url_for("steady"))
-        task = RemoteTask.objects.create(agent=agent, remote_id=TASK_ID, phase="task")
-
-        async def poll(length: int) -> polls.Polled:
-            async with loopback_client() as http:
-                interface = Interface(url=server.url_for("steady"), binding="JSONRPC")  # type: ignore[arg-type]
-                return await polls.poll_task(
-                    A2AClient(interface, http=http), TASK_ID, task.pk, length
-                )
-
-        length, calls, recorded = polls.POLL_HISTORY, [], set()
-        for turn, said in enumerate((15, 5, 30)):
-            server.steady_history.extend(
-                {"messageId": f"m-{turn}-{i}", "role": "ROLE_AGENT", "parts": [{"text": "x"}]}
-                for i in range(said)
-            )
-            before = len(server.conns_for("steady"))
-            polled = eventloop.submit(poll(length)).result(timeout=60)
-            calls.append(len(server.conns_for("steady")) - before)
-            oldest = polled.task["history"][0]["messageId"]
-            assert oldest == "m-0-0" or oldest in recorded, oldest  # no hole
-            recorded.update(m["messageId"] for m in polled.task["history"])
-            record(task.pk, {"task": polled.task}, "poll")
-            length = polled.next_length
+        calls, recorded, _ = _poll_as_the_agent_speaks(server, [15, 5, 30])
         # Over the cap: the window, then the whole history; within it, the window alone.
         assert calls == [2, 1, 2], calls
         assert len(recorded) == 50
