@@ -38,6 +38,7 @@ from django.utils import timezone
 from tasks_app import exports
 from tasks_app.models import TERMINAL_STATES, Alert, OperatorAction, RemoteTask, TaskEvent
 from tasks_app.services.chain import timestamp_text
+from tasks_app.services.tasks import locked_in_pk_order
 
 log = logging.getLogger(__name__)
 
@@ -205,12 +206,7 @@ def _remove(older_than_days: float, now: datetime, pks: list[int], result: Prune
     if not pks:
         return 0
     with transaction.atomic():
-        still = list(
-            due(older_than_days, now)
-            .select_for_update()
-            .filter(pk__in=pks)
-            .values_list("pk", flat=True)
-        )
+        still = locked_in_pk_order(due(older_than_days, now).filter(pk__in=pks))
         if not still:
             return 0
         events = TaskEvent.objects.filter(task_id__in=still).count()

@@ -45,12 +45,19 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from celery import shared_task
 from celery.signals import worker_ready, worker_shutting_down
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, close_old_connections, connection
+from django.db import (
+    InterfaceError,
+    OperationalError,
+    close_old_connections,
+    connection,
+    transaction,
+)
 from django.db.models import Q
 from django.utils import timezone
 
@@ -346,24 +353,35 @@ def _reconcile() -> int:
     stale = RemoteTask.objects.filter(expired, ~Q(lease_token="")).exclude(
         watcher_status__in=[Status.IDLE, Status.LOST, Status.PARKED, Status.GONE, Status.ABANDONED]
     )
-    taken_over = stale.filter(task_services.watchable()).update(
-        watcher_status=next_status(Status.STREAMING, Event.LEASE_EXPIRED),  # "lost"
-        watcher_note="its watcher stopped answering; taking over",
-        watcher_since=now,
-    )
+    # Both writes lock their rows in pk order first, skipping rows a renewal holds (see
+    # ``locked_in_pk_order``: in scan order they deadlocked with the renewals).
+    lock = partial(task_services.locked_in_pk_order, skip_locked=True)
+    with transaction.atomic():
+        taken_over = RemoteTask.objects.filter(
+            pk__in=lock(stale.filter(task_services.watchable()))
+        ).update(
+            watcher_status=next_status(Status.STREAMING, Event.LEASE_EXPIRED),  # "lost"
+            watcher_note="its watcher stopped answering; taking over",
+            watcher_since=now,
+        )
     # A holder that could not release (the database away, the worker killed) of a task with
     # nothing left to watch (ended, or waiting for an answer): nobody takes it over, and it
     # said "lost" for ever. It is idle, as a release would have left it.
-    stale.filter(
-        ~Q(pk__in=RemoteTask.objects.filter(task_services.watchable()).values("pk"))
-    ).update(
-        watcher_status=Status.IDLE,
-        watcher_note="its watcher stopped; nothing is left to watch",
-        watcher_since=now,
-        lease_token="",
-        lease_owner="",
-        lease_expires_at=None,
-    )
+    with transaction.atomic():
+        RemoteTask.objects.filter(
+            pk__in=lock(
+                stale.exclude(
+                    pk__in=RemoteTask.objects.filter(task_services.watchable()).values("pk")
+                )
+            )
+        ).update(
+            watcher_status=Status.IDLE,
+            watcher_note="its watcher stopped; nothing is left to watch",
+            watcher_since=now,
+            lease_token="",
+            lease_owner="",
+            lease_expires_at=None,
+        )
     metrics.count("lease_takeovers", taken_over)
     pks = list(
         RemoteTask.objects.filter(task_services.watchable())
