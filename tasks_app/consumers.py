@@ -595,15 +595,19 @@ class TaskConsumer(_ResyncingConsumer):
         seq = int(message.get("seq") or 0)
         if seq <= self.last_sent:
             return  # already sent (from the log, or a duplicate relay)
-        if seq > self.last_sent + 1 or "raw" not in message:
+        raw_json = message.get("raw_json")
+        if seq > self.last_sent + 1 or not isinstance(raw_json, str):
+            # A gap, or a row relayed without its JSON (too large): read from the log.
             await self._send_from_log(upto=seq)
             return
         out = {
             key: message.get(key)
-            for key in ("task", "seq", "kind", "channel", "state", "note", "received_at", "raw")
+            for key in ("task", "seq", "kind", "channel", "state", "note", "received_at")
         }
         out["type"] = "event"
-        await self.send_json(out)
+        # The row's JSON text as the recorder wrote it (record._relay_messages): spliced
+        # in, not parsed and written again for every socket.
+        await self.send(text_data=f'{(await self.encode_json(out))[:-1]},"raw":{raw_json}}}')
         self.last_sent = seq
 
     async def task_events(self, message: dict[str, Any]) -> None:

@@ -186,9 +186,9 @@ async def test_gap_is_filled_from_the_log_and_duplicates_dropped(task, user):
         "received_at": "",
     }
     # seq 6 arrives first (4 and 5 were never relayed): the consumer reads 4..6 from the log.
-    await layer.group_send(group, {**base, "seq": 6, "raw": {"system": {"n": 6}}})
+    await layer.group_send(group, {**base, "seq": 6, "raw_json": '{"system":{"n":6}}'})
     # A duplicate of 5, then 7 without its raw JSON (too large to relay): read from the log.
-    await layer.group_send(group, {**base, "seq": 5, "raw": {"system": {"n": 5}}})
+    await layer.group_send(group, {**base, "seq": 5, "raw_json": '{"system":{"n":5}}'})
     await layer.group_send(group, {**base, "seq": 7})
     got = await collect(comm, 7)
     assert [m["seq"] for m in got] == [4, 5, 6, 7]
@@ -383,6 +383,40 @@ async def test_a_batch_recorded_at_once_arrives_event_by_event(task, user):
     got = await collect(comm, 5)
     assert [m["seq"] for m in got] == [1, 2, 3, 4, 5]
     assert got[2]["raw"]["statusUpdate"]["status"]["message"]["parts"] == [{"text": "step 3"}]
+    await comm.disconnect()
+
+
+async def test_a_relayed_rows_json_text_reaches_the_browser_as_the_value_stored(task, user):
+    """The relay carries an entry kept as it came as its canonical text (``raw_json``), and
+    the socket splices that text into the frame: what the browser parses is the value the
+    log stores, quotes, backslashes, non-ASCII, line separators and numbers included."""
+    from tasks_app.services import record as record_module
+
+    awkward = {"statusUpdate": {"taskId": "t", "contextId": "c", "status": {
+        "state": "TASK_STATE_WORKING", "message": {"messageId": "m-awk", "role": "ROLE_AGENT",
+            "parts": [{"text": 'say "hi" \\ é 漢 \u2028 </script> \U0001f600'}]}},
+        "metadata": {"n": 1.5e300, "small": 1e-07, "neg": -3, "list": [True, None, "x"]}}}  # fmt: skip
+    relayed: list = []
+    real = record_module.relay.publish
+
+    def keep(messages):
+        relayed.extend(messages)
+        real(messages)
+
+    comm = await communicator(f"/ws/tasks/{task.pk}/?after=0", user)
+    assert (await comm.connect())[0]
+    assert (await comm.receive_json_from(timeout=5))["type"] == "synced"
+    record_module.relay.publish = keep
+    try:
+        await database_sync_to_async(record)(task.pk, awkward, "stream")
+    finally:
+        record_module.relay.publish = real
+    [row] = await collect(comm, 1)
+    stored = await database_sync_to_async(lambda: TaskEvent.objects.get(task=task, seq=1).raw)()
+    assert row["raw"] == stored
+    assert stored["statusUpdate"]["metadata"]["n"] == int(1.5e300)  # cleaned: as jsonb reads it
+    [message] = [m for group, m in relayed if group == task_group(task.pk)]
+    assert "raw" not in message and json.loads(message["raw_json"]) == stored
     await comm.disconnect()
 
 
