@@ -16,7 +16,7 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db.models import Max, QuerySet, Sum, TextField, Value
+from django.db.models import Count, Max, QuerySet, Sum, TextField, Value
 from django.db.models.fields.json import KT
 from django.db.models.functions import Cast, Coalesce, Length, Substr
 from django.utils.html import format_html
@@ -25,7 +25,14 @@ from django.utils.safestring import SafeString, mark_safe
 from tasks_app.models import Artifact, ArtifactPart
 from tasks_app.rendering import parts_html, pretty_json, safe_filename, shown_media_type
 
-PREVIEW_BATCH = 16  # parts per query while building a preview (each cut to the budget)
+# Parts per query while building a preview, each part's text cut to PREVIEW_HEAD_CHARS (a
+# query reads at most 1 MB of heads); a longer text the budget reaches is read in one more
+# query per batch (``_preview_extras``). At most PREVIEW_MAX_PARTS parts are looked at: a
+# part can be an empty text, which costs the budget nothing, and an agent's artifact of
+# millions of them made a preview read them all, 16 a query (minutes and a GB a view).
+PREVIEW_BATCH = 512
+PREVIEW_HEAD_CHARS = 2048
+PREVIEW_MAX_PARTS = 4096
 PLACEHOLDER_BYTES = 256  # what a part shown only as a link counts against the budget
 DOWNLOAD_BATCH = 64  # parts per query while streaming a download
 DOWNLOAD_HEAD_CHARS = 64 * 1024  # text of each part read with its batch
@@ -108,15 +115,23 @@ def artifact_preview(artifact: Artifact, download_url: Callable[[int], str]) -> 
             pieces.append((run_start, list(run)))
             run.clear()
 
+    looked_at = 0
+    capped = False
     while not truncated:
-        rows = list(_part_rows(artifact.pk, after, PREVIEW_BATCH, budget - used))
+        head_chars = min(budget - used, PREVIEW_HEAD_CHARS)
+        rows = list(_part_rows(artifact.pk, after, PREVIEW_BATCH, head_chars))
+        heads, data = _preview_extras(rows, budget - used)
         for pk, index, seq, text_len, head, size, filename, media, raw_len in rows:
+            if looked_at == PREVIEW_MAX_PARTS:
+                truncated = capped = True
+                break
+            looked_at += 1
             after = index
             max_seq = max(max_seq, seq)
             if not run:
                 run_start = index
             if text_len is not None:
-                head = head or ""
+                head = heads.get(pk, head) or ""
                 room = budget - used
                 if text_len == len(head) and _utf8_len(head) <= room:
                     run.append({"text": head})
@@ -127,8 +142,12 @@ def artifact_preview(artifact: Artifact, download_url: Callable[[int], str]) -> 
                     used += _utf8_len(cut)
                     truncated = True
             elif (size or 0) <= budget - used:
-                part = ArtifactPart.objects.values_list("part", flat=True).get(pk=pk)
-                run.append(part)
+                # Read with its batch (``_preview_extras`` reads every part that can fit).
+                run.append(
+                    data[pk]
+                    if pk in data
+                    else ArtifactPart.objects.values_list("part", flat=True).get(pk=pk)
+                )
                 used += size or 0
             else:
                 close_run()
@@ -153,6 +172,7 @@ def artifact_preview(artifact: Artifact, download_url: Callable[[int], str]) -> 
         else:
             html.append(str(piece))
     total = used
+    parts = looked_at
     if truncated:
         # Only now is the whole artifact measured, in the database (text counted in characters).
         totals = ArtifactPart.objects.filter(artifact_id=artifact.pk).aggregate(
@@ -160,16 +180,58 @@ def artifact_preview(artifact: Artifact, download_url: Callable[[int], str]) -> 
                 Coalesce(Length(KT("part__text")), Length(Cast("part", TextField())), Value(0))
             ),
             seq=Max("seq"),
+            parts=Count("pk"),
         )
         total = max(int(totals["size"] or 0), used)
         max_seq = max(max_seq, int(totals["seq"] or 0))
+        parts = int(totals["parts"] or 0)
     return {
         "html": mark_safe("".join(html)),  # every piece rendered by parts_html or format_html
         "seq": max_seq,
-        "truncated": truncated and total > used,
+        "truncated": truncated and (total > used or capped),
         "shown_bytes": used,
         "total_bytes": total,
+        # Set when the parts looked at ran out before the bytes did (PREVIEW_MAX_PARTS).
+        "shown_parts": looked_at if capped else None,
+        "total_parts": parts,
     }
+
+
+def _preview_extras(rows: list[tuple], room: int) -> tuple[dict[int, str], dict[int, Any]]:
+    """What a batch's rows need beyond their own columns, in one query each: the text of a
+    part longer than its head, cut to ``room`` (pk -> text), and the value of a data or file
+    part that may fit (pk -> part).
+
+    Only the parts the budget can reach are read: walking the rows in order, each costs the
+    budget at least its text's characters (its UTF-8 bytes are never fewer) or, another
+    part, its size or the placeholder's, whichever is less; a part starting past ``room``
+    is never shown. So the texts read add up to at most about twice ``room``.
+    """
+    longer: list[int] = []
+    fitting: list[int] = []
+    reach = 0
+    for pk, _index, _seq, text_len, head, size, *_ in rows:
+        if reach >= room:
+            break
+        if text_len is not None:
+            if text_len > len(head or ""):
+                longer.append(pk)
+            reach += text_len
+        else:
+            if (size or 0) <= room - reach:
+                fitting.append(pk)
+            reach += min(size or 0, PLACEHOLDER_BYTES)
+    heads: dict[int, str] = {}
+    if longer:
+        heads = dict(
+            ArtifactPart.objects.filter(pk__in=longer)
+            .annotate(head=Substr(KT("part__text"), 1, max(1, room)))
+            .values_list("pk", "head")
+        )
+    data: dict[int, Any] = {}
+    if fitting:
+        data = dict(ArtifactPart.objects.filter(pk__in=fitting).values_list("pk", "part"))
+    return heads, data
 
 
 # Streamed download ---------------------------------------------------------------------------

@@ -130,3 +130,69 @@ def test_the_compact_log_lists_the_first_artifacts_and_counts_the_rest(task, mon
     body = page.content.decode()
     assert page.status_code == 200 and body.count("<tr><td>a-0") == 10
     assert "… and 3 more artifacts, not listed here." in body
+
+
+def _chunk(parts: list[dict], append: bool, artifact_id: str = "a-1") -> dict:
+    return {"artifactUpdate": {"taskId": "t-1", "contextId": "c-1", "append": append,
+                               "artifact": {"artifactId": artifact_id, "parts": parts}}}  # fmt: skip
+
+
+def _preview_queries(task: RemoteTask) -> tuple[str, int]:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from tasks_app.models import Artifact
+    from tasks_app.previews import artifact_preview
+
+    artifact = Artifact.objects.get(task=task)
+    with CaptureQueriesContext(connection) as queries:
+        preview = artifact_preview(artifact, lambda index: f"/part/{index}")
+    return preview, len(queries)
+
+
+def test_a_preview_of_empty_parts_looks_at_a_bounded_number_of_them(task):
+    """An empty text part costs the preview's byte budget nothing: an agent's artifact of
+    millions of them (about 12 bytes each of its storage budget) made every view of the
+    task page read them all, 16 a query. The parts looked at are bounded, and the page says
+    how many of how many it shows."""
+    from tasks_app.previews import PREVIEW_BATCH, PREVIEW_MAX_PARTS
+
+    for n in range(3):
+        record(task, _chunk([{"text": ""}] * 2_000, n > 0), "stream")
+    preview, queries = _preview_queries(task)
+    assert preview["truncated"] and preview["shown_parts"] == PREVIEW_MAX_PARTS == 4096
+    assert preview["total_parts"] == 6_000
+    assert queries <= PREVIEW_MAX_PARTS // PREVIEW_BATCH + 2  # the batches, then the totals
+    page = client_as(Membership.Role.VIEWER).get(f"/tasks/{task.pk}/").content.decode()
+    assert "(its first 4096 parts of 6000)" in page
+
+
+def test_a_streamed_artifact_of_small_parts_is_previewed_whole_in_few_queries(task):
+    """Tokens streamed one part each (a few characters): the whole text is shown, read a
+    batch of 512 parts a query, where it took a query per 16."""
+    words = [{"text": f"w{n} "} for n in range(1_500)]
+    for start in range(0, len(words), 100):
+        record(task, _chunk(words[start : start + 100], start > 0), "stream")
+    preview, queries = _preview_queries(task)
+    assert not preview["truncated"] and preview["shown_parts"] is None
+    assert "w0 w1 w2" in str(preview["html"]) and "w1499" in str(preview["html"])
+    assert queries <= 3
+
+
+def test_long_texts_and_data_parts_are_read_with_their_batch_up_to_the_budget(task, settings):
+    """Parts longer than a batch's heads, and data parts, come in one query more each per
+    batch, and only as far as the budget reaches: the preview is what it was, text cut at
+    the budget, a data part too big to show a link."""
+    settings.ARTIFACT_PREVIEW_BYTES = 20_000
+    parts = [{"text": "a" * 5_000}, {"data": {"n": 1}}, {"text": "b" * 5_000},
+             {"data": {"big": "x" * 30_000}}, {"text": "c" * 9_000}, {"text": "d" * 9_000},
+             {"data": {"n": 2}}]  # fmt: skip
+    record(task, _chunk(parts, False), "stream")
+    preview, queries = _preview_queries(task)
+    html = str(preview["html"])
+    assert "a" * 5_000 in html and "b" * 5_000 in html and "&quot;n&quot;: 1" in html
+    assert "too big to show here" in html  # the 30 KB data part
+    assert "c" * 9_000 in html and "d" * 500 in html and "d" * 1_000 not in html  # cut at 20 KB
+    assert "&quot;n&quot;: 2" not in html
+    assert preview["truncated"] and preview["shown_bytes"] <= 20_000
+    assert queries <= 4  # the batch, longer texts, data parts, the totals
