@@ -443,3 +443,61 @@ def test_action_message_follows_the_schema(version, schema_file):
         assert metadata == {}
     else:
         jsonschema.validate(metadata["a2uiClientDataModel"], schema("v0_9/client_data_model.json"))
+
+
+# The bounds kept as a data model changes (a2ui._set) ---------------------------------------
+
+_leaves = (
+    st.none() | st.booleans() | st.integers(-(10**6), 10**6)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=4)
+)  # fmt: skip
+_keys = st.sampled_from(["a", "b", "x/y", "é", "~"])  # the paths' names: updates meet them
+_values = st.recursive(
+    _leaves,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_keys, inner, max_size=3),
+    max_leaves=10,
+)
+_paths = st.lists(st.sampled_from(["a", "b", "0", "1", "2", "x/y", "é", "~"]), max_size=5)
+_updates = st.lists(st.tuples(_paths, _values | st.just(a2ui._MISSING)), max_size=8)
+
+
+@settings(max_examples=400, deadline=None)
+@given(model=st.dictionaries(_keys, _values, max_size=4), updates=_updates)
+def test_a_data_models_kept_size_and_depth_are_what_the_whole_model_has(model, updates) -> None:
+    """Each update's new model gets its size from the size before and what the update
+    changed, and its depth is checked on the new value alone: after any updates, both are
+    what writing out and walking the whole model give (an agent's updates to a large model
+    each walked and wrote it all: 5 s for one event of 200 updates)."""
+    limit, saved = 4, a2ui.MAX_JSON_DEPTH
+    a2ui.MAX_JSON_DEPTH = limit  # deep enough to be reached by these values
+    try:
+        data = model if not a2ui._depth(model, limit) else {}
+        for path, value in updates:
+            pointer = a2ui._pointer(path)
+            try:
+                new = a2ui._set(data, pointer, value)
+            except (a2ui._NoFit, a2ui._TooDeep):
+                continue
+            except a2ui._ModelTooDeep:
+                a2ui.MAX_JSON_DEPTH = 100
+                try:
+                    assert a2ui._depth(a2ui._set(data, pointer, value), limit)
+                finally:
+                    a2ui.MAX_JSON_DEPTH = limit
+                continue
+            assert not a2ui._depth(new, limit)
+            assert a2ui.known_size(new) == a2ui._size(new)
+            data = new
+    finally:
+        a2ui.MAX_JSON_DEPTH = saved
+
+
+def test_components_keep_their_size_as_they_are_put_in() -> None:
+    before = {"root": {"id": "root", "component": "Column", "children": ["t"]}}
+    after = a2ui._with_components(
+        before,
+        [{"id": "t", "component": "Text", "text": "é"}, {"id": "root", "component": "Text", "text": "x"},
+         {"id": "t", "component": "Text", "text": "longer"}],
+    )  # fmt: skip
+    assert a2ui.known_size(after) == a2ui._size(after) and after is not before
+    assert a2ui._size(before) == len(json.dumps(before, separators=(",", ":")))  # unchanged

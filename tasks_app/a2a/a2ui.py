@@ -25,7 +25,8 @@ from __future__ import annotations
 import copy
 import json
 import re
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cache
@@ -498,6 +499,10 @@ class _TooDeep(Exception):
     pass
 
 
+class _ModelTooDeep(Exception):
+    """A value that would make the data model nest deeper than ``MAX_JSON_DEPTH``."""
+
+
 class _NoFit(Exception):
     """A path that goes through a list by a name, or past its end."""
 
@@ -506,19 +511,30 @@ def _set(data: dict[str, Any], pointer: str, value: Any = _MISSING) -> dict[str,
     """A new data model with ``value`` at ``pointer`` (removed when missing); parents are made.
 
     Copy on write: only the containers along the path are copied, so an update costs the
-    path's length, not the model's size, and the state before stays as it was.
+    path's length, not the model's size, and the state before stays as it was. The bounds
+    are kept the same way: the new model's depth is checked on ``value`` alone (the model
+    before was within it), and its size is the size before and what the change added
+    (``known_size``). Measured on the whole model after each message, an agent's 200
+    one-value updates to a model of 11,000 keys took 5 s to fold, holding the write lock.
     """
     tokens = _tokens(pointer)
     if len(tokens) > MAX_JSON_DEPTH:
         raise _TooDeep
     if not tokens:
-        if value is _MISSING:
-            return {}
-        return value if isinstance(value, dict) else data  # the root is always an object
-    return _set_in(data, tokens, value)
+        new, grown = ({}, None) if value is _MISSING else (value, None)
+        if not isinstance(new, dict):
+            return data  # the root is always an object
+    else:
+        new, grown = _set_in(data, tokens, value)  # a path that does not fit is said first
+    if value is not _MISSING and _depth(value, MAX_JSON_DEPTH - len(tokens)):
+        raise _ModelTooDeep
+    if grown is not None:
+        _remember_size(new, known_size(data) + grown)
+    return new
 
 
-def _set_in(node: Any, tokens: list[str], value: Any) -> Any:
+def _set_in(node: Any, tokens: list[str], value: Any) -> tuple[Any, int]:
+    """``node`` with ``value`` at ``tokens``, and by how many bytes its JSON grew (or shrank)."""
     token, rest = tokens[0], tokens[1:]
     if isinstance(node, list):
         index = whole_number(token)
@@ -527,24 +543,75 @@ def _set_in(node: Any, tokens: list[str], value: Any) -> Any:
         items = list(node)
         if rest:
             child = items[index]
-            items[index] = _set_in(child if isinstance(child, dict | list) else {}, rest, value)
-        elif value is _MISSING:
-            if index < len(items):
-                del items[index]
-        elif index < len(items):
-            items[index] = value
-        else:
-            items.append(value)
-        return items
-    out = dict(node) if isinstance(node, dict) else {}
+            if isinstance(child, dict | list):
+                items[index], grown = _set_in(child, rest, value)
+                return items, grown
+            items[index], grown = _set_in({}, rest, value)
+            return items, _EMPTY_OBJECT + grown - _size(child)
+        if value is _MISSING:
+            if index == len(items):
+                return items, 0
+            removed = items.pop(index)
+            return items, -(_size(removed) + (1 if items else 0))
+        if index < len(items):
+            old, items[index] = items[index], value
+            return items, _size(value) - _size(old)
+        items.append(value)
+        return items, _size(value) + (1 if len(items) > 1 else 0)
+    out = dict(node)
     if rest:
         child = out.get(token)
-        out[token] = _set_in(child if isinstance(child, dict | list) else {}, rest, value)
-    elif value is _MISSING:
-        out.pop(token, None)
-    else:
-        out[token] = value
-    return out
+        if isinstance(child, dict | list):
+            out[token], grown = _set_in(child, rest, value)
+            return out, grown
+        out[token], grown = _set_in({}, rest, value)
+        if token in node:
+            return out, _EMPTY_OBJECT + grown - _size(child)
+        return out, _entry_size(token, _EMPTY_OBJECT + grown, node)
+    if value is _MISSING:
+        if token not in out:
+            return out, 0
+        removed = out.pop(token)
+        return out, -_entry_size(token, _size(removed), out)
+    if token in out:
+        old, out[token] = out[token], value
+        return out, _size(value) - _size(old)
+    out[token] = value
+    return out, _entry_size(token, _size(value), node)
+
+
+_EMPTY_OBJECT = 2  # "{}"
+
+
+def _entry_size(key: str, value_size: int, others: Mapping[str, Any]) -> int:
+    """What a member adds to an object's JSON that holds ``others`` besides it."""
+    return _size(key) + 1 + value_size + (1 if others else 0)
+
+
+# The sizes of the last few data models and component sets, by identity (each thread its
+# own): an update's new model gets the size before and what it added, so the bounds are
+# checked without writing the whole model out again after every message.
+_sizes = threading.local()
+_SIZES_KEPT = 16
+
+
+def known_size(value: Any) -> int:
+    """``_size(value)``, remembered for the object itself (a container is never changed in
+    place here: an update makes a new one)."""
+    kept: dict[int, tuple[Any, int]] = _sizes.__dict__.setdefault("kept", {})
+    found = kept.get(id(value))
+    if found is not None and found[0] is value:
+        return found[1]
+    size = _size(value)
+    _remember_size(value, size)
+    return size
+
+
+def _remember_size(value: Any, size: int) -> None:
+    kept: dict[int, tuple[Any, int]] = _sizes.__dict__.setdefault("kept", {})
+    if len(kept) >= _SIZES_KEPT:
+        del kept[next(iter(kept))]  # the oldest (dicts keep their order)
+    kept[id(value)] = (value, size)
 
 
 def resolve(value: Any, data_model: Any, scope_path: str = "") -> Any:
@@ -758,11 +825,30 @@ class Outcome:
     applied: bool = False
 
 
-def _drop_unsafe_urls(component: dict[str, Any]) -> None:
+def _drop_unsafe_urls(component: dict[str, Any]) -> dict[str, Any]:
     for prop in URL_PROPS.get(component.get("component", ""), ()):
         value = component.get(prop)
         if isinstance(value, str) and safe_url(value) is None:
             del component[prop]
+    return component
+
+
+def _with_components(
+    before: dict[str, Any], components: Iterable[dict[str, Any]]
+) -> dict[str, Any]:
+    """``before`` with ``components`` put in by id: a new dict, its size remembered from the
+    size before and what each component changed (``known_size``), not written out again."""
+    size = known_size(before)
+    out = dict(before)
+    for component in components:
+        cid = str(component.get("id", ""))
+        if cid in out:
+            size += _size(component) - _size(out[cid])
+        else:
+            size += _entry_size(cid, _size(component), out)
+        out[cid] = component
+    _remember_size(out, size)
+    return out
 
 
 def _size(value: Any) -> int:
@@ -817,6 +903,8 @@ def apply(
         bound = _bounds_problem(work)
     except _TooDeep:
         bound = f"too deep: a data path has more than {MAX_JSON_DEPTH} levels"
+    except _ModelTooDeep:
+        bound = f"too deep: the data model nests more than {MAX_JSON_DEPTH} levels"
     except _NoFit:
         bound = "unresolvable data path: it goes through a list by a name or past its end"
     if bound:
@@ -873,11 +961,13 @@ def _apply08(surface: dict[str, Any], version: str, message: Mapping[str, Any]) 
     elif "surfaceUpdate" in message:
         if surface["deleted"]:
             surface.update(new_surface(version))
-        surface["components"] = dict(surface["components"])
-        for item in message["surfaceUpdate"]["components"]:
-            component = convert_component08(item, surface)
-            _drop_unsafe_urls(component)
-            surface["components"][component["id"]] = component
+        surface["components"] = _with_components(
+            surface["components"],
+            (
+                _drop_unsafe_urls(convert_component08(item, surface))
+                for item in message["surfaceUpdate"]["components"]
+            ),
+        )
     elif "dataModelUpdate" in message:
         body = message["dataModelUpdate"]
         base = _absolute(body.get("path") or "/").rstrip("/")
@@ -909,11 +999,13 @@ def _apply09(surface: dict[str, Any], version: str, message: Mapping[str, Any]) 
     elif "updateComponents" in message:
         if surface["deleted"]:
             surface.update(new_surface(version))
-        surface["components"] = dict(surface["components"])
-        for item in message["updateComponents"]["components"]:
-            component = copy.deepcopy(dict(item))
-            _drop_unsafe_urls(component)
-            surface["components"][str(component.get("id", ""))] = component
+        surface["components"] = _with_components(
+            surface["components"],
+            (
+                _drop_unsafe_urls(copy.deepcopy(dict(item)))
+                for item in message["updateComponents"]["components"]
+            ),
+        )
         surface["root_id"] = "root"
     elif "updateDataModel" in message:
         body = message["updateDataModel"]
@@ -925,14 +1017,15 @@ def _apply09(surface: dict[str, Any], version: str, message: Mapping[str, Any]) 
 
 
 def _bounds_problem(surface: Mapping[str, Any]) -> str:
+    """Whether a surface is past a bound: its depth is checked as its data model changes
+    (``_set``), its sizes remembered by identity (``known_size``), so a message costs what
+    it changes, not the whole surface."""
     if len(surface["components"]) > MAX_COMPONENTS:
         return f"too large: {len(surface['components'])} components (at most {MAX_COMPONENTS})"
-    if _depth(surface["data_model"], MAX_JSON_DEPTH):
-        return f"too deep: the data model nests more than {MAX_JSON_DEPTH} levels"
-    data_bytes = _size(surface["data_model"])
+    data_bytes = known_size(surface["data_model"])
     if data_bytes > MAX_DATA_MODEL_BYTES:
         return f"too large: the data model is {data_bytes} bytes (at most {MAX_DATA_MODEL_BYTES})"
-    total = data_bytes + _size(surface["components"]) + _size(surface["styles"])
+    total = data_bytes + known_size(surface["components"]) + _size(surface["styles"])
     if total > MAX_SURFACE_BYTES:
         return f"too large: the surface is {total} bytes (at most {MAX_SURFACE_BYTES})"
     return ""
