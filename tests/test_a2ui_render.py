@@ -453,6 +453,37 @@ def test_one_action_per_surface_state_in_the_service(agent, django_user_model, n
     assert surface.action_by == bob and surface.action_seq == surface.updated_seq
 
 
+def test_an_action_that_loses_to_another_on_the_same_form_says_whose_won(
+    agent, django_user_model, no_dispatch, monkeypatch
+) -> None:
+    """Two people submit the same form at once: both pass the first checks, then the
+    winner's answer takes the task's row. Since the action takes the task's row before its
+    claim on the form, the loser was told "Already answered by ..." as if someone had used
+    the answer form; it is the other person's action on this form, and it says so."""
+    task = waiting(agent)
+    surface = surface_of(task)
+    ann = member(django_user_model.objects.create_user("ann4"), Membership.Role.OPERATOR, "alpha")
+    bob = member(django_user_model.objects.create_user("bob4"), Membership.Role.OPERATOR, "alpha")
+    from django.http import QueryDict
+
+    from tasks_app import a2ui_render
+
+    post = QueryDict(mutable=True)
+    post.update(post_values(surface))
+    real = a2ui_render.apply_post
+
+    def ann_submits_meanwhile(*args: Any) -> Any:
+        monkeypatch.setattr(a2ui_render, "apply_post", real)
+        a2ui_actions.act(ann, RemoteTask.objects.get(pk=task.pk), "booking",
+                         surface.updated_seq, "b0", post)  # fmt: skip
+        return real(*args)
+
+    monkeypatch.setattr(a2ui_render, "apply_post", ann_submits_meanwhile)
+    with pytest.raises(a2ui_actions.AlreadySubmitted, match=r"^Already submitted by ann4 at "):
+        a2ui_actions.act(bob, task, "booking", surface.updated_seq, "b0", post)
+    assert OperatorAction.objects.filter(task=task, action="a2ui-action").count() == 1
+
+
 @pytest.mark.django_db(transaction=True)
 def test_an_action_racing_the_agents_change_of_its_form_is_refused_as_changed(
     agent, django_user_model, no_dispatch

@@ -111,21 +111,29 @@ def act(
         # round, on PostgreSQL an action and the agent's change of the same form each waited
         # for the other's row until one was aborted as a deadlock (the person got an error
         # page, or the watcher lost its batch). A claim refused rolls the answer back.
-        task_services.answer_task(
-            task,
-            files=(part,),
-            actor_id=actor_id,
-            metadata=metadata,
-            action="a2ui-action",
-            payload={
-                "surface": surface_id,
-                "surface_seq": form_seq,
-                "name": name,
-                "source": button.component_id,
-                "context": hide_secrets(context, secrets),
-            },
-            logged=(lambda sent: hide_secrets(sent, secrets)) if secrets else None,
-        )
+        try:
+            task_services.answer_task(
+                task,
+                files=(part,),
+                actor_id=actor_id,
+                metadata=metadata,
+                action="a2ui-action",
+                payload={
+                    "surface": surface_id,
+                    "surface_seq": form_seq,
+                    "name": name,
+                    "source": button.component_id,
+                    "context": hide_secrets(context, secrets),
+                },
+                logged=(lambda sent: hide_secrets(sent, secrets)) if secrets else None,
+            )
+        except task_services.AnswerTaken:
+            # Someone's answer took the task's row first. When it was an action on this
+            # very form, the person is told whose, as when the claim itself is refused.
+            current = Surface.objects.select_related("action_by").filter(pk=surface.pk).first()
+            if current is not None and current.action_seq == form_seq:
+                raise _already(current) from None
+            raise
         # ``action_seq`` below the state's seq is an action on an earlier state of the surface.
         won = Surface.objects.filter(
             Q(action_seq__isnull=True) | Q(action_seq__lt=form_seq),
