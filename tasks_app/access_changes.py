@@ -1,8 +1,9 @@
 """Open sockets learn at once when what their person may read changes.
 
 A socket checks access when it connects; a role taken away, a person made
-inactive or an agent moved to another project must not leave it streaming what
-that person may no longer read until it happens to reconnect. Whatever changes
+inactive, a logout, a password changed or an agent moved to another project must
+not leave it streaming what that person may no longer read until it happens to
+reconnect. Whatever changes
 access - the ``members`` command, the admin, a project deleted with its
 memberships - saves or deletes these rows, so the rows' signals are where the
 news starts: after the commit, each affected person's sockets (the group
@@ -15,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from django.contrib.auth import get_user_model
+from django.contrib.auth.signals import user_logged_out
 from django.db import transaction
 from django.db.models.signals import post_delete, post_save, pre_save
 
@@ -52,6 +54,16 @@ def _person_deleted(sender: Any, instance: Any, **kwargs: Any) -> None:
     announce([instance.pk])
 
 
+def _logged_out(sender: Any, request: Any, user: Any, **kwargs: Any) -> None:
+    """A logout ends the session, and the sockets opened on it must close: the session is
+    ended here, before they are told (``logout`` sends this signal first and flushes the
+    session after, so sockets checking at once found it still there), then they check."""
+    if user is None:
+        return
+    request.session.flush()
+    announce([user.pk])
+
+
 def _agent_saving(sender: Any, instance: Agent, update_fields: Any = None, **kwargs: Any) -> None:
     """Remember the project an agent is leaving (its old members may lose its tasks)."""
     if instance.pk is None or (update_fields is not None and "project" not in update_fields):
@@ -80,5 +92,6 @@ def connect() -> None:
     post_delete.connect(
         _person_deleted, sender=get_user_model(), dispatch_uid="access-person-deleted"
     )
+    user_logged_out.connect(_logged_out, dispatch_uid="access-logged-out")
     pre_save.connect(_agent_saving, sender=Agent, dispatch_uid="access-agent-saving")
     post_save.connect(_agent_saved, sender=Agent, dispatch_uid="access-agent-saved")

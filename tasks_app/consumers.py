@@ -72,6 +72,8 @@ import re
 import time
 from collections import deque
 from datetime import UTC, datetime, timedelta
+from importlib import import_module
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -79,6 +81,7 @@ from asgiref.sync import sync_to_async
 from autobahn.exception import Disconnected
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer, AsyncWebsocketConsumer
+from django.conf import settings
 from django.db.models import Q
 
 from tasks_app import access, socket_places
@@ -172,11 +175,26 @@ def _decode_frame(text_data: str | None) -> dict[str, Any] | None:
 
 
 @database_sync_to_async
-def _person_now(user: Any) -> Any | None:
-    """The person as the database has them now (None: gone or made inactive); roles read afresh."""
-    from django.contrib.auth import get_user_model
+def _person_now(scope: dict) -> Any | None:
+    """The person as the database has them now, while the socket's session holds; roles read
+    afresh. None for a person gone or made inactive, and for a session that ended: logged
+    out, or void since the person's password changed.
 
-    return get_user_model().objects.filter(pk=user.pk, is_active=True).first()
+    Django's own check of a request's session decides (``auth.get_user`` on the session
+    read afresh): it must still exist and carry the hash of the password as it is now. A
+    socket opened on a session that a logout ended or a password change made void went on
+    streaming, while HTTP requests with the same cookie were refused at once.
+    """
+    from django.contrib.auth import get_user
+
+    key = getattr(scope.get("session"), "session_key", None)
+    if not key:
+        return None
+    store = import_module(settings.SESSION_ENGINE).SessionStore(session_key=key)
+    person = get_user(SimpleNamespace(session=store))
+    if not person.is_authenticated or person.pk != scope["user"].pk:
+        return None
+    return person
 
 
 @database_sync_to_async
@@ -626,9 +644,10 @@ class TaskConsumer(_ResyncingConsumer):
 
     async def check_access(self) -> bool:
         """Whether the person may still read the task, as the database says now; when not,
-        the socket is closed (4401 for a person gone or made inactive, 4404 otherwise)."""
+        the socket is closed (4401 for a person gone or made inactive or a session ended,
+        4404 otherwise)."""
         self.access_checked_at = time.monotonic()
-        person = await _person_now(self.scope["user"])
+        person = await _person_now(self.scope)
         if person is None:
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return False
@@ -756,9 +775,9 @@ class TaskListConsumer(_ResyncingConsumer):
 
     async def check_access(self) -> bool:
         """Read the person's readable agents afresh; False (and closed, 4401) for a person
-        gone or made inactive."""
+        gone or made inactive, or a session ended."""
         self.access_checked_at = time.monotonic()
-        person = await _person_now(self.scope["user"])
+        person = await _person_now(self.scope)
         if person is None:
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return False

@@ -8,15 +8,28 @@ the job already claimed and does nothing.
 
 from __future__ import annotations
 
+import logging
+
 from celery import shared_task
 
+from tasks_app.models import ImportJob
 from tasks_app.services import imports
+
+log = logging.getLogger(__name__)
 
 
 @shared_task(name="tasks_app.jobs.run_import", ignore_result=True)
 def run_import(job_pk: int) -> str:
-    """Run one import job to its end on this worker; returns its final status."""
-    return str(imports.run_job(job_pk).status)
+    """Run one import job to its end on this worker; returns its final status.
+
+    A job deleted before a worker took it (its agent with it, a database restored from
+    before it) is "gone": nothing to do, and no traceback in the worker's log.
+    """
+    try:
+        return str(imports.run_job(job_pk).status)
+    except ImportJob.DoesNotExist:
+        log.info("import job %s is gone; nothing to do", job_pk)
+        return "gone"
 
 
 @shared_task(name="tasks_app.jobs.drain_push", ignore_result=True)

@@ -18,6 +18,23 @@ def member(
     return user
 
 
+def signed_in(scope: dict, user: Any) -> None:
+    """Put ``user`` and a session of theirs in a socket's ``scope``, as the auth middleware
+    does for a logged-in browser (a socket checks that its session still holds)."""
+    from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_KEY
+    from django.contrib.sessions.backends.db import SessionStore
+
+    scope["user"] = user
+    if not getattr(user, "is_authenticated", False):
+        return
+    session = SessionStore()
+    session[SESSION_KEY] = str(user.pk)
+    session[BACKEND_SESSION_KEY] = "django.contrib.auth.backends.ModelBackend"
+    session[HASH_SESSION_KEY] = user.get_session_auth_hash()
+    session.save()
+    scope["session"] = session
+
+
 # For a user made by a child process (``manage.py shell -c``): the same, as source text.
 MEMBER_SOURCE = (
     "from tasks_app.models import Membership, Project; "

@@ -39,7 +39,7 @@ from tasks_app.models import (
     TaskEvent,
 )
 from tasks_app.routing import websocket_urlpatterns
-from tests.people import member
+from tests.people import member, signed_in
 from tests.test_consumers import refused_with
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -368,7 +368,7 @@ async def test_every_websocket_route_answers_as_the_role_allows(world, person, s
         kind = WS_RULES[str(pattern.pattern)]
         path = {"task": f"/ws/tasks/{world['task'].pk}/", "list": "/ws/tasks/"}.get(kind, "/ws/x/")
         comm = WebsocketCommunicator(app, path)
-        comm.scope["user"] = user
+        await sync_to_async(signed_in)(comm.scope, user)
         code = await refused_with(comm)
         if kind == "no route":
             assert code == 4404, (person, path, code)  # whoever asks

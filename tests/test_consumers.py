@@ -28,7 +28,7 @@ from tasks_app.models import Agent, RemoteTask, TaskEvent
 from tasks_app.relay import task_group
 from tasks_app.routing import websocket_urlpatterns
 from tasks_app.services.record import record
-from tests.people import member
+from tests.people import member, signed_in
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(60)]
 
@@ -78,7 +78,7 @@ def write(task_pk: int, i: int) -> None:
 
 async def communicator(path: str, user) -> WebsocketCommunicator:
     comm = WebsocketCommunicator(app, path)
-    comm.scope["user"] = user
+    await sync_to_async(signed_in)(comm.scope, user)
     return comm
 
 
@@ -1021,7 +1021,7 @@ async def test_a_browser_that_leaves_during_a_long_resume_ends_the_socket_cleanl
     members = redis.Redis.from_url(settings.REDIS_URL)
     key = f"{layer.prefix}:group:{task_group(task.pk)}"
     comm = WebsocketCommunicator(leaving_after(5), f"/ws/tasks/{task.pk}/?after=0")
-    comm.scope["user"] = user
+    await sync_to_async(signed_in)(comm.scope, user)
     assert (await comm.connect())[0]
     assert [(await comm.receive_json_from(timeout=5))["seq"] for _ in range(5)] == [1, 2, 3, 4, 5]
     assert members.zcard(key) == 1

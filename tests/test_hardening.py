@@ -95,6 +95,51 @@ async def test_websocket_accepts_own_origin(private_layer, session_cookie, schem
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("ending", ["logout", "password changed"])
+async def test_a_socket_closes_when_its_session_ends(private_layer, django_user_model, ending):
+    """A socket opened on a session streamed on after that session's logout, or after the
+    person changed their password (which voids their other sessions), while HTTP requests
+    with the same cookie were refused at once. It is told, checks its session, and closes
+    with 4401 before anything more is sent."""
+    from asgiref.sync import sync_to_async
+    from channels.layers import get_channel_layer
+
+    from tasks_app.relay import LIST_GROUP
+
+    def sign_in() -> tuple[Client, str]:
+        user = member(django_user_model.objects.create_user(username="leaver", password="pw-1"))
+        client = Client()
+        assert (
+            client.post("/accounts/login/", {"username": "leaver", "password": "pw-1"}).status_code
+            == 302
+        )
+        return client, user.pk
+
+    client, user_pk = await sync_to_async(sign_in)()
+    connected, _code, comm = await handshake(
+        client.cookies["sessionid"].value, "localhost:8000", "http://localhost:8000"
+    )
+    assert connected
+
+    def end_the_session() -> None:
+        if ending == "logout":
+            assert client.post("/accounts/logout/").status_code == 302
+        else:
+            person = django_user_model.objects.get(pk=user_pk)
+            person.set_password("pw-2")
+            person.save()
+        assert client.get("/tasks/").status_code == 302  # HTTP: refused at once
+
+    await sync_to_async(end_the_session)()
+    closed = await comm.receive_output(timeout=10)
+    assert closed == {"type": "websocket.close", "code": 4401}
+    # Nothing reaches it any more (a list summary sent now would have been forwarded).
+    await get_channel_layer().group_send(LIST_GROUP, {"type": "tasks.changed", "task": 1})
+    assert await comm.receive_nothing(timeout=0.3)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(("scheme", "host", "origin"), REFUSED)
 async def test_websocket_refuses_other_origins(private_layer, session_cookie, scheme, host, origin):
     connected, code, comm = await handshake(session_cookie, host, origin, scheme)

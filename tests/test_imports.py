@@ -464,3 +464,13 @@ def test_two_clicks_released_together_queue_one_import(listing_agent):
         assert len(made) == 1 and len(refused) == 1, outcomes
         assert "already queued" in str(refused[0])
         ImportJob.objects.filter(agent=agent).update(status="done")
+
+
+@pytest.mark.django_db
+def test_a_queued_import_whose_job_is_gone_does_nothing_and_raises_nothing(caplog) -> None:
+    """The job was deleted before a worker took its message (its agent removed): the worker
+    logged a traceback for it. It says the job is gone."""
+    from tasks_app import jobs
+
+    assert jobs.run_import.run(987_654) == "gone"
+    assert "import job 987654 is gone" in caplog.text
