@@ -205,11 +205,13 @@ def _preview_extras(rows: list[tuple], room: int) -> tuple[dict[int, str], dict[
     Only the parts the budget can reach are read: walking the rows in order, each costs the
     budget at least its text's characters (its UTF-8 bytes are never fewer) or, another
     part, its size or the placeholder's, whichever is less; a part starting past ``room``
-    is never shown. So the texts read add up to at most about twice ``room``.
+    is never shown. So the texts read add up to at most about twice ``room``, and the other
+    parts read to at most ``room`` (one this leaves out that fits after all is read on its
+    own, and counts against the budget as it is shown).
     """
     longer: list[int] = []
     fitting: list[int] = []
-    reach = 0
+    reach = values = 0
     for pk, _index, _seq, text_len, head, size, *_ in rows:
         if reach >= room:
             break
@@ -218,8 +220,9 @@ def _preview_extras(rows: list[tuple], room: int) -> tuple[dict[int, str], dict[
                 longer.append(pk)
             reach += text_len
         else:
-            if (size or 0) <= room - reach:
+            if (size or 0) <= room - reach and values + (size or 0) <= room:
                 fitting.append(pk)
+                values += size or 0
             reach += min(size or 0, PLACEHOLDER_BYTES)
     heads: dict[int, str] = {}
     if longer:

@@ -196,3 +196,27 @@ def test_long_texts_and_data_parts_are_read_with_their_batch_up_to_the_budget(ta
     assert "&quot;n&quot;: 2" not in html
     assert preview["truncated"] and preview["shown_bytes"] <= 20_000
     assert queries <= 4  # the batch, longer texts, data parts, the totals
+
+
+def test_the_data_parts_read_with_a_batch_add_up_to_the_budget_at_most(task, settings, monkeypatch):
+    """Data parts each under the budget but together far over it: each counts the budget
+    only the placeholder's bytes until its turn, and a batch read all of their values."""
+    import json
+
+    from tasks_app import previews
+
+    settings.ARTIFACT_PREVIEW_BYTES = 20_000
+    record(task, _chunk([{"data": {"blob": "y" * 15_000}}] * 40, False), "stream")
+    read: list[int] = []
+    real = previews._preview_extras
+
+    def counted(rows, room):
+        heads, data = real(rows, room)
+        read.extend(len(json.dumps(value)) for value in data.values())
+        return heads, data
+
+    monkeypatch.setattr(previews, "_preview_extras", counted)
+    preview, _ = _preview_queries(task)
+    assert preview["truncated"] and "too big to show here" in str(preview["html"])
+    assert str(preview["html"]).count("y" * 15_000) == 1  # one fits; the next is a link
+    assert len(read) == 1 and sum(read) <= 20_000
