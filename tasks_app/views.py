@@ -27,7 +27,7 @@ from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.debug import sensitive_post_parameters
-from django.views.decorators.http import require_GET, require_POST
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from tasks_app import (
     access,
@@ -794,9 +794,11 @@ def _chain(request: HttpRequest, task: RemoteTask) -> audit.Verification | None:
     checked = audit.verify_for_page(task)
     if checked is not None:
         return checked
-    if request.GET.get("verify"):
-        again = request.GET["verify"] == "again"
-        return audit.verify_on_request(task, request.user.pk, again=again)
+    # Asked by a POST (its form on the page): a check reads the whole log and counts against
+    # the person's hour, which a GET let any other site's page spend for them.
+    verify = request.POST.get("verify") if request.method == "POST" else None
+    if verify:
+        return audit.verify_on_request(task, request.user.pk, again=verify == "again")
     return audit.remembered(task)
 
 
@@ -982,7 +984,7 @@ def _render_task_page_with(request: HttpRequest, task: RemoteTask, **forms) -> H
 
 
 @login_required
-@require_GET
+@require_http_methods(["GET", "POST"])  # POST: the hash chain's "verify now" (see _chain)
 def task_events(request: HttpRequest, pk: int) -> HttpResponse:
     """The whole log, a page at a time (by seq): full, compact (by state and artifact) or raw.
 

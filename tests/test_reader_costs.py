@@ -1,7 +1,7 @@
 """What one request of a reader (the viewer role, the lowest that reads a task) may cost.
 
 Found by an audit of what a logged-in reader can make the web process and the database do:
-``?verify=1`` on a task page or its event log re-read and re-hashed the whole log on every
+"verify now" (``verify=1``, posted) on a task page or its event log re-read and re-hashed the whole log on every
 request, for anyone who could read the task (100,000 entries, 64 MiB: 2.9 s on SQLite,
 3.6 s on PostgreSQL, about a hundred queries, each time, as often and as many at once as
 asked). Now an outcome is remembered by the log's head, one check of a task and one of a
@@ -73,11 +73,11 @@ def chain_line(page: bytes) -> str:
 def test_a_repeated_check_of_an_unchanged_long_log_reads_it_once(checks):
     task = long_task()
     client = viewer()
-    first = chain_line(client.get(f"/tasks/{task.pk}/", {"verify": "1"}).content)
+    first = chain_line(client.post(f"/tasks/{task.pk}/", {"verify": "1"}).content)
     assert f"Hash chain verifies ({ROWS} entries)" in first and "checked" not in first
-    again = chain_line(client.get(f"/tasks/{task.pk}/events/", {"verify": "1"}).content)
+    again = chain_line(client.post(f"/tasks/{task.pk}/events/", {"verify": "1"}).content)
     assert f"Hash chain verified ({ROWS} entries; checked" in again
-    assert "no entry was added since" in again and 'href="?verify=again"' in again
+    assert "no entry was added since" in again and 'value="again"' in again
     # Without asking, a long log's page shows the remembered outcome while it holds.
     plain = chain_line(client.get(f"/tasks/{task.pk}/").content)
     assert f"Hash chain verified ({ROWS} entries; checked" in plain
@@ -93,7 +93,7 @@ def test_a_repeated_check_of_an_unchanged_long_log_reads_it_once(checks):
     assert "too large to check on every load" in chain_line(
         client.get(f"/tasks/{task.pk}/").content
     )
-    broken = chain_line(client.get(f"/tasks/{task.pk}/", {"verify": "1"}).content)
+    broken = chain_line(client.post(f"/tasks/{task.pk}/", {"verify": "1"}).content)
     assert f"Hash chain broken at seq {ROWS + 1}" in broken
     assert checks == [task.pk, task.pk]
 
@@ -103,7 +103,7 @@ def test_a_broken_long_log_is_reported_broken_when_remembered_too(checks):
     TaskEvent.objects.filter(task=task, seq=7).update(note="edited")
     client = viewer()
     for _ in range(3):
-        line = chain_line(client.get(f"/tasks/{task.pk}/", {"verify": "1"}).content)
+        line = chain_line(client.post(f"/tasks/{task.pk}/", {"verify": "1"}).content)
         assert "Hash chain broken at seq 7" in line and "chain-broken" in line
     assert "Checked" in line
     assert checks == [task.pk]
@@ -116,19 +116,19 @@ def test_check_again_sees_an_earlier_entry_changed_after_a_remembered_check(chec
     task = long_task()
     client = viewer()
     assert "Hash chain verifies" in chain_line(
-        client.get(f"/tasks/{task.pk}/", {"verify": "1"}).content
+        client.post(f"/tasks/{task.pk}/", {"verify": "1"}).content
     )
     TaskEvent.objects.filter(task=task, seq=5).update(note="edited after the check")
-    remembered = chain_line(client.get(f"/tasks/{task.pk}/", {"verify": "1"}).content)
+    remembered = chain_line(client.post(f"/tasks/{task.pk}/", {"verify": "1"}).content)
     assert "Hash chain verified" in remembered and "shows only in a new check" in remembered
     assert checks == [task.pk]
     for page in (f"/tasks/{task.pk}/", f"/tasks/{task.pk}/events/"):
-        again = chain_line(client.get(page, {"verify": "again"}).content)
+        again = chain_line(client.post(page, {"verify": "again"}).content)
         assert "Hash chain broken at seq 5" in again, page
     assert checks == [task.pk, task.pk, task.pk]
     # A fresh check counts against the person's hour like any other.
     settings.CHAIN_VERIFY_PER_PERSON_PER_HOUR = 3
-    refused = chain_line(client.get(f"/tasks/{task.pk}/", {"verify": "again"}).content)
+    refused = chain_line(client.post(f"/tasks/{task.pk}/", {"verify": "again"}).content)
     assert "this hour" in refused and len(checks) == 3
 
 
@@ -158,7 +158,7 @@ def test_one_check_of_a_task_and_one_of_a_person_run_at_once(checks, monkeypatch
     assert audit.verify_on_request(task, someone.pk).checked_at is not None
 
     page = viewer("third")
-    line = chain_line(page.get(f"/tasks/{task.pk}/", {"verify": "1"}).content)
+    line = chain_line(page.post(f"/tasks/{task.pk}/", {"verify": "1"}).content)
     assert "checked" in line
 
 
@@ -166,22 +166,39 @@ def test_a_person_starts_a_bounded_number_of_checks_an_hour(checks, settings):
     settings.CHAIN_VERIFY_PER_PERSON_PER_HOUR = 2
     tasks = [long_task(f"t{n}") for n in range(3)]
     client = viewer()
-    lines = [chain_line(client.get(f"/tasks/{t.pk}/", {"verify": "1"}).content) for t in tasks]
+    lines = [chain_line(client.post(f"/tasks/{t.pk}/", {"verify": "1"}).content) for t in tasks]
     assert all("Hash chain verifies" in line for line in lines[:2])
     assert "not checked now" in lines[2] and "2 checks of long logs this hour" in lines[2]
     assert "chain-broken" not in lines[2] and "chain-ok" not in lines[2]
     assert checks == [tasks[0].pk, tasks[1].pk]
     # What was checked stays free to see; someone else still has their own allowance.
-    assert "checked" in chain_line(client.get(f"/tasks/{tasks[0].pk}/", {"verify": "1"}).content)
-    other = chain_line(viewer("other").get(f"/tasks/{tasks[2].pk}/", {"verify": "1"}).content)
+    assert "checked" in chain_line(client.post(f"/tasks/{tasks[0].pk}/", {"verify": "1"}).content)
+    other = chain_line(viewer("other").post(f"/tasks/{tasks[2].pk}/", {"verify": "1"}).content)
     assert "Hash chain verifies" in other
     assert checks == [tasks[0].pk, tasks[1].pk, tasks[2].pk]
+
+
+def test_only_a_posted_form_checks_a_long_log(checks):
+    """ "verify now" was a link, a GET: any other site's page could make a reader's browser
+    ask for checks (each reads the whole log) and spend the reader's hour of them. A GET
+    now only shows the page; the check is a form's POST, refused without its CSRF token."""
+    task = long_task()
+    client = viewer()
+    for page in (f"/tasks/{task.pk}/", f"/tasks/{task.pk}/events/"):
+        for asked in ("1", "again"):
+            line = chain_line(client.get(page, {"verify": asked}).content)
+            assert "too large to check on every load" in line and 'name="verify"' in line
+    assert checks == []
+    strict = Client(enforce_csrf_checks=True)
+    strict.force_login(User.objects.get(username="viewer"))
+    assert strict.post(f"/tasks/{task.pk}/", {"verify": "1"}).status_code == 403
+    assert checks == []
 
 
 def test_without_redis_the_page_says_the_check_was_not_run(checks, settings):
     settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
     task = long_task()
-    response = viewer().get(f"/tasks/{task.pk}/", {"verify": "1"})
+    response = viewer().post(f"/tasks/{task.pk}/", {"verify": "1"})
     assert response.status_code == 200
     line = chain_line(response.content)
     assert "not checked now" in line and "unreachable" in line

@@ -41,7 +41,6 @@ WRONG_PASSWORD = f"planted-wrong-password-{secrets.token_hex(8)}"
 # Pages with another mode behind a query string.
 VARIANTS = {
     "overview": ["?fragment=1"],
-    "task-detail": ["?verify=1"],
     "task-live": ["?all_artifacts=1"],
     "event-detail": ["?format=json"],
     "task-export": ["?format=json"],
