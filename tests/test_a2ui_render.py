@@ -453,6 +453,23 @@ def test_one_action_per_surface_state_in_the_service(agent, django_user_model, n
     assert surface.action_by == bob and surface.action_seq == surface.updated_seq
 
 
+def test_an_anonymous_user_cannot_act_as_the_system(agent, no_dispatch) -> None:
+    """The services' check takes a missing actor for the system: an anonymous user's pk,
+    None, passed it. Every view asks for a login first; the service refuses all the same."""
+    from django.contrib.auth.models import AnonymousUser
+    from django.http import QueryDict
+
+    from tasks_app.access import Forbidden
+
+    task = waiting(agent)
+    surface = surface_of(task)
+    post = QueryDict(mutable=True)
+    post.update(post_values(surface))
+    with pytest.raises(Forbidden):
+        a2ui_actions.act(AnonymousUser(), task, "booking", surface.updated_seq, "b0", post)
+    assert not OperatorAction.objects.filter(task=task).exists() and no_dispatch == []
+
+
 def test_an_action_that_loses_to_another_on_the_same_form_says_whose_won(
     agent, django_user_model, no_dispatch, monkeypatch
 ) -> None:

@@ -26,7 +26,7 @@ from django.utils import timezone
 
 from tasks_app import a2ui_render
 from tasks_app.a2a import a2ui as protocol
-from tasks_app.access import Perm, require
+from tasks_app.access import Forbidden, Perm, require
 from tasks_app.models import RemoteTask, Surface
 from tasks_app.redaction import hide_secrets
 from tasks_app.services import tasks as task_services
@@ -70,7 +70,10 @@ def act(
     Refused, with a plain message: the person may not operate; the surface is gone, has a
     problem, or changed since the form was drawn; someone already acted on it; a check fails.
     """
-    actor_id = getattr(user, "pk", None)
+    if not getattr(user, "is_authenticated", False):
+        # Its pk, None, would pass the services' check as the system's.
+        raise Forbidden("Only a signed-in person may act on a form.")
+    actor_id = user.pk
     require(actor_id, task.agent.project_id, Perm.OPERATE)
     surface = Surface.objects.filter(task=task, surface_id=surface_id).first()
     if surface is None or surface.deleted:
