@@ -345,3 +345,90 @@ def test_the_command_line_cannot_cancel_an_ended_task_or_refresh_a_message_reply
     # An ended task can still be looked at again.
     call_command("tasks", "refresh", str(done.pk), stdout=StringIO())
     assert [method for method, _ in calls] == ["GetTask"]
+
+
+def test_a_refresh_settles_an_ended_task_the_agent_no_longer_knows(agent, ann, replies):
+    """A task seen ended whose holder stopped before settling it, and an hour on no longer
+    watched: the agent has forgotten it, so a refresh said so and left it unsettled, never
+    final and never pruned. It settles it, as last seen, and says so."""
+    task = RemoteTask.objects.create(
+        agent=agent, title="t", remote_id="t-7", context_id="c-7", phase=RemoteTask.Phase.TASK,
+        state="TASK_STATE_COMPLETED", watch=RemoteTask.Watch.POLL,
+    )  # fmt: skip
+    replies["GetTask"] = RpcError(-32001, "no such task")
+    page = ann.post(reverse("task-refresh", args=[task.pk]), follow=True).content.decode()
+    assert "no longer knows this task (it had ended)" in page and "it is final now" in page
+    task.refresh_from_db()
+    assert task.settled_at is not None and task.state == "TASK_STATE_COMPLETED"
+    settled = TaskEvent.objects.get(task=task, kind="system", raw__system__event="settled")
+    assert "the agent no longer knows this task" in settled.raw["system"]["detail"]
+    # Asked again: nothing more is written, and the sentence does not claim a new settling.
+    before = task.last_seq
+    again = ann.post(reverse("task-refresh", args=[task.pk]), follow=True).content.decode()
+    assert "it is final now" not in again
+    task.refresh_from_db()
+    assert task.last_seq == before + 1  # the refresh's own operator entry only
+
+
+def test_a_parked_task_that_ends_by_an_operators_cancel_is_idle_and_its_alert_resolves(
+    agent, ann, replies
+):
+    """A parked task has no holder: when an operator's cancel (or refresh) found it ended and
+    settled it, it still said "parked", for ever: its parked alert stayed open, and a task
+    with an open alert is never pruned."""
+    from django.utils import timezone
+
+    from tasks_app import alerts
+    from tasks_app.models import Alert
+
+    task = named(agent)
+    now = timezone.now()
+    RemoteTask.objects.filter(pk=task.pk).update(
+        watcher_status=RemoteTask.WatcherStatus.PARKED, watcher_note="needs attention: stuck",
+        watcher_since=now, lease_expires_at=now + timezone.timedelta(seconds=600),
+    )  # fmt: skip
+    assert alerts.evaluate(now).opened
+    assert Alert.objects.filter(task=task, resolved_at__isnull=True).exists()
+    replies["CancelTask"] = {
+        "id": "t-9",
+        "contextId": "c-9",
+        "status": {"state": "TASK_STATE_CANCELED"},
+    }
+    ann.post(reverse("task-cancel", args=[task.pk]), {"reason": ""}, follow=True)
+    task.refresh_from_db()
+    assert task.settled_at is not None and task.state == "TASK_STATE_CANCELED"
+    assert task.watcher_status == RemoteTask.WatcherStatus.IDLE
+    assert task.watcher_note == "the task has ended; nothing is left to watch"
+    assert task.lease_expires_at is None
+    alerts.evaluate(timezone.now())
+    assert not Alert.objects.filter(task=task, resolved_at__isnull=True).exists()
+
+
+def test_a_task_taken_by_a_holder_while_its_end_is_recorded_is_left_to_the_holder(agent):
+    """The fold decides to unpark on the row it read; a holder that took the task meanwhile
+    (watch again) keeps its status: the write matches no row and the batch folds again."""
+    from django.db import connection
+    from django.utils import timezone
+
+    from tasks_app.services.record import settle
+
+    task = named(agent)
+    RemoteTask.objects.filter(pk=task.pk).update(
+        state="TASK_STATE_COMPLETED", watcher_status=RemoteTask.WatcherStatus.PARKED,
+        lease_expires_at=timezone.now() + timezone.timedelta(seconds=600),
+    )  # fmt: skip
+    taken = []
+
+    def a_holder_takes_it_first(execute, sql, params, many, context):
+        if sql.startswith('UPDATE "tasks_app_remotetask"') and "last_seq" in sql and not taken:
+            taken.append(True)
+            RemoteTask.objects.filter(pk=task.pk).update(
+                lease_token="holder", lease_owner="w1", watcher_status="polling"
+            )
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(a_holder_takes_it_first):
+        settle(task.pk, None, note="not reconciled")
+    task.refresh_from_db()
+    assert taken and task.settled_at is not None
+    assert (task.watcher_status, task.lease_token) == ("polling", "holder")

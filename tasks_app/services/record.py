@@ -868,6 +868,9 @@ class _Fold:
         self.gap_check = gap_check
         self.fence = fence
         self.over_budget = False
+        # Columns the fold's changes assume, checked by the compare-and-set (beside last_seq):
+        # a change of watch bookkeeping must not overwrite another writer's (see _unpark).
+        self.expect: dict[str, Any] = {}
         self.repeated: list[tuple[str, str]] = []
         # Read once per fold (settings are looked up on each access).
         self.budget = settings.BUDGET_TASK_BYTES
@@ -1561,6 +1564,7 @@ class _Fold:
         payload = entry.payload if isinstance(entry.payload, dict) else {}
         if payload.get("event") == "send-failed" and not self.get("remote_id"):
             self.set(phase=RemoteTask.Phase.FAILED)
+            self._unpark("the send failed; nothing is left to watch")
         if payload.get("event") != "settled":
             self.rows.append(_Row(entry, "system", entry.note))
             return
@@ -1572,7 +1576,26 @@ class _Fold:
             )
             return
         self.set(settled_at=timezone.now())
+        self._unpark("the task has ended; nothing is left to watch")
         self.rows.append(_Row(entry, "system", entry.note))
+
+    def _unpark(self, note: str) -> None:
+        """A parked task that ends (settled by an operator's cancel or refresh, or a send
+        withdrawn) has nothing left to watch: it is idle, as a holder's release would have
+        left it. It said "parked" for ever, its alert open and the task never pruned. A task
+        a holder has is left to that holder."""
+        if self.get("watcher_status") == RemoteTask.WatcherStatus.PARKED and not self.get(
+            "lease_token"
+        ):
+            self.set(
+                watcher_status=RemoteTask.WatcherStatus.IDLE,
+                watcher_note=note,
+                watcher_since=timezone.now(),
+                lease_expires_at=None,  # the parked hold-off
+            )
+            # Written only if still so: a holder taking the task meanwhile (watch again)
+            # makes the write match no row, and the batch is folded again on its row.
+            self.expect.update(watcher_status=RemoteTask.WatcherStatus.PARKED, lease_token="")
 
     def _fold_operator(self, entry: Entry) -> None:
         """An operator's action; a message we send joins the conversation."""
@@ -2265,7 +2288,7 @@ def _record_once(
             updated_at=now,
         )
         # Compare-and-set: matches no row if someone appended since we read.
-        guard = {"lease_token": fence} if fence is not None else {}
+        guard = {**fold.expect, **({"lease_token": fence} if fence is not None else {})}
         if not RemoteTask.objects.filter(pk=task_pk, last_seq=current.last_seq, **guard).update(
             **changes
         ):

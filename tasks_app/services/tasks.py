@@ -32,7 +32,7 @@ from tasks_app.a2a import (
 from tasks_app.access import Perm, require
 from tasks_app.models import TERMINAL_STATES, Agent, OperatorAction, RemoteTask
 from tasks_app.services import agents as agent_services
-from tasks_app.services.record import record, settle_if_ended, task_summary
+from tasks_app.services.record import record, settle, settle_if_ended, task_summary
 
 log = logging.getLogger(__name__)
 
@@ -565,8 +565,16 @@ def _refresh(task: RemoteTask, *, actor_id: int | None) -> RemoteTask:
     except TaskNotFoundError as exc:
         agent_services.mark_reachable(agent.pk)
         if task.is_terminal:
+            # Ended but never settled (its holder stopped between the end and the settling,
+            # and an hour on it is no longer watched): nothing will settle it but this, and
+            # unsettled it stayed unfinished for ever (never final, never pruned).
+            unsettled = RemoteTask.objects.filter(pk=task.pk, settled_at__isnull=True).exists()
+            if unsettled:
+                settle(task, None, note="not reconciled: the agent no longer knows this task")
+                _forget_push_later(task.pk, "deleted when the task settled")
             raise TaskActionError(
                 f"The agent no longer knows this task (it had ended): {exc}"
+                + ("; it is final now, as last seen." if unsettled else "")
             ) from exc
         mark_gone(task.pk, None, str(exc))
         raise TaskActionError(
