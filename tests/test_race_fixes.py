@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from tasks_app import alerts, eventloop, outbound
 from tasks_app.crypto import decrypt_json
-from tasks_app.models import Agent, Alert, RemoteTask
+from tasks_app.models import Agent, Alert, RemoteTask, default_project
 from tasks_app.services import agents as agent_services
 from tasks_app.services import push
 from tests.serving import json_rpc_peer
@@ -468,3 +468,29 @@ def test_a_holders_own_send_that_named_no_task_fails_at_once(shared_loop) -> Non
         eventloop.submit(ended()).result(timeout=30)
     task.refresh_from_db()
     assert task.phase == RemoteTask.Phase.FAILED and "retrying is safe" in task.send_error
+
+
+@pytest.mark.django_db
+def test_an_answer_to_a_push_followed_task_goes_out_while_the_agent_goes_on_notifying(
+    django_user_model, no_dispatch, django_capture_on_commit_callbacks
+) -> None:
+    """A push-followed task waits for notifications under a hold-off with no holder. An
+    answer's watcher could not take the lease until it ran out, and every notification
+    moved it on: the answer waited for as long as the agent went on notifying. The answer
+    clears the hold-off, and a notification leaves a task with an answer waiting alone."""
+    from tasks_app.models import Membership
+    from tasks_app.services import tasks as task_services
+    from tests.people import member
+
+    later = timezone.now() + timedelta(seconds=120)
+    task = push_task(state="TASK_STATE_INPUT_REQUIRED", watcher_status=Status.AWAITING_PUSH,
+                     lease_expires_at=later, asked_seq=1, last_seq=1)  # fmt: skip
+    Agent.objects.filter(pk=task.agent_id).update(project_id=default_project())
+    ann = member(django_user_model.objects.create_user("ann-push"), Membership.Role.OPERATOR)
+    with django_capture_on_commit_callbacks(execute=True):
+        task_services.answer_task(RemoteTask.objects.get(pk=task.pk), text="yes", actor_id=ann.pk)
+    assert no_dispatch == [task.pk]
+    push.heard({task.pk})  # the agent notifies again before the watcher took the lease
+    task.refresh_from_db()
+    assert task.lease_expires_at is None and task.outbox is not None
+    assert task_services.acquire_leases([task.pk], "w1").keys() == {task.pk}

@@ -283,7 +283,8 @@ def heard(task_pks: set[int]) -> None:
     """Notifications arrived: the silence fallback waits again, the page says "awaiting push".
 
     Only tasks nobody holds, still followed by push and not over (not ended, abandoned,
-    gone or settled), are touched (a holder's lease is its own business). Each write
+    gone or settled), with no answer waiting to be sent, are touched (a holder's lease is
+    its own business; an answer's watcher must get the lease). Each write
     repeats the whole condition (compare-and-set): read first and written on the pks alone,
     an abandon, a switch to polling or a park committed in between was overwritten.
     """
@@ -299,6 +300,8 @@ def heard(task_pks: set[int]) -> None:
         abandoned_at__isnull=True,
         gone_at__isnull=True,
         settled_at__isnull=True,
+        # An answer waiting to be sent: its watcher must get the lease, not a new hold-off.
+        outbox__isnull=True,
     ) & ~Q(state__in=TERMINAL_STATES)
     RemoteTask.objects.filter(followed, watcher_status=Status.AWAITING_PUSH).update(
         lease_expires_at=until

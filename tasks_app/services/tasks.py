@@ -300,6 +300,12 @@ def answer_task(
             answered_seq=asked,
             answered_by_id=actor_id,
             answered_at=timezone.now(),
+            # A hold-off with no holder (push silence, a parked recheck) would keep the
+            # answer's watcher from the lease: a push-followed task's answer waited for as
+            # long as the agent went on notifying (each notification moves it on).
+            lease_expires_at=Case(
+                When(lease_token="", then=Value(None)), default=F("lease_expires_at")
+            ),
         )
         if not won:
             raise answer_refusal(task.pk, asked)
