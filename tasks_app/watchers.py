@@ -920,7 +920,9 @@ class Holder:
 
     # -- judging a turn: progress, quiet, or fruitless
     async def _judge(self, outcome: Outcome) -> Turn | None:
-        if outcome.over_budget:  # record() said so in the log, once
+        # record() said so in the log, once. An end is kept past the budget
+        # (``_Fold._end_over_budget``): an ended task is settled, not parked.
+        if outcome.over_budget and self.state not in TERMINAL_STATES:
             return await self._park(
                 f"the task is over its storage budget ({settings.BUDGET_TASK_BYTES} bytes of agent content)",
                 announce=False,
@@ -1038,7 +1040,7 @@ class Holder:
                             "the agent closed the stream without any event; the question is "
                             "open again",
                         )
-                if outcome.over_budget:  # record() said so in the log, once
+                if outcome.over_budget and self.state not in TERMINAL_STATES:  # as in _judge
                     return await self._park("the task is over its storage budget", announce=False)
                 if outcome.dropped and self.state not in TERMINAL_STATES:
                     await self._sleep(backoff(1))

@@ -90,3 +90,34 @@ def test_a_held_or_abandoned_task_over_budget_is_not_parked_by_the_drain() -> No
     abandoned.refresh_from_db()
     assert held.watcher_status == Status.POLLING
     assert abandoned.watcher_status == Status.ABANDONED
+
+
+@pytest.mark.django_db
+def test_a_task_over_its_budget_still_ends() -> None:
+    """README, BUDGET_TASK_BYTES: "the state the task ends in is still kept". Past the
+    budget every entry was dropped, its state too: a task canceled by an operator, or ended
+    at the agent, went on saying "working" for ever and never settled."""
+    from tasks_app.services.record import record, settle
+
+    task = _push_task(watch=RemoteTask.Watch.POLL, watcher_status=Status.PARKED)
+    big = {"messageId": "m-big", "role": "ROLE_AGENT", "parts": [{"text": "y" * 3000}]}
+    with override_settings(BUDGET_TASK_BYTES=1000):
+        record(task, _chunk("x" * 5000), "poll")  # past the budget: one notice
+        working = {"taskId": "t-1", "status": {"state": "TASK_STATE_WORKING"}}
+        assert not record(task, {"statusUpdate": working}, "poll").seqs  # dropped, as before
+        ended = {"id": "t-1", "contextId": "c-1", "history": [big],
+                 "status": {"state": "TASK_STATE_CANCELED", "timestamp": "2026-12-01T00:00:00Z",
+                            "message": big}}  # fmt: skip
+        result = record(task, {"task": ended}, "poll")
+        again = record(task, {"task": ended}, "poll")
+        settle(task.pk, None, note="not reconciled")
+    task.refresh_from_db()
+    assert result.seqs and result.over_budget and not again.seqs
+    assert task.state == "TASK_STATE_CANCELED" and task.settled_at is not None
+    assert task.status_message is None and not task.messages.exists()  # its content: not kept
+    row = TaskEvent.objects.get(task=task, seq=result.seqs[0])
+    assert row.kind == "statusUpdate" and row.raw == {"statusUpdate": {
+        "taskId": "t-1", "contextId": "c-1",
+        "status": {"state": "TASK_STATE_CANCELED", "timestamp": "2026-12-01T00:00:00Z"}}}  # fmt: skip
+    assert "only the state it ends in is kept" in row.note
+    assert task.watcher_status == Status.IDLE  # ended: nothing is left to watch

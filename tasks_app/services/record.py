@@ -1108,6 +1108,7 @@ class _Fold:
         counted = entry.kind not in ("operator", "system", "gap")
         used, rows = self.get("stored_bytes"), len(self.rows)
         if counted and not self._within_budget(entry):
+            self._end_over_budget(entry)
             return
         handler = getattr(self, "_fold_" + entry.kind.replace("-", "_"), None)
         if handler is None:
@@ -1122,6 +1123,38 @@ class _Fold:
             # Nothing stored (the mirror held it already): nothing counted, so a duplicate
             # costs the same in a batch as recorded on its own (where nothing is written).
             self.set(stored_bytes=used)
+
+    def _end_over_budget(self, entry: Entry) -> None:
+        """Past the budget an entry's content is dropped, but not the end it brings.
+
+        A task over its budget took no state change again: cancelled at the agent by an
+        operator, or ended there, it went on saying "working" for ever, and never settled.
+        An entry that ends the task (a status update or a snapshot with a terminal state,
+        the task not ended yet) is kept as a status update of its state and timestamp
+        alone, noted so; the rest of it is not stored. A task ends once, so this is one
+        small row at most.
+        """
+        if entry.kind == "statusUpdate":
+            task_id, context_id = entry.payload["taskId"], entry.payload.get("contextId")
+        elif entry.kind == "task":
+            task_id, context_id = entry.payload["id"], entry.payload.get("contextId")
+        else:
+            return
+        status = entry.payload["status"]
+        if status["state"] not in TERMINAL_STATES or self.get("state") in TERMINAL_STATES:
+            return
+        kept = {"state": status["state"]}
+        if isinstance(status.get("timestamp"), str):
+            kept["timestamp"] = status["timestamp"]
+        update = {"taskId": task_id, "status": kept}
+        if context_id:
+            update["contextId"] = context_id
+        ending = parse_entry({"statusUpdate": update})
+        ending.note = (
+            f"over the task's budget: of this {entry.kind} ({entry.size} bytes) only the "
+            "state it ends in is kept"
+        )
+        self._fold_statusUpdate(ending)
 
     def _refused_again(self, entry: Entry, first: int, in_batch: bool) -> bool:
         """Whether the rows from ``first`` refuse ``entry`` and the log holds it already
