@@ -432,3 +432,48 @@ def test_a_task_taken_by_a_holder_while_its_end_is_recorded_is_left_to_the_holde
     task.refresh_from_db()
     assert taken and task.settled_at is not None
     assert (task.watcher_status, task.lease_token) == ("polling", "holder")
+
+
+def test_an_abandoned_task_can_still_be_canceled_at_the_agent(agent, ann, replies, calls):
+    """Abandoned means "not watched here", not "ended at the agent": an abandoned task still
+    running there was offered no cancel, by any route, and ran on out of reach. It is
+    canceled and recorded as any other, and no watcher is started for it."""
+    from django.utils import timezone
+
+    task = named(agent)
+    RemoteTask.objects.filter(pk=task.pk).update(
+        abandoned_at=timezone.now(), watcher_status=RemoteTask.WatcherStatus.ABANDONED
+    )
+    task.refresh_from_db()
+    assert task_services.offered_actions(task)["can_cancel"]
+    page = ann.get(reverse("task-detail", args=[task.pk])).content.decode()
+    assert reverse("task-cancel", args=[task.pk]) in page
+    replies["CancelTask"] = {
+        "id": "t-9",
+        "contextId": "c-9",
+        "status": {"state": "TASK_STATE_CANCELED"},
+    }
+    ann.post(reverse("task-cancel", args=[task.pk]), {"reason": "left running"}, follow=True)
+    task.refresh_from_db()
+    assert [method for method, _ in calls] == ["CancelTask"]
+    assert task.state == "TASK_STATE_CANCELED" and task.settled_at is not None
+    assert task.watcher_status == RemoteTask.WatcherStatus.ABANDONED  # still not watched
+    assert actions(task, "cancel") == ["requested"]
+
+
+def test_a_task_abandoned_while_its_send_may_have_landed_can_be_looked_up_and_canceled(agent):
+    """Abandoned during its send, the task may exist at the agent, unnamed to us: it was
+    offered nothing at all. Its lookup (refresh) and cancel are offered; a send abandoned
+    before it went out has nothing at the agent, and is offered neither."""
+    from django.utils import timezone
+
+    def sending(**fields: Any) -> RemoteTask:
+        return RemoteTask.objects.create(
+            agent=agent, title="t", phase=RemoteTask.Phase.SENDING, abandoned_at=timezone.now(),
+            request={"message": {"messageId": "m-1", "contextId": "c-1"}}, **fields,
+        )  # fmt: skip
+
+    attempted = task_services.offered_actions(sending(send_attempted_at=timezone.now()))
+    assert attempted["can_refresh"] and attempted["can_cancel"]
+    not_sent = task_services.offered_actions(sending())
+    assert not not_sent["can_refresh"] and not not_sent["can_cancel"]

@@ -156,13 +156,16 @@ def offered_actions(task: RemoteTask) -> dict[str, bool]:
         task.phase in (RemoteTask.Phase.SENDING, RemoteTask.Phase.FAILED) and not task.remote_id
     )
     open_ = task.abandoned_at is None
+    # Abandoned is "not watched here", not "ended at the agent": a task abandoned while it
+    # ran, or while its send may have landed, can still be looked up and canceled there
+    # (it was offered nothing, and the agent's task ran on out of reach).
+    sent = open_ or task.send_attempted_at is not None
     return {
         # A task not named yet is looked up by its contextId first (services.tasks._name_task).
-        "can_cancel": open_
-        and unfinished
-        and (bool(task.remote_id) or task.phase == RemoteTask.Phase.SENDING),
+        "can_cancel": unfinished
+        and (bool(task.remote_id) or (sent and task.phase == RemoteTask.Phase.SENDING)),
         "can_retry": can_retry(task),
-        "can_refresh": bool(task.remote_id) or (open_ and lookup),
+        "can_refresh": bool(task.remote_id) or (sent and lookup),
         "can_abandon": open_ and unfinished,
         # A send parked before it went out (credentials withheld, say) too.
         "can_watch_again": open_
@@ -179,8 +182,7 @@ def offered_actions(task: RemoteTask) -> dict[str, bool]:
 
 
 NOT_OFFERED = {
-    "can_cancel": "This task cannot be canceled: it has ended, was abandoned, or has no task "
-    "at the agent.",
+    "can_cancel": "This task cannot be canceled: it has ended, or has no task at the agent.",
     "can_refresh": "There is nothing to refresh: this exchange has no task at the agent.",
     "can_abandon": "Only an unfinished task can be abandoned.",
 }
@@ -468,12 +470,12 @@ def cancel_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = No
     client_metadata = {"reason": reason} if reason else None
     agent = task.agent
     with transaction.atomic():
-        # Checked again in the write (compare-and-set): the task may have ended or been
-        # abandoned since the check above read it, and its end (``settled``) must not be
-        # followed by the operator's entry, nor the agent asked.
-        if not RemoteTask.objects.filter(
-            unfinished(), pk=task.pk, abandoned_at__isnull=True
-        ).update(updated_at=timezone.now()):
+        # Checked again in the write (compare-and-set): the task may have ended since the
+        # check above read it, and its end (``settled``) must not be followed by the
+        # operator's entry, nor the agent asked.
+        if not RemoteTask.objects.filter(unfinished(), pk=task.pk).update(
+            updated_at=timezone.now()
+        ):
             raise TaskActionError(NOT_OFFERED["can_cancel"])
         record(
             task, {"operator": {"action": "cancel", "reason": reason}}, "operator",
@@ -525,7 +527,7 @@ def cancel_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = No
     record(task, {"task": result}, "operator", actor_id=actor_id)
     settle_if_ended(task, result, note="reconciled with the agent's answer to CancelTask")
     task.refresh_from_db()
-    if not task.is_terminal:
+    if not task.is_terminal and task.abandoned_at is None:
         dispatch(task.pk)  # make sure a watcher sees it through
     elif task.settled_at is not None:
         _forget_push_later(task.pk, "deleted when the task settled")
@@ -560,7 +562,7 @@ def refresh_task(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask
 def _refresh(task: RemoteTask, *, actor_id: int | None) -> RemoteTask:
     if not task.remote_id:
         task = _name_task(task, actor_id=actor_id)
-        if not task.is_terminal:
+        if not task.is_terminal and task.abandoned_at is None:
             dispatch(task.pk)
         return task
     agent = task.agent
