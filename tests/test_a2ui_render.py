@@ -14,6 +14,7 @@ from html.parser import HTMLParser
 from typing import Any
 
 import pytest
+from django.http import QueryDict
 from django.test import Client
 from django.urls import reverse
 
@@ -319,6 +320,13 @@ def post_values(surface: Surface, **extra: Any) -> dict:
             "v0": "Grace", "v1": "2026-12-31", "v2": "6", "v3": "inside", "v4": "on", **extra}  # fmt: skip
 
 
+def posted(surface: Surface) -> QueryDict:
+    """``post_values`` as the view hands them to the service."""
+    post = QueryDict(mutable=True)
+    post.update(post_values(surface))
+    return post
+
+
 def test_a_button_sends_the_action_with_the_entered_values(
     agent, people, no_dispatch, django_capture_on_commit_callbacks
 ) -> None:
@@ -433,10 +441,8 @@ def test_one_action_per_surface_state_in_the_service(agent, django_user_model, n
     surface = surface_of(task)
     ann = member(django_user_model.objects.create_user("ann2"), Membership.Role.OPERATOR, "alpha")
     bob = member(django_user_model.objects.create_user("bob2"), Membership.Role.OPERATOR, "alpha")
-    from django.http import QueryDict
 
-    post = QueryDict(mutable=True)
-    post.update(post_values(surface))
+    post = posted(surface)
     with pytest.raises(a2ui_actions.ActionRefused, match="does not send"):
         a2ui_actions.act(bob, task, "booking", surface.updated_seq, "b9", post)
     a2ui_actions.act(ann, task, "booking", surface.updated_seq, "b0", post)
@@ -457,14 +463,12 @@ def test_an_anonymous_user_cannot_act_as_the_system(agent, no_dispatch) -> None:
     """The services' check takes a missing actor for the system: an anonymous user's pk,
     None, passed it. Every view asks for a login first; the service refuses all the same."""
     from django.contrib.auth.models import AnonymousUser
-    from django.http import QueryDict
 
     from tasks_app.access import Forbidden
 
     task = waiting(agent)
     surface = surface_of(task)
-    post = QueryDict(mutable=True)
-    post.update(post_values(surface))
+    post = posted(surface)
     with pytest.raises(Forbidden):
         a2ui_actions.act(AnonymousUser(), task, "booking", surface.updated_seq, "b0", post)
     assert not OperatorAction.objects.filter(task=task).exists() and no_dispatch == []
@@ -481,12 +485,10 @@ def test_an_action_that_loses_to_another_on_the_same_form_says_whose_won(
     surface = surface_of(task)
     ann = member(django_user_model.objects.create_user("ann4"), Membership.Role.OPERATOR, "alpha")
     bob = member(django_user_model.objects.create_user("bob4"), Membership.Role.OPERATOR, "alpha")
-    from django.http import QueryDict
 
     from tasks_app import a2ui_render
 
-    post = QueryDict(mutable=True)
-    post.update(post_values(surface))
+    post = posted(surface)
     real = a2ui_render.apply_post
 
     def ann_submits_meanwhile(*args: Any) -> Any:
@@ -513,7 +515,6 @@ def test_an_action_racing_the_agents_change_of_its_form_is_refused_as_changed(
     import threading
 
     from django.db import connection
-    from django.http import QueryDict
 
     from tests.a2ui_agents import form_091
 

@@ -34,6 +34,7 @@ from tasks_app.models import Agent, RemoteTask
 from tasks_app.services import tasks as task_services
 from tasks_app.services.record import record
 from tests.races import release_together
+from tests.test_takeover import _working_tasks
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -44,24 +45,13 @@ def _lapsed_streams(count: int) -> dict[str, int]:
     """Streams whose holder goes on but whose lease ran out (its renewals met an outage):
     token -> task pk. Their rows are written in a shuffled order, so that the table's
     physical order is not the pk order."""
-    agent = Agent.objects.create(name="locks", base_url="http://127.0.0.1:9/locks")
-    created = RemoteTask.objects.bulk_create(
-        RemoteTask(
-            agent=agent,
-            phase="task",
-            remote_id=f"r-{i}",
-            state="TASK_STATE_WORKING",
-            watch="stream",
-        )
-        for i in range(count)
-    )
     lapsed = timezone.now() - timedelta(seconds=1)
-    pks = [task.pk for task in created]
+    pks = _working_tasks(count)
     random.Random(7).shuffle(pks)
     for pk in pks:  # each update writes a new row version: heap order follows this order
         RemoteTask.objects.filter(pk=pk).update(
             lease_token=f"tok-{pk}", lease_owner="slow-worker", lease_expires_at=lapsed,
-            watcher_status=Status.STREAMING,
+            watcher_status=Status.STREAMING, watch="stream",
         )  # fmt: skip
     return {f"tok-{pk}": pk for pk in pks}
 

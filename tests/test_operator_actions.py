@@ -196,6 +196,10 @@ def test_a_listed_task_the_mirror_refuses_leaves_the_task_unnamed_and_says_so(
 # What the agent says back ------------------------------------------------------------------
 
 
+# The agent's answer about ``named``'s task once it is canceled (CancelTask, GetTask).
+CANCELED = {"id": "t-9", "contextId": "c-9", "status": {"state": "TASK_STATE_CANCELED"}}
+
+
 def named(agent: Agent) -> RemoteTask:
     return RemoteTask.objects.create(
         agent=agent, title="t", remote_id="t-9", context_id="c-9", phase=RemoteTask.Phase.TASK,
@@ -273,11 +277,7 @@ def test_not_cancelable_asks_gettask_before_calling_it_a_failure(agent, ann, rep
     (the mirror not told yet) was reported as refusing to cancel."""
     task = named(agent)
     replies["CancelTask"] = RpcError(-32002, "already canceled")
-    replies["GetTask"] = {
-        "id": "t-9",
-        "contextId": "c-9",
-        "status": {"state": "TASK_STATE_CANCELED"},
-    }
+    replies["GetTask"] = CANCELED
     page = ann.post(reverse("task-cancel", args=[task.pk]), {"reason": ""}, follow=True)
     assert "will not cancel" not in page.content.decode()
     task.refresh_from_db()
@@ -389,11 +389,7 @@ def test_a_parked_task_that_ends_by_an_operators_cancel_is_idle_and_its_alert_re
     )  # fmt: skip
     assert alerts.evaluate(now).opened
     assert Alert.objects.filter(task=task, resolved_at__isnull=True).exists()
-    replies["CancelTask"] = {
-        "id": "t-9",
-        "contextId": "c-9",
-        "status": {"state": "TASK_STATE_CANCELED"},
-    }
+    replies["CancelTask"] = CANCELED
     ann.post(reverse("task-cancel", args=[task.pk]), {"reason": ""}, follow=True)
     task.refresh_from_db()
     assert task.settled_at is not None and task.state == "TASK_STATE_CANCELED"
@@ -448,11 +444,7 @@ def test_an_abandoned_task_can_still_be_canceled_at_the_agent(agent, ann, replie
     assert task_services.offered_actions(task)["can_cancel"]
     page = ann.get(reverse("task-detail", args=[task.pk])).content.decode()
     assert reverse("task-cancel", args=[task.pk]) in page
-    replies["CancelTask"] = {
-        "id": "t-9",
-        "contextId": "c-9",
-        "status": {"state": "TASK_STATE_CANCELED"},
-    }
+    replies["CancelTask"] = CANCELED
     ann.post(reverse("task-cancel", args=[task.pk]), {"reason": "left running"}, follow=True)
     task.refresh_from_db()
     assert [method for method, _ in calls] == ["CancelTask"]
