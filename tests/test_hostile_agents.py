@@ -983,3 +983,34 @@ def test_healthy_tasks_complete_beside_every_hostile_agent_in_one_worker(
         task.refresh_from_db()
         assert task.last_seq <= 1500 + 12, task  # bounded rows, even for the flood
     no_traceback(worker)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
+def test_a_task_over_its_budget_that_ends_is_settled_not_parked_again(hostile, start_celery_worker):
+    """The huge agent streams its artifact past the budget, then completes. Past the budget
+    the task took no state again: the end was dropped with the content, the holder parked
+    it, and watched again it was parked again (its GetTask, completed and over the budget,
+    dropped too), "working" for ever. The end is kept now, and the holder settles the
+    ended task instead of parking it."""
+    worker = start_celery_worker(**dict(FAST, BUDGET_TASK_BYTES="50000"))
+    huge = hostile("huge", huge_chunks=6, huge_chunk_chars=20_000)
+    task = task_services.start_task(hostile_row(huge, streaming=True), "go", mode="stream")
+
+    def parked_or_settled() -> bool:
+        row = RemoteTask.objects.get(pk=task.pk)
+        return row.watcher_status == Status.PARKED or row.settled_at is not None
+
+    wait_for(parked_or_settled, what="the task to be parked or settled")
+    if status_of(task) == Status.PARKED:  # the stream was cut before its end came
+        task_services.watch_again(RemoteTask.objects.get(pk=task.pk))
+    wait_for(
+        lambda: RemoteTask.objects.get(pk=task.pk).settled_at is not None,
+        what="the ended task to be settled",
+    )
+    task.refresh_from_db()
+    assert task.state == "TASK_STATE_COMPLETED" and task.watcher_status != Status.PARKED
+    assert task.stored_bytes <= 50000 + 1
+    assert len(kinds(task, "system", "budget-exceeded")) == 1
+    assert any("only the state it ends in is kept" in e.note for e in task.events.all())
+    no_traceback(worker)
