@@ -19,7 +19,7 @@ from django.conf import settings
 from django.db.models import Count, Max, QuerySet, Sum, TextField, Value
 from django.db.models.fields.json import KT
 from django.db.models.functions import Cast, Coalesce, Length, Substr
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString, mark_safe
 
 from tasks_app.models import Artifact, ArtifactPart
@@ -343,3 +343,90 @@ def raw_preview(event: Any) -> str:
         except ValueError:
             return head
     return f"{size} characters: too long to show here; open the entry to see it."
+
+
+# A task page's conversation -------------------------------------------------------------------
+
+# A message up to this many characters (its JSON) is read whole for a task page, while the
+# page's reads stay within CONVERSATION_LOADED_CHARS; a bigger one (or one past that) is read
+# as the heads of its first MESSAGE_HEAD_PARTS text parts, cut by the database. The page shows
+# at most MESSAGE_SHOWN_CHARS (64,000) of a message anyway, and a hundred messages read whole
+# were an agent's to size: six 4 MB messages made each view of the page peak at 55 MB.
+MESSAGE_LOADED_CHARS = 256 * 1024
+CONVERSATION_LOADED_CHARS = 2 * 1024 * 1024
+MESSAGE_HEAD_PARTS = 4
+
+
+def conversation_messages(
+    messages: QuerySet, limit: int, head_chars: int
+) -> list[tuple[Any, Any, int | None]]:
+    """The first ``limit`` messages of ``messages`` (in its order), each with what a page may
+    show of it.
+
+    Returns ``(row, message, size)``: ``size`` is None when ``message`` is the whole stored
+    message, else the stored message's size in characters and ``message`` a stand-in with the
+    first ``head_chars`` of its first text parts and, for each of its first parts, ``size``
+    (its JSON's length) and ``index``, so the page can offer it as a download.
+
+    1. The rows and their messages' sizes, without the messages.
+    2. The newest messages first, each read whole while it and the page's total fit.
+    3. The others: the heads of their first parts, in one query.
+    """
+    sized = messages.defer("message").annotate(size=Length(Cast("message", TextField())))
+    rows = list(sized[:limit])
+    whole: set[int] = set()  # 2
+    left = CONVERSATION_LOADED_CHARS
+    for row in sorted(rows, key=lambda row: (row.seq, row.pk), reverse=True):
+        size = row.size or 0
+        if size <= min(MESSAGE_LOADED_CHARS, left):
+            whole.add(row.pk)
+            left -= size
+    model = messages.model
+    stored = dict(model.objects.filter(pk__in=whole).values_list("pk", "message"))
+    heads: dict[int, dict] = {}
+    cut = [row.pk for row in rows if row.pk not in whole]
+    if cut:  # 3
+        fields = {}
+        for index in range(MESSAGE_HEAD_PARTS + 1):  # one more: whether there are more parts
+            fields[f"size_{index}"] = Length(KT(f"message__parts__{index}"))
+            fields[f"text_{index}"] = Substr(KT(f"message__parts__{index}__text"), 1, head_chars)
+        for values in model.objects.filter(pk__in=cut).annotate(**fields).values("pk", *fields):
+            heads[values["pk"]] = values
+    shown = []
+    for row in rows:
+        if row.pk in whole:
+            shown.append((row, stored[row.pk], None))
+            continue
+        values = heads[row.pk]
+        parts = []
+        for index in range(MESSAGE_HEAD_PARTS + 1):
+            size = values[f"size_{index}"]
+            if size is None:
+                break
+            text = values[f"text_{index}"]
+            parts.append({"index": index, "size": size, **({} if text is None else {"text": text})})
+        shown.append((row, {"parts": parts}, row.size))
+    return shown
+
+
+def cut_message_html(
+    message: dict, size: int, download_url: Callable[[int], str], max_chars: int
+) -> SafeString:
+    """A message too big to read for a page (see ``conversation_messages``): the heads of its
+    first text parts, what was left out, and each of its first parts as a download."""
+    parts = message["parts"]
+    first = parts[:MESSAGE_HEAD_PARTS]
+    links = format_html_join(
+        ", ",
+        '<a class="download" href="{}">part {}</a> ({} characters)',
+        ((download_url(p["index"]), p["index"] + 1, f"{p['size']:,}") for p in first),
+    )
+    return format_html(
+        '{}<p class="muted small left-out">… this message is {} characters, more than a page '
+        "reads: shown is the start of the text of its first {} parts{}. Download: {}</p>",
+        parts_html([part for part in first if "text" in part], None, max_chars=max_chars),
+        f"{size:,}",
+        MESSAGE_HEAD_PARTS,
+        " (it has more: the log and the export hold them)" if len(parts) > len(first) else "",
+        links,
+    )

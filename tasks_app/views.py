@@ -36,6 +36,7 @@ from tasks_app import (
     cursors,
     exports,
     kept_uploads,
+    rendering,
     upload_budget,
     views_a2ui,
 )
@@ -66,6 +67,8 @@ from tasks_app.previews import (
     artifact_chunks_async,
     artifact_is_text,
     artifact_preview,
+    conversation_messages,
+    cut_message_html,
     raw_preview,
     with_raw_preview,
 )
@@ -688,18 +691,24 @@ def artifact_blocks(task: RemoteTask, only: list[str] | None = None) -> list[dic
 
 
 def _conversation(task: RemoteTask) -> list[dict]:
-    msgs = list(
-        ConversationMessage.objects.filter(task=task).order_by("-seq", "-id")[:MESSAGES_ON_PAGE]
-    )
-    msgs.reverse()
-    items = [
-        {
-            "m": m,
-            "agent": m.role == "ROLE_AGENT",
-            "html": message_html(m.message, _message_download_url(task, m)),
-        }
-        for m in msgs
-    ]
+    """The newest ``MESSAGES_ON_PAGE`` messages, oldest first, each read for the page within
+    its bounds (``previews.conversation_messages``)."""
+    page = ConversationMessage.objects.filter(task=task).order_by("-seq", "-id")
+    shown_chars = rendering.MESSAGE_SHOWN_CHARS
+    shown = conversation_messages(page, MESSAGES_ON_PAGE, shown_chars)
+    items = []
+    for m, message, cut_from in reversed(shown):
+        download = _message_download_url(task, m)
+        items.append(
+            {
+                "m": m,
+                "message": message,
+                "agent": m.role == "ROLE_AGENT",
+                "html": message_html(message, download)
+                if cut_from is None
+                else cut_message_html(message, cut_from, download, shown_chars),
+            }
+        )
     return views_a2ui.add_conversation_surfaces(task, items)  # A2UI surfaces they carried
 
 
@@ -1156,16 +1165,23 @@ def artifact_download(request: HttpRequest, pk: int, artifact_pk: int, index: in
     part = artifact.parts.filter(index=index).first()
     if part is None or not isinstance(part.part, dict):
         raise Http404("No such part.")
-    if "data" in part.part and "raw" not in part.part:  # a data part too big for the page
-        response = HttpResponse(
-            pretty_json(part.part["data"]).encode("utf-8", "replace"),
-            content_type="application/json",
-        )
-        _download_headers(
-            response, f"artifact-{artifact.pk}-{index}.json", f"artifact-{artifact.pk}-{index}"
-        )
-        return response
-    return _attachment(part.part, f"artifact-{artifact.pk}-{index}")
+    return _part_download(part.part, f"artifact-{artifact.pk}-{index}")
+
+
+def _part_download(part: dict, name: str) -> HttpResponse:
+    """One part as a download: a file's bytes, a data part's JSON, a text part's text (the
+    last two for parts too big for a page)."""
+    if "raw" in part:
+        return _attachment(part, name)
+    if "data" in part:
+        body, media, suffix = pretty_json(part["data"]), "application/json", ".json"
+    elif isinstance(part.get("text"), str):
+        body, media, suffix = part["text"], "text/plain; charset=utf-8", ".txt"
+    else:
+        return _attachment(part, name)
+    response = HttpResponse(body.encode("utf-8", "replace"), content_type=media)
+    _download_headers(response, f"{name}{suffix}", name)
+    return response
 
 
 @login_required
@@ -1180,4 +1196,4 @@ def message_download(request: HttpRequest, pk: int, message_pk: int, index: int)
         or not isinstance(parts[index], dict)
     ):
         raise Http404("No such part.")
-    return _attachment(parts[index], f"message-{message.pk}-{index}")
+    return _part_download(parts[index], f"message-{message.pk}-{index}")

@@ -106,7 +106,7 @@ def add_conversation_surfaces(task: RemoteTask, items: list[dict]) -> list[dict]
     """Each conversation entry that carried A2UI gets the surfaces it named, drawn read-only
     in their current state (the latest message naming a surface only; the form to act on is
     in the progress section)."""
-    named = [(item, surface_ids_in(item["m"].message)) for item in items]
+    named = [(item, surface_ids_in(item["message"])) for item in items]
     # The most recently named first, at most SURFACES_ON_PAGE, as in the progress section
     # (fifty drawn here as well made a task page of 15 s).
     wanted: list[str] = []

@@ -8,6 +8,7 @@ page of 8 MB. Each is bounded now, and what is left out is said.
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -220,3 +221,39 @@ def test_the_data_parts_read_with_a_batch_add_up_to_the_budget_at_most(task, set
     assert preview["truncated"] and "too big to show here" in str(preview["html"])
     assert str(preview["html"]).count("y" * 15_000) == 1  # one fits; the next is a link
     assert len(read) == 1 and sum(read) <= 20_000
+
+
+def test_a_page_reads_big_messages_only_as_far_as_it_shows_them(task):
+    """Six 4 MB messages made each view of the task page peak at 55 MB: a hundred messages
+    were read whole to show at most 64,000 characters of each. A big message is now read as
+    the heads of its first text parts, cut by the database; its parts are downloads."""
+    import tracemalloc
+
+    big = 3 * 1024 * 1024
+    for n in range(4):
+        parts = [{"text": f"start {n} " + "b" * big}, {"data": {"n": n}}]
+        say(task, parts + [{"text": "more"}] * (5 if n == 0 else 1), mid=f"m-big-{n}")
+    say(task, [{"text": "a small one, read whole"}], mid="m-small")
+    client = client_as(Membership.Role.VIEWER)
+    client.get(f"/tasks/{task.pk}/")  # first view: imports, caches
+    tracemalloc.start()
+    try:
+        response = client.get(f"/tasks/{task.pk}/")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    page = response.content.decode()
+    assert response.status_code == 200
+    assert peak < big, f"the page peaked at {peak:,} bytes"
+    assert "a small one, read whole" in page
+    for n in range(4):
+        assert f"start {n} bbbb" in page
+    longest = max(len(run) for run in re.findall(r"b{1000,}", page))
+    assert longest < rendering.MESSAGE_SHOWN_CHARS
+    assert page.count("more than a page reads") == 4
+    assert page.count("(it has more: the log and the export hold them)") == 1  # seven parts
+    first = task.messages.get(message_id="m-big-0")
+    download = f"/tasks/{task.pk}/messages/{first.pk}/parts/1/download"
+    assert f'href="{download}"' in page
+    part = client.get(download)
+    assert part.status_code == 200 and json.loads(b"".join(part)) == {"n": 0}

@@ -594,8 +594,12 @@ def test_message_file_download(client_in, demo_agent_row):
         response.content == b"abc"
         and response["Content-Disposition"] == 'attachment; filename="a.bin"'
     )
+    # A text part is a download too (a message too big for the page offers its parts so).
+    text = client_in.get(reverse("message-download", args=[task.pk, message.pk, 0]))
+    assert text.content == b"x" and text["Content-Type"] == "text/plain; charset=utf-8"
+    assert text["Content-Disposition"] == f'attachment; filename="message-{message.pk}-0.txt"'
     assert (
-        client_in.get(reverse("message-download", args=[task.pk, message.pk, 0])).status_code == 404
+        client_in.get(reverse("message-download", args=[task.pk, message.pk, 2])).status_code == 404
     )
 
 
