@@ -190,7 +190,7 @@ def referred_contents(task_pk: int, referred: dict[str, int]) -> Iterator[dict[s
         return
     shortest = max(0, min(referred.values()) - 1)
     for digest, content in iter_stored_contents(
-        task_pk, min(shortest, settings.INLINE_CONTENT_BYTES)
+        task_pk, min(shortest, settings.INLINE_CONTENT_BYTES), lengths=set(referred.values())
     ):
         if digest in referred and digest not in sent:
             sent.add(digest)

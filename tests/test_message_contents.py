@@ -421,6 +421,33 @@ def test_an_entrys_json_finds_its_contents_through_its_own_rows(monkeypatch):
 
 
 @override_settings(INLINE_CONTENT_BYTES=LIMIT)
+def test_a_made_up_reference_hashes_only_contents_of_its_length(monkeypatch):
+    """A ``$stored`` key an agent sends names a content nothing keeps: its entry's JSON read
+    every big content of the task, and hashed each, on every click (the task's scan). Only a
+    content of the length a reference says can be the one it names: no other is hashed."""
+    task = new_task()
+    contents = [f"{n:03d}" + "c" * (LIMIT + 10 + n) for n in range(30)]
+    chunks = [
+        {"artifactUpdate": {"taskId": "t-1", "artifact": {"artifactId": f"a-{n}", "parts": [{"text": text}]}}}
+        for n, text in enumerate(contents)
+    ]  # fmt: skip
+    history = [message(f"m-{n}", {"text": "m" * (LIMIT + 50 + n)}) for n in range(10)]
+    record_many(task, [*chunks, status("TASK_STATE_WORKING", history[0])], "stream")
+    made_up = {STORED: {"field": "text", "sha256": "0" * 64, "chars": len(contents[7])}}
+    forged = {"artifactUpdate": {"taskId": "t-1", "artifact": {"artifactId": "a-x", "parts": [made_up]}}}  # fmt: skip
+    record(task, forged, "stream")
+    seq = TaskEvent.objects.get(task=task, raw__artifactUpdate__artifact__artifactId="a-x").seq
+    hashed: list[str] = []
+    real = record_module._sha256
+    monkeypatch.setattr(record_module, "_sha256", lambda text: hashed.append(text) or real(text))
+    reader = Client()
+    reader.force_login(member(User.objects.create_user("reader"), Membership.Role.VIEWER))
+    whole = reader.get(f"/tasks/{task.pk}/events/{seq}/?format=json").json()
+    assert whole["raw"] == forged and whole["contents"] == []
+    assert hashed == [contents[7]]  # the one content of that length, not the thirty-one others
+
+
+@override_settings(INLINE_CONTENT_BYTES=LIMIT)
 def test_a_reference_an_agent_mimics_exactly_is_replayed_as_it_came():
     """A ``$stored`` key shaped exactly like one of ours (the field absent, the right length,
     the sha256 of a content the task keeps) cannot be told from ours by its shape: the

@@ -32,8 +32,9 @@ from typing import Any, TypeVar
 
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, connection, connections, models, transaction
-from django.db.models import Max
+from django.db.models import Max, Q
 from django.db.models.base import ModelState
+from django.db.models.fields.json import KT
 from django.db.models.functions import Cast, Length
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
@@ -697,24 +698,34 @@ def stored_contents(task_pk: int, longer_than: int | None = None) -> dict[str, s
     return found
 
 
-def iter_stored_contents(task_pk: int, longer_than: int | None = None) -> Iterator[tuple[str, str]]:
+def iter_stored_contents(
+    task_pk: int, longer_than: int | None = None, lengths: Collection[int] | None = None
+) -> Iterator[tuple[str, str]]:
     """``(sha256, content)`` of each part content over ``longer_than`` characters (by default
     ``INLINE_CONTENT_BYTES``) the task keeps, one row at a time (an export streams them; the
     same content may come more than once).
 
     A reference made under a lower ``INLINE_CONTENT_BYTES`` than today's is found by passing
-    less than its ``chars`` (see :func:`references_in`).
+    less than its ``chars`` (see :func:`references_in`). ``lengths``: only contents of these
+    many characters (a reference says its content's length, and only such a content can be
+    the one it names): the part rows are chosen by the database, and no other content is
+    hashed. A reference an agent made up would otherwise hash every content the task keeps.
     """
     limit = settings.INLINE_CONTENT_BYTES if longer_than is None else longer_than
-    for part in (
+    wanted = None if lengths is None else set(lengths)
+    parts = (
         ArtifactPart.objects.filter(artifact__task_id=task_pk)
         .annotate(size=Length(Cast("part", models.TextField())))
         .filter(size__gt=limit)  # its JSON text is at least as long as any content in it
-        .values_list("part", flat=True)
-        .iterator()
-    ):
+    )
+    if wanted is not None:
+        parts = parts.annotate(
+            text_len=Length(KT("part__text")), raw_len=Length(KT("part__raw"))
+        ).filter(Q(text_len__in=wanted) | Q(raw_len__in=wanted))
+    for part in parts.values_list("part", flat=True).iterator():
         for content in contents_over([part], limit):
-            yield _sha256(content), content
+            if wanted is None or len(content) in wanted:
+                yield _sha256(content), content
     # Messages' contents, which the conversation keeps (see messages_by_reference).
     messages = (
         ConversationMessage.objects.filter(task_id=task_pk)
@@ -724,15 +735,17 @@ def iter_stored_contents(task_pk: int, longer_than: int | None = None) -> Iterat
     )
     for message in messages.iterator():
         for content in contents_over(parts_of(message), limit):
-            yield _sha256(content), content
+            if wanted is None or len(content) in wanted:
+                yield _sha256(content), content
     # Contents whose part rows an artifact's replacement deleted (see _Fold._keep_replaced).
-    replaced = ReplacedContent.objects.filter(task_id=task_pk).values_list("sha256", "content")
+    replaced = ReplacedContent.objects.filter(task_id=task_pk)
+    if wanted is not None:
+        replaced = replaced.annotate(chars=Length("content")).filter(chars__in=wanted)
+    replaced = replaced.values_list("sha256", "content")
     yield from replaced.iterator()
 
 
-def contents_of_entry(
-    task_pk: int, seq: int, raw: Any, referred: Collection[str]
-) -> dict[str, str]:
+def contents_of_entry(task_pk: int, seq: int, raw: Any, referred: dict[str, int]) -> dict[str, str]:
     """``{sha256: content}`` of the contents ``referred`` that the rows around one entry keep:
     the part rows the entry wrote (its ``seq``, of the artifacts it names), the conversation
     rows of the messages it carries, and the contents kept from replaced parts.
@@ -742,12 +755,15 @@ def contents_of_entry(
     A reference found nowhere here (a part another row wrote) is left to that scan.
     """
     wanted = set(referred)
+    lengths = set(referred.values())  # only a content of a reference's length can be its
     found: dict[str, str] = {}
     if not wanted:
         return found
 
     def keep(parts: Any) -> None:
         for content in contents_over(parts, 0):
+            if len(content) not in lengths:
+                continue
             digest = _sha256(content)
             if digest in wanted:
                 found.setdefault(digest, content)
