@@ -7,11 +7,13 @@ Each test names what happened before its fix. Agents are tiny JSON-RPC peers on 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from django.test import Client
 from django.urls import reverse
+from django.utils import timezone
 
 from tasks_app.models import Agent, Membership, OperatorAction, RemoteTask, TaskEvent
 from tasks_app.services import tasks as task_services
@@ -249,6 +251,40 @@ def test_watch_again_is_offered_for_a_send_parked_before_it_went_out(agent, oper
     task_services.watch_again(task, actor_id=operator.pk)
     task.refresh_from_db()
     assert task.watcher_status == RemoteTask.WatcherStatus.IDLE
+
+
+def test_watch_again_is_offered_for_a_task_backing_off_with_no_holder(
+    agent, operator, ann, no_dispatch, django_capture_on_commit_callbacks
+):
+    """The service takes a reconnecting task, but the page offered "watch again" only for
+    parked and lost ones: an operator who fixed the agent waited out a backoff of up to
+    WATCH_BACKOFF_MAX_SECONDS. Offered while nobody holds it; a holder's turn is left alone."""
+    task = named(agent)
+    hold_off = timezone.now() + timedelta(seconds=300)
+    RemoteTask.objects.filter(pk=task.pk).update(
+        watcher_status=RemoteTask.WatcherStatus.RECONNECTING, lease_token="",
+        lease_expires_at=hold_off, fruitless_turns=3,
+    )  # fmt: skip
+    task.refresh_from_db()
+    assert task_services.offered_actions(task)["can_watch_again"]
+    assert (
+        'id="watch-again-button"'
+        in ann.get(reverse("task-detail", args=[task.pk])).content.decode()
+    )
+    with django_capture_on_commit_callbacks(execute=True):
+        ann.post(reverse("task-watch-again", args=[task.pk]))
+    task.refresh_from_db()
+    assert task.watcher_status == RemoteTask.WatcherStatus.IDLE and task.lease_expires_at is None
+    assert task.fruitless_turns == 0 and no_dispatch == [task.pk]
+
+    held = RemoteTask.objects.create(
+        agent=agent, title="h", remote_id="t-10", phase=RemoteTask.Phase.TASK,
+        state="TASK_STATE_WORKING", watcher_status=RemoteTask.WatcherStatus.RECONNECTING,
+        lease_token="tok", lease_expires_at=timezone.now() + timedelta(seconds=4),
+    )  # fmt: skip
+    assert not task_services.offered_actions(held)["can_watch_again"]
+    with pytest.raises(task_services.TaskActionError, match="holds this task now"):
+        task_services.watch_again(held, actor_id=operator.pk)
 
 
 def test_watch_again_refuses_an_ended_or_failed_task_that_kept_its_parked_status(agent, operator):

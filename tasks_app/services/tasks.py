@@ -172,7 +172,16 @@ def offered_actions(task: RemoteTask) -> dict[str, bool]:
         and (bool(task.remote_id) or task.phase == RemoteTask.Phase.SENDING)
         and unfinished
         and task.gone_at is None
-        and task.watcher_status in (RemoteTask.WatcherStatus.PARKED, RemoteTask.WatcherStatus.LOST),
+        and (
+            task.watcher_status in (RemoteTask.WatcherStatus.PARKED, RemoteTask.WatcherStatus.LOST)
+            # Backing off between turns (no holder, a hold-off of up to
+            # WATCH_BACKOFF_MAX_SECONDS): "watch again" is "try now". A holder sleeping out
+            # its backoff inside a turn keeps the lease, and the service would refuse.
+            or (
+                task.watcher_status == RemoteTask.WatcherStatus.RECONNECTING
+                and not task.lease_token
+            )
+        ),
         # Follow by streaming or polling instead (``switch_watch``, which checks it again).
         "can_switch_from_push": task.watch == RemoteTask.Watch.PUSH
         and open_
