@@ -97,7 +97,12 @@ def push_configs(request: HttpRequest, pk: int) -> HttpResponse:
     return render(
         request,
         "tasks_app/_push_configs_list.html",
-        {"task": task, "listing": listing, "can_operate": _can_operate(request, task)},
+        {
+            "task": task,
+            "listing": listing,
+            "can_operate": _can_operate(request, task),
+            "remembered_seconds": push_services.LISTING_REMEMBERED_SECONDS,
+        },
     )
 
 

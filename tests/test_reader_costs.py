@@ -231,3 +231,48 @@ def test_the_page_of_a_huge_entry_shows_its_beginning_without_reading_it_whole()
     small = reader.get(f"/tasks/{task.pk}/events/2/").content.decode()
     assert 'id="raw-cut"' not in small
     assert "&quot;state&quot;: &quot;TASK_STATE_COMPLETED&quot;" in small  # indented, whole
+
+
+def test_a_reader_reloading_a_push_task_asks_the_agent_for_its_configs_once_in_a_while(settings):
+    """Each view of a push-followed task's page listed its configs at the agent, with our
+    credentials for it: a reader reloading the page made the agent's list call each time.
+    The list is remembered for ``LISTING_REMEMBERED_SECONDS``, per task and per state of our
+    own configs (a config we register shows at once); without Redis the agent is asked."""
+    from django.utils import timezone
+
+    from tasks_app.models import PushConfig
+    from tasks_app.services import push
+    from tests.serving import json_rpc_peer
+
+    asked: list[str] = []
+
+    def answer(request: dict) -> dict:
+        asked.append(request.get("method", ""))
+        return {"configs": [{"id": "theirs", "taskId": "t-1", "url": "https://h.test/x"}]}
+
+    with json_rpc_peer(answer) as url:
+        agent = Agent.objects.create(
+            name="p", base_url=url, interface_url=f"{url}/jsonrpc", binding="JSONRPC",
+            protocol_version="1.0", push=True,
+        )  # fmt: skip
+        task = RemoteTask.objects.create(
+            agent=agent, title="p", remote_id="t-1", context_id="c", watch=RemoteTask.Watch.PUSH
+        )
+        reader = viewer()
+        pages = [reader.get(f"/tasks/{task.pk}/push/").content.decode() for _ in range(3)]
+        assert len(asked) == 1 and all("theirs" in page for page in pages)
+        assert "The agent's list as of" in pages[2]
+        PushConfig.objects.create(task=task, config_id="ours-1", registered_at=timezone.now())
+        reader.get(f"/tasks/{task.pk}/push/")
+        assert len(asked) == 2  # our own config changed: asked again at once
+        shared_redis.client(settings.REDIS_URL).delete(
+            *shared_redis.client(settings.REDIS_URL).keys(f"push-listing:{task.pk}:*")
+        )  # what LISTING_REMEMBERED_SECONDS does
+        reader.get(f"/tasks/{task.pk}/push/")
+        assert len(asked) == 3
+        settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
+        for _ in range(2):
+            assert "theirs" in reader.get(f"/tasks/{task.pk}/push/").content.decode()
+        assert len(asked) == 5
+    assert set(asked) == {"ListTaskPushNotificationConfigs"}
+    assert push.LISTING_REMEMBERED_SECONDS == 30

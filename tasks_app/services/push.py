@@ -42,7 +42,7 @@ from collections import OrderedDict
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import httpx
@@ -1773,6 +1773,8 @@ class Listing:
     configs: list[dict[str, Any]]
     local: list[PushConfig]
     problem: str = ""
+    # When the agent was asked (a listing is remembered for LISTING_REMEMBERED_SECONDS).
+    listed_at: datetime | None = None
 
 
 # Configs shown from the agent's list (its pages may hold 32 MB each): a page, not a book.
@@ -1780,6 +1782,11 @@ MAX_LISTED_CONFIGS = 200
 LISTED_PAGES = 10
 LISTING_SECONDS = 15.0  # the whole listing (a page view waits for it)
 LISTING_MAX_BYTES = 1024 * 1024  # one page of the agent's list
+# Each view of a push-followed task's page lists its configs at the agent, with the agent's
+# credentials: a reader reloading the page made a call (up to LISTED_PAGES) each time. The
+# agent's answer is remembered this long, per task and per state of our own configs (so a
+# config we register or delete shows at once); the page says when the agent was asked.
+LISTING_REMEMBERED_SECONDS = 30
 
 
 def list_at_agent(task: RemoteTask) -> Listing:
@@ -1791,7 +1798,33 @@ def list_at_agent(task: RemoteTask) -> Listing:
     if not task.agent.push:
         return Listing([], local, f"{task.agent.name} does not declare push notifications")
     ours = {config.config_id: config for config in local}
+    key = _listing_key(task, local)
+    remembered = _remembered_listing(key)
+    if remembered is None:
+        listed_at = timezone.now()
+        configs, problem = _read_listing(task)
+        _remember_listing(key, configs, problem, listed_at)
+    else:
+        configs, problem, listed_at = remembered
+    rows = []
+    for c in configs:
+        config_id = str(c.get("id", ""))
+        shown = config_id[:200]
+        rows.append(
+            {
+                "id": shown,
+                "url": str(c.get("url", ""))[:1000],
+                "ours": config_id in ours,
+                # The delete form's URL holds the id as one path segment: an empty id, or
+                # one with a "/", has no such URL (the page answered 500); no button then.
+                "deletable": bool(shown) and "/" not in shown,
+            }
+        )
+    return Listing(rows, local, problem, listed_at)
 
+
+def _read_listing(task: RemoteTask) -> tuple[list[dict[str, Any]], str]:
+    """The agent's configs for ``task`` as shown (ids and URLs, cut), and what to say of them."""
     cut = ""
 
     async def call(http: httpx.AsyncClient) -> list[dict[str, Any]]:
@@ -1823,28 +1856,39 @@ def list_at_agent(task: RemoteTask) -> Listing:
     try:
         configs = outbound.run(call)
     except A2AError as exc:
-        return Listing([], local, f"the agent's list could not be read: {exc}")
-    problem = cut
+        return [], f"the agent's list could not be read: {exc}"
     if len(configs) > MAX_LISTED_CONFIGS:
-        configs = configs[:MAX_LISTED_CONFIGS]
-        problem = (
+        return configs[:MAX_LISTED_CONFIGS], (
             f"the agent lists more configs for this task: the first {MAX_LISTED_CONFIGS} are shown"
         )
-    rows = []
-    for c in configs:
-        config_id = str(c.get("id", ""))
-        shown = config_id[:200]
-        rows.append(
-            {
-                "id": shown,
-                "url": str(c.get("url", ""))[:1000],
-                "ours": config_id in ours,
-                # The delete form's URL holds the id as one path segment: an empty id, or
-                # one with a "/", has no such URL (the page answered 500); no button then.
-                "deletable": bool(shown) and "/" not in shown,
-            }
-        )
-    return Listing(rows, local, problem)
+    return configs, cut
+
+
+def _listing_key(task: RemoteTask, local: list[PushConfig]) -> str:
+    """The task (its creation time too: a pk can be used again after a rollback), where the
+    agent is asked, and the state of our own configs there."""
+    ours = "|".join(f"{c.config_id}:{c.registered_at}:{c.deleted_at}" for c in local)
+    state = f"{task.created_at.isoformat()}|{task.remote_id}|{task.agent.interface_url}|{ours}"
+    return f"push-listing:{task.pk}:{hashlib.sha256(state.encode()).hexdigest()[:32]}"
+
+
+def _remembered_listing(key: str) -> tuple[list[dict[str, Any]], str, datetime] | None:
+    try:
+        value = shared_redis.client(settings.REDIS_URL).get(key)
+    except redis.RedisError:
+        return None  # Redis down: the agent is asked, as before
+    if value is None:
+        return None
+    data = json.loads(value)
+    return data["configs"], data["problem"], datetime.fromisoformat(data["at"])
+
+
+def _remember_listing(
+    key: str, configs: list[dict[str, Any]], problem: str, listed_at: datetime
+) -> None:
+    value = json.dumps({"configs": configs, "problem": problem, "at": listed_at.isoformat()})
+    with contextlib.suppress(redis.RedisError):
+        shared_redis.client(settings.REDIS_URL).set(key, value, ex=LISTING_REMEMBERED_SECONDS)
 
 
 def delete_config(task: RemoteTask, config_id: str, *, actor_id: int | None = None) -> str:
