@@ -246,7 +246,12 @@ def _cell(value: Any) -> str:
     """A CSV cell that a spreadsheet will not run as a formula (agent names come from outside)."""
     # Cleaned: a lone surrogate in an older row stopped the CSV midway (UTF-8 has none).
     text = "" if value is None else safejson.clean_text(str(value))
-    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
+    return "'" + text if text[:1] in FORMULA_STARTS else text
+
+
+# What a spreadsheet may read as the start of a formula: the usual four, the whitespace some
+# skip before one, and the fullwidth forms some take for the ASCII ones.
+FORMULA_STARTS = frozenset("=+-@\t\r\n\uff1d\uff0b\uff0d\uff20")
 
 
 def action_rows(

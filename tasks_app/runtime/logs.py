@@ -162,6 +162,10 @@ _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u
 _UNSAFE_BUT_NEWLINE = re.compile(
     "[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
 )
+# What a command's own layout uses (lines and tab-separated columns): kept by terminal_text.
+_UNSAFE_BUT_LAYOUT = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
+)
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
@@ -219,6 +223,12 @@ def _chain(te: traceback.TracebackException) -> Iterator[traceback.TracebackExce
         yield node
         todo.extend(n for n in (node.__cause__, node.__context__) if n is not None)
         todo.extend(getattr(node, "exceptions", None) or ())
+
+
+def terminal_text(text: str) -> str:
+    """``text`` for a terminal: control characters escaped but the newline and the tab of a
+    command's own layout (an agent's text in each field is passed through :func:`one_line`)."""
+    return _escape(text, _UNSAFE_BUT_LAYOUT) if _UNSAFE_BUT_LAYOUT.search(text) else text
 
 
 class SafeText(logging.Formatter):

@@ -22,8 +22,10 @@ import os
 import select
 import sys
 
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, OutputWrapper
 from django.db import DatabaseError, OperationalError
+
+from tasks_app.runtime.logs import terminal_text
 
 INTERRUPTED_STATUS = 130
 CLOSED_OUTPUT_STATUS = 1
@@ -64,11 +66,41 @@ def _silence_stdout() -> None:
         os.close(devnull)
 
 
+class TerminalSafeOutput(OutputWrapper):
+    """A command's output, whose text cannot drive the terminal it is read on.
+
+    Agents' names, ids, titles and notes reach command output, and an escape sequence in
+    one cleared the operator's screen, set its title or forged lines. Control characters are
+    escaped here, before any colour of our own is added, but for the newline and the tab of
+    the command's layout; each agent's field is written through ``one_line`` as well, so a
+    newline or a tab in it cannot forge a line or a column.
+    """
+
+    def write(self, msg: str = "", style_func: object = None, ending: str | None = None) -> None:
+        super().write(terminal_text(msg), style_func, ending)
+
+
 class StoppableCommand(BaseCommand):
-    """A command whose Ctrl-C and closed output end it in a line, not a traceback."""
+    """A command whose Ctrl-C and closed output end it in a line, not a traceback, and whose
+    output escapes what could drive a terminal (:class:`TerminalSafeOutput`)."""
 
     # What the stopped command leaves behind, said after Ctrl-C (one sentence).
     interrupted_note = "nothing was left half-written."
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        style = self.stderr.style_func
+        self.stdout = TerminalSafeOutput(self.stdout._out)
+        self.stderr = TerminalSafeOutput(self.stderr._out)
+        self.stderr.style_func = style
+
+    def execute(self, *args: object, **options: object) -> object:
+        # call_command's own streams: BaseCommand.execute would wrap them plainly.
+        for name in ("stdout", "stderr"):
+            stream = options.pop(name, None)
+            if stream:
+                setattr(self, name, TerminalSafeOutput(stream))
+        return super().execute(*args, **options)
 
     def run_from_argv(self, argv: list[str]) -> None:
         try:

@@ -19,6 +19,7 @@ from django.core.management.base import CommandError, CommandParser
 
 from tasks_app.management.commands._stopping import StoppableCommand
 from tasks_app.models import Agent, Project
+from tasks_app.runtime.logs import one_line
 from tasks_app.services.agents import AgentError, add_agent, header_safe
 
 MAX_SECRET_BYTES = 64 * 1024
@@ -102,9 +103,11 @@ class Command(StoppableCommand):
                 )
             except AgentError as exc:
                 raise CommandError(str(exc)) from exc
-            self.stdout.write(f"{agent.pk}\t{agent.name}\t{agent.binding} {agent.interface_url}")
+            self.stdout.write(
+                f"{agent.pk}\t{one_line(agent.name)}\t{agent.binding} {one_line(agent.interface_url)}"
+            )
             for problem in agent.card_problems:
-                self.stdout.write(f"  card problem: {problem}")
+                self.stdout.write(f"  card problem: {one_line(problem)}")
             return
         self._list(options)
 
@@ -147,6 +150,6 @@ class Command(StoppableCommand):
                 c for c, on in (("streaming", agent.streaming), ("push", agent.push)) if on
             )
             self.stdout.write(
-                f"{agent.pk}\t{agent.name}\t{agent.project.name}\t{agent.base_url}\t"
+                f"{agent.pk}\t{one_line(agent.name)}\t{agent.project.name}\t{agent.base_url}\t"
                 f"{agent.binding}\t{caps or '-'}\t{reach}"
             )

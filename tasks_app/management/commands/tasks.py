@@ -18,6 +18,7 @@ from tasks_app.management.arguments import (
 )
 from tasks_app.management.commands._stopping import StoppableCommand
 from tasks_app.models import Agent, ImportJob, RemoteTask
+from tasks_app.runtime.logs import one_line
 from tasks_app.services import imports
 from tasks_app.services import tasks as task_services
 from tasks_app.services.snapshot import task_document
@@ -131,7 +132,9 @@ class Command(StoppableCommand):
                 break
             time.sleep(0.2)
         task.refresh_from_db()
-        self.stdout.write(f"{task.pk}\t{task.remote_id or '-'}\t{task.phase}\t{task.state_label}")
+        self.stdout.write(
+            f"{task.pk}\t{one_line(task.remote_id or '-')}\t{task.phase}\t{task.state_label}"
+        )
         if task.phase == RemoteTask.Phase.FAILED:
             # A script's `tasks start ... --wait` must see that nothing was started.
             raise CommandError(f"Task {task.pk}: the send failed: {task.send_error}")
@@ -170,16 +173,17 @@ class Command(StoppableCommand):
             self.stdout.write(json.dumps(document, indent=2, default=str))
             return
         self.stdout.write(
-            f"task {task.pk} ({task.remote_id or 'unsent'}) on {task.agent.name}: {task.state_label}"
+            f"task {task.pk} ({one_line(task.remote_id or 'unsent')}) on {one_line(task.agent.name)}: "
+            f"{task.state_label}"
         )
         since = f" since {task.watcher_since:%Y-%m-%d %H:%M:%S}" if task.watcher_since else ""
         self.stdout.write(
-            f"watch {task.watch}, watcher {task.watcher_status}{since} {task.watcher_note}"
+            f"watch {task.watch}, watcher {task.watcher_status}{since} {one_line(task.watcher_note)}"
         )
         if task.gone_at:
             self.stdout.write(f"gone at the agent since {task.gone_at:%Y-%m-%d %H:%M:%S}")
         for event in document["events"]:
-            note = f"  ({event['note']})" if event["note"] else ""
+            note = f"  ({one_line(event['note'])})" if event["note"] else ""
             self.stdout.write(
                 f"  #{event['seq']:>4} {event['received_at']} {event['channel']:<13} {event['kind']:<15} {event['state']}{note}"
             )
@@ -187,7 +191,8 @@ class Command(StoppableCommand):
     def do_list(self, options: dict) -> None:
         for task in RemoteTask.objects.select_related("agent")[: options["limit"]]:
             self.stdout.write(
-                f"{task.pk}\t{task.agent.name}\t{task.remote_id or '-'}\t{task.state_label}\t{task.title}"
+                f"{task.pk}\t{one_line(task.agent.name)}\t{one_line(task.remote_id or '-')}\t"
+                f"{task.state_label}\t{one_line(task.title)}"
             )
 
     def do_cancel(self, options: dict) -> None:
