@@ -8,6 +8,7 @@ newline or a fullwidth "=" were not guarded as the ASCII ones were.
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 from django.core.management import call_command
@@ -57,3 +58,14 @@ def test_an_agents_text_cannot_drive_the_operators_terminal():
 def test_a_csv_cell_that_could_start_a_formula_is_kept_as_text(start):
     assert exports._cell(start + 'HYPERLINK("x")') == "'" + start + 'HYPERLINK("x")'
     assert exports._cell("plain " + start) == "plain " + start
+
+
+def test_a_commands_json_output_stays_json_with_controls_escaped():
+    from tasks_app.management.commands._stopping import TerminalSafeOutput
+
+    value = {"name": "a\x1b[2J\x7f\x9b\u202eb", "lines": "one\ntwo\tthree"}
+    out = io.StringIO()
+    TerminalSafeOutput(out).write(json.dumps(value, ensure_ascii=False))
+    text = out.getvalue()
+    assert json.loads(text) == value
+    assert not any(char in text for char in "\x1b\x7f\x9b\u202e")

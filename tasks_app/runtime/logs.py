@@ -227,8 +227,14 @@ def _chain(te: traceback.TracebackException) -> Iterator[traceback.TracebackExce
 
 def terminal_text(text: str) -> str:
     """``text`` for a terminal: control characters escaped but the newline and the tab of a
-    command's own layout (an agent's text in each field is passed through :func:`one_line`)."""
-    return _escape(text, _UNSAFE_BUT_LAYOUT) if _UNSAFE_BUT_LAYOUT.search(text) else text
+    command's own layout (an agent's text in each field is passed through :func:`one_line`).
+
+    Each as ``\\uXXXX``, which a JSON string reads back as the same character: a command's
+    ``--json`` output stays JSON (DEL, C1 and bidi controls are raw there).
+    """
+    if not _UNSAFE_BUT_LAYOUT.search(text):
+        return text
+    return _UNSAFE_BUT_LAYOUT.sub(lambda match: f"\\u{ord(match.group()):04x}", text)
 
 
 class SafeText(logging.Formatter):
