@@ -461,7 +461,7 @@ _paths = st.lists(st.sampled_from(["a", "b", "0", "1", "2", "x/y", "é", "~"]), 
 _updates = st.lists(st.tuples(_paths, _values | st.just(a2ui._MISSING)), max_size=8)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(model=st.dictionaries(_keys, _values, max_size=4), updates=_updates)
 def test_a_data_models_kept_size_and_depth_are_what_the_whole_model_has(model, updates) -> None:
     """Each update's new model gets its size from the size before and what the update
