@@ -28,10 +28,11 @@ import hashlib
 import logging
 import math
 import os
+import re
 import secrets
 from datetime import timedelta
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, quote, urlsplit
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
@@ -297,7 +298,9 @@ def _database() -> dict:
             ensure_private_file(DATA_DIR / "dashboard.sqlite3")
         except OSError as exc:
             raise _data_dir_unusable(exc) from None
-        url = f"sqlite:///{DATA_DIR / 'dashboard.sqlite3'}"
+        # Quoted: the URL's parser reads # and ? in a path as a fragment and a query, and
+        # %XX as an escape (DATA_DIR=/srv/a#b put the database in /srv/a, world-readable).
+        url = f"sqlite:///{quote(str(DATA_DIR / 'dashboard.sqlite3'), safe='/')}"
     try:
         config = dj_database_url.parse(url, conn_max_age=60, conn_health_checks=True)
     except Exception as exc:  # dj-database-url raises bare ValueErrors and KeyErrors
@@ -342,13 +345,20 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 def _redis_url_problem(url: str) -> str | None:
     """What redis-py cannot read in ``url``, in words that never quote it (its own can quote
     the password: one holding / # ? or @ ends the host part early)."""
+    scheme = url.partition("://")[0].lower()
+    if scheme not in ("redis", "rediss", "unix"):
+        return "it does not start with redis://, rediss:// or unix://"
     try:
-        port = urlsplit(url).port
+        parts = urlsplit(url)
+        port = parts.port
+        # redis-py takes a database that is not a number for 0 (another deployment's, maybe).
+        databases = parse_qs(parts.query).get("db", [])
+        if scheme != "unix":
+            databases.append(parts.path.lstrip("/") or "0")
+        if not all(re.fullmatch(r"[0-9]{1,9}", db) for db in databases):
+            return "its database number must be a whole number (0, 1, 2, ...)"
         parse_redis_url(url)
     except ValueError:
-        scheme = url.partition("://")[0].lower()
-        if scheme not in ("redis", "rediss", "unix"):
-            return "it does not start with redis://, rediss:// or unix://"
         return (
             "it cannot be read as one (its port must be a number from 1 to 65535, and a "
             "password holding / # or ? must be percent-encoded)"

@@ -526,7 +526,8 @@ class TaskConsumer(_ResyncingConsumer):
             await self._resume(after)
 
     def _after_from_query(self) -> int | None:
-        query = parse_qs((self.scope.get("query_string") or b"").decode())
+        # Not UTF-8 (a raw client's bytes; browsers percent-encode): what it says is replaced.
+        query = parse_qs((self.scope.get("query_string") or b"").decode("utf-8", "replace"))
         values = query.get("after")
         if not values:
             return None

@@ -52,6 +52,44 @@ def test_a_data_dir_that_is_a_file_is_one_sentence_with_a_secret_key_set(
     ]
 
 
+@pytest.mark.parametrize("folder", ["data#1", "data?x=1", "data%41b", "data%2Fb"])
+def test_a_data_dir_with_url_characters_keeps_the_database_inside_it(
+    child_env: ChildEnv, tmp_path: Path, folder: str
+) -> None:
+    """The default database's path went into a URL unquoted: DATA_DIR=/srv/data#1 put it in
+    /srv/data (a world-readable file beside the folder), and %41 or %2F named a folder that
+    does not exist (migrate ended in a traceback)."""
+    data_dir = tmp_path / folder
+    env = child_env(DATA_DIR=str(data_dir), SECRET_KEY=KEY)
+    env.pop("DATABASE_URL")  # SQLite in DATA_DIR
+    result = subprocess.run(
+        [sys.executable, "manage.py", "migrate", "--no-input"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    database = data_dir / "dashboard.sqlite3"
+    assert database.stat().st_size > 0 and (database.stat().st_mode & 0o077) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder]  # nothing beside it
+
+
+def test_a_redis_url_whose_database_is_not_a_number_stops_the_start(child_env: ChildEnv) -> None:
+    """redis-py took a database that is not a number for 0 (another deployment's, maybe); a
+    negative one passed the check and failed every websocket later."""
+    for url in (
+        f"redis://:{SECRET}@127.0.0.1:6379/abc",
+        f"redis://:{SECRET}@127.0.0.1:6379/-1",
+        f"redis://:{SECRET}@127.0.0.1:6379/1.5",
+        f"redis://:{SECRET}@127.0.0.1:6379/0?db=x",
+        "unix:///run/redis/redis.sock?db=two",
+    ):
+        result = manage(child_env, "check", REDIS_URL=url)
+        assert result.returncode == 2, (url, result.stderr)
+        assert "its database number must be a whole number (0, 1, 2, ...)" in result.stderr
+        assert SECRET not in result.stdout + result.stderr
+    for url in ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379/", "redis://127.0.0.1:6379/15"):
+        assert manage(child_env, "check", REDIS_URL=url).returncode == 0, url
+
+
 @pytest.mark.parametrize(
     ("value", "says"),
     [

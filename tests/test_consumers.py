@@ -122,6 +122,21 @@ async def test_unknown_task_is_rejected(user):
     assert await refused_with(comm) == consumers.CLOSE_NOT_FOUND
 
 
+async def test_a_query_that_is_not_utf8_resumes_from_the_start(task, user):
+    """A raw client's query bytes that are not UTF-8 (browsers percent-encode) raised in the
+    consumer after the accept; a malformed ``after`` means everything (nothing is lost)."""
+    await database_sync_to_async(record)(
+        task.pk, {"task": {"id": "t-1", "status": {"state": "TASK_STATE_SUBMITTED"}}}, "stream"
+    )
+    comm = await communicator(f"/ws/tasks/{task.pk}/", user)
+    comm.scope["query_string"] = b"after=\xff\xfe"
+    connected, _ = await comm.connect()
+    assert connected
+    assert [m["seq"] for m in await collect(comm, 1)] == [1]
+    assert await comm.receive_json_from(timeout=5) == {"type": "synced", "last_seq": 1}
+    await comm.disconnect()
+
+
 async def test_resume_from_query_then_live(task, user):
     await database_sync_to_async(record)(
         task.pk, {"task": {"id": "t-1", "status": {"state": "TASK_STATE_SUBMITTED"}}}, "stream"
