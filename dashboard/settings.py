@@ -312,6 +312,11 @@ def _database() -> dict:
             "DATABASE_URL must be a sqlite:// or postgres:// URL: the dashboard runs on SQLite "
             "and PostgreSQL."
         )
+    if config["ENGINE"] == "django.db.backends.sqlite3" and config.get("NAME") == ":memory:":
+        raise ImproperlyConfigured(
+            "DATABASE_URL names an in-memory SQLite database (sqlite://), a different, empty one "
+            "in each process: name a file (sqlite:///PATH), or leave it unset for DATA_DIR's."
+        )
     if not config.get("NAME") and not (config.get("OPTIONS") or {}).get("service"):
         raise ImproperlyConfigured(
             "DATABASE_URL names no database (postgres://USER@HOST:PORT/NAME, ?service=NAME, or "
@@ -515,7 +520,9 @@ def _proxy_ssl_header() -> tuple[str, str] | None:
     if not value:
         return None
     name, _, expected = (part.strip() for part in value.partition(","))
-    if not name or not expected:
+    # A header name is letters, digits and dashes: "X Y" can never match a request, and a
+    # second comma left the proxy's value expected to be "b,c".
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", name) or not expected or "," in expected:
         raise ImproperlyConfigured(
             'SECURE_PROXY_SSL_HEADER must be "HEADER,value", e.g. "X-Forwarded-Proto,https".'
         )

@@ -367,10 +367,11 @@ def test_production_mode_sends_hsts_and_trusts_the_proxy_header_only_when_told(t
     assert seen["proxy"] == ["HTTP_X_FORWARDED_PROTO", "https"]
     assert seen["proxied"] == "max-age=600" and seen["plain"] is None
 
-    wrong = run_settings_probe(tmp_path, **PRODUCTION, SECURE_PROXY_SSL_HEADER="X-Forwarded-Proto")
-    assert (
-        wrong.returncode != 0 and 'SECURE_PROXY_SSL_HEADER must be "HEADER,value"' in wrong.stderr
-    )
+    # No value; a name no request can carry; a value with a comma (it was read as "https,x").
+    for value in ("X-Forwarded-Proto", "X Forwarded,https", "X-Forwarded-Proto,https,x"):
+        wrong = run_settings_probe(tmp_path, **PRODUCTION, SECURE_PROXY_SSL_HEADER=value)
+        assert wrong.returncode != 0, value
+        assert 'SECURE_PROXY_SSL_HEADER must be "HEADER,value"' in wrong.stderr
 
 
 # --- 2b. the policy in a real browser -------------------------------------------------------

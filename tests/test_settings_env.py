@@ -167,6 +167,9 @@ def test_a_bad_alert_webhook_url_is_refused_without_showing_it(
          "?service=NAME, or sqlite:///PATH)."),
         ("postgres://someone:pw-s3cr3t@127.0.0.1:1/db?conn_max_age=abc&sslmode=require",
          "DATABASE_URL's query holds an option PostgreSQL does not know (conn_max_age)."),
+        ("sqlite://", "DATABASE_URL names an in-memory SQLite database (sqlite://), a different, "
+         "empty one in each process: name a file (sqlite:///PATH), or leave it unset for "
+         "DATA_DIR's."),
     ],
 )  # fmt: skip
 def test_a_database_url_the_dashboard_cannot_run_on_is_one_sentence(
