@@ -445,6 +445,10 @@ def test_a_made_up_reference_hashes_only_contents_of_its_length(monkeypatch):
     whole = reader.get(f"/tasks/{task.pk}/events/{seq}/?format=json").json()
     assert whole["raw"] == forged and whole["contents"] == []
     assert hashed == [contents[7]]  # the one content of that length, not the thirty-one others
+    hashed.clear()
+    monkeypatch.setattr(record_module, "LENGTHS_IN_SQL", 0)  # an export's thousands of lengths
+    assert reader.get(f"/tasks/{task.pk}/events/{seq}/?format=json").json() == whole
+    assert hashed == [contents[7]]  # chosen by their length here, not by the database
 
 
 @override_settings(INLINE_CONTENT_BYTES=LIMIT)

@@ -698,6 +698,11 @@ def stored_contents(task_pk: int, longer_than: int | None = None) -> dict[str, s
     return found
 
 
+# Lengths a scan asks the database to choose by, at most (an export's can be thousands, past
+# what SQLite takes as parameters of one statement); past it, only the hashing is chosen.
+LENGTHS_IN_SQL = 500
+
+
 def iter_stored_contents(
     task_pk: int, longer_than: int | None = None, lengths: Collection[int] | None = None
 ) -> Iterator[tuple[str, str]]:
@@ -718,7 +723,7 @@ def iter_stored_contents(
         .annotate(size=Length(Cast("part", models.TextField())))
         .filter(size__gt=limit)  # its JSON text is at least as long as any content in it
     )
-    if wanted is not None:
+    if wanted is not None and len(wanted) <= LENGTHS_IN_SQL:
         parts = parts.annotate(
             text_len=Length(KT("part__text")), raw_len=Length(KT("part__raw"))
         ).filter(Q(text_len__in=wanted) | Q(raw_len__in=wanted))
@@ -739,7 +744,7 @@ def iter_stored_contents(
                 yield _sha256(content), content
     # Contents whose part rows an artifact's replacement deleted (see _Fold._keep_replaced).
     replaced = ReplacedContent.objects.filter(task_id=task_pk)
-    if wanted is not None:
+    if wanted is not None and len(wanted) <= LENGTHS_IN_SQL:
         replaced = replaced.annotate(chars=Length("content")).filter(chars__in=wanted)
     replaced = replaced.values_list("sha256", "content")
     yield from replaced.iterator()
