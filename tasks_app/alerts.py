@@ -71,6 +71,7 @@ from tasks_app.models import (
     AlertDelivery,
     OperatorAction,
     RemoteTask,
+    for_list,
 )
 from tasks_app.services.tasks import WITHDRAWN
 
@@ -438,9 +439,12 @@ def _tell_untold(now: datetime) -> list[AlertDelivery]:
 def _resolve(rule: str, ended: Q, now: datetime) -> list[Alert]:
     """Resolve this rule's unresolved alerts matching ``ended`` (pending ones are deleted)."""
     stale = list(
-        Alert.objects.filter(ended, rule=rule, resolved_at__isnull=True)
-        .select_related("task", "agent__project")
-        .order_by("pk")[: _limit()]
+        for_list(
+            Alert.objects.filter(ended, rule=rule, resolved_at__isnull=True).select_related(
+                "task", "agent__project"
+            ),
+            task="task__",
+        ).order_by("pk")[: _limit()]
     )
     resolved: list[Alert] = []
     for alert in stale:
@@ -627,8 +631,11 @@ def _deliver(items: list[tuple[Alert, str]]) -> list[AlertDelivery]:
     # Fresh rows with their subjects: what was read while evaluating may be stale by now.
     fresh = {
         a.pk: a
-        for a in Alert.objects.filter(pk__in=[a.pk for a, _ in items]).select_related(
-            "task", "agent__project"
+        for a in for_list(
+            Alert.objects.filter(pk__in=[a.pk for a, _ in items]).select_related(
+                "task", "agent__project"
+            ),
+            task="task__",
         )
     }
     # An alert gone since (its task or agent deleted, and the alert with it) is not described:

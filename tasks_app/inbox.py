@@ -33,7 +33,7 @@ from django.views.decorators.http import require_GET, require_POST
 from tasks_app import access, answers, cursors, views_a2ui
 from tasks_app.access import Perm, get_task_for_user
 from tasks_app.middleware import form_removes_nul
-from tasks_app.models import INTERRUPTED_STATES, ConversationMessage, RemoteTask
+from tasks_app.models import INTERRUPTED_STATES, ConversationMessage, RemoteTask, for_list
 from tasks_app.rendering import markdown_budgeted
 
 COUNT_LIMIT = 1000
@@ -135,7 +135,10 @@ def _page(
     keys = list(qs.order_by("asked_at", "pk").values_list("pk", flat=True)[: PAGE_SIZE + 1])
     has_next = len(keys) > PAGE_SIZE
     keys = keys[:PAGE_SIZE]
-    rows = RemoteTask.objects.select_related("agent", "answered_by").in_bulk(keys)
+    # The question is the status message: kept; the rest of the agent's JSON is not read.
+    rows = for_list(
+        RemoteTask.objects.select_related("agent", "answered_by"), keep=("status_message",)
+    ).in_bulk(keys)
     tasks = [rows[pk] for pk in keys if pk in rows]
     if extra is not None and all(t.pk != extra.pk for t in tasks):
         tasks.insert(0, extra)  # the task whose answer was refused, wherever it is in the list

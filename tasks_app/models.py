@@ -108,6 +108,27 @@ class Membership(models.Model):
         return f"{self.user} in {self.project}: {self.role}"
 
 
+# Columns a row of a list never shows, each as big as an agent makes it: a task's metadata,
+# status message, request and outbox (up to the task's byte budget), an agent's card and its
+# problems (up to 1 MB). Decoded for every row, they made the task list (60 tasks) peak at
+# 200 MB and the alerts page (500 alerts) at 676 MB.
+TASK_LIST_DEFERRED = ("metadata", "status_message", "request", "outbox")
+AGENT_LIST_DEFERRED = ("card", "card_problems")
+
+
+def for_list(
+    qs: models.QuerySet, *, task: str | None = "", agent: str | None = "agent__", keep: tuple = ()
+) -> models.QuerySet:
+    """``qs`` without the columns above. ``task`` and ``agent`` are the paths to a task and to
+    its agent in ``qs``'s rows (None: not there); ``keep``: columns the list does show."""
+    paths = (
+        [task + name for name in TASK_LIST_DEFERRED if name not in keep] if task is not None else []
+    )
+    if agent is not None:
+        paths += [agent + name for name in AGENT_LIST_DEFERRED]
+    return qs.defer(*paths)
+
+
 class Agent(models.Model):
     """A remote A2A agent, with its card as last fetched.
 

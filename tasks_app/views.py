@@ -61,6 +61,7 @@ from tasks_app.models import (
     ImportJob,
     RemoteTask,
     TaskEvent,
+    for_list,
 )
 from tasks_app.previews import (
     artifact_chunks,
@@ -116,7 +117,7 @@ def _overview_column(state: str, phase: str) -> str:
 
 
 def _overview_context(user) -> dict:
-    agents = list(access.readable_agents(user))
+    agents = list(for_list(access.readable_agents(user), task=None, agent=""))
     tasks = access.readable_tasks(user)
     by_agent: dict[int, dict[str, int]] = {}
     totals: dict[str, int] = {}
@@ -156,7 +157,7 @@ def _overview_context(user) -> dict:
             {"status": s, "count": watchers.get(s, 0)}
             for s in ("streaming", "reconnecting", "polling", "awaiting-push", "lost")
         ],
-        "recent": tasks.select_related("agent").order_by("-updated_at", "-id")[:12],
+        "recent": for_list(tasks.select_related("agent")).order_by("-updated_at", "-id")[:12],
         "now": timezone.now(),
     }
 
@@ -197,7 +198,11 @@ def agent_list(request: HttpRequest) -> HttpResponse:
         .annotate(n=Count("id"))
         .order_by()
     }
-    agents = list(access.readable_agents(request.user).select_related("project"))
+    agents = list(
+        for_list(access.readable_agents(request.user), task=None, agent="").select_related(
+            "project"
+        )
+    )
     for agent in agents:
         agent.task_count = counts.get(agent.pk, 0)
     return render(request, "tasks_app/agent_list.html", {"agents": agents})
@@ -364,7 +369,9 @@ def _agent_context(request: HttpRequest, agent: Agent, **extra: object) -> dict:
         "credentials_form": CredentialsForm(),
         "approved_origins": agent.credential_origins,
         "counts": _agent_counts(agent),
-        "recent": RemoteTask.objects.filter(agent=agent).order_by("-updated_at", "-id")[:15],
+        "recent": for_list(RemoteTask.objects.filter(agent=agent), agent=None).order_by(
+            "-updated_at", "-id"
+        )[:15],
         "import_job": import_services.latest_job(agent),
         "can": access.can(request.user, agent.project_id),
         **extra,
@@ -513,7 +520,7 @@ def filtered_tasks(user, data: dict) -> tuple:
 
 @login_required
 def task_list(request: HttpRequest) -> HttpResponse:
-    readable_agents = access.readable_agents(request.user)
+    readable_agents = for_list(access.readable_agents(request.user), task=None, agent="")
     form = TaskFilterForm(request.GET or None, agents=readable_agents)
     valid = not form.is_bound or form.is_valid()
     data = form.cleaned_data if form.is_bound and valid else {}
@@ -529,7 +536,7 @@ def task_list(request: HttpRequest) -> HttpResponse:
     if cursor:
         page_qs = page_qs.filter(cursors.after(field, *cursor, descending=desc))
     order = [f"-{field}", "-pk"] if desc else [field, "pk"]
-    rows = list(page_qs.select_related("agent").order_by(*order)[: PAGE_SIZE + 1])
+    rows = list(for_list(page_qs.select_related("agent")).order_by(*order)[: PAGE_SIZE + 1])
     has_next = len(rows) > PAGE_SIZE
     rows = rows[:PAGE_SIZE]
     # A bounded count: never a full COUNT(*) over a huge table.

@@ -17,7 +17,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from tasks_app import access, alerts
 from tasks_app.access import Perm
-from tasks_app.models import Alert, AlertDelivery
+from tasks_app.models import Alert, AlertDelivery, for_list
 
 RESOLVED_SHOWN = 50
 DELIVERIES_SHOWN = 30
@@ -28,7 +28,9 @@ DELIVERIES_SHOWN = 30
 def alert_list(request: HttpRequest) -> HttpResponse:
     """Open alerts, the recently resolved ones, and (for testers) channels and deliveries."""
     user = request.user
-    open_qs = alerts.open_alerts(user).select_related("task", "agent__project")
+    open_qs = for_list(
+        alerts.open_alerts(user).select_related("task", "agent__project"), task="task__"
+    )
     resolved_qs = Alert.objects.filter(resolved_at__isnull=False, opened_at__isnull=False).exclude(
         rule=Alert.Rule.TEST
     )
@@ -49,9 +51,9 @@ def alert_list(request: HttpRequest) -> HttpResponse:
     context = {
         "open_alerts": list(open_qs[:500]),
         "resolved": list(
-            resolved_qs.select_related("task", "agent").order_by("-resolved_at", "-id")[
-                :RESOLVED_SHOWN
-            ]
+            for_list(resolved_qs.select_related("task", "agent"), task="task__").order_by(
+                "-resolved_at", "-id"
+            )[:RESOLVED_SHOWN]
         ),
         "may_test": may_test,
         "channels": alerts.channels() if may_test else [],

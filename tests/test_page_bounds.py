@@ -273,3 +273,61 @@ def test_a_page_reads_big_messages_only_as_far_as_it_shows_them(task, monkeypatc
     assert f'href="{download}"' in page
     part = client.get(download)
     assert part.status_code == 200 and json.loads(b"".join(part)) == {"n": 0}
+
+
+def test_list_pages_do_not_read_the_agents_json_of_each_row():
+    """Every list row read its task's metadata, status message, request and outbox (each as
+    big as the task's byte budget) and its agent's card (up to 1 MB), to show a title and a
+    state: the task list of 60 tasks peaked at 200 MB, the alerts page of 500 alerts at
+    676 MB. The lists now leave those columns unread, with no query more per row."""
+    import tracemalloc
+
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+    from django.utils import timezone
+
+    from tasks_app.models import Alert
+
+    agent = Agent.objects.create(name="listed", base_url="http://127.0.0.1:1/listed/")
+    tasks = [
+        RemoteTask.objects.create(
+            agent=agent, title=f"t{n}", remote_id=f"r-{n}", state="TASK_STATE_INPUT_REQUIRED"
+        )
+        for n in range(20)
+    ]
+    for n, task in enumerate(tasks):
+        Alert.objects.create(
+            rule=Alert.Rule.QUESTION_WAITING, task=task, agent=agent, key=f"k-{n}",
+            message=f"task t{n} waits", opened_at=timezone.now(),
+        )  # fmt: skip
+    reader = client_as(Membership.Role.VIEWER)
+    routes = ["/tasks/", "/", f"/agents/{agent.pk}/", "/agents/", "/alerts/"]
+
+    def costs(routes: list[str]) -> dict[str, tuple[int, int]]:
+        seen = {}
+        for route in routes:
+            reader.get(route)  # caches, sessions
+            with CaptureQueriesContext(connection) as queries:
+                tracemalloc.start()
+                try:
+                    assert reader.get(route).status_code == 200, route
+                    peak = tracemalloc.get_traced_memory()[1]
+                finally:
+                    tracemalloc.stop()
+            seen[route] = (peak, len(queries))
+        return seen
+
+    small = costs(routes)
+    big = "x" * 200_000  # 0.2 MB of each column, 20 rows: 4 MB a column a page
+    RemoteTask.objects.filter(agent=agent).update(
+        metadata={"m": big}, status_message={"parts": [{"text": big}]},
+        request={"message": {"parts": [{"text": big}]}}, outbox={"parts": [{"text": big}]},
+    )  # fmt: skip
+    large = costs(routes)
+    Agent.objects.filter(pk=agent.pk).update(card={"name": "listed", "description": big * 2})
+    lists = [route for route in routes if route != f"/agents/{agent.pk}/"]  # it shows the card
+    large.update(costs(lists))
+    for route in routes:
+        (before, queries_before), (after, queries_after) = small[route], large[route]
+        assert queries_after == queries_before, route  # nothing read row by row instead
+        assert after - before < 1_000_000, f"{route}: {before:,} -> {after:,} bytes"

@@ -14,6 +14,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from tasks_app import alerts
+from tasks_app.models import for_list
 
 register = template.Library()
 
@@ -24,7 +25,11 @@ def open_alerts(context: template.Context) -> dict[str, Any]:
     user = getattr(request, "user", None) or context.get("user")
     qs = alerts.open_alerts(user)
     pks = list(qs.values_list("pk", flat=True)[: alerts.COUNTED])
-    items = list(qs.select_related("task", "agent")[: alerts.SHOWN]) if pks else []
+    items = (
+        list(for_list(qs.select_related("task", "agent"), task="task__")[: alerts.SHOWN])
+        if pks
+        else []
+    )
     return {
         "items": items,
         "count": len(pks),
