@@ -1226,8 +1226,10 @@ class Holder:
                     )
                 except (UnsupportedOperationError, InvalidParamsError, TaskNotFoundError) as exc:
                     # Terminal task (or a server's variant of saying so: some answer "not
-                    # found" for a task that ended): GetTask decides; it says gone if so.
-                    outcome = await self._poll_once(client)
+                    # found" for a task that ended): GetTask decides; it says gone if so. No
+                    # stream was live since the last one: what its snapshot shows that the
+                    # log does not was missed, and a ``gap`` says so.
+                    outcome = await self._poll_once(client, gap_check=True)
                     if self.state not in TERMINAL_STATES:
                         await self._system("subscribe-refused", f"{exc}; polling instead")
                         self.streaming = False

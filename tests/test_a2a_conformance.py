@@ -169,6 +169,41 @@ def test_a_subscribe_refused_as_not_found_asks_gettask_before_calling_the_task_g
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_task_that_ended_while_no_stream_was_live_says_what_was_missed(
+    peer, replies, shared_loop
+) -> None:
+    """A holder taking over a streamed task that had ended meanwhile (its worker killed, or
+    the database down past the lease) was refused SubscribeToTask and recorded GetTask's
+    snapshot without the gap check: the log said nothing of the events never seen live."""
+    agent = agent_at(peer, streaming=True)
+    task = RemoteTask.objects.create(
+        agent=agent, title="t", remote_id="t-1", context_id="c-1", phase=RemoteTask.Phase.TASK,
+        state="TASK_STATE_WORKING", watch=RemoteTask.Watch.STREAM,
+    )  # fmt: skip
+    replies["SubscribeToTask"] = RpcError(-32004, "the task has ended")
+    replies["GetTask"] = {
+        "id": "t-1", "contextId": "c-1", "status": {"state": "TASK_STATE_COMPLETED"},
+        "artifacts": [{"artifactId": "a-1", "parts": [{"text": "made while unwatched"}]}],
+    }  # fmt: skip
+    token = lease(task)
+
+    async def follow(http: Any) -> watchers.Outcome:
+        holder = watchers.Holder(task.pk, token, http=None)
+        holder._take(await eventloop.db(RemoteTask.objects.select_related("agent").get, pk=task.pk))
+        holder.streaming, holder.remote_id, holder.state = True, "t-1", "TASK_STATE_WORKING"
+        return await holder._follow_turn(outbound.client_for(agent, http))
+
+    in_loop(follow)
+    task.refresh_from_db()
+    assert task.state == "TASK_STATE_COMPLETED"
+    kinds = list(TaskEvent.objects.filter(task=task).order_by("seq").values_list("kind", flat=True))
+    assert kinds == ["gap", "task"], kinds
+    gap = TaskEvent.objects.get(task=task, kind="gap")
+    missed = ["state TASK_STATE_WORKING -> TASK_STATE_COMPLETED", "artifacts changed"]
+    assert gap.raw == {"gap": {"missed": missed}}
+
+
+@pytest.mark.django_db(transaction=True)
 def test_an_answer_refused_for_a_task_that_ended_says_so_after_gettask(
     peer, replies, shared_loop
 ) -> None:
