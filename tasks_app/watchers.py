@@ -335,11 +335,11 @@ def reconcile_once() -> int:
     key = f"dashboard:reconcile:{settings.CELERY_TASK_DEFAULT_QUEUE}"
     try:
         claimed = shared_redis.client(settings.REDIS_URL).set(key, OWNER, nx=True, px=period_ms)
-    except Exception as exc:  # Redis down: tick anyway (see above)
-        log.warning(
-            "reconcile: could not claim the period (%s); ticking anyway", type(exc).__name__
-        )
+    except Exception:  # Redis down: tick anyway (see above)
+        _claim_failures.failed()
         claimed = True
+    else:
+        _claim_failures.worked()
     if not claimed:
         return 0
     metrics.count("reconcile_ticks")  # about one per period however many ask: /metrics shows it
@@ -395,8 +395,30 @@ def _reconcile() -> int:
     try:
         push_services.schedule_if_waiting()  # a drain whose scheduling was lost
     except Exception:
-        log.exception("could not check the push queue")
+        _push_check_failures.failed()
+    else:
+        _push_check_failures.worked()
     return len(pks)
+
+
+# Redis (and so the broker) down: every tick failed with a traceback of 120 lines, in every
+# worker, every period (1,245 lines a worker in 30 s). Each such failure is said once, with
+# its traceback, then counted until it works again (``logs.FailureSpell``).
+_claim_failures = logs.FailureSpell(
+    log,
+    "reconcile: could not claim the period; ticking anyway, and further failures are counted",
+    "reconcile: the period is claimed again: %d claims failed over %.1f s",
+)
+_push_check_failures = logs.FailureSpell(
+    log,
+    "could not check the push queue; further failures are counted",
+    "the push queue is checked again: %d checks failed over %.1f s",
+)
+_tick_failures = logs.FailureSpell(
+    log,
+    "reconcile tick failed; further failures are counted until a tick works",
+    "reconcile ticks again: %d ticks failed over %.1f s",
+)
 
 
 # The per-process registry of holders ------------------------------------------------------------
@@ -548,7 +570,9 @@ class _ReconcileTimer:
             except DATABASE_DOWN as exc:
                 _database_down(exc)  # the next period tries again, said once in a while
             except Exception:  # the next period tries again; the worker goes on
-                log.exception("reconcile tick failed")
+                _tick_failures.failed()
+            else:
+                _tick_failures.worked()
             finally:
                 connection.close()  # this thread's connection: not kept between ticks
 

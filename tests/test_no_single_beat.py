@@ -76,3 +76,52 @@ def test_without_any_beat_a_killed_workers_stream_is_held_again(agent, start_cel
     assert remote_total(demo) == before + 1
     assert RemoteTask.objects.filter(agent=demo).count() == 1
     assert_log_is_gapless(task)
+
+
+def test_with_redis_down_a_failing_tick_is_said_once_then_counted(
+    settings, caplog, monkeypatch
+) -> None:
+    """With Redis down every tick of every worker logged a traceback of about 120 lines:
+    the claim of the period, the push queue's check, and the dispatch through the broker
+    (1,245 lines a worker in 30 s). Each is said once with its traceback, then counted, and
+    one line says when it works again."""
+    for spell in (watchers._claim_failures, watchers._push_check_failures, watchers._tick_failures):
+        monkeypatch.setattr(spell, "count", 0)  # no spell of an earlier test's going on
+        monkeypatch.setattr(spell, "since", None)
+    real_url = settings.REDIS_URL
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
+    settings.RECONCILE_EVERY_SECONDS = 0.01
+    caplog.set_level("INFO", logger="tasks_app.watchers")
+    for _ in range(5):
+        assert watchers.reconcile_once() == 0  # nothing to dispatch; ticked anyway
+    settings.REDIS_URL = real_url
+    _forget_period()
+    watchers.reconcile_once()
+
+    ticks = iter([RuntimeError("the broker is down")] * 4 + [None] * 100)
+
+    def tick() -> int:
+        failure = next(ticks)
+        if failure is not None:
+            raise failure
+        return 0
+
+    monkeypatch.setattr(watchers, "reconcile_once", tick)
+    timer = watchers._ReconcileTimer()
+    monkeypatch.setattr(settings, "RECONCILE_IN_WORKERS", True)
+    timer.start()
+    wait_for(lambda: "reconcile ticks again" in caplog.text, what="a tick that works", timeout=10)
+    timer.stop.set()
+    assert timer.thread is not None
+    timer.thread.join(5)
+
+    with_traceback = [r for r in caplog.records if r.exc_info]
+    assert [r.getMessage() for r in with_traceback] == [
+        "reconcile: could not claim the period; ticking anyway, and further failures are counted",
+        "could not check the push queue; further failures are counted",
+        "reconcile tick failed; further failures are counted until a tick works",
+    ]
+    said = caplog.text
+    assert "the period is claimed again: 5 claims failed over" in said
+    assert "the push queue is checked again: 5 checks failed over" in said
+    assert "reconcile ticks again: 4 ticks failed over" in said
