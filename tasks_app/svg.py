@@ -115,7 +115,14 @@ def timeline_svg(
     return mark_safe("".join(out))  # every interpolated string escaped
 
 
+# States a timeline's label names, at most (its picture shows the rest).
+SUMMARY_SEGMENTS = 40
+
+
 def _summary(segments: list[tuple[str, datetime, datetime]]) -> str:
-    return "States over time: " + ", ".join(
-        f"{state_short(s)} {_fmt_duration((b - a).total_seconds())}" for s, a, b in segments
+    named = ", ".join(
+        f"{state_short(s)} {_fmt_duration((b - a).total_seconds())}"
+        for s, a, b in segments[:SUMMARY_SEGMENTS]
     )
+    more = len(segments) - SUMMARY_SEGMENTS
+    return f"States over time: {named}" + (f", and {more} more changes" if more > 0 else "")

@@ -331,3 +331,40 @@ def test_list_pages_do_not_read_the_agents_json_of_each_row():
         (before, queries_before), (after, queries_after) = small[route], large[route]
         assert queries_after == queries_before, route  # nothing read row by row instead
         assert after - before < 1_000_000, f"{route}: {before:,} -> {after:,} bytes"
+
+
+def test_a_timeline_of_many_state_changes_reads_a_bounded_number_of_them(monkeypatch):
+    """An agent switching states to and fro made every change a row the task page read and
+    drew (50,000 of them: 47 MB and 8.7 s a view, and its live redraws the same). Past
+    TIMELINE_TICKS changes, the first of each span of the log is read; both states still show."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from tasks_app.models import TaskEvent
+
+    agent = Agent.objects.create(name="flip", base_url="http://127.0.0.1:1/flip/")
+    task = RemoteTask.objects.create(agent=agent, title="flip", remote_id="r-flip")
+    n = 4_000
+    start = timezone.now() - timedelta(seconds=n)
+    states = ["TASK_STATE_WORKING", "TASK_STATE_SUBMITTED"]
+
+    def row(seq: int) -> TaskEvent:
+        return TaskEvent(
+            task=task, seq=seq, received_at=start + timedelta(seconds=seq), channel="stream",
+            kind="statusUpdate", raw={}, state_after=states[seq % 2], state_changed=True,
+        )  # fmt: skip
+
+    TaskEvent.objects.bulk_create([row(seq) for seq in range(1, n + 1)], batch_size=500)
+    RemoteTask.objects.filter(pk=task.pk).update(last_seq=n, state=states[n % 2])
+    drawn: list[int] = []
+    real = views.timeline_svg
+    monkeypatch.setattr(
+        views, "timeline_svg", lambda rows, **kw: drawn.append(len(rows)) or real(rows, **kw)
+    )
+    page = client_as(Membership.Role.VIEWER).get(f"/tasks/{task.pk}/").content.decode()
+    assert drawn and max(drawn) <= 2 * views.TIMELINE_TICKS + 2, drawn
+    svg = page[page.index('<svg class="timeline"') :]
+    svg = svg[: svg.index("</svg>")]
+    assert "st-working" in svg and "st-submitted" in svg
+    assert "more changes" in svg  # the label names the first states, and counts the rest
