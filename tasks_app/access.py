@@ -179,7 +179,14 @@ def get_task_for_user(
     request: HttpRequest, pk: int, perm: Perm = Perm.READ, *, related: tuple[str, ...] = ("agent",)
 ) -> RemoteTask:
     """The task, if the person may read it (else 404) and has ``perm`` on it (else 403)."""
-    task = RemoteTask.objects.select_related(*{"agent", *related}).filter(pk=pk).first()
+    # A task's merged metadata, which no page shows, grows with its agent to the byte budget,
+    # and each poll of the page's live view read it: left unread (read on use).
+    task = (
+        RemoteTask.objects.select_related(*{"agent", *related})
+        .defer("metadata")
+        .filter(pk=pk)
+        .first()
+    )
     if task is None or not has_perm(request.user, task.agent.project_id, Perm.READ):
         raise Http404("No such task.")
     if not has_perm(request.user, task.agent.project_id, perm):

@@ -368,3 +368,34 @@ def test_a_timeline_of_many_state_changes_reads_a_bounded_number_of_them(monkeyp
     svg = svg[: svg.index("</svg>")]
     assert "st-working" in svg and "st-submitted" in svg
     assert "more changes" in svg  # the label names the first states, and counts the rest
+
+
+def test_a_tasks_routes_do_not_read_its_merged_metadata():
+    """A task's metadata is merged from every status update, up to the task's byte budget,
+    and no page shows it: each poll of the page's live view and each row redraw read it."""
+    import tracemalloc
+
+    agent = Agent.objects.create(name="meta", base_url="http://127.0.0.1:1/meta/")
+    task = RemoteTask.objects.create(agent=agent, title="m", remote_id="r-m")
+    reader = client_as(Membership.Role.VIEWER)
+    routes = [f"/tasks/{task.pk}/", f"/tasks/{task.pk}/live/", f"/tasks/{task.pk}/row/"]
+
+    def peaks() -> list[int]:
+        seen = []
+        for route in routes:
+            reader.get(route)
+            tracemalloc.start()
+            try:
+                assert reader.get(route).status_code == 200, route
+                seen.append(tracemalloc.get_traced_memory()[1])
+            finally:
+                tracemalloc.stop()
+        return seen
+
+    before = peaks()
+    RemoteTask.objects.filter(pk=task.pk).update(
+        metadata={f"k{n}": "v" * 100_000 for n in range(40)}
+    )
+    after = peaks()
+    for route, small, large in zip(routes, before, after, strict=True):
+        assert large - small < 1_000_000, f"{route}: {small:,} -> {large:,} bytes"
