@@ -207,6 +207,33 @@ def test_invalid_message_is_a_protocol_error_with_the_schema_path(task):
     assert task.state == "TASK_STATE_WORKING"
 
 
+def test_a_long_refused_message_is_kept_on_its_surface_cut(task):
+    """A refused message was kept whole on its surface, and read and written out again on
+    each draw (a 3 MB one made the task page, the inbox and the surfaces' redraw peak at
+    60 MB for a page of 0.2 MB). The surface keeps its first characters; the log keeps it all."""
+    from django.contrib.auth.models import User
+    from django.test import Client
+
+    from tasks_app.models import Membership
+    from tests.people import member
+
+    create = v09_card()[0]
+    bad = {"version": "v0.9", "updateComponents": {"surfaceId": "card", "components": [
+        {"id": "root", "component": "Text", "text": 42, "padding": "p" * 300_000}]}}  # fmt: skip
+    record(task, reply([{"text": "hello"}, part([create, bad])], mid="m-1"), "stream")
+    surface = Surface.objects.get(task=task)
+    assert surface.problem
+    kept = surface.raw_json
+    assert set(kept) == {"cut", "chars"} and len(kept["cut"]) == a2ui.RAW_KEPT_CHARS
+    assert kept["chars"] > 300_000 and kept["cut"].startswith('{"version":"v0.9"')
+    logged = TaskEvent.objects.get(task=task, kind="message")
+    assert "p" * 300_000 in str(logged.raw)  # the log keeps the message whole
+    reader = Client()
+    reader.force_login(member(User.objects.create_user("reader"), Membership.Role.VIEWER))
+    page = reader.get(f"/tasks/{task.pk}/").content.decode()
+    assert f"(cut: {kept['chars']:,} characters in all)" in page
+
+
 def test_missing_component_is_diagnosed_once(task):
     create = v09_card()[0]
     broken = {"version": "v0.9", "updateComponents": {"surfaceId": "card", "components": [

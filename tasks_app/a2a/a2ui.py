@@ -101,6 +101,11 @@ MAX_MESSAGES_PER_EVENT = 200  # A2UI messages folded from one log row (each is v
 MAX_DIAGNOSES_PER_EVENT = 5  # protocol-error rows after one log row (the last counts the rest)
 MAX_REASON = 500  # characters of a problem / reason
 MAX_ID_CHARS = 200  # a surfaceId or root id (the Surface row's columns)
+# A message a surface cannot take is kept on it (``raw_json``, what the page shows beside
+# "could not render") up to this many characters of its JSON; a longer one as its first
+# characters and its length (the log holds it whole). Kept whole, a 3 MB message was read and
+# written out again on each draw of the task page, the inbox and the surfaces' redraw.
+RAW_KEPT_CHARS = 20_000
 MAX_CATALOG_ID_CHARS = 500
 MAX_PATH_CHARS = 1000  # a data path (a JSON pointer; a deep form's are a few dozen)
 
@@ -800,6 +805,18 @@ def _contents08(entries: Any) -> list[tuple[str, Any]]:
 # The fold -----------------------------------------------------------------------------------
 
 
+def kept_raw(message: Any) -> Any:
+    """``message`` as a surface keeps it (``RAW_KEPT_CHARS``): a copy, or when longer
+    ``{"cut": its first characters of JSON text, "chars": its length}``."""
+    try:
+        text = json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError):
+        return None
+    if len(text) <= RAW_KEPT_CHARS:
+        return copy.deepcopy(message)
+    return {"cut": text[:RAW_KEPT_CHARS], "chars": len(text)}
+
+
 def new_surface(version: str) -> dict[str, Any]:
     """A surface's folded state (the fields of ``tasks_app.models.Surface`` it determines)."""
     return {
@@ -886,13 +903,13 @@ def apply(
         fits = surface_id is not None and len(surface_id) <= MAX_ID_CHARS
         if fits and (surface is not None or len(surfaces) + others < MAX_SURFACES):
             target = surfaces.setdefault(surface_id, new_surface(version))
-            target["problem"], target["raw_json"] = reason, copy.deepcopy(message)
+            target["problem"], target["raw_json"] = reason, kept_raw(message)
         return Outcome(surface_id, reason)
     assert surface_id is not None
     if reason is None and _family(version) != "0.8" and not _created(surface, message):
         reason = f"{_kind(message)} before createSurface for surface {surface_id!r}"
         target = surfaces.setdefault(surface_id, new_surface(version))
-        target["problem"], target["raw_json"] = reason, copy.deepcopy(message)
+        target["problem"], target["raw_json"] = reason, kept_raw(message)
         return Outcome(surface_id, reason)
     work = dict(surface) if surface is not None else new_surface(version)
     try:
@@ -909,10 +926,10 @@ def apply(
         bound = "unresolvable data path: it goes through a list by a name or past its end"
     if bound:
         target = surfaces.setdefault(surface_id, new_surface(version))
-        target["problem"], target["raw_json"] = bound, copy.deepcopy(message)
+        target["problem"], target["raw_json"] = bound, kept_raw(message)
         return Outcome(surface_id, bound)
     work["problem"] = problem_of(work)
-    work["raw_json"] = copy.deepcopy(message) if work["problem"] else None
+    work["raw_json"] = kept_raw(message) if work["problem"] else None
     surfaces[surface_id] = work
     return Outcome(surface_id, work["problem"], applied=True)
 

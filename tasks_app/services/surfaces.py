@@ -166,7 +166,7 @@ class SurfaceFold:
                     state = self.surfaces.setdefault(
                         surface_id, a2ui.new_surface(str(said or "").lstrip("v")[:20])
                     )
-                    state["problem"], state["raw_json"] = reason, message
+                    state["problem"], state["raw_json"] = reason, a2ui.kept_raw(message)
                     touched.append(surface_id)
                 continue
             outcome = a2ui.apply(self.surfaces, version, message, others=self.others)
