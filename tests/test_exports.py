@@ -384,3 +384,38 @@ def test_contents_referred_to_under_a_lower_inline_limit_are_exported_after_it_i
     task.refresh_from_db()
     doc = json.loads(b"".join(exports.json_chunks(task)))
     assert [c["content"] for c in doc["contents"]] == ["A" * 40]
+
+
+@pytest.mark.parametrize("fmt", ["json", "jsonl"])
+def test_an_export_of_long_entries_streams_in_bounded_memory(fmt) -> None:
+    """Rows were read 200 at a time and written out 200 lines at a time whatever their size:
+    an entry's JSON goes up to WATCH_MAX_EVENT_BYTES (a status update's metadata, say), and
+    30 rows of 2 MB made an export peak at 184 MB, three times the log. Batches are bounded
+    in characters too now, and lines go as soon as they add up to a megabyte."""
+    import tracemalloc
+
+    from tasks_app import exports
+
+    agent = Agent.objects.create(name="long", base_url="http://127.0.0.1:1/long/")
+    task = RemoteTask.objects.create(agent=agent, title="long", remote_id="r-long")
+
+    def row(seq: int) -> TaskEvent:
+        metadata = {"m": f"{seq}" + "x" * 1_000_000}
+        return TaskEvent(
+            task=task, seq=seq, received_at=datetime(2026, 1, 1, tzinfo=UTC), channel="stream",
+            kind="statusUpdate", state_after="TASK_STATE_WORKING", digest="d", hash=f"h{seq}",
+            raw={"statusUpdate": {"taskId": "r-long", "metadata": metadata}},
+        )  # fmt: skip
+
+    rows = [row(seq) for seq in range(1, 25)]
+    TaskEvent.objects.bulk_create(rows, batch_size=4)
+    RemoteTask.objects.filter(pk=task.pk).update(last_seq=24, last_hash="h24")
+    task.refresh_from_db()
+    tracemalloc.start()
+    try:
+        written = sum(len(chunk) for chunk in exports.task_chunks(task, fmt))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert written > 24_000_000  # every row went out
+    assert peak < 16_000_000, f"{peak:,} bytes at the peak for a {written:,}-byte export"
