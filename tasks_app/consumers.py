@@ -82,7 +82,8 @@ from autobahn.exception import Disconnected
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer, AsyncWebsocketConsumer
 from django.conf import settings
-from django.db.models import Q
+from django.db.models import Q, TextField
+from django.db.models.functions import Cast, Length
 
 from tasks_app import access, socket_places
 from tasks_app.models import RemoteTask, TaskEvent
@@ -93,6 +94,7 @@ from tasks_app.services.snapshot import event_json
 log = logging.getLogger(__name__)
 
 BATCH = 500
+BATCH_CHARS = 4 * 1024 * 1024  # of the rows' raw JSON a read takes at most (but one row)
 # A resume sends at most this many rows from the log. Further behind (a page left open
 # through a long outage, or a socket asking ``?after=0`` of a long log), the page is told
 # to load again (``reload``): it then shows the newest rows and resumes after them. One
@@ -217,11 +219,30 @@ def _last_seq(task_pk: int) -> int:
 
 
 @database_sync_to_async
-def _read_log(task_pk: int, after: int, upto: int | None, limit: int) -> list[dict[str, Any]]:
+def _read_log(
+    task_pk: int, after: int, upto: int | None, limit: int
+) -> tuple[list[dict[str, Any]], bool]:
+    """The next rows after ``after`` (at most ``limit``, and at most ``BATCH_CHARS`` of raw
+    JSON but one row), and whether more follow. Their sizes are read first: a row's JSON goes
+    up to WATCH_MAX_EVENT_BYTES, and 500 rows of 2 MB made a resume read 1 GB at once."""
     qs = TaskEvent.objects.filter(task_id=task_pk, seq__gt=after)
     if upto is not None:
         qs = qs.filter(seq__lte=upto)
-    return [event_message(e) for e in qs.order_by("seq")[:limit]]
+    sizes = list(
+        qs.order_by("seq")
+        .annotate(size=Length(Cast("raw", TextField())))
+        .values_list("seq", "size")[:limit]
+    )
+    taken, total = 0, 0
+    for _seq, size in sizes:
+        total += size or 0
+        if taken and total > BATCH_CHARS:
+            break
+        taken += 1
+    if not taken:
+        return [], False
+    rows = qs.filter(seq__lte=sizes[taken - 1][0]).order_by("seq")
+    return [event_message(e) for e in rows], taken < len(sizes) or len(sizes) == limit
 
 
 async def _join(consumer: AsyncJsonWebsocketConsumer, *groups: str) -> None:
@@ -586,7 +607,7 @@ class TaskConsumer(_ResyncingConsumer):
         """Send every row after ``last_sent`` (up to ``upto``) from the log, in order."""
         assert self.last_sent is not None
         while not self.gone:
-            rows = await _read_log(self.task_pk, self.last_sent, upto, BATCH)
+            rows, more = await _read_log(self.task_pk, self.last_sent, upto, BATCH)
             for row in rows:
                 if self.gone:
                     return
@@ -597,7 +618,7 @@ class TaskConsumer(_ResyncingConsumer):
                     )
                 await self.send_json(row)
                 self.last_sent = row["seq"]
-            if len(rows) < BATCH:
+            if not more:
                 return
             # A long log is many reads in one handler: access due a check is checked before
             # each further read, as before any other send.

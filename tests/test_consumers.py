@@ -122,6 +122,39 @@ async def test_unknown_task_is_rejected(user):
     assert await refused_with(comm) == consumers.CLOSE_NOT_FOUND
 
 
+async def test_a_resume_of_long_entries_reads_them_a_bounded_size_at_a_time(
+    task, user, monkeypatch
+):
+    """A resume read 500 rows at once whatever their size (an entry's JSON goes up to
+    WATCH_MAX_EVENT_BYTES: 500 rows of 2 MB, 1 GB in one read). Reads are bounded in
+    characters too (one row at least), and every row still arrives, in order."""
+    from tasks_app import consumers
+
+    monkeypatch.setattr(consumers, "BATCH_CHARS", 150_000)
+    await database_sync_to_async(record)(
+        task.pk, {"task": {"id": "t-1", "status": {"state": "TASK_STATE_SUBMITTED"}}}, "stream"
+    )
+    for i in range(2, 9):
+        long = {"statusUpdate": {**status(i)["statusUpdate"], "metadata": {"m": "x" * 100_000}}}
+        await database_sync_to_async(record)(task.pk, long, "stream")
+    reads: list[int] = []
+    real = consumers._read_log
+
+    async def counted(*args):
+        rows, more = await real(*args)
+        reads.append(len(rows))
+        return rows, more
+
+    monkeypatch.setattr(consumers, "_read_log", counted)
+    comm = await communicator(f"/ws/tasks/{task.pk}/?after=0", user)
+    connected, _ = await comm.connect()
+    assert connected
+    assert [m["seq"] for m in await collect(comm, 8)] == list(range(1, 9))
+    assert await comm.receive_json_from(timeout=5) == {"type": "synced", "last_seq": 8}
+    assert max(reads) <= 2 and sum(reads) == 8, reads  # a small row and a long one at most
+    await comm.disconnect()
+
+
 async def test_a_query_that_is_not_utf8_resumes_from_the_start(task, user):
     """A raw client's query bytes that are not UTF-8 (browsers percent-encode) raised in the
     consumer after the accept; a malformed ``after`` means everything (nothing is lost)."""
