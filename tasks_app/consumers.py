@@ -82,11 +82,11 @@ from autobahn.exception import Disconnected
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer, AsyncWebsocketConsumer
 from django.conf import settings
-from django.db.models import Q, TextField
-from django.db.models.functions import Cast, Length
+from django.db.models import Q
 
 from tasks_app import access, socket_places
 from tasks_app.models import RemoteTask, TaskEvent
+from tasks_app.previews import batch_within
 from tasks_app.relay import LIST_GROUP, person_group, task_group
 from tasks_app.services.record import task_summary
 from tasks_app.services.snapshot import event_json
@@ -222,27 +222,15 @@ def _last_seq(task_pk: int) -> int:
 def _read_log(
     task_pk: int, after: int, upto: int | None, limit: int
 ) -> tuple[list[dict[str, Any]], bool]:
-    """The next rows after ``after`` (at most ``limit``, and at most ``BATCH_CHARS`` of raw
-    JSON but one row), and whether more follow. Their sizes are read first: a row's JSON goes
-    up to WATCH_MAX_EVENT_BYTES, and 500 rows of 2 MB made a resume read 1 GB at once."""
+    """The next rows after ``after`` (at most ``limit``, and ``BATCH_CHARS`` of raw JSON but
+    one row: ``previews.batch_within``), and whether more follow."""
     qs = TaskEvent.objects.filter(task_id=task_pk, seq__gt=after)
     if upto is not None:
         qs = qs.filter(seq__lte=upto)
-    sizes = list(
-        qs.order_by("seq")
-        .annotate(size=Length(Cast("raw", TextField())))
-        .values_list("seq", "size")[:limit]
-    )
-    taken, total = 0, 0
-    for _seq, size in sizes:
-        total += size or 0
-        if taken and total > BATCH_CHARS:
-            break
-        taken += 1
-    if not taken:
+    last, more = batch_within(qs, limit, BATCH_CHARS)
+    if last is None:
         return [], False
-    rows = qs.filter(seq__lte=sizes[taken - 1][0]).order_by("seq")
-    return [event_message(e) for e in rows], taken < len(sizes) or len(sizes) == limit
+    return [event_message(e) for e in qs.filter(seq__lte=last).order_by("seq")], more
 
 
 async def _join(consumer: AsyncJsonWebsocketConsumer, *groups: str) -> None:

@@ -24,13 +24,13 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db.models import QuerySet, TextField
-from django.db.models.functions import Cast, Length
+from django.db.models import QuerySet
 from django.utils import timezone
 
 from tasks_app.a2a import safejson
 from tasks_app.actionlog import after_cursor, sanitize
 from tasks_app.models import OperatorAction, RemoteTask, TaskEvent
+from tasks_app.previews import batch_within
 from tasks_app.services.chain import timestamp_text
 from tasks_app.services.record import (
     STORED,
@@ -133,25 +133,13 @@ def event_rows(
         rows_qs = TaskEvent.objects.filter(task_id=task_pk, seq__gt=after)
         if up_to is not None:
             rows_qs = rows_qs.filter(seq__lte=up_to)
-        # 1. The next rows' seqs and sizes; 2. the first of them within EVENT_BATCH_CHARS.
-        sizes = list(
-            rows_qs.order_by("seq")
-            .annotate(size=Length(Cast("raw", TextField())))
-            .values_list("seq", "size")[:batch]
-        )
-        taken, total = 0, 0
-        for _seq, size in sizes:
-            total += size or 0
-            if taken and total > EVENT_BATCH_CHARS:
-                break
-            taken += 1
-        if taken:
-            last = sizes[taken - 1][0]
+        last, more = batch_within(rows_qs, batch, EVENT_BATCH_CHARS)
+        if last is not None:
             chosen = rows_qs.filter(seq__lte=last).order_by("seq").values(*EVENT_FIELDS)
             for row in chosen:
                 yield event_record(row)
             after = last
-        if len(sizes) < batch and taken == len(sizes):
+        if not more:
             break
     if up_to is not None and after < up_to and not RemoteTask.objects.filter(pk=task_pk).exists():
         # Removed (say by retention) while exported: ended here, the export would look whole

@@ -345,6 +345,31 @@ def raw_preview(event: Any) -> str:
     return f"{size} characters: too long to show here; open the entry to see it."
 
 
+# Log rows read in bounded batches -----------------------------------------------------------
+
+
+def batch_within(rows: QuerySet, limit: int, chars: int) -> tuple[int | None, bool]:
+    """The last seq of the first log rows of ``rows`` within ``limit`` rows and ``chars``
+    characters of their raw JSON (one row at least; None: no row), and whether more rows
+    follow. Their sizes are read, not their JSON: a row's goes up to WATCH_MAX_EVENT_BYTES,
+    and reads of a fixed number of rows (exports, a socket's resume) peaked at hundreds of MB.
+    """
+    sizes = list(
+        rows.order_by("seq")
+        .annotate(size=Length(Cast("raw", TextField())))
+        .values_list("seq", "size")[:limit]
+    )
+    taken, total = 0, 0
+    for _seq, size in sizes:
+        total += size or 0
+        if taken and total > chars:
+            break
+        taken += 1
+    if not taken:
+        return None, False
+    return sizes[taken - 1][0], taken < len(sizes) or len(sizes) == limit
+
+
 # A task page's conversation -------------------------------------------------------------------
 
 # A message up to this many characters (its JSON) is read whole for a task page, while the
