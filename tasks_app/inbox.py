@@ -23,7 +23,9 @@ from urllib.parse import urlencode
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.db.models import BooleanField, F, Func, OuterRef, QuerySet, Subquery
+from django.db.models import BooleanField, F, Func, OuterRef, QuerySet, Subquery, TextField
+from django.db.models.fields.json import KT
+from django.db.models.functions import Cast, Length, Substr
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
@@ -98,12 +100,14 @@ def row_context(
         and task.answered_seq >= task.asked_seq
         and task.answered_at is not None
     )
-    if form is None and can["operate"] and is_waiting and not answered:
+    too_long = getattr(task, "question_chars", None)  # see _questions: answered on its page
+    if form is None and can["operate"] and is_waiting and not answered and not too_long:
         form = answers.answer_form(task, prefix=f"t{task.pk}")
     return {
         "task": task,
         "asked_at": task.asked_at or task.status_timestamp or task.created_at,
         "question": question_lines(task.status_message),
+        "too_long": too_long,
         "waiting": is_waiting,
         "answered": answered,
         "can": can,
@@ -115,6 +119,33 @@ def row_context(
         if is_waiting and has_surfaces
         else "",
     }
+
+
+# A question (the task's status message) is read whole for the inbox up to this many
+# characters of its JSON; a longer one as the head of its first text part, cut by the
+# database, and answered on the task page. A status message goes up to WATCH_MAX_EVENT_BYTES:
+# twenty waiting tasks of an agent asking 8 MB questions made each view of the inbox read
+# 160 MB.
+INBOX_QUESTION_CHARS = 256 * 1024
+
+
+def _questions(tasks: list[RemoteTask]) -> None:
+    """Give each of ``tasks`` (read without ``status_message``) its question, or, for one too
+    long for the inbox, ``question_chars`` and the head of its text as a stand-in."""
+    short = [t.pk for t in tasks if (t.question_chars or 0) <= INBOX_QUESTION_CHARS]
+    whole = dict(RemoteTask.objects.filter(pk__in=short).values_list("pk", "status_message"))
+    heads = dict(
+        RemoteTask.objects.filter(pk__in=[t.pk for t in tasks if t.pk not in whole])
+        .annotate(head=Substr(KT("status_message__parts__0__text"), 1, QUESTION_CHARS * 2))
+        .values_list("pk", "head")
+    )
+    for task in tasks:
+        if task.pk in whole:
+            task.status_message = whole[task.pk]
+            task.question_chars = None
+        else:
+            head = heads.get(task.pk)
+            task.status_message = {"parts": [{"text": head}]} if head else None
 
 
 def _page(
@@ -135,11 +166,14 @@ def _page(
     keys = list(qs.order_by("asked_at", "pk").values_list("pk", flat=True)[: PAGE_SIZE + 1])
     has_next = len(keys) > PAGE_SIZE
     keys = keys[:PAGE_SIZE]
-    # The question is the status message: kept; the rest of the agent's JSON is not read.
-    rows = for_list(
-        RemoteTask.objects.select_related("agent", "answered_by"), keep=("status_message",)
-    ).in_bulk(keys)
+    # The agent's JSON is not read with the rows; the questions are read apart (_questions).
+    rows = (
+        for_list(RemoteTask.objects.select_related("agent", "answered_by"))
+        .annotate(question_chars=Length(Cast("status_message", TextField())))
+        .in_bulk(keys)
+    )
     tasks = [rows[pk] for pk in keys if pk in rows]
+    _questions(tasks)
     if extra is not None and all(t.pk != extra.pk for t in tasks):
         tasks.insert(0, extra)  # the task whose answer was refused, wherever it is in the list
     ids = waiting_ids(request.user)

@@ -858,3 +858,48 @@ def test_the_inbox_pages_through_100k_tasks_with_a_capped_count(people, alpha, n
         r">bulk (\d+)</a>", client.get(reverse("inbox") + next_url).content.decode()
     )
     assert int(second[0]) == int(first[-1]) - 4
+
+
+@pytest.mark.django_db
+def test_questions_too_long_for_the_inbox_are_cut_and_answered_on_their_page(
+    people, alpha, no_dispatch
+):
+    """Each row read its task's whole status message, up to WATCH_MAX_EVENT_BYTES: twenty
+    tasks of an agent asking 8 MB questions made every view of the inbox read 160 MB. A
+    question over INBOX_QUESTION_CHARS is read as the head of its text, cut by the database,
+    and answered on the task page; a short one keeps its form."""
+    import tracemalloc
+
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from tasks_app import inbox
+
+    short = asking(alpha, "short", question(BOOKING))
+    operator = people[Membership.Role.OPERATOR]
+    operator.get(reverse("inbox"))
+
+    def view() -> tuple[str, int, int]:
+        with CaptureQueriesContext(connection) as queries:
+            tracemalloc.start()
+            try:
+                page = operator.get(reverse("inbox")).content.decode()
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+        return page, peak, len(queries)
+
+    _, alone, queries_alone = view()
+    long_ones = [
+        asking(alpha, f"long-{n}", question(text=f"Long question {n}?\n" + "y" * 1_000_000))
+        for n in range(3)
+    ]
+    page, peak, queries = view()
+    assert peak - alone < 1_000_000, f"{alone:,} -> {peak:,} bytes"
+    assert queries == queries_alone + 1  # the heads, in one read: none row by row
+    assert f'id="answer-form-{short.pk}"' in page
+    for task in long_ones:
+        item = page.split(f'id="inbox-item-{task.pk}"')[1].split("</article>")[0]
+        assert "Long question" in item and "too long for the inbox" in item
+        assert f'href="/tasks/{task.pk}/"' in item and "<form" not in item
+    assert inbox.INBOX_QUESTION_CHARS < 1_000_000
