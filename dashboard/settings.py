@@ -32,7 +32,7 @@ import re
 import secrets
 from datetime import timedelta
 from pathlib import Path
-from urllib.parse import parse_qs, quote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
@@ -359,7 +359,7 @@ def _redis_url_problem(url: str) -> str | None:
         # redis-py takes a database that is not a number for 0 (another deployment's, maybe).
         databases = parse_qs(parts.query).get("db", [])
         if scheme != "unix":
-            databases.append(parts.path.lstrip("/") or "0")
+            databases.append(unquote(parts.path).replace("/", "") or "0")  # as redis-py reads it
         if not all(re.fullmatch(r"[0-9]{1,9}", db) for db in databases):
             return "its database number must be a whole number (0, 1, 2, ...)"
         parse_redis_url(url)

@@ -927,7 +927,12 @@ def datetime_value(value: Any, kind: str) -> str:
 def _json_text(value: Any) -> str:
     """Indented JSON as text (the template escapes it), cut to a bound; a message kept cut
     (``a2ui.kept_raw``) as the text kept."""
-    if isinstance(value, dict) and set(value) == {"cut", "chars"} and isinstance(value["cut"], str):
+    if (
+        isinstance(value, dict)
+        and set(value) == {"cut", "chars"}
+        and isinstance(value["cut"], str)
+        and type(value["chars"]) is int
+    ):
         return f"{value['cut'][:MAX_JSON_SHOWN]}\n… (cut: {value['chars']:,} characters in all)"
     try:
         text = json.dumps(value, indent=2, ensure_ascii=False, default=str)

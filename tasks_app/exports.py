@@ -134,12 +134,13 @@ def event_rows(
         if up_to is not None:
             rows_qs = rows_qs.filter(seq__lte=up_to)
         last, more = batch_within(rows_qs, batch, EVENT_BATCH_CHARS)
+        read = False
         if last is not None:
             chosen = rows_qs.filter(seq__lte=last).order_by("seq").values(*EVENT_FIELDS)
             for row in chosen:
                 yield event_record(row)
-            after = last
-        if not more:
+                after, read = row["seq"], True  # rows read, not sized: see ExportIncomplete
+        if not more or not read:
             break
     if up_to is not None and after < up_to and not RemoteTask.objects.filter(pk=task_pk).exists():
         # Removed (say by retention) while exported: ended here, the export would look whole

@@ -86,7 +86,8 @@ def test_a_redis_url_whose_database_is_not_a_number_stops_the_start(child_env: C
         assert result.returncode == 2, (url, result.stderr)
         assert "its database number must be a whole number (0, 1, 2, ...)" in result.stderr
         assert SECRET not in result.stdout + result.stderr
-    for url in ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379/", "redis://127.0.0.1:6379/15"):
+    for url in ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379/", "redis://127.0.0.1:6379/15",
+                "redis://127.0.0.1:6379/1/"):  # fmt: skip
         assert manage(child_env, "check", REDIS_URL=url).returncode == 0, url
 
 

@@ -419,3 +419,33 @@ def test_an_export_of_long_entries_streams_in_bounded_memory(fmt) -> None:
         tracemalloc.stop()
     assert written > 24_000_000  # every row went out
     assert peak < 16_000_000, f"{peak:,} bytes at the peak for a {written:,}-byte export"
+
+
+def test_a_task_removed_between_sizing_a_batch_and_reading_it_fails_its_export(
+    world, monkeypatch
+) -> None:
+    """A batch is sized first, then read: retention removing the task between the two, on
+    the last batch, left the export ended where its header said, as if whole (it advanced
+    past the rows it sized, not past those it read)."""
+    from tasks_app import exports
+
+    task = world["task"]
+    bulk_log(task, 30)
+    task.refresh_from_db()
+    real = exports.batch_within
+
+    def sized_then_removed(rows, limit, chars):
+        found = real(rows, limit, chars)
+        RemoteTask.objects.filter(pk=task.pk).delete()  # inside the window
+        return found
+
+    monkeypatch.setattr(exports, "batch_within", sized_then_removed)
+    with pytest.raises(exports.ExportIncomplete, match=r"removed while it was exported"):
+        list(exports.jsonl_chunks(task))
+
+
+def test_a_cut_form_that_is_not_ours_is_shown_as_json() -> None:
+    from tasks_app.a2ui_render import _json_text
+
+    assert _json_text({"cut": "abc", "chars": 12}) == "abc\n… (cut: 12 characters in all)"
+    assert '"chars": "zz"' in _json_text({"cut": "abc", "chars": "zz"})

@@ -270,9 +270,13 @@ def test_a_reader_reloading_a_push_task_asks_the_agent_for_its_configs_once_in_a
         )  # what LISTING_REMEMBERED_SECONDS does
         reader.get(f"/tasks/{task.pk}/push/")
         assert len(asked) == 3
+        push.delete_config(task, "theirs")  # the agent's own: none of ours changes
+        reader.get(f"/tasks/{task.pk}/push/")
+        assert asked[-2:] == ["DeleteTaskPushNotificationConfig", "ListTaskPushNotificationConfigs"]
+        asked.remove("DeleteTaskPushNotificationConfig")
         settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
         for _ in range(2):
             assert "theirs" in reader.get(f"/tasks/{task.pk}/push/").content.decode()
-        assert len(asked) == 5
+        assert len(asked) == 6
     assert set(asked) == {"ListTaskPushNotificationConfigs"}
     assert push.LISTING_REMEMBERED_SECONDS == 30

@@ -1872,6 +1872,12 @@ def _listing_key(task: RemoteTask, local: list[PushConfig]) -> str:
     return f"push-listing:{task.pk}:{hashlib.sha256(state.encode()).hexdigest()[:32]}"
 
 
+def _forget_listing(task: RemoteTask) -> None:
+    local = list(task.push_configs.order_by("created_at"))
+    with contextlib.suppress(redis.RedisError):
+        shared_redis.client(settings.REDIS_URL).delete(_listing_key(task, local))
+
+
 def _remembered_listing(key: str) -> tuple[list[dict[str, Any]], str, datetime] | None:
     try:
         value = shared_redis.client(settings.REDIS_URL).get(key)
@@ -1934,6 +1940,7 @@ def delete_config(task: RemoteTask, config_id: str, *, actor_id: int | None = No
         actor_id=actor_id,
     )  # fmt: skip
     _polled_without_configs(task, actor_id)
+    _forget_listing(task)  # an agent's own config deleted changes none of ours: the key stays
     return str(refused_ours) if refused_ours else ""
 
 
