@@ -141,6 +141,25 @@ def in_loop(work: Any) -> Any:
     return eventloop.submit(run()).result(timeout=60)
 
 
+def streamed_task(agent: Agent) -> RemoteTask:
+    return RemoteTask.objects.create(
+        agent=agent, title="t", remote_id="t-1", context_id="c-1", phase=RemoteTask.Phase.TASK,
+        state="TASK_STATE_WORKING", watch=RemoteTask.Watch.STREAM,
+    )  # fmt: skip
+
+
+def follow_one_turn(task: RemoteTask, token: str, agent: Agent) -> watchers.Outcome:
+    """One turn of a holder following ``task`` by stream, in the loop, as a worker makes it."""
+
+    async def follow(http: Any) -> watchers.Outcome:
+        holder = watchers.Holder(task.pk, token, http=None)
+        holder._take(await eventloop.db(RemoteTask.objects.select_related("agent").get, pk=task.pk))
+        holder.streaming, holder.remote_id, holder.state = True, "t-1", "TASK_STATE_WORKING"
+        return await holder._follow_turn(outbound.client_for(agent, http))
+
+    return in_loop(follow)
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_subscribe_refused_as_not_found_asks_gettask_before_calling_the_task_gone(
     peer, replies, shared_loop
@@ -148,22 +167,12 @@ def test_a_subscribe_refused_as_not_found_asks_gettask_before_calling_the_task_g
     """Some agents answer SubscribeToTask for a task that ended with -32001: the task was
     marked gone at the agent, and its end (and final artifacts) never fetched."""
     agent = agent_at(peer, streaming=True)
-    task = RemoteTask.objects.create(
-        agent=agent, title="t", remote_id="t-1", context_id="c-1", phase=RemoteTask.Phase.TASK,
-        state="TASK_STATE_WORKING", watch=RemoteTask.Watch.STREAM,
-    )  # fmt: skip
+    task = streamed_task(agent)
     replies["SubscribeToTask"] = RpcError(-32001, "task not found")
     replies["GetTask"] = {"id": "t-1", "contextId": "c-1",
                           "status": {"state": "TASK_STATE_COMPLETED"}}  # fmt: skip
     token = lease(task)
-
-    async def follow(http: Any) -> watchers.Outcome:
-        holder = watchers.Holder(task.pk, token, http=None)  # in the loop, as a worker makes it
-        holder._take(await eventloop.db(RemoteTask.objects.select_related("agent").get, pk=task.pk))
-        holder.streaming, holder.remote_id, holder.state = True, "t-1", "TASK_STATE_WORKING"
-        return await holder._follow_turn(outbound.client_for(agent, http))
-
-    in_loop(follow)
+    follow_one_turn(task, token, agent)
     task.refresh_from_db()
     assert task.state == "TASK_STATE_COMPLETED" and task.gone_at is None
 
@@ -176,24 +185,14 @@ def test_a_task_that_ended_while_no_stream_was_live_says_what_was_missed(
     the database down past the lease) was refused SubscribeToTask and recorded GetTask's
     snapshot without the gap check: the log said nothing of the events never seen live."""
     agent = agent_at(peer, streaming=True)
-    task = RemoteTask.objects.create(
-        agent=agent, title="t", remote_id="t-1", context_id="c-1", phase=RemoteTask.Phase.TASK,
-        state="TASK_STATE_WORKING", watch=RemoteTask.Watch.STREAM,
-    )  # fmt: skip
+    task = streamed_task(agent)
     replies["SubscribeToTask"] = RpcError(-32004, "the task has ended")
     replies["GetTask"] = {
         "id": "t-1", "contextId": "c-1", "status": {"state": "TASK_STATE_COMPLETED"},
         "artifacts": [{"artifactId": "a-1", "parts": [{"text": "made while unwatched"}]}],
     }  # fmt: skip
     token = lease(task)
-
-    async def follow(http: Any) -> watchers.Outcome:
-        holder = watchers.Holder(task.pk, token, http=None)
-        holder._take(await eventloop.db(RemoteTask.objects.select_related("agent").get, pk=task.pk))
-        holder.streaming, holder.remote_id, holder.state = True, "t-1", "TASK_STATE_WORKING"
-        return await holder._follow_turn(outbound.client_for(agent, http))
-
-    in_loop(follow)
+    follow_one_turn(task, token, agent)
     task.refresh_from_db()
     assert task.state == "TASK_STATE_COMPLETED"
     kinds = list(TaskEvent.objects.filter(task=task).order_by("seq").values_list("kind", flat=True))
