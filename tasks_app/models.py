@@ -117,13 +117,12 @@ AGENT_LIST_DEFERRED = ("card", "card_problems")
 
 
 def for_list(
-    qs: models.QuerySet, *, task: str | None = "", agent: str | None = "agent__", keep: tuple = ()
+    qs: models.QuerySet, *, task: str = "", agent: str | None = "agent__"
 ) -> models.QuerySet:
-    """``qs`` without the columns above. ``task`` and ``agent`` are the paths to a task and to
-    its agent in ``qs``'s rows (None: not there); ``keep``: columns the list does show."""
-    paths = (
-        [task + name for name in TASK_LIST_DEFERRED if name not in keep] if task is not None else []
-    )
+    """``qs``, a list of tasks, without the columns above: ``task`` and ``agent`` are the
+    paths to a task and to its agent in its rows (``agent`` None: not joined). A list of
+    agents defers ``AGENT_LIST_DEFERRED`` itself."""
+    paths = [task + name for name in TASK_LIST_DEFERRED]
     if agent is not None:
         paths += [agent + name for name in AGENT_LIST_DEFERRED]
     return qs.defer(*paths)

@@ -52,6 +52,7 @@ from tasks_app.forms import (
 )
 from tasks_app.middleware import form_removes_nul
 from tasks_app.models import (
+    AGENT_LIST_DEFERRED,
     INTERRUPTED_STATES,
     STATE_CHOICES,
     TERMINAL_STATES,
@@ -117,7 +118,7 @@ def _overview_column(state: str, phase: str) -> str:
 
 
 def _overview_context(user) -> dict:
-    agents = list(for_list(access.readable_agents(user), task=None, agent=""))
+    agents = list(access.readable_agents(user).defer(*AGENT_LIST_DEFERRED))
     tasks = access.readable_tasks(user)
     by_agent: dict[int, dict[str, int]] = {}
     totals: dict[str, int] = {}
@@ -199,9 +200,7 @@ def agent_list(request: HttpRequest) -> HttpResponse:
         .order_by()
     }
     agents = list(
-        for_list(access.readable_agents(request.user), task=None, agent="").select_related(
-            "project"
-        )
+        access.readable_agents(request.user).defer(*AGENT_LIST_DEFERRED).select_related("project")
     )
     for agent in agents:
         agent.task_count = counts.get(agent.pk, 0)
@@ -520,7 +519,7 @@ def filtered_tasks(user, data: dict) -> tuple:
 
 @login_required
 def task_list(request: HttpRequest) -> HttpResponse:
-    readable_agents = for_list(access.readable_agents(request.user), task=None, agent="")
+    readable_agents = access.readable_agents(request.user).defer(*AGENT_LIST_DEFERRED)
     form = TaskFilterForm(request.GET or None, agents=readable_agents)
     valid = not form.is_bound or form.is_valid()
     data = form.cleaned_data if form.is_bound and valid else {}
@@ -735,9 +734,10 @@ def _timeline(task: RemoteTask):
         # An agent switching states to and fro made every change a row of the page (50,000 of
         # them: 47 MB and 8.7 s a view): past TIMELINE_TICKS, the first change of each of
         # TIMELINE_TICKS spans of the log; the ticks between them still carry each state.
+        width = -(-task.last_seq // TIMELINE_TICKS)  # rounded up: at most TIMELINE_TICKS spans
         firsts = (
             task.events.filter(changes)
-            .annotate(span=F("seq") / step)
+            .annotate(span=F("seq") / width)
             .values("span")
             .annotate(first=Min("seq"))
             .values("first")
