@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import time
 import uuid
+from contextlib import ExitStack
 
 import pytest
+from django.db import connection, transaction
+from django.db.models import F
 
 from tasks_app.models import Agent, RemoteTask, TaskEvent
 from tasks_app.services import push
@@ -34,6 +37,15 @@ def wait_until(check, timeout: float, step: float = 0.01) -> bool:
             return True
         time.sleep(step)
     return False
+
+
+def hold_write_lock(held: ExitStack, task: RemoteTask) -> None:
+    """Open a transaction that writes ``task``'s row and keep it open until ``held`` closes.
+
+    On PostgreSQL that locks the row: the drain's record of that task waits on it. SQLite
+    has one writer at a time: every write of the drain waits on it."""
+    held.enter_context(transaction.atomic())
+    RemoteTask.objects.filter(pk=task.pk).update(title=F("title"))
 
 
 def test_a_worker_killed_mid_batch_leaves_it_to_the_next_worker(start_celery_worker) -> None:
@@ -66,12 +78,27 @@ def test_a_worker_killed_mid_batch_leaves_it_to_the_next_worker(start_celery_wor
             assert good(config, status_update(task.remote_id, ts=ts))[0] == 202
     total = TASKS * EACH
     assert r.llen(push.QUEUE_KEY) == total
-    r.delete(push.DRAIN_KEY)
-    assert push.schedule_if_waiting()
     pushed = TaskEvent.objects.filter(channel="push")
-    assert wait_until(pushed.exists, timeout=120), first.log_tail()
-    first.kill()
-    committed = pushed.count()
+    # The worker is held inside the batch by a write lock when it is killed. Killed as soon
+    # as its first commit showed, it had at times committed the whole batch already.
+    with ExitStack() as held:
+        if connection.vendor == "postgresql":
+            # The batch's last task is locked before the drain starts: every other task
+            # commits and that one waits (it is the last of its group).
+            hold_write_lock(held, tasks[-1])
+            r.delete(push.DRAIN_KEY)
+            assert push.schedule_if_waiting()
+            waited = wait_until(lambda: pushed.count() == total - EACH, timeout=120)
+            assert waited, (pushed.count(), first.log_tail())
+        else:
+            # SQLite locks the whole database: taken once the first task has committed, the
+            # lock holds the worker at its next write.
+            r.delete(push.DRAIN_KEY)
+            assert push.schedule_if_waiting()
+            assert wait_until(pushed.exists, timeout=120), first.log_tail()
+            hold_write_lock(held, tasks[-1])
+        committed = pushed.count()
+        first.kill()
     assert 0 < committed < total, committed  # killed inside the batch, not after it
     assert r.llen(push.QUEUE_KEY) == total  # the batch is still queued, in order
 
