@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.util
 import logging
 import math
 import os
@@ -35,7 +36,8 @@ from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import dj_database_url
-from django.core.exceptions import ImproperlyConfigured
+from django.core.exceptions import ImproperlyConfigured, ValidationError
+from django.core.validators import validate_email
 from redis.connection import parse_url as parse_redis_url
 
 from tasks_app.runtime.files import create_private_once, ensure_private_file, narrow, private_dir
@@ -79,6 +81,18 @@ def _shown(text: str) -> str:
 
 # Longest duration taken, per unit: past about this, timedelta arithmetic overflows at use.
 _century = {"seconds": 100 * 365 * 24 * 3600, "minutes": 100 * 365 * 24 * 60, "days": 100 * 365}
+# Shortest duration taken (other than a 0 that means something): a loop period of 1e-300 s
+# passed "more than 0" and made its loop spin, writing to the database and Redis each turn.
+SHORTEST_DURATION = 0.01
+
+
+def _duration_bounds(unit: str, *, zero_ok: bool) -> str:
+    span = f"from {SHORTEST_DURATION:g} to {_century[unit]}"
+    return f"0, or {span}" if zero_ok else span
+
+
+def _a_duration(value: float, unit: str) -> bool:
+    return SHORTEST_DURATION <= value <= _century[unit]
 
 
 def env_int(name: str, default: int, *, minimum: int, maximum: int | None = None) -> int:
@@ -120,16 +134,17 @@ def env_number(name: str, default: float, *, minimum: float = 0) -> float:
 def env_duration(
     name: str, default: float, unit: str = "seconds", *, zero_ok: bool = False
 ) -> float:
-    """A duration: more than 0 (or at least 0 where 0 means something), at most a century."""
+    """A duration from SHORTEST_DURATION to a century (or 0, where 0 means something)."""
     text = os.environ.get(name, "").strip()
     if not text:
         return float(default)
     value = _number(text)
-    longest = _century[unit]
-    if value is None or value > longest or value < 0 or (value == 0 and not zero_ok):
-        bounds = f"from 0 to {longest}" if zero_ok else f"more than 0 and at most {longest}"
+    if value == 0 and zero_ok:
+        return 0.0
+    if value is None or not _a_duration(value, unit):
         raise ImproperlyConfigured(
-            f"{name} must be a number of {unit} {bounds}, not {_shown(text)}."
+            f"{name} must be a number of {unit} {_duration_bounds(unit, zero_ok=zero_ok)}, "
+            f"not {_shown(text)}."
         )
     return value
 
@@ -142,10 +157,9 @@ def env_duration_or_off(name: str, default: float | None, unit: str = "seconds")
     value = _number(text)
     if text.lower() in _off_words or value == 0:
         return None
-    longest = _century[unit]
-    if value is None or not 0 < value <= longest:
+    if value is None or not _a_duration(value, unit):
         raise ImproperlyConfigured(
-            f"{name} must be a number of {unit} more than 0 and at most {longest}, "
+            f"{name} must be a number of {unit} {_duration_bounds(unit, zero_ok=False)}, "
             f"or 0 or off to turn it off, not {_shown(text)}."
         )
     return value
@@ -682,7 +696,30 @@ INLINE_CONTENT_BYTES = env_int("INLINE_CONTENT_BYTES", 64 * 1024, minimum=0)
 # days are removed by a beat job every RETENTION_EVERY_SECONDS; unset or empty keeps every
 # task forever. With RETENTION_EXPORT_DIR each task is exported there first (JSON Lines).
 RETENTION_DAYS = env_duration_or_off("RETENTION_DAYS", None, "days")
-RETENTION_EXPORT_DIR = os.environ.get("RETENTION_EXPORT_DIR", "").strip()
+
+
+def _retention_export_dir() -> str:
+    """RETENTION_EXPORT_DIR, checked now: a folder that could not be made failed the daily
+    job, and retention with it, with nothing said at start. Relative, it would name another
+    folder for each process's working directory. It may not exist yet (the job makes it,
+    0700, on the workers' machines), so only a path that is there and not a folder fails."""
+    text = os.environ.get("RETENTION_EXPORT_DIR", "").strip()
+    if not text:
+        return ""
+    path = Path(text)
+    if not path.is_absolute():
+        raise ImproperlyConfigured(
+            f"RETENTION_EXPORT_DIR must be an absolute path, not {_shown(text)}."
+        )
+    if path.exists() and not path.is_dir():
+        raise ImproperlyConfigured(
+            f"RETENTION_EXPORT_DIR must be a folder (or where one can be made), and "
+            f"{_shown(text)} is a file."
+        )
+    return text
+
+
+RETENTION_EXPORT_DIR = _retention_export_dir()
 RETENTION_EVERY_SECONDS = env_duration("RETENTION_EVERY_SECONDS", 24 * 3600)
 
 # Deadlines on whole outbound calls (not only per read): a trickling answer fails.
@@ -817,7 +854,24 @@ ALERT_MAX_PER_RULE = env_int("ALERT_MAX_PER_RULE", 500, minimum=1)
 # addresses, and/or one JSON POST to this URL (through the outbound guard: a webhook on a
 # private network needs OUTBOUND_ALLOW), each within the timeout. With the secret the body
 # is signed: X-Dashboard-Signature: sha256=<HMAC-SHA256 of the body, hex>.
-ALERT_EMAIL_TO = env_list("ALERT_EMAIL_TO", [])
+
+
+def _alert_email_to() -> list[str]:
+    """ALERT_EMAIL_TO, checked now: an address that is not one failed every delivery, found
+    at the first alert rather than at start."""
+    addresses = env_list("ALERT_EMAIL_TO", [])
+    for address in addresses:
+        try:
+            validate_email(address)
+        except ValidationError:
+            raise ImproperlyConfigured(
+                f"ALERT_EMAIL_TO must be e-mail addresses separated by commas, and "
+                f"{_shown(address)} is not one."
+            ) from None
+    return addresses
+
+
+ALERT_EMAIL_TO = _alert_email_to()
 ALERT_EMAIL_FROM = os.environ.get("ALERT_EMAIL_FROM", "").strip()
 
 
@@ -844,7 +898,28 @@ ALERT_NOTIFY_RESOLVED = env_flag("ALERT_NOTIFY_RESOLVED", True)
 ALERT_REFRESH_SECONDS = env_duration("ALERT_REFRESH_SECONDS", 5)
 
 # Django's e-mail, from the environment (used by alert delivery).
-EMAIL_BACKEND = env_text("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend")
+
+
+def _email_backend() -> str:
+    """EMAIL_BACKEND, checked now as far as it can be without importing it (a module of the
+    deployment's own may need settings): a dotted path whose module exists. A typo failed
+    every delivery, found at the first alert."""
+    path = env_text("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend")
+    module, _, name = path.rpartition(".")
+    try:
+        found = bool(module) and name.isidentifier() and importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ImproperlyConfigured(
+            "EMAIL_BACKEND must be the dotted path of a mail backend class (such as "
+            f"django.core.mail.backends.smtp.EmailBackend) in a module that exists, not "
+            f"{_shown(path)}."
+        )
+    return path
+
+
+EMAIL_BACKEND = _email_backend()
 EMAIL_HOST = env_text("EMAIL_HOST", "localhost")
 EMAIL_PORT = env_int("EMAIL_PORT", 25, minimum=1, maximum=65535)
 EMAIL_HOST_USER = os.environ.get("EMAIL_HOST_USER", "")

@@ -85,7 +85,7 @@ def refused(child_env: ChildEnv, name: str, value: str) -> str:
     return lines[0]
 
 
-SECONDS = "a number of seconds more than 0 and at most 3153600000"
+SECONDS = "a number of seconds from 0.01 to 3153600000"
 
 
 @pytest.mark.parametrize(
@@ -93,26 +93,42 @@ SECONDS = "a number of seconds more than 0 and at most 3153600000"
     [
         ("LOGIN_FAILURE_LIMIT", "ten", "a whole number of at least 1, not 'ten'."),
         ("LOGIN_FAILURE_LIMIT", "0", "a whole number of at least 1, not '0'."),
-        ("LOGIN_COOLOFF_MINUTES", "0", "a number of minutes more than 0 and at most 52560000, not '0'."),
+        ("LOGIN_COOLOFF_MINUTES", "0", "a number of minutes from 0.01 to 52560000, not '0'."),
         ("WATCH_LEASE_SECONDS", "4s", f"{SECONDS}, not '4s'."),
         ("WATCH_POLL_MIN_SECONDS", "inf", f"{SECONDS}, not 'inf'."),
+        # More than 0, and the reconciler's loop spun: periods are at least 10 ms.
+        ("RECONCILE_EVERY_SECONDS", "1e-300", f"{SECONDS}, not '1e-300'."),
+        ("ALERT_EVERY_SECONDS", "0.001",
+         "a number of seconds 0, or from 0.01 to 3153600000, not '0.001'."),
+        ("ALERT_QUESTION_WAITING_SECONDS", "1e-9",
+         f"{SECONDS}, or 0 or off to turn it off, not '1e-9'."),
         ("EMAIL_PORT", "smtp", "a whole number from 1 to 65535, not 'smtp'."),
         ("EMAIL_PORT", "70000", "a whole number from 1 to 65535, not '70000'."),
         ("BUDGET_TASK_EVENTS_PER_SECOND", "-5", "a number of at least 0, not '-5'."),
         ("PUSH_DEDUPE_SECONDS", "0", "a whole number from 1 to 3153600000, not '0'."),
-        ("ALERT_EVERY_SECONDS", "-1", "a number of seconds from 0 to 3153600000, not '-1'."),
+        ("ALERT_EVERY_SECONDS", "-1", "a number of seconds 0, or from 0.01 to 3153600000, not '-1'."),
         ("ALERT_SILENT_WORKING_SECONDS", "soon",
          f"{SECONDS}, or 0 or off to turn it off, not 'soon'."),
         ("RETENTION_DAYS", "nan",
-         "a number of days more than 0 and at most 36500, or 0 or off to turn it off, not 'nan'."),
+         "a number of days from 0.01 to 36500, or 0 or off to turn it off, not 'nan'."),
         ("RETENTION_DAYS", "inf",
-         "a number of days more than 0 and at most 36500, or 0 or off to turn it off, not 'inf'."),
+         "a number of days from 0.01 to 36500, or 0 or off to turn it off, not 'inf'."),
         ("RETENTION_DAYS", "-1",
-         "a number of days more than 0 and at most 36500, or 0 or off to turn it off, not '-1'."),
+         "a number of days from 0.01 to 36500, or 0 or off to turn it off, not '-1'."),
         ("LOG_LEVEL", "verbose", "one of DEBUG, INFO, WARNING, ERROR, CRITICAL, not 'verbose'."),
         ("DASHBOARD_PRODUCTION", "ture", "1, true, yes or on (or 0, false, no or off), not 'ture'."),
         ("EMAIL_USE_TLS", "yes please",
          "1, true, yes or on (or 0, false, no or off), not 'yes please'."),
+        # Checked at start now (each failed every alert's e-mail, or the daily retention job).
+        ("EMAIL_BACKEND", "smtp",
+         "the dotted path of a mail backend class (such as django.core.mail.backends.smtp."
+         "EmailBackend) in a module that exists, not 'smtp'."),
+        ("EMAIL_BACKEND", "django.core.mail.backends.smpt.EmailBackend",
+         "the dotted path of a mail backend class (such as django.core.mail.backends.smtp."
+         "EmailBackend) in a module that exists, not 'django.core.mail.backends.smpt.EmailB...'."),
+        ("ALERT_EMAIL_TO", "ops@example.org, on-call at example.org",
+         "e-mail addresses separated by commas, and 'on-call at example.org' is not one."),
+        ("RETENTION_EXPORT_DIR", "exports", "an absolute path, not 'exports'."),
         # Checked at start now (a malformed key failed when a credential was first stored;
         # a short one weakened the keys derived from it), and never shown.
         ("FIELD_ENCRYPTION_KEY", "notakey", "a Fernet key (32 url-safe base64-encoded bytes)."),
@@ -252,25 +268,42 @@ def test_an_empty_value_means_the_default(child_env: ChildEnv) -> None:
     assert_defaults(loaded_settings(child_env, **empty))
 
 
-def test_documented_spellings_are_accepted(child_env: ChildEnv) -> None:
+def test_documented_spellings_are_accepted(child_env: ChildEnv, tmp_path) -> None:
     """0/off turn a rule (or retention) off; flags take 1/true/yes/on and 0/false/no/off in any case."""
     accepted = {
         "RETENTION_DAYS": "off", "ALERT_SILENT_WORKING_SECONDS": "0", "ALERT_PARKED": "Off",
         "ALERT_EVERY_SECONDS": "0", "DEBUG": "TRUE", "RECORD_ASYNC_COMMIT": "0",
         "RECONCILE_IN_WORKERS": "no", "LOG_LEVEL": "warning", "EMAIL_PORT": "587",
         "WATCH_LEASE_SECONDS": "2.5", "ALERT_WEBHOOK_URL": "https://hooks.example.org:8443/x?t=1",
+        "EMAIL_BACKEND": "django.core.mail.backends.locmem.EmailBackend",
+        "ALERT_EMAIL_TO": "ops@example.org, on-call+a2a@example.org",
+        "RETENTION_EXPORT_DIR": str(tmp_path / "not-made-yet"), "RECONCILE_EVERY_SECONDS": "0.01",
     }  # fmt: skip
     code = (
         "from django.conf import settings as s; "
         "print(s.RETENTION_DAYS, s.ALERT_SILENT_WORKING_SECONDS, s.ALERT_PARKED, "
         "s.ALERT_EVERY_SECONDS, s.DEBUG, s.RECORD_ASYNC_COMMIT, s.RECONCILE_IN_WORKERS, "
-        "s.LOGGING['root']['level'], s.EMAIL_PORT, s.WATCH_LEASE_SECONDS)"
+        "s.LOGGING['root']['level'], s.EMAIL_PORT, s.WATCH_LEASE_SECONDS, "
+        "s.RECONCILE_EVERY_SECONDS, s.ALERT_EMAIL_TO, s.EMAIL_BACKEND.rpartition('.')[0], "
+        "s.RETENTION_EXPORT_DIR.endswith('not-made-yet'))"
     )
     result = manage(child_env, "shell", "-c", code, **accepted)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == (
-        "None None False 0.0 True False False WARNING 587 2.5"
+        "None None False 0.0 True False False WARNING 587 2.5 0.01 "
+        "['ops@example.org', 'on-call+a2a@example.org'] django.core.mail.backends.locmem True"
     )
+
+
+def test_a_retention_export_dir_that_is_a_file_is_one_sentence(
+    child_env: ChildEnv, tmp_path
+) -> None:
+    """The daily job failed to make the folder, and retention with it, each day."""
+    a_file = tmp_path / "exports"
+    a_file.write_text("x")
+    line = refused(child_env, "RETENTION_EXPORT_DIR", str(a_file))
+    assert line.startswith("Configuration error: RETENTION_EXPORT_DIR must be a folder")
+    assert line.endswith("is a file.")
 
 
 # -- the alerts page with a URL the settings would refuse (set in-process) ------------------
