@@ -56,6 +56,8 @@ class Check:
     timeout: float
     # Said to staff when ``run`` raises something other than CheckFailed.
     failure: str
+    # Said instead when the part answered and refused (see REFUSALS).
+    refused: str = ""
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,12 @@ class Result:
 
     def as_dict(self) -> dict[str, object]:
         return {"ok": self.ok, "message": self.message, "ms": self.ms}
+
+
+# Errors that mean the part answered and said no: a Redis that wants another password, is
+# out of memory or read-only, or has no such database. "Did not answer" sent the operator
+# after the network instead.
+REFUSALS = (redis.exceptions.ResponseError, redis.exceptions.AuthenticationError)
 
 
 def check_database(timeout: float) -> None:
@@ -190,8 +198,14 @@ CHECKS: tuple[Check, ...] = (
     # Redis answers in milliseconds; 1.5 s leaves its own timeout 1.5 s before the deadline,
     # so a hung Redis is named as such even on a busy machine (with 2.0 s, a loaded CI
     # machine once passed the deadline first).
-    Check("redis", check_redis, 1.5, "Redis did not answer"),
-    Check("channel_layer", check_channel_layer, 1.5, "the channel layer did not answer"),
+    Check("redis", check_redis, 1.5, "Redis did not answer", "Redis refused the command"),
+    Check(
+        "channel_layer",
+        check_channel_layer,
+        1.5,
+        "the channel layer did not answer",
+        "the channel layer's Redis refused the command",
+    ),
     # kombu collects replies in whole-second polls: a 1.5 s wait takes over 2 s, a 1 s one ~1 s.
     Check("worker", check_worker, 1.0, "no Celery worker answered"),
 )
@@ -227,7 +241,8 @@ def _verdict(check: Check, future: Future[None] | None, started: float, deadline
     except CheckFailed as exc:
         message = str(exc)
     except Exception as exc:  # any driver error: its class, never its text (log_change says it)
-        message = f"{check.failure} ({type(exc).__name__})"
+        said = check.refused if check.refused and isinstance(exc, REFUSALS) else check.failure
+        message = f"{said} ({type(exc).__name__})"
     else:
         ok, message = True, "ok"
     return Result(ok, message, round((time.monotonic() - started) * 1000, 1))

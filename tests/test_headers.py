@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import pytest
 from django.conf import settings as django_settings
@@ -218,6 +219,22 @@ def test_a_driver_error_is_said_once_with_its_class_not_once_per_poll(
         ("tasks_app.health", logging.WARNING,
          "Health: not ok (redis: Redis did not answer (ConnectionError))"),
     ]  # fmt: skip
+
+
+@pytest.mark.django_db
+def test_a_redis_that_answers_and_refuses_is_said_to_refuse(
+    django_user_model, monkeypatch, settings
+) -> None:
+    """The real Redis, asked for a database it does not have: it answers, with an error.
+    It was said not to answer, which sends an operator after the network."""
+    checks = tuple(check for check in health.CHECKS if check.name in ("database", "redis"))
+    monkeypatch.setattr(health, "CHECKS", checks)
+    settings.REDIS_URL = urlsplit(settings.REDIS_URL)._replace(path="/99999").geturl()
+    answer = client_for(django_user_model, is_staff=True).get("/healthz")
+    assert answer.status_code == 503
+    said = answer.json()["checks"]
+    assert said["redis"]["message"] == "Redis refused the command (ResponseError)"
+    assert said["database"]["message"] == "ok"
 
 
 @pytest.mark.django_db
