@@ -755,8 +755,10 @@ class SchemaAnswerForm(NulRemovingForm):
         data = super().clean()
         assert self.spec.root is not None and self.spec.schema is not None
         answer = self._build(self.spec.root)
-        if self.errors:
-            return data
+        # The schema is checked even when some fields failed their own checks: its errors go
+        # next to the other fields (a field in error keeps its own), so a person learns every
+        # problem at once; checked only after the fields passed, "at most 10" came on a
+        # second submit. The answer is taken only when nothing failed.
         cls = validator_for(self.spec.schema, default=Draft202012Validator)
         validator = _bounded(cls)(self.spec.schema, format_checker=_format_checker(cls))
         errors = sorted(
@@ -764,7 +766,7 @@ class SchemaAnswerForm(NulRemovingForm):
         )
         for error in errors[:50]:
             self._place(error, answer)
-        if not errors:
+        if not errors and not self.errors:
             self._answer = answer
         return data
 

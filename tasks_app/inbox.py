@@ -1,7 +1,8 @@
 """The inbox: every task waiting on a person, oldest question first, with an answer form inline.
 
 A task waits on a person while its state is ``input-required`` or ``auth-required`` and it is
-neither abandoned nor settled; only the agents of the person's projects count
+neither abandoned, settled nor gone at the agent (an answer could never reach it: its page
+offers refresh and abandon); only the agents of the person's projects count
 (``access.readable_tasks``). A question that was answered but not yet taken up by the agent
 still counts (the state has not moved), shown with who answered and when, without a form;
 the browser can tell waiting from the task-list summaries alone (state and watcher status),
@@ -57,7 +58,9 @@ _WAITING_STATES = Func(
 
 def waiting(qs: QuerySet[RemoteTask]) -> QuerySet[RemoteTask]:
     """The tasks of ``qs`` that wait on a person (the rule in the module docstring)."""
-    return qs.filter(_WAITING_STATES, abandoned_at__isnull=True, settled_at__isnull=True)
+    return qs.filter(
+        _WAITING_STATES, abandoned_at__isnull=True, settled_at__isnull=True, gone_at__isnull=True
+    )
 
 
 def waiting_ids(user: Any) -> list[int]:
@@ -103,6 +106,7 @@ def row_context(
     too_long = getattr(task, "question_chars", None)  # see _questions: answered on its page
     if form is None and can["operate"] and is_waiting and not answered and not too_long:
         form = answers.answer_form(task, prefix=f"t{task.pk}")
+    refusal, kept = _refused(form) if not is_waiting else ("", "")
     return {
         "task": task,
         "asked_at": task.asked_at or task.status_timestamp or task.created_at,
@@ -112,13 +116,29 @@ def row_context(
         "answered": answered,
         "can": can,
         "form": form if can["operate"] and is_waiting else None,
+        "refusal": refusal,
+        "kept": kept,
         "answer_action": reverse("inbox-answer", args=[task.pk]),
+        # The row of an answer refused: the page that comes back brings it into view
+        # (static/dashboard/forms.js); it opened at the top, the error maybe far below.
+        "refused": bool(refusal or getattr(form, "notice", ""))
+        or (form is not None and form.is_bound and bool(form.errors)),
         "answer_form_id": f"answer-form-{task.pk}",
         # The agent's A2UI forms, to fill in here (drawn by tasks_app/a2ui_render.py).
         "surfaces": (lambda: views_a2ui.surfaces_block(request, task, "inbox"))
         if is_waiting and has_surfaces
         else "",
     }
+
+
+def _refused(form: Any) -> tuple[str, str]:
+    """An answer refused because its task stopped waiting: why (who answered, when), and the
+    free text typed, to copy. The row shows no form then, and its errors went unseen."""
+    if form is None or not form.is_bound or not form.errors:
+        return "", ""
+    said = [str(e) for errors in form.errors.values() for e in errors]
+    typed = form.data.get(form.add_prefix("text"), "") if "text" in form.fields else ""
+    return " ".join(said), str(typed)
 
 
 # A question (the task's status message) is read whole for the inbox up to this many
@@ -239,8 +259,9 @@ def inbox_answer(request: HttpRequest, pk: int) -> HttpResponse:
 
 
 def answers_of(tasks: list[RemoteTask]) -> dict[int, ConversationMessage]:
-    """Each answered task's answer message (the first message of ours after the question),
-    for a page of tasks in two queries whatever its length."""
+    """Each answered task's answer message (the last message of ours after the question:
+    an answer the agent refused is followed by the one given again), for a page of tasks in
+    two queries whatever its length."""
     answered = [t for t in tasks if t.answered_at]
     if not answered:
         return {}
@@ -248,7 +269,7 @@ def answers_of(tasks: list[RemoteTask]) -> dict[int, ConversationMessage]:
         ConversationMessage.objects.filter(
             task_id=OuterRef("pk"), role="ROLE_USER", seq__gt=OuterRef("answered_seq")
         )
-        .order_by("seq", "id")
+        .order_by("-seq", "-id")
         .values("pk")[:1]
     )
     ids = dict(

@@ -268,6 +268,9 @@ class RemoteTask(models.Model):
         related_name="answered_tasks",
     )
     answered_at = models.DateTimeField(null=True, blank=True)
+    # When the last answer was refused by the agent (or never got to it) and its question
+    # opened again (``answer_failed``); cleared by the next answer. The page said "sent".
+    answer_failed_at = models.DateTimeField(null=True, blank=True)
     # Watcher bookkeeping (see the watcher state table in docs/architecture.md).
     watcher_since = models.DateTimeField(null=True, blank=True)
     fruitless_turns = models.PositiveIntegerField(default=0, db_default=0)

@@ -185,7 +185,7 @@ def test_bad_filters_give_a_message_next_to_the_filter(world, query, field, mess
     response = world["clients"]["root"].get(reverse("audit") + "?" + query)
     assert response.status_code == 400
     body = response.content.decode()
-    errors = re.search(rf'<ul class="errorlist" id="{field}-errors">(.*?)</ul>', body, re.S)
+    errors = re.search(rf'<ul class="errorlist" id="id_{field}_error">(.*?)</ul>', body, re.S)
     assert errors and message in errors.group(1), body[:3000]
     assert shown(response) == []
     bad_csv = world["clients"]["root"].get(reverse("audit-csv") + "?" + query)
@@ -208,7 +208,9 @@ def test_an_auditor_learns_nothing_of_people_outside_the_projects_they_audit(wor
         response = auditor.get(reverse("audit") + f"?person={name}")
         assert response.status_code == 400
         found = re.search(
-            r'<ul class="errorlist" id="person-errors">(.*?)</ul>', response.content.decode(), re.S
+            r'<ul class="errorlist" id="id_person_error">(.*?)</ul>',
+            response.content.decode(),
+            re.S,
         )
         assert found, response.content.decode()[:2000]
         return found.group(1).replace(name, "NAME")

@@ -39,7 +39,7 @@ def agent_row() -> Agent:
 
 
 def errors_of(body: str, field_id: str) -> str:
-    found = re.search(rf'id="{field_id}-errors"[^>]*>(.*?)</div>', body, re.S)
+    found = re.search(rf'id="{field_id}_error"[^>]*>(.*?)</div>', body, re.S)
     return found.group(1) if found else ""
 
 
@@ -172,7 +172,7 @@ def test_the_last_day_as_a_to_date_is_not_called_no_date(django_user_model, agen
         response = client.get(reverse("audit") + "?" + last)
         body = response.content.decode()
         assert response.status_code == 200, (last, body[:2000])
-        assert 'id="until-errors"' not in body
+        assert 'id="id_until_error"' not in body
         assert (f'data-action="{action.pk}"' in body) is listed, last
     csv = client.get(reverse("audit-csv") + "?until=9999-12-31")
     assert csv.status_code == 200

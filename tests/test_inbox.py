@@ -293,6 +293,18 @@ def test_an_invalid_answer_is_refused_next_to_its_field(field, value, message) -
     assert message in " ".join(form.errors[by_path[field]])
 
 
+def test_every_problem_of_an_answer_is_said_at_once() -> None:
+    """Fields that fail their own checks and one that fails only the schema's: all three
+    said on the first submit ("At most 10." came only once the other two were fixed)."""
+    by_path = names(booking_form())
+    post = {"question": "3", by_path["name"]: "", by_path["guests"]: "11", by_path["date"]: ""}
+    form = booking_form(post)
+    assert not form.is_valid()
+    assert set(form.errors) == {by_path["name"], by_path["guests"], by_path["date"]}, form.errors
+    assert form.errors[by_path["guests"]] == ["At most 10."]
+    assert form.errors[by_path["name"]] == ["This field is required."]  # said once, not twice
+
+
 def test_a_missing_required_nested_field_is_shown_next_to_it() -> None:
     by_path = names(booking_form())
     post = {
@@ -573,7 +585,7 @@ def test_the_task_page_renders_the_schema_form_and_refuses_an_invalid_answer(
     assert response.status_code == 400
     html = response.content.decode()
     errors = re.search(
-        rf'data-field="{by_path["guests"]}".*?<div class="errors" id="id_{by_path["guests"]}-errors"[^>]*>(.*?)</div>',
+        rf'data-field="{by_path["guests"]}".*?<div class="errors" id="id_{by_path["guests"]}_error"[^>]*>(.*?)</div>',
         html,
         re.S,
     )
@@ -736,6 +748,73 @@ def test_answering_from_the_inbox(people, alpha, no_dispatch):
         response.status_code == 400
         and "Already answered by operator-person" in response.content.decode()
     )
+
+
+def test_an_answer_the_agent_refused_says_so_and_a_task_gone_leaves_the_inbox(
+    people, alpha, no_dispatch
+):
+    """The agent refused the answer (or never got it): its record said "Last answer by ..."
+    as if sent. And a task gone at the agent stayed in the inbox, its form offered for an
+    answer that could never be sent (refused only once typed and posted)."""
+    task = asking(alpha, "ask", question())
+    operator = people[Membership.Role.OPERATOR]
+    prefix = f"t{task.pk}"
+    sent = {f"{prefix}-question": task.asked_seq, f"{prefix}-text": "Ada"}
+    assert operator.post(reverse("inbox-answer", args=[task.pk]), sent).status_code == 302
+    task.refresh_from_db()
+    assert task_services.answer_failed(task.pk, task.outbox["message"]["messageId"])
+    page = operator.get(reverse("task-detail", args=[task.pk])).content.decode()
+    assert "not delivered" in page and 'id="answer-form"' in page  # open again, said so
+    listed = operator.get(reverse("inbox")).content.decode()
+    assert f'id="answer-form-{task.pk}"' in listed
+    assert inbox.waiting_ids(task.agent.project.memberships.first().user) == [task.pk]
+
+    assert task_services.mark_gone(task.pk, None, "TaskNotFound")
+    listed = operator.get(reverse("inbox")).content.decode()
+    assert f'id="inbox-item-{task.pk}"' not in listed
+    assert inbox.waiting_ids(task.agent.project.memberships.first().user) == []
+    # A new answer, once the task is found again, is no longer "not delivered".
+    RemoteTask.objects.filter(pk=task.pk).update(gone_at=None, watcher_status="idle")
+    task.refresh_from_db()
+    task_services.answer_task(task, "again", question_seq=task.asked_seq)
+    page = operator.get(reverse("task-detail", args=[task.pk])).content.decode()
+    start = page.index('id="answer-record"')
+    record_html = page[start : page.index("</div></div>", start)]
+    assert "not delivered" not in page and "<b>Answered</b> by" in record_html
+    assert "<p>again</p>" in record_html and "<p>Ada</p>" not in record_html  # the new one
+
+
+def test_an_answer_to_a_task_that_moved_on_says_who_answered_and_keeps_the_text(
+    people, alpha, no_dispatch
+):
+    """Someone answered, and the agent finished the task. The second answer from the inbox was
+    refused with only "No longer waiting", the typed text gone and the row's head still
+    saying "waiting for an answer"; the docs promise who answered and when."""
+    task = asking(alpha, "ask", question())
+    operator = people[Membership.Role.OPERATOR]
+    prefix = f"t{task.pk}"
+    first = {f"{prefix}-question": task.asked_seq, f"{prefix}-text": "Ada"}
+    assert operator.post(reverse("inbox-answer", args=[task.pk]), first).status_code == 302
+    record(
+        task,
+        {"statusUpdate": {"taskId": task.remote_id, "contextId": "c",
+                          "status": {"state": "TASK_STATE_COMPLETED"}}},
+        "poll",
+    )  # fmt: skip
+    second = {**first, f"{prefix}-text": "Grace, table for <two>"}
+    response = operator.post(reverse("inbox-answer", args=[task.pk]), second)
+    body = response.content.decode()
+    assert response.status_code == 400
+    row = body[body.index(f'id="inbox-item-{task.pk}"') :]
+    row = row[: row.index("</article>")]
+    assert "Already answered by operator-person at " in row
+    assert "This task is not waiting for an answer (it is completed)." in row
+    assert "Your answer was not sent." in row
+    assert 'data-refused="1"' in row  # brought into view by static/dashboard/forms.js
+    assert "Grace, table for &lt;two&gt;</textarea>" in row
+    assert "waiting for an answer" not in row.split("</p>")[0]  # the row's head
+    task.refresh_from_db()
+    assert task.outbox["message"]["parts"] == [{"text": "Ada"}]
 
 
 @pytest.mark.django_db

@@ -194,6 +194,12 @@ def test_a_schema_question_becomes_a_form_that_refuses_an_invalid_answer(
     assert page.locator(".has-error").count() == 1
     assert page.input_value("#id_a_0") == "Ada" and page.input_value("#id_a_2") == "2030-05-01"
     assert page.is_checked("input[name=a_3][value='\"fish\"']")
+    # The field in error has the focus (the page came back at its top before), and its
+    # error is the description a screen reader gives it.
+    assert page.evaluate("document.activeElement.id") == "id_a_1"
+    described = (page.get_attribute("#id_a_1", "aria-describedby") or "").split()
+    assert "id_a_1_error" in described
+    assert all(page.locator(f"[id='{name}']").count() == 1 for name in described), described
     shot(page, "answer-schema-refused")
     assert stack.query("SELECT answered_seq, outbox FROM tasks_app_remotetask WHERE id=?", pk)[
         0
@@ -242,6 +248,15 @@ def test_the_inbox_page_is_live_and_answers_inline(context, page, stack, demo_ag
     shot(page, "inbox")
     page.fill(f"#id_t{pk}-a_0", "Grace")
     page.fill(f"#id_t{pk}-a_2", "2031-01-02")
+    # Refused: the page comes back with this row's field in error focused, so in view (it
+    # opened at its top, the error maybe thousands of pixels below, unseen).
+    page.fill(f"#id_t{pk}-a_1", "42")
+    page.click(f"#answer-form-{pk} button[type=submit]")
+    page.wait_for_selector(f"#inbox-item-{pk} .field.has-error[data-field='t{pk}-a_1']")
+    assert page.url.endswith(f"/inbox/{pk}/answer/"), page.url
+    assert page.evaluate("document.activeElement.id") == f"id_t{pk}-a_1"
+    assert page.input_value(f"#id_t{pk}-a_0") == "Grace"
+    page.fill(f"#id_t{pk}-a_1", "3")
     page.click(f"#answer-form-{pk} button[type=submit]")
     page.wait_for_url(re.compile(r"/inbox/$"))
     assert "Answer sent" in page.inner_text(".flash")
@@ -267,3 +282,38 @@ def test_the_inbox_says_live_when_its_script_arrives_after_the_socket_opened(pag
         assert "live" in page.inner_text("#inbox-live")
     finally:
         page.unroute("**/dashboard/inbox.js*")
+
+
+def test_an_answer_typed_while_another_tab_answers_stays_in_view(context, page, stack):
+    """Two tabs on one question: the task page's form was replaced as soon as the other tab's
+    answer landed, wiping what was typed; the inbox greyed its row but kept Send enabled,
+    inviting a post that the server refused and whose text was then lost."""
+    pk = start_task(page, "ask")
+    wait_state(page, "input required")
+    page.fill("#id_text", "Ada, typed here")
+    inbox_page = context.new_page()
+    other = context.new_page()
+    try:
+        inbox_page.goto("/inbox/")
+        wait_badge_socket(inbox_page)
+        inbox_page.fill(f"#id_t{pk}-text", "Ada, typed in the inbox")
+        other.goto(f"/tasks/{pk}/")
+        other.fill("#id_text", "Grace")
+        other.click("#answer-form button[type=submit]")
+        other.wait_for_url(re.compile(rf"/tasks/{pk}/$"))
+        # The task page keeps what was typed, read-only, and says it was not sent.
+        page.wait_for_selector("#kept-answer", timeout=20_000)
+        assert page.input_value("#kept-answer") == "Ada, typed here"
+        assert "your answer was not sent" in page.inner_text(".kept-answer-box")
+        assert page.locator("#answer-form").count() == 0
+        # The inbox row, once the task stops waiting: text kept, Send disabled, one note.
+        row = f"#inbox-item-{pk}"
+        inbox_page.wait_for_selector(f"{row} .inbox-left", timeout=20_000)
+        assert inbox_page.input_value(f"#id_t{pk}-text") == "Ada, typed in the inbox"
+        assert inbox_page.is_disabled(f"{row} form button[type=submit]")
+        assert inbox_page.locator(f"{row} .inbox-left").count() == 1
+        shot(page, "answer-kept-after-another-answered")
+    finally:
+        inbox_page.close()
+        other.close()
+    assert stack.state(pk) == "TASK_STATE_COMPLETED"

@@ -344,7 +344,7 @@ def test_add_agent_rejects_a_bad_url_and_keeps_it(client_in):
     )
     html = response.content.decode()
     assert response.status_code == 200
-    assert 'id="id_url-errors"' in html
+    assert 'id="id_url_error"' in html
     assert 'value="not a url"' in html and 'value="mine"' in html
 
 
@@ -406,7 +406,7 @@ def test_credentials_are_never_shown_back(client_in, demo_agent_row):
         f"/agents/{demo_agent_row.pk}/credentials/", {"kind": "bearer", "token": ""}
     )
     assert missing.status_code == 400
-    assert 'id="id_token-errors"' in missing.content.decode()
+    assert 'id="id_token_error"' in missing.content.decode()
     secret = "s3cr3t-token-value"
     done = client_in.post(
         f"/agents/{demo_agent_row.pk}/credentials/", {"kind": "bearer", "token": secret}
@@ -448,7 +448,7 @@ def test_new_task_bad_json_keeps_everything(
     )
     html = response.content.decode()
     assert response.status_code == 400
-    assert 'id="id_data-errors"' in html and "Not valid JSON" in html
+    assert 'id="id_data_error"' in html and "Not valid JSON" in html
     assert "my long message" in html and "{&quot;a&quot;: 1," in html
     assert "Kept from before: <b>notes.txt</b>" in html
     kept = re.search(r'name="kept_file" value="([^"]+)"', html).group(1)
@@ -478,7 +478,7 @@ def test_new_task_needs_some_content(client_in, demo_agent_row):
         "/tasks/new", {"agent": demo_agent_row.pk, "text": "  ", "mode": "auto"}
     )
     assert response.status_code == 400
-    assert 'id="id_text-errors"' in response.content.decode()
+    assert 'id="id_text_error"' in response.content.decode()
 
 
 def test_new_task_stream_mode_on_a_non_streaming_agent(client_in, demo_agent_row):
@@ -488,7 +488,7 @@ def test_new_task_stream_mode_on_a_non_streaming_agent(client_in, demo_agent_row
     )
     html = response.content.decode()
     assert response.status_code == 400
-    assert 'id="id_mode-errors"' in html and "does not declare streaming" in html
+    assert 'id="id_mode_error"' in html and "does not declare streaming" in html
     assert "hi</textarea>" in html
 
 
@@ -1020,5 +1020,5 @@ def test_new_task_json_data_is_standard_json_within_a_depth(
         assert response.status_code == 302 and RemoteTask.objects.count() == 1
         return
     html = response.content.decode()
-    assert response.status_code == 400 and 'id="id_data-errors"' in html and said in html
+    assert response.status_code == 400 and 'id="id_data_error"' in html and said in html
     assert not RemoteTask.objects.exists()

@@ -71,10 +71,16 @@
     row.dataset.leaving = "1";
     row.dataset.waiting = "0";
     row.classList.add("inbox-done");
-    const note = document.createElement("p");
-    note.className = "muted inbox-left";
-    note.textContent = "No longer waiting" + (label ? " (" + label + ")" : "") + ".";
-    row.appendChild(note);
+    // What was typed stays readable (to copy), but it can no longer be sent from here:
+    // the server would refuse it, and the button invited a try that lost the text.
+    row.querySelectorAll("form button, form input[type=submit]").forEach((b) => { b.disabled = true; });
+    if (!row.querySelector(".inbox-left")) {
+      const note = document.createElement("p");
+      note.className = "muted inbox-left";
+      note.setAttribute("role", "status");
+      note.textContent = "No longer waiting" + (label ? " (" + label + ")" : "") + ".";
+      row.appendChild(note);
+    }
     if (dirty.has(pk)) return; // keep what was typed in view; the server would refuse it now
     setTimeout(() => { row.remove(); refreshEmpty(); }, 1500);
   }

@@ -2,7 +2,7 @@
  *
  * The server renders the count and (under its cap) the ids it counted. The task-list
  * socket then brings every readable task's summary; a task waits while its state is
- * input-required or auth-required and it is not abandoned (tasks_app/inbox.py says the
+ * input-required or auth-required and it is neither abandoned nor gone (tasks_app/inbox.py says the
  * same on the server). A per-task map of waiting / not waiting (with the last seq seen,
  * so an older summary never undoes a newer one) turns each summary into +1, -1 or
  * nothing. Over the cap the badge says "1000+" and stays so until a reload.
@@ -26,7 +26,7 @@
   let lastStatus = null; // a listener added after the socket opened still hears where it is
 
   function isWaiting(s) {
-    return INTERRUPTED.includes(s.state) && s.watcher_status !== "abandoned";
+    return INTERRUPTED.includes(s.state) && s.watcher_status !== "abandoned" && s.watcher_status !== "gone";
   }
 
   function show() {

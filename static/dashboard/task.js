@@ -233,6 +233,43 @@
     el.dataset.html = html;
     el.scrollTop = follow ? el.scrollHeight : top;
   }
+  // What a person typed into the answer form, to keep in view when the form goes (someone
+  // else answered, or the agent asked something else): replaced silently, it was lost.
+  let typedInAnswer = false;
+  document.addEventListener("input", (ev) => {
+    if (ev.target && ev.target.closest && ev.target.closest("#answer-form")) typedInAnswer = true;
+  });
+  function typedAnswer(current) {
+    const form = current && current.querySelector("#answer-form");
+    if (!form || !typedInAnswer) return "";
+    const fields = form.querySelectorAll("textarea, input[type=text], input[type=number], input[type=date], input[type=datetime-local], input[type=email], input[type=url]");
+    const filled = Array.from(fields).filter((el) => el.value.trim());
+    return filled.map((el) => {
+      const label = el.id ? form.querySelector('label[for="' + el.id + '"]') : null;
+      const name = label ? label.textContent.replace("*", "").trim() : "";
+      return (name && filled.length > 1 ? name + ": " : "") + el.value;
+    }).join("\n");
+  }
+  function keepTyped(box, typed, questionBefore) {
+    const form = box.querySelector("#answer-form");
+    if (!typed || (form && form.dataset.question === questionBefore)) return;
+    const kept = document.createElement("div");
+    kept.className = "kept-answer-box";
+    kept.setAttribute("role", "status");
+    const note = document.createElement("p");
+    note.className = "bad small";
+    note.textContent = (form ? "The agent asked something else" : "The question was answered or ended") +
+      " while you were typing: your answer was not sent. What you typed:";
+    const text = document.createElement("textarea");
+    text.id = "kept-answer";
+    text.readOnly = true;
+    text.rows = 3;
+    text.value = typed;
+    text.setAttribute("aria-label", "Your answer, not sent");
+    kept.append(note, text);
+    (box.querySelector(".task-actions") || box).prepend(kept);
+    typedInAnswer = false;
+  }
   function replaceActions(html) {
     const box = document.getElementById("task-actions");
     const tmp = document.createElement("div");
@@ -244,7 +281,12 @@
     const pushSwitch = document.getElementById("push-switch");
     if (pushSwitch && fresh && !fresh.dataset.pushSwitch) pushSwitch.remove();
     if (fresh && current && fresh.dataset.key === current.dataset.key) return; // keep what is typed
+    const typed = typedAnswer(current);
+    const before = current && current.querySelector("#answer-form");
+    const kept = current && current.querySelector(".kept-answer-box");
     box.innerHTML = html;
+    if (kept && !typed) (box.querySelector(".task-actions") || box).prepend(kept);
+    keepTyped(box, typed, before ? before.dataset.question : "");
   }
   // A snapshot (a polled agent's Task), a gap or the end can change any artifact without an
   // artifactUpdate event: then every artifact block is redrawn from the server.

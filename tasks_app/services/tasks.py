@@ -277,7 +277,7 @@ def answer_task(
     """
     require(actor_id, task.agent.project_id, Perm.OPERATE)
     if task.state not in ("TASK_STATE_INPUT_REQUIRED", "TASK_STATE_AUTH_REQUIRED"):
-        raise TaskActionError("This task is not waiting for an answer.")
+        raise _not_waiting(task, question_seq)
     if task.abandoned_at is not None:
         # Never watched again: nobody would send it (the A2UI action's claim rolls back too).
         raise TaskActionError("This task was abandoned; an answer would never be sent.")
@@ -311,6 +311,7 @@ def answer_task(
             answered_seq=asked,
             answered_by_id=actor_id,
             answered_at=timezone.now(),
+            answer_failed_at=None,
             # A hold-off with no holder (push silence, a parked recheck) would keep the
             # answer's watcher from the lease: a push-followed task's answer waited for as
             # long as the agent went on notifying (each notification moves it on).
@@ -331,6 +332,18 @@ def answer_task(
         transaction.on_commit(lambda: dispatch(task.pk))
     task.refresh_from_db()
     return task
+
+
+def _not_waiting(task: RemoteTask, question_seq: int | None) -> TaskActionError:
+    """The task moved on. When the question the person saw was answered meanwhile (maybe
+    why it moved on), who answered and when: the second person was told only that the task
+    no longer waited, and the docs promise them the first one's name."""
+    ended = f"This task is not waiting for an answer (it is {task.state_label.lower()})."
+    if question_seq and task.answered_seq >= question_seq:
+        taken = answer_refusal(task.pk, question_seq)
+        if isinstance(taken, AnswerTaken):
+            return AnswerTaken(f"{taken} {ended}", by=taken.by, at=taken.at)
+    return TaskActionError(ended)
 
 
 def answer_refusal(task_pk: int, asked: int) -> TaskActionError:
@@ -1145,7 +1158,7 @@ def answer_failed(task_pk: int, message_id: str) -> bool:
             pk=task_pk, outbox__message__messageId=message_id, answered_seq=F("asked_seq")
         )
         .exclude(asked_seq=0)
-        .update(outbox=None, answered_seq=F("asked_seq") - 1)
+        .update(outbox=None, answered_seq=F("asked_seq") - 1, answer_failed_at=timezone.now())
     )
 
 

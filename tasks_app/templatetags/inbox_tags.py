@@ -68,4 +68,6 @@ def answer_record(task: RemoteTask, in_list: bool = False) -> dict[str, Any]:
         else "a command-line user",
         "html": message_html(message.message) if message else "",
         "current": task.answered_seq >= task.asked_seq,
+        # Refused by the agent (or never got to it): its question is open again.
+        "failed": task.answer_failed_at is not None and task.answered_seq < task.asked_seq,
     }
