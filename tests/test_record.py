@@ -103,6 +103,19 @@ def test_a_call_leaves_no_reference_cycle_to_collect(task):
     assert left == []
 
 
+def test_our_own_entries_say_what_happened_in_their_rows_note(task):
+    """A system row's line under its kind was empty: "answer-failed ... the task is gone"
+    was in its raw JSON alone, and the page showed a bare "system"."""
+    detail = "TASK_NOT_FOUND: no such task; the task is gone " + "x" * 400
+    record(task, {"system": {"event": "answer-failed", "detail": detail}}, "system")
+    record(task, {"system": {"event": "gone"}}, "system")
+    record(task, {"system": {"detail": "no event named"}}, "system")
+    notes = list(task.events.order_by("seq").values_list("note", flat=True))
+    assert notes[0].startswith("answer-failed: TASK_NOT_FOUND: no such task; the task is gone")
+    assert len(notes[0]) == record_module.SYSTEM_NOTE_CHARS and notes[0].endswith("…")
+    assert notes[1:] == ["gone", ""]
+
+
 def test_first_task_event_adopts_the_remote_id(task):
     result = record(task, snapshot("t-1", "TASK_STATE_SUBMITTED"), "stream")
     task.refresh_from_db()

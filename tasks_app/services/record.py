@@ -214,6 +214,20 @@ def _parse(obj: Any) -> Entry:
     return Entry(kind, _normalized(kind, payload), obj)
 
 
+# A system entry's note (the log row's line under its kind) holds this much of its detail.
+SYSTEM_NOTE_CHARS = 300
+
+
+def _system_note(payload: dict) -> str:
+    """Our own entry's event and detail as its row's note: the row said only "system", and
+    "answer-failed: ... the task is gone" was in its raw JSON alone."""
+    event, detail = payload.get("event"), payload.get("detail")
+    if not isinstance(event, str) or not event:
+        return ""
+    note = f"{event}: {detail}" if isinstance(detail, str) and detail else event
+    return note if len(note) <= SYSTEM_NOTE_CHARS else note[: SYSTEM_NOTE_CHARS - 1] + "…"
+
+
 def _normalized(kind: str, payload: dict) -> dict:
     """The payload without default-valued optional fields (the log keeps it as it came)."""
     if kind == "task":
@@ -1620,7 +1634,7 @@ class _Fold:
             self.set(phase=RemoteTask.Phase.FAILED)
             self._unpark("the send failed; nothing is left to watch")
         if payload.get("event") != "settled":
-            self.rows.append(_Row(entry, "system", entry.note))
+            self.rows.append(_Row(entry, "system", entry.note or _system_note(payload)))
             return
         if self.settled:
             return
@@ -1631,7 +1645,7 @@ class _Fold:
             return
         self.set(settled_at=timezone.now())
         self._unpark("the task has ended; nothing is left to watch")
-        self.rows.append(_Row(entry, "system", entry.note))
+        self.rows.append(_Row(entry, "system", entry.note or _system_note(payload)))
 
     def _unpark(self, note: str) -> None:
         """A parked task that ends (settled by an operator's cancel or refresh, or a send
