@@ -88,7 +88,7 @@ def timeline_svg(
         out.append(
             f'<rect class="tl-seg st-{escape(short)}" x="{x1}" y="{BAR_Y}" width="{width:.2f}" '
             f'height="{BAR_H}" rx="3"><title>{escape(short)}: {escape(_fmt_duration(seconds))} '
-            f"from {escape(a.strftime('%H:%M:%S'))}</title></rect>"
+            f"from {escape(a.strftime('%H:%M:%S %Z'))}</title></rect>"
         )
         if ended and i == len(segments) - 1:
             out.append(
@@ -104,10 +104,11 @@ def timeline_svg(
         x = x_of(at)
         out.append(
             f'<line class="tl-tick" x1="{x}" x2="{x}" y1="{BAR_Y + BAR_H + 2}" y2="{BAR_Y + BAR_H + 8}">'
-            f"<title>#{seq} at {escape(at.strftime('%H:%M:%S.%f')[:-3])}</title></line>"
+            f"<title>#{seq} at {escape(at.strftime('%H:%M:%S.%f')[:-3])} {escape(at.tzname() or '')}</title>"
+            "</line>"
         )
     out.append(
-        f'<text class="tl-axis" x="4" y="{HEIGHT - 2}">{escape(start.strftime("%H:%M:%S"))}</text>'
+        f'<text class="tl-axis" x="4" y="{HEIGHT - 2}">{escape(start.strftime("%H:%M:%S %Z"))}</text>'
         f'<text class="tl-axis" x="{WIDTH - 4}" y="{HEIGHT - 2}" text-anchor="end">'
         f"+{escape(_fmt_duration(span))}</text>"
     )

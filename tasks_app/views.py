@@ -11,7 +11,7 @@ from urllib.parse import urlencode
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.handlers.asgi import ASGIRequest
-from django.db.models import Count, F, Min, Q, TextField
+from django.db.models import Count, F, Min, Q, QuerySet, TextField
 from django.db.models.functions import Cast, Length, Substr
 from django.http import (
     Http404,
@@ -1037,11 +1037,12 @@ def task_events(request: HttpRequest, pk: int) -> HttpResponse:
     if view == "compact":
         context.update(_compact_history(task))
         return render(request, "tasks_app/task_events.html", context)
-    entries = task.events.filter(seq__gt=after)
+    matching = task.events.all()
     if wanted.get("kind"):
-        entries = entries.filter(kind=wanted["kind"])
+        matching = matching.filter(kind=wanted["kind"])
     if wanted.get("channel"):
-        entries = entries.filter(channel=wanted["channel"])
+        matching = matching.filter(channel=wanted["channel"])
+    entries = matching.filter(seq__gt=after)
     rows = list(
         with_raw_preview(entries).select_related("actor").order_by("seq")[: EVENTS_ON_PAGE + 1]
     )
@@ -1053,9 +1054,25 @@ def task_events(request: HttpRequest, pk: int) -> HttpResponse:
         {
             "events": [{"e": e, "raw": raw_preview(e)} for e in rows],
             "next_url": "?" + urlencode({**params, "after": next_after}) if next_after else "",
+            "previous_url": _earlier_entries(matching, after, params),
         }
     )
     return render(request, "tasks_app/task_events.html", context)
+
+
+def _earlier_entries(matching: QuerySet[TaskEvent], after: int, params: dict) -> str:
+    """The link to the page of entries before ``after`` (none on the first page): the page
+    whose last entry is the last one up to ``after``, found backwards on the (task, seq)
+    index. A page past the first had a way forward only."""
+    if after <= 0:
+        return ""
+    before = list(
+        matching.filter(seq__lte=after)
+        .order_by("-seq")
+        .values_list("seq", flat=True)[EVENTS_ON_PAGE : EVENTS_ON_PAGE + 1]
+    )
+    query = {**params, "after": before[0]} if before else params
+    return "?" + urlencode(query) if query else "?"
 
 
 def _compact_history(task: RemoteTask) -> dict:

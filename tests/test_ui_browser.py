@@ -291,6 +291,8 @@ def test_task_list_is_live_and_filters(context, page, stack, demo_agent_pk):
     # The new task appears in the open list without a reload, and its state follows.
     page.wait_for_selector(f"#task-row-{pk}")
     page.wait_for_selector(f"#task-row-{pk} .badge:text-is('completed')")
+    # The count is the page load's, and says what arrived since (it stayed as it was).
+    assert page.text_content("#task-count-since") == " when the page loaded (since then 1 arrived)"
     other.close()
     # Filter by state through the form: kept in the URL.
     page.select_option("#id_state", "TASK_STATE_COMPLETED")

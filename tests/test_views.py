@@ -281,6 +281,9 @@ def test_task_list_filters_and_keyset_pages(
     assert numbers and all(n % 2 == 1 and n % 3 == 0 for n in numbers)
     assert numbers == sorted(numbers)  # oldest first
 
+    just_one = client_in.get("/tasks/?q=job 119").content.decode()
+    assert "1 task matches<" in just_one and "1 task match<" not in just_one
+
     by_context = client_in.get("/tasks/?context=ctx-a").content.decode()
     assert sorted(int(n) for n in re.findall(r">job (\d+)<", by_context)) == list(range(10))
     by_text = client_in.get("/tasks/?q=job 11").content.decode()
@@ -613,6 +616,18 @@ def test_event_detail_escapes_raw_json(client_in, rich_task):
     assert as_json["raw"]["artifactUpdate"]["artifact"]["artifactId"] == "md"
 
 
+def test_every_time_shown_says_its_zone(client_in, rich_task):
+    """Bare times such as "10:30:43" on the task page and the list read as a browser's local
+    time; the event log and the audit page said "UTC", these did not."""
+    pages = [client_in.get(url).content.decode() for url in ("/tasks/", f"/tasks/{rich_task.pk}/")]
+    for html in pages:
+        shown = re.findall(r"<time [^>]*>([^<]*)</time>", html)
+        clock = [text for text in shown if re.search(r"\d\d:\d\d:\d\d", text)]
+        assert clock and all(text.endswith(" UTC") for text in clock), clock
+    timeline = re.findall(r"<title>[^<]*\d\d:\d\d:\d\d[^<]*</title>", pages[1])
+    assert timeline and all(" UTC<" in title for title in timeline), timeline[:3]
+
+
 def test_full_log_pages(client_in, rich_task, monkeypatch):
     import tasks_app.views as views
 
@@ -621,6 +636,14 @@ def test_full_log_pages(client_in, rich_task, monkeypatch):
     assert re.findall(r'<tr data-seq="(\d+)"', first) == ["1", "2"]
     second = client_in.get(f"/tasks/{rich_task.pk}/events/?after=2").content.decode()
     assert re.findall(r'<tr data-seq="(\d+)"', second) == ["3", "4"]
+    # A way back as well as forward (a page past the first had only "Later entries").
+    assert 'id="earlier-entries"' not in first
+    assert re.search(r'href="\?" id="earlier-entries"', second)
+    third = client_in.get(f"/tasks/{rich_task.pk}/events/?after=4").content.decode()
+    assert re.search(r'href="\?after=2" id="earlier-entries"', third)  # the page of 3 and 4
+    kinds = client_in.get(f"/tasks/{rich_task.pk}/events/?after=4&kind=artifactUpdate")
+    back = re.search(r'href="([^"]*)" id="earlier-entries"', kinds.content.decode())
+    assert back and "kind=artifactUpdate" in back.group(1)  # the filter is kept
 
 
 def test_cancel_error_is_shown_plainly(client_in, rich_task, monkeypatch):

@@ -48,10 +48,26 @@
     }
     if (watch) watch.textContent = watcher;
     const time = tr.querySelector("time");
-    if (time && s.updated_at) { time.setAttribute("datetime", s.updated_at); time.textContent = s.updated_at.slice(0, 19).replace("T", " "); }
+    // As the server writes it (TIME_ZONE is UTC): the summary's time is in UTC.
+    if (time && s.updated_at) { time.setAttribute("datetime", s.updated_at); time.textContent = new Date(s.updated_at).toISOString().slice(0, 19).replace("T", " ") + " UTC"; }
+    const wasStale = tr.classList.contains("stale");
     tr.classList.toggle("stale", !matches(s));
+    if (!wasStale && tr.classList.contains("stale")) noteChange(false);
     tr.classList.add("flash-row");
     setTimeout(() => tr.classList.remove("flash-row"), 800);
+  }
+
+  // The count is the server's, as the page loaded: a task that arrives or stops matching
+  // live is said beside it (the list cannot know what changed on the other pages).
+  const since = document.getElementById("task-count-since");
+  let arrived = 0, left = 0;
+  function noteChange(came) {
+    if (!since) return;
+    if (came) arrived += 1; else left += 1;
+    const parts = [];
+    if (arrived) parts.push(arrived + " arrived");
+    if (left) parts.push(left + " no longer match" + (left === 1 ? "es" : ""));
+    since.textContent = " when the page loaded (since then " + parts.join(", ") + ")";
   }
 
   const pending = new Set();
@@ -73,6 +89,7 @@
       const before = document.documentElement.scrollHeight;
       tbody.insertBefore(tr, tbody.firstChild);
       known.set(key, parseInt(tr.dataset.seq || "0", 10));
+      noteChange(true);
       // Keep what the reader looks at in place.
       if (window.scrollY > 0) window.scrollBy(0, document.documentElement.scrollHeight - before);
       tr.classList.add("flash-row");
