@@ -167,11 +167,16 @@ def test_a_data_model_update_redraws_bound_values_live(page, stack, demo_agent_p
     slide(page.locator(f"{surface} [data-a2ui-id=size] input"), "5")
     assert page.inner_text(f"{surface} [data-a2ui-id=guests-value]") == "5"
     page.fill(f"{surface} [data-a2ui-id=name] input", "Ada")
-    # The Book button's checks (name and date) keep it disabled until both are given.
-    assert page.is_disabled(f"{surface} button.a2ui-button")
+    # The Book button's checks (name and date) keep it disabled until both are given, and
+    # the reason is said beside it (it was in its title only: a mouse's tooltip).
+    button = f"{surface} button.a2ui-button"
+    assert page.is_disabled(button)
+    why = page.get_attribute(button, "aria-describedby")
+    assert why and page.inner_text(f"#{why}").strip(), page.inner_text(surface)
     page.fill(f"{surface} [data-a2ui-id=date] input", "2030-05-01")
     page.locator(f"{surface} [data-a2ui-id=seating] input[value=terrace]").check()
-    assert page.is_enabled(f"{surface} button.a2ui-button")
+    assert page.is_enabled(button)
+    assert page.inner_text(f"#{why}").strip() == ""
     shot(page, "a2ui-booking-form")
     page.click(f"{surface} button.a2ui-button")
     page.wait_for_url(re.compile(rf"/tasks/{pk}/$"))

@@ -303,6 +303,18 @@ def test_task_list_is_live_and_filters(context, page, stack, demo_agent_pk):
     assert page.locator("#task-rows tr[data-task]").count() == 1
     page.goto("/tasks/")
     shot(page, "task-list")
+    # On a phone the Task column keeps a readable width (it was 48 px, a letter a line); the
+    # table scrolls in its box instead.
+    page.set_viewport_size({"width": 390, "height": 844})
+    try:
+        page.goto("/tasks/")
+        width = page.eval_on_selector(
+            f"#task-row-{pk} td", "td => td.getBoundingClientRect().width"
+        )
+        assert width >= 120, width
+        shot(page, "task-list-phone")
+    finally:
+        page.set_viewport_size({"width": 1280, "height": 900})
     page.goto("/")
     assert page.inner_text("#needs-input .num") == "0"
     shot(page, "overview")

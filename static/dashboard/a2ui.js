@@ -157,6 +157,7 @@
     });
   }
 
+  let whyCount = 0;
   function check(surface, showAll) {
     const model = modelOf(surface);
     let ok = true;
@@ -173,6 +174,17 @@
       const msgs = failures(b, model);
       b.disabled = msgs.length > 0;
       b.title = msgs.join(" ");
+      // Said beside it as well: a title shows to a mouse only, and keyboard and touch users
+      // met a button that did nothing, with no reason given.
+      let why = b.nextElementSibling;
+      if (!why || !why.classList.contains("a2ui-button-why")) {
+        why = document.createElement("span");
+        why.className = "a2ui-button-why small muted";
+        why.id = "a2ui-why-" + (++whyCount);
+        b.after(why);
+        b.setAttribute("aria-describedby", why.id);
+      }
+      why.textContent = msgs.join(" ");
     });
     return ok;
   }
