@@ -176,14 +176,21 @@ def get_agent_for_user(request: HttpRequest, pk: int, perm: Perm = Perm.READ) ->
 
 
 def get_task_for_user(
-    request: HttpRequest, pk: int, perm: Perm = Perm.READ, *, related: tuple[str, ...] = ("agent",)
+    request: HttpRequest,
+    pk: int,
+    perm: Perm = Perm.READ,
+    *,
+    related: tuple[str, ...] = ("agent",),
+    unread: tuple[str, ...] = (),
 ) -> RemoteTask:
-    """The task, if the person may read it (else 404) and has ``perm`` on it (else 403)."""
+    """The task, if the person may read it (else 404) and has ``perm`` on it (else 403).
+
+    ``unread``: more columns the route reads its own way (a column an agent sizes)."""
     # A task's merged metadata, which no page shows, grows with its agent to the byte budget,
     # and each poll of the page's live view read it: left unread (read on use).
     task = (
         RemoteTask.objects.select_related(*{"agent", *related})
-        .defer("metadata")
+        .defer("metadata", *unread)
         .filter(pk=pk)
         .first()
     )

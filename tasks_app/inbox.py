@@ -236,8 +236,19 @@ def inbox(request: HttpRequest) -> HttpResponse:
 @require_GET
 @markdown_budgeted
 def inbox_row(request: HttpRequest, pk: int) -> HttpResponse:
-    """One task as an inbox row (server-rendered, for live inserts)."""
-    task = get_task_for_user(request, pk, related=("agent", "answered_by"))
+    """One task as an inbox row (server-rendered, for live inserts): its question read as
+    the page reads it (``_questions``), not whole (it goes up to WATCH_MAX_EVENT_BYTES, and
+    every open inbox asks for the row of each task that starts waiting)."""
+    task = get_task_for_user(
+        request, pk, related=("agent", "answered_by"), unread=("status_message",)
+    )
+    task.question_chars = (  # type: ignore[attr-defined]
+        RemoteTask.objects.filter(pk=pk)
+        .annotate(chars=Length(Cast("status_message", TextField())))
+        .values_list("chars", flat=True)
+        .first()
+    )
+    _questions([task])
     return render(request, "tasks_app/_inbox_row.html", {"row": row_context(request, task)})
 
 

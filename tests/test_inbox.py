@@ -982,3 +982,26 @@ def test_questions_too_long_for_the_inbox_are_cut_and_answered_on_their_page(
         assert "Long question" in item and "too long for the inbox" in item
         assert f'href="/tasks/{task.pk}/"' in item and "<form" not in item
     assert inbox.INBOX_QUESTION_CHARS < 1_000_000
+
+
+@pytest.mark.django_db
+def test_a_live_inbox_row_reads_its_question_as_the_page_does(people, alpha, no_dispatch):
+    """Every open inbox asks for the row of each task that starts waiting: that route read
+    the whole status message (up to WATCH_MAX_EVENT_BYTES) of a question the page itself
+    reads as its head only."""
+    import tracemalloc
+
+    operator = people[Membership.Role.OPERATOR]
+    short = asking(alpha, "short", question(BOOKING))
+    long_one = asking(alpha, "long", question(text="Long question?\n" + "y" * 2_000_000))
+    operator.get(reverse("inbox-row", args=[short.pk]))  # first-use costs left out
+    tracemalloc.start()
+    try:
+        row = operator.get(reverse("inbox-row", args=[long_one.pk])).content.decode()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000, f"{peak:,} bytes"
+    assert "Long question?" in row and "too long for the inbox" in row and "<form" not in row
+    short_row = operator.get(reverse("inbox-row", args=[short.pk])).content.decode()
+    assert f'id="answer-form-{short.pk}"' in short_row and "Please fill in" in short_row
