@@ -8,6 +8,7 @@ urlpatterns = [
     path("agents/", views.agent_list, name="agent-list"),
     path("agents/add/", views.agent_add, name="agent-add"),
     path("agents/<int:pk>/", views.agent_detail, name="agent-detail"),
+    path("agents/<int:pk>/card.json", views.agent_card, name="agent-card"),
     path("agents/<int:pk>/credentials/", views.agent_credentials, name="agent-credentials"),
     path("agents/<int:pk>/refresh/", views.agent_refresh, name="agent-refresh"),
     path(

@@ -355,8 +355,18 @@ def _card_view(card: object, known_problems: object = ()) -> dict:
         "input_modes": _texts(card.get("defaultInputModes")),
         "output_modes": _texts(card.get("defaultOutputModes")),
         "problems": _card_problems(raw, known_problems),
-        "raw": pretty_json(raw),
+        **_raw_card(raw),
     }
+
+
+# Of a card's indented JSON the agent page shows this many characters; the whole card is a
+# download (``agent_card``). A card goes up to a megabyte, and every view drew it whole.
+CARD_RAW_SHOWN = 64 * 1024
+
+
+def _raw_card(card: object) -> dict[str, object]:
+    text = pretty_json(card)
+    return {"raw": text[:CARD_RAW_SHOWN], "raw_more": max(0, len(text) - CARD_RAW_SHOWN)}
 
 
 def _agent_context(request: HttpRequest, agent: Agent, **extra: object) -> dict:
@@ -395,6 +405,16 @@ def _agent_counts(agent: Agent) -> list[dict[str, object]]:
 def agent_detail(request: HttpRequest, pk: int) -> HttpResponse:
     agent = get_agent_for_user(request, pk)
     return render(request, "tasks_app/agent_detail.html", _agent_context(request, agent))
+
+
+@login_required
+@require_GET
+def agent_card(request: HttpRequest, pk: int) -> HttpResponse:
+    """The agent's stored card, whole, as a JSON download (the page shows its head)."""
+    agent = get_agent_for_user(request, pk)
+    response = HttpResponse(pretty_json(agent.card), content_type="application/json; charset=utf-8")
+    response["Content-Disposition"] = f'attachment; filename="agent-{agent.pk}-card.json"'
+    return response
 
 
 @sensitive_post_parameters("token", "api_key")

@@ -76,6 +76,7 @@ RULES: dict[str, Rule] = {
     "task-list": Rule("GET", LOGIN, 200),
     "agent-add": Rule("GET", M, 200),
     "agent-detail": Rule("GET", R, 200),
+    "agent-card": Rule("GET", R, 200),
     "agent-credentials": Rule("POST", M, 400),  # an empty form: refused with its errors
     "agent-refresh": Rule("POST", M, 302),
     "agent-approve-origin": Rule("POST", M, 302),

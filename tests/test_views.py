@@ -1023,6 +1023,27 @@ def test_agent_page_bounds_the_problems_of_a_card(client_in):
     assert f"… and {problems - 100} more problems" in shown
 
 
+def test_agent_page_shows_the_head_of_a_big_card_and_offers_it_whole(client_in):
+    """A card goes up to a megabyte, and every view of the agent page drew it whole, indented."""
+    import html as html_module
+
+    from tasks_app import views
+
+    card = {**ODD_CARD, "description": "d" * 300_000}
+    agent = odd_agent(card)
+    html = client_in.get(f"/agents/{agent.pk}/").content.decode()
+    shown = re.search(r'id="card-raw">(.*?)</pre>', html, re.S).group(1)
+    assert len(html_module.unescape(shown)) == views.CARD_RAW_SHOWN
+    whole = views.pretty_json(card)
+    assert f"… and {len(whole) - views.CARD_RAW_SHOWN} more characters" in html
+    download = client_in.get(reverse("agent-card", args=[agent.pk]))
+    assert download.status_code == 200 and download["Content-Disposition"].startswith("attachment")
+    assert json.loads(download.content) == card
+    small = odd_agent(ODD_CARD)
+    html = client_in.get(f"/agents/{small.pk}/").content.decode()
+    assert "more characters" not in html and 'id="card-download"' in html
+
+
 @pytest.mark.parametrize(
     ("data", "said"),
     [
