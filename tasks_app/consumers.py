@@ -86,7 +86,7 @@ from django.db.models import Q
 
 from tasks_app import access, socket_places
 from tasks_app.models import RemoteTask, TaskEvent
-from tasks_app.previews import batch_within
+from tasks_app.previews import sized_batch
 from tasks_app.relay import LIST_GROUP, person_group, task_group
 from tasks_app.services.record import task_summary
 from tasks_app.services.snapshot import event_json
@@ -95,6 +95,10 @@ log = logging.getLogger(__name__)
 
 BATCH = 500
 BATCH_CHARS = 4 * 1024 * 1024  # of the rows' raw JSON a read takes at most (but one row)
+# A row whose raw JSON is longer goes to the browser without it (``raw_cut``: its size; the
+# page links to the row and redraws what it shows from the server). An agent's event goes up
+# to WATCH_MAX_EVENT_BYTES, and every open page of the task got it whole, into its DOM.
+SOCKET_RAW_CHARS = 64 * 1024
 # A resume sends at most this many rows from the log. Further behind (a page left open
 # through a long outage, or a socket asking ``?after=0`` of a long log), the page is told
 # to load again (``reload``): it then shows the newest rows and resumes after them. One
@@ -132,8 +136,11 @@ def _authenticated(scope: dict) -> bool:
     return bool(user is not None and getattr(user, "is_authenticated", False))
 
 
-def event_message(event: TaskEvent) -> dict[str, Any]:
-    return {"type": "event", **event_json(event)}
+def event_message(event: TaskEvent, cut: int | None = None) -> dict[str, Any]:
+    """A log row for the browser; ``cut``: its raw JSON's size, left out (read deferred)."""
+    if cut is None:
+        return {"type": "event", **event_json(event)}
+    return {"type": "event", **event_json(event, with_raw=False), "raw_cut": cut}
 
 
 def _seq(value: Any) -> int | None:
@@ -223,14 +230,22 @@ def _read_log(
     task_pk: int, after: int, upto: int | None, limit: int
 ) -> tuple[list[dict[str, Any]], bool]:
     """The next rows after ``after`` (at most ``limit``, and ``BATCH_CHARS`` of raw JSON but
-    one row: ``previews.batch_within``), and whether more follow."""
+    one row: ``previews.sized_batch``), and whether more follow. A row whose JSON is over
+    ``SOCKET_RAW_CHARS`` goes without it (``raw_cut``)."""
     qs = TaskEvent.objects.filter(task_id=task_pk, seq__gt=after)
     if upto is not None:
         qs = qs.filter(seq__lte=upto)
-    last, more = batch_within(qs, limit, BATCH_CHARS)
-    if last is None:
+    sizes, more = sized_batch(qs, limit, BATCH_CHARS)
+    if not sizes:
         return [], False
-    return [event_message(e) for e in qs.filter(seq__lte=last).order_by("seq")], more
+    batch = qs.filter(seq__lte=max(sizes)).order_by("seq")
+    big = [seq for seq, size in sizes.items() if size > SOCKET_RAW_CHARS]
+    if not big:
+        return [event_message(e) for e in batch], more
+    # The big rows are read without their JSON, then put in order with the others.
+    rows = [event_message(e) for e in batch.exclude(seq__in=big)]
+    rows += [event_message(e, cut=sizes[e.seq]) for e in batch.filter(seq__in=big).defer("raw")]
+    return sorted(rows, key=lambda row: row["seq"]), more
 
 
 async def _join(consumer: AsyncJsonWebsocketConsumer, *groups: str) -> None:

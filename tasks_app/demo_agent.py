@@ -48,6 +48,10 @@ Behaviour is chosen by the first word of the user's text:
                         s) before it asks. The form's action (the A2UI
                         ``action`` data part) completes it with a confirmation
                         card on the same surface
+``big [KB] [wait]``     WORKING, then after ``wait`` s (default 3) one artifact chunk
+                        of ``KB`` text parts of a kilobyte (default 100) after one
+                        saying ``BIG-START``, then COMPLETED (for pages that must
+                        not get a long event whole)
 ``batch [N] [interval]`` long batch work meant to be followed by push: WORKING,
                         then N steps (a "batch i/N" status and one artifact row
                         each, every ``interval`` s; defaults 30 and 2 s), then
@@ -82,6 +86,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -134,6 +139,7 @@ TASK_WORDS = frozenset(
         "markdown",
         "batch",
         "booking",
+        "big",
     }
 )
 # The answer the ``form`` script asks for (docs/answers.md says which spellings are read).
@@ -436,6 +442,17 @@ class DemoExecutor(AgentExecutor):
                 name="hello.txt",
                 last_chunk=True,
             )
+            await up.complete(say("Done."))
+        elif word == "big":
+            kilobytes = _number(words, 1, 100)  # within 1 KB and 10 MB (nan or inf: 100)
+            size = int(min(max(kilobytes, 1), 10_240)) if math.isfinite(kilobytes) else 100
+            await up.start_work(say(f"a chunk of {size} KB follows"))
+            await asyncio.sleep(_number(words, 2, 3.0))
+            # Parts of 1 KB: a bigger part would be kept once, apart, and the entry only refer
+            # to it (INLINE_CONTENT_BYTES); these make the entry itself that long.
+            parts = [new_text_part("BIG-START\n")]
+            parts += [new_text_part("0123456789abcde\n" * 64) for _ in range(size)]
+            await up.add_artifact(parts, name="big.txt", last_chunk=True)
             await up.complete(say("Done."))
         elif word == "batch":
             n = max(1, int(_number(words, 1, 30)))

@@ -354,6 +354,12 @@ def batch_within(rows: QuerySet, limit: int, chars: int) -> tuple[int | None, bo
     follow. Their sizes are read, not their JSON: a row's goes up to WATCH_MAX_EVENT_BYTES,
     and reads of a fixed number of rows (exports, a socket's resume) peaked at hundreds of MB.
     """
+    sizes, more = sized_batch(rows, limit, chars)
+    return (max(sizes) if sizes else None), more
+
+
+def sized_batch(rows: QuerySet, limit: int, chars: int) -> tuple[dict[int, int], bool]:
+    """As :func:`batch_within`: the batch's rows, each seq with the size of its raw JSON."""
     sizes = list(
         rows.order_by("seq")
         .annotate(size=Length(Cast("raw", TextField())))
@@ -365,9 +371,8 @@ def batch_within(rows: QuerySet, limit: int, chars: int) -> tuple[int | None, bo
         if taken and total > chars:
             break
         taken += 1
-    if not taken:
-        return None, False
-    return sizes[taken - 1][0], taken < len(sizes) or len(sizes) == limit
+    more = taken < len(sizes) or len(sizes) == limit
+    return {seq: size or 0 for seq, size in sizes[:taken]}, bool(taken) and more
 
 
 # A task page's conversation -------------------------------------------------------------------

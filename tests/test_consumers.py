@@ -155,6 +155,32 @@ async def test_a_resume_of_long_entries_reads_them_a_bounded_size_at_a_time(
     await comm.disconnect()
 
 
+async def test_an_entry_too_long_to_send_live_goes_without_its_json(task, user):
+    """An agent's event goes up to WATCH_MAX_EVENT_BYTES, and every open page of the task got
+    it whole, into its DOM. Over SOCKET_RAW_CHARS a row goes without its JSON (its size
+    said), on resume and live alike; the page links to it and redraws from the server."""
+    from tasks_app import consumers
+
+    await database_sync_to_async(record)(
+        task.pk, {"task": {"id": "t-1", "status": {"state": "TASK_STATE_SUBMITTED"}}}, "stream"
+    )
+    long = {"statusUpdate": {**status(2)["statusUpdate"], "metadata": {"m": "x" * 100_000}}}
+    await database_sync_to_async(record)(task.pk, long, "stream")
+    comm = await communicator(f"/ws/tasks/{task.pk}/?after=0", user)
+    connected, _ = await comm.connect()
+    assert connected
+    small, big = await collect(comm, 2)
+    assert small["raw"]["task"]["id"] == "t-1" and "raw_cut" not in small
+    assert big["raw"] is None and consumers.SOCKET_RAW_CHARS < big["raw_cut"] < 110_000
+    assert big["kind"] == "statusUpdate" and big["seq"] == 2
+    assert await comm.receive_json_from(timeout=5) == {"type": "synced", "last_seq": 2}
+    live = {"statusUpdate": {**status(3)["statusUpdate"], "metadata": {"m": "y" * 100_000}}}
+    await database_sync_to_async(record)(task.pk, live, "stream")
+    (arrived,) = await collect(comm, 1)
+    assert arrived["seq"] == 3 and arrived["raw"] is None and arrived["raw_cut"] > 100_000
+    await comm.disconnect()
+
+
 async def test_a_query_that_is_not_utf8_resumes_from_the_start(task, user):
     """A raw client's query bytes that are not UTF-8 (browsers percent-encode) raised in the
     consumer after the accept; a malformed ``after`` means everything (nothing is lost)."""

@@ -362,6 +362,30 @@ def test_a_polled_task_shows_its_artifacts_live(page, stack, demo_agent_pk):
     assert stack.state(pk) == "TASK_STATE_COMPLETED"
 
 
+def test_an_event_too_long_to_send_live_is_linked_and_its_artifact_drawn(
+    page, stack, demo_agent_pk
+):
+    """A 100 KB artifact chunk streamed to an open page: the socket sends the row without its
+    JSON (it sent events of up to 8 MB whole, into the page); the row says so and links to
+    it, and the artifact is drawn from the server."""
+    pk = start_task(page, "big 100 3")
+    page.evaluate("window.__sameDocument = true")
+    page.wait_for_selector("#live-status[data-state=open]")
+    wait_state(page, "completed", timeout=30_000)
+    page.wait_for_function(
+        "() => (document.querySelector('#artifacts article.artifact .artifact-body') || "
+        "{textContent: ''}).textContent.includes('BIG-START')",
+        timeout=15_000,
+    )
+    seq = stack.query(
+        "SELECT seq FROM tasks_app_taskevent WHERE task_id=? AND kind='artifactUpdate'", pk
+    )[0][0]
+    row = f"#event-rows tr[data-seq='{seq}']"
+    assert "too long to show here" in page.text_content(f"{row} pre.json")
+    assert page.get_attribute(f"{row} a", "href") == f"/tasks/{pk}/events/{seq}/"
+    assert page.evaluate("window.__sameDocument === true")  # live, not reloaded
+
+
 def test_long_unbreakable_text_never_widens_the_page(page, stack, demo_agent_pk):
     """A 3,000-character word in the message, title and conversation wraps inside its box."""
     page.set_viewport_size({"width": 1440, "height": 900})

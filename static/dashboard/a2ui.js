@@ -353,7 +353,7 @@
     lastState = ev.state || lastState;
     let raw = "";
     try { raw = JSON.stringify(ev.raw || {}); } catch (err) { raw = ""; }
-    if (changed || ev.kind === "operator" || ev.kind === "task" || ev.kind === "gap" || raw.indexOf("a2ui") !== -1) schedule();
+    if (changed || ev.raw_cut || ev.kind === "operator" || ev.kind === "task" || ev.kind === "gap" || raw.indexOf("a2ui") !== -1) schedule();
   });
   document.addEventListener("task:synced", schedule);
   window.A2UI = { refresh: schedule, upgrade: upgrade };

@@ -85,7 +85,8 @@
     summary.textContent = "raw";
     const pre = document.createElement("pre");
     pre.className = "json";
-    pre.textContent = JSON.stringify(ev.raw, null, 2);
+    // Too long to be sent live (consumers.SOCKET_RAW_CHARS): "open" shows it.
+    pre.textContent = ev.raw_cut ? "(" + ev.raw_cut + " characters: too long to show here)" : JSON.stringify(ev.raw, null, 2);
     const link = document.createElement("a");
     link.className = "small";
     link.href = "/tasks/" + taskPk + "/events/" + ev.seq + "/";
@@ -326,8 +327,9 @@
     pendingRows.push(eventRow(ev));
     if (!frame) frame = requestAnimationFrame(flushRows);
     setBadge(ev.state);
-    if (ev.kind === "artifactUpdate") applyArtifactEvent(ev);
-    else if (ev.kind === "task" || ev.kind === "gap" || TERMINAL.includes(ev.state)) allArtifacts = true;
+    // A row sent without its JSON (too long) cannot be applied here: the server redraws.
+    if (ev.kind === "artifactUpdate" && !ev.raw_cut) applyArtifactEvent(ev);
+    else if (ev.raw_cut || ev.kind === "task" || ev.kind === "gap" || TERMINAL.includes(ev.state)) allArtifacts = true;
     refresh();
     // Other parts of the page (A2UI surfaces: a2ui.js) follow the same events.
     document.dispatchEvent(new CustomEvent("task:event", { detail: ev }));

@@ -72,14 +72,17 @@ def artifact_json(artifact: Artifact) -> dict[str, Any]:
     return data
 
 
-def event_json(event: TaskEvent, received_at: str | None = None) -> dict[str, Any]:
+def event_json(
+    event: TaskEvent, received_at: str | None = None, *, with_raw: bool = True
+) -> dict[str, Any]:
     """One log row as JSON: what ``tasks show``, the relay and websockets carry.
 
     Exports write ``exports.event_record`` instead (``state_after``, the actor's username
     and ``actor_id``, and the row's ``hash``).
 
     ``received_at``: the row's time as ``isoformat()`` writes it, when the caller has it
-    (a batch's rows share one).
+    (a batch's rows share one). ``with_raw`` False: ``raw`` is None (the row was read
+    without it).
     """
     return {
         "task": event.task_id,
@@ -90,7 +93,7 @@ def event_json(event: TaskEvent, received_at: str | None = None) -> dict[str, An
         "state": event.state_after,
         "note": event.note,
         "actor": event.actor_id,
-        "raw": event.raw,
+        "raw": event.raw if with_raw else None,
     }
 
 
