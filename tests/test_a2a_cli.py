@@ -12,9 +12,12 @@ from typing import Any
 import pytest
 from django.core.management import CommandError, call_command
 
+from tests import test_views
 from tests.agents import AGENT_TOKEN, REPO_ROOT, AgentHandle
 
 pytestmark = pytest.mark.timeout(60)
+
+odd_card_server = test_views.odd_card_server  # a card server whose card a test sets
 
 
 def run(*args: str) -> list[str]:
@@ -34,6 +37,20 @@ def test_card_human_and_json(agent: AgentHandle) -> None:
     assert "valid A2A 1.0 card" in lines
     (card,) = run_json("card", agent.card_url)
     assert card["name"] == "Demo Agent"
+
+
+def test_an_unusable_card_is_summarised_then_exits_1(odd_card_server) -> None:
+    """A script checking a card read exit 0 for one with problems and no usable interface;
+    and a card without a description printed a dangling "Broken 1 — "."""
+    url = odd_card_server({"name": "Broken", "version": "1", "supportedInterfaces": []})
+    out = StringIO()
+    with pytest.raises(CommandError, match=r"the card is not usable as it is: .*problem") as err:
+        call_command("a2a", "card", url, stdout=out)
+    assert err.value.returncode == 1
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "Broken 1" and any(line.startswith("chosen: none") for line in lines)
+    with pytest.raises(CommandError):
+        call_command("a2a", "card", url, "--json", stdout=StringIO())
 
 
 @pytest.mark.parametrize("binding", ["jsonrpc", "rest"])

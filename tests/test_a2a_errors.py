@@ -69,7 +69,11 @@ async def test_html_error_page(
 @pytest.mark.parametrize("binding", BINDINGS)
 @pytest.mark.parametrize(
     ("mode", "needle"),
-    [("html200", "text/html"), ("wrongtype", "text/plain"), ("badjson", "expected JSON")],
+    [
+        ("html200", "text/html"),
+        ("wrongtype", "text/plain"),
+        ("badjson", "the body is not valid JSON (application/json)"),
+    ],
 )
 async def test_wrong_content(
     bad_server: BadServer, binding: str, mode: str, needle: str, http: httpx.AsyncClient

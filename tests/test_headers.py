@@ -495,3 +495,26 @@ def test_a_staff_session_that_cannot_be_read_gets_the_plain_answer_not_a_500(
     answer = staff.get("/healthz")
     assert answer.status_code in (200, 503)
     assert "checks" not in answer.json()
+
+
+@pytest.mark.django_db
+def test_an_expired_form_gets_the_sites_page_with_a_way_back(django_user_model) -> None:
+    """A form sent after a sign-in in another tab (its CSRF token then stale) got Django's
+    bare "CSRF verification failed" page, its inline style refused by the site's policy,
+    and no link back."""
+    user = django_user_model.objects.create_user("tabs", password="pw-12345678")
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(user)
+    response = client.post("/tasks/new", {"text": "hi"})
+    body = response.content.decode()
+    assert response.status_code == 403
+    assert "This form has expired" in body and "Go back, reload the page" in body
+    assert 'href="/"' in body and "<style" not in body and "CSRF verification failed" not in body
+
+
+@pytest.mark.django_db
+def test_a_host_name_the_site_does_not_serve_is_named_among_the_reasons(client) -> None:
+    """An administrator whose ALLOWED_HOSTS or proxy was wrong was told of upload sizes."""
+    response = client.get("/", HTTP_HOST="not-served.example")
+    assert response.status_code == 400
+    assert "host name the site does not answer to" in response.content.decode()

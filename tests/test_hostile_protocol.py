@@ -114,6 +114,11 @@ def test_decode_json_and_error_for_status_use_the_depth_check() -> None:
     assert "nested deeper than 256" in str(info.value)
     with pytest.raises(ProtocolError, match="expected JSON, got text/html"):
         decode_json(b"<html>", "GetTask", mt="text/html")
+    # Labelled JSON and not JSON: said so, not "expected JSON, got application/json".
+    with pytest.raises(
+        ProtocolError, match=r"GetTask: the body is not valid JSON \(application/json\): hello"
+    ):
+        decode_json(b"hello", "GetTask", mt="application/json")
 
 
 # Valid, storable JSON: no NaN/Infinity, no surrogates, no NUL.

@@ -266,9 +266,16 @@ def decode_json(body: bytes, where: str, *, mt: str = "") -> Any:
         if not isinstance(exc.__cause__, ValueError):
             exc.where = exc.where or where
             raise  # too deep: its own message says where
+        # A body labelled JSON that does not parse was said to be "expected JSON, got
+        # application/json": the label is not what failed.
         what = f"{mt or 'no content type'}"
+        said = (
+            f"the body is not valid JSON ({what})"
+            if "json" in what.lower()
+            else f"expected JSON, got {what}"
+        )
         raise ProtocolError(
-            f"expected JSON, got {what}: {snippet_of(body) or '(empty body)'}",
+            f"{said}: {snippet_of(body) or '(empty body)'}",
             where=where,
             snippet=snippet_of(body, 500),
         ) from exc.__cause__

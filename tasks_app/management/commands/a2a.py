@@ -314,11 +314,19 @@ class Command(StoppableCommand):
         result = await fetch_card(options["url"], http=http, timeout=options.get("timeout") or 15.0)
         card = result.card or {}
         problems = validate_card(card)
+        refusal: A2AError | None = None
+        try:
+            chosen = choose_interface(card, binding=options.get("binding"), card_url=result.url)
+        except A2AError as exc:
+            chosen, refusal = None, exc
         if options["json"]:
             self._emit(card, "", options)
+            self._card_verdict(problems, chosen)
             return
+        heading = " ".join(str(card.get(key) or "") for key in ("name", "version")).strip()
+        description = card.get("description")
         out = [
-            f"{card.get('name', '?')} {card.get('version', '')} — {card.get('description', '')}",
+            f"{heading or '?'} — {description}" if description else heading or "?",
             f"card: {result.url}",
         ]
         for iface in card.get("supportedInterfaces") or []:
@@ -327,11 +335,10 @@ class Command(StoppableCommand):
                 out.append(
                     f"interface: {iface.get('protocolBinding')} {iface.get('protocolVersion')} {iface.get('url')}{tenant}"
                 )
-        try:
-            chosen = choose_interface(card, binding=options.get("binding"), card_url=result.url)
+        if chosen is not None:
             out.append(f"chosen: {chosen.binding} {chosen.url}")
-        except A2AError as exc:
-            out.append(f"chosen: none ({exc})")
+        else:
+            out.append(f"chosen: none ({refusal})")
         caps = card.get("capabilities") or {}
         flags = [
             k
@@ -348,6 +355,18 @@ class Command(StoppableCommand):
         if not problems:
             out.append("valid A2A 1.0 card")
         self.stdout.write("\n".join(out))
+        self._card_verdict(problems, chosen)
+
+    def _card_verdict(self, problems: list[str], chosen: object) -> None:
+        """Exit 1 after the summary when the card cannot be used as it is: a script that
+        checks a card read exit 0 for one with six problems and no usable interface."""
+        if problems or chosen is None:
+            said = f"{len(problems)} problem{'s' if len(problems) != 1 else ''}" if problems else ""
+            none = "no interface this client can use" if chosen is None else ""
+            raise CommandError(
+                "the card is not usable as it is: " + "; ".join(x for x in (said, none) if x),
+                returncode=1,
+            )
 
     async def _send(self, client: A2AClient, options: dict[str, Any]) -> None:
         msg = user_message(

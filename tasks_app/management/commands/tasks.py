@@ -93,7 +93,7 @@ class Command(StoppableCommand):
         show.add_argument("--json", action="store_true")
         listing = sub.add_parser("list", help="newest tasks")
         listing.add_argument("--limit", type=int_between(1, 10_000), default=20)
-        cancel = sub.add_parser("cancel")
+        cancel = sub.add_parser("cancel", help="ask the agent to cancel a task (CancelTask)")
         cancel.add_argument("task")
         cancel.add_argument("--reason", default="")
         refresh = sub.add_parser(
