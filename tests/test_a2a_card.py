@@ -222,6 +222,10 @@ def test_a_scheme_with_0_3_fields_beside_its_1_0_wrapper_is_checked_as_1_0() -> 
         ("http://a.example/.well-known/agent-card.json?v=2#f",
          "http://a.example/.well-known/agent-card.json?v=2"),
         ("http://a.example/cards/one.json", "http://a.example/cards/one.json"),
+        # The card a base URL finds first is that base URL's agent (it was a second agent).
+        ("http://a.example/.well-known/agent-card.json", "http://a.example"),
+        ("HTTP://A.example:80/agent/.well-known/agent-card.json", "http://a.example/agent"),
+        ("http://a.example/.well-known/agent.json", "http://a.example/.well-known/agent.json"),
         # Left as typed (stripped) for the checks that refuse them with their reason.
         (" http://u:p@a.example/ ", "http://u:p@a.example/"),
         ("http://a.example:99999/", "http://a.example:99999/"),

@@ -231,7 +231,9 @@ def test_one_agent_written_several_ways_is_one_agent_per_project(agent) -> None:
     assert add_through_the_form(alpha, base + "/", "Alpha copy", "alpha").status_code == 302
     assert Agent.objects.get().base_url == base
     shouted = base.replace("http://127.0.0.1", "HTTP://127.0.0.1", 1)
-    for written in (base, base + "//", shouted + "/?x=1#top", f" {shouted} "):
+    # By its card's URL too: it was a second agent, its tasks imported a second time.
+    card = base + "/.well-known/agent-card.json"
+    for written in (base, base + "//", shouted + "/?x=1#top", f" {shouted} ", card):
         again = add_through_the_form(alpha, written, "Alpha again", "alpha")
         assert again.status_code == 200, written
         assert "This URL is already registered in project alpha" in again.content.decode()

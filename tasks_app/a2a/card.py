@@ -98,7 +98,8 @@ def registration_url(url: str) -> str:
     ``http://a.example``, ``HTTP://A.example:80/`` and ``http://a.example/?x#y`` fetch the same
     card (``card_urls`` drops the query, fragment and trailing slashes of a base URL), so
     each project held them as three agents. The scheme and host are lower-cased, a default
-    port is dropped, and a base URL loses its query, fragment and trailing slashes; a card
+    port is dropped, and a base URL loses its query, fragment and trailing slashes; the
+    well-known card's URL (``WELL_KNOWN_CARD_PATH``, no query) is its base URL; another card
     document's URL (``.json`` or under ``/.well-known/``) keeps its query, which may choose
     the card. Anything that does not parse is returned stripped, for the checks that say why.
     """
@@ -110,7 +111,11 @@ def registration_url(url: str) -> str:
     if parts.username is not None or parts.password is not None:
         return url  # refused later with its own reason; not rebuilt without it
     path = parts.path or ""
-    if path.endswith(".json") or "/.well-known/" in path:
+    if path.endswith(WELL_KNOWN_CARD_PATH) and not parts.query:
+        # The card a base URL is discovered at first: the same agent as that base URL (added
+        # by its card's URL, it was a second agent of the project, its tasks imported twice).
+        path = path[: -len(WELL_KNOWN_CARD_PATH)]
+    elif path.endswith(".json") or "/.well-known/" in path:
         return f"{split.scheme}://{split.netloc}{path}" + (f"?{parts.query}" if parts.query else "")
     return f"{split.scheme}://{split.netloc}{path.rstrip('/')}"
 
