@@ -31,10 +31,11 @@ def test_a_push_task_page_updates_live_as_notifications_arrive(
     django_user_model.objects.create_superuser("pushop", password="push-pass-123")
     stored = add_agent(agent.base_url)
     # (Database work stays outside the Playwright block, whose event loop Django refuses.)
-    # 30 s of work: the page must load, see rows arrive and list the configs (deleted when the
+    # 45 s of work: the page must load, see rows arrive and list the configs (deleted when the
     # task settles) before it ends; starting Chromium and logging in took over 8 s on a loaded
-    # machine (four test processes beside this one).
-    task = task_services.start_task(stored, "batch 30 1.0", mode="push")
+    # machine (four test processes beside this one), and with 30 s a CI run on a machine twice
+    # as slow listed the configs only after the task had ended.
+    task = task_services.start_task(stored, "batch 45 1.0", mode="push")
     with chromium() as browser:
         page = browser.new_page()
         page.goto(f"{web.url}/accounts/login/")
