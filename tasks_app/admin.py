@@ -5,7 +5,9 @@ conversation) and the operator actions are append-only records: the admin may
 view them, never add, change or delete them (the log's hash chain and
 ``audit replay`` would otherwise break). Agents stay editable. Credentials are
 never shown (the encrypted field is excluded). It is for superusers only: it edits
-across every project, outside the role table, and its changes write no operator action.
+across every project, outside the role table, and its changes write no operator action but
+one: who is a member of which project with which role, which the action log keeps however it
+is changed (``member-add`` and ``member-remove``, as ``manage.py members`` writes them).
 """
 
 from django.contrib import admin
@@ -34,6 +36,15 @@ def _superusers_only(request: HttpRequest) -> bool:
 admin.site.has_permission = _superusers_only  # type: ignore[method-assign]
 
 
+def _member_action(request: HttpRequest, membership: Membership, action: str) -> None:
+    """A role given, changed or taken away here, in the action log as the command line writes
+    it: a grant made in the admin left no trace an auditor could find."""
+    payload = {"user": membership.user.get_username(), "project": membership.project.name}
+    if action == "member-add":
+        payload["role"] = membership.role
+    OperatorAction.objects.create(actor_id=request.user.pk, action=action, payload=payload)
+
+
 class MembershipInline(admin.TabularInline):
     model = Membership
     extra = 1
@@ -48,6 +59,26 @@ class ProjectAdmin(admin.ModelAdmin):
     search_fields = ("name",)
     inlines = [MembershipInline]
 
+    def save_formset(self, request: HttpRequest, form, formset, change: bool) -> None:  # type: ignore[no-untyped-def]
+        if formset.model is not Membership:
+            super().save_formset(request, form, formset, change)
+            return
+        for membership in formset.save(commit=False):  # new and changed rows
+            membership.save()
+            _member_action(request, membership, "member-add")
+        for membership in formset.deleted_objects:
+            _member_action(request, membership, "member-remove")
+            membership.delete()
+
+    def delete_model(self, request: HttpRequest, obj: Project) -> None:
+        self.delete_queryset(request, Project.objects.filter(pk=obj.pk))
+
+    def delete_queryset(self, request: HttpRequest, queryset) -> None:  # type: ignore[no-untyped-def]
+        gone = Membership.objects.filter(project__in=queryset).select_related("user", "project")
+        for membership in gone:
+            _member_action(request, membership, "member-remove")
+        super().delete_queryset(request, queryset)
+
 
 @admin.register(Membership)
 class MembershipAdmin(admin.ModelAdmin):
@@ -55,6 +86,20 @@ class MembershipAdmin(admin.ModelAdmin):
     list_filter = ("role", "project")
     search_fields = ("user__username", "project__name")
     autocomplete_fields = ("user", "project")
+
+    def save_model(self, request: HttpRequest, obj: Membership, form, change: bool) -> None:  # type: ignore[no-untyped-def]
+        super().save_model(request, obj, form, change)
+        if not change or form.changed_data:
+            _member_action(request, obj, "member-add")
+
+    def delete_model(self, request: HttpRequest, obj: Membership) -> None:
+        _member_action(request, obj, "member-remove")
+        super().delete_model(request, obj)
+
+    def delete_queryset(self, request: HttpRequest, queryset) -> None:  # type: ignore[no-untyped-def]
+        for membership in queryset.select_related("user", "project"):
+            _member_action(request, membership, "member-remove")
+        super().delete_queryset(request, queryset)
 
 
 @admin.register(Agent)

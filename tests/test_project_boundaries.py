@@ -7,6 +7,7 @@ are the paths where an id from the URL or a list across projects could still rea
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterator
 
@@ -125,6 +126,59 @@ def test_a_test_alert_sent_in_another_project_names_no_one_there(client):
     assert "theirs-admin-name" not in html  # ...and not who sent it
     # Who sent it stays in the audit log.
     assert OperatorAction.objects.get(action="alert-test").actor_id == sender.pk
+
+
+def test_roles_given_or_taken_in_the_admin_are_in_the_action_log():
+    """The README offers the admin or ``manage.py members`` to manage members; only the
+    command wrote the change to the action log, so a role granted in the admin left no trace."""
+    root = User.objects.create_superuser("root")
+    vic = User.objects.create_user("vic")
+    project = Project.objects.create(name="secret")
+    client = Client()
+    client.force_login(root)
+
+    def logged() -> list[tuple[str, dict]]:
+        rows = OperatorAction.objects.filter(action__startswith="member-").order_by("pk")
+        return [(row.action, row.payload) for row in rows if row.actor_id == root.pk]
+
+    when = {"created_at_0": "2026-12-05", "created_at_1": "10:00:00"}  # the admin's two inputs
+    added = client.post(
+        "/admin/tasks_app/membership/add/",
+        {"user": vic.pk, "project": project.pk, "role": Membership.Role.AUDITOR, **when},
+    )
+    assert added.status_code == 302, re.findall(
+        r"errorlist[^>]*>(.*?)</ul>", added.content.decode(), re.S
+    )
+    membership = Membership.objects.get(user=vic, project=project)
+    changed = client.post(
+        f"/admin/tasks_app/membership/{membership.pk}/change/",
+        {"user": vic.pk, "project": project.pk, "role": Membership.Role.OPERATOR, **when},
+    )
+    assert changed.status_code == 302
+    removed = client.post(f"/admin/tasks_app/membership/{membership.pk}/delete/", {"post": "yes"})
+    assert removed.status_code == 302 and not Membership.objects.filter(user=vic).exists()
+    # The project's page, its members inline: given, then taken away.
+    inline = {"name": "secret", **when, "memberships-INITIAL_FORMS": "0", "memberships-TOTAL_FORMS": "1",
+              "memberships-0-user": vic.pk, "memberships-0-role": Membership.Role.VIEWER,
+              "memberships-0-created_at_0": "2026-12-05", "memberships-0-created_at_1": "10:00:00"}  # fmt: skip
+    page = f"/admin/tasks_app/project/{project.pk}/change/"
+    response = client.post(page, inline)
+    assert response.status_code == 302, re.findall(
+        r"errorlist[^>]*>(.*?)</ul>", response.content.decode(), re.S
+    )
+    membership = Membership.objects.get(user=vic, project=project)
+    inline |= {"memberships-INITIAL_FORMS": "1", "memberships-0-id": membership.pk,
+               "memberships-0-project": project.pk, "memberships-0-DELETE": "on"}  # fmt: skip
+    assert client.post(page, inline).status_code == 302
+    assert not Membership.objects.filter(user=vic).exists()
+    said = {"user": "vic", "project": "secret"}
+    assert logged() == [
+        ("member-add", {**said, "role": Membership.Role.AUDITOR}),
+        ("member-add", {**said, "role": Membership.Role.OPERATOR}),
+        ("member-remove", said),
+        ("member-add", {**said, "role": Membership.Role.VIEWER}),
+        ("member-remove", said),
+    ]
 
 
 def test_the_admin_opens_for_superusers_only():
