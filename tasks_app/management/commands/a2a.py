@@ -357,7 +357,7 @@ class Command(StoppableCommand):
         self.stdout.write("\n".join(out))
         self._card_verdict(problems, chosen)
 
-    def _card_verdict(self, problems: list[str], chosen: object) -> None:
+    def _card_verdict(self, problems: list[Any], chosen: object) -> None:
         """Exit 1 after the summary when the card cannot be used as it is: a script that
         checks a card read exit 0 for one with six problems and no usable interface."""
         if problems or chosen is None:
