@@ -284,7 +284,9 @@ def test_the_inbox_says_live_when_its_script_arrives_after_the_socket_opened(pag
         page.unroute("**/dashboard/inbox.js*")
 
 
-def test_an_answer_typed_while_another_tab_answers_stays_in_view(context, page, stack):
+def test_an_answer_typed_while_another_tab_answers_stays_in_view(
+    context, page, stack, demo_agent_pk
+):
     """Two tabs on one question: the task page's form was replaced as soon as the other tab's
     answer landed, wiping what was typed; the inbox greyed its row but kept Send enabled,
     inviting a post that the server refused and whose text was then lost."""
@@ -308,7 +310,7 @@ def test_an_answer_typed_while_another_tab_answers_stays_in_view(context, page, 
         assert page.locator("#answer-form").count() == 0
         # The inbox row, once the task stops waiting: text kept, Send disabled, one note.
         row = f"#inbox-item-{pk}"
-        inbox_page.wait_for_selector(f"{row} .inbox-left", timeout=20_000)
+        inbox_page.wait_for_selector(f"{row} .inbox-left", timeout=45_000)
         assert inbox_page.input_value(f"#id_t{pk}-text") == "Ada, typed in the inbox"
         assert inbox_page.is_disabled(f"{row} form button[type=submit]")
         assert inbox_page.locator(f"{row} .inbox-left").count() == 1

@@ -104,10 +104,15 @@ def test_a_long_task_is_followed_to_completion_by_push_alone(agent, web, start_c
     # The mirror equals the agent's GetTask; the log replays and its chain verifies.
     assert_converged(task)
     assert_log_is_gapless(task)
-    # The config was ours, given with its own id; it was deleted when the task settled.
+    # The config was ours, given with its own id; it was deleted when the task settled (just
+    # after: the settle commits, then the agent is asked to delete it, in the agent's turn).
     config = PushConfig.objects.get(task=task)
     assert config.registered_at is not None and config.received >= 13
-    assert config.deleted_at is not None
+    wait_for(
+        lambda: PushConfig.objects.filter(pk=config.pk, deleted_at__isnull=False).exists(),
+        30,
+        "the settled task's config to be deleted",
+    )
     listing = agent_call(stored, lambda c: c.list_push_configs(task.remote_id))
     assert listing["configs"] == []  # type: ignore[index]
 
