@@ -17,6 +17,14 @@
     const row = ev.target.closest(".inbox-item");
     if (row) dirty.add(row.dataset.task);
   });
+  // Typed into: an input event seen, or a field that differs from how the page drew it (text
+  // typed before this script arrived, on a loaded server, made no event it could see).
+  function typedIn(row) {
+    if (dirty.has(row.dataset.task)) return true;
+    return Array.from(row.querySelectorAll("form textarea, form input")).some((el) =>
+      el.type === "checkbox" || el.type === "radio" ? el.checked !== el.defaultChecked
+        : el.type !== "hidden" && el.type !== "file" && el.value !== el.defaultValue);
+  }
 
   InboxBadge.onStatus((state, text) => {
     if (!liveEl) return;
@@ -55,6 +63,10 @@
       if (!row || row.dataset.waiting !== "1") return;
       const current = document.getElementById("inbox-item-" + pk);
       if (current && !replace) return;
+      // Stopped waiting, or typed into, while this row was fetched: the row fetched is older
+      // news (it put back a form the server would refuse, without its note), or would wipe
+      // what was typed.
+      if (current && (current.dataset.leaving || typedIn(current))) return;
       if (current) current.replaceWith(row); else place(row);
       row.classList.add("flash-row");
       setTimeout(() => row.classList.remove("flash-row"), 800);
@@ -81,7 +93,7 @@
       note.textContent = "No longer waiting" + (label ? " (" + label + ")" : "") + ".";
       row.appendChild(note);
     }
-    if (dirty.has(pk)) return; // keep what was typed in view; the server would refuse it now
+    if (typedIn(row)) return; // keep what was typed in view; the server would refuse it now
     setTimeout(() => { row.remove(); refreshEmpty(); }, 1500);
   }
 
@@ -95,7 +107,7 @@
     }
     if (!row) {
       if (insert) fetchRow(pk, false);
-    } else if ((s.last_seq || 0) > parseInt(row.dataset.seq || "0", 10) && !dirty.has(pk) && !row.dataset.leaving) {
+    } else if ((s.last_seq || 0) > parseInt(row.dataset.seq || "0", 10) && !typedIn(row) && !row.dataset.leaving) {
       fetchRow(pk, true); // maybe a new question (or its answer): redraw the row
     }
     refreshEmpty();
