@@ -70,6 +70,18 @@ MAX_ITEMS = 20
 MAX_DEPTH = 3
 
 
+def log_member_change(
+    action: str, user: Any, project: Project, role: str = "", actor_id: int | None = None
+) -> OperatorAction:
+    """A role given or changed (``member-add``, with ``role``) or taken away
+    (``member-remove``), as every way of changing members writes it (the command line, the
+    admin): the audit page's filters read these payloads."""
+    payload = {"user": user.get_username(), "project": project.name}
+    if role:
+        payload["role"] = role
+    return OperatorAction.objects.create(actor_id=actor_id, action=action, payload=payload)
+
+
 def sanitize(value: Any, depth: int = 0) -> Any:
     """What of a payload may be shown: secret-named keys dropped, the rest cut short.
 

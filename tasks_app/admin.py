@@ -14,6 +14,7 @@ from django.contrib import admin
 from django.db import models
 from django.http import HttpRequest
 
+from tasks_app.actionlog import log_member_change
 from tasks_app.models import (
     Agent,
     Artifact,
@@ -39,10 +40,8 @@ admin.site.has_permission = _superusers_only  # type: ignore[method-assign]
 def _member_action(request: HttpRequest, membership: Membership, action: str) -> None:
     """A role given, changed or taken away here, in the action log as the command line writes
     it: a grant made in the admin left no trace an auditor could find."""
-    payload = {"user": membership.user.get_username(), "project": membership.project.name}
-    if action == "member-add":
-        payload["role"] = membership.role
-    OperatorAction.objects.create(actor_id=request.user.pk, action=action, payload=payload)
+    role = membership.role if action == "member-add" else ""
+    log_member_change(action, membership.user, membership.project, role, request.user.pk)
 
 
 class MembershipInline(admin.TabularInline):

@@ -12,6 +12,7 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import CommandError, CommandParser
 from django.db import transaction
 
+from tasks_app.actionlog import log_member_change
 from tasks_app.management.commands._stopping import StoppableCommand
 from tasks_app.models import Membership, OperatorAction, Project
 
@@ -59,10 +60,7 @@ class Command(StoppableCommand):
         with transaction.atomic():
             project, created = Project.objects.get_or_create(name=project_name)
             Membership.objects.update_or_create(project=project, user=user, defaults={"role": role})
-            OperatorAction.objects.create(
-                action="member-add",
-                payload={"user": user.get_username(), "project": project.name, "role": role},
-            )
+            log_member_change("member-add", user, project, role)
         if created:
             self.stdout.write(f"Created project {project.name}.")
         self.stdout.write(f"{user.get_username()} is now {role} in {project.name}.")
