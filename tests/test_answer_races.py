@@ -74,6 +74,8 @@ def test_a_reopened_question_takes_at_most_one_new_answer_and_never_loses_it(mon
         else:  # every answer came before the reopening: the question is open
             assert row.answered_seq == QUESTION - 1 and row.outbox is None
         assert not (row.answered_seq == QUESTION and row.outbox is None)
+        # "Not delivered" says the refusal only while no new answer followed it.
+        assert (row.answer_failed_at is None) == bool(won)
 
 
 def test_watch_again_pressed_twice_at_once_is_taken_once(monkeypatch):
