@@ -243,7 +243,7 @@ def _question_waiting(threshold: float) -> RuleSpec:
 def _agent_unreachable(threshold: float) -> RuleSpec:
     def find(now: datetime) -> list[Found]:
         rows = (
-            Agent.objects.filter(reachable=False)
+            Agent.objects.filter(reachable=False, retired_at__isnull=True)
             .filter(_not_alerted(Rule.AGENT_UNREACHABLE, "agent"))
             .order_by("pk")
             .values_list("pk", "name")[: _limit()]
@@ -261,7 +261,12 @@ def _agent_unreachable(threshold: float) -> RuleSpec:
         ]
 
     return RuleSpec(
-        Rule.AGENT_UNREACHABLE, threshold, find, Q(agent__reachable=False), pending=True
+        Rule.AGENT_UNREACHABLE,
+        threshold,
+        find,
+        # A retired agent is not called, so its being unreachable is nobody's concern.
+        Q(agent__reachable=False, agent__retired_at__isnull=True),
+        pending=True,
     )
 
 

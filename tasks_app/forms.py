@@ -67,6 +67,14 @@ class NulRemovingForm(forms.Form):
         return data
 
 
+class AgentRenameForm(NulRemovingForm):
+    name = forms.CharField(
+        label="Name",
+        max_length=200,
+        help_text="How the dashboard shows the agent; its card's own name is not changed.",
+    )
+
+
 class AgentAddForm(NulRemovingForm):
     url = forms.URLField(
         label="Agent URL",
@@ -204,7 +212,8 @@ def parse_json_text(text: str) -> Any:
 
 class _AgentChoices(forms.models.ModelChoiceIterator):
     """The agents offered, named with their project when they span several (a URL may be
-    registered once per project, so two projects' rows may share a name); one query."""
+    registered once per project, so two projects' rows may share a name), and marked when
+    retired (a retired agent and the one that took its URL share a name); one query."""
 
     def __iter__(self) -> Any:
         if self.field.empty_label is not None:
@@ -213,6 +222,8 @@ class _AgentChoices(forms.models.ModelChoiceIterator):
         several = len({agent.project_id for agent in agents}) > 1
         for agent in agents:
             label = f"{agent.name} ({agent.project.name})" if several else agent.name
+            if agent.retired_at is not None:  # the task filter still offers it, for its history
+                label += " (retired)"
             yield (
                 forms.models.ModelChoiceIteratorValue(self.field.prepare_value(agent), agent),
                 label,

@@ -162,12 +162,24 @@ class Agent(models.Model):
     last_error = models.TextField(blank=True)
     last_contact_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
+    # Retired by an agent admin (``services.agents.retire_agent``): nothing is sent to it,
+    # its tasks and their log stay readable, and its URL may be registered again.
+    retired_at = models.DateTimeField(null=True, blank=True)
+    retired_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="retired_agents",
+    )
 
     class Meta:
         ordering = ["name"]
         constraints = [
             models.UniqueConstraint(
-                fields=["project", "base_url"], name="one_agent_per_url_per_project"
+                fields=["project", "base_url"],
+                condition=Q(retired_at__isnull=True),
+                name="one_agent_per_url_per_project",
             )
         ]
 

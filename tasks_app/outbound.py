@@ -212,6 +212,10 @@ class CredentialsUnreadable(SecretError, CredentialsWithheld):
     """
 
 
+class AgentRetired(CredentialsWithheld):
+    """The agent was retired: nothing is sent to it (its credentials were wiped too)."""
+
+
 def credentials_for(agent: Agent) -> Credentials | None:
     """The agent's credentials, only for the origin they were approved for (else NeedsApproval)."""
     if (
@@ -250,7 +254,13 @@ def client_for(
     Whole-call deadlines come from the settings (a trickling agent must not
     hold a call past them); ``options`` override any A2AClient option.
     ``stream_http`` carries the streams, apart from the other calls (see A2AClient).
+    A retired agent gets no client: every call to it, from any path, is refused here.
     """
+    if agent.retired_at is not None:
+        raise AgentRetired(
+            f"{agent.name} is retired: nothing is sent to it. An agent admin can restore it "
+            "on its page."
+        )
     options = {
         "call_deadline": settings.A2A_CALL_DEADLINE_SECONDS,
         "send_deadline": settings.A2A_SEND_DEADLINE_SECONDS,

@@ -11,6 +11,9 @@ urlpatterns = [
     path("agents/<int:pk>/card.json", views.agent_card, name="agent-card"),
     path("agents/<int:pk>/credentials/", views.agent_credentials, name="agent-credentials"),
     path("agents/<int:pk>/refresh/", views.agent_refresh, name="agent-refresh"),
+    path("agents/<int:pk>/rename/", views.agent_rename, name="agent-rename"),
+    path("agents/<int:pk>/retire/", views.agent_retire, name="agent-retire"),
+    path("agents/<int:pk>/restore/", views.agent_restore, name="agent-restore"),
     path(
         "agents/<int:pk>/approve-origin/", views.agent_approve_origin, name="agent-approve-origin"
     ),

@@ -44,6 +44,7 @@ from tasks_app.a2a import validate_card
 from tasks_app.access import Perm, get_agent_for_user, get_task_for_user
 from tasks_app.forms import (
     AgentAddForm,
+    AgentRenameForm,
     CancelForm,
     CredentialsForm,
     EventFilterForm,
@@ -129,6 +130,8 @@ def _overview_context(user) -> dict:
         totals[column] = totals.get(column, 0) + row["n"]
     states = [f"phase:{p}" for p in PHASE_COLUMNS if totals.get(f"phase:{p}")]
     states += [s for s, _ in STATE_CHOICES if s and totals.get(s)]
+    # A retired agent stays for the tasks it left behind, and only if it left some.
+    agents = [a for a in agents if a.retired_at is None or a.pk in by_agent]
     rows = []
     for agent in agents:
         counts = by_agent.get(agent.pk, {})
@@ -204,7 +207,11 @@ def agent_list(request: HttpRequest) -> HttpResponse:
     )
     for agent in agents:
         agent.task_count = counts.get(agent.pk, 0)
-    return render(request, "tasks_app/agent_list.html", {"agents": agents})
+    context = {
+        "agents": [a for a in agents if a.retired_at is None],
+        "retired": [a for a in agents if a.retired_at is not None],
+    }
+    return render(request, "tasks_app/agent_list.html", context)
 
 
 @form_removes_nul
@@ -233,6 +240,9 @@ def agent_add(request: HttpRequest) -> HttpResponse:
                     return redirect("agent-detail", pk=agent.pk)
             else:
                 try:
+                    # A URL the project holds is said now, not after a preview whose Save
+                    # could only be refused.
+                    agent_services.check_not_registered(url, form.cleaned_data["project"])
                     preview = agent_services.preview_card(url)
                 except agent_services.AgentError as exc:
                     form.add_error("url", str(exc))
@@ -383,6 +393,10 @@ def _agent_context(request: HttpRequest, agent: Agent, **extra: object) -> dict:
         )[:15],
         "import_job": import_services.latest_job(agent),
         "can": access.can(request.user, agent.project_id),
+        "rename_form": AgentRenameForm(initial={"name": agent.name}),
+        "open_tasks": agent_services.open_tasks(agent.pk).count()
+        if agent.retired_at is None
+        else 0,
         **extra,
     }
 
@@ -489,6 +503,60 @@ def agent_import_cancel(request: HttpRequest, pk: int, job_pk: int) -> HttpRespo
     else:
         messages.error(request, f"Import job {job.pk} had already ended.")
     return redirect("agent-detail", pk=pk)
+
+
+@form_removes_nul
+@login_required
+@require_POST
+def agent_rename(request: HttpRequest, pk: int) -> HttpResponse:
+    agent = get_agent_for_user(request, pk, Perm.MANAGE_AGENTS)
+    form = AgentRenameForm(request.POST)
+    if form.is_valid():
+        old = agent.name
+        try:
+            agent_services.rename_agent(agent, form.cleaned_data["name"], actor_id=request.user.id)
+        except agent_services.AgentError as exc:
+            form.add_error("name", str(exc))
+        else:
+            if agent.name != old:
+                messages.success(request, f"Agent {old} renamed to {agent.name}.")
+            return redirect("agent-detail", pk=agent.pk)
+    context = _agent_context(request, agent, rename_form=form)
+    return render(request, "tasks_app/agent_detail.html", context, status=400)
+
+
+@login_required
+@require_POST
+def agent_retire(request: HttpRequest, pk: int) -> HttpResponse:
+    agent = get_agent_for_user(request, pk, Perm.MANAGE_AGENTS)
+    try:
+        agent_services.retire_agent(agent, actor_id=request.user.id)
+    except agent_services.AgentError as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(
+            request,
+            f"{agent.name} is retired: nothing is sent to it, its credentials are deleted, and "
+            "its tasks stay readable.",
+        )
+    return redirect("agent-detail", pk=agent.pk)
+
+
+@login_required
+@require_POST
+def agent_restore(request: HttpRequest, pk: int) -> HttpResponse:
+    agent = get_agent_for_user(request, pk, Perm.MANAGE_AGENTS)
+    try:
+        agent_services.restore_agent(agent, actor_id=request.user.id)
+    except agent_services.AgentError as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(
+            request,
+            f"{agent.name} is back in service. Its credentials were deleted when it was retired; "
+            "set them again if it needs them.",
+        )
+    return redirect("agent-detail", pk=agent.pk)
 
 
 @login_required
@@ -628,7 +696,7 @@ def _skills_by_agent(agents) -> list[dict]:
 @form_removes_nul
 @login_required
 def task_new(request: HttpRequest) -> HttpResponse:
-    operable = access.readable_agents(request.user, Perm.OPERATE)
+    operable = access.readable_agents(request.user, Perm.OPERATE).filter(retired_at__isnull=True)
     agents = list(operable)
     if not agents and not access.projects_for(request.user, Perm.OPERATE).exists():
         raise access.refuse(request.user, Perm.OPERATE, what=access.describe(request))

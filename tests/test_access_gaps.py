@@ -40,7 +40,10 @@ TASK_POSTS = (
     "task-cancel", "task-refresh", "task-retry", "task-abandon", "task-watch-again",
     "task-answer", "task-surface-act", "task-watch-mode", "inbox-answer",
 )  # fmt: skip
-AGENT_POSTS = ("agent-credentials", "agent-refresh", "agent-approve-origin", "agent-import")
+AGENT_POSTS = (
+    "agent-credentials", "agent-refresh", "agent-approve-origin", "agent-import",
+    "agent-rename", "agent-retire", "agent-restore",
+)  # fmt: skip
 
 
 def _agent(project: Project, name: str) -> Agent:

@@ -79,6 +79,9 @@ RULES: dict[str, Rule] = {
     "agent-card": Rule("GET", R, 200),
     "agent-credentials": Rule("POST", M, 400),  # an empty form: refused with its errors
     "agent-refresh": Rule("POST", M, 302),
+    "agent-rename": Rule("POST", M, 400),  # an empty name: refused next to the field
+    "agent-retire": Rule("POST", M, 302),  # its open tasks: refused with a message
+    "agent-restore": Rule("POST", M, 302),  # not retired: said so
     "agent-approve-origin": Rule("POST", M, 302),
     "agent-import": Rule("POST", OP, 302),
     "agent-import-status": Rule("GET", R, 200),

@@ -117,6 +117,27 @@ def test_the_same_url_twice_in_one_project_is_refused_naming_that_projects_agent
     assert Agent.objects.create(project=other, name="gamma copy", base_url=agent.base_url).pk
 
 
+@pytest.mark.django_db
+def test_a_registered_url_is_refused_at_its_preview_and_free_again_once_retired(agent) -> None:
+    """The preview of a URL the project holds showed the card and a Save that could only be
+    refused; a retired agent's URL may be added again, as a new agent."""
+    alpha = logged_in(admin_of("alpha"))
+    assert add_through_the_form(alpha, agent.base_url, "Alpha copy", "alpha").status_code == 302
+    first = Agent.objects.get(name="Alpha copy")
+    preview = alpha.post(
+        "/agents/add/",
+        {"url": agent.base_url + "/.well-known/agent-card.json",
+         "project": first.project_id, "action": "preview"},
+    ).content.decode()  # fmt: skip
+    assert "already registered in project alpha, as &#x27;Alpha copy&#x27;" in preview
+    assert 'id="card-preview"' not in preview and 'value="save"' not in preview
+    assert alpha.post(f"/agents/{first.pk}/retire/").status_code == 302
+    assert add_through_the_form(alpha, agent.base_url, "Alpha v2", "alpha").status_code == 302
+    second = Agent.objects.get(name="Alpha v2")
+    assert second.pk != first.pk and second.retired_at is None
+    assert Agent.objects.get(pk=first.pk).retired_at is not None
+
+
 @pytest.mark.django_db(transaction=True)
 def test_push_deliveries_go_to_the_project_whose_config_they_carry(monkeypatch) -> None:
     """Both projects mirror one remote task of the shared agent (each imported it): a

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Q
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from tasks_app import outbound
@@ -27,7 +27,7 @@ from tasks_app.a2a.client import api_key_placement
 from tasks_app.a2a.origins import origin_of
 from tasks_app.access import Perm, require
 from tasks_app.crypto import encrypt_json
-from tasks_app.models import Agent, OperatorAction, Project, RemoteTask
+from tasks_app.models import Agent, ImportJob, OperatorAction, Project, RemoteTask
 from tasks_app.runtime.net import redact_url
 
 
@@ -222,9 +222,7 @@ def add_agent(
     typed, url = url.strip(), registration_url(url)  # messages name the URL as typed
     project = project or Project.objects.get_or_create(name="default")[0]
     require(actor_id, project.pk, Perm.MANAGE_AGENTS)
-    existing = registered_at(project, url)
-    if existing is not None:
-        raise AgentError(_already_registered(existing, project))
+    check_not_registered(url, project)
     preview = preview_card(typed)
     if not preview.interface:
         raise AgentError(
@@ -249,12 +247,22 @@ def add_agent(
     except IntegrityError:
         # Added to this project meanwhile by someone else (the only unique columns an
         # agent has are its project and URL together).
-        if Agent.objects.filter(project=project, base_url=url).exists():
+        if Agent.objects.filter(project=project, base_url=url, retired_at__isnull=True).exists():
             raise AgentError(
                 f"This URL was registered in project {project.name} a moment ago by someone else."
             ) from None
         raise
     return agent
+
+
+def check_not_registered(url: str, project: Project | None) -> None:
+    """Refuse a URL ``project`` (default: default) already holds, in the words of the add."""
+    project = project or Project.objects.filter(name="default").first()
+    if project is None:
+        return
+    existing = registered_at(project, registration_url(url))
+    if existing is not None:
+        raise AgentError(_already_registered(existing, project))
 
 
 def registered_at(project: Project, url: str) -> Agent | None:
@@ -263,10 +271,11 @@ def registered_at(project: Project, url: str) -> Agent | None:
     Rows added before URLs were stored in that form are compared in it too: a project holds
     tens of agents, not millions, so its URLs are read rather than matched by the index.
     """
-    found = Agent.objects.filter(project=project, base_url=url).first()
+    in_service = Agent.objects.filter(project=project, retired_at__isnull=True)
+    found = in_service.filter(base_url=url).first()
     if found is not None:
         return found
-    for pk, base_url in Agent.objects.filter(project=project).values_list("pk", "base_url"):
+    for pk, base_url in in_service.values_list("pk", "base_url"):
         if registration_url(base_url) == url:
             return Agent.objects.get(pk=pk)
     return None
@@ -314,6 +323,7 @@ def _put_credentials(agent: Agent, credentials: dict[str, str]) -> None:
 def refresh_card(agent: Agent, *, actor_id: int | None = None) -> Agent:
     """Fetch the card again (revalidating with the ETag) and store what changed."""
     require(actor_id, agent.project_id, Perm.MANAGE_AGENTS)
+    refuse_if_retired(agent)
     try:
         result = outbound.run(
             lambda http: fetch_card(
@@ -348,17 +358,20 @@ def set_credentials(
     They are never shown back. Empty ``credentials`` clear them.
     """
     require(actor_id, agent.project_id, Perm.MANAGE_AGENTS)
+    refuse_if_retired(agent)
     # Bound to the origin (and the API key placed by the card) of the row as read now, and
     # written only while its card is that one: a refresh that moved the interface to another
     # origin in between left the credentials bound to the old one with nothing pending,
     # withheld from the new origin and nothing on the page to approve.
     for _ in range(5):
         current = Agent.objects.get(pk=agent.pk)
+        refuse_if_retired(current)
         _put_credentials(current, credentials)
         if Agent.objects.filter(
             pk=agent.pk,
             interface_url=current.interface_url,
             card_fetched_at=current.card_fetched_at,
+            retired_at__isnull=True,  # a retire meanwhile wiped them: not put back
         ).update(
             credentials_encrypted=current.credentials_encrypted,
             credential_origins=current.credential_origins,
@@ -389,9 +402,9 @@ def approve_origin(agent: Agent, origin: str, *, actor_id: int | None = None) ->
     require(actor_id, agent.project_id, Perm.MANAGE_AGENTS)
     if not origin:
         return False
-    approved = Agent.objects.filter(pk=agent.pk, pending_origin=origin).update(
-        credential_origins=[origin], pending_origin=""
-    )
+    approved = Agent.objects.filter(
+        pk=agent.pk, pending_origin=origin, retired_at__isnull=True
+    ).update(credential_origins=[origin], pending_origin="")
     if not approved:
         return False
     OperatorAction.objects.create(
@@ -431,3 +444,144 @@ def mark_reachable(agent_pk: int) -> None:
     Agent.objects.filter(~Q(reachable=True) | stale, pk=agent_pk).update(
         reachable=True, last_error="", last_contact_at=now
     )
+
+
+# Renaming, retiring and restoring -----------------------------------------------------------
+
+
+def rename_agent(agent: Agent, name: str, *, actor_id: int | None = None) -> Agent:
+    """Give the agent another name, by compare-and-set on the name as read: of two renames
+    at once, the second is told what the first chose instead of silently undoing it."""
+    require(actor_id, agent.project_id, Perm.MANAGE_AGENTS)
+    new = safejson.clean_text(" ".join(name.split()))
+    if not new:
+        raise AgentError("A name needs at least one character other than a space.")
+    if len(new) > _longest("name"):
+        raise AgentError(f"A name is at most {_longest('name')} characters.")
+    if new == agent.name:
+        return agent
+    with transaction.atomic():
+        if not Agent.objects.filter(pk=agent.pk, name=agent.name).update(name=new):
+            now = Agent.objects.filter(pk=agent.pk).values_list("name", flat=True).first()
+            raise AgentError(
+                f"The agent was renamed to {now!r} meanwhile; nothing changed. Rename it again "
+                "if that is not the name it should have."
+            )
+        OperatorAction.objects.create(
+            agent=agent,
+            actor_id=actor_id,
+            action="rename-agent",
+            payload={"from": agent.name, "to": new},
+        )
+    agent.name = new
+    return agent
+
+
+def refuse_if_retired(agent: Agent) -> None:
+    if agent.retired_at is not None:
+        raise AgentError(
+            f"{agent.name} is retired: nothing is sent to it. An agent admin can restore it on "
+            "its page."
+        )
+
+
+def hold_in_service(agent_pk: int) -> bool:
+    """Inside the caller's transaction: False if the agent is retired, else hold its row.
+
+    Starting a task or an import, and retiring the agent, are put in one order by the
+    agent's row: this no-op update holds the row until the caller commits, so a retire at
+    the same moment either waits and then finds the new task or import, or has committed
+    first and this finds the agent retired (``retire_agent`` writes before it looks).
+    """
+    return bool(Agent.objects.filter(pk=agent_pk, retired_at__isnull=True).update(retired_at=None))
+
+
+def open_tasks(agent_pk: int) -> QuerySet[RemoteTask]:
+    """The agent's tasks someone may still act on or a watcher still follows: unfinished and
+    neither abandoned nor gone (what the task page offers to abandon), or watchable (one
+    ended a moment ago still gets its settling turn)."""
+    from tasks_app.services.tasks import unfinished, watchable
+
+    live = unfinished() & Q(abandoned_at__isnull=True, gone_at__isnull=True)
+    return RemoteTask.objects.filter(live | watchable(), agent_id=agent_pk)
+
+
+def retire_agent(agent: Agent, *, actor_id: int | None = None) -> Agent:
+    """Take the agent out of service, keeping everything it left behind.
+
+    Deleting an agent would delete its tasks, their event logs and the audit trail of what
+    people did with it; retiring keeps them all readable and makes the agent inert:
+
+    1. Mark the row retired by compare-and-set, wiping its credentials (nothing is sent to
+       it again, so they are only a liability) and any origin waiting for approval.
+    2. Look for tasks still open and an import queued or running: any found undo the
+       whole change (the transaction), with a sentence saying what to end first. Step 1
+       came first so that a start at the same moment is ordered by the row
+       (``hold_in_service``).
+    3. Write the action log's ``retire-agent`` entry, in the same transaction.
+
+    Its URL is free after this: the project may register the agent again, as a new one.
+    """
+    require(actor_id, agent.project_id, Perm.MANAGE_AGENTS)
+    with transaction.atomic():
+        retired = Agent.objects.filter(pk=agent.pk, retired_at__isnull=True).update(
+            retired_at=timezone.now(),
+            retired_by_id=actor_id,
+            credentials_encrypted="",
+            credential_origins=[],
+            pending_origin="",
+        )
+        if not retired:
+            raise AgentError(f"{agent.name} was retired already.")
+        still_open = open_tasks(agent.pk).count()
+        if still_open:
+            raise AgentError(
+                f"{agent.name} has {still_open} open task{'s' if still_open != 1 else ''} "
+                "(running, waiting for an answer, or a send not settled): cancel or abandon "
+                "them first, so that none is left without a way to reach its agent."
+            )
+        if ImportJob.objects.filter(
+            agent_id=agent.pk, status__in=[ImportJob.Status.QUEUED, ImportJob.Status.RUNNING]
+        ).exists():
+            raise AgentError(
+                f"An import of {agent.name}'s tasks is under way: cancel it or let it finish first."
+            )
+        OperatorAction.objects.create(
+            agent=agent,
+            actor_id=actor_id,
+            action="retire-agent",
+            payload={"name": agent.name, "url": agent.base_url, "project": agent.project.name},
+        )
+    agent.refresh_from_db()
+    return agent
+
+
+def restore_agent(agent: Agent, *, actor_id: int | None = None) -> Agent:
+    """Put a retired agent back in service (without credentials: retiring wiped them).
+
+    Refused when the project registered its URL again meanwhile: two agents of one project
+    at one URL would mirror its tasks twice (``one_agent_per_url_per_project`` says so).
+    """
+    require(actor_id, agent.project_id, Perm.MANAGE_AGENTS)
+    try:
+        with transaction.atomic():
+            restored = Agent.objects.filter(pk=agent.pk, retired_at__isnull=False).update(
+                retired_at=None, retired_by=None
+            )
+            if not restored:
+                raise AgentError(f"{agent.name} is not retired.")
+            OperatorAction.objects.create(
+                agent=agent,
+                actor_id=actor_id,
+                action="restore-agent",
+                payload={"name": agent.name, "url": agent.base_url},
+            )
+    except IntegrityError:
+        again = registered_at(agent.project, registration_url(agent.base_url))
+        raise AgentError(
+            f"Its URL was registered again in project {agent.project.name}"
+            + (f", as {again.name!r}" if again is not None else "")
+            + ": use that agent, or retire it first."
+        ) from None
+    agent.refresh_from_db()
+    return agent

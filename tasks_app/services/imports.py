@@ -95,12 +95,15 @@ def latest_job(agent: Agent) -> ImportJob | None:
 
 
 def create_job(agent: Agent, *, actor_id: int | None = None) -> ImportJob:
-    """A queued job, unless the agent already has one queued or running."""
+    """A queued job, unless the agent already has one queued or running, or is retired."""
     expire_stale(agent.pk)
     existing = active_job(agent)
     if existing is None:
         try:
             with transaction.atomic():  # the index decides between two clicks at once
+                # Ordered against a retire by the agent's row (see hold_in_service).
+                if not agent_services.hold_in_service(agent.pk):
+                    raise TaskActionError(f"{agent.name} is retired: its tasks cannot be imported.")
                 return ImportJob.objects.create(agent=agent, actor_id=actor_id)
         except IntegrityError:
             existing = active_job(agent)

@@ -79,6 +79,9 @@ def watch_for(agent: Agent, mode: str) -> str:
     )
 
 
+_RETIRED = "{name} is retired: no task can be started on it."
+
+
 def start_task(
     agent: Agent,
     text: str = "",
@@ -100,12 +103,16 @@ def start_task(
     if not ((text and text.strip()) or data is not None or files):
         # Spaces alone are no text (the form strips them; the command line did not).
         raise TaskActionError("A message needs text, data or a file.")
+    if agent.retired_at is not None:
+        raise TaskActionError(_RETIRED.format(name=agent.name))
     if not agent.interface_url:
         raise TaskActionError(f"{agent.name} has no usable interface; refresh its card.")
     mode = resolve_mode(agent, mode, from_browser=from_browser)
     message = user_message(text or None, data=data, files=files, context_id=str(uuid.uuid4()))
     message = a2ui.with_capabilities(message, a2ui.declared_version(agent.card))
     with transaction.atomic():
+        if not agent_services.hold_in_service(agent.pk):  # retired since it was read
+            raise TaskActionError(_RETIRED.format(name=agent.name))
         task = RemoteTask.objects.create(
             agent=agent,
             title=(text or "(data)").strip().splitlines()[0][:300]

@@ -1,5 +1,5 @@
-"""``manage.py agents add URL [--name NAME] [--token-file PATH | --api-key-file PATH]`` and
-``agents list``.
+"""``manage.py agents add URL [--name NAME] [--token-file PATH | --api-key-file PATH]``,
+``agents list``, ``agents rename AGENT NAME``, ``agents retire AGENT`` and ``agents restore AGENT``.
 
 Secrets are read from a file (or standard input, ``-``), never taken from the command line:
 every argument of a running process is visible to every user of the machine (``ps``).
@@ -18,11 +18,20 @@ from typing import Any, TextIO
 from django.core.management.base import CommandError, CommandParser
 
 from tasks_app.management.commands._stopping import StoppableCommand
+from tasks_app.management.commands.tasks import find_agent
 from tasks_app.models import Agent, Project
 from tasks_app.runtime.logs import one_line
-from tasks_app.services.agents import AgentError, add_agent, header_safe
+from tasks_app.services.agents import (
+    AgentError,
+    add_agent,
+    header_safe,
+    rename_agent,
+    restore_agent,
+    retire_agent,
+)
 
 MAX_SECRET_BYTES = 64 * 1024
+LIFECYCLE = ("rename", "retire", "restore")
 
 REFUSED = {
     "token": ("--token", "--token-file"),
@@ -62,7 +71,7 @@ def read_secret(source: str, option: str, stdin: TextIO) -> str:
 
 
 class Command(StoppableCommand):
-    help = "Register and show A2A agents."
+    help = "Register, show, rename, retire and restore A2A agents."
     stealth_options = ("stdin",)
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -86,6 +95,16 @@ class Command(StoppableCommand):
         add.add_argument("--api-key", default=None, help=argparse.SUPPRESS)
         listing = sub.add_parser("list", help="show registered agents")
         listing.add_argument("--json", action="store_true")
+        rename = sub.add_parser("rename", help="give an agent another name")
+        rename.add_argument("agent", help="agent id, name or base URL")
+        rename.add_argument("name")
+        retire = sub.add_parser(
+            "retire",
+            help="take an agent out of service: nothing is sent to it, its tasks and history stay",
+        )
+        retire.add_argument("agent", help="agent id, name or base URL")
+        restore = sub.add_parser("restore", help="put a retired agent back in service")
+        restore.add_argument("agent", help="agent id, name or base URL")
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["action"] == "add":
@@ -109,7 +128,27 @@ class Command(StoppableCommand):
             for problem in agent.card_problems:
                 self.stdout.write(f"  card problem: {one_line(problem)}")
             return
+        if options["action"] in LIFECYCLE:
+            self._lifecycle(options)
+            return
         self._list(options)
+
+    def _lifecycle(self, options: dict[str, Any]) -> None:
+        agent = find_agent(options["agent"])
+        try:
+            if options["action"] == "rename":
+                old = agent.name
+                rename_agent(agent, options["name"])
+                said = f"renamed {one_line(old)!r} to {one_line(agent.name)!r}"
+            elif options["action"] == "retire":
+                retire_agent(agent)
+                said = "retired: nothing is sent to it, its credentials are deleted"
+            else:
+                restore_agent(agent)
+                said = "back in service, without credentials (set them again if it needs them)"
+        except AgentError as exc:
+            raise CommandError(str(exc)) from exc
+        self.stdout.write(f"{agent.pk}\t{one_line(agent.name)}\t{said}")
 
     def _credentials(self, options: dict[str, Any]) -> dict[str, str]:
         for key, (flag, file_flag) in REFUSED.items():
@@ -142,10 +181,13 @@ class Command(StoppableCommand):
                     "binding": agent.binding, "interface_url": agent.interface_url,
                     "streaming": agent.streaming, "push": agent.push, "reachable": agent.reachable,
                     "last_error": agent.last_error, "credentials": bool(agent.credentials_encrypted),
+                    "retired_at": agent.retired_at.isoformat() if agent.retired_at else None,
                 }))  # fmt: skip
             return
         for agent in agents:
             reach = {True: "reachable", False: "UNREACHABLE", None: "unknown"}[agent.reachable]
+            if agent.retired_at is not None:
+                reach = "retired"
             caps = ",".join(
                 c for c, on in (("streaming", agent.streaming), ("push", agent.push)) if on
             )

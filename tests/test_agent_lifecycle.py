@@ -1,0 +1,263 @@
+"""Renaming, retiring and restoring an agent.
+
+An agent added by mistake stayed for ever: nothing could delete it (the cascade would take
+its tasks, their logs and the action log with it), and its name could not be changed. Now an
+agent admin renames it, or retires it: nothing is sent to it again, its credentials are
+deleted, it leaves the agent list and the start form, its URL is free, and everything it
+left behind stays readable. These tests check each promise, and the orders where they
+would break: a start and a retire released at once, a pause inside the retire, a rename
+from a stale page.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from io import StringIO
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.management import CommandError, call_command
+from django.test import Client
+
+from tasks_app import alerts, outbound
+from tasks_app.crypto import encrypt_json
+from tasks_app.models import Agent, Alert, ImportJob, Membership, OperatorAction, RemoteTask
+from tasks_app.services import agents as agent_services
+from tasks_app.services import imports
+from tasks_app.services import tasks as task_services
+from tests.people import member
+from tests.races import release_together
+
+pytestmark = pytest.mark.django_db
+
+
+def _agent(name: str = "Helper", url: str = "http://127.0.0.1:9/helper") -> Agent:
+    return Agent.objects.create(
+        name=name, base_url=url, interface_url=url + "/rpc", binding="JSONRPC",
+        credentials_encrypted=encrypt_json({"token": "s3cret-token"}),
+        credential_origins=["http://127.0.0.1:9"],
+    )  # fmt: skip
+
+
+def _open_task(agent: Agent) -> RemoteTask:
+    return RemoteTask.objects.create(
+        agent=agent, remote_id="r-1", phase="task", state="TASK_STATE_WORKING", watch="poll"
+    )
+
+
+def _person(role: str, name: str = "ada") -> Client:
+    client = Client()
+    client.force_login(member(User.objects.create_user(name), role))
+    return client
+
+
+def test_an_agent_admin_renames_an_agent_and_the_log_says_from_what() -> None:
+    agent = _agent()
+    admin = _person(Membership.Role.AGENT_ADMIN)
+    page = admin.get(f"/agents/{agent.pk}/").content.decode()
+    assert 'id="rename-form"' in page and 'value="Helper"' in page
+    response = admin.post(f"/agents/{agent.pk}/rename/", {"name": "  Billing   helper "})
+    assert response.status_code == 302
+    agent.refresh_from_db()
+    assert agent.name == "Billing helper"
+    row = OperatorAction.objects.get(action="rename-agent")
+    assert row.agent_id == agent.pk and row.payload == {"from": "Helper", "to": "Billing helper"}
+    assert "Billing helper" in admin.get("/agents/").content.decode()
+    # Blank: refused next to the field, nothing written.
+    refused = admin.post(f"/agents/{agent.pk}/rename/", {"name": "   "})
+    assert refused.status_code == 400
+    assert 'id="id_name_error"' in refused.content.decode()
+    assert OperatorAction.objects.filter(action="rename-agent").count() == 1
+    # An operator is not offered the form, and is refused it.
+    operator = _person(Membership.Role.OPERATOR, "otto")
+    assert 'id="rename-form"' not in operator.get(f"/agents/{agent.pk}/").content.decode()
+    assert operator.post(f"/agents/{agent.pk}/rename/", {"name": "Mine"}).status_code == 403
+    agent.refresh_from_db()
+    assert agent.name == "Billing helper"
+
+
+def test_a_rename_from_a_stale_page_does_not_undo_the_one_before_it() -> None:
+    agent = _agent()
+    stale = Agent.objects.get(pk=agent.pk)
+    agent_services.rename_agent(agent, "First")
+    with pytest.raises(agent_services.AgentError, match="renamed to 'First' meanwhile"):
+        agent_services.rename_agent(stale, "Second")
+    assert Agent.objects.get(pk=agent.pk).name == "First"
+    assert OperatorAction.objects.filter(action="rename-agent").count() == 1
+
+
+def test_an_agent_with_an_open_task_is_not_retired_until_the_task_is_ended() -> None:
+    agent = _agent()
+    task = _open_task(agent)
+    admin = _person(Membership.Role.AGENT_ADMIN)
+    page = admin.get(f"/agents/{agent.pk}/").content.decode()
+    assert 'id="retire-blocked"' in page and "1 open task" in page
+    assert 'id="retire-confirm"' not in page  # not offered while it cannot work
+    response = admin.post(f"/agents/{agent.pk}/retire/", follow=True)
+    assert "has 1 open task" in response.content.decode()
+    agent.refresh_from_db()
+    assert agent.retired_at is None and agent.credentials_encrypted  # nothing changed
+    assert not OperatorAction.objects.filter(action="retire-agent").exists()
+    # The way out the sentence names: abandon it, then retire.
+    task_services.abandon_task(task, reason="added by mistake")
+    page = admin.get(f"/agents/{agent.pk}/").content.decode()
+    assert 'id="retire-confirm"' in page
+    assert admin.post(f"/agents/{agent.pk}/retire/").status_code == 302
+    agent.refresh_from_db()
+    assert agent.retired_at is not None and agent.retired_by.username == "ada"
+
+
+def test_an_import_under_way_keeps_the_agent_in_service() -> None:
+    agent = _agent()
+    ImportJob.objects.create(agent=agent, status=ImportJob.Status.RUNNING)
+    with pytest.raises(agent_services.AgentError, match="import"):
+        agent_services.retire_agent(agent)
+    assert Agent.objects.get(pk=agent.pk).retired_at is None
+
+
+def test_a_retired_agent_is_inert_and_what_it_left_stays_readable(no_dispatch) -> None:
+    agent = _agent()
+    ended = RemoteTask.objects.create(
+        agent=agent, remote_id="r-9", phase="task", state="TASK_STATE_COMPLETED", title="old work"
+    )
+    Alert.objects.create(
+        rule=Alert.Rule.AGENT_UNREACHABLE, agent=agent, key=f"agent-unreachable:agent:{agent.pk}",
+        message="unreachable", opened_at=agent.created_at,
+    )  # fmt: skip
+    Agent.objects.filter(pk=agent.pk).update(reachable=False)
+    admin = _person(Membership.Role.AGENT_ADMIN)
+    assert admin.post(f"/agents/{agent.pk}/retire/").status_code == 302
+    agent.refresh_from_db()
+    # 1. Its secrets are gone; the action log says who retired what.
+    assert agent.credentials_encrypted == "" and agent.credential_origins == []
+    row = OperatorAction.objects.get(action="retire-agent")
+    assert row.payload["url"] == agent.base_url and row.actor.username == "ada"
+    # 2. Nothing is sent to it, by any path.
+    with pytest.raises(outbound.AgentRetired):
+        outbound.client_for(agent, None)  # type: ignore[arg-type]
+    with pytest.raises(task_services.TaskActionError, match="retired"):
+        task_services.start_task(agent, "hello")
+    with pytest.raises(task_services.TaskActionError, match="retired"):
+        imports.start_import(agent)
+    with pytest.raises(agent_services.AgentError, match="retired"):
+        agent_services.refresh_card(agent)
+    with pytest.raises(agent_services.AgentError, match="retired"):
+        agent_services.set_credentials(agent, {"token": "new"})
+    refreshed = admin.post(f"/tasks/{ended.pk}/refresh/", follow=True).content.decode()
+    assert "is retired: nothing is sent to it" in refreshed
+    assert no_dispatch == [] and RemoteTask.objects.count() == 1
+    # 3. It leaves the agent list's table and the start form; the page says what it is.
+    listing = admin.get("/agents/").content.decode()
+    table, retired = listing.split('id="retired-agents"')
+    assert "Helper" not in table and "Helper" in retired
+    assert f'value="{agent.pk}"' not in admin.get("/tasks/new/").content.decode()
+    page = admin.get(f"/agents/{agent.pk}/").content.decode()
+    assert 'id="retired-note"' in page and "by ada" in page
+    assert "Start a task" not in page and 'id="credentials-form"' not in page
+    # 4. Its tasks stay readable, and filterable by it.
+    assert "old work" in admin.get(f"/tasks/?agent={agent.pk}").content.decode()
+    assert admin.get(f"/tasks/{ended.pk}/").status_code == 200
+    assert "Helper (retired)" in admin.get("/tasks/").content.decode()
+    # 5. Its being unreachable is nobody's concern: the open alert ends, none opens again.
+    alerts.evaluate(deliver=False)
+    assert not Alert.objects.filter(resolved_at__isnull=True, agent=agent).exists()
+
+
+def test_a_retired_url_is_free_and_restoring_it_then_is_refused() -> None:
+    agent = _agent()
+    admin = _person(Membership.Role.AGENT_ADMIN)
+    agent_services.retire_agent(agent)
+    # What add_agent stores after its card fetch: the same URL in the same project.
+    again = Agent.objects.create(name="Helper v2", base_url=agent.base_url)
+    response = admin.post(f"/agents/{agent.pk}/restore/", follow=True).content.decode()
+    assert "registered again in project default, as &#x27;Helper v2&#x27;" in response
+    assert Agent.objects.get(pk=agent.pk).retired_at is not None
+    agent_services.retire_agent(again)
+    assert admin.post(f"/agents/{agent.pk}/restore/").status_code == 302
+    agent.refresh_from_db()
+    assert agent.retired_at is None and agent.retired_by is None
+    assert agent.credentials_encrypted == ""  # retiring deleted them for good
+    assert OperatorAction.objects.filter(action="restore-agent", agent=agent).count() == 1
+    with pytest.raises(agent_services.AgentError, match="not retired"):
+        agent_services.restore_agent(agent)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_start_and_a_retire_released_together_never_both_win(no_dispatch) -> None:
+    """Never a retired agent with an open task: it could not be reached, not even canceled."""
+    for round_ in range(6):
+        agent = _agent(url=f"http://127.0.0.1:9/race-{round_}")
+        start, retire = release_together(
+            lambda agent=agent: task_services.start_task(agent, "hello"),
+            lambda agent=agent: agent_services.retire_agent(agent),
+        )
+        retired = Agent.objects.get(pk=agent.pk).retired_at is not None
+        tasks = RemoteTask.objects.filter(agent=agent).count()
+        assert retired != bool(tasks), (start, retire)
+        assert isinstance(start, RemoteTask) == bool(tasks)
+        assert isinstance(retire, Agent) == retired
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_start_inside_the_retires_window_waits_for_it_and_is_refused(
+    monkeypatch, no_dispatch
+) -> None:
+    """A pause between the retire's mark and its look for open tasks: the start that comes
+    in the pause must not slip a task past the look."""
+    agent = _agent()
+    marked, release = threading.Event(), threading.Event()
+    real_open_tasks = agent_services.open_tasks
+
+    def paused(agent_pk: int):
+        marked.set()
+        release.wait(10)
+        return real_open_tasks(agent_pk)
+
+    monkeypatch.setattr(agent_services, "open_tasks", paused)
+
+    def start_in_the_pause():
+        marked.wait(10)
+        threading.Timer(0.5, release.set).start()
+        return task_services.start_task(agent, "hello")
+
+    retire, start = release_together(lambda: agent_services.retire_agent(agent), start_in_the_pause)
+    assert isinstance(retire, Agent), retire
+    assert isinstance(start, task_services.TaskActionError) and "retired" in str(start)
+    assert not RemoteTask.objects.filter(agent=agent).exists()
+
+
+def test_the_command_line_renames_retires_and_restores(no_dispatch) -> None:
+    agent = _agent()
+    out = StringIO()
+    call_command("agents", "rename", str(agent.pk), "Ledger", stdout=out)
+    assert "renamed 'Helper' to 'Ledger'" in out.getvalue()
+    task = _open_task(agent)
+    with pytest.raises(CommandError, match="open task"):
+        call_command("agents", "retire", "Ledger")
+    RemoteTask.objects.filter(pk=task.pk).update(state="TASK_STATE_COMPLETED")
+    out = StringIO()
+    call_command("agents", "retire", "Ledger", stdout=out)
+    assert "retired" in out.getvalue()
+    out = StringIO()
+    call_command("agents", "list", stdout=out)
+    assert out.getvalue().rstrip().endswith("retired")
+    out = StringIO()
+    call_command("agents", "list", "--json", stdout=out)
+    assert json.loads(out.getvalue())["retired_at"]
+    with pytest.raises(CommandError, match="retired: no task can be started"):
+        call_command("tasks", "start", str(agent.pk), "hello")
+    out = StringIO()
+    call_command("agents", "restore", str(agent.pk), stdout=out)
+    assert "back in service" in out.getvalue()
+    assert [row.action for row in OperatorAction.objects.order_by("id")] == [
+        "rename-agent", "retire-agent", "restore-agent",
+    ]  # fmt: skip
+
+
+def test_the_action_log_names_the_new_actions() -> None:
+    agent = _agent()
+    agent_services.rename_agent(agent, "Ledger")
+    auditor = _person(Membership.Role.AUDITOR, "audrey")
+    page = auditor.get("/audit/?action=rename-agent").content.decode()
+    assert "renamed an agent" in page and "Ledger" in page
