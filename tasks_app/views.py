@@ -987,7 +987,7 @@ def _offered(request: HttpRequest, task: RemoteTask, action: str) -> bool:
     if action == "can_abandon" and task.abandoned_at is not None:
         messages.error(request, "This task was abandoned already.")
     else:
-        messages.error(request, task_services.NOT_OFFERED[action])
+        messages.error(request, task_services.not_offered(task, action))
     return False
 
 

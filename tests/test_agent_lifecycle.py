@@ -157,7 +157,8 @@ def test_a_retired_agent_is_inert_and_what_it_left_stays_readable(no_dispatch) -
     assert "Start a task" not in page and 'id="credentials-form"' not in page
     # 4. Its tasks stay readable, and filterable by it.
     assert "old work" in admin.get(f"/tasks/?agent={agent.pk}").content.decode()
-    assert admin.get(f"/tasks/{ended.pk}/").status_code == 200
+    task_page = admin.get(f"/tasks/{ended.pk}/").content.decode()
+    assert 'id="agent-retired-note"' in task_page and 'id="refresh-button"' not in task_page
     assert "Helper (retired)" in admin.get("/tasks/").content.decode()
     # 5. Its being unreachable is nobody's concern: the open alert ends, none opens again.
     alerts.evaluate(deliver=False)

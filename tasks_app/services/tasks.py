@@ -167,6 +167,8 @@ def offered_actions(task: RemoteTask) -> dict[str, bool]:
     # ran, or while its send may have landed, can still be looked up and canceled there
     # (it was offered nothing, and the agent's task ran on out of reach).
     sent = open_ or task.send_attempted_at is not None
+    if task.agent.retired_at is not None:  # nothing is sent to it: no action can work
+        return dict.fromkeys(_ACTIONS, False)
     return {
         # A task not named yet is looked up by its contextId first (services.tasks._name_task).
         "can_cancel": unfinished
@@ -195,6 +197,20 @@ def offered_actions(task: RemoteTask) -> dict[str, bool]:
         and unfinished
         and task.gone_at is None,
     }
+
+
+_ACTIONS = ("can_cancel", "can_retry", "can_refresh", "can_abandon", "can_watch_again",
+            "can_switch_from_push")  # fmt: skip
+
+
+def not_offered(task: RemoteTask, action: str) -> str:
+    """Why the page does not offer ``action`` on ``task`` (see ``offered_actions``)."""
+    if task.agent.retired_at is not None:
+        return (
+            f"{task.agent.name} is retired: nothing is sent to it. An agent admin can restore "
+            "it on its page."
+        )
+    return NOT_OFFERED[action]
 
 
 NOT_OFFERED = {
@@ -487,7 +503,7 @@ def cancel_task(task: RemoteTask, *, reason: str = "", actor_id: int | None = No
     """
     require(actor_id, task.agent.project_id, Perm.OPERATE)
     if not offered_actions(task)["can_cancel"]:  # before anything is written
-        raise TaskActionError(NOT_OFFERED["can_cancel"])
+        raise TaskActionError(not_offered(task, "can_cancel"))
     if not task.remote_id and withdraw_send(task, reason=reason, actor_id=actor_id):
         task.refresh_from_db()
         return task
@@ -577,7 +593,7 @@ def refresh_task(task: RemoteTask, *, actor_id: int | None = None) -> RemoteTask
     """
     require(actor_id, task.agent.project_id, Perm.OPERATE)
     if not offered_actions(task)["can_refresh"]:  # before anything is written
-        raise TaskActionError(NOT_OFFERED["can_refresh"])
+        raise TaskActionError(not_offered(task, "can_refresh"))
     record(task, {"operator": {"action": "refresh"}}, "operator", actor_id=actor_id)
     try:
         task = _refresh(task, actor_id=actor_id)
