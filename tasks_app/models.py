@@ -325,7 +325,16 @@ class RemoteTask(models.Model):
         ]
 
     def __str__(self) -> str:
-        return self.remote_id or f"(unsent #{self.pk})"
+        return self.remote_id or f"({self.unnamed_label} #{self.pk})"
+
+    @property
+    def unnamed_label(self) -> str:
+        """What an exchange the agent named no task for is: a message reply is not "unsent"."""
+        return {
+            self.Phase.MESSAGE: "message reply, no task",
+            self.Phase.FAILED: "send failed, no task",
+            self.Phase.SENDING: "not named yet",
+        }.get(self.phase, "no task id")
 
     @property
     def is_terminal(self) -> bool:

@@ -69,6 +69,11 @@ def find_task(ref: str) -> RemoteTask:
     return task
 
 
+def _settled(task: RemoteTask) -> bool:
+    """What ``tasks start --wait`` waits for: an end, a question, a plain reply or a failed send."""
+    return task.phase in ("message", "failed") or task.is_terminal or task.is_interrupted
+
+
 class Command(StoppableCommand):
     help = "Start, import, show and act on mirrored A2A tasks."
 
@@ -126,15 +131,22 @@ class Command(StoppableCommand):
                 f"'manage.py tasks show {task.pk}'."
             )
         deadline = time.monotonic() + options["wait"]
+        settled = False
         while time.monotonic() < deadline:
             task.refresh_from_db()
-            if task.phase in ("message", "failed") or task.is_terminal or task.is_interrupted:
+            if settled := _settled(task):
                 break
             time.sleep(0.2)
         task.refresh_from_db()
         self.stdout.write(
             f"{task.pk}\t{one_line(task.remote_id or '-')}\t{task.phase}\t{task.state_label}"
         )
+        if options["wait"] and not (settled or _settled(task)):
+            # The line above looks the same whether it settled or not: say which.
+            self.stderr.write(
+                f"Task {task.pk} had not settled after {options['wait']:g} s; it goes on "
+                f"(manage.py tasks show {task.pk})."
+            )
         if task.phase == RemoteTask.Phase.FAILED:
             # A script's `tasks start ... --wait` must see that nothing was started.
             raise CommandError(f"Task {task.pk}: the send failed: {task.send_error}")
@@ -173,7 +185,7 @@ class Command(StoppableCommand):
             self.stdout.write(json.dumps(document, indent=2, default=str))
             return
         self.stdout.write(
-            f"task {task.pk} ({one_line(task.remote_id or 'unsent')}) on {one_line(task.agent.name)}: "
+            f"task {task.pk} ({one_line(task.remote_id or task.unnamed_label)}) on {one_line(task.agent.name)}: "
             f"{task.state_label}"
         )
         since = f" since {task.watcher_since:%Y-%m-%d %H:%M:%S}" if task.watcher_since else ""
