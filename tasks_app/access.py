@@ -135,12 +135,14 @@ def refuse(
         if task is not None
         else None
     )
-    role = (
-        _roles(user).get(project_id, "none")
-        if user is not None and user.is_authenticated
-        else "anonymous"
-    )
-    outcome = f"refused: role {role} may not {perm.value}"
+    if user is None or not user.is_authenticated:
+        outcome = f"refused: anonymous may not {perm.value}"
+    elif project_id is None:  # a page of no one project (adding an agent, starting a task)
+        outcome = f"refused: no project of theirs lets them {perm.value}"
+    elif project_id in _roles(user):
+        outcome = f"refused: role {_roles(user)[project_id]} may not {perm.value}"
+    else:
+        outcome = f"refused: not a member of the project, may not {perm.value}"
     OperatorAction.objects.create(
         task=task,
         agent=agent if agent is not None else task.agent if task is not None else None,

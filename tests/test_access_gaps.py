@@ -320,3 +320,13 @@ def test_a_task_that_ended_after_the_page_looked_is_not_abandoned_or_switched(
     assert _written() == before
     task.refresh_from_db()
     assert (task.abandoned_at, task.watch, task.watcher_status) == (None, "push", "idle")
+
+
+def test_a_refusal_on_a_page_of_no_one_project_says_why_not_role_none(world) -> None:
+    """Adding an agent belongs to no one project until the form names one: the refusal row
+    said "role none may not manage_agents" of an operator who has a role."""
+    client = world["client"]  # an operator of alpha
+    assert client.post(reverse("agent-add"), {"url": "http://127.0.0.1:9/x"}).status_code == 403
+    row = OperatorAction.objects.filter(action="forbidden").latest("id")
+    assert row.outcome == "refused: no project of theirs lets them manage agents"
+    assert "none" not in row.outcome
