@@ -1106,7 +1106,8 @@ def task_events(request: HttpRequest, pk: int) -> HttpResponse:
     """The whole log, a page at a time (by seq): full, compact (by state and artifact) or raw.
 
     Filters by kind and channel come in the URL; a value that is not one of them is
-    answered next to its filter and that filter is not applied.
+    answered next to its filter, with 400 and no entries, as on the task list and the audit
+    page: the whole log under a filter the page shows would pass for the filtered one.
     """
     task = get_task_for_user(request, pk)
     try:
@@ -1114,18 +1115,19 @@ def task_events(request: HttpRequest, pk: int) -> HttpResponse:
     except ValueError:
         return HttpResponseBadRequest("after must be a number")
     form = EventFilterForm(request.GET)
-    form.is_valid()
+    valid = form.is_valid()
     wanted = {k: v for k, v in form.cleaned_data.items() if v and k not in form.errors}
     view = wanted.get("view", "full")
+    status = 200 if valid else 400
     context: dict = {
         "task": task, "form": form, "view": view, "chain": _chain(request, task),
         # This task's project's permissions: auditing another project offers no export here.
         "can": access.can(request.user, task.agent.project_id),
     }  # fmt: skip
-    if view == "compact":
+    if view == "compact" and valid:
         context.update(_compact_history(task))
         return render(request, "tasks_app/task_events.html", context)
-    matching = task.events.all()
+    matching = task.events.all() if valid else task.events.none()
     if wanted.get("kind"):
         matching = matching.filter(kind=wanted["kind"])
     if wanted.get("channel"):
@@ -1143,9 +1145,10 @@ def task_events(request: HttpRequest, pk: int) -> HttpResponse:
             "events": [{"e": e, "raw": raw_preview(e)} for e in rows],
             "next_url": "?" + urlencode({**params, "after": next_after}) if next_after else "",
             "previous_url": _earlier_entries(matching, after, params),
+            "valid": valid,
         }
     )
-    return render(request, "tasks_app/task_events.html", context)
+    return render(request, "tasks_app/task_events.html", context, status=status)
 
 
 def _earlier_entries(matching: QuerySet[TaskEvent], after: int, params: dict) -> str:
