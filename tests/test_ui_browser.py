@@ -400,3 +400,23 @@ def test_long_unbreakable_text_never_widens_the_page(page, stack, demo_agent_pk)
         page.goto(url)
         widths[url] = page.evaluate("document.documentElement.scrollWidth")
     assert all(w <= 1440 for w in widths.values()), widths
+
+
+def test_a_filter_with_an_error_keeps_the_filter_bar_in_line(page, stack):
+    """The bar aligned its fields' bottoms: a field with an error beneath its input had that
+    input lifted above the others, and the buttons sat level with the error text."""
+    page.goto("/tasks/?state=bogus&q=x")
+    assert page.locator("#task-filters .has-error").count() == 1
+    tops = page.evaluate(
+        """() => [...document.querySelectorAll('#task-filters .field:not(.actions)')]
+               .map(f => f.querySelector('input, select').getBoundingClientRect())
+               .filter(r => r.width > 0)
+               .map(r => [Math.round(r.top), Math.round(r.bottom)])"""
+    )
+    first_row = [t for t in tops if t[0] < tops[0][0] + 40]
+    assert len(first_row) >= 3 and len({t[0] for t in first_row}) == 1, tops
+    button = page.locator("#task-filters .field.actions .button").first.bounding_box()
+    row_bottom = first_row[0][1]
+    # The buttons sit on the inputs' line (within a few pixels of their bottom), not below.
+    assert abs(button["y"] + button["height"] - row_bottom) <= 6, (button, first_row)
+    shot(page, "task-list-filter-error")
