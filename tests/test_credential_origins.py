@@ -117,6 +117,12 @@ def test_a_card_that_moves_the_interface_gets_no_credentials_until_approved(
     assert 'id="approve-origin"' in page
     viewer_page = viewer_client.get(reverse("agent-detail", args=[agent.pk])).content.decode()
     assert "Needs approval" in viewer_page and 'id="approve-origin"' not in viewer_page
+    # Where people look first, the agent list and the overview mark it too, linking to the
+    # notice (it was said on the agent page alone, easy to miss while tasks sat parked).
+    for listing in ("/agents/", "/"):
+        html = viewer_client.get(listing).content.decode()
+        mark = f'href="/agents/{agent.pk}/#needs-approval" data-needs-approval'
+        assert mark in html, listing
     forbidden = viewer_client.post(
         reverse("agent-approve-origin", args=[agent.pk]), {"origin": origin_of(proxy.url)}
     )
@@ -139,6 +145,7 @@ def test_a_card_that_moves_the_interface_gets_no_credentials_until_approved(
     agent.refresh_from_db()
     assert agent.credential_origins == [origin_of(proxy.url)] and agent.pending_origin == ""
     assert OperatorAction.objects.filter(agent=agent, action="approve-origin", actor=admin).exists()
+    assert "data-needs-approval" not in viewer_client.get("/agents/").content.decode()
     assert _send_directly(agent) == "ok"
     assert proxy.connections >= 1
 
