@@ -308,11 +308,23 @@ def publish(messages: Iterable[Message]) -> None:
     try:
         async_to_sync(send_all_in_time)()
     except (OSError, TimeoutError, RedisConnectionError) as exc:
-        # Redis down or slow: one line (a command run with Redis down printed a traceback).
-        log.warning("relay failed (%s); browsers catch up from the log", type(exc).__name__)
+        # Redis down or slow: one line (a command run with Redis down printed a traceback),
+        # and one for the whole spell (a web process said it at every answer and action).
+        _unreachable.failed(type(exc).__name__)
     except RedisResponseError as exc:
         # Redis refused the command (REDIS_URL names a database it does not have, say): its
         # own words, one line; they hold no secret.
         log.warning("relay failed (Redis said: %s); browsers catch up from the log", exc)
     except Exception:  # the log is the truth; browsers catch up from it on reconnect
         log.exception("relay failed")
+    else:
+        _unreachable.worked()
+
+
+# The synchronous relay's spells of Redis being away (see ``publish``).
+_unreachable = FailureSpell(
+    log,
+    "relay failed (%s); browsers catch up from the log; further failures are counted",
+    "relay works again: %d sends failed over %.1f s",
+    traceback=False,
+)

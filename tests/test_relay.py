@@ -316,3 +316,37 @@ def test_a_command_redis_refuses_is_one_line_not_a_traceback(monkeypatch, caplog
         "relay failed (Redis said: DB index is out of range); browsers catch up from the log"
     )
     assert record.exc_info is None
+
+
+def test_a_spell_of_redis_away_is_one_line_then_one_when_it_is_back(monkeypatch, caplog) -> None:
+    """The synchronous relay (a web process's answers and actions, a command's) said "relay
+    failed" at every commit while Redis was down: one line per action, for as long as it lasted."""
+
+    class Away:
+        async def group_send(self, group: str, message: dict) -> None:
+            raise ConnectionRefusedError(111, "Connection refused")
+
+    class Back:
+        sent: list[str] = []
+
+        async def group_send(self, group: str, message: dict) -> None:
+            self.sent.append(group)
+
+    monkeypatch.setattr(relay, "_loop_relay", None)  # the synchronous way
+    monkeypatch.setattr(relay, "_unreachable", relay.FailureSpell(
+        relay.log, relay._unreachable.first, relay._unreachable.again, traceback=False
+    ))  # fmt: skip
+    monkeypatch.setattr(relay, "get_channel_layer", lambda: Away())
+    with caplog.at_level("WARNING", logger="tasks_app.relay"):
+        for seq in range(1, 6):
+            relay.publish([("task-1", {"type": "task.event", "seq": seq})])
+        back = Back()
+        monkeypatch.setattr(relay, "get_channel_layer", lambda: back)
+        relay.publish([("task-1", {"type": "task.event", "seq": 6})])
+        relay.publish([("task-1", {"type": "task.event", "seq": 7})])
+    lines = [r for r in caplog.records if r.name == "tasks_app.relay"]
+    assert [r.getMessage().split(";")[0] for r in lines] == [
+        "relay failed (ConnectionRefusedError)",
+        "relay works again: 5 sends failed over " + lines[1].getMessage().split(" over ")[1],
+    ]
+    assert all(r.exc_info is None for r in lines) and back.sent == ["task-1", "task-1"]

@@ -88,10 +88,14 @@ class FailureSpell:
     message or per request (the relay's sends, the push webhook's checks).
     """
 
-    def __init__(self, logger: logging.Logger, first: str, again: str) -> None:
+    def __init__(
+        self, logger: logging.Logger, first: str, again: str, *, traceback: bool = True
+    ) -> None:
         """``first``: the message of the first failure (its arguments are ``failed``'s);
-        ``again``: the message when it works again, given the count and the seconds."""
+        ``again``: the message when it works again, given the count and the seconds;
+        ``traceback``: False for failures whose message says all (Redis down)."""
         self.logger, self.first, self.again = logger, first, again
+        self.traceback = traceback
         self.count = 0
         self.since: float | None = None
 
@@ -100,7 +104,10 @@ class FailureSpell:
         self.count += 1
         if self.since is None:
             self.since = time.monotonic()
-            self.logger.exception(self.first, *args)
+            if self.traceback:
+                self.logger.exception(self.first, *args)
+            else:
+                self.logger.warning(self.first, *args)
 
     def worked(self) -> None:
         if self.since is not None:
