@@ -73,6 +73,8 @@ class AgentRenameForm(NulRemovingForm):
         max_length=200,
         help_text="How the dashboard shows the agent; its card's own name is not changed.",
     )
+    # The name the page showed: a rename from a page loaded before another rename is refused.
+    was = forms.CharField(max_length=200, required=False, widget=forms.HiddenInput)
 
 
 class AgentAddForm(NulRemovingForm):

@@ -393,7 +393,7 @@ def _agent_context(request: HttpRequest, agent: Agent, **extra: object) -> dict:
         )[:15],
         "import_job": import_services.latest_job(agent),
         "can": access.can(request.user, agent.project_id),
-        "rename_form": AgentRenameForm(initial={"name": agent.name}),
+        "rename_form": AgentRenameForm(initial={"name": agent.name, "was": agent.name}),
         "open_tasks": agent_services.open_tasks(agent.pk).count()
         if agent.retired_at is None
         else 0,
@@ -514,8 +514,18 @@ def agent_rename(request: HttpRequest, pk: int) -> HttpResponse:
     if form.is_valid():
         old = agent.name
         try:
-            agent_services.rename_agent(agent, form.cleaned_data["name"], actor_id=request.user.id)
+            agent_services.rename_agent(
+                agent,
+                form.cleaned_data["name"],
+                was=form.cleaned_data["was"],
+                actor_id=request.user.id,
+            )
         except agent_services.AgentError as exc:
+            # The form comes back with the name the agent has now as the one seen, so that
+            # sending it again (after reading the message) renames it.
+            agent.refresh_from_db()
+            form = AgentRenameForm({"name": request.POST.get("name", ""), "was": agent.name})
+            form.is_valid()
             form.add_error("name", str(exc))
         else:
             if agent.name != old:

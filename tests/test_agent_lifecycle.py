@@ -57,7 +57,9 @@ def test_an_agent_admin_renames_an_agent_and_the_log_says_from_what() -> None:
     admin = _person(Membership.Role.AGENT_ADMIN)
     page = admin.get(f"/agents/{agent.pk}/").content.decode()
     assert 'id="rename-form"' in page and 'value="Helper"' in page
-    response = admin.post(f"/agents/{agent.pk}/rename/", {"name": "  Billing   helper "})
+    response = admin.post(
+        f"/agents/{agent.pk}/rename/", {"name": "  Billing   helper ", "was": "Helper"}
+    )
     assert response.status_code == 302
     agent.refresh_from_db()
     assert agent.name == "Billing helper"
@@ -85,6 +87,19 @@ def test_a_rename_from_a_stale_page_does_not_undo_the_one_before_it() -> None:
         agent_services.rename_agent(stale, "Second")
     assert Agent.objects.get(pk=agent.pk).name == "First"
     assert OperatorAction.objects.filter(action="rename-agent").count() == 1
+    # The same through the page: the form carries the name it showed.
+    admin = _person(Membership.Role.AGENT_ADMIN)
+    refused = admin.post(f"/agents/{agent.pk}/rename/", {"name": "Third", "was": "Helper"})
+    assert refused.status_code == 400
+    assert "renamed to &#x27;First&#x27; meanwhile" in refused.content.decode()
+    assert Agent.objects.get(pk=agent.pk).name == "First"
+    # The form that came back knows the name now: sent again, it renames.
+    assert 'name="was" value="First"' in refused.content.decode()
+    assert (
+        admin.post(f"/agents/{agent.pk}/rename/", {"name": "Third", "was": "First"}).status_code
+        == 302
+    )
+    assert Agent.objects.get(pk=agent.pk).name == "Third"
 
 
 def test_an_agent_with_an_open_task_is_not_retired_until_the_task_is_ended() -> None:

@@ -449,19 +449,21 @@ def mark_reachable(agent_pk: int) -> None:
 # Renaming, retiring and restoring -----------------------------------------------------------
 
 
-def rename_agent(agent: Agent, name: str, *, actor_id: int | None = None) -> Agent:
-    """Give the agent another name, by compare-and-set on the name as read: of two renames
-    at once, the second is told what the first chose instead of silently undoing it."""
+def rename_agent(agent: Agent, name: str, *, was: str = "", actor_id: int | None = None) -> Agent:
+    """Give the agent another name, by compare-and-set on the name the person saw (``was``,
+    the form's; else the name as read): of two renames at once, or one from a page loaded
+    before another, the second is told what the first chose instead of silently undoing it."""
     require(actor_id, agent.project_id, Perm.MANAGE_AGENTS)
+    seen = was or agent.name
     new = safejson.clean_text(" ".join(name.split()))
     if not new:
         raise AgentError("A name needs at least one character other than a space.")
     if len(new) > _longest("name"):
         raise AgentError(f"A name is at most {_longest('name')} characters.")
-    if new == agent.name:
+    if new == seen == agent.name:
         return agent
     with transaction.atomic():
-        if not Agent.objects.filter(pk=agent.pk, name=agent.name).update(name=new):
+        if not Agent.objects.filter(pk=agent.pk, name=seen).update(name=new):
             now = Agent.objects.filter(pk=agent.pk).values_list("name", flat=True).first()
             raise AgentError(
                 f"The agent was renamed to {now!r} meanwhile; nothing changed. Rename it again "
@@ -471,7 +473,7 @@ def rename_agent(agent: Agent, name: str, *, actor_id: int | None = None) -> Age
             agent=agent,
             actor_id=actor_id,
             action="rename-agent",
-            payload={"from": agent.name, "to": new},
+            payload={"from": seen, "to": new},
         )
     agent.name = new
     return agent
