@@ -112,12 +112,16 @@ class AgentAdmin(admin.ModelAdmin):
         "push",
         "reachable",
         "card_fetched_at",
+        "retired_at",
     )
-    list_filter = ("project",)
+    list_filter = ("project", ("retired_at", admin.EmptyFieldListFilter))
     search_fields = ("name", "base_url")
     # Credentials and the origins they are approved for change only through the agent
     # page (which re-binds them); the admin never shows or edits them.
     exclude = ("credentials_encrypted", "credential_origins", "pending_origin")
+    # Retiring checks the agent's tasks and wipes its credentials (services.agents): the
+    # agent page and ``manage.py agents retire`` do it; here it is only shown.
+    readonly_fields = ("retired_at", "retired_by")
     formfield_overrides = {models.URLField: {"assume_scheme": "https"}}
 
     def save_model(self, request: HttpRequest, obj: Agent, form, change: bool) -> None:  # type: ignore[no-untyped-def]

@@ -782,6 +782,23 @@ def test_an_admin_edit_keeps_credentials_cleared_while_it_was_saved(
     assert fresh.credentials_encrypted == "" and fresh.credential_origins == []
 
 
+def test_the_admin_shows_retirement_and_does_not_edit_it(client, django_user_model, rich_task):
+    """Retiring checks the agent's tasks and wipes its credentials: an admin form that set
+    ``retired_at`` would skip both, and the action log."""
+    admin = django_user_model.objects.create_superuser("root", "r@example.org", "pw-12345678")
+    client.force_login(admin)
+    page = client.get(f"/admin/tasks_app/agent/{rich_task.agent_id}/change/")
+    assert {"retired_at", "retired_by"}.isdisjoint(page.context["adminform"].form.fields)
+    assert "Retired at" in page.content.decode()  # shown, read-only
+    listing = client.get("/admin/tasks_app/agent/?retired_at__isempty=1")
+    from django.utils.html import escape
+
+    assert listing.status_code == 200
+    assert escape(rich_task.agent.name) in listing.content.decode()  # in service: "empty"
+    retired = client.get("/admin/tasks_app/agent/?retired_at__isempty=0").content.decode()
+    assert escape(rich_task.agent.name) not in retired
+
+
 def test_the_admin_does_not_show_a_message_waiting_to_be_sent(client, django_user_model, rich_task):
     """The outbox holds the message as the agent gets it: a password typed into a form too."""
     from tasks_app.models import RemoteTask
