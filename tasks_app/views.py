@@ -40,7 +40,7 @@ from tasks_app import (
     upload_budget,
     views_a2ui,
 )
-from tasks_app.a2a import validate_card
+from tasks_app.a2a import safejson, validate_card
 from tasks_app.access import Perm, get_agent_for_user, get_task_for_user
 from tasks_app.forms import (
     AgentAddForm,
@@ -751,6 +751,21 @@ def task_new(request: HttpRequest) -> HttpResponse:
         initial = {"mode": RemoteTask.Mode.AUTO}
         if request.GET.get("agent"):
             initial["agent"] = request.GET["agent"]
+            if not any(str(agent.pk) == initial["agent"] for agent in agents):
+                # A link to an agent retired since (or never theirs): the form would preselect
+                # another agent without a word, and the task go there.
+                retired = (
+                    access.readable_agents(request.user)
+                    .filter(pk=safejson.whole_number(initial["agent"]) or 0)
+                    .exclude(retired_at=None)
+                    .first()
+                )
+                messages.warning(
+                    request,
+                    f"{retired.name} is retired: choose another agent."
+                    if retired is not None
+                    else "The agent the link named is not one you can start tasks on: choose one.",
+                )
         if request.GET.get("text"):
             initial["text"] = request.GET["text"]
         form = StartTaskForm(initial=initial, agents=operable)

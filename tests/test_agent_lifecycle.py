@@ -166,7 +166,14 @@ def test_a_retired_agent_is_inert_and_what_it_left_stays_readable(no_dispatch) -
     listing = admin.get("/agents/").content.decode()
     table, retired = listing.split('id="retired-agents"')
     assert "Helper" not in table and "Helper" in retired
-    assert f'value="{agent.pk}"' not in admin.get("/tasks/new/").content.decode()
+    other = _agent("Other", "http://127.0.0.1:9/other")
+    start_form = admin.get("/tasks/new").content.decode()
+    assert f'<option value="{other.pk}"' in start_form
+    assert f'<option value="{agent.pk}"' not in start_form
+    # A link made while it was in service says so, rather than preselect another agent.
+    linked = admin.get(f"/tasks/new?agent={agent.pk}").content.decode()
+    assert "Helper is retired: choose another agent." in linked
+    assert "not one you can start tasks on" in admin.get("/tasks/new?agent=x9").content.decode()
     page = admin.get(f"/agents/{agent.pk}/").content.decode()
     assert 'id="retired-note"' in page and "by ada" in page
     assert "Start a task" not in page and 'id="credentials-form"' not in page
