@@ -202,7 +202,8 @@ class ActionFilterForm(forms.Form):
         )
         self.fields["project"].choices = [("", "any")] + [(str(p.pk), p.name) for p in projects]
         self.fields["agent"].choices = [("", "any")] + [
-            (str(a.pk), a.name) for a in agents.order_by("name")
+            (str(a.pk), f"{a.name} (retired)" if a.retired_at is not None else a.name)
+            for a in agents.only("pk", "name", "retired_at").order_by("name")
         ]
         self.fields["action"].choices = [("", "any")] + [
             (k, f"{k} ({v})") for k, v in KNOWN_ACTIONS.items()

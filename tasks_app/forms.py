@@ -74,7 +74,20 @@ class AgentRenameForm(NulRemovingForm):
         help_text="How the dashboard shows the agent; its card's own name is not changed.",
     )
     # The name the page showed: a rename from a page loaded before another rename is refused.
-    was = forms.CharField(max_length=200, required=False, widget=forms.HiddenInput)
+    # Not stripped: a name stored with outer spaces (from a card, before names were tidied)
+    # must come back as stored for the compare-and-set to match it.
+    was = forms.CharField(max_length=200, required=False, strip=False, widget=forms.HiddenInput)
+
+    def clean_name(self) -> str:
+        return _typed_name(self.cleaned_data["name"])
+
+
+def _typed_name(name: str) -> str:
+    """A name a person typed, tidied, or its refusal next to the field (``typed_name``)."""
+    try:
+        return agent_services.typed_name(name)
+    except agent_services.AgentError as exc:
+        raise forms.ValidationError(str(exc)) from None
 
 
 class AgentAddForm(NulRemovingForm):
@@ -126,6 +139,10 @@ class AgentAddForm(NulRemovingForm):
             self.data = self.data.copy()
             self.data[self.add_prefix("url")] = ""
         return data
+
+    def clean_name(self) -> str:
+        name = self.cleaned_data["name"]
+        return _typed_name(name) if name.strip() else ""
 
     def clean_project(self) -> Project:
         """The chosen project; may be left out when the person can add agents to only one."""
@@ -443,6 +460,7 @@ class TaskFilterForm(forms.Form):
         choices=[
             ("", "All states"),
             ("active", "active (not ended)"),
+            ("open", "open (not ended, abandoned or gone)"),
             *[(k, v) for k, v in STATE_CHOICES if k],
         ],
     )

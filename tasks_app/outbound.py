@@ -216,6 +216,14 @@ class AgentRetired(CredentialsWithheld):
     """The agent was retired: nothing is sent to it (its credentials were wiped too)."""
 
 
+def retired_note(agent: Agent) -> str:
+    """What every refusal to reach a retired agent says, on a page or the command line."""
+    return (
+        f"{agent.name} is retired: nothing is sent to it. An agent admin can restore it "
+        "(its page, or manage.py agents restore)."
+    )
+
+
 def credentials_for(agent: Agent) -> Credentials | None:
     """The agent's credentials, only for the origin they were approved for (else NeedsApproval)."""
     if (
@@ -257,10 +265,7 @@ def client_for(
     A retired agent gets no client: every call to it, from any path, is refused here.
     """
     if agent.retired_at is not None:
-        raise AgentRetired(
-            f"{agent.name} is retired: nothing is sent to it. An agent admin can restore it "
-            "on its page."
-        )
+        raise AgentRetired(retired_note(agent))
     options = {
         "call_deadline": settings.A2A_CALL_DEADLINE_SECONDS,
         "send_deadline": settings.A2A_SEND_DEADLINE_SECONDS,

@@ -35,12 +35,15 @@ from tasks_app import (
     crypto,
     cursors,
     exports,
+    inbox,
     kept_uploads,
+    outbound,
     rendering,
     upload_budget,
     views_a2ui,
 )
 from tasks_app.a2a import safejson, validate_card
+from tasks_app.a2a.card import registration_url
 from tasks_app.access import Perm, get_agent_for_user, get_task_for_user
 from tasks_app.forms import (
     AgentAddForm,
@@ -142,6 +145,9 @@ def _overview_context(user) -> dict:
                 "total": sum(counts.values()),
             }
         )
+    waiting = dict(
+        inbox.waiting(tasks).values("state").annotate(n=Count("id")).values_list("state", "n")
+    )
     watchers = {
         row["watcher_status"]: row["n"]
         for row in tasks.exclude(state__in=TERMINAL_STATES)
@@ -155,8 +161,10 @@ def _overview_context(user) -> dict:
         "rows": rows,
         "totals": [totals.get(s, 0) for s in states],
         "grand_total": sum(totals.values()),
-        "needs_input": totals.get("TASK_STATE_INPUT_REQUIRED", 0),
-        "needs_auth": totals.get("TASK_STATE_AUTH_REQUIRED", 0),
+        # Those a person can still answer, as the inbox counts them (an abandoned question
+        # is in the table's counts, but nobody can answer it).
+        "needs_input": waiting.get("TASK_STATE_INPUT_REQUIRED", 0),
+        "needs_auth": waiting.get("TASK_STATE_AUTH_REQUIRED", 0),
         "watchers": [
             {"status": s, "count": watchers.get(s, 0)}
             for s in ("streaming", "reconnecting", "polling", "awaiting-push", "lost")
@@ -394,10 +402,21 @@ def _agent_context(request: HttpRequest, agent: Agent, **extra: object) -> dict:
         "import_job": import_services.latest_job(agent),
         "can": access.can(request.user, agent.project_id),
         "rename_form": AgentRenameForm(initial={"name": agent.name, "was": agent.name}),
-        "open_tasks": agent_services.open_tasks(agent.pk).count()
-        if agent.retired_at is None
-        else 0,
+        **_lifecycle_context(agent),
         **extra,
+    }
+
+
+def _lifecycle_context(agent: Agent) -> dict:
+    """What the Manage section offers: retire only when it can work (no open task, no import
+    under way), restore only while no other agent of the project holds the URL."""
+    if agent.retired_at is not None:
+        holder = agent_services.registered_at(agent.project, registration_url(agent.base_url))
+        return {"url_taken_by": holder}
+    return {
+        "open_tasks": agent_services.open_tasks(agent.pk).count(),
+        "import_running": import_services.active_job(agent) is not None,
+        "abandoned_running": agent_services.abandoned_but_running(agent.pk),
     }
 
 
@@ -436,6 +455,9 @@ def agent_card(request: HttpRequest, pk: int) -> HttpResponse:
 @require_POST
 def agent_credentials(request: HttpRequest, pk: int) -> HttpResponse:
     agent = get_agent_for_user(request, pk, Perm.MANAGE_AGENTS)
+    if agent.retired_at is not None:  # a page drawn before the retire: said, not hidden
+        messages.error(request, f"Nothing was saved. {outbound.retired_note(agent)}")
+        return redirect("agent-detail", pk=agent.pk)
     form = CredentialsForm(request.POST)
     if form.is_valid():
         try:
@@ -575,7 +597,9 @@ def agent_approve_origin(request: HttpRequest, pk: int) -> HttpResponse:
     """Let the stored credentials go to the origin a refreshed card moved the agent to."""
     agent = get_agent_for_user(request, pk, Perm.MANAGE_AGENTS)
     origin = request.POST.get("origin", "")
-    if agent_services.approve_origin(agent, origin, actor_id=request.user.id):
+    if agent.retired_at is not None:
+        messages.error(request, f"Nothing to approve. {outbound.retired_note(agent)}")
+    elif agent_services.approve_origin(agent, origin, actor_id=request.user.id):
         messages.success(request, f"Credentials may now be sent to {origin}.")
     else:
         messages.error(
@@ -602,6 +626,8 @@ def filtered_tasks(user, data: dict) -> tuple:
     state = data.get("state")
     if state == "active":
         qs = qs.exclude(state__in=TERMINAL_STATES)
+    elif state == "open":
+        qs = qs.filter(task_services.still_open())
     elif state:
         qs = qs.filter(state=state)
     if data.get("phase"):
@@ -703,6 +729,24 @@ def _skills_by_agent(agents) -> list[dict]:
     return out
 
 
+# The start form's first choice when the agent asked for cannot be offered: the form would
+# otherwise preselect another agent without a word, and the task go there.
+CHOOSE_AGENT = "Choose an agent"
+
+
+def _agent_not_offered(request: HttpRequest, wanted: str) -> str:
+    """Why the start form does not offer agent ``wanted`` (a link's, or a form drawn earlier)."""
+    retired = (
+        access.readable_agents(request.user)
+        .filter(pk=safejson.whole_number(wanted) or 0)
+        .exclude(retired_at=None)
+        .first()
+    )
+    if retired is not None:
+        return f"{retired.name} is retired: choose another agent."
+    return "The agent asked for is not one you can start tasks on: choose one."
+
+
 @form_removes_nul
 @login_required
 def task_new(request: HttpRequest) -> HttpResponse:
@@ -745,30 +789,27 @@ def task_new(request: HttpRequest) -> HttpResponse:
                 if data.get("kept_file"):
                     kept_uploads.drop(request.user.id)
                 return redirect("task-detail", pk=task.pk)
+        if form.has_error("agent", code="invalid_choice"):  # retired since drawn, say
+            form.errors["agent"] = form.error_class(
+                [_agent_not_offered(request, request.POST.get("agent", ""))]
+            )
+            form.fields["agent"].empty_label = CHOOSE_AGENT
+            form.data = form.data.copy()
+            form.data["agent"] = ""  # drawn with the empty choice selected
         form.keep_file()
         status = 400
     else:
         initial = {"mode": RemoteTask.Mode.AUTO}
-        if request.GET.get("agent"):
-            initial["agent"] = request.GET["agent"]
-            if not any(str(agent.pk) == initial["agent"] for agent in agents):
-                # A link to an agent retired since (or never theirs): the form would preselect
-                # another agent without a word, and the task go there.
-                retired = (
-                    access.readable_agents(request.user)
-                    .filter(pk=safejson.whole_number(initial["agent"]) or 0)
-                    .exclude(retired_at=None)
-                    .first()
-                )
-                messages.warning(
-                    request,
-                    f"{retired.name} is retired: choose another agent."
-                    if retired is not None
-                    else "The agent the link named is not one you can start tasks on: choose one.",
-                )
         if request.GET.get("text"):
             initial["text"] = request.GET["text"]
         form = StartTaskForm(initial=initial, agents=operable)
+        wanted = request.GET.get("agent", "")
+        if wanted and any(str(agent.pk) == wanted for agent in agents):
+            form.initial["agent"] = wanted
+        elif wanted:
+            messages.warning(request, _agent_not_offered(request, wanted))
+            form.fields["agent"].empty_label = CHOOSE_AGENT
+            form.initial["agent"] = ""
         status = 200
     context = {"form": form, "agents": agents, "skills": _skills_by_agent(agents)}
     return render(request, "tasks_app/task_new.html", context, status=status)

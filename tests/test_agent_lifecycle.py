@@ -19,6 +19,7 @@ import pytest
 from django.contrib.auth.models import User
 from django.core.management import CommandError, call_command
 from django.test import Client
+from django.utils import timezone
 
 from tasks_app import alerts, outbound
 from tasks_app.crypto import encrypt_json
@@ -284,3 +285,135 @@ def test_the_action_log_names_the_new_actions() -> None:
     auditor = _person(Membership.Role.AUDITOR, "audrey")
     page = auditor.get("/audit/?action=rename-agent").content.decode()
     assert "renamed an agent" in page and "Ledger" in page
+
+
+# What the first audit of the feature found ---------------------------------------------------
+
+
+def test_a_start_form_drawn_before_the_retire_preselects_no_other_agent() -> None:
+    """Posted after the retire, the form came back with another agent selected and Django's
+    "Select a valid choice": a second click sent the task to that agent."""
+    agent, other = _agent(), _agent("Other", "http://127.0.0.1:9/other")
+    admin = _person(Membership.Role.AGENT_ADMIN)
+    agent_services.retire_agent(agent)
+    answer = admin.post("/tasks/new", {"agent": agent.pk, "text": "quick", "mode": "auto"})
+    html = answer.content.decode()
+    assert answer.status_code == 400 and "Helper is retired: choose another agent." in html
+    assert '<option value="" selected>Choose an agent</option>' in html
+    assert f'<option value="{other.pk}" selected' not in html
+    assert not RemoteTask.objects.exists()
+
+
+def test_names_are_tidied_and_invisible_or_control_characters_refused() -> None:
+    """A bidi override reversed the rest of an audit line; a zero-width space alone made an
+    unclickable link; ESC began a terminal sequence on the command line."""
+    agent = _agent()
+    for bad in ("Evil\u202egnp.exe", "\u200b", "red\x1b[31m", "a\u2066b"):
+        with pytest.raises(agent_services.AgentError, match=r"invisible formatting|at least one"):
+            agent_services.rename_agent(agent, bad)
+    admin = _person(Membership.Role.AGENT_ADMIN)
+    answer = admin.post(f"/agents/{agent.pk}/rename/", {"name": "x\u202ey", "was": "Helper"})
+    assert (
+        answer.status_code == 400 and "invisible formatting characters" in answer.content.decode()
+    )
+    assert Agent.objects.get(pk=agent.pk).name == "Helper"
+    assert not OperatorAction.objects.filter(action="rename-agent").exists()
+    # Tabs and line ends are spaces; a card's name (the agent's text) is cleaned, not refused.
+    assert agent_services.typed_name(" Card\tname \n") == "Card name"
+    assert agent_services.shown_name("Pay\u202eroll\u200b\x07 bot ") == "Payroll bot"
+    with pytest.raises(CommandError, match="invisible formatting"):
+        call_command("agents", "add", "http://127.0.0.1:9/x", "--name", "a\u200bb")
+
+
+def test_an_agent_stored_with_outer_spaces_can_be_renamed_from_its_page() -> None:
+    """The form's hidden name was stripped, so the compare-and-set never matched it."""
+    agent = _agent(" Padded\tname ")
+    admin = _person(Membership.Role.AGENT_ADMIN)
+    page = admin.get(f"/agents/{agent.pk}/").content.decode()
+    assert 'name="was" value=" Padded\tname "' in page
+    answer = admin.post(f"/agents/{agent.pk}/rename/", {"name": "Tidy", "was": " Padded\tname "})
+    assert answer.status_code == 302
+    assert Agent.objects.get(pk=agent.pk).name == "Tidy"
+    # The same rename sent again is done, not refused as someone else's.
+    again = admin.post(f"/agents/{agent.pk}/rename/", {"name": "Tidy", "was": " Padded\tname "})
+    assert again.status_code == 302
+    assert OperatorAction.objects.filter(action="rename-agent").count() == 1
+
+
+def test_the_page_offers_only_what_can_work_and_says_what_retiring_leaves_behind(
+    no_dispatch,
+) -> None:
+    agent = _agent()
+    admin = _person(Membership.Role.AGENT_ADMIN)
+    # An import under way: retiring is not offered, and the page says why.
+    job = ImportJob.objects.create(agent=agent, status=ImportJob.Status.RUNNING)
+    page = admin.get(f"/agents/{agent.pk}/").content.decode()
+    assert "An import of its tasks is under way" in page and 'id="retire-confirm"' not in page
+    job.delete()  # (a job that ended would be shown as it ended)
+    # Open tasks: the link lists exactly them (not a message reply, not an abandoned task).
+    working = _open_task(agent)
+    RemoteTask.objects.create(agent=agent, phase="message", title="a plain reply")
+    gone_on = RemoteTask.objects.create(
+        agent=agent, remote_id="r-2", phase="task", state="TASK_STATE_WORKING", title="left",
+        abandoned_at=timezone.now(),
+    )  # fmt: skip
+    page = admin.get(f"/agents/{agent.pk}/").content.decode()
+    assert f"/tasks/?agent={agent.pk}&amp;state=open" in page and "1 open task" in page
+    listed = admin.get(f"/tasks/?agent={agent.pk}&state=open").content.decode()
+    assert f'id="task-row-{working.pk}"' in listed
+    assert "a plain reply" not in listed and f'id="task-row-{gone_on.pk}"' not in listed
+    # An abandoned task the agent may still run: said before retiring, which ends any cancel.
+    assert "1 abandoned task of it may still be running at the agent" in page
+    with pytest.raises(agent_services.AgentError, match="Cancel asks the agent to stop one"):
+        agent_services.retire_agent(agent)
+    # The way out the sentence names for the running one: canceled at the agent.
+    RemoteTask.objects.filter(pk=working.pk).update(state="TASK_STATE_CANCELED")
+    agent_services.retire_agent(agent)
+    # Retired: the import card does not point at a button that is gone.
+    page = admin.get(f"/agents/{agent.pk}/").content.decode()
+    assert "Import its tasks" not in page and "No import: the agent is retired." in page
+    # Its URL registered again: no Restore button, the page names the agent holding it.
+    again = Agent.objects.create(name="Helper v2", base_url=agent.base_url)
+    page = admin.get(f"/agents/{agent.pk}/").content.decode()
+    assert 'id="restore-agent"' not in page
+    assert f'href="/agents/{again.pk}/" id="url-taken-by"' in page
+
+
+def test_a_stale_page_of_a_retired_agent_says_why_nothing_happened() -> None:
+    agent = _agent()
+    admin = _person(Membership.Role.AGENT_ADMIN)
+    agent_services.retire_agent(agent)
+    saved = admin.post(
+        f"/agents/{agent.pk}/credentials/", {"kind": "bearer", "token": "t0k"}, follow=True
+    ).content.decode()
+    assert "Nothing was saved. Helper is retired" in saved
+    assert Agent.objects.get(pk=agent.pk).credentials_encrypted == ""
+    approved = admin.post(
+        f"/agents/{agent.pk}/approve-origin/", {"origin": "http://127.0.0.1:9"}, follow=True
+    ).content.decode()
+    assert "Nothing to approve. Helper is retired" in approved
+
+
+def test_the_command_line_finds_the_agent_in_service_by_its_url_or_name(no_dispatch) -> None:
+    old = _agent()
+    agent_services.retire_agent(old)
+    new = Agent.objects.create(
+        name="Helper", base_url=old.base_url, interface_url=old.interface_url, binding="JSONRPC"
+    )
+    out = StringIO()
+    call_command("tasks", "start", old.base_url, "quick", stdout=out)
+    assert RemoteTask.objects.get().agent_id == new.pk
+    out = StringIO()
+    call_command("agents", "rename", "Helper", "Helper", stdout=out)
+    assert out.getvalue().strip() == f"{new.pk}\tHelper\talready named 'Helper'"
+    with pytest.raises(CommandError, match="registered again"):  # restore looks at the retired
+        call_command("agents", "restore", old.base_url, stdout=StringIO())
+
+
+def test_the_audit_filter_tells_a_retired_agent_from_its_successor() -> None:
+    old = _agent()
+    agent_services.retire_agent(old)
+    Agent.objects.create(name="Helper", base_url=old.base_url)
+    auditor = _person(Membership.Role.AUDITOR, "audrey")
+    page = auditor.get("/audit/").content.decode()
+    assert f'<option value="{old.pk}">Helper (retired)</option>' in page

@@ -227,10 +227,14 @@ def test_bad_login_keeps_username(client, user):
 def test_overview_counts(client_in, demo_agent_row):
     for state in ["TASK_STATE_WORKING", "TASK_STATE_INPUT_REQUIRED", "TASK_STATE_INPUT_REQUIRED"]:
         RemoteTask.objects.create(agent=demo_agent_row, state=state, watcher_status="streaming")
+    # An abandoned question: in the table's counts, not in "need input" (nobody can answer it).
+    RemoteTask.objects.create(
+        agent=demo_agent_row, state="TASK_STATE_INPUT_REQUIRED", abandoned_at=timezone.now()
+    )
     page = client_in.get("/")
     html = page.content.decode()
     assert page.status_code == 200
-    assert re.search(r'id="needs-input">\s*<span class="num">2<', html)
+    assert re.search(r'href="/inbox/" id="needs-input">\s*<span class="num">2<', html)
     assert "<b>3</b> streaming" in html
     assert "Demo &lt;b&gt;agent&lt;/b&gt;" in html
     fragment = client_in.get("/?fragment=1")

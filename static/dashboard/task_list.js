@@ -15,7 +15,9 @@
   function matches(s) {
     if (filters.agent && String(s.agent) !== String(filters.agent)) return false;
     if (filters.state === "active" && TERMINAL.includes(s.state)) return false;
-    if (filters.state && filters.state !== "active" && s.state !== filters.state) return false;
+    if (filters.state === "open" && (TERMINAL.includes(s.state) || s.phase === "message" ||
+        s.watcher_status === "abandoned" || s.watcher_status === "gone")) return false;
+    if (filters.state && filters.state !== "active" && filters.state !== "open" && s.state !== filters.state) return false;
     if (filters.phase && (s.state || s.phase !== filters.phase)) return false;
     if (filters.context && s.context_id !== filters.context) return false;
     if (filters.q) {

@@ -164,14 +164,17 @@ EXCEPTION_LIMIT = 32768
 
 # What must never reach a text line as it is: C0 and C1 control characters (newline, carriage
 # return, ESC of an ANSI sequence, backspace, ...), DEL, the Unicode line and paragraph
-# separators, and the bidirectional controls that reorder what a terminal shows.
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+# separators, the bidirectional controls that reorder what a terminal shows, and the
+# zero-width characters that hide text (or a name) in plain sight.
+_UNSAFE = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2060\ufeff\u2028\u2029\u202a-\u202e\u2066-\u2069]"
+)
 _UNSAFE_BUT_NEWLINE = re.compile(
-    "[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
+    "[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2060\ufeff\u2028\u2029\u202a-\u202e\u2066-\u2069]"
 )
 # What a command's own layout uses (lines and tab-separated columns): kept by terminal_text.
 _UNSAFE_BUT_LAYOUT = re.compile(
-    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2060\ufeff\u2028\u2029\u202a-\u202e\u2066-\u2069]"
 )
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -222,6 +223,7 @@ def add_agent(
     typed, url = url.strip(), registration_url(url)  # messages name the URL as typed
     project = project or Project.objects.get_or_create(name="default")[0]
     require(actor_id, project.pk, Perm.MANAGE_AGENTS)
+    chosen = typed_name(name) if name.strip() else ""  # said before any fetch
     check_not_registered(url, project)
     preview = preview_card(typed)
     if not preview.interface:
@@ -230,7 +232,7 @@ def add_agent(
         )
     agent = Agent(base_url=url, project=project)
     _apply_preview(agent, preview)
-    agent.name = (name or preview.name or url)[:200]
+    agent.name = (chosen or shown_name(preview.name) or url)[:200]
     if credentials:
         _put_credentials(agent, credentials)
     try:
@@ -455,16 +457,15 @@ def rename_agent(agent: Agent, name: str, *, was: str = "", actor_id: int | None
     before another, the second is told what the first chose instead of silently undoing it."""
     require(actor_id, agent.project_id, Perm.MANAGE_AGENTS)
     seen = was or agent.name
-    new = safejson.clean_text(" ".join(name.split()))
-    if not new:
-        raise AgentError("A name needs at least one character other than a space.")
-    if len(new) > _longest("name"):
-        raise AgentError(f"A name is at most {_longest('name')} characters.")
+    new = typed_name(name)
     if new == seen == agent.name:
         return agent
     with transaction.atomic():
         if not Agent.objects.filter(pk=agent.pk, name=seen).update(name=new):
             now = Agent.objects.filter(pk=agent.pk).values_list("name", flat=True).first()
+            if now == new:  # the same rename sent twice, or two pages that chose alike
+                agent.name = new
+                return agent
             raise AgentError(
                 f"The agent was renamed to {now!r} meanwhile; nothing changed. Rename it again "
                 "if that is not the name it should have."
@@ -479,12 +480,41 @@ def rename_agent(agent: Agent, name: str, *, was: str = "", actor_id: int | None
     return agent
 
 
+# Characters that make a name look like another on a page, in the audit log and in a
+# terminal: controls (ESC starts a terminal sequence), bidi overrides and isolates (they
+# reversed the rest of an audit line), zero-width and other format characters (a name of a
+# zero-width space alone was an unclickable link), and lone surrogates.
+_HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Cs"})
+
+
+def shown_name(text: str) -> str:
+    """A name from elsewhere (an agent's card) as it may be shown: whitespace runs made one
+    space, and the characters above dropped."""
+    kept = "".join(c for c in text if unicodedata.category(c) not in _HIDDEN_CATEGORIES)
+    return " ".join(kept.split())
+
+
+def typed_name(text: str) -> str:
+    """A name a person typed: spaces tidied as in :func:`shown_name`; one holding a control or
+    invisible formatting character, blank, or too long, is refused with a sentence."""
+    spaced = " ".join(text.split())  # tabs and line ends are spaces here, not refused
+    name = shown_name(spaced)
+    if name != spaced:
+        raise AgentError(
+            "A name cannot hold control characters or invisible formatting characters "
+            "(such as text-direction overrides or zero-width spaces): they make it show as "
+            "another name."
+        )
+    if not name:
+        raise AgentError("A name needs at least one character other than a space.")
+    if len(name) > _longest("name"):
+        raise AgentError(f"A name is at most {_longest('name')} characters.")
+    return name
+
+
 def refuse_if_retired(agent: Agent) -> None:
     if agent.retired_at is not None:
-        raise AgentError(
-            f"{agent.name} is retired: nothing is sent to it. An agent admin can restore it on "
-            "its page."
-        )
+        raise AgentError(outbound.retired_note(agent))
 
 
 def hold_in_service(agent_pk: int) -> bool:
@@ -502,10 +532,21 @@ def open_tasks(agent_pk: int) -> QuerySet[RemoteTask]:
     """The agent's tasks someone may still act on or a watcher still follows: unfinished and
     neither abandoned nor gone (what the task page offers to abandon), or watchable (one
     ended a moment ago still gets its settling turn)."""
-    from tasks_app.services.tasks import unfinished, watchable
+    from tasks_app.services.tasks import still_open, watchable
 
-    live = unfinished() & Q(abandoned_at__isnull=True, gone_at__isnull=True)
-    return RemoteTask.objects.filter(live | watchable(), agent_id=agent_pk)
+    return RemoteTask.objects.filter(still_open() | watchable(), agent_id=agent_pk)
+
+
+def abandoned_but_running(agent_pk: int) -> int:
+    """The agent's abandoned tasks it named and did not end: they may go on at the agent,
+    and once the agent is retired nothing can cancel them from here (the page says so)."""
+    from tasks_app.services.tasks import unfinished
+
+    return (
+        RemoteTask.objects.filter(unfinished(), agent_id=agent_pk, abandoned_at__isnull=False)
+        .exclude(remote_id="")
+        .count()
+    )
 
 
 def retire_agent(agent: Agent, *, actor_id: int | None = None) -> Agent:
@@ -539,8 +580,9 @@ def retire_agent(agent: Agent, *, actor_id: int | None = None) -> Agent:
         if still_open:
             raise AgentError(
                 f"{agent.name} has {still_open} open task{'s' if still_open != 1 else ''} "
-                "(running, waiting for an answer, or a send not settled): cancel or abandon "
-                "them first, so that none is left without a way to reach its agent."
+                "(running, waiting for an answer, or a send not settled): end them first. "
+                "Cancel asks the agent to stop one; abandon only stops following it here, and "
+                "once the agent is retired it can no longer be canceled from here."
             )
         if ImportJob.objects.filter(
             agent_id=agent.pk, status__in=[ImportJob.Status.QUEUED, ImportJob.Status.RUNNING]

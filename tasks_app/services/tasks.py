@@ -206,10 +206,7 @@ _ACTIONS = ("can_cancel", "can_retry", "can_refresh", "can_abandon", "can_watch_
 def not_offered(task: RemoteTask, action: str) -> str:
     """Why the page does not offer ``action`` on ``task`` (see ``offered_actions``)."""
     if task.agent.retired_at is not None:
-        return (
-            f"{task.agent.name} is retired: nothing is sent to it. An agent admin can restore "
-            "it on its page."
-        )
+        return outbound.retired_note(task.agent)
     return NOT_OFFERED[action]
 
 
@@ -739,6 +736,12 @@ def unfinished() -> Q:
     the write is not abandoned or switched after its end, with entries for both.
     """
     return ~Q(state__in=TERMINAL_STATES) & ~Q(phase=RemoteTask.Phase.MESSAGE)
+
+
+def still_open() -> Q:
+    """Tasks someone may still act on: unfinished, neither abandoned nor gone (the task
+    list's "open"; an agent with any is not retired, ``agents.open_tasks``)."""
+    return unfinished() & Q(abandoned_at__isnull=True, gone_at__isnull=True)
 
 
 def switch_watch(

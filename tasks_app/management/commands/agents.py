@@ -134,12 +134,16 @@ class Command(StoppableCommand):
         self._list(options)
 
     def _lifecycle(self, options: dict[str, Any]) -> None:
-        agent = find_agent(options["agent"])
+        agent = find_agent(options["agent"], retired_first=options["action"] == "restore")
         try:
             if options["action"] == "rename":
                 old = agent.name
                 rename_agent(agent, options["name"])
-                said = f"renamed {one_line(old)!r} to {one_line(agent.name)!r}"
+                said = (
+                    f"renamed '{one_line(old)}' to '{one_line(agent.name)}'"
+                    if agent.name != old
+                    else f"already named '{one_line(old)}'"
+                )
             elif options["action"] == "retire":
                 retire_agent(agent)
                 said = "retired: nothing is sent to it, its credentials are deleted"

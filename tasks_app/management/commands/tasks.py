@@ -41,17 +41,29 @@ def _one(ref: str, what: str, *candidates: Any) -> Any:
     return None
 
 
-def find_agent(ref: str) -> Agent:
+def find_agent(ref: str, *, retired_first: bool = False) -> Agent:
+    """The agent ``ref`` names: its number, else its name or URL, looked for among the agents
+    in service before the retired ones (a retired agent's URL may be registered again, and
+    its name is often the same); ``retired_first`` the other way round, for ``restore``."""
     require_reference(ref, "agent")
     pk = whole_number(ref)
+    in_service = Agent.objects.filter(retired_at__isnull=True)
+    retired = Agent.objects.exclude(retired_at=None)
+    groups = (retired, in_service) if retired_first else (in_service, retired)
     agent = (
         Agent.objects.filter(pk=pk).first()
         if pk is not None
         else _one(
             ref,
             "agent",
-            Agent.objects.filter(name=ref),
-            Agent.objects.filter(base_url__in={ref, registration_url(ref)}),
+            *(
+                query
+                for agents in groups
+                for query in (
+                    agents.filter(name=ref),
+                    agents.filter(base_url__in={ref, registration_url(ref)}),
+                )
+            ),
         )
     )
     if agent is None:
