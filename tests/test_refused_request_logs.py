@@ -95,3 +95,17 @@ def test_not_found_pages_are_counted_per_status_and_errors_pass(console) -> None
     records = records_of(buffer.getvalue())[1:]
     assert sum("Internal Server Error" in r and "Traceback" in r for r in records) == 3
     assert sum("a warning of ours" in r for r in records) == 3
+
+
+@pytest.mark.django_db
+def test_a_refused_permission_is_one_line_without_a_traceback(console, django_user_model) -> None:
+    """A person without the role a page needs: Django logged "Forbidden (Permission denied)"
+    with the whole stack of the refusal, 30 lines for each click."""
+    buffer, _ = console
+    client = Client()
+    client.force_login(django_user_model.objects.create_user("nobody"))
+    assert client.get("/audit/").status_code == 403
+    records = records_of(buffer.getvalue())
+    forbidden = [r for r in records if "Forbidden (Permission denied)" in r]
+    assert len(forbidden) == 1, records
+    assert "Traceback" not in forbidden[0] and "\n" not in forbidden[0]

@@ -138,10 +138,12 @@ class RefusedRequests(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         status = getattr(record, "status_code", None)
-        if record.name.startswith("django.security."):
-            record.exc_info, record.exc_text = None, None
-        elif not (record.name == "django.request" and isinstance(status, int) and status < 500):
+        if not record.name.startswith("django.security.") and not (
+            record.name == "django.request" and isinstance(status, int) and status < 500
+        ):
             return True
+        # A refusal's traceback (a 403's PermissionDenied too) is our stack, not news.
+        record.exc_info, record.exc_text = None, None
         kind = (record.name, status)  # a few logger names and status codes: a small dict
         now = time.monotonic()
         with self._lock:
