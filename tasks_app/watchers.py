@@ -926,7 +926,10 @@ class Holder:
                 hold_off=limit - quiet,
             )
         await self._go(Event.PUSH_SILENT, f"no push notification for {quiet:.0f} s; polling")
-        outcome = await self._follow_turn(client)
+        try:
+            outcome = await self._follow_turn(client)
+        except TaskNotFoundError as exc:  # as a polled task: gone, not a stopped watcher
+            return await self._gone(str(exc))
         turn = await self._judge(outcome)
         if turn is not None:
             return turn

@@ -541,6 +541,34 @@ def test_a_task_the_agent_forgot_is_gone_and_no_longer_watched(
     no_traceback(worker)
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
+def test_a_push_task_the_agent_forgot_is_gone_not_parked_after_errors(
+    hostile, start_celery_worker, start_celery_beat
+):
+    """A push task polled after its silence met TaskNotFound: the watcher stopped with it as
+    a protocol error every turn (counted against the agent's error budget), and was parked
+    after the fruitless series, where a polled task is marked gone at once."""
+    worker = start_celery_worker(
+        **FAST, PUBLIC_URL="http://127.0.0.1:9", PUSH_SILENCE_SECONDS="0.5",
+        PUSH_POLL_MAX_SECONDS="0.5",
+    )  # fmt: skip
+    start_celery_beat(RECONCILE_EVERY_SECONDS="0.5")
+    forgetful = hostile("forget", forget_after=1)
+    row = hostile_row(forgetful, streaming=False)
+    task = task_services.start_task(row, "remember me", mode="return-immediately")
+    wait_for(
+        lambda: RemoteTask.objects.get(pk=task.pk).remote_id != "", what="the task to be named"
+    )
+    # Followed by push from now on (no config needed: it is the silence that polls).
+    RemoteTask.objects.filter(pk=task.pk).update(watch=RemoteTask.Watch.PUSH)
+    wait_for(lambda: status_of(task) == Status.GONE, what="the push task to be gone")
+    task.refresh_from_db()
+    assert task.gone_at is not None and len(kinds(task, "system", "gone")) == 1
+    assert kinds(task, "protocol-error") == []
+    no_traceback(worker)
+
+
 # 7. Answers to auth-required tasks go out at once ----------------------------------------------
 
 

@@ -321,6 +321,28 @@ def test_not_cancelable_asks_gettask_before_calling_it_a_failure(agent, ann, rep
     assert actions(task, "cancel") == ["already canceled"]
 
 
+def test_a_canceled_push_task_is_not_awaiting_push_for_ever(agent, ann, replies):
+    """A cancel settles the task with no watcher to end its "awaiting push": the page said
+    so for ever, and retention (which leaves awaited tasks alone) never pruned it (a soak run:
+    every canceled push task)."""
+    task = named(agent)
+    RemoteTask.objects.filter(pk=task.pk).update(
+        watch=RemoteTask.Watch.PUSH, watcher_status=RemoteTask.WatcherStatus.AWAITING_PUSH,
+        watcher_note="awaiting push notifications",
+    )  # fmt: skip
+    replies["CancelTask"] = CANCELED
+    replies["GetTask"] = CANCELED
+    ann.post(reverse("task-cancel", args=[task.pk]), {"reason": ""})
+    task.refresh_from_db()
+    assert task.state == "TASK_STATE_CANCELED" and task.settled_at is not None
+    assert task.watcher_status == RemoteTask.WatcherStatus.IDLE
+    assert task.watcher_note == "task ended"
+    from tasks_app import retention
+
+    later = timezone.now() + timedelta(days=1)
+    assert task.pk in retention.due(0, now=later).values_list("pk", flat=True)
+
+
 def test_a_cancel_answered_task_not_found_asks_gettask_and_finds_the_task_gone(agent, ann, replies):
     """TaskNotFound to CancelTask fell into "Cancel failed" without asking GetTask: the task
     stayed watched as if alive, though the agent had forgotten it (the doc promised "gone")."""

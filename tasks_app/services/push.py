@@ -1743,21 +1743,7 @@ async def refresh_after_push(http: httpx.AsyncClient, task_pk: int) -> None:
     if result.over_budget and not ended:
         await eventloop.db(park_over_budget, {task_pk})
     if ended:
-        # Settled here, no watcher will end its "awaiting push": the page would say so for
-        # ever, and retention (which leaves awaited tasks alone) would never prune it.
-        await eventloop.db(
-            lambda: RemoteTask.objects.filter(
-                pk=task_pk,
-                lease_token="",
-                settled_at__isnull=False,
-                watcher_status=RemoteTask.WatcherStatus.AWAITING_PUSH,
-            ).update(
-                watcher_status=RemoteTask.WatcherStatus.IDLE,
-                watcher_note="task ended",
-                watcher_since=timezone.now(),
-                lease_expires_at=None,
-            )
-        )
+        # settle_if_ended also ended its "awaiting push" (no watcher would).
         _windows.pop(task_pk, None)
         async with eventloop.later(f"agent-{task.agent_id}"):  # as a watcher's settle does
             await forget_configs(client, task_pk, "deleted when the task settled")

@@ -2422,6 +2422,20 @@ def settle_if_ended(task: RemoteTask | int, snapshot: dict, *, note: str) -> Non
         pk=task_pk, state__in=TERMINAL_STATES, settled_at__isnull=True
     ).exists():
         settle(task_pk, snapshot, note=note)
+    # A push task settled here (a cancel, a refresh, an import, the push drain's GetTask) has
+    # no watcher to end its "awaiting push": the page said so for ever, and retention (which
+    # leaves awaited tasks alone) never pruned it. Nobody holds it: it is idle now.
+    RemoteTask.objects.filter(
+        pk=task_pk,
+        lease_token="",
+        settled_at__isnull=False,
+        watcher_status=RemoteTask.WatcherStatus.AWAITING_PUSH,
+    ).update(
+        watcher_status=RemoteTask.WatcherStatus.IDLE,
+        watcher_note="task ended",
+        watcher_since=timezone.now(),
+        lease_expires_at=None,
+    )
 
 
 RELAY_RAW_LIMIT = 64 * 1024
