@@ -177,6 +177,30 @@ def test_terminal_tasks_do_not_change(task):
     assert "illegal transition" in event.note
 
 
+def test_the_reply_to_our_send_overtaken_by_push_is_late_not_the_agents_error(task):
+    """A fast push task: its notifications (to the end) were recorded before the reply to our
+    own SendMessage, which said SUBMITTED. It was logged as the agent's protocol error, and
+    counted against its error budget (a soak run: 6 of 98 push tasks)."""
+    record(task, snapshot("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:01Z"), "push")
+    record(task, status("t-1", "TASK_STATE_COMPLETED", ts="2026-01-01T00:00:03Z"), "push")
+    for reply in (
+        snapshot("t-1", "TASK_STATE_SUBMITTED", ts="2026-01-01T00:00:00Z"),
+        snapshot("t-1", "TASK_STATE_SUBMITTED"),  # no time: still the reply to our send
+    ):
+        (seq,) = record(task, reply, "send-response").seqs
+        row = TaskEvent.objects.get(task=task, seq=seq)
+        assert row.kind == "task" and row.note.startswith("older than the status already held")
+    # Stamped before the end on another channel: late too. Unstamped, or a state A2A does
+    # not have: the agent's error, as before.
+    late = record(task, status("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:02Z"), "poll")
+    assert TaskEvent.objects.get(task=task, seq=late.seqs[0]).kind == "statusUpdate"
+    for wrong in (status("t-1", "TASK_STATE_WORKING"), status("t-1", "TASK_STATE_BOGUS")):
+        (seq,) = record(task, wrong, "push").seqs
+        assert TaskEvent.objects.get(task=task, seq=seq).kind == "protocol-error"
+    task.refresh_from_db()
+    assert task.state == "TASK_STATE_COMPLETED"
+
+
 def test_garbage_and_other_tasks_become_protocol_errors(task):
     record(task, snapshot("t-1", "TASK_STATE_WORKING"), "stream")
     results = [

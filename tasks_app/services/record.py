@@ -1309,6 +1309,24 @@ class _Fold:
     def _state_problem(self, new_state: str) -> str:
         return transition_problem(self.get("state") or None, new_state) or ""
 
+    def _from_before_the_end(self, entry: Entry, status: dict) -> bool:
+        """Whether an entry the end refuses is only late: a status from before the end the
+        mirror holds, stamped earlier, or the reply to our own send (the state when the agent
+        took the message), which a fast push task's notifications can overtake. Then it is
+        logged as older, not blamed on the agent as a protocol error (the error budget parks
+        an agent's tasks)."""
+        if self.get("state") not in TERMINAL_STATES or status["state"] in TERMINAL_STATES:
+            return False
+        if transition_problem(None, status["state"]):  # no state, or one A2A does not have
+            return False
+        ts, held = _timestamp(status), self.get("status_timestamp")
+        older = ts is not None and held is not None and ts < held
+        if not (older or self.channel == "send-response"):
+            return False
+        note = "older than the status already held; snapshot unchanged"
+        self.rows.append(_Row(entry, entry.kind, note, apply=False))
+        return True
+
     def _fold_task(self, entry: Entry) -> None:
         task = entry.payload
         if self._wrong_task(entry, task["id"]):
@@ -1316,7 +1334,8 @@ class _Fold:
         status = task["status"]
         problem = self._state_problem(status["state"])
         if problem:
-            self.rows.append(_Row(entry, "protocol-error", problem, apply=False))
+            if not self._from_before_the_end(entry, status):
+                self.rows.append(_Row(entry, "protocol-error", problem, apply=False))
             return
         artifacts = [
             a for a in task.get("artifacts") or [] if isinstance(a, dict) and a.get("artifactId")
@@ -1503,7 +1522,8 @@ class _Fold:
             return
         problem = self._state_problem(status["state"])
         if problem:
-            self.rows.append(_Row(entry, "protocol-error", problem, apply=False))
+            if not self._from_before_the_end(entry, status):
+                self.rows.append(_Row(entry, "protocol-error", problem, apply=False))
             return
         if self._older_than_held(entry, ts):
             return
@@ -2401,7 +2421,8 @@ def settle(
     2. A ``system`` entry ``settled`` marks the task final, in the same
        transaction. From then on, anything that would change the view is
        logged as a ``protocol-error`` ("changed after the end") and changes
-       nothing.
+       nothing; a status from before the end is logged as older
+       (``_Fold._from_before_the_end``), and changes nothing either.
     """
     objs: list[Any] = [{"task": snapshot}] if snapshot is not None else []
     detail = note or (
