@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -182,3 +183,30 @@ def test_a_delivery_queued_while_the_drain_finds_the_queue_empty_keeps_its_bytes
     assert drains_redis.looked  # the delivery came inside the drain's look
     assert r.lrange(push.QUEUE_KEY, 0, -1) == [queued]
     assert int(r.get(push.QUEUE_BYTES_KEY)) == len(queued)
+
+
+def test_a_drain_keeps_its_claim_through_a_long_batch_and_a_killed_one_lets_it_go_soon(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The claim (and the scheduling flag) lived 60 s, renewed only between batches: after a
+    worker was killed mid-drain, 897 notifications waited a minute while streams were taken
+    over in six seconds (a soak run). A heartbeat now keeps both alive while the drain runs,
+    and both lapse within RUNNING_SECONDS of its death."""
+    import asyncio
+
+    monkeypatch.setattr(push, "RUNNING_SECONDS", 1)
+    monkeypatch.setattr(push, "HEARTBEAT_SECONDS", 0.2)
+    r = push._redis()
+    r.set(push.RUNNING_KEY, "this-drain", ex=1)
+    r.set(push.DRAIN_KEY, 1, ex=60)  # as scheduled
+
+    async def a_long_batch() -> None:
+        keeper = asyncio.ensure_future(push._keep_claim(r, "this-drain"))
+        await asyncio.sleep(2.5)  # longer than the claim's own life
+        assert r.get(push.RUNNING_KEY) == b"this-drain"
+        assert 0 < r.pttl(push.DRAIN_KEY) <= 1000  # no longer the scheduler's 60 s
+        keeper.cancel()  # the worker dies: nothing renews any more
+
+    asyncio.run(a_long_batch())
+    time.sleep(1.3)
+    assert r.get(push.RUNNING_KEY) is None and r.get(push.DRAIN_KEY) is None

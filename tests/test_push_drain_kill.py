@@ -102,7 +102,7 @@ def test_a_worker_killed_mid_batch_leaves_it_to_the_next_worker(start_celery_wor
     assert 0 < committed < total, committed  # killed inside the batch, not after it
     assert r.llen(push.QUEUE_KEY) == total  # the batch is still queued, in order
 
-    # The killed drain's claim and its scheduling flag lapse (RUNNING_SECONDS, 60 s; here at
+    # The killed drain's claim and its scheduling flag lapse (RUNNING_SECONDS, 15 s; here at
     # once), and the reconciler's tick schedules the next drain.
     r.delete(push.RUNNING_KEY, push.DRAIN_KEY)
     assert push.schedule_if_waiting()

@@ -1295,7 +1295,11 @@ def drain(*, max_seconds: float = 50.0) -> int:
 # runs, and the next delivery then schedules another. Two drains at once took a task's
 # notifications in two batches and recorded them out of order (a lost artifact chunk).
 RUNNING_KEY = "push:drain:running"
-RUNNING_SECONDS = 60  # renewed at every batch; a dead drain's claim lapses after this
+# Renewed at every batch and by the drain's heartbeat (``_keep_claim``) between: a drain
+# killed lets the claim go after this. At 60 s (renewed per batch only) the queue waited a
+# minute after a worker was killed, while streams were taken over in six seconds.
+RUNNING_SECONDS = 15
+HEARTBEAT_SECONDS = RUNNING_SECONDS / 3
 _RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('EXPIRE', KEYS[1], ARGV[2]) end return 0"
 _RELEASE = (
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
@@ -1316,10 +1320,29 @@ async def _drain(max_seconds: float) -> int:
         if time.monotonic() >= deadline:
             return 0  # the running drain looks at the queue once more before it stops
         await asyncio.sleep(WAIT_STEP_SECONDS)
+    keeper = asyncio.ensure_future(_keep_claim(r, token))
     try:
         return await _drain_held(r, token, deadline)
     finally:
+        keeper.cancel()
         await asyncio.to_thread(r.eval, _RELEASE, 1, RUNNING_KEY, token)
+
+
+async def _keep_claim(r: redis.Redis, token: str) -> None:
+    """While the drain runs, renew its claim every ``HEARTBEAT_SECONDS`` (a long batch keeps
+    it), and keep the scheduling flag from outliving it: set for 60 s when the drain was
+    scheduled, it would hold back the next drain that long after this one was killed. Stops
+    when the claim is found lost (the drain itself notices at its next batch)."""
+    try:
+        await asyncio.to_thread(r.expire, DRAIN_KEY, RUNNING_SECONDS)
+        while True:
+            await asyncio.sleep(HEARTBEAT_SECONDS)
+            kept = await asyncio.to_thread(r.eval, _RENEW, 1, RUNNING_KEY, token, RUNNING_SECONDS)
+            if not kept:
+                return
+            await asyncio.to_thread(r.expire, DRAIN_KEY, RUNNING_SECONDS)
+    except redis.RedisError:
+        return  # Redis away: the drain's own next call says so
 
 
 async def _drain_held(r: redis.Redis, token: str, deadline: float) -> int:
