@@ -339,6 +339,9 @@ def test_a_child_without_restart_policy_is_only_reported(tmp_path: Path) -> None
         ("celery.beat", lambda lg: lg.info("Scheduler: Sending due task %s (%s)", "reconcile-watchers", RECONCILE), False),
         ("celery.worker.strategy", lambda lg: lg.info(trace.LOG_RECEIVED, {"name": RECONCILE, "id": "1", "args": "()", "kwargs": "{}", "eta": None}), False),
         ("celery.app.trace", lambda lg: lg.info(trace.LOG_SUCCESS, {"name": RECONCILE, "id": "1", "runtime": 0.01, "return_value": 0}), False),
+        # The push drain, once per delivery burst (half a busy log's lines).
+        ("celery.worker.strategy", lambda lg: lg.info(trace.LOG_RECEIVED, {"name": "tasks_app.jobs.drain_push", "id": "3", "args": "()", "kwargs": "{}", "eta": None}), False),
+        ("celery.app.trace", lambda lg: lg.info(trace.LOG_SUCCESS, {"name": "tasks_app.jobs.drain_push", "id": "3", "runtime": 0.01, "return_value": 4}), False),
         # A failing tick, and every other task, still show.
         ("celery.app.trace", lambda lg: lg.error(trace.LOG_FAILURE, {"name": RECONCILE, "id": "1", "exc": "boom", "description": "raised unexpected"}), True),
         ("celery.beat", lambda lg: lg.info("Scheduler: Sending due task %s (%s)", "other", "tasks_app.watchers.watch"), True),
@@ -661,3 +664,18 @@ def test_the_webhook_part_follows_log_level(settings) -> None:
     settings.LOG_LEVEL = "WARNING"
     argv = up.webhook_argv("python", "127.0.0.1", 8001, False)
     assert argv[argv.index("--log-level") + 1] == "warning"
+
+
+@pytest.mark.django_db
+def test_the_demo_agent_registered_by_an_earlier_run_is_not_a_failure(monkeypatch) -> None:
+    """Every start on the same DATA_DIR said "Could not register the demo agent ...: This URL
+    is already registered", which read as a failure; nothing is fetched or added now."""
+    from tasks_app.models import Agent, Project
+    from tasks_app.services import agents
+
+    url = "http://127.0.0.1:9/demo"
+    Agent.objects.create(project=Project.objects.get_or_create(name="default")[0],
+                         name="Demo agent", base_url=url)  # fmt: skip
+    monkeypatch.setattr(agents, "preview_card", lambda url: pytest.fail("fetched again"))
+    up_command.register_demo_agent(url + "/")
+    assert Agent.objects.count() == 1

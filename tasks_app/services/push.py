@@ -139,7 +139,8 @@ def unavailable_reason(agent: Agent | None = None) -> str:
     if not settings.PUBLIC_URL:
         return (
             "The push mode needs PUBLIC_URL, the dashboard's address that agents can reach "
-            "(manage.py up --demo sets it for the local demo)."
+            "(manage.py up --demo sets it for the processes it starts; a command run from "
+            "another shell needs it exported too)."
         )
     if agent is not None and not agent.push:
         return f"{agent.name} does not declare push notifications: choose another mode."

@@ -37,6 +37,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandParser
 from django.db import connection
 
+from tasks_app.a2a.card import registration_url
 from tasks_app.health import run_checks
 from tasks_app.management.arguments import int_between
 from tasks_app.runtime import sqlite_stats
@@ -127,6 +128,11 @@ def register_demo_agent(url: str) -> None:
         raise StartupError(
             "--demo needs tasks_app.services.agents.add_agent(), which is not in this checkout yet."
         )
+    # Started again on the same DATA_DIR: the agent is there already (its port is fixed by
+    # the run), and "Could not register the demo agent" read as a failure.
+    project = agents.Project.objects.filter(name="default").first()
+    if project is not None and agents.registered_at(project, registration_url(url)) is not None:
+        return
     add_agent(url, name="Demo agent")
 
 
