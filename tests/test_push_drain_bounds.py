@@ -210,3 +210,28 @@ def test_a_drain_keeps_its_claim_through_a_long_batch_and_a_killed_one_lets_it_g
     asyncio.run(a_long_batch())
     time.sleep(1.3)
     assert r.get(push.RUNNING_KEY) is None and r.get(push.DRAIN_KEY) is None
+
+
+def test_a_push_task_that_asks_is_waiting_for_an_answer_not_awaiting_push() -> None:
+    """A push task whose notification asked a question said "awaiting push" for as long as
+    nobody answered (no watcher takes a waiting task), where a streamed one says "waiting for
+    an answer"; a notification after the answer follows by push again."""
+    agent = Agent.objects.create(name="a", base_url="http://127.0.0.1:9/")
+    task = push_task(agent, "asks")
+    RemoteTask.objects.filter(pk=task.pk).update(
+        watcher_status=RemoteTask.WatcherStatus.AWAITING_PUSH, state="TASK_STATE_WORKING"
+    )
+    config = PushConfig.objects.create(task=task, config_id="cfg-asks")
+    asking = {"state": "TASK_STATE_INPUT_REQUIRED", "timestamp": "2026-01-01T00:00:02Z"}
+    event = {"statusUpdate": {"taskId": task.remote_id, "contextId": "c", "status": asking}}
+    push.record_batch([json.dumps({"c": config.pk, "t": task.pk, "e": event}).encode()])
+    task.refresh_from_db()
+    assert task.state == "TASK_STATE_INPUT_REQUIRED"
+    assert (task.watcher_status, task.watcher_note) == ("idle", "waiting for an answer")
+    assert task.lease_expires_at is None
+    working = {"state": "TASK_STATE_WORKING", "timestamp": "2026-01-01T00:00:03Z"}
+    event = {"statusUpdate": {"taskId": task.remote_id, "contextId": "c", "status": working}}
+    # Working again (answered from elsewhere): followed by push as before.
+    push.record_batch([json.dumps({"c": config.pk, "t": task.pk, "e": event}).encode()])
+    task.refresh_from_db()
+    assert task.watcher_status == RemoteTask.WatcherStatus.AWAITING_PUSH

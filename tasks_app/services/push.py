@@ -63,6 +63,8 @@ from tasks_app.services.polls import POLL_HISTORY, poll_task
 from tasks_app.services.record import RecordError, record, record_many, settle_if_ended
 
 log = logging.getLogger(__name__)
+
+INPUT_REQUIRED = "TASK_STATE_INPUT_REQUIRED"
 security_log = logging.getLogger("tasks_app.security")
 
 CONTENT_TYPES = ("application/a2a+json", "application/json")
@@ -304,6 +306,28 @@ def heard(task_pks: set[int]) -> None:
         # An answer waiting to be sent: its watcher must get the lease, not a new hold-off.
         outbox__isnull=True,
     ) & ~Q(state__in=TERMINAL_STATES)
+    # A question: nothing is awaited from the agent until someone answers (no watcher takes
+    # the task), and the page said "awaiting push" where a streamed task says "waiting for an
+    # answer". The answer's watcher follows by push again.
+    asking = list(
+        RemoteTask.objects.filter(
+            followed, state=INPUT_REQUIRED, watcher_status=Status.AWAITING_PUSH
+        ).values_list("pk", flat=True)
+    )
+    if asking:
+        RemoteTask.objects.filter(
+            followed, pk__in=asking, state=INPUT_REQUIRED, watcher_status=Status.AWAITING_PUSH
+        ).update(
+            watcher_status=Status.IDLE,
+            watcher_note="waiting for an answer",
+            watcher_since=now,
+            lease_expires_at=None,
+        )
+        from tasks_app.services.tasks import relay_watcher
+
+        for pk in asking:
+            relay_watcher(pk)
+    followed &= ~Q(state=INPUT_REQUIRED)
     RemoteTask.objects.filter(followed, watcher_status=Status.AWAITING_PUSH).update(
         lease_expires_at=until
     )
