@@ -158,6 +158,8 @@ def refuse(
         what or perm.value,
         outcome,
     )
+    if project_id is None:  # a page of no one project: none of theirs allows it
+        return Forbidden(f"None of your projects allows this ({perm.value}).")
     return Forbidden(f"Your role in this project does not allow this ({perm.value}).")
 
 

@@ -460,7 +460,7 @@ class TaskFilterForm(forms.Form):
         choices=[
             ("", "All states"),
             ("active", "active (not ended)"),
-            ("open", "open (not ended, abandoned or gone)"),
+            ("open", "open (running or waiting; not abandoned or gone)"),
             *[(k, v) for k, v in STATE_CHOICES if k],
         ],
     )

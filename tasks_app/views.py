@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Callable
@@ -93,6 +94,7 @@ from tasks_app.services import imports as import_services
 from tasks_app.services import tasks as task_services
 from tasks_app.services.record import STORED_ONCE, references_in, task_summary
 from tasks_app.svg import timeline_svg
+from tasks_app.templatetags.dashboard import PHASE_LABELS
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +110,9 @@ WATCHER_STATUSES = [s for s, _ in RemoteTask.WatcherStatus.choices]
 # Overview ----------------------------------------------------------------------------------
 
 
-# Exchanges without a task state are counted by how far they got (phase), not as "unknown".
-PHASE_COLUMNS = {
-    RemoteTask.Phase.SENDING: "sending",
-    RemoteTask.Phase.FAILED: "send failed",
-    RemoteTask.Phase.MESSAGE: "message reply",
-    RemoteTask.Phase.TASK: "no state yet",
-}
+# Exchanges without a task state are counted by how far they got (phase), not as "unknown",
+# in the words of their badges.
+PHASE_COLUMNS = PHASE_LABELS
 
 
 def _overview_column(state: str, phase: str) -> str:
@@ -254,6 +252,11 @@ def agent_add(request: HttpRequest) -> HttpResponse:
                     preview = agent_services.preview_card(url)
                 except agent_services.AgentError as exc:
                     form.add_error("url", str(exc))
+        elif request.POST.get("action") == "save" and set(form.errors) == {"name"}:
+            # Only the name was refused: the preview stays, with its Save (it was gone, and
+            # the card had to be previewed again).
+            with contextlib.suppress(agent_services.AgentError):
+                preview = agent_services.preview_card(request.POST.get("url", "").strip())
     else:
         form = AgentAddForm(initial={"url": request.GET.get("url", "")}, projects=projects)
     # The fetched card through the same type-checked view as the agent page.
@@ -333,7 +336,8 @@ def _card_view(card: object, known_problems: object = ()) -> dict:
         scheme_rows.append({"name": name, "kind": kind, "detail": pretty_json(detail)})
     provider = _obj(card.get("provider"))
     return {
-        "name": _text(card.get("name")),
+        # As a name is shown anywhere: a bidi override in it reversed the heading.
+        "name": agent_services.shown_name(_text(card.get("name"))),
         "description": _text(card.get("description")),
         "version": _text(card.get("version")),
         "provider": {
@@ -551,7 +555,7 @@ def agent_rename(request: HttpRequest, pk: int) -> HttpResponse:
             form.add_error("name", str(exc))
         else:
             if agent.name != old:
-                messages.success(request, f"Agent {old} renamed to {agent.name}.")
+                messages.success(request, f"Renamed {old} to {agent.name}.")
             return redirect("agent-detail", pk=agent.pk)
     context = _agent_context(request, agent, rename_form=form)
     return render(request, "tasks_app/agent_detail.html", context, status=400)
@@ -694,6 +698,7 @@ def task_list(request: HttpRequest) -> HttpResponse:
         },
         "agent_names": {str(k): v for k, v in agents.items()},
         "state_labels": STATE_LABELS,
+        "phase_labels": PHASE_LABELS,
     }
     # As the audit page answers: the filter or the page link as asked cannot be applied (the
     # page says which). A broken link lists nothing: its rows would pass for the next page.

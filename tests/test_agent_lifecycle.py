@@ -321,6 +321,14 @@ def test_names_are_tidied_and_invisible_or_control_characters_refused() -> None:
     # Tabs and line ends are spaces; a card's name (the agent's text) is cleaned, not refused.
     assert agent_services.typed_name(" Card\tname \n") == "Card name"
     assert agent_services.shown_name("Pay\u202eroll\u200b\x07 bot ") == "Payroll bot"
+    assert agent_services.shown_name("Weather\tAgent\n") == "Weather Agent"  # a space, as typed
+    for blank in ("\u3164", "\u115f\u1160", "\u2800", "\uffa0"):  # letters that draw nothing
+        with pytest.raises(agent_services.AgentError):
+            agent_services.typed_name(blank)
+    # A card's name is shown cleaned on the agent page (a bidi override reversed it).
+    Agent.objects.filter(pk=agent.pk).update(card={"name": "\u202eEvil\u200b Card"})
+    page = admin.get(f"/agents/{agent.pk}/").content.decode()
+    assert "<dt>Card name</dt><dd>Evil Card</dd>" in page
     with pytest.raises(CommandError, match="invisible formatting"):
         call_command("agents", "add", "http://127.0.0.1:9/x", "--name", "a\u200bb")
 
@@ -417,3 +425,26 @@ def test_the_audit_filter_tells_a_retired_agent_from_its_successor() -> None:
     auditor = _person(Membership.Role.AUDITOR, "audrey")
     page = auditor.get("/audit/").content.decode()
     assert f'<option value="{old.pk}">Helper (retired)</option>' in page
+
+
+def test_words_around_it_say_what_they_mean(no_dispatch) -> None:
+    """From the second audit: a failed send read "failed" like a task the agent failed; a
+    name with a quote came back backslashed; a page of no one project blamed "your role in
+    this project"."""
+    agent = _agent()
+    RemoteTask.objects.create(agent=agent, phase="failed", title="never reached it")
+    admin = _person(Membership.Role.AGENT_ADMIN)
+    listing = admin.get(f"/tasks/?agent={agent.pk}").content.decode()
+    assert 'data-state="">send failed</span>' in listing
+    assert '"failed": "send failed"' in listing  # the live list draws new rows alike
+    stale = Agent.objects.get(pk=agent.pk)
+    agent_services.rename_agent(agent, 'It\'s "B" agent')
+    with pytest.raises(agent_services.AgentError) as refused:
+        agent_services.rename_agent(stale, "Other")
+    assert "renamed to 'It's \"B\" agent' meanwhile" in str(refused.value)
+    with pytest.raises(CommandError, match="No agent 'It's nothing'"):
+        call_command("tasks", "start", "It's nothing", "hi")
+    viewer = _person(Membership.Role.VIEWER, "vic")
+    refused_page = viewer.get("/tasks/new")
+    assert refused_page.status_code == 403
+    assert "None of your projects allows this (operate)." in refused_page.content.decode()

@@ -132,6 +132,11 @@ def test_a_registered_url_is_refused_at_its_preview_and_free_again_once_retired(
     assert "already registered in project alpha, as &#x27;Alpha copy&#x27;" in preview
     assert 'id="card-preview"' not in preview and 'value="save"' not in preview
     assert alpha.post(f"/agents/{first.pk}/retire/").status_code == 302
+    # A name refused at Save keeps the preview and its Save (the card was gone from the page).
+    refused = add_through_the_form(alpha, agent.base_url, "Alpha\u200bv2", "alpha")
+    html = refused.content.decode()
+    assert refused.status_code == 200 and "invisible formatting characters" in html
+    assert 'id="card-preview"' in html and 'value="save"' in html
     assert add_through_the_form(alpha, agent.base_url, "Alpha v2", "alpha").status_code == 302
     second = Agent.objects.get(name="Alpha v2")
     assert second.pk != first.pk and second.retired_at is None

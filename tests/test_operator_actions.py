@@ -321,7 +321,7 @@ def test_not_cancelable_asks_gettask_before_calling_it_a_failure(agent, ann, rep
     assert actions(task, "cancel") == ["already canceled"]
 
 
-def test_a_canceled_push_task_is_not_awaiting_push_for_ever(agent, ann, replies):
+def test_a_canceled_push_task_is_not_awaiting_push_for_ever(agent, ann, replies, monkeypatch):
     """A cancel settles the task with no watcher to end its "awaiting push": the page said
     so for ever, and retention (which leaves awaited tasks alone) never pruned it (a soak run:
     every canceled push task)."""
@@ -332,9 +332,12 @@ def test_a_canceled_push_task_is_not_awaiting_push_for_ever(agent, ann, replies)
     )  # fmt: skip
     replies["CancelTask"] = CANCELED
     replies["GetTask"] = CANCELED
+    relayed: list[int] = []
+    monkeypatch.setattr(task_services, "relay_watcher", relayed.append)
     ann.post(reverse("task-cancel", args=[task.pk]), {"reason": ""})
     task.refresh_from_db()
     assert task.state == "TASK_STATE_CANCELED" and task.settled_at is not None
+    assert relayed == [task.pk]  # the lists' rows leave "awaiting push" at once too
     assert task.watcher_status == RemoteTask.WatcherStatus.IDLE
     assert task.watcher_note == "task ended"
     from tasks_app import retention

@@ -7,6 +7,7 @@
   if (!tbody) return;
   const filters = JSON.parse(document.getElementById("live-filters").textContent);
   const labels = JSON.parse(document.getElementById("state-labels").textContent);
+  const phaseLabels = JSON.parse(document.getElementById("phase-labels").textContent);
   const TERMINAL = ["TASK_STATE_COMPLETED", "TASK_STATE_FAILED", "TASK_STATE_CANCELED", "TASK_STATE_REJECTED"];
   const known = new Map(); // task pk -> last_seq shown
 
@@ -39,7 +40,7 @@
     if (shown > seq) return; // older news
     const badge = tr.querySelector(".state-cell .badge");
     const watch = tr.querySelector(".watch-cell");
-    const label = s.state ? (labels[s.state] || s.state) : s.phase;
+    const label = s.state ? (labels[s.state] || s.state) : (phaseLabels[s.phase] || s.phase);
     const watcher = s.watcher_status || "";
     if (shown === seq && (!badge || badge.textContent === label) && (!watch || watch.textContent === watcher)) return; // nothing new (a re-sync repeats rows)
     tr.dataset.seq = seq;

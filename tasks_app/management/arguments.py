@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from django.core.management.base import CommandError
 
+from tasks_app.runtime.logs import one_line
 from tasks_app.runtime.net import redact_url
 
 
@@ -57,7 +58,9 @@ def shown(ref: str) -> str:
     password or query values (``No agent 'http://u:secret@…'`` printed the password), and at
     most 200 characters, quoted."""
     text = redact_url(ref) if "://" in ref else ref
-    return repr(text if len(text) <= 200 else text[:199] + "…")
+    # Quoted as typed, not as Python writes it (a quote in a name came back backslashed);
+    # a line end, a tab or what drives a terminal is escaped (``one_line``).
+    return "'" + one_line(text if len(text) <= 200 else text[:199] + "…") + "'"
 
 
 def require_reference(ref: str, what: str) -> None:

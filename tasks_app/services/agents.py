@@ -286,7 +286,7 @@ def registered_at(project: Project, url: str) -> Agent | None:
 def _already_registered(existing: Agent, project: Project) -> str:
     """The refusal of a URL ``project`` already holds (said only to people who manage it)."""
     return (
-        f"This URL is already registered in project {project.name}, as {existing.name!r}: "
+        f"This URL is already registered in project {project.name}, as '{existing.name}': "
         "open that agent instead (a URL is added once per project)."
     )
 
@@ -467,7 +467,7 @@ def rename_agent(agent: Agent, name: str, *, was: str = "", actor_id: int | None
                 agent.name = new
                 return agent
             raise AgentError(
-                f"The agent was renamed to {now!r} meanwhile; nothing changed. Rename it again "
+                f"The agent was renamed to '{now}' meanwhile; nothing changed. Rename it again "
                 "if that is not the name it should have."
             )
         OperatorAction.objects.create(
@@ -485,13 +485,20 @@ def rename_agent(agent: Agent, name: str, *, was: str = "", actor_id: int | None
 # reversed the rest of an audit line), zero-width and other format characters (a name of a
 # zero-width space alone was an unclickable link), and lone surrogates.
 _HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Cs"})
+# Letters that draw as nothing (Hangul fillers, the blank Braille pattern): a name of one
+# was a blank, unclickable link.
+_BLANK_LETTERS = frozenset("\u115f\u1160\u3164\uffa0\u2800")
+
+
+def _hidden(char: str) -> bool:
+    return char in _BLANK_LETTERS or unicodedata.category(char) in _HIDDEN_CATEGORIES
 
 
 def shown_name(text: str) -> str:
-    """A name from elsewhere (an agent's card) as it may be shown: whitespace runs made one
-    space, and the characters above dropped."""
-    kept = "".join(c for c in text if unicodedata.category(c) not in _HIDDEN_CATEGORIES)
-    return " ".join(kept.split())
+    """A name from elsewhere (an agent's card) as it may be shown: whitespace runs (tabs and
+    line ends too) made one space, and the characters above dropped."""
+    spaced = " ".join(text.split())
+    return " ".join("".join(c for c in spaced if not _hidden(c)).split())
 
 
 def typed_name(text: str) -> str:
@@ -580,7 +587,8 @@ def retire_agent(agent: Agent, *, actor_id: int | None = None) -> Agent:
         if still_open:
             raise AgentError(
                 f"{agent.name} has {still_open} open task{'s' if still_open != 1 else ''} "
-                "(running, waiting for an answer, or a send not settled): end them first. "
+                "(running, waiting for an answer, or a send not settled): end "
+                f"{'them' if still_open != 1 else 'it'} first. "
                 "Cancel asks the agent to stop one; abandon only stops following it here, and "
                 "once the agent is retired it can no longer be canceled from here."
             )
@@ -588,7 +596,7 @@ def retire_agent(agent: Agent, *, actor_id: int | None = None) -> Agent:
             agent_id=agent.pk, status__in=[ImportJob.Status.QUEUED, ImportJob.Status.RUNNING]
         ).exists():
             raise AgentError(
-                f"An import of {agent.name}'s tasks is under way: cancel it or let it finish first."
+                f"An import of {agent.name}'s tasks is under way: stop it or let it finish first."
             )
         OperatorAction.objects.create(
             agent=agent,
@@ -624,7 +632,7 @@ def restore_agent(agent: Agent, *, actor_id: int | None = None) -> Agent:
         again = registered_at(agent.project, registration_url(agent.base_url))
         raise AgentError(
             f"Its URL was registered again in project {agent.project.name}"
-            + (f", as {again.name!r}" if again is not None else "")
+            + (f", as '{again.name}'" if again is not None else "")
             + ": use that agent, or retire it first."
         ) from None
     agent.refresh_from_db()

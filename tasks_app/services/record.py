@@ -2446,7 +2446,7 @@ def settle_if_ended(task: RemoteTask | int, snapshot: dict, *, note: str) -> Non
     # A push task settled here (a cancel, a refresh, an import, the push drain's GetTask) has
     # no watcher to end its "awaiting push": the page said so for ever, and retention (which
     # leaves awaited tasks alone) never pruned it. Nobody holds it: it is idle now.
-    RemoteTask.objects.filter(
+    if RemoteTask.objects.filter(
         pk=task_pk,
         lease_token="",
         settled_at__isnull=False,
@@ -2456,7 +2456,10 @@ def settle_if_ended(task: RemoteTask | int, snapshot: dict, *, note: str) -> Non
         watcher_note="task ended",
         watcher_since=timezone.now(),
         lease_expires_at=None,
-    )
+    ):
+        from tasks_app.services.tasks import relay_watcher  # tasks imports this module
+
+        relay_watcher(task_pk)  # the lists' rows said "awaiting push" until the next event
 
 
 RELAY_RAW_LIMIT = 64 * 1024

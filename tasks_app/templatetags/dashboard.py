@@ -17,6 +17,16 @@ register = template.Library()
 _LABELS = dict(STATE_CHOICES)
 
 
+# How an exchange without a state is called (the overview's columns say the same): "failed"
+# beside a task that failed at the agent read as the agent's failure.
+PHASE_LABELS = {
+    "sending": "sending",
+    "failed": "send failed",
+    "message": "message reply",
+    "task": "no state yet",
+}
+
+
 @register.filter
 def state_short(state: str) -> str:
     return _state_short(state or "")
@@ -34,8 +44,9 @@ def state_badge(task: Any) -> str:
     if state:
         short, label = _state_short(state), _LABELS.get(state, state)
     else:
-        short = f"phase-{getattr(task, 'phase', '')}"
-        label = getattr(task, "phase", "") or "unknown"
+        phase = getattr(task, "phase", "")
+        short = f"phase-{phase}"
+        label = PHASE_LABELS.get(phase, phase or "unknown")
     return format_html('<span class="badge st-{}" data-state="{}">{}</span>', short, state, label)
 
 
