@@ -16,6 +16,7 @@ import binascii
 import functools
 import hashlib
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -156,12 +157,22 @@ def plain_text_html(text: str) -> SafeString:
     return format_html('<pre class="plain-text">{}</pre>', text)
 
 
+# Characters JSON may carry raw that change how the text around them is drawn (bidi
+# overrides and isolates, zero-width characters, line separators, C1 controls): an agent's
+# right-to-left override reversed the rest of a line of its raw card.
+_DRAWN_WRONG = re.compile("[\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+
+
 def pretty_json(value: Any) -> str:
-    """Indented JSON text (not HTML: the template or textContent escapes it)."""
+    """Indented JSON text (not HTML: the template or textContent escapes it). The characters
+    above are written as escapes: the same JSON value, shown as what it holds."""
     try:
-        return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=False)
+        text = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=False)
     except (TypeError, ValueError):
         return repr(value)
+    if _DRAWN_WRONG.search(text):
+        text = _DRAWN_WRONG.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    return text
 
 
 def safe_http_url(url: Any) -> str | None:

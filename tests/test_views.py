@@ -1087,3 +1087,17 @@ def test_new_task_json_data_is_standard_json_within_a_depth(
     html = response.content.decode()
     assert response.status_code == 400 and 'id="id_data_error"' in html and said in html
     assert not RemoteTask.objects.exists()
+
+
+def test_raw_json_shows_invisible_and_direction_characters_as_escapes(client_in):
+    """An agent's right-to-left override in its card reversed the rest of the raw card's line
+    on the agent page (and in any raw view); the same JSON value, shown as what it holds."""
+    from tasks_app import views
+
+    card = {**ODD_CARD, "name": "\u202eEvil\u200b", "description": "h\u00e9llo \u05d0"}
+    shown = views.pretty_json(card)
+    assert '"name": "\\u202eEvil\\u200b"' in shown and "h\u00e9llo \u05d0" in shown
+    assert json.loads(shown) == card
+    html = client_in.get(f"/agents/{odd_agent(card).pk}/").content.decode()
+    raw = re.search(r'id="card-raw">(.*?)</pre>', html, re.S).group(1)
+    assert "\u202e" not in raw and "\\u202eEvil" in raw
