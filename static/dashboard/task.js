@@ -12,7 +12,13 @@
  */
 (function () {
   "use strict";
-  const page = document.getElementById("task-page");
+
+  // As the server's raw views write it (rendering.pretty_json): characters that change how
+  // the text around them is drawn (bidi overrides, zero-width, separators, C1) as escapes.
+  const DRAWN_WRONG = /[\u007f-\u009f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]/g;
+  function shownJson(value) {
+    return JSON.stringify(value, null, 2).replace(DRAWN_WRONG, (c) => "\\u" + c.charCodeAt(0).toString(16).padStart(4, "0"));
+  }  const page = document.getElementById("task-page");
   if (!page) return;
   const taskPk = page.dataset.task;
   const liveUrl = page.dataset.liveUrl;
@@ -86,7 +92,7 @@
     const pre = document.createElement("pre");
     pre.className = "json";
     // Too long to be sent live (consumers.SOCKET_RAW_CHARS): "open" shows it.
-    pre.textContent = ev.raw_cut ? "(" + ev.raw_cut + " characters: too long to show here)" : JSON.stringify(ev.raw, null, 2);
+    pre.textContent = ev.raw_cut ? "(" + ev.raw_cut + " characters: too long to show here)" : shownJson(ev.raw);
     const link = document.createElement("a");
     link.className = "small";
     link.href = "/tasks/" + taskPk + "/events/" + ev.seq + "/";
