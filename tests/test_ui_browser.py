@@ -420,3 +420,29 @@ def test_a_filter_with_an_error_keeps_the_filter_bar_in_line(page, stack):
     # The buttons sit on the inputs' line (within a few pixels of their bottom), not below.
     assert abs(button["y"] + button["height"] - row_bottom) <= 6, (button, first_row)
     shot(page, "task-list-filter-error")
+
+
+def test_a_live_rows_raw_json_shows_direction_characters_as_escapes(
+    context, page, stack, demo_agent_pk
+):
+    """A right-to-left override in an agent's event reversed the rest of the raw line of a
+    row that arrived live (the page drew JSON.stringify's text as it was)."""
+    pk = start_task(page, "ask")
+    wait_state(page, "input required")
+    other = context.new_page()  # answers, while this page only listens
+    try:
+        other.goto(f"/tasks/{pk}/")
+        other.fill("#answer-form textarea", "\u202eRTL")
+        other.click("#answer-form button[type=submit]")
+        other.wait_for_url(re.compile(rf"/tasks/{pk}/$"))
+    finally:
+        other.close()
+    wait_state(page, "completed")
+    # The agent's artifact echoes the answer; on this page its row came over the socket.
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('details.raw pre')].some("
+        "e => e.textContent.includes('RTL') && e.textContent.includes('artifactUpdate'))"
+    )
+    raws = page.eval_on_selector_all("details.raw pre", "els => els.map(e => e.textContent)")
+    echoed = [text for text in raws if "RTL" in text]
+    assert echoed and all("\u202e" not in text and "\\u202eRTL" in text for text in echoed), raws
