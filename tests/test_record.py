@@ -201,6 +201,23 @@ def test_the_reply_to_our_send_overtaken_by_push_is_late_not_the_agents_error(ta
     assert task.state == "TASK_STATE_COMPLETED"
 
 
+def test_a_submitted_reply_overtaken_by_pushes_does_not_move_the_task_back(task):
+    """The reply to our send (SUBMITTED, unstamped) was recorded after the agent's pushes had
+    taken the task to working, or to a question: it moved the task back to submitted, and a
+    push task waiting for an answer was shown as awaiting push (a soak run: 7 of 40)."""
+    record(task, snapshot("t-1", "TASK_STATE_INPUT_REQUIRED"), "push")
+    (seq,) = record(task, snapshot("t-1", "TASK_STATE_SUBMITTED"), "send-response").seqs
+    row = TaskEvent.objects.get(task=task, seq=seq)
+    assert row.kind == "task" and row.note.startswith("older than the status already held")
+    task.refresh_from_db()
+    assert task.state == "TASK_STATE_INPUT_REQUIRED"
+    # The first word of a task is SUBMITTED as ever; another channel's SUBMITTED is news.
+    fresh = RemoteTask.objects.create(agent=task.agent, title="fresh")
+    record(fresh, snapshot("t-2", "TASK_STATE_SUBMITTED"), "send-response")
+    fresh.refresh_from_db()
+    assert fresh.state == "TASK_STATE_SUBMITTED"
+
+
 def test_garbage_and_other_tasks_become_protocol_errors(task):
     record(task, snapshot("t-1", "TASK_STATE_WORKING"), "stream")
     results = [

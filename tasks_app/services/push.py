@@ -282,6 +282,42 @@ def silence(task_pk: int) -> float:
     return max(0.0, (timezone.now() - newest).total_seconds())
 
 
+def _followed(task_pks: set[int]) -> Q:
+    """The tasks of ``task_pks`` followed by push that nobody holds and that are not over."""
+    return Q(
+        pk__in=task_pks,
+        watch=RemoteTask.Watch.PUSH,
+        lease_token="",
+        abandoned_at__isnull=True,
+        gone_at__isnull=True,
+        settled_at__isnull=True,
+        # An answer waiting to be sent: its watcher must get the lease, not a new hold-off.
+        outbox__isnull=True,
+    ) & ~Q(state__in=TERMINAL_STATES)
+
+
+def waiting_for_answer(task_pks: set[int]) -> None:
+    """Push tasks that now ask a question (a notification, or the drain's GetTask, said so):
+    nothing is awaited from the agent until someone answers, and no watcher takes a waiting
+    task, so the page said "awaiting push" where a streamed task says "waiting for an
+    answer". Idle now; the answer's watcher follows by push again."""
+    Status = RemoteTask.WatcherStatus
+    asking = _followed(task_pks) & Q(state=INPUT_REQUIRED, watcher_status=Status.AWAITING_PUSH)
+    pks = list(RemoteTask.objects.filter(asking).values_list("pk", flat=True))
+    if not pks:
+        return
+    RemoteTask.objects.filter(asking, pk__in=pks).update(
+        watcher_status=Status.IDLE,
+        watcher_note="waiting for an answer",
+        watcher_since=timezone.now(),
+        lease_expires_at=None,
+    )
+    from tasks_app.services.tasks import relay_watcher
+
+    for pk in pks:
+        relay_watcher(pk)
+
+
 def heard(task_pks: set[int]) -> None:
     """Notifications arrived: the silence fallback waits again, the page says "awaiting push".
 
@@ -296,38 +332,8 @@ def heard(task_pks: set[int]) -> None:
     Status = RemoteTask.WatcherStatus
     now = timezone.now()
     until = now + timedelta(seconds=settings.PUSH_SILENCE_SECONDS)
-    followed = Q(
-        pk__in=task_pks,
-        watch=RemoteTask.Watch.PUSH,
-        lease_token="",
-        abandoned_at__isnull=True,
-        gone_at__isnull=True,
-        settled_at__isnull=True,
-        # An answer waiting to be sent: its watcher must get the lease, not a new hold-off.
-        outbox__isnull=True,
-    ) & ~Q(state__in=TERMINAL_STATES)
-    # A question: nothing is awaited from the agent until someone answers (no watcher takes
-    # the task), and the page said "awaiting push" where a streamed task says "waiting for an
-    # answer". The answer's watcher follows by push again.
-    asking = list(
-        RemoteTask.objects.filter(
-            followed, state=INPUT_REQUIRED, watcher_status=Status.AWAITING_PUSH
-        ).values_list("pk", flat=True)
-    )
-    if asking:
-        RemoteTask.objects.filter(
-            followed, pk__in=asking, state=INPUT_REQUIRED, watcher_status=Status.AWAITING_PUSH
-        ).update(
-            watcher_status=Status.IDLE,
-            watcher_note="waiting for an answer",
-            watcher_since=now,
-            lease_expires_at=None,
-        )
-        from tasks_app.services.tasks import relay_watcher
-
-        for pk in asking:
-            relay_watcher(pk)
-    followed &= ~Q(state=INPUT_REQUIRED)
+    waiting_for_answer(task_pks)
+    followed = _followed(task_pks) & ~Q(state=INPUT_REQUIRED)
     RemoteTask.objects.filter(followed, watcher_status=Status.AWAITING_PUSH).update(
         lease_expires_at=until
     )
@@ -1790,6 +1796,8 @@ async def refresh_after_push(http: httpx.AsyncClient, task_pk: int) -> None:
                 )
     if result.over_budget and not ended:
         await eventloop.db(park_over_budget, {task_pk})
+    elif result.state == INPUT_REQUIRED:
+        await eventloop.db(waiting_for_answer, {task_pk})  # as a pushed question leaves it
     if ended:
         # settle_if_ended also ended its "awaiting push" (no watcher would).
         _windows.pop(task_pk, None)

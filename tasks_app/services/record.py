@@ -78,6 +78,7 @@ KNOWN_STATES = {
 MAX_RETRIES = 100
 # Channels written only by the task's lease holder (fenced): one ordered connection each.
 HOLDER_CHANNELS = ("stream", "resubscribe", "send-response")
+SUBMITTED = "TASK_STATE_SUBMITTED"
 
 
 class RecordError(Exception):
@@ -1327,6 +1328,20 @@ class _Fold:
         self.rows.append(_Row(entry, entry.kind, note, apply=False))
         return True
 
+    def _submitted_late(self, entry: Entry, status: dict) -> bool:
+        """Whether the entry is the reply to our send saying SUBMITTED while the mirror holds
+        a later state: the agent's push notifications overtook it. SUBMITTED is only a task's
+        first state, so the reply is late; applied, it moved a working task, or one waiting
+        for an answer, back to submitted (a soak run: 7 of 40 push tasks)."""
+        held = self.get("state")
+        if self.channel != "send-response" or status["state"] != SUBMITTED:
+            return False
+        if not held or held == SUBMITTED:
+            return False
+        note = "older than the status already held; snapshot unchanged"
+        self.rows.append(_Row(entry, entry.kind, note, apply=False))
+        return True
+
     def _fold_task(self, entry: Entry) -> None:
         task = entry.payload
         if self._wrong_task(entry, task["id"]):
@@ -1336,6 +1351,8 @@ class _Fold:
         if problem:
             if not self._from_before_the_end(entry, status):
                 self.rows.append(_Row(entry, "protocol-error", problem, apply=False))
+            return
+        if self._submitted_late(entry, status):
             return
         artifacts = [
             a for a in task.get("artifacts") or [] if isinstance(a, dict) and a.get("artifactId")
