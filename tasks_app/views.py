@@ -110,11 +110,6 @@ WATCHER_STATUSES = [s for s, _ in RemoteTask.WatcherStatus.choices]
 # Overview ----------------------------------------------------------------------------------
 
 
-# Exchanges without a task state are counted by how far they got (phase), not as "unknown",
-# in the words of their badges.
-PHASE_COLUMNS = PHASE_LABELS
-
-
 def _overview_column(state: str, phase: str) -> str:
     return state or f"phase:{phase}"
 
@@ -129,7 +124,9 @@ def _overview_context(user) -> dict:
         counts = by_agent.setdefault(row["agent_id"], {})
         counts[column] = counts.get(column, 0) + row["n"]
         totals[column] = totals.get(column, 0) + row["n"]
-    states = [f"phase:{p}" for p in PHASE_COLUMNS if totals.get(f"phase:{p}")]
+    # Exchanges without a task state are counted by how far they got (phase), not as
+    # "unknown", in the words of their badges.
+    states = [f"phase:{p}" for p in PHASE_LABELS if totals.get(f"phase:{p}")]
     states += [s for s, _ in STATE_CHOICES if s and totals.get(s)]
     # A retired agent stays for the tasks it left behind, and only if it left some.
     agents = [a for a in agents if a.retired_at is None or a.pk in by_agent]
@@ -178,7 +175,7 @@ def _column_head(column: str) -> dict[str, str]:
         phase = column.removeprefix("phase:")
         return {
             "key": column,
-            "label": PHASE_COLUMNS.get(phase, phase),
+            "label": PHASE_LABELS.get(phase, phase),
             "query": urlencode({"phase": phase}),
         }
     return {
@@ -403,23 +400,24 @@ def _agent_context(request: HttpRequest, agent: Agent, **extra: object) -> dict:
         "recent": for_list(RemoteTask.objects.filter(agent=agent), agent=None).order_by(
             "-updated_at", "-id"
         )[:15],
-        "import_job": import_services.latest_job(agent),
+        "import_job": (job := import_services.latest_job(agent)),
         "can": access.can(request.user, agent.project_id),
         "rename_form": AgentRenameForm(initial={"name": agent.name, "was": agent.name}),
-        **_lifecycle_context(agent),
+        **_lifecycle_context(agent, job),
         **extra,
     }
 
 
-def _lifecycle_context(agent: Agent) -> dict:
+def _lifecycle_context(agent: Agent, job: ImportJob | None) -> dict:
     """What the Manage section offers: retire only when it can work (no open task, no import
-    under way), restore only while no other agent of the project holds the URL."""
+    under way: one runs at a time, so only the newest job can), restore only while no other
+    agent of the project holds the URL."""
     if agent.retired_at is not None:
         holder = agent_services.registered_at(agent.project, registration_url(agent.base_url))
         return {"url_taken_by": holder}
     return {
         "open_tasks": agent_services.open_tasks(agent.pk).count(),
-        "import_running": import_services.active_job(agent) is not None,
+        "import_running": job is not None and job.status in import_services.ACTIVE,
         "abandoned_running": agent_services.abandoned_but_running(agent.pk),
     }
 
@@ -433,7 +431,7 @@ def _agent_counts(agent: Agent) -> list[dict[str, object]]:
     for row in rows.annotate(n=Count("id")).order_by():
         column = _overview_column(row["state"], row["phase"])
         counts[column] = counts.get(column, 0) + row["n"]
-    order = [f"phase:{p}" for p in PHASE_COLUMNS] + [s for s, _ in STATE_CHOICES if s]
+    order = [f"phase:{p}" for p in PHASE_LABELS] + [s for s, _ in STATE_CHOICES if s]
     columns = [c for c in order if c in counts] + sorted(c for c in counts if c not in order)
     return [{**_column_head(c), "n": counts[c]} for c in columns]
 
@@ -561,38 +559,36 @@ def agent_rename(request: HttpRequest, pk: int) -> HttpResponse:
     return render(request, "tasks_app/agent_detail.html", context, status=400)
 
 
-@login_required
-@require_POST
-def agent_retire(request: HttpRequest, pk: int) -> HttpResponse:
+def _agent_lifecycle(request: HttpRequest, pk: int, change: Callable, done: str) -> HttpResponse:
+    """Retire or restore (``change``), then back to the agent page with its sentence."""
     agent = get_agent_for_user(request, pk, Perm.MANAGE_AGENTS)
     try:
-        agent_services.retire_agent(agent, actor_id=request.user.id)
+        change(agent, actor_id=request.user.id)
     except agent_services.AgentError as exc:
         messages.error(request, str(exc))
     else:
-        messages.success(
-            request,
-            f"{agent.name} is retired: nothing is sent to it, its credentials are deleted, and "
-            "its tasks stay readable.",
-        )
+        messages.success(request, done.format(name=agent.name))
     return redirect("agent-detail", pk=agent.pk)
+
+
+@login_required
+@require_POST
+def agent_retire(request: HttpRequest, pk: int) -> HttpResponse:
+    return _agent_lifecycle(
+        request, pk, agent_services.retire_agent,
+        "{name} is retired: nothing is sent to it, its credentials are deleted, and its tasks "
+        "stay readable.",
+    )  # fmt: skip
 
 
 @login_required
 @require_POST
 def agent_restore(request: HttpRequest, pk: int) -> HttpResponse:
-    agent = get_agent_for_user(request, pk, Perm.MANAGE_AGENTS)
-    try:
-        agent_services.restore_agent(agent, actor_id=request.user.id)
-    except agent_services.AgentError as exc:
-        messages.error(request, str(exc))
-    else:
-        messages.success(
-            request,
-            f"{agent.name} is back in service. Its credentials were deleted when it was retired; "
-            "set them again if it needs them.",
-        )
-    return redirect("agent-detail", pk=agent.pk)
+    return _agent_lifecycle(
+        request, pk, agent_services.restore_agent,
+        "{name} is back in service. Its credentials were deleted when it was retired; set them "
+        "again if it needs them.",
+    )  # fmt: skip
 
 
 @login_required

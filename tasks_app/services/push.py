@@ -56,6 +56,7 @@ from django.utils import timezone
 
 from tasks_app import eventloop, outbound
 from tasks_app.a2a import A2AClient, A2AError, ProtocolError, large_body_scope, safejson
+from tasks_app.a2a.states import STATE_INPUT_REQUIRED
 from tasks_app.crypto import SecretError, decrypt_json, encrypt_json
 from tasks_app.models import TERMINAL_STATES, Agent, PushConfig, RemoteTask
 from tasks_app.runtime import shared_redis
@@ -63,8 +64,6 @@ from tasks_app.services.polls import POLL_HISTORY, poll_task
 from tasks_app.services.record import RecordError, record, record_many, settle_if_ended
 
 log = logging.getLogger(__name__)
-
-INPUT_REQUIRED = "TASK_STATE_INPUT_REQUIRED"
 security_log = logging.getLogger("tasks_app.security")
 
 CONTENT_TYPES = ("application/a2a+json", "application/json")
@@ -302,7 +301,9 @@ def waiting_for_answer(task_pks: set[int]) -> None:
     task, so the page said "awaiting push" where a streamed task says "waiting for an
     answer". Idle now; the answer's watcher follows by push again."""
     Status = RemoteTask.WatcherStatus
-    asking = _followed(task_pks) & Q(state=INPUT_REQUIRED, watcher_status=Status.AWAITING_PUSH)
+    asking = _followed(task_pks) & Q(
+        state=STATE_INPUT_REQUIRED, watcher_status=Status.AWAITING_PUSH
+    )
     pks = list(RemoteTask.objects.filter(asking).values_list("pk", flat=True))
     if not pks:
         return
@@ -333,7 +334,7 @@ def heard(task_pks: set[int]) -> None:
     now = timezone.now()
     until = now + timedelta(seconds=settings.PUSH_SILENCE_SECONDS)
     waiting_for_answer(task_pks)
-    followed = _followed(task_pks) & ~Q(state=INPUT_REQUIRED)
+    followed = _followed(task_pks) & ~Q(state=STATE_INPUT_REQUIRED)
     RemoteTask.objects.filter(followed, watcher_status=Status.AWAITING_PUSH).update(
         lease_expires_at=until
     )
@@ -1796,7 +1797,7 @@ async def refresh_after_push(http: httpx.AsyncClient, task_pk: int) -> None:
                 )
     if result.over_budget and not ended:
         await eventloop.db(park_over_budget, {task_pk})
-    elif result.state == INPUT_REQUIRED:
+    elif result.state == STATE_INPUT_REQUIRED:
         await eventloop.db(waiting_for_answer, {task_pk})  # as a pushed question leaves it
     if ended:
         # settle_if_ended also ended its "awaiting push" (no watcher would).

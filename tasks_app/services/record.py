@@ -41,7 +41,7 @@ from django.utils.dateparse import parse_datetime
 
 from tasks_app import metrics, relay
 from tasks_app.a2a import normalize, safejson
-from tasks_app.a2a.states import transition_problem
+from tasks_app.a2a.states import STATE_SUBMITTED, transition_problem
 from tasks_app.models import (
     INTERRUPTED_STATES,
     TERMINAL_STATES,
@@ -78,7 +78,8 @@ KNOWN_STATES = {
 MAX_RETRIES = 100
 # Channels written only by the task's lease holder (fenced): one ordered connection each.
 HOLDER_CHANNELS = ("stream", "resubscribe", "send-response")
-SUBMITTED = "TASK_STATE_SUBMITTED"
+# The note of an entry logged, not applied, because the mirror holds a newer status.
+OLDER_STATUS = "older than the status already held; snapshot unchanged"
 
 
 class RecordError(Exception):
@@ -1324,8 +1325,7 @@ class _Fold:
         older = ts is not None and held is not None and ts < held
         if not (older or self.channel == "send-response"):
             return False
-        note = "older than the status already held; snapshot unchanged"
-        self.rows.append(_Row(entry, entry.kind, note, apply=False))
+        self._log_as_older(entry)
         return True
 
     def _submitted_late(self, entry: Entry, status: dict) -> bool:
@@ -1334,13 +1334,16 @@ class _Fold:
         first state, so the reply is late; applied, it moved a working task, or one waiting
         for an answer, back to submitted (a soak run: 7 of 40 push tasks)."""
         held = self.get("state")
-        if self.channel != "send-response" or status["state"] != SUBMITTED:
+        if self.channel != "send-response" or status["state"] != STATE_SUBMITTED:
             return False
-        if not held or held == SUBMITTED:
+        if not held or held == STATE_SUBMITTED:
             return False
-        note = "older than the status already held; snapshot unchanged"
-        self.rows.append(_Row(entry, entry.kind, note, apply=False))
+        self._log_as_older(entry)
         return True
+
+    def _log_as_older(self, entry: Entry) -> None:
+        """Logged, not applied: the entry is older than the status the mirror holds."""
+        self.rows.append(_Row(entry, entry.kind, OLDER_STATUS, apply=False))
 
     def _fold_task(self, entry: Entry) -> None:
         task = entry.payload
@@ -1521,8 +1524,7 @@ class _Fold:
         current_ts = self.get("status_timestamp")
         if ts is None or current_ts is None or ts >= current_ts:
             return False
-        note = "older than the status already held; snapshot unchanged"
-        self.rows.append(_Row(entry, entry.kind, note, apply=False))
+        self._log_as_older(entry)
         return True
 
     def _fold_statusUpdate(self, entry: Entry) -> None:
