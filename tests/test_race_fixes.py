@@ -494,3 +494,25 @@ def test_an_answer_to_a_push_followed_task_goes_out_while_the_agent_goes_on_noti
     task.refresh_from_db()
     assert task.lease_expires_at is None and task.outbox is not None
     assert task_services.acquire_leases([task.pk], "w1").keys() == {task.pk}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_push_task_the_drains_gettask_finds_asking_is_waiting_for_an_answer(shared_loop) -> None:
+    """Only a pushed question turned "awaiting push" into "waiting for an answer": when the
+    drain's GetTask was the one to show the question (a late reply to the send had moved the
+    task back), the task said "awaiting push" until its silence ran out (a soak run)."""
+    asking = {"id": "t-1", "contextId": "c", "status": {"state": "TASK_STATE_INPUT_REQUIRED"}}
+    with json_rpc_peer(lambda request: asking) as url:
+        task = push_task(watcher_status=Status.AWAITING_PUSH)
+        Agent.objects.filter(pk=task.agent_id).update(
+            base_url=url, interface_url=f"{url}/rpc", binding="JSONRPC", protocol_version="1.0"
+        )
+
+        async def refresh() -> None:
+            async with outbound.new_http_client() as http:
+                await push.refresh_after_push(http, task.pk)
+
+        eventloop.submit(refresh()).result(timeout=60)
+    task.refresh_from_db()
+    assert task.state == "TASK_STATE_INPUT_REQUIRED"
+    assert (task.watcher_status, task.watcher_note) == (Status.IDLE, "waiting for an answer")
