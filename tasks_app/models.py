@@ -626,6 +626,10 @@ class PushConfig(models.Model):
     deleted_note = models.CharField(max_length=500, blank=True)
     last_received_at = models.DateTimeField(null=True, blank=True)
     received = models.PositiveIntegerField(default=0)
+    # The queue stamp (``push.SEQ_KEY``) of the last notification counted in ``received``: a
+    # drain killed after counting its batch leaves the batch queued, and the next drain
+    # records it again without counting it again.
+    counted_through = models.BigIntegerField(default=0)
 
     class Meta:
         ordering = ["task", "created_at", "id"]

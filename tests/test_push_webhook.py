@@ -127,6 +127,46 @@ def test_a_genuine_notification_is_accepted_queued_and_recorded_on_push(task, co
     assert config.received == 1 and config.last_received_at is not None
 
 
+def test_a_batch_recorded_again_after_a_kill_is_not_counted_again(task, config):
+    """A drain killed after it counted a batch, before it took the batch off the queue: the
+    next drain records the same batch again (appending nothing), and counted every
+    notification of it a second time."""
+    other = RemoteTask.objects.create(
+        agent=task.agent, title="u", remote_id="t-2", phase=RemoteTask.Phase.TASK,
+        state="TASK_STATE_SUBMITTED", watch=RemoteTask.Watch.PUSH,
+    )  # fmt: skip
+    other_config = push.new_config(other)
+    for second in range(1, 4):
+        assert good(config, status_update(ts=f"2026-01-01T00:00:0{second}Z"))[0] == 202
+    assert good(other_config, status_update("t-2"))[0] == 202
+    r = push._redis()
+    items = r.lrange(push.QUEUE_KEY, 0, -1)
+    stamps = [json.loads(item)["n"] for item in items]
+    assert stamps == sorted(set(stamps))  # each delivery stamped, each later one larger
+    assert int(r.get(push.QUEUE_BYTES_KEY)) == sum(len(item) for item in items)
+    push.record_batch(items)
+    push.record_batch(items)  # the batch again, as the next drain reads it
+    config.refresh_from_db()
+    other_config.refresh_from_db()
+    assert (config.received, other_config.received) == (3, 1)
+    assert TaskEvent.objects.filter(task=task, channel="push").count() == 3
+    # A Redis that lost its keys goes on stamping past what was counted (its clock).
+    r.delete(push.SEQ_KEY, push.QUEUE_KEY)
+    assert good(config, status_update(ts="2026-01-01T00:00:09Z"))[0] == 202
+    later = r.lrange(push.QUEUE_KEY, 0, -1)
+    assert json.loads(later[0])["n"] > stamps[-1]
+    # Read with what was counted already, only the new one counts.
+    push.record_batch(items[:3] + later)
+    config.refresh_from_db()
+    assert config.received == 4 and config.counted_through == json.loads(later[0])["n"]
+    # One queued before deliveries were stamped is counted as it comes.
+    unstamped = json.dumps({"c": config.pk, "t": task.pk, "e": json.loads(status_update(
+        ts="2026-01-01T00:00:10Z"))})  # fmt: skip
+    push.record_batch([unstamped.encode()])
+    config.refresh_from_db()
+    assert config.received == 5
+
+
 def test_both_content_types_are_accepted_and_others_refused(task, config):
     assert (
         good(config, status_update(ts="2026-01-01T00:00:02Z"), content_type="application/json")[0]

@@ -50,8 +50,9 @@ import jwt
 import redis
 import redis.asyncio
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, connection, transaction
-from django.db.models import F, Q
+from django.db import InterfaceError, OperationalError, connection, models, transaction
+from django.db.models import Case, F, Q, Value, When
+from django.db.models.functions import Greatest
 from django.utils import timezone
 
 from tasks_app import eventloop, outbound
@@ -72,6 +73,11 @@ QUEUE_KEY = "push:queue"
 # Bytes the queue holds (added by the queue script, taken off with a recorded batch by the
 # drain; set to 0 when the drain finds the queue empty, whatever a count gone wrong left).
 QUEUE_BYTES_KEY = "push:queue:bytes"
+# The last stamp the queue script gave a delivery (its ``n``): Redis' clock in microseconds,
+# or one more than the last stamp when the clock has not moved on. Each delivery's stamp is
+# larger than every earlier one, a Redis that lost its keys included (the clock goes on), so
+# a push config's ``counted_through`` tells a batch counted already from a new one.
+SEQ_KEY = "push:queue:seq"
 DRAIN_KEY = "push:drain"
 # Notifications taken from the queue at once. Each task's share is one record_many()
 # transaction, whose fixed cost (read the task, commit, relay) dominates at a few
@@ -654,7 +660,8 @@ def _window(key: str, seconds: int) -> str:
 # The webhook's Redis work is done by scripts, each one round trip. A genuine delivery
 # whose config is cached needs one: QUEUE_SCRIPT counts it against its source address
 # (unless SOURCE_SCRIPT did already), then checks the deletion marker and the per-config
-# rate, does the repeat check, pushes it onto the queue and sets the drain flag. It
+# rate, does the repeat check, pushes it onto the queue stamped (SEQ_KEY) and sets the
+# drain flag. It
 # answers 4292 (the address is over its refusals), 4291 (over its request rate), 404
 # (deleted), 429 (the config over its rate), 200 (a repeat), 202 (queued) or 203 (queued,
 # and a drain is to be scheduled). SOURCE_SCRIPT counts the request before a query (a
@@ -689,8 +696,15 @@ if c > tonumber(ARGV[4]) then return 429 end
 if tonumber(redis.call('GET', KEYS[8]) or '0') >= tonumber(ARGV[9]) then return 503 end
 if ARGV[7] ~= '' and not redis.call('SET', ARGV[7], 1, 'NX', 'EX', ARGV[8]) then return 4011 end
 if not redis.call('SET', KEYS[5], 1, 'NX', 'EX', ARGV[5]) then return 200 end
-redis.call('RPUSH', KEYS[6], ARGV[6])
-redis.call('INCRBY', KEYS[8], string.len(ARGV[6]))
+local now = redis.call('TIME')
+local n = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local last = tonumber(redis.call('GET', KEYS[9]) or '0')
+if n <= last then n = last + 1 end
+local stamp = string.format('%.0f', n)
+redis.call('SET', KEYS[9], stamp)
+local item = '{"n": ' .. stamp .. ', ' .. string.sub(ARGV[6], 2)
+redis.call('RPUSH', KEYS[6], item)
+redis.call('INCRBY', KEYS[8], string.len(item))
 if redis.call('SET', KEYS[7], 1, 'NX', 'EX', 60) then return 203 end
 return 202
 """,
@@ -808,7 +822,7 @@ def _decide(
     item = _queued(config, event, body)
     keys = [*by_source, f"{DELETED_PREFIX}{config.config_id}", _window(f"push:rc:{config.config_id}", 1),
             f"push:seen:{config.config_id}:{digest}", QUEUE_KEY, DRAIN_KEY,
-            QUEUE_BYTES_KEY]  # fmt: skip
+            QUEUE_BYTES_KEY, SEQ_KEY]  # fmt: skip
     outcome = yield ("script", "queue", keys, [*limits, counted, settings.PUSH_RATE_PER_CONFIG,
                                                settings.PUSH_DEDUPE_SECONDS, item, jti_key,
                                                jti_seconds,
@@ -1474,8 +1488,9 @@ def _read_batch(r: redis.Redis) -> list[bytes]:
     delivery's largest, and the last of the room by _READ_REST. A chunk's surplus (an item
     larger than a delivery's largest, or a count gone wrong) is left for the next batch.
     """
-    # What a queued delivery weighs at most: its body and the envelope _queued() adds.
-    largest = settings.PUSH_MAX_BODY_BYTES + 64
+    # What a queued delivery weighs at most: its body, the envelope _queued() adds and the
+    # queue script's stamp.
+    largest = settings.PUSH_MAX_BODY_BYTES + 96
     fits = int(r.get(QUEUE_BYTES_KEY) or 0) <= DRAIN_BATCH_BYTES
     items: list[bytes] = []
     taken = 0
@@ -1562,25 +1577,28 @@ def record_batch(items: list[bytes]) -> dict[int, str]:
 
     Returns the tasks recorded, with the state each is in now.
     """
-    by_task: dict[int, list[tuple[int, Any]]] = {}
+    by_task: dict[int, list[tuple[int, int, Any]]] = {}
     for item in items:
         try:
             data = json.loads(item)
-            by_task.setdefault(int(data["t"]), []).append((int(data["c"]), data["e"]))
-        except (ValueError, KeyError, TypeError):
+            # The queue script's stamp (0: queued before stamps, always counted).
+            stamp = int(data.get("n", 0))
+            by_task.setdefault(int(data["t"]), []).append((int(data["c"]), stamp, data["e"]))
+        except (ValueError, KeyError, TypeError, AttributeError):
             log.warning("dropped an unreadable queued push notification")
-    configs = {pk for entries in by_task.values() for pk, _ in entries}
-    live = set(
+    configs = {pk for entries in by_task.values() for pk, _, _ in entries}
+    live = dict(
         PushConfig.objects.filter(pk__in=configs, deleted_at__isnull=True).values_list(
-            "pk", flat=True
+            "pk", "counted_through"
         )
     )
     now = timezone.now()
     counts: dict[int, int] = {}
+    newest: dict[int, int] = {}
     touched: dict[int, str] = {}
     over_budget: set[int] = set()
     for task_pk, entries in by_task.items():
-        objs = [obj for pk, obj in entries if pk in live]
+        objs = [obj for pk, _, obj in entries if pk in live]
         if not objs:
             continue
         try:
@@ -1601,19 +1619,28 @@ def record_batch(items: list[bytes]) -> dict[int, str]:
         touched[task_pk] = result.state
         if result.over_budget:
             over_budget.add(task_pk)
-        for pk, _ in entries:
-            if pk in live:
+        for pk, stamp, _ in entries:
+            # A stamp the config has counted already: this batch was recorded by a drain
+            # killed before it took the batch off the queue (recording it again appended
+            # nothing; counting it again counted every notification of it twice).
+            if pk in live and (stamp == 0 or stamp > live[pk]):
                 counts[pk] = counts.get(pk, 0) + 1
-    by_count: dict[int, list[int]] = {}
-    for pk, count in counts.items():
-        by_count.setdefault(count, []).append(pk)
-    for count, pks in by_count.items():  # one statement per distinct count, not one per config
-        PushConfig.objects.filter(pk__in=pks).update(
-            last_received_at=now, received=F("received") + count
+                newest[pk] = max(newest.get(pk, 0), stamp)
+    if counts:  # one statement for the batch, not one per config
+        PushConfig.objects.filter(pk__in=counts).update(
+            last_received_at=now,
+            received=F("received") + _by_config(counts),
+            counted_through=Greatest(F("counted_through"), _by_config(newest)),
         )
     over = park_over_budget(over_budget)
     heard(set(touched) - over)
     return touched
+
+
+def _by_config(values: dict[int, int]) -> Case:
+    """``values[pk]`` for the row of each push config ``pk``, in an UPDATE of those rows."""
+    whens = [When(pk=pk, then=Value(value)) for pk, value in values.items()]
+    return Case(*whens, default=Value(0), output_field=models.BigIntegerField())
 
 
 def park_over_budget(task_pks: set[int]) -> set[int]:
