@@ -40,8 +40,18 @@ def _members_of(*project_pks: int | None) -> list[int]:
     return list(Membership.objects.filter(project_id__in=chosen).values_list("user_id", flat=True))
 
 
+def _membership_saving(sender: Any, instance: Membership, **kwargs: Any) -> None:
+    """Remember the person a membership belonged to: moved to another person (the admin), it
+    takes the role away from the first, whose sockets streamed on until their next recheck."""
+    if instance.pk is not None:
+        instance._user_before = (  # type: ignore[attr-defined]
+            Membership.objects.filter(pk=instance.pk).values_list("user_id", flat=True).first()
+        )
+
+
 def _membership_changed(sender: Any, instance: Membership, **kwargs: Any) -> None:
-    announce([instance.user_id])
+    before = getattr(instance, "_user_before", None)
+    announce([instance.user_id] + ([before] if before is not None else []))
 
 
 def _person_saved(sender: Any, instance: Any, update_fields: Any = None, **kwargs: Any) -> None:
@@ -81,6 +91,7 @@ def _agent_saved(sender: Any, instance: Agent, created: bool, **kwargs: Any) -> 
 
 def connect() -> None:
     """Hook the signals up (from the app's ``ready()``)."""
+    pre_save.connect(_membership_saving, sender=Membership, dispatch_uid="access-membership-saving")
     post_save.connect(
         _membership_changed, sender=Membership, dispatch_uid="access-membership-saved"
     )

@@ -56,6 +56,8 @@ KNOWN_ACTIONS: dict[str, str] = {
     "rotate-key": "rotated the encryption key",
     "member-add": "added a member",
     "member-remove": "removed a member",
+    "superuser-add": "made a superuser",
+    "superuser-remove": "took superuser status away",
     "forbidden": "was refused",
     "prune": "pruned old tasks",
 }
@@ -83,6 +85,17 @@ def log_member_change(
     if role:
         payload["role"] = role
     return OperatorAction.objects.create(actor_id=actor_id, action=action, payload=payload)
+
+
+def log_superuser_change(
+    user: Any, *, granted: bool, actor_id: int | None = None
+) -> OperatorAction:
+    """Superuser status given or taken away (in the admin): it opens every project, and no
+    membership row says so. Only superusers audit these rows (they name no agent)."""
+    action = "superuser-add" if granted else "superuser-remove"
+    return OperatorAction.objects.create(
+        actor_id=actor_id, action=action, payload={"user": user.get_username()}
+    )
 
 
 def sanitize(value: Any, depth: int = 0) -> Any:

@@ -6,15 +6,19 @@ view them, never add, change or delete them (the log's hash chain and
 ``audit replay`` would otherwise break). Agents stay editable. Credentials are
 never shown (the encrypted field is excluded). It is for superusers only: it edits
 across every project, outside the role table, and its changes write no operator action but
-one: who is a member of which project with which role, which the action log keeps however it
-is changed (``member-add`` and ``member-remove``, as ``manage.py members`` writes them).
+who may read what: who is a member of which project with which role, which the action log
+keeps however it is changed (``member-add`` and ``member-remove``, as ``manage.py members``
+writes them; a membership moved to another person or project, or a person deleted, takes a
+role away), and who is a superuser (``superuser-add``, ``superuser-remove``).
 """
 
 from django.contrib import admin
+from django.contrib.auth import get_user_model
+from django.contrib.auth.admin import UserAdmin
 from django.db import models
 from django.http import HttpRequest
 
-from tasks_app.actionlog import log_member_change
+from tasks_app.actionlog import log_member_change, log_superuser_change
 from tasks_app.models import (
     Agent,
     Artifact,
@@ -44,6 +48,28 @@ def _member_action(request: HttpRequest, membership: Membership, action: str) ->
     log_member_change(action, membership.user, membership.project, role, request.user.pk)
 
 
+def _save_membership(request: HttpRequest, membership: Membership, *, changed: bool) -> None:
+    """Save a membership added or changed here, and log what that gave and took away.
+
+    A membership moved to another person or project takes the role away from the pair it
+    held: logged as a grant alone, the log went on saying the first person held it (and
+    the first person's open sockets went on streaming, see ``access_changes``).
+    """
+    before = None
+    if membership.pk is not None:
+        before = (
+            Membership.objects.select_related("user", "project").filter(pk=membership.pk).first()
+        )
+    membership.save()
+    if before is not None and (before.user_id, before.project_id) != (
+        membership.user_id,
+        membership.project_id,
+    ):
+        _member_action(request, before, "member-remove")
+    if before is None or changed:
+        _member_action(request, membership, "member-add")
+
+
 class MembershipInline(admin.TabularInline):
     model = Membership
     extra = 1
@@ -63,8 +89,7 @@ class ProjectAdmin(admin.ModelAdmin):
             super().save_formset(request, form, formset, change)
             return
         for membership in formset.save(commit=False):  # new and changed rows
-            membership.save()
-            _member_action(request, membership, "member-add")
+            _save_membership(request, membership, changed=True)
         for membership in formset.deleted_objects:
             _member_action(request, membership, "member-remove")
             membership.delete()
@@ -87,9 +112,7 @@ class MembershipAdmin(admin.ModelAdmin):
     autocomplete_fields = ("user", "project")
 
     def save_model(self, request: HttpRequest, obj: Membership, form, change: bool) -> None:  # type: ignore[no-untyped-def]
-        super().save_model(request, obj, form, change)
-        if not change or form.changed_data:
-            _member_action(request, obj, "member-add")
+        _save_membership(request, obj, changed=bool(form.changed_data))
 
     def delete_model(self, request: HttpRequest, obj: Membership) -> None:
         _member_action(request, obj, "member-remove")
@@ -99,6 +122,40 @@ class MembershipAdmin(admin.ModelAdmin):
         for membership in queryset.select_related("user", "project"):
             _member_action(request, membership, "member-remove")
         super().delete_queryset(request, queryset)
+
+
+class PersonAdmin(UserAdmin):
+    """Django's own user admin, with what it changes of who may read what in the action log.
+
+    A person deleted takes their memberships along (a cascade): the log went on saying
+    they held their roles. Superuser status opens every project, which no membership shows.
+    """
+
+    def save_model(self, request: HttpRequest, obj, form, change: bool) -> None:  # type: ignore[no-untyped-def]
+        people = get_user_model().objects
+        was = change and people.filter(pk=obj.pk, is_superuser=True).exists()
+        super().save_model(request, obj, form, change)
+        if obj.is_superuser != was:
+            log_superuser_change(obj, granted=obj.is_superuser, actor_id=request.user.pk)
+
+    def delete_model(self, request: HttpRequest, obj) -> None:  # type: ignore[no-untyped-def]
+        self._log_leaving(request, get_user_model().objects.filter(pk=obj.pk))
+        super().delete_model(request, obj)
+
+    def delete_queryset(self, request: HttpRequest, queryset) -> None:  # type: ignore[no-untyped-def]
+        self._log_leaving(request, queryset)
+        super().delete_queryset(request, queryset)
+
+    def _log_leaving(self, request: HttpRequest, people) -> None:  # type: ignore[no-untyped-def]
+        held = Membership.objects.filter(user__in=people).select_related("user", "project")
+        for membership in held:
+            _member_action(request, membership, "member-remove")
+        for person in people.filter(is_superuser=True):
+            log_superuser_change(person, granted=False, actor_id=request.user.pk)
+
+
+admin.site.unregister(get_user_model())
+admin.site.register(get_user_model(), PersonAdmin)
 
 
 @admin.register(Agent)

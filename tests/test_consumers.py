@@ -24,7 +24,7 @@ from django.contrib.auth.models import AnonymousUser
 from django.db import close_old_connections
 
 from tasks_app import consumers
-from tasks_app.models import Agent, RemoteTask, TaskEvent
+from tasks_app.models import Agent, Membership, RemoteTask, TaskEvent
 from tasks_app.relay import task_group
 from tasks_app.routing import websocket_urlpatterns
 from tasks_app.services.record import record
@@ -770,6 +770,24 @@ async def test_an_agent_moved_to_another_project_closes_its_tasks_to_the_old_mem
         agent = Agent.objects.get(pk=task.agent_id)
         agent.project = Project.objects.create(name="elsewhere")
         agent.save()
+
+    await database_sync_to_async(move)()
+    closed = await task_socket.receive_output(timeout=5)
+    assert closed == {"type": "websocket.close", "code": 4404}
+
+
+async def test_a_membership_moved_to_another_person_closes_the_first_persons_sockets(task, user):
+    """The admin can give a membership row another person: the role is taken from the first,
+    whose sockets were not told and streamed on until their periodic recheck (a minute)."""
+    from django.contrib.auth.models import User
+
+    task_socket = await communicator(f"/ws/tasks/{task.pk}/", user)
+    assert (await task_socket.connect())[0]
+
+    def move() -> None:
+        membership = Membership.objects.get(user=user)
+        membership.user = User.objects.create_user("someone-else")
+        membership.save()
 
     await database_sync_to_async(move)()
     closed = await task_socket.receive_output(timeout=5)

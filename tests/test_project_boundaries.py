@@ -181,6 +181,58 @@ def test_roles_given_or_taken_in_the_admin_are_in_the_action_log():
     ]
 
 
+def test_roles_taken_away_in_the_admin_by_a_move_or_a_deletion_are_in_the_action_log():
+    """A membership moved to another person or project, or a person deleted, takes a role
+    away; the log said only what was given (a ``member-add`` for the new pair), so it went
+    on saying the first person held the role. Superuser status opens every project."""
+    root = User.objects.create_superuser("root")
+    vic, val = User.objects.create_user("vic"), User.objects.create_user("val")
+    secret, open_ = Project.objects.create(name="secret"), Project.objects.create(name="open")
+    membership = Membership.objects.create(user=vic, project=secret, role=Membership.Role.VIEWER)
+    client = Client()
+    client.force_login(root)
+
+    def logged() -> list[tuple[str, dict]]:
+        rows = OperatorAction.objects.filter(actor_id=root.pk).order_by("pk")
+        return [(row.action, row.payload) for row in rows]
+
+    when = {"created_at_0": "2026-12-05", "created_at_1": "10:00:00"}
+    page = f"/admin/tasks_app/membership/{membership.pk}/change/"
+    viewer = Membership.Role.VIEWER
+    moved = client.post(page, {"user": vic.pk, "project": open_.pk, "role": viewer, **when})
+    assert moved.status_code == 302
+    moved = client.post(page, {"user": val.pk, "project": open_.pk, "role": viewer, **when})
+    assert moved.status_code == 302
+    # In the project's inline, to another person again.
+    inline = {"name": "open", **when, "memberships-INITIAL_FORMS": "1",
+              "memberships-TOTAL_FORMS": "1", "memberships-0-id": membership.pk,
+              "memberships-0-project": open_.pk, "memberships-0-user": vic.pk,
+              "memberships-0-role": viewer, "memberships-0-created_at_0": "2026-12-05",
+              "memberships-0-created_at_1": "10:00:00"}  # fmt: skip
+    assert client.post(f"/admin/tasks_app/project/{open_.pk}/change/", inline).status_code == 302
+    assert Membership.objects.get(pk=membership.pk).user == vic
+    # Made a superuser, then deleted with the membership still held.
+    person = {"username": "vic", "is_active": "on", "is_superuser": "on",
+              "date_joined_0": "2026-12-05", "date_joined_1": "10:00:00"}  # fmt: skip
+    made = client.post(f"/admin/auth/user/{vic.pk}/change/", person)
+    assert made.status_code == 302, re.findall(
+        r"errorlist[^>]*>(.*?)</ul>", made.content.decode(), re.S
+    )
+    assert client.post(f"/admin/auth/user/{vic.pk}/delete/", {"post": "yes"}).status_code == 302
+    assert not User.objects.filter(username="vic").exists()
+    assert logged() == [
+        ("member-remove", {"user": "vic", "project": "secret"}),
+        ("member-add", {"user": "vic", "project": "open", "role": viewer}),
+        ("member-remove", {"user": "vic", "project": "open"}),
+        ("member-add", {"user": "val", "project": "open", "role": viewer}),
+        ("member-remove", {"user": "val", "project": "open"}),
+        ("member-add", {"user": "vic", "project": "open", "role": viewer}),
+        ("superuser-add", {"user": "vic"}),
+        ("member-remove", {"user": "vic", "project": "open"}),
+        ("superuser-remove", {"user": "vic"}),
+    ]
+
+
 def test_the_admin_opens_for_superusers_only():
     from django.contrib.auth.models import Permission
 
