@@ -116,8 +116,13 @@ log = logging.getLogger(__name__)
 @functools.cache
 def _bounded(cls: type) -> type:
     """The schema's validator class with ``pattern`` bounded in time and ``multipleOf``
-    decided in decimal (made once per draft)."""
-    return extend(cls, {"pattern": _bounded_pattern, "multipleOf": _multiple_of})
+    decided in decimal (made once per draft). Draft 3 calls it ``divisibleBy``: left to
+    jsonschema's floats, a long number was a 500 and 0.07 no multiple of 0.01."""
+    overrides: dict[str, Any] = {"pattern": _bounded_pattern}
+    for keyword in ("multipleOf", "divisibleBy"):
+        if keyword in cls.VALIDATORS:  # type: ignore[attr-defined]
+            overrides[keyword] = _multiple_of
+    return extend(cls, overrides)
 
 
 @functools.cache
@@ -841,6 +846,7 @@ _MESSAGES = {
     "maxItems": "At most {} items.",
     "minItems": "At least {} items.",
     "multipleOf": "A multiple of {}.",
+    "divisibleBy": "A multiple of {}.",
     "format": "Enter a valid {}.",
     "enum": "Choose one of the options.",
     "const": "This value is fixed by the agent.",

@@ -90,6 +90,25 @@ def test_a_step_beyond_any_float_is_a_form_error_not_a_500() -> None:
     assert answers.SchemaAnswerForm(spec, {"question": "1", item.name: "0"}).is_valid()
 
 
+@pytest.mark.parametrize(
+    ("step", "value", "ok"),
+    [(0.01, "0.07", True), (0.01, "0.075", False), (0.5, "1" + "0" * 400, True),
+     (0.5, "1.25", False)],
+)  # fmt: skip
+def test_draft_3s_divisible_by_is_decided_in_decimal_too(step: float, value: str, ok: bool) -> None:
+    """Draft 3 names ``multipleOf`` ``divisibleBy``, and jsonschema checked it with floats: a
+    long number was an OverflowError (a 500 at every answer) and 0.07 no multiple of 0.01."""
+    schema = {"$schema": "http://json-schema.org/draft-03/schema#",
+              **schema_of(n={"type": "integer" if len(value) > 10 else "number",
+                             "divisibleBy": step, "required": True})}  # fmt: skip
+    spec = answers.read_question(schema)
+    (item,) = spec.inputs()
+    form = answers.SchemaAnswerForm(spec, {"question": "1", item.name: value})
+    assert form.is_valid() is ok, form.errors
+    if not ok:
+        assert "A multiple of" in str(form.errors)
+
+
 @pytest.mark.parametrize("typed", ["a{4294967296}", "(" * 4000, "[z-a]"])
 def test_text_that_is_no_regex_is_a_form_error_not_a_500(typed: str) -> None:
     """``format: regex`` compiled what the person typed with ``re``: a repeat count past
