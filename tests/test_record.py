@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import gc
 import json
 import threading
@@ -216,6 +217,97 @@ def test_a_submitted_reply_overtaken_by_pushes_does_not_move_the_task_back(task)
     record(fresh, snapshot("t-2", "TASK_STATE_SUBMITTED"), "send-response")
     fresh.refresh_from_db()
     assert fresh.state == "TASK_STATE_SUBMITTED"
+
+
+def test_a_status_stamped_far_ahead_of_our_clock_does_not_freeze_the_task(task):
+    """One status stamped in the year 9999 made every later status "older": the agent's end,
+    a cancel's and a refresh's snapshots were logged and not applied, and the holder read
+    the task again every second for ever. A stamp past CLOCK_AHEAD orders nothing."""
+    record(task, status("t-1", "TASK_STATE_WORKING", "2026-01-01T00:00:00Z"), "stream")
+    (seq,) = record(task, status("t-1", "TASK_STATE_WORKING", "9999-12-31T23:59:59Z", "far"),
+                    "stream").seqs  # fmt: skip
+    assert TaskEvent.objects.get(task=task, seq=seq).note == record_module.AHEAD_NOTE
+    ended = record(task, status("t-1", "TASK_STATE_COMPLETED", "2026-01-01T00:00:05Z"), "stream")
+    assert ended.progress
+    task.refresh_from_db()
+    assert task.state == "TASK_STATE_COMPLETED"
+    assert task.status_timestamp.year == 2026
+    # A task that holds such a stamp already (recorded before the bound) takes the end too.
+    held = RemoteTask.objects.create(agent=task.agent, title="held")
+    record(held, status("t-2", "TASK_STATE_WORKING", "2026-01-01T00:00:00Z"), "stream")
+    far = dt.datetime(9999, 12, 31, tzinfo=dt.UTC)
+    RemoteTask.objects.filter(pk=held.pk).update(status_timestamp=far)
+    record(held, snapshot("t-2", "TASK_STATE_CANCELED", ts="2026-01-01T00:00:09Z"), "operator")
+    held.refresh_from_db()
+    assert held.state == "TASK_STATE_CANCELED"
+
+
+def test_a_snapshot_logged_and_not_applied_is_no_progress(task):
+    """A GetTask one chunk behind the stream (or stamped before the held status) is logged,
+    not applied; counted as progress, the holder read it again every second, a row each
+    time, and never backed off or parked."""
+    record_many(task, [snapshot("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:02Z"),
+                       chunk("t-1", "one", append=False), chunk("t-1", "two", append=True)],
+                "stream")  # fmt: skip
+    behind = [{"artifactId": "a-1", "name": "out.txt", "parts": [{"text": "one"}]}]
+    lagging = record(
+        task, snapshot("t-1", "TASK_STATE_WORKING", behind, ts="2026-01-01T00:00:02Z"), "poll"
+    )
+    assert lagging.seqs and not lagging.progress
+    older = record(task, snapshot("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:01Z"), "poll")
+    assert older.seqs and not older.progress
+    newer = record(task, status("t-1", "TASK_STATE_WORKING", "2026-01-01T00:00:03Z"), "stream")
+    assert newer.progress
+
+
+def test_a_question_asked_again_at_the_same_time_is_a_new_question(task):
+    """An agent refusing an answer asked again with the same status time and a new message:
+    it was the same status, dropped, and the page showed the question answered, with no
+    form. A status at that time without a message, or with the same one, is the same."""
+    stamp = "2026-01-01T00:00:00Z"
+    record(task, status("t-1", "TASK_STATE_INPUT_REQUIRED", stamp, "q1"), "stream")
+    task.refresh_from_db()
+    first = task.asked_seq
+    RemoteTask.objects.filter(pk=task.pk).update(answered_seq=first)  # answered
+    assert not record(task, status("t-1", "TASK_STATE_INPUT_REQUIRED", stamp), "poll").seqs
+    same = status("t-1", "TASK_STATE_INPUT_REQUIRED", stamp, "q1")
+    assert not record(task, same, "resubscribe").seqs
+    again = record(task, status("t-1", "TASK_STATE_INPUT_REQUIRED", stamp, "q2"), "stream")
+    task.refresh_from_db()
+    assert task.asked_seq == again.seqs[0] > first
+    assert task.status_message["messageId"] == "m-q2"
+    # Steps an agent stamps alike are each kept (the conversation held only the first).
+    for step in ("s1", "s2", "s3"):
+        record(task, status("t-1", "TASK_STATE_WORKING", "2026-01-01T00:00:01Z", step), "stream")
+    task.refresh_from_db()
+    assert task.status_message["messageId"] == "m-s3"
+    assert task.messages.filter(message_id__in=["m-s1", "m-s2", "m-s3"]).count() == 3
+
+
+def test_a_status_update_carrying_only_metadata_merges_it(task):
+    """Progress an agent keeps in a status update's metadata, the status unchanged: dropped
+    as the same status, the task's metadata never moved (a snapshot's did)."""
+    record(task, status("t-1", "TASK_STATE_WORKING"), "stream")
+    for progress in (25, 50, 50):
+        update = status("t-1", "TASK_STATE_WORKING")
+        update["statusUpdate"]["metadata"] = {"progress": progress}
+        record(task, update, "push")
+    task.refresh_from_db()
+    assert task.metadata == {"progress": 50}
+    rows = TaskEvent.objects.filter(task=task, kind="statusUpdate", channel="push")
+    assert rows.count() == 2  # 50 twice is nothing new
+    # While a question waits (its status stamped, the update at the same time with no
+    # message): the question is the one asked, not asked again, and its message is kept.
+    stamp = "2026-01-01T00:00:00Z"
+    record(task, status("t-1", "TASK_STATE_INPUT_REQUIRED", stamp, "q"), "stream")
+    task.refresh_from_db()
+    asked = task.asked_seq
+    update = status("t-1", "TASK_STATE_INPUT_REQUIRED", stamp)
+    update["statusUpdate"]["metadata"] = {"progress": 75}
+    assert record(task, update, "push").seqs
+    task.refresh_from_db()
+    assert task.metadata == {"progress": 75}
+    assert task.asked_seq == asked and task.status_message["messageId"] == "m-q"
 
 
 def test_garbage_and_other_tasks_become_protocol_errors(task):

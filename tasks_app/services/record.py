@@ -27,7 +27,7 @@ import random
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from django.conf import settings
@@ -116,11 +116,16 @@ class Recorded:
     # Refusals not logged again, as (kind, note): the log holds the same delivery refused
     # (``_Fold._refused_again``). A watcher still counts a turn of them as fruitless.
     repeated: list[tuple[str, str]] = field(default_factory=list)
+    # Whether a row applied something the agent said (see ``progress``).
+    news: bool = False
 
     @property
     def progress(self) -> bool:
-        """Whether anything the agent said was new (protocol errors, gaps and notes are not)."""
-        return any(kind in A2A_KINDS for kind in self.kinds)
+        """Whether anything the agent said was new (protocol errors, gaps and notes are not,
+        nor an entry logged and not applied: a snapshot older than the status or the
+        artifacts held). Counted as progress, a GetTask lagging the stream was read again
+        every second, a row each time, and never parked."""
+        return self.news
 
     @property
     def duplicate(self) -> bool:
@@ -380,6 +385,17 @@ def _check_status(status: Any) -> str:
     return _check_message(message, "status.message.", required=False)
 
 
+def _same_message(one: Any, other: Any) -> bool:
+    """Whether two status messages (or None) are the same message: by id when both have one
+    (the held copy may be stored with typed values hidden or contents by reference)."""
+    if one is None or other is None:
+        return one is other
+    ids = one.get("messageId"), other.get("messageId")
+    if all(isinstance(i, str) and i for i in ids):
+        return ids[0] == ids[1]
+    return one == other
+
+
 def _jsonable(value: Any) -> Any:
     try:
         json.dumps(value)
@@ -449,6 +465,16 @@ def labels_after(current: Labels, data: dict) -> Labels:
 def _timestamp(status: dict) -> datetime | None:
     value = status.get("timestamp")
     return _parse_timestamp(value) if isinstance(value, str) else None
+
+
+# How far ahead of our clock an agent's status timestamp may be and still order statuses.
+# Held, one stamped in the year 9999 made every later status "older": the task never took
+# the agent's end, a cancel or a refresh again.
+CLOCK_AHEAD = timedelta(minutes=10)
+AHEAD_NOTE = (
+    f"timestamp more than {CLOCK_AHEAD.seconds // 60} minutes ahead of our clock: "
+    "ordered as an unstamped status"
+)
 
 
 @functools.lru_cache(maxsize=256)
@@ -911,6 +937,8 @@ class _Fold:
         self.repeated: list[tuple[str, str]] = []
         # Read once per fold (settings are looked up on each access).
         self.budget = settings.BUDGET_TASK_BYTES
+        # A status stamped later than this is not ordered by its stamp (CLOCK_AHEAD).
+        self.latest = timezone.now() + CLOCK_AHEAD
         self.artifact_cap = settings.BUDGET_TASK_ARTIFACTS
         self.inline_limit = settings.INLINE_CONTENT_BYTES
         self._digests: set[str] = set()
@@ -1321,7 +1349,7 @@ class _Fold:
             return False
         if transition_problem(None, status["state"]):  # no state, or one A2A does not have
             return False
-        ts, held = _timestamp(status), self.get("status_timestamp")
+        ts, held = self._stamp(status)[0], self._held_stamp()
         older = ts is not None and held is not None and ts < held
         if not (older or self.channel == "send-response"):
             return False
@@ -1365,7 +1393,7 @@ class _Fold:
         ]
         wanted = {a["artifactId"]: chain_digest("", a.get("parts") or []) for a in artifacts}
         held = self.held_digests()
-        ts = _timestamp(status)
+        ts, ahead = self._stamp(status)
         status_same = self._status_same(status, ts)
         artifacts_same = wanted == held
         status_message = status.get("message")
@@ -1456,7 +1484,8 @@ class _Fold:
                 if aid not in wanted:
                     self._labels.pop(aid, None)  # removed: ``labels`` says none
             self._labels.update(labels)
-        row = _Row(entry, "task", asks=not status_same and status["state"] in INTERRUPTED_STATES)
+        asks = not status_same and status["state"] in INTERRUPTED_STATES
+        row = _Row(entry, "task", ahead, asks=asks)
         row.artifacts = artifacts  # type: ignore[attr-defined]
         row.replace_artifacts = not (artifacts_same and labels_same)  # type: ignore[attr-defined]
         row.messages = new_messages  # type: ignore[attr-defined]
@@ -1502,14 +1531,35 @@ class _Fold:
             )
         return head + after[: count - len(head)]
 
+    def _stamp(self, status: dict) -> tuple[datetime | None, str]:
+        """The status's timestamp for ordering (``_timestamp``), and a note when it is too far
+        ahead of our clock to be one (``CLOCK_AHEAD``): then the status is unstamped."""
+        ts = _timestamp(status)
+        if ts is not None and ts > self.latest:
+            return None, AHEAD_NOTE
+        return ts, ""
+
+    def _held_stamp(self) -> datetime | None:
+        """The held status's timestamp for ordering: none when it is ahead of our clock (held
+        from before ``CLOCK_AHEAD`` was kept, or the clock was turned back since)."""
+        held = self.get("status_timestamp")
+        return None if held is not None and held > self.latest else held
+
     def _status_same(self, status: dict, ts: datetime | None) -> bool:
-        """Whether ``status`` (its timestamp ``ts``, see ``_timestamp``) is the one held."""
+        """Whether ``status`` (its timestamp ``ts``, see ``_stamp``) is the one held.
+
+        Stamped as the held one, it is the same unless it carries another message: an agent
+        re-asking within the same second (or reusing one stamp for its steps) was dropped
+        silently, and the question it asked again could not be answered. One without a
+        message is the same (a GetTask may leave the message out).
+        """
         if status["state"] != self.get("state"):
             return False
-        current_ts = self.get("status_timestamp")
+        message, held_message = status.get("message") or None, self.get("status_message") or None
+        current_ts = self._held_stamp()
         if ts is not None and current_ts is not None:
-            return ts == current_ts
-        return (status.get("message") or None) == (self.get("status_message") or None)
+            return ts == current_ts and (message is None or _same_message(message, held_message))
+        return _same_message(message, held_message)
 
     def _set_status(self, status: dict, ts: datetime | None) -> None:
         self.set(
@@ -1521,7 +1571,7 @@ class _Fold:
     def _older_than_held(self, entry: Entry, ts: datetime | None) -> bool:
         """Whether the entry's status is older than the one held: then it is logged, not
         applied (a status update or a snapshot alike)."""
-        current_ts = self.get("status_timestamp")
+        current_ts = self._held_stamp()
         if ts is None or current_ts is None or ts >= current_ts:
             return False
         self._log_as_older(entry)
@@ -1532,8 +1582,9 @@ class _Fold:
         if self._wrong_task(entry, update["taskId"]):
             return
         status = update["status"]
-        ts = _timestamp(status)
-        if self.get("remote_id") and self._status_same(status, ts):
+        ts, ahead = self._stamp(status)
+        same = bool(self.get("remote_id")) and self._status_same(status, ts)
+        if same and not self._metadata_news(update.get("metadata")):
             return
         state = self.get("state")
         if state in TERMINAL_STATES and status["state"] == state:
@@ -1547,11 +1598,15 @@ class _Fold:
         if self._older_than_held(entry, ts):
             return
         self._adopt(update["taskId"], update.get("contextId"))
-        self._set_status(status, ts)
+        if not same:  # else its status is the one held (its message, maybe left out, too)
+            self._set_status(status, ts)
         if isinstance(update.get("metadata"), dict) and update["metadata"]:
             # The agent merges a status update's metadata into the task's (as GetTask shows).
             self.set(metadata={**(self.get("metadata") or {}), **update["metadata"]})
-        row = _Row(entry, "statusUpdate", asks=status["state"] in INTERRUPTED_STATES)
+        # The same status with metadata it changes (progress an agent keeps there) is news,
+        # as it is in a snapshot; it asks nothing new.
+        asks = not same and status["state"] in INTERRUPTED_STATES
+        row = _Row(entry, "statusUpdate", ahead, asks=asks)
         message = status.get("message")
         fresh = (
             self.unknown_messages([message])
@@ -1561,6 +1616,13 @@ class _Fold:
         row.messages = fresh  # type: ignore[attr-defined]
         self.remember_messages(fresh)
         self.rows.append(row)
+
+    def _metadata_news(self, metadata: Any) -> bool:
+        """Whether a status update's metadata changes the task's (merged into it)."""
+        if not isinstance(metadata, dict) or not metadata:
+            return False
+        held = self.get("metadata") or {}
+        return any(key not in held or held[key] != value for key, value in metadata.items())
 
     def _fold_artifactUpdate(self, entry: Entry) -> None:
         update = entry.payload
@@ -2415,6 +2477,7 @@ def _record_once(
             kinds=[e.kind for e in events],
             over_budget=fold.over_budget,
             repeated=fold.repeated,
+            news=any(row.apply and row.kind in A2A_KINDS for row in fold.rows),
         )
 
 
