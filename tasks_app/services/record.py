@@ -1230,10 +1230,19 @@ class _Fold:
         the same snapshot on every poll. A refusal (an illegal transition, a status after
         the end, a snapshot older than the one held) was logged once; logging it on every
         redelivery let a misbehaving agent, or our own polling, write a row each time.
+        On the holder's channels each delivery is one (a chunk may be repeated and mean it,
+        and each refusal there counts against the agent), but a snapshot logged as older
+        than what is held is not news again: a resubscribe's snapshot behind the artifacts
+        held was logged at every turn.
         """
-        if self.channel in HOLDER_CHANNELS or not entry.digest:
+        if not entry.digest:
             return False
-        if any(row.apply or row.entry is not entry for row in self.rows[first:]):
+        rows = self.rows[first:]
+        if any(row.apply or row.entry is not entry for row in rows):
+            return False
+        if self.channel in HOLDER_CHANNELS and not (
+            entry.kind == "task" and all(row.kind == "task" for row in rows)
+        ):
             return False
         return in_batch or (
             TaskEvent.objects.filter(task_id=self.task.pk, digest=entry.digest).exists()
