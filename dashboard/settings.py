@@ -630,6 +630,9 @@ WATCH_LEASE_SECONDS = env_duration("WATCH_LEASE_SECONDS", 4)
 WATCH_SLICE_SECONDS = env_duration("WATCH_SLICE_SECONDS", 300)
 WATCH_POLL_MIN_SECONDS = env_duration("WATCH_POLL_MIN_SECONDS", 1)
 WATCH_POLL_MAX_SECONDS = env_duration("WATCH_POLL_MAX_SECONDS", 30)
+# A task waiting for an answer is asked about (one GetTask) this often: the agent may end it
+# meanwhile (timed out, canceled elsewhere) without a word on any channel we hold.
+WATCH_QUESTION_RECHECK_SECONDS = env_duration("WATCH_QUESTION_RECHECK_SECONDS", 300)
 
 
 def _ordered(low_name: str, low: float, high_name: str, high: float) -> None:

@@ -188,7 +188,8 @@ def _active(**overrides: str) -> dict[Event, str]:
 TABLE: dict[str, StateRule] = {
     Status.IDLE: StateRule(
         "nobody holds the task: it ended, waits for an answer, or waits for a worker",
-        "RECONCILE_EVERY_SECONDS: the reconciler dispatches every watchable task nobody holds",
+        "RECONCILE_EVERY_SECONDS: the reconciler dispatches every watchable task nobody holds "
+        "(a task waiting for an answer: after WATCH_QUESTION_RECHECK_SECONDS, for one GetTask)",
         _active(),
     ),
     Status.STREAMING: StateRule(
@@ -365,7 +366,7 @@ def _reconcile() -> int:
             watcher_since=now,
         )
     # A holder that could not release (the database away, the worker killed) of a task with
-    # nothing left to watch (ended, or waiting for an answer): nobody takes it over, and it
+    # nothing left to watch (ended): nobody takes it over, and it
     # said "lost" for ever. It is idle, as a release would have left it.
     with transaction.atomic():
         RemoteTask.objects.filter(
@@ -762,6 +763,9 @@ class Holder:
         """What the turn starts from: the task's watcher status and its fruitless series."""
         self.status = task.watcher_status
         self.was_parked = task.watcher_status == Status.PARKED
+        # A turn that starts on a waiting question looks at it once (``_look_at_question``);
+        # one that reaches a question on the way has just heard it.
+        self.question_looked_at = task.state != INPUT_REQUIRED
         self.fruitless = task.fruitless_turns
         self.agent_id = task.agent_id
         logs.bind(agent=task.agent_id)
@@ -809,6 +813,14 @@ class Holder:
                         turn = None
                     if turn is not None:
                         return turn
+                    task = await self._load()
+                    continue
+                if not self.question_looked_at and task.state == INPUT_REQUIRED:
+                    self.question_looked_at = True
+                    try:
+                        await self._look_at_question(client, task)
+                    except TaskNotFoundError as exc:
+                        return await self._gone(str(exc))
                     task = await self._load()
                     continue
                 ended = await self._ended(task, client)
@@ -877,11 +889,38 @@ class Holder:
             return Turn(next_status(self.status, Event.ENDED), "task ended")
         if task.state == INPUT_REQUIRED:
             return Turn(
-                next_status(self.status, Event.ENDED), "waiting for an answer", awaits_answer=True
+                next_status(self.status, Event.ENDED),
+                "waiting for an answer",
+                awaits_answer=True,
+                # The next look at the question (an answer clears the hold-off).
+                hold_off=settings.WATCH_QUESTION_RECHECK_SECONDS,
             )
         if not task.remote_id:
             return Turn(next_status(self.status, Event.ENDED), "no task to follow")
         return None
+
+    async def _look_at_question(self, client: A2AClient, task: RemoteTask) -> None:
+        """A question has waited since the last look: one GetTask says whether the agent still
+        waits. It may have ended the task (timed out, canceled elsewhere) or gone on, with no
+        word on a channel we hold; what differs is recorded as a poll that missed it (a gap).
+        An agent that cannot be asked leaves the question as it is, until the next look.
+        """
+        if not task.remote_id or task.gone_at is not None:
+            return
+        try:
+            async with eventloop.later(f"agent-{self.agent_id}"):
+                await self._poll_once(client, gap_check=True)
+        except TaskNotFoundError:
+            raise
+        except TransportError as exc:
+            await self._system("poll-failed", f"looking at the waiting question again: {exc}")
+            if isinstance(exc, ConnectError):
+                await eventloop.db(agent_services.mark_unreachable, self.agent_id, str(exc))
+        except ProtocolError as exc:
+            await self._note_problem(str(exc))
+        except RemoteError as exc:
+            await eventloop.db(agent_services.mark_reachable, self.agent_id)
+            await self._system("agent-error", f"looking at the waiting question again: {exc}")
 
     async def _settle(self, client: A2AClient) -> None:
         """A terminal state was seen: GetTask once, and let the mirror settle on it."""

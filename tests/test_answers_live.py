@@ -283,3 +283,64 @@ def test_an_answer_whose_send_was_cut_by_the_database_reaches_the_agent_once(
     else:
         assert found == []
     assert not TaskEvent.objects.filter(task_id=task.pk, raw__system__event="answer-failed")
+
+
+def test_a_question_the_agent_ended_meanwhile_is_seen_at_the_next_look(
+    agent, monkeypatch, in_process_holders
+):
+    """Once a question was asked nobody looked at the task again: an agent that ended it
+    meanwhile (timed out, canceled elsewhere) left it waiting in the inbox until someone
+    refreshed it. Every WATCH_QUESTION_RECHECK_SECONDS a holder takes it for one GetTask;
+    an unchanged question costs no row and waits for the next look."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    monkeypatch.setattr(task_services, "dispatch", lambda pk: watchers.watch(pk))
+
+    class Dispatch:  # the reconciler's batches, to holders in this process
+        @staticmethod
+        def delay(pks: list[int]) -> None:
+            for pk in pks:
+                watchers.watch(pk)
+
+    monkeypatch.setattr(watchers, "watch_batch", Dispatch)
+    demo, task = asked(agent)
+    waiting = RemoteTask.objects.filter(pk=task.pk, watcher_note="waiting for an answer")
+    wait_for(waiting.exists, what="the question's turn to end")
+    task.refresh_from_db()
+    # The next look is the hold-off away: the reconciler leaves it until then.
+    assert task.lease_token == ""
+    assert task.lease_expires_at > timezone.now() + timedelta(seconds=200)
+    watchers._reconcile()
+    assert RemoteTask.objects.get(pk=task.pk).lease_expires_at == task.lease_expires_at
+
+    def look_now() -> None:  # the hold-off over (here at once), the reconciler's next tick
+        RemoteTask.objects.filter(pk=task.pk).update(lease_expires_at=timezone.now())
+        watchers._reconcile()
+
+    # Unchanged: nothing appended, and the next look is the hold-off away again.
+    before = RemoteTask.objects.get(pk=task.pk)
+    look_now()
+    wait_for(
+        lambda: RemoteTask.objects.filter(
+            pk=task.pk, lease_token="", lease_expires_at__gt=timezone.now()
+        ).exists(),
+        what="the look to end",
+    )
+    after = RemoteTask.objects.get(pk=task.pk)
+    assert (after.last_seq, after.state, after.asked_seq) == (
+        before.last_seq, before.state, before.asked_seq,
+    )  # fmt: skip
+    # The agent cancels it on its own: no channel of ours hears of it, the next look does.
+    agent_call(demo, lambda client: client.cancel_task(task.remote_id))
+    look_now()
+    wait_for(
+        lambda: RemoteTask.objects.filter(
+            pk=task.pk, state="TASK_STATE_CANCELED", settled_at__isnull=False
+        ).exists(),
+        what="the mirror to see the agent's end",
+    )
+    assert at_agent(demo, task)["status"]["state"] == "TASK_STATE_CANCELED"
+    task.refresh_from_db()
+    assert task.watcher_note == "task ended" and task.lease_expires_at is None

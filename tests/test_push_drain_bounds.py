@@ -11,9 +11,12 @@ import json
 import logging
 import time
 import uuid
+from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.conf import settings
+from django.utils import timezone
 
 from tasks_app.models import Agent, PushConfig, RemoteTask, TaskEvent
 from tasks_app.services import push
@@ -214,8 +217,9 @@ def test_a_drain_keeps_its_claim_through_a_long_batch_and_a_killed_one_lets_it_g
 
 def test_a_push_task_that_asks_is_waiting_for_an_answer_not_awaiting_push() -> None:
     """A push task whose notification asked a question said "awaiting push" for as long as
-    nobody answered (no watcher takes a waiting task), where a streamed one says "waiting for
-    an answer"; a notification after the answer follows by push again."""
+    nobody answered, where a streamed one says "waiting for an answer"; its next look at the
+    question is WATCH_QUESTION_RECHECK_SECONDS away (the drain has just read the task), as a
+    streamed one's; a notification after the answer follows by push again."""
     agent = Agent.objects.create(name="a", base_url="http://127.0.0.1:9/")
     task = push_task(agent, "asks")
     RemoteTask.objects.filter(pk=task.pk).update(
@@ -228,7 +232,9 @@ def test_a_push_task_that_asks_is_waiting_for_an_answer_not_awaiting_push() -> N
     task.refresh_from_db()
     assert task.state == "TASK_STATE_INPUT_REQUIRED"
     assert (task.watcher_status, task.watcher_note) == ("idle", "waiting for an answer")
-    assert task.lease_expires_at is None
+    assert task.lease_token == "" and task.lease_expires_at > timezone.now() + timedelta(
+        seconds=settings.WATCH_QUESTION_RECHECK_SECONDS - 60
+    )
     working = {"state": "TASK_STATE_WORKING", "timestamp": "2026-01-01T00:00:03Z"}
     event = {"statusUpdate": {"taskId": task.remote_id, "contextId": "c", "status": working}}
     # Working again (answered from elsewhere): followed by push as before.

@@ -288,8 +288,9 @@ def test_a_task_with_nothing_left_to_watch_whose_holder_stopped_is_idle_not_lost
     empty_queue,
 ) -> None:
     """A holder that could not release (the database away, the worker killed) left a task
-    that had ended, or waits for an answer: the reconciler said "lost, taking over", but
-    nobody takes over a task that is not watchable, and it said so for ever."""
+    that had ended: the reconciler said "lost, taking over", but nobody takes over a task
+    that is not watchable, and it said so for ever. One that waits for an answer is taken
+    over (for a look at its question, ``WATCH_QUESTION_RECHECK_SECONDS``), as a working one."""
     from django.utils import timezone
 
     (ended, waiting, working) = _working_tasks(3)
@@ -302,5 +303,7 @@ def test_a_task_with_nothing_left_to_watch_whose_holder_stopped_is_idle_not_lost
     RemoteTask.objects.filter(pk=working).update(**stopped)
     watchers.reconcile_once()
     statuses = dict(RemoteTask.objects.values_list("pk", "watcher_status"))
-    assert (statuses[ended], statuses[waiting], statuses[working]) == ("idle", "idle", "lost")
+    assert (statuses[ended], statuses[waiting], statuses[working]) == ("idle", "lost", "lost")
     assert RemoteTask.objects.get(pk=ended).lease_token == ""
+    dispatched = [pk for _, args in _queued_messages() for pk in args[0]]
+    assert sorted(dispatched) == sorted([waiting, working])

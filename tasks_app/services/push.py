@@ -303,9 +303,10 @@ def _followed(task_pks: set[int]) -> Q:
 
 def waiting_for_answer(task_pks: set[int]) -> None:
     """Push tasks that now ask a question (a notification, or the drain's GetTask, said so):
-    nothing is awaited from the agent until someone answers, and no watcher takes a waiting
-    task, so the page said "awaiting push" where a streamed task says "waiting for an
-    answer". Idle now; the answer's watcher follows by push again."""
+    nothing is awaited from the agent until someone answers, so the page said "awaiting
+    push" where a streamed task says "waiting for an answer". Idle now, until the next look
+    at the question (``WATCH_QUESTION_RECHECK_SECONDS``, as a streamed task's; the drain
+    has just read the task) or the answer, whose watcher follows by push again."""
     Status = RemoteTask.WatcherStatus
     asking = _followed(task_pks) & Q(
         state=STATE_INPUT_REQUIRED, watcher_status=Status.AWAITING_PUSH
@@ -317,7 +318,8 @@ def waiting_for_answer(task_pks: set[int]) -> None:
         watcher_status=Status.IDLE,
         watcher_note="waiting for an answer",
         watcher_since=timezone.now(),
-        lease_expires_at=None,
+        lease_expires_at=timezone.now()
+        + timedelta(seconds=settings.WATCH_QUESTION_RECHECK_SECONDS),
     )
     from tasks_app.services.tasks import relay_watcher
 

@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import models, transaction
 from django.db.models import Case, F, Q, QuerySet, Value, When
 from django.utils import timezone
 
@@ -890,7 +890,12 @@ SETTLE_WITHIN_SECONDS = 3600
 
 
 def watchable() -> Q:
-    """Tasks a watcher should hold: something to send, or known and neither ended nor waiting.
+    """Tasks a watcher should hold: something to send, or known and not ended.
+
+    A task waiting for an answer is held only for a look (one GetTask) every
+    ``WATCH_QUESTION_RECHECK_SECONDS``: its holder's turn ends with that hold-off (an
+    answer clears it). Never looked at again, a question the agent had ended (timed out,
+    canceled elsewhere) stayed in the inbox until someone refreshed it.
 
     Abandoned tasks and tasks the agent forgot ("gone") are never watched, whatever they
     hold: a gone task with an answer in its outbox matched the first clauses and was taken
@@ -901,7 +906,7 @@ def watchable() -> Q:
         Q(phase=RemoteTask.Phase.SENDING)
         | Q(phase=RemoteTask.Phase.TASK, outbox__isnull=False)
         | Q(phase=RemoteTask.Phase.TASK)
-        & ~Q(state__in=[*TERMINAL_STATES, "TASK_STATE_INPUT_REQUIRED"])
+        & ~Q(state__in=TERMINAL_STATES)
         & ~Q(watch=RemoteTask.Watch.NONE)
         # Ended but not settled (its holder stopped in between): one more turn settles it.
         # Only recent ones, so that tasks ended before settling existed are not all read again.
@@ -1021,13 +1026,19 @@ def release_lease(
     hold_off: float = 0,
     fruitless_turns: int | None = None,
 ) -> bool:
-    """Give the watch up. ``hold_off`` keeps anyone (the reconciler too) from taking it for a while."""
+    """Give the watch up. ``hold_off`` keeps anyone (the reconciler too) from taking it for a
+    while, unless the task has something to send: an answer committed while the holder
+    still held the lease (which ``answer_task`` leaves alone) would wait out the hold-off."""
     until = timezone.now() + timedelta(seconds=hold_off) if hold_off else None
     extra = {} if fruitless_turns is None else {"fruitless_turns": fruitless_turns}
     released = RemoteTask.objects.filter(pk=task_pk, lease_token=token).update(
         lease_token="",
         lease_owner="",
-        lease_expires_at=until,
+        lease_expires_at=Case(
+            When(outbox__isnull=False, then=Value(None)),
+            default=Value(until),
+            output_field=models.DateTimeField(),
+        ),
         watcher_since=_since(status),
         watcher_status=status,
         watcher_note=note[:500],
