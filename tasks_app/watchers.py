@@ -877,10 +877,13 @@ class Holder:
         if task.phase == RemoteTask.Phase.SENDING:
             # Nothing to send and no task named: a send interrupted before the agent answered
             # (this holder's own, whose call is over, or another's, which may still land).
+            refused = await eventloop.db(task_services.refused_reply, self.task_pk)
             return await self._recover_send(
                 client,
                 task,
-                "the send was interrupted before the agent answered",
+                f"the agent answered with no task this dashboard could take ({refused})"
+                if refused
+                else "the send was interrupted before the agent answered",
                 own=self.sent_here,
             )
         if task.state in TERMINAL_STATES:

@@ -5,6 +5,7 @@ other writer inside the window (or releases both at once) and names what happene
 from __future__ import annotations
 
 import itertools
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -516,3 +517,44 @@ def test_a_push_task_the_drains_gettask_finds_asking_is_waiting_for_an_answer(sh
     task.refresh_from_db()
     assert task.state == "TASK_STATE_INPUT_REQUIRED"
     assert (task.watcher_status, task.watcher_note) == (Status.IDLE, "waiting for an answer")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_send_answered_with_a_task_mirrored_already_says_the_agent_answered(shared_loop) -> None:
+    """An agent answering every send with one task id (another row mirrors it): the send
+    failed as "interrupted before the agent answered", which it was not."""
+    from tasks_app import watchers
+
+    def agent(request: dict) -> dict:
+        if request["method"] == "SendMessage":
+            return {"task": {"id": "fixed-1", "contextId": "ctx-0",
+                             "status": {"state": "TASK_STATE_SUBMITTED"}}}  # fmt: skip
+        return {"tasks": []}  # ListTasks by our contextId: nothing
+
+    message = {"messageId": "m-2", "role": "ROLE_USER", "contextId": "ctx-2",
+               "parts": [{"text": "x"}]}  # fmt: skip
+    with json_rpc_peer(agent) as url:
+        reuser = Agent.objects.create(
+            name="reuser", base_url=url, interface_url=f"{url}/rpc", binding="JSONRPC",
+            protocol_version="1.0",
+        )  # fmt: skip
+        first = RemoteTask.objects.create(
+            agent=reuser, remote_id="fixed-1", phase=RemoteTask.Phase.TASK,
+            state="TASK_STATE_WORKING", watch=RemoteTask.Watch.NONE,
+        )  # fmt: skip
+        task = RemoteTask.objects.create(
+            agent=reuser, phase=RemoteTask.Phase.SENDING, watch=RemoteTask.Watch.POLL,
+            request={"message": message}, outbox={"message": message},
+        )  # fmt: skip
+        assert watchers.watch(task.pk) == "started"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            task.refresh_from_db()
+            if task.phase == RemoteTask.Phase.FAILED:
+                break
+            time.sleep(0.1)
+    assert task.phase == RemoteTask.Phase.FAILED
+    assert task.send_error.startswith(
+        f"the agent answered with no task this dashboard could take (task 'fixed-1' is "
+        f"already mirrored as #{first.pk})"
+    ), task.send_error

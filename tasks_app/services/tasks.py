@@ -30,7 +30,7 @@ from tasks_app.a2a import (
     user_message,
 )
 from tasks_app.access import Perm, require
-from tasks_app.models import TERMINAL_STATES, Agent, OperatorAction, RemoteTask
+from tasks_app.models import TERMINAL_STATES, Agent, OperatorAction, RemoteTask, TaskEvent
 from tasks_app.services import agents as agent_services
 from tasks_app.services.record import record, settle, settle_if_ended, task_summary
 
@@ -1213,6 +1213,30 @@ def clear_outbox(task_pk: int, message_id: str) -> bool:
             outbox=None
         )
     )
+
+
+def refused_reply(task_pk: int) -> str:
+    """Why the agent's reply to the task's send named no task the mirror could take (the
+    note of the protocol error it was logged as; empty: no reply was logged). A send that
+    met one was said to be "interrupted before the agent answered" (an agent answering
+    with a task id another row mirrors, say)."""
+    attempted = (
+        RemoteTask.objects.filter(pk=task_pk).values_list("send_attempted_at", flat=True).first()
+    )
+    if attempted is None:
+        return ""
+    refusal = (
+        TaskEvent.objects.filter(
+            task_id=task_pk,
+            kind=TaskEvent.Kind.PROTOCOL_ERROR,
+            channel__in=("send-response", "stream"),
+            received_at__gte=attempted,
+        )
+        .order_by("-seq")
+        .values_list("note", flat=True)
+        .first()
+    )
+    return (refusal or "")[:300]
 
 
 def fail_send(
