@@ -275,6 +275,9 @@ def test_a_question_asked_again_at_the_same_time_is_a_new_question(task):
     assert not record(task, status("t-1", "TASK_STATE_INPUT_REQUIRED", stamp), "poll").seqs
     same = status("t-1", "TASK_STATE_INPUT_REQUIRED", stamp, "q1")
     assert not record(task, same, "resubscribe").seqs
+    # The same words under an id made up at each GetTask are the same question too.
+    renamed = status("t-1", "TASK_STATE_INPUT_REQUIRED", stamp, "q1", mid="m-made-up")
+    assert not record(task, renamed, "poll").seqs
     again = record(task, status("t-1", "TASK_STATE_INPUT_REQUIRED", stamp, "q2"), "stream")
     task.refresh_from_db()
     assert task.asked_seq == again.seqs[0] > first

@@ -386,14 +386,18 @@ def _check_status(status: Any) -> str:
 
 
 def _same_message(one: Any, other: Any) -> bool:
-    """Whether two status messages (or None) are the same message: by id when both have one
-    (the held copy may be stored with typed values hidden or contents by reference)."""
+    """Whether two status messages (or None) are the same message: the same id, or the same
+    content under another id (an agent that makes up a message id each time it writes its
+    status, each GetTask, would ask a new question at every poll)."""
     if one is None or other is None:
         return one is other
-    ids = one.get("messageId"), other.get("messageId")
-    if all(isinstance(i, str) and i for i in ids):
-        return ids[0] == ids[1]
-    return one == other
+    if one.get("messageId") and one.get("messageId") == other.get("messageId"):
+        return True
+    return _without_id(one) == _without_id(other)
+
+
+def _without_id(message: dict) -> dict:
+    return {key: value for key, value in message.items() if key != "messageId"}
 
 
 def _jsonable(value: Any) -> Any:
