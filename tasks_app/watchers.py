@@ -83,7 +83,7 @@ from tasks_app.services import push as push_services
 from tasks_app.services import record as record_services
 from tasks_app.services import tasks as task_services
 from tasks_app.services.polls import POLL_HISTORY, poll_task
-from tasks_app.services.record import Recorded, record, record_many
+from tasks_app.services.record import WAITING_FOR_ANSWER, Recorded, record, record_many
 
 log = logging.getLogger(__name__)
 
@@ -893,7 +893,7 @@ class Holder:
         if task.state == INPUT_REQUIRED:
             return Turn(
                 next_status(self.status, Event.ENDED),
-                "waiting for an answer",
+                WAITING_FOR_ANSWER,
                 awaits_answer=True,
                 # The next look at the question (an answer clears the hold-off).
                 hold_off=settings.WATCH_QUESTION_RECHECK_SECONDS,

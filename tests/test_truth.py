@@ -573,6 +573,52 @@ def stored_chars(task: RemoteTask) -> tuple[int, int]:
     return log_chars, part_chars
 
 
+def test_a_status_stamped_ahead_of_the_clock_replays_as_it_was_recorded_a_day_later(
+    monkeypatch,
+):
+    """A status more than CLOCK_AHEAD ahead of the clock is folded as unstamped; a replay
+    judged it against the clock at replay time, when the same stamp was in the past, and
+    the later status it had let through was "older" there: the replay differed."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    task = new_task()
+    now = timezone.now()
+
+    def stamp(minutes: int) -> str:
+        return (now + timedelta(minutes=minutes)).isoformat().replace("+00:00", "Z")
+
+    record(task, {"task": snapshot("TASK_STATE_WORKING")}, "stream")
+    record(task, status("TASK_STATE_WORKING", "ahead", ts=stamp(30)), "stream")
+    record(task, status("TASK_STATE_COMPLETED", "done", ts=stamp(1)), "stream")
+    task.refresh_from_db()
+    assert task.state == "TASK_STATE_COMPLETED"
+    assert_sound(task)
+    later = now + timedelta(days=1)
+    monkeypatch.setattr(timezone, "now", lambda: later)
+    replayed = replay(task)
+    assert replayed.ok, str(replayed)
+
+
+def test_a_task_that_ended_while_its_question_waited_no_longer_says_it_waits():
+    """Canceled, or found ended by a refresh, while its question waited: settled and idle,
+    its note still said "waiting for an answer" (a soak run: 10 tasks)."""
+    from tasks_app.services.record import WAITING_FOR_ANSWER, settle_if_ended
+
+    task = new_task()
+    record(task, {"task": snapshot("TASK_STATE_INPUT_REQUIRED")}, "stream")
+    RemoteTask.objects.filter(pk=task.pk).update(
+        watcher_status=RemoteTask.WatcherStatus.IDLE, watcher_note=WAITING_FOR_ANSWER
+    )
+    ended = snapshot("TASK_STATE_CANCELED")
+    record(task, {"task": ended}, "operator")
+    settle_if_ended(task, ended, note="reconciled with the agent's answer to CancelTask")
+    task.refresh_from_db()
+    assert task.settled_at is not None
+    assert (task.watcher_status, task.watcher_note) == ("idle", "task ended")
+
+
 def test_a_big_chunk_is_stored_once_and_the_log_still_replays():
     task = new_task()
     big = "x" * 1_000_000

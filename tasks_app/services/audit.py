@@ -337,13 +337,15 @@ def replay(task: RemoteTask | int) -> Replay:
                 agent=agent, mode=stored.mode, watch=stored.watch, phase=RemoteTask.Phase.SENDING
             )
             run: list[Any] = []
-            run_key: tuple[str, int | None] | None = None
+            # A run is one recording call's rows (one time): the fold judges a status's time
+            # against the time it was received (``record_many``'s ``at``).
+            run_key: tuple[str, int | None, Any] | None = None
             for event in _rows(stored.pk):
                 if event.kind == TaskEvent.Kind.GAP:
                     continue
-                key = (event.channel, event.actor_id)
+                key = (event.channel, event.actor_id, event.received_at)
                 if run and key != run_key:
-                    record_many(scratch.pk, run, run_key[0], actor_id=run_key[1])  # type: ignore[index]
+                    record_many(scratch.pk, run, run_key[0], actor_id=run_key[1], at=run_key[2])  # type: ignore[index]
                     run = []
                 run_key = key
                 referred = references_in(event.raw)
@@ -358,7 +360,7 @@ def replay(task: RemoteTask | int) -> Replay:
                 run.append(as_it_came(event.raw, event.digest, contents) if referred else event.raw)
                 result.rows += 1
             if run and run_key is not None:
-                record_many(scratch.pk, run, run_key[0], actor_id=run_key[1])
+                record_many(scratch.pk, run, run_key[0], actor_id=run_key[1], at=run_key[2])
             scratch.refresh_from_db()
             replayed = [
                 (kind, state)

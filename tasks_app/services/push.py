@@ -62,7 +62,13 @@ from tasks_app.crypto import SecretError, decrypt_json, encrypt_json
 from tasks_app.models import TERMINAL_STATES, Agent, PushConfig, RemoteTask
 from tasks_app.runtime import shared_redis
 from tasks_app.services.polls import POLL_HISTORY, poll_task
-from tasks_app.services.record import RecordError, record, record_many, settle_if_ended
+from tasks_app.services.record import (
+    WAITING_FOR_ANSWER,
+    RecordError,
+    record,
+    record_many,
+    settle_if_ended,
+)
 
 log = logging.getLogger(__name__)
 security_log = logging.getLogger("tasks_app.security")
@@ -316,7 +322,7 @@ def waiting_for_answer(task_pks: set[int]) -> None:
         return
     RemoteTask.objects.filter(asking, pk__in=pks).update(
         watcher_status=Status.IDLE,
-        watcher_note="waiting for an answer",
+        watcher_note=WAITING_FOR_ANSWER,
         watcher_since=timezone.now(),
         lease_expires_at=timezone.now()
         + timedelta(seconds=settings.WATCH_QUESTION_RECHECK_SECONDS),

@@ -928,6 +928,7 @@ class _Fold:
         fence: str | None,
         artifacts: dict[str, Artifact] | None = None,
         whole: bool = False,
+        at: datetime | None = None,
     ) -> None:
         self.task = task
         self.initial_state = task.state
@@ -942,7 +943,7 @@ class _Fold:
         # Read once per fold (settings are looked up on each access).
         self.budget = settings.BUDGET_TASK_BYTES
         # A status stamped later than this is not ordered by its stamp (CLOCK_AHEAD).
-        self.latest = timezone.now() + CLOCK_AHEAD
+        self.latest = (at or timezone.now()) + CLOCK_AHEAD
         self.artifact_cap = settings.BUDGET_TASK_ARTIFACTS
         self.inline_limit = settings.INLINE_CONTENT_BYTES
         self._digests: set[str] = set()
@@ -1234,19 +1235,10 @@ class _Fold:
         the same snapshot on every poll. A refusal (an illegal transition, a status after
         the end, a snapshot older than the one held) was logged once; logging it on every
         redelivery let a misbehaving agent, or our own polling, write a row each time.
-        On the holder's channels each delivery is one (a chunk may be repeated and mean it,
-        and each refusal there counts against the agent), but a snapshot logged as older
-        than what is held is not news again: a resubscribe's snapshot behind the artifacts
-        held was logged at every turn.
         """
-        if not entry.digest:
+        if self.channel in HOLDER_CHANNELS or not entry.digest:
             return False
-        rows = self.rows[first:]
-        if any(row.apply or row.entry is not entry for row in rows):
-            return False
-        if self.channel in HOLDER_CHANNELS and not (
-            entry.kind == "task" and all(row.kind == "task" for row in rows)
-        ):
+        if any(row.apply or row.entry is not entry for row in self.rows[first:]):
             return False
         return in_batch or (
             TaskEvent.objects.filter(task_id=self.task.pk, digest=entry.digest).exists()
@@ -1572,7 +1564,9 @@ class _Fold:
         current_ts = self._held_stamp()
         if ts is not None and current_ts is not None:
             return ts == current_ts and (message is None or _same_message(message, held_message))
-        return _same_message(message, held_message)
+        # Unstamped: the same message, exactly (the rule the log was written by: audit replay
+        # folds stored logs with today's rules, so a rule that would append less breaks it).
+        return message == held_message
 
     def _set_status(self, status: dict, ts: datetime | None) -> None:
         self.set(
@@ -2391,6 +2385,7 @@ def record_many(
     actor_id: int | None = None,
     gap_check: bool | None = None,
     fence: str | None = None,
+    at: datetime | None = None,
 ) -> Recorded:
     """Record several objects, in order, in one transaction (cheaper for fast streams).
 
@@ -2403,6 +2398,10 @@ def record_many(
     task's lease has moved on (another holder took over), nothing is written
     and the result says ``fenced``. The check is part of the compare-and-set,
     so a holder that lost its lease in the middle of a batch cannot write.
+
+    ``at``: when the objects were received (now by default). ``audit replay`` passes the
+    stored rows' time: a status time is judged against it (``CLOCK_AHEAD``), and a replay
+    a day later must fold as the recording did.
     """
     task_pk = task if isinstance(task, int) else task.pk
     entries = [parse_entry(obj) for obj in objs]
@@ -2410,7 +2409,7 @@ def record_many(
     if any(entry.size > limit and entry.kind in A2A_KINDS for entry in entries):
         entries = [_within_event_limit(entry, limit) for entry in entries]
     for attempt in range(MAX_RETRIES):
-        recorded = _record_once(task_pk, entries, channel, gap_check, actor_id, fence)
+        recorded = _record_once(task_pk, entries, channel, gap_check, actor_id, fence, at)
         if recorded is not None:
             return recorded
         # Another writer appended first: fold again on its result, after a short
@@ -2426,6 +2425,7 @@ def _record_once(
     gap_check: bool | None,
     actor_id: int | None,
     fence: str | None,
+    at: datetime | None = None,
 ) -> Recorded | None:
     """One try: fold and append in one transaction; None when another writer won the race."""
     with transaction.atomic():
@@ -2447,7 +2447,7 @@ def _record_once(
                 channel == "poll" and current.watch == RemoteTask.Watch.STREAM
             )
         fold = _Fold(
-            current, channel, gap_check=gap_check, fence=fence, artifacts=held, whole=whole
+            current, channel, gap_check=gap_check, fence=fence, artifacts=held, whole=whole, at=at
         )
         fold.not_held(named)
         fold.prefetch_messages(entries)
@@ -2527,6 +2527,10 @@ def settle(
     return record_many(task, objs, "poll", gap_check=True, fence=fence)
 
 
+# The note of a task nobody holds while its question waits (the watchers, the push drain).
+WAITING_FOR_ANSWER = "waiting for an answer"
+
+
 def settle_if_ended(task: RemoteTask | int, snapshot: dict, *, note: str) -> None:
     """Settle a task that ``snapshot`` (the agent's own Task: GetTask, CancelTask, ListTasks) ended.
 
@@ -2541,11 +2545,14 @@ def settle_if_ended(task: RemoteTask | int, snapshot: dict, *, note: str) -> Non
     # A push task settled here (a cancel, a refresh, an import, the push drain's GetTask) has
     # no watcher to end its "awaiting push": the page said so for ever, and retention (which
     # leaves awaited tasks alone) never pruned it. Nobody holds it: it is idle now.
+    # So does one waiting for an answer: its note said so after the end.
+    Status = RemoteTask.WatcherStatus
     if RemoteTask.objects.filter(
+        Q(watcher_status=Status.AWAITING_PUSH)
+        | Q(watcher_status=Status.IDLE, watcher_note=WAITING_FOR_ANSWER),
         pk=task_pk,
         lease_token="",
         settled_at__isnull=False,
-        watcher_status=RemoteTask.WatcherStatus.AWAITING_PUSH,
     ).update(
         watcher_status=RemoteTask.WatcherStatus.IDLE,
         watcher_note="task ended",

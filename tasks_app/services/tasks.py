@@ -18,6 +18,7 @@ from typing import Any
 from django.conf import settings
 from django.db import models, transaction
 from django.db.models import Case, F, Q, QuerySet, Value, When
+from django.db.models.functions import Cast
 from django.utils import timezone
 
 from tasks_app import metrics, outbound, relay
@@ -1029,16 +1030,17 @@ def release_lease(
     """Give the watch up. ``hold_off`` keeps anyone (the reconciler too) from taking it for a
     while, unless the task has something to send: an answer committed while the holder
     still held the lease (which ``answer_task`` leaves alone) would wait out the hold-off."""
-    until = timezone.now() + timedelta(seconds=hold_off) if hold_off else None
+    until: Any = None
+    if hold_off:
+        until = Case(
+            When(outbox__isnull=False, then=Cast(Value(None), models.DateTimeField())),
+            default=Value(timezone.now() + timedelta(seconds=hold_off)),
+        )
     extra = {} if fruitless_turns is None else {"fruitless_turns": fruitless_turns}
     released = RemoteTask.objects.filter(pk=task_pk, lease_token=token).update(
         lease_token="",
         lease_owner="",
-        lease_expires_at=Case(
-            When(outbox__isnull=False, then=Value(None)),
-            default=Value(until),
-            output_field=models.DateTimeField(),
-        ),
+        lease_expires_at=until,
         watcher_since=_since(status),
         watcher_status=status,
         watcher_note=note[:500],
