@@ -282,11 +282,15 @@ def test_a_question_asked_again_at_the_same_time_is_a_new_question(task):
     assert task.asked_seq == again.seqs[0] > first
     assert task.status_message["messageId"] == "m-q2"
     # Steps an agent stamps alike are each kept (the conversation held only the first).
-    for step in ("s1", "s2", "s3"):
-        record(task, status("t-1", "TASK_STATE_WORKING", "2026-01-01T00:00:01Z", step), "stream")
+    steps = [status("t-1", "TASK_STATE_WORKING", "2026-01-01T00:00:01Z", s) for s in "123"]
+    for step in steps:
+        record(task, step, "stream")
     task.refresh_from_db()
-    assert task.status_message["messageId"] == "m-s3"
-    assert task.messages.filter(message_id__in=["m-s1", "m-s2", "m-s3"]).count() == 3
+    assert task.status_message["messageId"] == "m-3"
+    assert task.messages.filter(message_id__in=["m-1", "m-2", "m-3"]).count() == 3
+    # Sent again (an agent that replays them at every subscribe): nothing new, no progress.
+    again = record_many(task, steps, "resubscribe")
+    assert not again.seqs and not again.progress
 
 
 def test_a_status_update_carrying_only_metadata_merges_it(task):

@@ -1553,20 +1553,31 @@ class _Fold:
     def _status_same(self, status: dict, ts: datetime | None) -> bool:
         """Whether ``status`` (its timestamp ``ts``, see ``_stamp``) is the one held.
 
-        Stamped as the held one, it is the same unless it carries another message: an agent
-        re-asking within the same second (or reusing one stamp for its steps) was dropped
-        silently, and the question it asked again could not be answered. One without a
-        message is the same (a GetTask may leave the message out).
+        Stamped as the held one, it is the same unless it carries a message the task has not
+        had: an agent re-asking within the same second (or reusing one stamp for its steps)
+        was dropped silently, and the question it asked again could not be answered. One
+        without a message is the same (a GetTask may leave the message out), and so is one
+        whose message the conversation holds already (an agent that sends its statuses of
+        that second again at every subscribe would be news each time, and never backed off).
         """
         if status["state"] != self.get("state"):
             return False
         message, held_message = status.get("message") or None, self.get("status_message") or None
         current_ts = self._held_stamp()
         if ts is not None and current_ts is not None:
-            return ts == current_ts and (message is None or _same_message(message, held_message))
+            return ts == current_ts and (
+                message is None
+                or _same_message(message, held_message)
+                or self._known_message(message)
+            )
         # Unstamped: the same message, exactly (the rule the log was written by: audit replay
         # folds stored logs with today's rules, so a rule that would append less breaks it).
         return message == held_message
+
+    def _known_message(self, message: dict) -> bool:
+        """Whether the conversation (or this fold) holds ``message`` already, by its id."""
+        mid = message.get("messageId")
+        return isinstance(mid, str) and bool(mid) and not self.unknown_messages([message])
 
     def _set_status(self, status: dict, ts: datetime | None) -> None:
         self.set(
