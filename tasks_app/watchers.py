@@ -1247,6 +1247,25 @@ class Holder:
         if found.task is None and found.absent and wait > 0:
             note = f"{reason}; not listed by the agent yet: looking again in {wait:.0f} s"
             return Turn(next_status(self.status, Event.FRUITLESS), note, hold_off=wait)
+        found_id = found.task.get("id") if found.task is not None else None
+        mirrored = (
+            await eventloop.db(task_services.mirrored_elsewhere, self.task_pk, found_id)
+            if isinstance(found_id, str) and found_id
+            else None
+        )
+        if mirrored is not None:
+            # An agent that gives one task id to several sends: recorded, the task was refused
+            # (another row mirrors it), no id was taken, and the holder went on following a
+            # task with no id (SubscribeToTask with an empty id until it was parked).
+            await eventloop.db(
+                task_services.fail_send,
+                self.task_pk,
+                f"{reason}; the agent's task for this message, {found_id!r}, is the task "
+                f"#{mirrored} mirrors already (the agent gave one task to two sends)",
+                retry_safe=False,
+                fence=self.token,
+            )
+            return Turn(next_status(self.status, Event.ENDED), "send failed")
         if found.task is not None:
             await self._system(
                 "found-again",

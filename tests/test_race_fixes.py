@@ -19,7 +19,7 @@ from tasks_app import alerts, eventloop, outbound
 from tasks_app.crypto import decrypt_json
 from tasks_app.models import Agent, Alert, RemoteTask, default_project
 from tasks_app.services import agents as agent_services
-from tasks_app.services import push
+from tasks_app.services import audit, push
 from tests.serving import json_rpc_peer
 from tests.test_ssrf import CardServer, card
 
@@ -520,16 +520,25 @@ def test_a_push_task_the_drains_gettask_finds_asking_is_waiting_for_an_answer(sh
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_send_answered_with_a_task_mirrored_already_says_the_agent_answered(shared_loop) -> None:
+@pytest.mark.parametrize("listed", [False, True])
+def test_a_send_answered_with_a_task_mirrored_already_says_the_agent_answered(
+    shared_loop, listed: bool
+) -> None:
     """An agent answering every send with one task id (another row mirrors it): the send
-    failed as "interrupted before the agent answered", which it was not."""
+    failed as "interrupted before the agent answered", which it was not; and when the agent
+    listed that task under our contextId, the task was taken as found again, refused, and
+    followed with no id (SubscribeToTask with an empty id until it was parked)."""
     from tasks_app import watchers
 
+    fixed = {"id": "fixed-1", "contextId": "ctx-0", "status": {"state": "TASK_STATE_SUBMITTED"}}
+    calls: list[tuple[str, dict]] = []
+
     def agent(request: dict) -> dict:
+        calls.append((request["method"], request.get("params") or {}))
         if request["method"] == "SendMessage":
-            return {"task": {"id": "fixed-1", "contextId": "ctx-0",
-                             "status": {"state": "TASK_STATE_SUBMITTED"}}}  # fmt: skip
-        return {"tasks": []}  # ListTasks by our contextId: nothing
+            return {"task": fixed}
+        # ListTasks by our contextId: the one task, now under ours (as the agent keeps it).
+        return {"tasks": [dict(fixed, contextId="ctx-2")] if listed else []}
 
     message = {"messageId": "m-2", "role": "ROLE_USER", "contextId": "ctx-2",
                "parts": [{"text": "x"}]}  # fmt: skip
@@ -558,3 +567,10 @@ def test_a_send_answered_with_a_task_mirrored_already_says_the_agent_answered(sh
         f"the agent answered with no task this dashboard could take (task 'fixed-1' is "
         f"already mirrored as #{first.pk})"
     ), task.send_error
+    if listed:
+        assert f"'fixed-1', is the task #{first.pk} mirrors already" in task.send_error
+    assert [method for method, _ in calls] == ["SendMessage", "ListTasks"]
+    # The log replays: the refused reply is refused again (the replay's agent mirrored
+    # nothing, and took 'fixed-1' as this task's).
+    replayed = audit.replay(task)
+    assert replayed.ok, str(replayed)

@@ -310,9 +310,15 @@ def replay(task: RemoteTask | int) -> Replay:
        rows are left out: the fold writes them itself where it finds a difference.
     3. The rows the replay appends, gaps left out, must have the same kinds and
        states as the stored ones; the scratch view must equal the stored view.
+
+    An entry refused because another row of the agent mirrored the task it named
+    (``record.MIRRORED_ELSEWHERE``) is refused again: the scratch agent gets a row for
+    each such id first. It had none, and the replay took the task as this one's.
     """
     from tasks_app.services.record import (
+        MIRRORED_ELSEWHERE,
         as_it_came,
+        named_task_id,
         record_many,
         references_in,
         stored_contents,
@@ -336,6 +342,13 @@ def replay(task: RemoteTask | int) -> Replay:
             scratch = RemoteTask.objects.create(
                 agent=agent, mode=stored.mode, watch=stored.watch, phase=RemoteTask.Phase.SENDING
             )
+            refused = stored.events.filter(
+                kind=TaskEvent.Kind.PROTOCOL_ERROR, note__contains=MIRRORED_ELSEWHERE
+            ).values_list("raw", flat=True)
+            for remote_id in {named_task_id(raw) for raw in refused} - {None, stored.remote_id}:
+                RemoteTask.objects.create(
+                    agent=agent, remote_id=remote_id, phase=RemoteTask.Phase.TASK, title="replay"
+                )
             run: list[Any] = []
             # A run is one recording call's rows (one time): the fold judges a status's time
             # against the time it was received (``record_many``'s ``at``).

@@ -1302,7 +1302,7 @@ class _Fold:
                     _Row(
                         entry,
                         "protocol-error",
-                        f"task {task_id!r} is already mirrored as #{holder}",
+                        f"task {task_id!r} {MIRRORED_ELSEWHERE}{holder}",
                         apply=False,
                     )
                 )
@@ -2536,6 +2536,21 @@ def settle(
     )
     objs.append({"system": {"event": "settled", "detail": detail[:2000]}})
     return record_many(task, objs, "poll", gap_check=True, fence=fence)
+
+
+# The note of an entry naming a task another row mirrors (``_Fold._wrong_task``), before its id.
+MIRRORED_ELSEWHERE = "is already mirrored as #"
+
+
+def named_task_id(raw: Any) -> str | None:
+    """The task id an agent's entry names (a snapshot's ``id``, an update's ``taskId``)."""
+    if not isinstance(raw, dict):
+        return None
+    for kind, key in (("task", "id"), ("statusUpdate", "taskId"), ("artifactUpdate", "taskId")):
+        payload = raw.get(kind)
+        if isinstance(payload, dict) and isinstance(payload.get(key), str):
+            return payload[key]
+    return None
 
 
 # The note of a task nobody holds while its question waits (the watchers, the push drain).
