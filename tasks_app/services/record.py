@@ -1462,13 +1462,15 @@ class _Fold:
             if not artifacts_same:
                 missed.append("artifacts changed")
             gap = Entry("gap", None, {"gap": {"missed": missed}})
-            self.rows.append(
-                _Row(
-                    gap,
-                    "gap",
-                    "the stream broke; events in between were not replayed: " + ", ".join(missed),
-                )
+            # Only a resubscribe follows a stream that broke; a poll, a refresh or a look at a
+            # waiting question reads what happened while no stream was live (an operator's
+            # refresh beside an open stream said the stream broke, which it had not).
+            why = (
+                "the stream broke; events in between were not replayed: "
+                if self.channel == "resubscribe"
+                else "not seen live; the events in between are not known: "
             )
+            self.rows.append(_Row(gap, "gap", why + ", ".join(missed)))
         self._adopt(task["id"], task.get("contextId"))
         self._set_status(status, ts)
         if isinstance(task.get("metadata"), dict):
