@@ -1249,7 +1249,9 @@ class Holder:
             return Turn(next_status(self.status, Event.FRUITLESS), note, hold_off=wait)
         found_id = found.task.get("id") if found.task is not None else None
         mirrored = (
-            await eventloop.db(task_services.mirrored_elsewhere, self.task_pk, found_id)
+            await eventloop.db(
+                record_services.mirrored_elsewhere, task.agent_id, found_id, self.task_pk
+            )
             if isinstance(found_id, str) and found_id
             else None
         )

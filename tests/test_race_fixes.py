@@ -172,12 +172,11 @@ def test_a_notification_heard_leaves_ended_and_parked_tasks_alone() -> None:
     }  # fmt: skip
 
 
-@pytest.mark.django_db(transaction=True)
-def test_a_push_task_settled_by_the_drain_stops_awaiting_push(shared_loop) -> None:
-    """Settled by the drain's GetTask, no watcher ended its "awaiting push": the page said so
-    for ever, and retention (which leaves awaited tasks alone) never pruned it."""
-    completed = {"id": "t-1", "contextId": "c", "status": {"state": "TASK_STATE_COMPLETED"}}
-    with json_rpc_peer(lambda request: completed) as url:
+def refreshed_after_push(status: dict) -> RemoteTask:
+    """A push task awaiting push, after the drain's GetTask (``push.refresh_after_push``) of
+    an agent that answers every call with the task in ``status``; read again."""
+    snapshot = {"id": "t-1", "contextId": "c", "status": status}
+    with json_rpc_peer(lambda request: snapshot) as url:
         task = push_task(watcher_status=Status.AWAITING_PUSH)
         Agent.objects.filter(pk=task.agent_id).update(
             base_url=url, interface_url=f"{url}/rpc", binding="JSONRPC", protocol_version="1.0"
@@ -189,6 +188,14 @@ def test_a_push_task_settled_by_the_drain_stops_awaiting_push(shared_loop) -> No
 
         eventloop.submit(refresh()).result(timeout=60)
     task.refresh_from_db()
+    return task
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_push_task_settled_by_the_drain_stops_awaiting_push(shared_loop) -> None:
+    """Settled by the drain's GetTask, no watcher ended its "awaiting push": the page said so
+    for ever, and retention (which leaves awaited tasks alone) never pruned it."""
+    task = refreshed_after_push({"state": "TASK_STATE_COMPLETED"})
     assert task.settled_at is not None and task.watcher_status == Status.IDLE
 
 
@@ -502,19 +509,7 @@ def test_a_push_task_the_drains_gettask_finds_asking_is_waiting_for_an_answer(sh
     """Only a pushed question turned "awaiting push" into "waiting for an answer": when the
     drain's GetTask was the one to show the question (a late reply to the send had moved the
     task back), the task said "awaiting push" until its silence ran out (a soak run)."""
-    asking = {"id": "t-1", "contextId": "c", "status": {"state": "TASK_STATE_INPUT_REQUIRED"}}
-    with json_rpc_peer(lambda request: asking) as url:
-        task = push_task(watcher_status=Status.AWAITING_PUSH)
-        Agent.objects.filter(pk=task.agent_id).update(
-            base_url=url, interface_url=f"{url}/rpc", binding="JSONRPC", protocol_version="1.0"
-        )
-
-        async def refresh() -> None:
-            async with outbound.new_http_client() as http:
-                await push.refresh_after_push(http, task.pk)
-
-        eventloop.submit(refresh()).result(timeout=60)
-    task.refresh_from_db()
+    task = refreshed_after_push({"state": "TASK_STATE_INPUT_REQUIRED"})
     assert task.state == "TASK_STATE_INPUT_REQUIRED"
     assert (task.watcher_status, task.watcher_note) == (Status.IDLE, "waiting for an answer")
 

@@ -320,12 +320,12 @@ def waiting_for_answer(task_pks: set[int]) -> None:
     pks = list(RemoteTask.objects.filter(asking).values_list("pk", flat=True))
     if not pks:
         return
+    now = timezone.now()
     RemoteTask.objects.filter(asking, pk__in=pks).update(
         watcher_status=Status.IDLE,
         watcher_note=WAITING_FOR_ANSWER,
-        watcher_since=timezone.now(),
-        lease_expires_at=timezone.now()
-        + timedelta(seconds=settings.WATCH_QUESTION_RECHECK_SECONDS),
+        watcher_since=now,
+        lease_expires_at=now + timedelta(seconds=settings.WATCH_QUESTION_RECHECK_SECONDS),
     )
     from tasks_app.services.tasks import relay_watcher
 

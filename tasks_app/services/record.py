@@ -1311,12 +1311,7 @@ class _Fold:
 
     def _mirrored_as(self, task_id: str) -> int | None:
         if task_id not in self._holders:
-            self._holders[task_id] = (
-                RemoteTask.objects.filter(agent_id=self.task.agent_id, remote_id=task_id)
-                .exclude(pk=self.task.pk)
-                .values_list("pk", flat=True)
-                .first()
-            )
+            self._holders[task_id] = mirrored_elsewhere(self.task.agent_id, task_id, self.task.pk)
         return self._holders[task_id]
 
     def _adopt(self, task_id: str, context_id: str | None) -> None:
@@ -2542,6 +2537,16 @@ def settle(
 
 # The note of an entry naming a task another row mirrors (``_Fold._wrong_task``), before its id.
 MIRRORED_ELSEWHERE = "is already mirrored as #"
+
+
+def mirrored_elsewhere(agent_id: int, remote_id: str, task_pk: int) -> int | None:
+    """The row of the agent, other than ``task_pk``, that mirrors ``remote_id`` (None: none)."""
+    return (
+        RemoteTask.objects.filter(agent_id=agent_id, remote_id=remote_id)
+        .exclude(pk=task_pk)
+        .values_list("pk", flat=True)
+        .first()
+    )
 
 
 def named_task_id(raw: Any) -> str | None:

@@ -1217,17 +1217,6 @@ def clear_outbox(task_pk: int, message_id: str) -> bool:
     )
 
 
-def mirrored_elsewhere(task_pk: int, remote_id: str) -> int | None:
-    """The row (of the same agent) other than ``task_pk`` that mirrors ``remote_id``, if any."""
-    agent_id = RemoteTask.objects.filter(pk=task_pk).values_list("agent_id", flat=True).first()
-    return (
-        RemoteTask.objects.filter(agent_id=agent_id, remote_id=remote_id)
-        .exclude(pk=task_pk)
-        .values_list("pk", flat=True)
-        .first()
-    )
-
-
 def refused_reply(task_pk: int) -> str:
     """Why the agent's reply to the task's send named no task the mirror could take (the
     note of the protocol error it was logged as; empty: no reply was logged). A send that
