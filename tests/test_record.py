@@ -438,16 +438,27 @@ def test_default_valued_fields_do_not_make_a_snapshot_differ(task):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_folds_first_read_is_what_the_orm_reads(task):
+@pytest.mark.parametrize("watched", [False, True], ids=["sent-ahead", "through-a-cursor"])
+def test_the_folds_first_read_is_what_the_orm_reads(task, watched):
     """``read_task``: the task and its artifacts as the ORM reads them (compiled once; one
-    round trip on PostgreSQL), ``relax`` only for that transaction, a missing task as None."""
+    round trip on PostgreSQL), ``relax`` only for that transaction, a missing task as None.
+    On PostgreSQL the read is sent ahead (below Django's cursor) unless something watches
+    statements (an ``execute_wrapper``, as race tests inject pauses): then it goes through
+    a cursor, where the wrapper sees it."""
+    import contextlib
+
     from django.db import connection, transaction
 
     from tasks_app.models import Artifact
-    from tasks_app.services.record import read_task
+    from tasks_app.services.record import TaskRead, read_task
 
     record_many(task.pk, [chunk("t-1", "x", append=False, aid=aid) for aid in ("a", "b")], "stream")
     record(task.pk, status("t-1", "TASK_STATE_WORKING", text="busy"), "stream")
+    seen: list[str] = []
+
+    def watch(execute, sql, params, many, context):
+        seen.append(sql)
+        return execute(sql, params, many, context)
 
     def fields(row) -> dict:
         return {f.attname: getattr(row, f.attname) for f in type(row)._meta.concrete_fields}
@@ -457,20 +468,84 @@ def test_the_folds_first_read_is_what_the_orm_reads(task):
             cursor.execute("SHOW synchronous_commit")
             return cursor.fetchone()[0]
 
-    for _ in range(2):  # the second time from the statements compiled the first
+    postgres = connection.vendor == "postgresql"
+    with connection.execute_wrapper(watch) if watched else contextlib.nullcontext():
+        for _ in range(2):  # the second time from the statements compiled the first
+            with transaction.atomic():
+                read = TaskRead(task.pk, relax=True, artifacts=True)
+                assert (read.ahead is not None) == (postgres and not watched)
+                current, held = read.result()
+                if postgres:
+                    assert synchronous_commit() == "off"
+            assert fields(current) == fields(RemoteTask.objects.get(pk=task.pk))
+            assert current.status_message["parts"] == [{"text": "busy"}]  # JSON decoded
+            assert current.updated_at.tzinfo is not None and current.updated_at.utcoffset() == (
+                dt.timedelta(0)
+            )
+            orm = {a.artifact_id: fields(a) for a in Artifact.objects.filter(task_id=task.pk)}
+            assert {aid: fields(a) for aid, a in held.items()} == orm and len(orm) == 2
+            if postgres:
+                assert synchronous_commit() == "on"  # SET LOCAL: that transaction only
         with transaction.atomic():
-            current, held = read_task(task.pk, relax=True, artifacts=True)
-            if connection.vendor == "postgresql":
-                assert synchronous_commit() == "off"
-        assert fields(current) == fields(RemoteTask.objects.get(pk=task.pk))
-        assert current.status_message["parts"] == [{"text": "busy"}]  # JSON decoded
-        orm = {a.artifact_id: fields(a) for a in Artifact.objects.filter(task_id=task.pk)}
-        assert {aid: fields(a) for aid, a in held.items()} == orm and len(orm) == 2
-        if connection.vendor == "postgresql":
-            assert synchronous_commit() == "on"  # SET LOCAL: that transaction only
-    with transaction.atomic():
-        assert read_task(task.pk + 1000, relax=True, artifacts=True)[0] is None
-        assert read_task(task.pk)[1] is None
+            assert read_task(task.pk + 1000, relax=True, artifacts=True)[0] is None
+            assert read_task(task.pk)[1] is None
+            current, held = read_task(task.pk, artifacts=["b", "nope"])
+            assert set(held) == {"b"} and current.pk == task.pk
+    assert any('FROM "tasks_app_remotetask"' in sql for sql in seen) == watched
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_that_fails_while_its_read_is_sent_ahead_leaves_the_connection_usable(
+    task, monkeypatch
+):
+    """The read goes out before the batch is parsed; parsing that raises (a bug, a signal)
+    must not leave its replies on the wire, or the connection's next statement fails
+    ("another command is already in progress"). A statement the server refuses comes out
+    as Django's error, and the transaction is rolled back as a cursor's would be."""
+    from django.db import DataError, transaction
+
+    from tasks_app.services import sent_ahead
+
+    real = record_module.parse_entry
+
+    def broken(obj):
+        raise RuntimeError("parsing broke")
+
+    monkeypatch.setattr(record_module, "parse_entry", broken)
+    with pytest.raises(RuntimeError, match="parsing broke"):
+        record_many(
+            task.pk, [status("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:01Z")], "stream"
+        )
+    monkeypatch.setattr(record_module, "parse_entry", real)
+    assert RemoteTask.objects.get(pk=task.pk).last_seq == 0
+    record_many(task.pk, [status("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:01Z")], "stream")
+    assert RemoteTask.objects.get(pk=task.pk).last_seq == 1
+    if connection.vendor == "postgresql":
+        assert sent_ahead.usable()
+        with pytest.raises(DataError), transaction.atomic():
+            sent_ahead.SentAhead("SELECT 1 / %s", [0]).results()
+        with transaction.atomic():
+            ahead = sent_ahead.SentAhead("SELECT %s::text", ["it's"])
+            assert ahead.began  # BEGIN went with it
+            assert ahead.rows(ahead.results()[1]) == [("it's",)]
+        assert RemoteTask.objects.filter(pk=task.pk).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_chunk_whose_artifact_id_parsing_changes_is_folded_onto_its_artifact(task):
+    """The first read asks for the artifacts the objects name as they came; cleaning can
+    change an id (a lone surrogate becomes U+FFFD), and the fold then needs another one.
+    Appended chunks under such an id still make one artifact of all their parts."""
+    odd = "a-\ud800"
+    record_many(task.pk, [chunk("t-1", "one", append=False, aid=odd)], "stream")
+    record_many(task.pk, [chunk("t-1", "two", append=True, aid=odd)], "stream")
+    record_many(
+        task.pk, [chunk("t-1", "three", append=True, aid=odd), chunk("t-1", "x", append=False)],
+        "stream",
+    )  # fmt: skip
+    artifacts = {a["artifactId"]: a for a in task_view(task)["artifacts"]}
+    assert set(artifacts) == {"a-\ufffd", "a-1"}
+    assert [p["text"] for p in artifacts["a-\ufffd"]["parts"]] == ["one", "two", "three"]
 
 
 @pytest.mark.django_db(transaction=True)

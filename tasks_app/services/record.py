@@ -53,7 +53,7 @@ from tasks_app.models import (
     ReplacedContent,
     TaskEvent,
 )
-from tasks_app.services import surfaces
+from tasks_app.services import sent_ahead, surfaces
 from tasks_app.services.chain import (
     canonical_json,
     chain_hash,
@@ -2249,9 +2249,13 @@ def relax_commit(channel: str) -> None:
     server may lose the last fraction of a second of commits, never part of one.
     Operators' and the system's own entries keep waiting for the flush.
     """
-    if _relaxed(channel):
-        with connection.cursor() as cursor:
-            cursor.execute(RELAX)
+    if not _relaxed(channel):
+        return
+    if sent_ahead.usable():  # with the transaction's BEGIN: one round trip, as TaskRead's
+        sent_ahead.SentAhead(RELAX, []).results()
+        return
+    with connection.cursor() as cursor:
+        cursor.execute(RELAX)
 
 
 RELAX = "SET LOCAL synchronous_commit TO OFF"
@@ -2270,47 +2274,92 @@ def read_task(
 ) -> tuple[RemoteTask | None, dict[str, Artifact] | None]:
     """The task's row as a fold starts from it (None: no such task), in the current
     transaction, and its artifacts by id (None: not read here): all of them with
-    ``artifacts=True``, or those of the ids given (a batch of chunks needs no others).
+    ``artifacts=True``, or those of the ids given (a batch of chunks needs no others)."""
+    return TaskRead(task_pk, relax=relax, artifacts=artifacts).result()
+
+
+class TaskRead:
+    """The first read of a fold (see :func:`read_task`), begun when made, taken by
+    :meth:`result`.
 
     The statements are compiled once per connection: a fast stream's batch is a dozen
     statements, and compiling ``get()`` and the artifacts' query each time was about
     a sixth of its time on PostgreSQL (profiled, P3; on SQLite the read fell from
-    13-15 to 8-11 us an event). On PostgreSQL they are sent in one round trip, with
-    the ``SET LOCAL`` of :func:`relax_commit` when ``relax``.
+    13-15 to 8-11 us an event). On PostgreSQL they go in one round trip, with the
+    ``SET LOCAL`` of :func:`relax_commit` when ``relax``, and are sent when the read is
+    made (:mod:`.sent_ahead`): what the caller does before :meth:`result` (``record_many``
+    parses its batch) overlaps the round trip. Elsewhere they run in :meth:`result`.
+    Exactly one of :meth:`result` and :meth:`discard` must be called.
     """
-    reads = getattr(connection, "_dashboard_reads", None)
-    if reads is None:
-        reads = connection._dashboard_reads = _Reads(connection)  # type: ignore[attr-defined]
-    named = sorted(artifacts) if artifacts is not True and artifacts else []
-    artifacts_sql, artifacts_params = reads.artifacts.sql, [task_pk, *named]
-    if named:
-        artifacts_sql += f" AND {reads.artifact_id} IN ({', '.join(['%s'] * len(named))})"
-    artifacts = bool(artifacts)
-    with connection.cursor() as cursor:
-        if connection.vendor != "postgresql":
-            cursor.execute(reads.task.sql, [task_pk])
-            found = reads.task.rows(cursor)
-            if artifacts and found:
-                cursor.execute(artifacts_sql, artifacts_params)
-        else:
-            statements = [RELAX] if relax else []
-            statements.append(reads.task.sql)
-            params = [task_pk]
-            if artifacts:
-                statements.append(artifacts_sql)
-                params += artifacts_params
-            # Several statements with parameters in one execute: Django's default client-side
-            # binding on psycopg 3 (a server-side-binding cursor would refuse it).
-            cursor.execute("; ".join(statements), params)
-            if relax:
-                cursor.nextset()
-            found = reads.task.rows(cursor)
-            if artifacts:
-                cursor.nextset()
-        if not artifacts or not found:
-            return (found[0] if found else None), None
-        held = {artifact.artifact_id: artifact for artifact in reads.artifacts.rows(cursor)}
-    return found[0], held
+
+    def __init__(
+        self, task_pk: int, *, relax: bool = False, artifacts: bool | Collection[str] = False
+    ) -> None:
+        reads = getattr(connection, "_dashboard_reads", None)
+        if reads is None:
+            reads = connection._dashboard_reads = _Reads(connection)  # type: ignore[attr-defined]
+        self.reads = reads
+        self.whole = artifacts is True
+        self.named = set(artifacts) if artifacts is not True and artifacts else set()
+        self.artifacts = bool(artifacts)
+        self.artifacts_sql, self.artifacts_params = (
+            reads.artifacts.sql,
+            [task_pk, *sorted(self.named)],
+        )
+        if self.named:
+            marks = ", ".join(["%s"] * len(self.named))
+            self.artifacts_sql += f" AND {reads.artifact_id} IN ({marks})"
+        self.task_pk = task_pk
+        self.relax = relax and connection.vendor == "postgresql"
+        self.ahead: sent_ahead.SentAhead | None = None
+        if connection.vendor == "postgresql" and sent_ahead.usable():
+            sql, params = self._statements()
+            self.ahead = sent_ahead.SentAhead(sql, params)
+
+    def _statements(self) -> tuple[str, list]:
+        statements = [RELAX] if self.relax else []
+        statements.append(self.reads.task.sql)
+        params: list = [self.task_pk]
+        if self.artifacts:
+            statements.append(self.artifacts_sql)
+            params += self.artifacts_params
+        return "; ".join(statements), params
+
+    def result(self) -> tuple[RemoteTask | None, dict[str, Artifact] | None]:
+        reads = self.reads
+        if self.ahead is not None:
+            results = self.ahead.results()[int(self.ahead.began) + int(self.relax) :]
+            found = reads.task.instances(self.ahead.rows(results[0]))
+            if not self.artifacts or not found:
+                return (found[0] if found else None), None
+            held = reads.artifacts.instances(self.ahead.rows(results[1]))
+            return found[0], {artifact.artifact_id: artifact for artifact in held}
+        with connection.cursor() as cursor:
+            if connection.vendor != "postgresql":
+                cursor.execute(reads.task.sql, [self.task_pk])
+                found = reads.task.rows(cursor)
+                if self.artifacts and found:
+                    cursor.execute(self.artifacts_sql, self.artifacts_params)
+            else:
+                # Several statements with parameters in one execute: Django's default
+                # client-side binding on psycopg 3 (a server-side-binding cursor would
+                # refuse it).
+                sql, params = self._statements()
+                cursor.execute(sql, params)
+                if self.relax:
+                    cursor.nextset()
+                found = reads.task.rows(cursor)
+                if self.artifacts:
+                    cursor.nextset()
+            if not self.artifacts or not found:
+                return (found[0] if found else None), None
+            held = reads.artifacts.rows(cursor)
+        return found[0], {artifact.artifact_id: artifact for artifact in held}
+
+    def discard(self) -> None:
+        """The caller failed before :meth:`result`: drop what was sent ahead."""
+        if self.ahead is not None:
+            self.ahead.discard()
 
 
 class _Compiled:
@@ -2333,7 +2382,10 @@ class _Compiled:
 
     def rows(self, cursor: Any) -> list[Any]:
         """The instances of the current result of ``cursor``."""
-        raw = cursor.fetchall()
+        return self.instances(cursor.fetchall())
+
+    def instances(self, raw: Any) -> list[Any]:
+        """The instances of rows as the database driver loaded them."""
         if self.converters:
             raw = self.compiler.apply_converters(raw, self.converters)
         start, end = self.span
@@ -2342,12 +2394,12 @@ class _Compiled:
 
 
 class _Reads:
-    """What a fold reads first, compiled once per connection (see :func:`read_task`)."""
+    """What a fold reads first, compiled once per connection (see :class:`TaskRead`)."""
 
     def __init__(self, wrapper: Any) -> None:
         self.task = _Compiled(RemoteTask.objects.filter(pk=0).order_by(), wrapper)
         self.artifacts = _Compiled(Artifact.objects.filter(task_id=0).order_by(), wrapper)
-        # Ids are appended to its WHERE (see read_task): it must end there.
+        # Ids are appended to its WHERE (see TaskRead): it must end there.
         assert " ORDER BY " not in self.artifacts.sql and " LIMIT " not in self.artifacts.sql
         quote = wrapper.ops.quote_name
         self.artifact_id = f"{quote(Artifact._meta.db_table)}.{quote('artifact_id')}"
@@ -2412,12 +2464,9 @@ def record_many(
     a day later must fold as the recording did.
     """
     task_pk = task if isinstance(task, int) else task.pk
-    entries = [parse_entry(obj) for obj in objs]
-    limit = settings.WATCH_MAX_EVENT_BYTES
-    if any(entry.size > limit and entry.kind in A2A_KINDS for entry in entries):
-        entries = [_within_event_limit(entry, limit) for entry in entries]
+    batch = _Batch(objs)
     for attempt in range(MAX_RETRIES):
-        recorded = _record_once(task_pk, entries, channel, gap_check, actor_id, fence, at)
+        recorded = _record_once(task_pk, batch, channel, gap_check, actor_id, fence, at)
         if recorded is not None:
             return recorded
         # Another writer appended first: fold again on its result, after a short
@@ -2426,9 +2475,92 @@ def record_many(
     raise RecordError(f"task {task_pk}: gave up after {MAX_RETRIES} concurrent updates")
 
 
+class _Batch:
+    """The objects of one ``record_many()`` call, parsed once: in its first try, while the
+    task's read is on its way (:class:`TaskRead`)."""
+
+    def __init__(self, objs: Sequence[Any]) -> None:
+        self.objs = objs
+        self.entries: list[Entry] | None = None
+
+    def read(
+        self, task_pk: int, *, relax: bool
+    ) -> tuple[RemoteTask | None, dict[str, Artifact] | None, bool, set[str]]:
+        """The task as a fold starts from it, with the artifacts its entries name (all of
+        them for a snapshot, which compares every one; chunks need only their own), and
+        what was read of them: (task, artifacts by id, all of them, the ids asked for).
+
+        1. In the first try the artifacts are told from the objects as they came, the
+           read is sent, and the objects are parsed while it is on its way.
+        2. The parsed entries say what the fold needs. A guess that missed some of it
+           (an object that parsing changed or refused) is read again, exactly.
+        """
+        if self.entries is None:  # 1
+            whole, named = _artifacts_guessed(self.objs)
+            read = TaskRead(task_pk, relax=relax, artifacts=whole or named)
+            try:
+                self.entries = _parsed(self.objs)
+            except BaseException:
+                read.discard()
+                raise
+            current, held = read.result()
+            whole_needed, named_needed = _artifacts_named(self.entries)  # 2
+            if read.whole or (not whole_needed and named_needed <= read.named):
+                return current, held, read.whole, read.named
+        whole, named = _artifacts_named(self.entries)
+        current, held = TaskRead(task_pk, relax=relax, artifacts=whole or named).result()
+        return current, held, whole, named
+
+
+def _artifacts_named(entries: Sequence[Entry]) -> tuple[bool, set[str]]:
+    """Whether ``entries`` hold a snapshot, and the artifact ids their chunks name."""
+    whole, named = False, set()
+    for entry in entries:
+        if entry.kind == "task":
+            whole = True
+        elif entry.kind == "artifactUpdate":
+            named.add(entry.payload["artifact"]["artifactId"])
+    return whole, named
+
+
+def _artifacts_guessed(objs: Sequence[Any]) -> tuple[bool, set[str]]:
+    """What :func:`_artifacts_named` will say of ``objs`` once parsed, told from the objects
+    as they came. Only ids a database can take are kept: parsing cleans the others (a lone
+    surrogate, a NUL), and the exact read after it asks for them as cleaned."""
+    whole, named = False, set()
+    for obj in objs:
+        obj = getattr(obj, "raw", obj)
+        if not isinstance(obj, dict):
+            continue
+        if obj.get("task") is not None:
+            whole = True
+        update = obj.get("artifactUpdate")
+        artifact = update.get("artifact") if isinstance(update, dict) else None
+        aid = artifact.get("artifactId") if isinstance(artifact, dict) else None
+        if isinstance(aid, str) and "\x00" not in aid and (aid.isascii() or _encodable(aid)):
+            named.add(aid)
+    return whole, named
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _parsed(objs: Sequence[Any]) -> list[Entry]:
+    entries = [parse_entry(obj) for obj in objs]
+    limit = settings.WATCH_MAX_EVENT_BYTES
+    if any(entry.size > limit and entry.kind in A2A_KINDS for entry in entries):
+        entries = [_within_event_limit(entry, limit) for entry in entries]
+    return entries
+
+
 def _record_once(
     task_pk: int,
-    entries: list[Entry],
+    batch: _Batch,
     channel: str,
     gap_check: bool | None,
     actor_id: int | None,
@@ -2437,14 +2569,9 @@ def _record_once(
 ) -> Recorded | None:
     """One try: fold and append in one transaction; None when another writer won the race."""
     with transaction.atomic():
-        # A snapshot compares every artifact; chunks need only their own.
-        whole = any(entry.kind == "task" for entry in entries)
-        named = {
-            entry.payload["artifact"]["artifactId"]
-            for entry in entries
-            if entry.kind == "artifactUpdate"
-        }
-        current, held = read_task(task_pk, relax=_relaxed(channel), artifacts=whole or named)
+        current, held, whole, named = batch.read(task_pk, relax=_relaxed(channel))
+        entries = batch.entries
+        assert entries is not None
         if current is None:
             raise RecordError(f"task {task_pk} does not exist")
         if fence is not None and current.lease_token != fence:
