@@ -15,7 +15,7 @@ import asyncio
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
@@ -30,8 +30,6 @@ log = logging.getLogger(__name__)
 LIST_GROUP = "tasks"
 
 Message = tuple[str, dict]
-# What publish() queues for the loop: messages, or a function that makes them.
-Queued = list[Message] | Callable[[], Iterable[Message]]
 SENDS_IN_FLIGHT = 32
 # A takeover's backlog (a thousand tasks) goes to list pages in messages of bounded size.
 SUMMARIES_PER_MESSAGE = 200
@@ -75,7 +73,7 @@ class _LoopRelay:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[Queued | None] = asyncio.Queue()  # None: closing
+        self.queue: asyncio.Queue[list[Message] | None] = asyncio.Queue()  # None: closing
         self.task: asyncio.Task[None] | None = None
         # Group sends in flight at once: each holds a Redis connection. Unbounded, a backlog
         # of a thousand tasks' messages (a worker taking over another's streams) asked for
@@ -98,7 +96,7 @@ class _LoopRelay:
         if self.task is None:
             self.task = self.loop.create_task(self._run())
 
-    def put(self, messages: Queued) -> None:
+    def put(self, messages: list[Message]) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, messages)
 
     async def close(self, timeout: float = CLOSE_SECONDS) -> None:
@@ -126,7 +124,7 @@ class _LoopRelay:
                 if messages is None:
                     closing = True
                 else:
-                    batch.extend(_made(messages))
+                    batch.extend(messages)
             for group, message in batch:
                 if group == LIST_GROUP and message.get("type") == "tasks.changed":
                     self._hold(message)
@@ -206,17 +204,6 @@ class _LoopRelay:
         return self.failures.count
 
 
-def _made(messages: Queued) -> Iterable[Message]:
-    """The messages queued, made now when a function was queued (see ``publish``)."""
-    if not callable(messages):
-        return messages
-    try:
-        return list(messages())
-    except Exception:  # one batch's relay is lost; browsers catch up from the log
-        log.exception("relay: making a batch's messages failed")
-        return []
-
-
 def _seq(summary: dict) -> int:
     seq = summary.get("last_seq")
     return seq if isinstance(seq, int) else 0
@@ -294,19 +281,12 @@ def release_loop(loop: asyncio.AbstractEventLoop) -> _LoopRelay | None:
     return None
 
 
-def publish(messages: Iterable[Message] | Callable[[], Iterable[Message]]) -> None:
-    """Send ``messages``, or what the function given makes: in a worker the relay's loop
-    calls it, off the thread that recorded (a fast stream's messages, a dict per row, were
-    about 1.5 us an event of ``record_many()``'s time, P3)."""
-    if not callable(messages):
-        messages = list(messages)
-        if not messages:
-            return
-    if _loop_relay is not None:
-        _loop_relay.put(messages)
-        return
-    batch = list(_made(messages))
+def publish(messages: Iterable[Message]) -> None:
+    batch = list(messages)
     if not batch:
+        return
+    if _loop_relay is not None:
+        _loop_relay.put(batch)
         return
     layer = get_channel_layer()
     if layer is None:

@@ -179,40 +179,6 @@ def test_rows_of_a_fast_task_go_once_per_spell_in_order_and_other_tasks_are_not_
     assert at_once(fast) == [7]
 
 
-def test_messages_made_by_the_loop_keep_their_order_and_a_failing_maker_loses_only_its_own(
-    relay_loop: None, caplog: pytest.LogCaptureFixture
-) -> None:
-    """``record_many()`` hands the relay a function that makes a batch's messages, called
-    on the loop (off the recording thread): the rows go in the order published, lists and
-    functions alike, on the thread of the loop; a function that raises loses its batch
-    (browsers catch up from the log), with a traceback, and nothing after it."""
-    fast = _listen([relay.task_group(1)])
-    makers: list[str] = []
-
-    def made(seqs: list[int]):
-        def make() -> list[relay.Message]:
-            makers.append(threading.current_thread().name)
-            return [_row(1, seq) for seq in seqs]
-
-        return make
-
-    def broken() -> list[relay.Message]:
-        raise RuntimeError("the maker broke")
-
-    relay.publish(made([1]))  # after a quiet spell: at once
-    assert _seqs(_receive(fast, 1)) == [1]
-    relay.publish(made([2, 3]))
-    relay.publish(broken)
-    relay.publish([_row(1, 4)])
-    relay.publish(made([5]))
-    got: list[dict] = []
-    while _seqs(got)[-1:] != [5]:
-        got += _receive(fast, 1)
-    assert _seqs(got) == [2, 3, 4, 5]
-    assert makers and threading.current_thread().name not in makers
-    assert [r for r in caplog.records if "making a batch's messages failed" in r.getMessage()]
-
-
 class _Listener:
     """A layer of its own on a loop of its own: it outlives the shared loop it listens to."""
 
@@ -384,16 +350,3 @@ def test_a_spell_of_redis_away_is_one_line_then_one_when_it_is_back(monkeypatch,
         "relay works again: 5 sends failed over " + lines[1].getMessage().split(" over ")[1],
     ]
     assert all(r.exc_info is None for r in lines) and back.sent == ["task-1", "task-1"]
-
-
-def test_a_failing_maker_is_one_traceback_not_an_error_after_a_commit(caplog) -> None:
-    """Without a loop (a web request, a command) the function is called in ``publish``,
-    which runs after the commit (``on_commit``): raising there would fail a request whose
-    rows are stored. It logs, and the caller goes on."""
-    relay.use_loop(None)
-
-    def broken() -> list[relay.Message]:
-        raise RuntimeError("the maker broke")
-
-    relay.publish(broken)
-    assert [r for r in caplog.records if "making a batch's messages failed" in r.getMessage()]

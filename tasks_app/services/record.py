@@ -2615,11 +2615,8 @@ def _record_once(
         fold.write_rows(events, now)
         if a2ui_surfaces is not None:
             a2ui_surfaces.write(events, fold.rows)
-        # Made by the relay's loop in a worker, off this thread (see relay.publish).
-        summary, rows = task_summary(current), fold.rows
-        transaction.on_commit(
-            lambda: relay.publish(lambda: _relay_messages(task_pk, summary, events, rows))
-        )
+        messages = _relay_messages(current, events, fold.rows)
+        transaction.on_commit(lambda: relay.publish(messages))
         transaction.on_commit(lambda: _count(current.agent_id, channel, events))
         return Recorded(
             seqs=[e.seq for e in events],
@@ -2731,7 +2728,7 @@ RELAY_RAW_LIMIT = 64 * 1024
 
 
 def _relay_messages(
-    task_pk: int, summary: dict, events: list[TaskEvent], rows: list[_Row]
+    task: RemoteTask, events: list[TaskEvent], rows: list[_Row]
 ) -> list[relay.Message]:
     """One message per appended row (with its raw JSON unless large) and one list summary.
 
@@ -2745,7 +2742,7 @@ def _relay_messages(
     """
     messages: list[relay.Message] = []
     received_at = events[0].received_at.isoformat()  # one time for the batch's rows
-    group = relay.task_group(task_pk)
+    group = relay.task_group(task.pk)
     for event, row in zip(events, rows, strict=True):
         message = event_json(event, received_at)
         message["type"] = "task.event"
@@ -2760,7 +2757,7 @@ def _relay_messages(
         if text is not None and len(text) <= RELAY_RAW_LIMIT:
             message["raw_json"] = text.decode()
         messages.append((group, message))
-    messages.append((relay.LIST_GROUP, {"type": "tasks.changed", **summary}))
+    messages.append((relay.LIST_GROUP, {"type": "tasks.changed", **task_summary(task)}))
     return messages
 
 
