@@ -529,6 +529,21 @@ def test_a_batch_that_fails_while_its_read_is_sent_ahead_leaves_the_connection_u
             assert ahead.began  # BEGIN went with it
             assert ahead.rows(ahead.results()[1]) == [("it's",)]
         assert RemoteTask.objects.filter(pk=task.pk).exists()
+        # The BEGIN sent with it is the one psycopg would send, whatever the settings.
+        import psycopg
+
+        raw = connection.connection
+        kept = raw.isolation_level, raw.read_only, raw.deferrable
+        try:
+            for level, read_only, deferrable in [
+                (None, None, None),
+                (psycopg.IsolationLevel.REPEATABLE_READ, True, None),
+                (psycopg.IsolationLevel.SERIALIZABLE, False, True),
+            ]:
+                raw.isolation_level, raw.read_only, raw.deferrable = level, read_only, deferrable
+                assert sent_ahead._begin(raw) == raw._get_tx_start_command().decode()
+        finally:
+            raw.isolation_level, raw.read_only, raw.deferrable = kept
 
 
 @pytest.mark.django_db(transaction=True)

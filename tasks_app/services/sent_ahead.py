@@ -19,9 +19,12 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
+import psycopg
 from django.db import connection
+from psycopg import errors, generators, pq
+from psycopg.adapt import Transformer
 
-_STATUS_OK: frozenset[int] = frozenset()  # filled on first use (psycopg imported lazily)
+_STATUS_OK = frozenset({pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK})
 
 
 def usable() -> bool:
@@ -47,10 +50,8 @@ class SentAhead:
         ``BEGIN`` goes in front: psycopg would otherwise send it as a round trip of its
         own before the first statement.
         """
-        import psycopg
-        from psycopg import pq
-
         connection.ensure_connection()
+        connection.validate_no_broken_transaction()  # as a cursor's execute checks
         with connection.wrap_database_errors:
             raw = connection.connection
             self._cursor = connection.create_cursor()  # Django's loaders (time zone, JSON)
@@ -66,11 +67,6 @@ class SentAhead:
 
     def results(self) -> list[Any]:
         """The results of the statements sent (``BEGIN``'s first when :attr:`began`)."""
-        from psycopg import errors, generators, pq
-
-        global _STATUS_OK
-        if not _STATUS_OK:
-            _STATUS_OK = frozenset({pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK})
         assert not self._done, "results are read once"
         self._done = True
         with connection.wrap_database_errors:
@@ -89,8 +85,6 @@ class SentAhead:
 
     def rows(self, result: Any) -> list[tuple]:
         """The rows of one result, loaded as a cursor of this connection loads them."""
-        from psycopg.adapt import Transformer
-
         loader = Transformer(self._cursor)
         loader.set_pgresult(result)
         return loader.load_rows(0, result.ntuples, tuple)
@@ -98,11 +92,12 @@ class SentAhead:
 
 def _begin(raw: Any) -> str:
     """The ``BEGIN`` psycopg would send for this connection's transaction settings."""
-    from psycopg import IsolationLevel
-
     words = ["BEGIN"]
     if raw.isolation_level is not None:
-        words += ["ISOLATION LEVEL", IsolationLevel(raw.isolation_level).name.replace("_", " ")]
+        words += [
+            "ISOLATION LEVEL",
+            psycopg.IsolationLevel(raw.isolation_level).name.replace("_", " "),
+        ]
     if raw.read_only is not None:
         words.append("READ ONLY" if raw.read_only else "READ WRITE")
     if raw.deferrable is not None:
