@@ -362,3 +362,27 @@ def test_debug_is_refused_in_production(child_env: ChildEnv) -> None:
         "Configuration error: DEBUG must be off when DASHBOARD_PRODUCTION is on: its error "
         "pages show requests and settings to whoever meets an error."
     ]
+
+
+def test_manage_py_reads_the_settings_and_python_path_it_is_given(child_env, tmp_path) -> None:
+    """``--settings`` and ``--pythonpath`` choose the settings, as Django's utility reads them:
+    the settings were loaded before the command line was read, so ``check --settings other``
+    checked the default ones. A settings module that is not there is one line, exit 2."""
+    (tmp_path / "other_settings.py").write_text(
+        "from django.core.exceptions import ImproperlyConfigured\n"
+        "raise ImproperlyConfigured('the other settings were read')\n"
+    )
+    result = manage(
+        child_env, "check", "--settings", "other_settings", "--pythonpath", str(tmp_path)
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip() == "Configuration error: the other settings were read"
+    result = manage(child_env, "check", f"--pythonpath={tmp_path}", "--settings=other_settings")
+    assert result.stderr.strip() == "Configuration error: the other settings were read"
+    result = manage(child_env, "check", "--settings", "no_such_settings")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip() == (
+        "Configuration error: no settings module 'no_such_settings' "
+        "(No module named 'no_such_settings')"
+    )
+    assert manage(child_env, "check").returncode == 0  # the default ones, unchanged
