@@ -598,7 +598,12 @@ class RelayTap:
             except TimeoutError:
                 continue
             for event in relayed_events(message):
-                stamp = emitted_of(event.get("raw"))
+                # A row's raw JSON travels as text (raw_json; left out over RELAY_RAW_LIMIT,
+                # and such a row is not counted here).
+                raw = event.get("raw")
+                if raw is None and isinstance(event.get("raw_json"), str):
+                    raw = json.loads(event["raw_json"])
+                stamp = emitted_of(raw)
                 if stamp:
                     self.into.add(
                         event.get("task"), *stamp, received_at=event.get("received_at") or ""
