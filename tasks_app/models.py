@@ -52,8 +52,9 @@ class BulkJSONField(models.JSONField):
 
 
 class JSONText:
-    """A JSON value's text, written already: a :class:`BulkJSONField` on SQLite (which keeps
-    JSON as text) stores it as it is. Only ``record.insert_rows`` makes these."""
+    """A JSON value's text, written already: a :class:`BulkJSONField` stores it as it is on
+    SQLite (which keeps JSON as text), and PostgreSQL parses it. Only ``record.insert_rows``
+    makes these."""
 
     __slots__ = ("text",)
 

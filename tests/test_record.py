@@ -910,3 +910,39 @@ def test_an_imported_tasks_first_snapshot_is_where_it_begins_not_a_gap(task):
         .last()
         .note.endswith("state TASK_STATE_WORKING -> TASK_STATE_COMPLETED")
     )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_too_small_for_copy_is_written_from_its_texts_too(task, monkeypatch):
+    """A live stream's events come one by one, too few for COPY: the one INSERT writes each
+    log row's and part row's JSON from the texts parsing and the chain wrote, on PostgreSQL
+    as on SQLite, and every value reads back as it came."""
+    from tasks_app.services import record as record_module
+    from tasks_app.services.audit import verify
+
+    written: list[tuple[str, int]] = []
+    real = record_module._bulk_create_with_texts
+
+    def watched(model, objs, batch_size, json_texts):
+        written.append(
+            (model.__name__, sum(t is not None for ts in json_texts.values() for t in ts))
+        )
+        return real(model, objs, batch_size, json_texts)
+
+    monkeypatch.setattr(record_module, "_bulk_create_with_texts", watched)
+    texts = ['say "hi"', "back\\slash", "é 漢字", "tab\tnew\nline", "\\u0041"]
+    objs = [chunk("t-1", text, append=i > 0) for i, text in enumerate(texts)]
+    objs[2]["artifactUpdate"]["metadata"] = {"n": [1, 2.5, None, True], "big": 2**70}
+    for obj in objs:
+        record(task.pk, obj, "stream")
+    record_many(task.pk, [status("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:01Z")], "stream")
+    stored = list(TaskEvent.objects.filter(task=task).order_by("seq").values_list("raw", flat=True))
+    assert stored[: len(objs)] == objs and stored[-1]["statusUpdate"]["status"]["timestamp"]
+    parts = ArtifactPart.objects.filter(artifact__task=task).order_by("index")
+    assert [p.part for p in parts] == [o["artifactUpdate"]["artifact"]["parts"][0] for o in objs]
+    assert verify(task).ok
+    # Each row, log and part, went from its text; but the log row of the entry with an
+    # integer past 64 bits, which the scan sends through the cleaning walk (serialized as
+    # before). Its part has no such number: from its text too.
+    assert [n for name, n in written if name == "TaskEvent"] == [1, 1, 0, 1, 1, 1]
+    assert [n for name, n in written if name == "ArtifactPart"] == [1] * len(objs)

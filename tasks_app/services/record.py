@@ -2152,12 +2152,15 @@ def insert_rows(
     other databases: ``bulk_create`` (``batch_size``).
 
     ``json_texts``: for a JSON field (by attname), each row's value as JSON text already
-    written (None: serialize the value), used by COPY and on SQLite; a text must be JSON
-    of that very value (the rows keep the value).
+    written (None: serialize the value), used by COPY and by ``bulk_create`` alike; a text
+    must be JSON of that very value (the rows keep the value).
     """
     if not objs:
         return
-    if connection.vendor == "sqlite" and json_texts:
+    if json_texts and (
+        connection.vendor == "sqlite"
+        or (connection.vendor == "postgresql" and len(objs) < COPY_FROM_ROWS)
+    ):
         _bulk_create_with_texts(model, objs, batch_size, json_texts)
         return
     if connection.vendor != "postgresql" or len(objs) < COPY_FROM_ROWS:
@@ -2213,11 +2216,13 @@ def _bulk_create_with_texts(
     batch_size: int | None,
     json_texts: dict[str, list[str | None]],
 ) -> None:
-    """``bulk_create`` on SQLite, each JSON value whose text is at hand written as that text.
+    """``bulk_create``, each JSON value whose text is at hand written as that text.
 
-    SQLite keeps JSON as text: the recorder wrote each entry's canonical text for its digest,
-    and serializing the entry again was about a twentieth of a fast stream's batch
-    (profiled, P3). The rows hold their values again afterwards, whatever happens.
+    The recorder wrote each entry's canonical text for its digest, and serializing the
+    entry again was about a twentieth of a fast stream's batch on SQLite (profiled, P3),
+    which keeps JSON as text. On PostgreSQL this is the path of a batch too small for COPY
+    (a live stream's single events): the text goes as a literal that the column parses as
+    JSON. The rows hold their values again afterwards, whatever happens.
     """
     swapped: list[tuple[Any, str, Any]] = []
     try:
