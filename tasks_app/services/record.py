@@ -2509,10 +2509,11 @@ class _Batch:
                 read.discard()
                 raise
             current, held = read.result()
-            whole_needed, named_needed = _artifacts_named(self.entries)  # 2
-            if read.whole or (not whole_needed and named_needed <= read.named):
+            whole, named = _artifacts_named(self.entries)  # 2
+            if read.whole or (not whole and named <= read.named):
                 return current, held, read.whole, read.named
-        whole, named = _artifacts_named(self.entries)
+        else:
+            whole, named = _artifacts_named(self.entries)
         current, held = TaskRead(task_pk, relax=relax, artifacts=whole or named).result()
         return current, held, whole, named
 
@@ -2542,17 +2543,9 @@ def _artifacts_guessed(objs: Sequence[Any]) -> tuple[bool, set[str]]:
         update = obj.get("artifactUpdate")
         artifact = update.get("artifact") if isinstance(update, dict) else None
         aid = artifact.get("artifactId") if isinstance(artifact, dict) else None
-        if isinstance(aid, str) and "\x00" not in aid and (aid.isascii() or _encodable(aid)):
+        if isinstance(aid, str) and safejson.clean_text(aid) == aid:
             named.add(aid)
     return whole, named
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _parsed(objs: Sequence[Any]) -> list[Entry]:

@@ -55,7 +55,11 @@ class SentAhead:
         with connection.wrap_database_errors:
             raw = connection.connection
             self._cursor = connection.create_cursor()  # Django's loaders (time zone, JSON)
-            text = psycopg.ClientCursor(raw).mogrify(sql, params)
+            # Django's cursor binds on the client unless its settings say otherwise.
+            binder = self._cursor
+            if not isinstance(binder, psycopg.ClientCursor):
+                binder = psycopg.ClientCursor(raw)
+            text = binder.mogrify(sql, params)
             self.began = raw.pgconn.transaction_status == pq.TransactionStatus.IDLE
             if self.began and not raw.autocommit:
                 text = f"{_begin(raw)}; {text}"
