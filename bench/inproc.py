@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import gc
+import itertools
 import json
 import statistics
 import subprocess
@@ -160,18 +161,36 @@ def start_worker_loop() -> None:
 # P3 -------------------------------------------------------------------------------------------
 
 
-def record_stream(task: Any, events: list[dict], batch: int = BATCH) -> tuple[float, float, int]:
-    """Record ``events`` in batches, wait until all are relayed.
+def record_as_a_watcher(task: Any, events: list[dict]) -> None:
+    """Record ``events`` as a watcher's pump does a fast stream's: it takes ``BATCH`` events
+    from the stream's queue at a time and records them in calls of ``RECORD_CALL_EVENTS``
+    (this module's ``BATCH``), each call given the next one of the same take as ``ahead``
+    (parsed while it waits on the database)."""
+    from tasks_app.services.record import Batch, record_many
+    from tasks_app.watchers import BATCH as TAKE
+    from tasks_app.watchers import RECORD_CALL_EVENTS
+
+    assert RECORD_CALL_EVENTS == BATCH, "the floor writes in transactions of one call's events"
+    for take in range(0, len(events), TAKE):
+        taken = events[take : take + TAKE]
+        calls = [
+            Batch(taken[start : start + RECORD_CALL_EVENTS])
+            for start in range(0, len(taken), RECORD_CALL_EVENTS)
+        ]
+        for call, ahead in itertools.zip_longest(calls, calls[1:]):
+            record_many(task.pk, call, "stream", ahead=ahead)
+
+
+def record_stream(task: Any, events: list[dict]) -> tuple[float, float, int]:
+    """Record ``events`` as a watcher does (:func:`record_as_a_watcher`), wait until all
+    are relayed.
 
     Returns (seconds until recorded, seconds until relayed, relayed count).
     """
-    from tasks_app.services.record import record_many
-
     counter = RelayCounter(task.pk, len(events), timeout=30 + len(events) / 500)
     try:
         t0 = time.monotonic()
-        for start in range(0, len(events), batch):
-            record_many(task.pk, events[start : start + batch], "stream")
+        record_as_a_watcher(task, events)
         recorded = time.monotonic() - t0
         counter.wait()
         relayed = (counter.last_at - t0) if counter.count else float("nan")
@@ -358,13 +377,10 @@ def p8(db: str, quick: bool) -> list[Row]:
     ]
 
 
-def record_stream_only(task: Any, events: list[dict], batch: int = BATCH) -> float:
-    """Seconds to record ``events`` in batches (no relay wait)."""
-    from tasks_app.services.record import record_many
-
+def record_stream_only(task: Any, events: list[dict]) -> float:
+    """Seconds to record ``events`` as a watcher does (no relay wait)."""
     t0 = time.perf_counter()
-    for start in range(0, len(events), batch):
-        record_many(task.pk, events[start : start + batch], "stream")
+    record_as_a_watcher(task, events)
     return time.perf_counter() - t0
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import itertools
 import json
 import logging
 import math
@@ -83,7 +84,13 @@ from tasks_app.services import push as push_services
 from tasks_app.services import record as record_services
 from tasks_app.services import tasks as task_services
 from tasks_app.services.polls import POLL_HISTORY, poll_task
-from tasks_app.services.record import WAITING_FOR_ANSWER, Recorded, record, record_many
+from tasks_app.services.record import (
+    WAITING_FOR_ANSWER,
+    Batch,
+    Recorded,
+    record,
+    record_many,
+)
 
 log = logging.getLogger(__name__)
 
@@ -1477,13 +1484,15 @@ class Holder:
                         )
                         outcome.add(result)
                         events_only = events_only[1:]
-                    for start in range(0, len(events_only), RECORD_CALL_EVENTS):
+                    calls = [
+                        Batch([e.raw for e in events_only[start : start + RECORD_CALL_EVENTS]])
+                        for start in range(0, len(events_only), RECORD_CALL_EVENTS)
+                    ]
+                    for call, ahead in itertools.zip_longest(calls, calls[1:]):
+                        # The next call's events are parsed while this one waits on the
+                        # database (record_many's ``ahead``).
                         result = await eventloop.db_urgent(
-                            record_many,
-                            self.task_pk,
-                            [e.raw for e in events_only[start : start + RECORD_CALL_EVENTS]],
-                            channel,
-                            fence=self.token,
+                            record_many, self.task_pk, call, channel, fence=self.token, ahead=ahead
                         )
                         outcome.add(result)
                     for _, _, stored in taken:

@@ -239,6 +239,7 @@ def test_a_watchers_stream_keeps_a_large_events_slot_until_it_is_recorded(
     from tasks_app.a2a import A2AClient, Interface
     from tasks_app.models import Agent, RemoteTask
     from tasks_app.services import tasks as task_services
+    from tasks_app.services.record import Batch
     from tests.serving import loopback_client
 
     lock = threading.Lock()
@@ -246,12 +247,12 @@ def test_a_watchers_stream_keeps_a_large_events_slot_until_it_is_recorded(
     peaks: list[int] = []
     real_record_many = watchers.record_many
 
-    def slow_record_many(task_pk: int, raws: list, channel: str, **kw: object):
+    def slow_record_many(task_pk: int, batch: Batch, channel: str, **kw: object):
         nonlocal in_hand
         time.sleep(0.1)  # a slow database
-        result = real_record_many(task_pk, raws, channel, **kw)
+        result = real_record_many(task_pk, batch, channel, **kw)
         with lock:
-            in_hand -= sum(1 for raw in raws if "artifactUpdate" in raw)
+            in_hand -= sum(1 for raw in batch.objs if "artifactUpdate" in raw)
         return result
 
     monkeypatch.setattr(watchers, "record_many", slow_record_many)

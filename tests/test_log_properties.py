@@ -23,7 +23,7 @@ from tasks_app.a2a import normalize, safejson
 from tasks_app.models import Agent, Artifact, ConversationMessage, RemoteTask
 from tasks_app.services import record as record_module
 from tasks_app.services.audit import replay, verify, view_of
-from tasks_app.services.record import record, record_many, settle
+from tasks_app.services.record import Batch, record, record_many, settle
 from tasks_app.services.snapshot import task_view
 from tests.examples import examples
 from tests.test_truth import assert_sound  # contiguous seqs, the chain verifies, replay = view
@@ -218,16 +218,22 @@ def batches(items: list, cuts: list[int]) -> list[list]:
     cuts=st.lists(st.integers(min_value=1, max_value=9), max_size=4),
 )
 def test_any_split_into_batches_folds_as_one_by_one(objs, channel, cuts):
-    """One record_many, any split into batches and one record() each: the same log and mirror."""
-    one, whole, split = new_task(), new_task(), new_task()
+    """One record_many, any split into batches and one record() each: the same log and mirror.
+    So too when each call is given the next as ``ahead`` (a watcher's calls): on PostgreSQL
+    that batch is parsed, wholly or in part, while the call waits on the database."""
+    one, whole, split, parsed_ahead = new_task(), new_task(), new_task(), new_task()
     for obj in objs:
         record(one, obj, channel)
     record_many(whole, objs, channel)
     for batch in batches(objs, cuts):
         record_many(split, batch, channel)
+    calls = [Batch(batch) for batch in batches(objs, cuts)]
+    for call, ahead in itertools.zip_longest(calls, calls[1:]):
+        record_many(parsed_ahead, call, channel, ahead=ahead)
     expected = (log_rows(one), mirror(one))
     assert (log_rows(whole), mirror(whole)) == expected
     assert (log_rows(split), mirror(split)) == expected
+    assert (log_rows(parsed_ahead), mirror(parsed_ahead)) == expected
     assert_sound(whole)
 
 

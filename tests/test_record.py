@@ -563,6 +563,92 @@ def test_a_chunk_whose_artifact_id_parsing_changes_is_folded_onto_its_artifact(t
     assert [p["text"] for p in artifacts["a-\ufffd"]["parts"]] == ["one", "two", "three"]
 
 
+def pause_after_the_snapshot_update(execute, sql, params, many, context):
+    """An ``execute_wrapper``: after the fold's compare-and-set, a statement the server takes
+    50 ms over (PostgreSQL), a wait inside the transaction as a slow COPY would be."""
+    result = execute(sql, params, many, context)
+    if sql.startswith('UPDATE "tasks_app_remotetask"') and connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_sleep(0.05)")
+    return result
+
+
+def test_the_next_call_is_parsed_while_this_one_waits_and_recorded_alike(task, monkeypatch):
+    """``ahead``: on PostgreSQL the next call's objects are parsed in this call's waits on
+    the database, each object once in all, and the next call records them as it would
+    have; on SQLite that call parses them itself. The log is the one the same objects
+    make without ``ahead``."""
+    from tasks_app.services.record import Batch
+
+    real = record_module.parse_entry
+    parsed: list = []
+    monkeypatch.setattr(record_module, "parse_entry", lambda obj: parsed.append(obj) or real(obj))
+    objs = [
+        status("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:01Z"),
+        chunk("t-1", "one", append=False),
+        status("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:02Z", text="half way"),
+        chunk("t-1", "two\ud800", append=True),  # cleaned as it is parsed
+        {"statusUpdate": "not an object"},
+        chunk("t-1", "three", append=True, last=True),
+    ]
+    first, second = Batch(objs[:3]), Batch(objs[3:])
+    with connection.execute_wrapper(pause_after_the_snapshot_update):
+        record_many(task.pk, first, "stream", ahead=second)
+    postgres = connection.vendor == "postgresql"
+    assert second.pending is not postgres
+
+    def ids(values: list) -> list[int]:
+        return sorted(map(id, values))
+
+    assert ids(parsed) == ids(objs if postgres else objs[:3])
+    record_many(task.pk, second, "stream")
+    assert ids(parsed) == ids(objs)  # once each
+    other_agent = Agent.objects.create(name="b", base_url="http://127.0.0.1:2/")
+    alike = RemoteTask.objects.create(agent=other_agent, title="t")
+    record_many(alike.pk, objs[:3], "stream")
+    record_many(alike.pk, objs[3:], "stream")
+
+    def log(of: RemoteTask) -> list:
+        return list(
+            TaskEvent.objects.filter(task=of)
+            .order_by("seq")
+            .values_list("seq", "kind", "note", "state_after", "digest", "raw")
+        )
+
+    assert log(task) == log(alike) and len(log(task)) == 6
+    assert [p["text"] for p in task_view(task)["artifacts"][0]["parts"]] == [
+        "one", "two\ufffd", "three",
+    ]  # fmt: skip
+
+
+def test_an_object_that_breaks_parsing_ahead_fails_its_own_call(task, monkeypatch):
+    """Parsing ahead that raises does not fail the call that was waiting: the next call
+    meets the error where it is its own, records nothing, and the connection goes on."""
+    from tasks_app.services.record import Batch
+
+    real = record_module.parse_entry
+    tried: list = []
+
+    def breaks_on_marked(obj):
+        if obj.get("marked"):
+            tried.append(obj)
+            raise RuntimeError("parsing broke")
+        return real(obj)
+
+    monkeypatch.setattr(record_module, "parse_entry", breaks_on_marked)
+    first = Batch([status("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:01Z")])
+    second = Batch([chunk("t-1", "one", append=False), {"marked": True}])
+    with connection.execute_wrapper(pause_after_the_snapshot_update):
+        record_many(task.pk, first, "stream", ahead=second)
+    assert len(tried) == (1 if connection.vendor == "postgresql" else 0)
+    assert seqs(task) == [1]
+    with pytest.raises(RuntimeError, match="parsing broke"):
+        record_many(task.pk, second, "stream")
+    assert seqs(task) == [1]
+    record_many(task.pk, [status("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:02Z")], "stream")
+    assert seqs(task) == [1, 2]
+
+
 @pytest.mark.django_db(transaction=True)
 def test_rows_written_from_their_canonical_text_read_back_as_they_came(task, monkeypatch):
     """A batch big enough for COPY writes each log row's raw from the canonical text parsing

@@ -53,7 +53,7 @@ from tasks_app.models import (
     ReplacedContent,
     TaskEvent,
 )
-from tasks_app.services import sent_ahead, surfaces
+from tasks_app.services import sent_ahead, surfaces, waits
 from tasks_app.services.chain import (
     canonical_json,
     chain_hash,
@@ -2444,13 +2444,14 @@ def _within_event_limit(entry: Entry, limit: int) -> Entry:
 
 def record_many(
     task: RemoteTask | int,
-    objs: Sequence[Any],
+    objs: Sequence[Any] | Batch,
     channel: str,
     *,
     actor_id: int | None = None,
     gap_check: bool | None = None,
     fence: str | None = None,
     at: datetime | None = None,
+    ahead: Batch | None = None,
 ) -> Recorded:
     """Record several objects, in order, in one transaction (cheaper for fast streams).
 
@@ -2467,11 +2468,16 @@ def record_many(
     ``at``: when the objects were received (now by default). ``audit replay`` passes the
     stored rows' time: a status time is judged against it (``CLOCK_AHEAD``), and a replay
     a day later must fold as the recording did.
+
+    ``ahead``: the objects of the caller's next call, as a :class:`Batch`; they are parsed
+    while this call waits on PostgreSQL (:mod:`.waits`), and that call, given the same
+    batch, finds them parsed. What is recorded does not change, only when it is parsed.
     """
     task_pk = task if isinstance(task, int) else task.pk
-    batch = _Batch(objs)
+    batch = objs if isinstance(objs, Batch) else Batch(objs)
     for attempt in range(MAX_RETRIES):
-        recorded = _record_once(task_pk, batch, channel, gap_check, actor_id, fence, at)
+        with waits.meanwhile(ahead):
+            recorded = _record_once(task_pk, batch, channel, gap_check, actor_id, fence, at)
         if recorded is not None:
             return recorded
         # Another writer appended first: fold again on its result, after a short
@@ -2480,13 +2486,33 @@ def record_many(
     raise RecordError(f"task {task_pk}: gave up after {MAX_RETRIES} concurrent updates")
 
 
-class _Batch:
-    """The objects of one ``record_many()`` call, parsed once: in its first try, while the
-    task's read is on its way (:class:`TaskRead`)."""
+class Batch:
+    """The objects of one ``record_many()`` call, parsed once: ahead, while an earlier call
+    waited on the database (its ``ahead``), or in the call's first try, while the task's
+    read is on its way (:class:`TaskRead`), whichever comes first; a batch parsed part of
+    the way ahead is finished there."""
 
     def __init__(self, objs: Sequence[Any]) -> None:
         self.objs = objs
-        self.entries: list[Entry] | None = None
+        self._done: list[Entry] = []
+        self.entries: list[Entry] | None = None if objs else []
+
+    @property
+    def pending(self) -> bool:
+        """Whether objects are left to parse (:class:`.waits.Work`)."""
+        return self.entries is None
+
+    def step(self) -> None:
+        """Parse the next object."""
+        done = self._done
+        done.append(parse_entry(self.objs[len(done)]))
+        if len(done) == len(self.objs):
+            self.entries = _within_limits(done)
+
+    def parse(self) -> list[Entry]:
+        while self.entries is None:
+            self.step()
+        return self.entries
 
     def read(
         self, task_pk: int, *, relax: bool
@@ -2495,8 +2521,9 @@ class _Batch:
         them for a snapshot, which compares every one; chunks need only their own), and
         what was read of them: (task, artifacts by id, all of them, the ids asked for).
 
-        1. In the first try the artifacts are told from the objects as they came, the
-           read is sent, and the objects are parsed while it is on its way.
+        1. In the first try, unless parsed ahead, the artifacts are told from the objects
+           as they came, the read is sent, and the objects are parsed (what is left of
+           them) while it is on its way.
         2. The parsed entries say what the fold needs. A guess that missed some of it
            (an object that parsing changed or refused) is read again, exactly.
         """
@@ -2504,7 +2531,7 @@ class _Batch:
             whole, named = _artifacts_guessed(self.objs)
             read = TaskRead(task_pk, relax=relax, artifacts=whole or named)
             try:
-                self.entries = _parsed(self.objs)
+                self.parse()
             except BaseException:
                 read.discard()
                 raise
@@ -2548,8 +2575,7 @@ def _artifacts_guessed(objs: Sequence[Any]) -> tuple[bool, set[str]]:
     return whole, named
 
 
-def _parsed(objs: Sequence[Any]) -> list[Entry]:
-    entries = [parse_entry(obj) for obj in objs]
+def _within_limits(entries: list[Entry]) -> list[Entry]:
     limit = settings.WATCH_MAX_EVENT_BYTES
     if any(entry.size > limit and entry.kind in A2A_KINDS for entry in entries):
         entries = [_within_event_limit(entry, limit) for entry in entries]
@@ -2558,7 +2584,7 @@ def _parsed(objs: Sequence[Any]) -> list[Entry]:
 
 def _record_once(
     task_pk: int,
-    batch: _Batch,
+    batch: Batch,
     channel: str,
     gap_check: bool | None,
     actor_id: int | None,

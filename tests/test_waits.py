@@ -1,0 +1,75 @@
+"""Work done while a thread waits on PostgreSQL (``tasks_app.services.waits``).
+
+On PostgreSQL the steps run while a statement's reply is awaited, and only inside
+``meanwhile``; a step that raises ends the work and not the statement. On SQLite nothing
+is done ahead: the work is left to its own caller.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+
+from tasks_app.services import waits
+
+pytestmark = pytest.mark.django_db
+
+
+class Steps:
+    """Work of ``total`` steps, each noted; the step numbered ``fail_at`` raises."""
+
+    def __init__(self, total: int = 1_000_000, fail_at: int | None = None) -> None:
+        self.total, self.fail_at, self.done = total, fail_at, 0
+
+    @property
+    def pending(self) -> bool:
+        return self.done < self.total
+
+    def step(self) -> None:
+        self.done += 1
+        if self.done == self.fail_at:
+            raise RuntimeError("this step broke")
+
+
+def slept(seconds: float) -> int:
+    """A statement the server takes ``seconds`` over (SQLite: none), and its answer."""
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SELECT pg_sleep(%s), 7", [seconds])
+            return cursor.fetchone()[1]
+        cursor.execute("SELECT 7")
+        return cursor.fetchone()[0]
+
+
+def test_work_is_done_while_a_reply_is_awaited_and_only_inside_the_block():
+    work = Steps()
+    with waits.meanwhile(work):
+        assert slept(0.05) == 7
+        inside = work.done
+    assert slept(0.05) == 7
+    if connection.vendor == "postgresql":
+        # At least one step while the server slept; none once the block was left.
+        assert 0 < inside < work.total
+    else:
+        assert inside == 0
+    assert work.done == inside
+
+
+def test_a_step_that_raises_ends_the_work_not_the_statement():
+    work = Steps(fail_at=3)
+    with waits.meanwhile(work):
+        assert slept(0.05) == 7
+        assert slept(0.05) == 7  # the work is not taken up again in the same block
+    assert work.done == (3 if connection.vendor == "postgresql" else 0)
+    with waits.meanwhile(Steps(total=0)):  # nothing pending: nothing to do
+        assert slept(0) == 7
+
+
+def test_the_block_left_by_an_exception_leaves_no_work_behind():
+    work = Steps()
+    with pytest.raises(ZeroDivisionError), waits.meanwhile(work):
+        slept(0.01)
+        1 / 0  # noqa: B018 - the block ends by an exception
+    done = work.done
+    assert slept(0.05) == 7
+    assert work.done == done
