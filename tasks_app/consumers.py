@@ -648,7 +648,7 @@ class TaskConsumer(_ResyncingConsumer):
             for key in ("task", "seq", "kind", "channel", "state", "note", "received_at")
         }
         out["type"] = "event"
-        # The row's JSON text as the recorder wrote it (record._relay_messages): spliced
+        # The row's JSON text as the recorder wrote it (record._RelayMessages): spliced
         # in, not parsed and written again for every socket.
         await self.send(text_data=f'{(await self.encode_json(out))[:-1]},"raw":{raw_json}}}')
         self.last_sent = seq

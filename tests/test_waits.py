@@ -73,3 +73,53 @@ def test_the_block_left_by_an_exception_leaves_no_work_behind():
     done = work.done
     assert slept(0.05) == 7
     assert work.done == done
+
+
+def test_work_put_first_is_done_first():
+    order: list[str] = []
+
+    class Named(Steps):
+        def __init__(self, name: str) -> None:
+            super().__init__(total=3)
+            self.name = name
+
+        def step(self) -> None:
+            super().step()
+            order.append(self.name)
+
+    later, sooner = Named("later"), Named("sooner")
+    with waits.meanwhile(later):
+        waits.first(sooner)
+        assert slept(0.05) == 7
+    if connection.vendor == "postgresql":
+        assert order == ["sooner"] * 3 + ["later"] * 3
+    else:
+        assert order == []
+    waits.first(Named("outside"))  # outside any block: left to its caller
+    assert slept(0.01) == 7 and "outside" not in order
+
+
+def test_a_step_that_asks_the_database_is_refused_rather_than_left_waiting():
+    """The connection is busy while its reply is awaited: a step that queries through Django
+    is refused (through psycopg it would wait on the connection's lock for ever), its work
+    dropped, and the statement's reply read."""
+    from tasks_app.models import Agent
+
+    refused: list[Exception] = []
+
+    class Asks(Steps):
+        def step(self) -> None:
+            super().step()
+            try:
+                Agent.objects.count()
+            except waits.ConnectionBusy as exc:
+                refused.append(exc)
+                raise
+
+    work = Asks()
+    with waits.meanwhile(work):
+        assert slept(0.05) == 7
+        assert slept(0.05) == 7
+    postgres = connection.vendor == "postgresql"
+    assert (work.done, len(refused)) == ((1, 1) if postgres else (0, 0))
+    assert Agent.objects.count() == 0  # the connection goes on

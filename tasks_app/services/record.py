@@ -98,6 +98,9 @@ class Entry:
     size: int = 0
     # The canonical JSON of ``raw`` when it was written for the digest (see insert_rows).
     text: bytes | None = None
+    # An artifact update's parts, each as its canonical text (``_encode_part``): written
+    # when parsed, which may be ahead (``Batch``), as they need nothing the fold knows.
+    part_texts: list[str] | None = None
 
 
 @dataclass
@@ -218,7 +221,13 @@ def _parse(obj: Any) -> Entry:
     problem = _check(kind, payload)
     if problem:
         return Entry("protocol-error", None, obj, f"{kind}: {problem}")
-    return Entry(kind, _normalized(kind, payload), obj)
+    entry = Entry(kind, _normalized(kind, payload), obj)
+    if kind == "artifactUpdate":
+        parts = entry.payload["artifact"].get("parts") or []
+        entry.part_texts = [_encode_part(part) for part in parts]
+    elif kind == "statusUpdate":
+        _timestamp(entry.payload["status"])  # parsed now, kept for the fold (cached)
+    return entry
 
 
 # A system entry's note (the log row's line under its kind) holds this much of its detail.
@@ -436,10 +445,15 @@ def _canonical(value: Any) -> bytes:
 def chain_digest(digest: str, parts: Sequence[Any], texts: list[str] | None = None) -> str:
     """Extend the chained digest of an artifact's parts by ``parts``; each part's canonical
     text is appended to ``texts`` when given (its row is written from it: ``PART_TEXT``)."""
-    for part in parts:
-        text = _encode_part(part)
-        if texts is not None:
-            texts.append(text)
+    written = [_encode_part(part) for part in parts]
+    if texts is not None:
+        texts.extend(written)
+    return chain_texts(digest, written)
+
+
+def chain_texts(digest: str, texts: Sequence[str]) -> str:
+    """:func:`chain_digest` of parts given as their canonical texts."""
+    for text in texts:
         digest = hashlib.sha256(digest.encode() + text.encode()).hexdigest()
     return digest
 
@@ -1662,8 +1676,12 @@ class _Fold:
         append = bool(update.get("append")) and current is not None
         start = current if append else ""
         parts = data.get("parts") or []
-        texts: list[str] = []
-        self._pending[data["artifactId"]] = digest = chain_digest(start, parts, texts)
+        texts = entry.part_texts if entry.part_texts is not None else []
+        if entry.part_texts is not None:
+            digest = chain_texts(start, texts)
+        else:  # an entry the fold was given unparsed
+            digest = chain_digest(start, parts, texts)
+        self._pending[data["artifactId"]] = digest
         if append:
             held = self.artifact(data["artifactId"])
             stored_count, after = self._pending_parts.get(
@@ -2639,8 +2657,9 @@ def _record_once(
         fold.write_rows(events, now)
         if a2ui_surfaces is not None:
             a2ui_surfaces.write(events, fold.rows)
-        messages = _relay_messages(current, events, fold.rows)
-        transaction.on_commit(lambda: relay.publish(messages))
+        messages = _RelayMessages(current, events, fold.rows)
+        waits.first(messages)  # made while the commit is awaited, where it is
+        transaction.on_commit(lambda: relay.publish(messages.made()))
         transaction.on_commit(lambda: _count(current.agent_id, channel, events))
         return Recorded(
             seqs=[e.seq for e in events],
@@ -2751,10 +2770,10 @@ def settle_if_ended(task: RemoteTask | int, snapshot: dict, *, note: str) -> Non
 RELAY_RAW_LIMIT = 64 * 1024
 
 
-def _relay_messages(
-    task: RemoteTask, events: list[TaskEvent], rows: list[_Row]
-) -> list[relay.Message]:
-    """One message per appended row (with its raw JSON unless large) and one list summary.
+class _RelayMessages:
+    """One message per appended row (with its raw JSON unless large) and one list summary,
+    made a few rows at a time (:class:`.waits.Work`: in the commit's wait on PostgreSQL)
+    and finished by :meth:`made`.
 
     The row's raw JSON goes as text (``raw_json``), which the consumer splices into the
     browser's frame as it is (``TaskConsumer.task_event``): the channel layer packs and
@@ -2764,25 +2783,47 @@ def _relay_messages(
     parsing wrote; another is written once here. Over ``RELAY_RAW_LIMIT`` the text is
     left out, and the consumer reads the row from the log.
     """
-    messages: list[relay.Message] = []
-    received_at = events[0].received_at.isoformat()  # one time for the batch's rows
-    group = relay.task_group(task.pk)
-    for event, row in zip(events, rows, strict=True):
-        message = event_json(event, received_at)
-        message["type"] = "task.event"
-        del message["raw"]
-        entry = row.entry
-        if event.raw is entry.raw and entry.text is not None:
-            text = entry.text
-        elif event.raw is entry.raw and entry.size > RELAY_RAW_LIMIT:
-            text = None  # its canonical size (ASCII escapes) bounds the row's: too large
-        else:
-            text = _canonical(event.raw)
-        if text is not None and len(text) <= RELAY_RAW_LIMIT:
-            message["raw_json"] = text.decode()
-        messages.append((group, message))
-    messages.append((relay.LIST_GROUP, {"type": "tasks.changed", **task_summary(task)}))
-    return messages
+
+    ROWS_A_STEP = 16  # about 20 us: a reply waits no longer for one step
+
+    def __init__(self, task: RemoteTask, events: list[TaskEvent], rows: list[_Row]) -> None:
+        self.task, self.events, self.rows = task, events, rows
+        self.messages: list[relay.Message] = []
+        self.received_at = events[0].received_at.isoformat()  # one time for the batch's rows
+        self.group = relay.task_group(task.pk)
+
+    @property
+    def pending(self) -> bool:
+        return len(self.messages) < len(self.events)
+
+    def step(self) -> None:
+        done = len(self.messages)
+        for event, row in zip(
+            self.events[done : done + self.ROWS_A_STEP],
+            self.rows[done : done + self.ROWS_A_STEP],
+            strict=True,
+        ):
+            message = event_json(event, self.received_at)
+            message["type"] = "task.event"
+            del message["raw"]
+            entry = row.entry
+            if event.raw is entry.raw and entry.text is not None:
+                text = entry.text
+            elif event.raw is entry.raw and entry.size > RELAY_RAW_LIMIT:
+                text = None  # its canonical size (ASCII escapes) bounds the row's: too large
+            else:
+                text = _canonical(event.raw)
+            if text is not None and len(text) <= RELAY_RAW_LIMIT:
+                message["raw_json"] = text.decode()
+            self.messages.append((self.group, message))
+
+    def made(self) -> list[relay.Message]:
+        while self.pending:
+            self.step()
+        return [
+            *self.messages,
+            (relay.LIST_GROUP, {"type": "tasks.changed", **task_summary(self.task)}),
+        ]
 
 
 def task_summary(task: RemoteTask) -> dict:

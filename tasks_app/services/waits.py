@@ -6,14 +6,15 @@ round trip: 21 us an event of 60, measured in-process for P3), and the thread si
 meanwhile. The objects of the next call are often known already: a watcher records what
 it took from a stream in calls of ``RECORD_CALL_EVENTS``. Parsing them needs nothing
 from the database, so it is done in those waits (:func:`meanwhile`), one object at a
-time, and the next call finds them parsed.
+time, and the next call finds them parsed. What a call does after its commit (its
+messages for the relay) is made in the commit's wait (:func:`first`).
 
 How: each psycopg connection waits through its ``wait()`` method, which drives a
 generator that says when it needs the socket readable (the request is out, the reply
 has not come). :func:`meanwhile` puts a wrapper on this thread's connection which, at
 each such point, does steps of the work until the socket is readable, then lets
-psycopg wait as it would. A step is one object, so a reply waits at most one object's
-parsing; the work is done once whichever call does it, so nothing is added, only moved
+psycopg wait as it would. A step is small (one object), so a reply waits at most one
+step; the work is done once whichever call does it, so nothing is added, only moved
 into time that was idle. Elsewhere (SQLite) :func:`meanwhile` does nothing and the
 work is done by the call that needs it.
 
@@ -47,9 +48,10 @@ class Work(Protocol):
 
 
 @contextlib.contextmanager
-def meanwhile(work: Work | None) -> Iterator[None]:
-    """While inside, this thread's PostgreSQL waits do steps of ``work`` (see the module)."""
-    if work is None or not work.pending or connection.vendor != "postgresql":
+def meanwhile(work: Work | None = None) -> Iterator[None]:
+    """While inside, this thread's PostgreSQL waits do steps of ``work``, and of what
+    :func:`first` adds (see the module)."""
+    if connection.vendor != "postgresql":
         yield
         return
     connection.ensure_connection()
@@ -57,11 +59,22 @@ def meanwhile(work: Work | None) -> Iterator[None]:
     waiter = raw.__dict__.get("wait")
     if not isinstance(waiter, _Waiter):
         waiter = raw.wait = _Waiter(raw)
-    waiter.work = work
+    outer = waiter.works
+    waiter.works = [work] if work is not None and work.pending else []
     try:
         yield
     finally:
-        waiter.work = None
+        waiter.works = outer
+
+
+def first(work: Work) -> None:
+    """Inside :func:`meanwhile`, do ``work`` in the waits before what is there already (it
+    is needed sooner); elsewhere nothing: its caller does it when it needs it."""
+    if connection.vendor != "postgresql" or connection.connection is None:
+        return
+    waiter = connection.connection.__dict__.get("wait")
+    if isinstance(waiter, _Waiter) and waiter.works is not None:
+        waiter.works.insert(0, work)
 
 
 class _Waiter:
@@ -72,12 +85,11 @@ class _Waiter:
         # until the cyclic collector runs (rarely, in a worker).
         self._raw = weakref.ref(raw)
         self._wait = type(raw).wait
-        self.work: Work | None = None
+        self.works: list[Work] | None = None  # None: outside any meanwhile()
 
     def __call__(self, gen: Generator, *args: Any, **kwargs: Any) -> Any:
         raw = self._raw()
-        work = self.work
-        if work is not None and work.pending:
+        if self.works:
             gen = self._working_while_reading(gen, raw.pgconn.socket)
         return self._wait(raw, gen, *args, **kwargs)
 
@@ -87,7 +99,7 @@ class _Waiter:
         try:
             state = next(gen)
             while True:
-                if state == WAIT_R:
+                if state == WAIT_R and self.works:
                     self._work_until_readable(fileno)
                 ready = yield state
                 state = gen.send(ready)
@@ -95,14 +107,34 @@ class _Waiter:
             return stop.value
 
     def _work_until_readable(self, fileno: int) -> None:
-        work = self.work
-        if work is None or not work.pending:
-            return
+        """Steps of the works, first first, until the reply is there or nothing is left.
+
+        The connection is busy meanwhile: a step that asks the database something would
+        wait forever on psycopg's lock of it. Through Django it is refused instead (an
+        ``execute_wrapper``, for these steps alone), and that work is dropped here.
+        """
+        works = self.works
+        assert works is not None
         poller = select.poll()
         poller.register(fileno, select.POLLIN)
-        while work.pending and not poller.poll(0):
-            try:
-                work.step()
-            except Exception:  # the work's own caller meets it again, and says so
-                self.work = None
-                return
+        connection.execute_wrappers.append(_busy)
+        try:
+            while works and not poller.poll(0):
+                work = works[0]
+                if not work.pending:
+                    works.pop(0)
+                    continue
+                try:
+                    work.step()
+                except Exception:  # the work's own caller meets it again, and says so
+                    works.pop(0)
+        finally:
+            connection.execute_wrappers.remove(_busy)
+
+
+def _busy(*args: Any) -> None:
+    raise ConnectionBusy("the database connection is waiting for a reply")
+
+
+class ConnectionBusy(RuntimeError):
+    """A step of work asked the database while its connection awaited a reply."""
