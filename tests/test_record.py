@@ -104,6 +104,33 @@ def test_a_call_leaves_no_reference_cycle_to_collect(task):
     assert left == []
 
 
+def test_calls_given_the_next_leave_no_reference_cycle_either(task):
+    """A batch holds its fold made ahead, which holds what it was made from: nothing of it
+    may refer back, or the batch, its entries and the last call's fold wait for the cyclic
+    collector; a fold made ahead and never taken too (the stream ended)."""
+    from tasks_app.services.record import Batch
+
+    record(task, snapshot("t-1", "TASK_STATE_WORKING"), "stream")
+    big = "x" * 100_000
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        calls = [Batch([chunk("t-1", big, append=i > 0)]) for i in range(3)]
+        with connection.execute_wrapper(pause_after_the_log_rows):
+            record_many(task, calls[0], "stream", ahead=calls[1])
+            record_many(task, calls[1], "stream", ahead=calls[2])
+        del calls
+        gc.collect()
+        ours = (record_module._Fold, record_module.Entry, record_module.Batch,
+                record_module._FoldAhead, ArtifactPart)  # fmt: skip
+        left = [type(o).__name__ for o in gc.garbage if isinstance(o, ours)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert ArtifactPart.objects.filter(artifact__task=task).count() == 2
+    assert left == []
+
+
 def test_our_own_entries_say_what_happened_in_their_rows_note(task):
     """A system row's line under its kind was empty: "answer-failed ... the task is gone"
     was in its raw JSON alone, and the page showed a bare "system"."""
@@ -563,11 +590,11 @@ def test_a_chunk_whose_artifact_id_parsing_changes_is_folded_onto_its_artifact(t
     assert [p["text"] for p in artifacts["a-\ufffd"]["parts"]] == ["one", "two", "three"]
 
 
-def pause_after_the_snapshot_update(execute, sql, params, many, context):
-    """An ``execute_wrapper``: after the fold's compare-and-set, a statement the server takes
-    50 ms over (PostgreSQL), a wait inside the transaction as a slow COPY would be."""
+def pause_after_the_log_rows(execute, sql, params, many, context):
+    """An ``execute_wrapper``: after a call's log rows are inserted, a statement the server
+    takes 50 ms over (PostgreSQL), a wait inside the transaction as a slow COPY would be."""
     result = execute(sql, params, many, context)
-    if sql.startswith('UPDATE "tasks_app_remotetask"') and connection.vendor == "postgresql":
+    if sql.startswith('INSERT INTO "tasks_app_taskevent"') and connection.vendor == "postgresql":
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_sleep(0.05)")
     return result
@@ -592,7 +619,7 @@ def test_the_next_call_is_parsed_while_this_one_waits_and_recorded_alike(task, m
         chunk("t-1", "three", append=True, last=True),
     ]
     first, second = Batch(objs[:3]), Batch(objs[3:])
-    with connection.execute_wrapper(pause_after_the_snapshot_update):
+    with connection.execute_wrapper(pause_after_the_log_rows):
         record_many(task.pk, first, "stream", ahead=second)
     postgres = connection.vendor == "postgresql"
     assert second.pending is not postgres
@@ -638,7 +665,7 @@ def test_an_object_that_breaks_parsing_ahead_fails_its_own_call(task, monkeypatc
     monkeypatch.setattr(record_module, "parse_entry", breaks_on_marked)
     first = Batch([status("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:01Z")])
     second = Batch([chunk("t-1", "one", append=False), {"marked": True}])
-    with connection.execute_wrapper(pause_after_the_snapshot_update):
+    with connection.execute_wrapper(pause_after_the_log_rows):
         record_many(task.pk, first, "stream", ahead=second)
     assert len(tried) == (1 if connection.vendor == "postgresql" else 0)
     assert seqs(task) == [1]
@@ -647,6 +674,124 @@ def test_an_object_that_breaks_parsing_ahead_fails_its_own_call(task, monkeypatc
     assert seqs(task) == [1]
     record_many(task.pk, [status("t-1", "TASK_STATE_WORKING", ts="2026-01-01T00:00:02Z")], "stream")
     assert seqs(task) == [1, 2]
+
+
+def counting_adds(monkeypatch) -> list:
+    """Each entry a fold adds, as it is added (made ahead or in its call)."""
+    added: list = []
+    real = record_module._Fold.add
+
+    def add(fold, entry):
+        added.append(entry)
+        return real(fold, entry)
+
+    monkeypatch.setattr(record_module._Fold, "add", add)
+    return added
+
+
+def log_of(task: RemoteTask) -> list:
+    """The log without the time of day (each task records at its own)."""
+    return list(
+        TaskEvent.objects.filter(task=task)
+        .order_by("seq")
+        .values_list("seq", "channel", "kind", "note", "state_after", "digest", "raw")
+    )
+
+
+def working(second: int, **kw) -> dict:
+    return status("t-1", "TASK_STATE_WORKING", ts=f"2026-01-01T00:00:{second:02d}Z", **kw)
+
+
+def test_a_fold_made_ahead_is_the_calls_when_the_task_is_as_the_last_call_left_it(
+    task, monkeypatch
+):
+    """On PostgreSQL the next call's fold is made in this call's waits, from the task as
+    this call leaves it, and the next call takes it (no entry folded again); the log and
+    the mirror are those of the same calls without ``ahead``. On SQLite each call folds
+    its own."""
+    from tasks_app.services.record import Batch
+
+    objs = [working(1), chunk("t-1", "one", append=False), working(2), chunk("t-1", "two", append=True),
+            chunk("t-1", "three", append=True, last=True), working(3)]  # fmt: skip
+    first, second = Batch(objs[:2]), Batch(objs[2:])
+    with connection.execute_wrapper(pause_after_the_log_rows):
+        record_many(task.pk, first, "stream", ahead=second)
+    postgres = connection.vendor == "postgresql"
+    made = second.folded_ahead
+    assert (made is not None and made.done) is postgres
+    added = counting_adds(monkeypatch)
+    record_many(task.pk, second, "stream")
+    assert len(added) == (0 if postgres else 4)
+    other = RemoteTask.objects.create(
+        agent=Agent.objects.create(name="b", base_url="http://127.0.0.1:2/"), title="t"
+    )
+    record_many(other.pk, objs[:2], "stream")
+    record_many(other.pk, objs[2:], "stream")
+    assert log_of(task) == log_of(other) and len(log_of(task)) == 6
+    mine, theirs = (task_view(RemoteTask.objects.get(pk=t.pk)) for t in (task, other))
+    assert {k: v for k, v in mine.items() if k != "id"} == {
+        k: v for k, v in theirs.items() if k != "id"
+    }
+    received = list(TaskEvent.objects.filter(task=task).order_by("seq").values_list(
+        "received_at", flat=True))  # fmt: skip
+    assert received == sorted(received)
+
+
+@pytest.mark.parametrize("meanwhile", ["appended", "changed-behind", "lease-moved"])
+def test_a_fold_made_ahead_is_not_the_calls_when_the_task_changed_since(
+    task, monkeypatch, meanwhile
+):
+    """Between the call that made the next fold ahead and the next call, the task changed:
+    another writer appended a row; a column the fold reads changed without a row (a state
+    set behind the log's back, as no path of ours does: the test of what is compared); the
+    lease moved to another holder. The next call folds for itself, and records what the
+    task as it is now makes of its entries."""
+    from tasks_app.services.record import Batch
+
+    RemoteTask.objects.filter(pk=task.pk).update(lease_token="mine")
+    first = Batch([working(1), chunk("t-1", "one", append=False)])
+    second = Batch([working(2), chunk("t-1", "two", append=True)])
+    with connection.execute_wrapper(pause_after_the_log_rows):
+        record_many(task.pk, first, "stream", ahead=second, fence="mine")
+    if meanwhile == "appended":
+        record(task.pk, {"system": {"event": "a note"}}, "system")
+    elif meanwhile == "changed-behind":
+        RemoteTask.objects.filter(pk=task.pk).update(state="TASK_STATE_COMPLETED")
+    else:
+        RemoteTask.objects.filter(pk=task.pk).update(lease_token="theirs")
+    added = counting_adds(monkeypatch)
+    result = record_many(task.pk, second, "stream", fence="mine")
+    kinds = [row[2] for row in log_of(task)]
+    if meanwhile == "appended":
+        assert len(added) == 2 and kinds == ["statusUpdate", "artifactUpdate", "system",
+                                             "statusUpdate", "artifactUpdate"]  # fmt: skip
+    elif meanwhile == "changed-behind":
+        # Refused as after the end: made ahead from a working task, they were taken.
+        assert len(added) == 2 and kinds[2:] == ["protocol-error", "protocol-error"]
+    else:
+        assert result.fenced and added == [] and kinds == ["statusUpdate", "artifactUpdate"]
+
+
+def test_a_fold_ahead_that_would_ask_the_database_is_left_to_its_call(task, monkeypatch):
+    """A status carrying a message makes the fold look the message up in the conversation:
+    a query, which a wait refuses. The fold is not made ahead; its call makes it, and the
+    message is stored once."""
+    from tasks_app.services.record import Batch
+
+    first = Batch([working(1)])
+    second = Batch([working(2, text="half way"), working(3, text="half way", mid="m-half way")])
+    with connection.execute_wrapper(pause_after_the_log_rows):
+        record_many(task.pk, first, "stream", ahead=second)
+    made = second.folded_ahead
+    if connection.vendor == "postgresql":
+        assert made is not None and made.failed
+    else:
+        assert made is None
+    added = counting_adds(monkeypatch)
+    record_many(task.pk, second, "stream")
+    assert len(added) == 2
+    assert task.messages.count() == 1
+    assert [row[2] for row in log_of(task)] == ["statusUpdate"] * 3
 
 
 @pytest.mark.django_db(transaction=True)

@@ -19,12 +19,14 @@ nothing: recording is idempotent.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
 import logging
 import random
 import time
+import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -1915,11 +1917,14 @@ class _Fold:
             )
         return {aid: cache[aid] for aid in ids if cache.get(aid) is not None}
 
-    def write_rows(self, events: list[TaskEvent], now: datetime) -> None:
+    def write_rows(
+        self, events: list[TaskEvent], now: datetime, applied: Callable[[], None] | None = None
+    ) -> None:
         """Append the log rows and apply them to the snapshot's rows.
 
         Writes are gathered and made in bulk at the end: a batch of any size
         costs a handful of statements (events, parts, messages, artifacts).
+        ``applied`` is called once the rows are applied in memory, before the bulk writes.
         """
         self._new_parts: list[ArtifactPart] = []
         self._new_messages: list[ConversationMessage] = []
@@ -1928,6 +1933,8 @@ class _Fold:
         for row, event in zip(self.rows, events, strict=True):
             if row.apply:
                 self._apply_row(row, event.seq, now)
+        if applied is not None:
+            applied()
         if self._replaced:
             ReplacedContent.objects.bulk_create(
                 [
@@ -2495,7 +2502,9 @@ def record_many(
     batch = objs if isinstance(objs, Batch) else Batch(objs)
     for attempt in range(MAX_RETRIES):
         with waits.meanwhile(ahead):
-            recorded = _record_once(task_pk, batch, channel, gap_check, actor_id, fence, at)
+            recorded = _record_once(
+                task_pk, batch, channel, gap_check, actor_id, fence, at, ahead=ahead
+            )
         if recorded is not None:
             return recorded
         # Another writer appended first: fold again on its result, after a short
@@ -2514,6 +2523,8 @@ class Batch:
         self.objs = objs
         self._done: list[Entry] = []
         self.entries: list[Entry] | None = None if objs else []
+        # Its fold, made in the previous call's waits (see _record_once).
+        self.folded_ahead: _FoldAhead | None = None
 
     @property
     def pending(self) -> bool:
@@ -2608,8 +2619,15 @@ def _record_once(
     actor_id: int | None,
     fence: str | None,
     at: datetime | None = None,
+    ahead: Batch | None = None,
 ) -> Recorded | None:
-    """One try: fold and append in one transaction; None when another writer won the race."""
+    """One try: fold and append in one transaction; None when another writer won the race.
+
+    The fold may have been made ahead (:class:`_FoldAhead`), in the previous call's waits,
+    from the task as that call left it: it is taken when the task and artifacts read now
+    are those it started from, and the call's arguments the same; else it is made here.
+    """
+    given = (channel, gap_check, actor_id, fence, at)
     with transaction.atomic():
         current, held, whole, named = batch.read(task_pk, relax=_relaxed(channel))
         entries = batch.entries
@@ -2623,22 +2641,27 @@ def _record_once(
             gap_check = channel == "resubscribe" or (
                 channel == "poll" and current.watch == RemoteTask.Watch.STREAM
             )
-        fold = _Fold(
-            current, channel, gap_check=gap_check, fence=fence, artifacts=held, whole=whole, at=at
-        )
-        fold.not_held(named)
-        fold.prefetch_messages(entries)
-        entries = fold.without_typed_values(entries)
-        for entry in entries:
-            fold.add(entry)
-        a2ui_surfaces = surfaces.collect(fold)  # A2UI surfaces, and diagnoses as rows
+        made = batch.folded_ahead
+        batch.folded_ahead = None
+        if made is not None and made.started_from(current, held, whole, named, given):
+            fold, a2ui_surfaces, now, events = made.finish()
+        else:
+            fold = _Fold(
+                current, channel, gap_check=gap_check, fence=fence, artifacts=held, whole=whole,
+                at=at,
+            )  # fmt: skip
+            fold.not_held(named)
+            fold.prefetch_messages(entries)
+            for entry in fold.without_typed_values(entries):
+                fold.add(entry)
+            a2ui_surfaces = surfaces.collect(fold)  # A2UI surfaces, and diagnoses as rows
+            now, events = timezone.now(), None
         if not fold.rows:
             return Recorded(
                 state=current.state, over_budget=fold.over_budget, repeated=fold.repeated
             )
-        now = timezone.now()
-        first_seq = current.last_seq + 1
-        events = fold.build_events(first_seq, now, actor_id)
+        if events is None:
+            events = fold.build_events(current.last_seq + 1, now, actor_id)
         changes = dict(
             fold.changes,
             last_seq=current.last_seq + len(fold.rows),
@@ -2654,7 +2677,15 @@ def _record_once(
             return None
         for name, value in changes.items():
             setattr(current, name, value)
-        fold.write_rows(events, now)
+
+        def fold_ahead() -> None:
+            # The next call's fold, from the task and artifacts as this one leaves them, in
+            # this call's waits (after the parsing of its objects: waits.then).
+            if ahead is not None:
+                made = _FoldAhead(ahead, current, fold, given)
+                ahead.folded_ahead = made if waits.then(made) else None
+
+        fold.write_rows(events, now, applied=fold_ahead)
         if a2ui_surfaces is not None:
             a2ui_surfaces.write(events, fold.rows)
         messages = _RelayMessages(current, events, fold.rows)
@@ -2670,6 +2701,130 @@ def _record_once(
             repeated=fold.repeated,
             news=any(row.apply and row.kind in A2A_KINDS for row in fold.rows),
         )
+
+
+class _FoldAhead:
+    """The fold of a call's batch made ahead, in the previous call's waits on PostgreSQL
+    (:mod:`.waits`), from the task and artifacts as that call leaves them in memory.
+
+    What the fold reads is all in what it starts from: the task's row, the artifacts the
+    batch names, the entries, the call's arguments, and the time (``now``, which the rows
+    then carry). :meth:`started_from` compares the first two with what the call reads in
+    its transaction, and the arguments with its own; anything else the fold would read
+    (the log, the conversation, artifacts not in hand) is a query, which a wait refuses
+    (``waits.ConnectionBusy``): the work is dropped and the call folds for itself. So is a
+    batch with a snapshot, which compares every artifact, or naming one not in hand.
+
+    Steps, each small (a reply waits at most one): the start, one entry each, then the
+    A2UI surfaces and the log rows.
+    """
+
+    def __init__(self, batch: Batch, task: RemoteTask, before: _Fold, given: tuple) -> None:
+        # The batch holds this: a reference back would make a cycle of its entries and the
+        # last call's fold, freed only by the cyclic collector (see ``_Rows``).
+        self._batch = weakref.ref(batch)
+        self.given = given
+        self._task: RemoteTask | None = task
+        self._before: _Fold | None = before
+        self.fold: _Fold | None = None
+        self.entries: list[Entry] = []
+        self.added = 0
+        self.surfaces: Any = None
+        self.events: list[TaskEvent] | None = None
+        self.done = self.failed = False
+
+    @property
+    def pending(self) -> bool:
+        return not (self.done or self.failed)
+
+    def step(self) -> None:
+        try:
+            if self.fold is None:
+                self._start()
+            elif self.added < len(self.entries):
+                self.fold.add(self.entries[self.added])
+                self.added += 1
+            else:
+                self._end()
+        except BaseException:
+            self.failed = True
+            raise
+
+    def _start(self) -> None:
+        """1. The task and the artifacts the entries name, copied as the last call left them.
+        2. The fold from them, with what a call does before its entries."""
+        batch, last, before = self._batch(), self._task, self._before
+        self._task = self._before = None  # what is needed is copied: the last call's go
+        entries = batch.entries if batch is not None else None
+        if entries is None or last is None or before is None:
+            raise _NotAhead("the batch is not parsed")
+        whole, named = _artifacts_named(entries)
+        if whole or not named <= before._artifacts.keys() | before._absent:
+            raise _NotAhead("the batch needs artifacts not in hand")
+        self.named = named
+        task = copy.copy(last)  # 1
+        held = {aid: copy.copy(before._artifacts[aid]) for aid in named if aid in before._artifacts}
+        self.first_seq = task.last_seq + 1
+        self.task_values = _row_values(task)
+        self.held_values = {aid: _row_values(artifact) for aid, artifact in held.items()}
+        channel, gap_check, _, fence, at = self.given
+        if gap_check is None:
+            gap_check = channel == "resubscribe" or (
+                channel == "poll" and task.watch == RemoteTask.Watch.STREAM
+            )
+        self.now = timezone.now()
+        fold = _Fold(
+            task, channel, gap_check=gap_check, fence=fence, artifacts=held, whole=False,
+            at=at,
+        )  # fmt: skip
+        fold.not_held(named)  # 2
+        fold.prefetch_messages(entries)
+        self.entries = fold.without_typed_values(entries)
+        self.fold = fold
+
+    def _end(self) -> None:
+        fold = self.fold
+        assert fold is not None
+        self.surfaces = surfaces.collect(fold)
+        if fold.rows:
+            actor_id = self.given[2]
+            self.events = fold.build_events(self.first_seq, self.now, actor_id)
+        self.done = True
+
+    def started_from(
+        self,
+        task: RemoteTask,
+        held: dict[str, Artifact] | None,
+        whole: bool,
+        named: set[str],
+        given: tuple,
+    ) -> bool:
+        """Whether the call's task, artifacts and arguments are those this fold started
+        from (an unfinished fold is finished by :meth:`finish`)."""
+        return (
+            self.fold is not None
+            and not self.failed
+            and given == self.given
+            and not whole
+            and named == self.named
+            and _row_values(task) == self.task_values
+            and {aid: _row_values(a) for aid, a in (held or {}).items()} == self.held_values
+        )
+
+    def finish(self) -> tuple[_Fold, Any, datetime, list[TaskEvent] | None]:
+        while self.pending:
+            self.step()
+        assert self.fold is not None
+        return self.fold, self.surfaces, self.now, self.events
+
+
+class _NotAhead(Exception):
+    """The batch's fold cannot be made ahead; its call folds it."""
+
+
+def _row_values(row: models.Model) -> tuple:
+    """A row's column values as read (what a fold reads of it)."""
+    return tuple(getattr(row, field.attname) for field in row._meta.concrete_fields)
 
 
 def _count(agent_id: int, channel: str, events: list[TaskEvent]) -> None:

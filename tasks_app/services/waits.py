@@ -70,11 +70,27 @@ def meanwhile(work: Work | None = None) -> Iterator[None]:
 def first(work: Work) -> None:
     """Inside :func:`meanwhile`, do ``work`` in the waits before what is there already (it
     is needed sooner); elsewhere nothing: its caller does it when it needs it."""
+    waiter = _waiter()
+    if waiter is not None:
+        waiter.works.insert(0, work)  # type: ignore[union-attr]
+
+
+def then(work: Work) -> bool:
+    """Inside :func:`meanwhile`, do ``work`` in the waits after what is there already, and
+    say so; elsewhere nothing (False)."""
+    waiter = _waiter()
+    if waiter is None:
+        return False
+    waiter.works.append(work)  # type: ignore[union-attr]
+    return True
+
+
+def _waiter() -> _Waiter | None:
+    """This thread's connection's waiter inside :func:`meanwhile` (None elsewhere)."""
     if connection.vendor != "postgresql" or connection.connection is None:
-        return
+        return None
     waiter = connection.connection.__dict__.get("wait")
-    if isinstance(waiter, _Waiter) and waiter.works is not None:
-        waiter.works.insert(0, work)
+    return waiter if isinstance(waiter, _Waiter) and waiter.works is not None else None
 
 
 class _Waiter:
