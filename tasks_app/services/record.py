@@ -2494,9 +2494,10 @@ def record_many(
     stored rows' time: a status time is judged against it (``CLOCK_AHEAD``), and a replay
     a day later must fold as the recording did.
 
-    ``ahead``: the objects of the caller's next call, as a :class:`Batch`; they are parsed
-    while this call waits on PostgreSQL (:mod:`.waits`), and that call, given the same
-    batch, finds them parsed. What is recorded does not change, only when it is parsed.
+    ``ahead``: the objects of the caller's next call, as a :class:`Batch`. While this call
+    waits on PostgreSQL (:mod:`.waits`) they are parsed, then folded from the task as this
+    call leaves it (:class:`_FoldAhead`); that call, given the same batch, takes what was
+    made when it still holds. What is recorded does not change, only when it is worked out.
     """
     task_pk = task if isinstance(task, int) else task.pk
     batch = objs if isinstance(objs, Batch) else Batch(objs)
@@ -2523,7 +2524,7 @@ class Batch:
         self.objs = objs
         self._done: list[Entry] = []
         self.entries: list[Entry] | None = None if objs else []
-        # Its fold, made in the previous call's waits (see _record_once).
+        # Its fold, made in the previous call's waits (see _record_once): taken if it holds.
         self.folded_ahead: _FoldAhead | None = None
 
     @property
@@ -2636,11 +2637,7 @@ def _record_once(
             raise RecordError(f"task {task_pk} does not exist")
         if fence is not None and current.lease_token != fence:
             return Recorded(state=current.state, fenced=True)
-        if gap_check is None:
-            # A snapshot after a time with no live stream: what differs was not seen live.
-            gap_check = channel == "resubscribe" or (
-                channel == "poll" and current.watch == RemoteTask.Watch.STREAM
-            )
+        gap_check = _gap_check(gap_check, channel, current)
         made = batch.folded_ahead
         batch.folded_ahead = None
         if made is not None and made.started_from(current, held, whole, named, given):
@@ -2754,7 +2751,7 @@ class _FoldAhead:
         """1. The task and the artifacts the entries name, copied as the last call left them.
         2. The fold from them, with what a call does before its entries."""
         batch, last, before = self._batch(), self._task, self._before
-        self._task = self._before = None  # what is needed is copied: the last call's go
+        self._task = self._before = None  # what is needed is copied; the rest is let go
         entries = batch.entries if batch is not None else None
         if entries is None or last is None or before is None:
             raise _NotAhead("the batch is not parsed")
@@ -2768,10 +2765,7 @@ class _FoldAhead:
         self.task_values = _row_values(task)
         self.held_values = {aid: _row_values(artifact) for aid, artifact in held.items()}
         channel, gap_check, _, fence, at = self.given
-        if gap_check is None:
-            gap_check = channel == "resubscribe" or (
-                channel == "poll" and task.watch == RemoteTask.Watch.STREAM
-            )
+        gap_check = _gap_check(gap_check, channel, task)
         self.now = timezone.now()
         fold = _Fold(
             task, channel, gap_check=gap_check, fence=fence, artifacts=held, whole=False,
@@ -2816,6 +2810,14 @@ class _FoldAhead:
             self.step()
         assert self.fold is not None
         return self.fold, self.surfaces, self.now, self.events
+
+
+def _gap_check(given: bool | None, channel: str, task: RemoteTask) -> bool:
+    """``record_many``'s ``gap_check``, when not given: a snapshot after a time with no live
+    stream, where what differs was not seen live."""
+    if given is not None:
+        return given
+    return channel == "resubscribe" or (channel == "poll" and task.watch == RemoteTask.Watch.STREAM)
 
 
 class _NotAhead(Exception):

@@ -6,8 +6,10 @@ round trip: 21 us an event of 60, measured in-process for P3), and the thread si
 meanwhile. The objects of the next call are often known already: a watcher records what
 it took from a stream in calls of ``RECORD_CALL_EVENTS``. Parsing them needs nothing
 from the database, so it is done in those waits (:func:`meanwhile`), one object at a
-time, and the next call finds them parsed. What a call does after its commit (its
-messages for the relay) is made in the commit's wait (:func:`first`).
+time, and the next call finds them parsed; then so is the next call's fold, from the
+task as this call leaves it, which the next call takes if the task is still so
+(``record._FoldAhead``, :func:`then`). What a call does after its commit (its messages
+for the relay) is made in the commit's wait (:func:`first`).
 
 How: each psycopg connection waits through its ``wait()`` method, which drives a
 generator that says when it needs the socket readable (the request is out, the reply
