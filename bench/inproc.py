@@ -298,7 +298,8 @@ def p3(db: str, quick: bool) -> list[Row]:
             ratio=f"{ratio:.2f}x",
             db=db,
             note=(
-                f"record_many() in batches of {BATCH} (half statusUpdate, half appended artifact chunks), "
+                f"record_many() in calls of {BATCH} as a watcher makes them (each given the next call of "
+                f"its take of 500 as ahead; half statusUpdate, half appended artifact chunks), "
                 f"relay through the worker-style relay coroutine to Redis, clock stopped when the last "
                 f"message reached a listener process (standing for the web process) in task-<pk>; "
                 f"relayed {count}/{n}; recording alone took "
@@ -368,7 +369,7 @@ def p8(db: str, quick: bool) -> list[Row]:
             ratio=f"{cost:+.0%}",
             db=db,
             note=(
-                f"record_many() in batches of {BATCH} (half statusUpdate, half appended chunks), best of "
+                f"record_many() in calls of {BATCH} as a watcher makes them (half statusUpdate, half appended chunks), best of "
                 f"3 alternating runs each; floor: the same with the content digest and the chained row "
                 f"hash replaced by constants. Cost = 1 - on/off = {cost:.1%}."
             ),
@@ -419,7 +420,7 @@ def p4(db: str, quick: bool) -> list[Row]:
             ok,
             db=db,
             note=(
-                f"appended artifactUpdate chunks through record_many() in batches of {BATCH}, relay on, "
+                f"appended artifactUpdate chunks through record_many() in calls of {BATCH} as a watcher makes them, relay on, "
                 f"timed until the last chunk was relayed; the large artifact holds {parts} parts; "
                 f"{lost} relay messages missing."
             ),

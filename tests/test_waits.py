@@ -123,3 +123,24 @@ def test_a_step_that_asks_the_database_is_refused_rather_than_left_waiting():
     postgres = connection.vendor == "postgresql"
     assert (work.done, len(refused)) == ((1, 1) if postgres else (0, 0))
     assert Agent.objects.count() == 0  # the connection goes on
+
+
+def test_an_interruption_in_a_step_is_raised_once_the_reply_is_read():
+    """``KeyboardInterrupt`` in a step comes out of the statement after its reply is read,
+    so the connection has nothing left on the wire and the next statement runs."""
+
+    class Interrupts(Steps):
+        def step(self) -> None:
+            super().step()
+            raise KeyboardInterrupt
+
+    work = Interrupts()
+    postgres = connection.vendor == "postgresql"
+    with waits.meanwhile(work):
+        if postgres:
+            with pytest.raises(KeyboardInterrupt):
+                slept(0.05)
+        else:
+            assert slept(0.05) == 7
+    assert work.done == (1 if postgres else 0)
+    assert slept(0) == 7

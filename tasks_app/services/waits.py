@@ -52,7 +52,7 @@ class Work(Protocol):
 @contextlib.contextmanager
 def meanwhile(work: Work | None = None) -> Iterator[None]:
     """While inside, this thread's PostgreSQL waits do steps of ``work``, and of what
-    :func:`first` adds (see the module)."""
+    :func:`first` and :func:`then` add (see the module)."""
     if connection.vendor != "postgresql":
         yield
         return
@@ -113,15 +113,27 @@ class _Waiter:
 
     def _working_while_reading(self, gen: Generator, fileno: int) -> Generator:
         """``gen`` as psycopg drives it, with steps of the work before each wait for the
-        reply, while nothing has arrived to read."""
+        reply, while nothing has arrived to read.
+
+        An interruption in a step (``KeyboardInterrupt``, ``SystemExit``) is raised once
+        the reply is read: raised from here at once, psycopg would be left with a reply
+        on the wire that nothing reads.
+        """
+        interrupted: BaseException | None = None
         try:
             state = next(gen)
             while True:
                 if state == WAIT_R and self.works:
-                    self._work_until_readable(fileno)
+                    try:
+                        self._work_until_readable(fileno)
+                    except BaseException as exc:  # not an Exception: those end their work
+                        interrupted = exc
+                        self.works.clear()
                 ready = yield state
                 state = gen.send(ready)
         except StopIteration as stop:
+            if interrupted is not None:
+                raise interrupted from None
             return stop.value
 
     def _work_until_readable(self, fileno: int) -> None:
