@@ -165,7 +165,7 @@ def record_as_a_watcher(task: Any, events: list[dict]) -> None:
     """Record ``events`` as a watcher's pump does a fast stream's: it takes ``BATCH`` events
     from the stream's queue at a time and records them in calls of ``RECORD_CALL_EVENTS``
     (this module's ``BATCH``), each call given the next one of the same take as ``ahead``
-    (parsed while it waits on the database)."""
+    (parsed and folded while it waits on the database)."""
     from tasks_app.services.record import Batch, record_many
     from tasks_app.watchers import BATCH as TAKE
     from tasks_app.watchers import RECORD_CALL_EVENTS

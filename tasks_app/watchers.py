@@ -1489,8 +1489,8 @@ class Holder:
                         for start in range(0, len(events_only), RECORD_CALL_EVENTS)
                     ]
                     for call, ahead in itertools.zip_longest(calls, calls[1:]):
-                        # The next call's events are parsed while this one waits on the
-                        # database (record_many's ``ahead``).
+                        # The next call's events are parsed and folded while this one
+                        # waits on the database (record_many's ``ahead``).
                         result = await eventloop.db_urgent(
                             record_many, self.task_pk, call, channel, fence=self.token, ahead=ahead
                         )
