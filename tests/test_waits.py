@@ -7,10 +7,14 @@ is done ahead: the work is left to its own caller.
 
 from __future__ import annotations
 
+import datetime as dt
+import itertools
+
 import pytest
 from django.db import connection
 
 from tasks_app.services import waits
+from tasks_app.services.snapshot import task_view
 
 pytestmark = pytest.mark.django_db
 
@@ -144,3 +148,82 @@ def test_an_interruption_in_a_step_is_raised_once_the_reply_is_read():
             assert slept(0.05) == 7
     assert work.done == (1 if postgres else 0)
     assert slept(0) == 7
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_watchers_take_is_recorded_in_calls_each_given_the_next(
+    shared_loop, monkeypatch, settings
+):
+    """A fast stream's take (up to ``watchers.BATCH`` events) is recorded in calls of
+    ``RECORD_CALL_EVENTS``, each given the next call of its take as ``ahead``; on PostgreSQL
+    folds made ahead are taken. The log holds every event, in order."""
+    import time
+
+    from tasks_app import eventloop, watchers
+    from tasks_app.a2a import parse_stream_response
+    from tasks_app.models import Agent, RemoteTask, TaskEvent
+    from tasks_app.services import record as record_module
+    from tasks_app.services import tasks as task_services
+
+    settings.BUDGET_TASK_EVENTS_PER_SECOND = 0  # no throttle: the stream is as fast as it goes
+    calls: list = []
+    taken: list[bool] = []
+    real_record_many, real_started_from = (
+        watchers.record_many,
+        record_module._FoldAhead.started_from,
+    )
+
+    def spy(task_pk, batch, channel, **kw):
+        calls.append((batch, kw.get("ahead")))
+        if len(calls) == 1:
+            time.sleep(0.5)  # the stream queues up meanwhile: the next take is a full one
+        return real_record_many(task_pk, batch, channel, **kw)
+
+    def started_from(made, *args):
+        taken.append(real_started_from(made, *args))
+        return taken[-1]
+
+    monkeypatch.setattr(watchers, "record_many", spy)
+    monkeypatch.setattr(record_module._FoldAhead, "started_from", started_from)
+    count = 700
+
+    async def stream():
+        for i in range(count):
+            if i % 2:
+                yield parse_stream_response({"artifactUpdate": {
+                    "taskId": "t-1", "contextId": "c-1", "append": i > 1,
+                    "artifact": {"artifactId": "a-1", "parts": [{"text": f"{i}"}]}}})  # fmt: skip
+            else:
+                yield parse_stream_response({"statusUpdate": {
+                    "taskId": "t-1", "contextId": "c-1",
+                    "status": {"state": "TASK_STATE_WORKING",
+                               "timestamp": f"2026-01-01T00:{i // 60:02d}:{i % 60:02d}Z"}}})  # fmt: skip
+
+    agent = Agent.objects.create(name="fast", base_url="http://127.0.0.1:9/fast/")
+    task = RemoteTask.objects.create(
+        agent=agent, title="t", remote_id="t-1", context_id="c-1", phase=RemoteTask.Phase.TASK,
+        state="TASK_STATE_WORKING", watch=RemoteTask.Watch.STREAM,
+        # A held time: each later-stamped status is news (unstamped, the same state is not).
+        status_timestamp=dt.datetime(2025, 12, 31, tzinfo=dt.UTC),
+    )  # fmt: skip
+    token = task_services.acquire_lease(task.pk, watchers.OWNER)
+
+    async def follow() -> watchers.Outcome:
+        holder = watchers.Holder(task.pk, token, http=None)
+        holder._take(await eventloop.db(RemoteTask.objects.get, pk=task.pk))  # as _hold does
+        holder.streaming, holder.remote_id, holder.state = True, "t-1", "TASK_STATE_WORKING"
+        await holder._go(watchers.Event.FOLLOW)
+        return await holder._pump(stream(), "stream", "stream")
+
+    assert eventloop.submit(follow()).result(timeout=120).progress
+    given = [(batch, ahead) for batch, ahead in calls if ahead is not None]
+    assert len(given) >= 4  # a full take: five calls, four given the next
+    for (_, ahead), (batch, _) in itertools.pairwise(calls):
+        assert ahead is None or ahead is batch
+    assert all(len(batch.objs) <= watchers.RECORD_CALL_EVENTS for batch, _ in calls)
+    rows = list(TaskEvent.objects.filter(task=task).order_by("seq").values_list("seq", "raw"))
+    assert [seq for seq, _ in rows] == list(range(1, count + 1))
+    assert [p["text"] for p in task_view(RemoteTask.objects.get(pk=task.pk))["artifacts"][0][
+        "parts"]] == [str(i) for i in range(1, count, 2)]  # fmt: skip
+    if connection.vendor == "postgresql":
+        assert any(taken)
