@@ -12,7 +12,7 @@ from django.db import close_old_connections, connection
 from django.db.models import TextField
 from django.db.models.functions import Cast
 
-from tasks_app.models import Agent, ArtifactPart, RemoteTask, TaskEvent
+from tasks_app.models import Agent, Artifact, ArtifactPart, RemoteTask, TaskEvent
 from tasks_app.services import record as record_module
 from tasks_app.services.chain import canonical_json
 from tasks_app.services.record import record, record_many
@@ -737,15 +737,19 @@ def test_a_fold_made_ahead_is_the_calls_when_the_task_is_as_the_last_call_left_i
     assert received == sorted(received)
 
 
-@pytest.mark.parametrize("meanwhile", ["appended", "changed-behind", "lease-moved"])
+@pytest.mark.parametrize(
+    "meanwhile",
+    ["appended", "changed-behind", "artifact-changed-behind", "another-channel", "lease-moved"],
+)
 def test_a_fold_made_ahead_is_not_the_calls_when_the_task_changed_since(
     task, monkeypatch, meanwhile
 ):
     """Between the call that made the next fold ahead and the next call, the task changed:
     another writer appended a row; a column the fold reads changed without a row (a state
-    set behind the log's back, as no path of ours does: the test of what is compared); the
-    lease moved to another holder. The next call folds for itself, and records what the
-    task as it is now makes of its entries."""
+    set behind the log's back, as no path of ours does: the test of what is compared), or an
+    artifact's; the next call is made on another channel; the lease moved to another
+    holder. The next call folds for itself, and records what the task as it is now makes
+    of its entries."""
     from tasks_app.services.record import Batch
 
     RemoteTask.objects.filter(pk=task.pk).update(lease_token="mine")
@@ -757,10 +761,13 @@ def test_a_fold_made_ahead_is_not_the_calls_when_the_task_changed_since(
         record(task.pk, {"system": {"event": "a note"}}, "system")
     elif meanwhile == "changed-behind":
         RemoteTask.objects.filter(pk=task.pk).update(state="TASK_STATE_COMPLETED")
-    else:
+    elif meanwhile == "artifact-changed-behind":
+        Artifact.objects.filter(task=task).update(digest="d" * 64)
+    elif meanwhile == "lease-moved":
         RemoteTask.objects.filter(pk=task.pk).update(lease_token="theirs")
     added = counting_adds(monkeypatch)
-    result = record_many(task.pk, second, "stream", fence="mine")
+    channel = "resubscribe" if meanwhile == "another-channel" else "stream"
+    result = record_many(task.pk, second, channel, fence="mine")
     kinds = [row[2] for row in log_of(task)]
     if meanwhile == "appended":
         assert len(added) == 2 and kinds == ["statusUpdate", "artifactUpdate", "system",
@@ -768,6 +775,14 @@ def test_a_fold_made_ahead_is_not_the_calls_when_the_task_changed_since(
     elif meanwhile == "changed-behind":
         # Refused as after the end: made ahead from a working task, they were taken.
         assert len(added) == 2 and kinds[2:] == ["protocol-error", "protocol-error"]
+    elif meanwhile == "artifact-changed-behind":
+        # The chunk is chained onto the digest the artifact holds now.
+        artifact = Artifact.objects.get(task=task)
+        assert len(added) == 2 and artifact.digest == record_module.chain_digest(
+            "d" * 64, [{"text": "two"}]
+        )
+    elif meanwhile == "another-channel":
+        assert len(added) == 2 and [row[1] for row in log_of(task)][2:] == ["resubscribe"] * 2
     else:
         assert result.fenced and added == [] and kinds == ["statusUpdate", "artifactUpdate"]
 

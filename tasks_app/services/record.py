@@ -444,17 +444,14 @@ def _canonical(value: Any) -> bytes:
     return _encode_part(value).encode()
 
 
-def chain_digest(digest: str, parts: Sequence[Any], texts: list[str] | None = None) -> str:
-    """Extend the chained digest of an artifact's parts by ``parts``; each part's canonical
-    text is appended to ``texts`` when given (its row is written from it: ``PART_TEXT``)."""
-    written = [_encode_part(part) for part in parts]
-    if texts is not None:
-        texts.extend(written)
-    return chain_texts(digest, written)
+def chain_digest(digest: str, parts: Sequence[Any]) -> str:
+    """Extend the chained digest of an artifact's parts by ``parts``."""
+    return chain_texts(digest, [_encode_part(part) for part in parts])
 
 
 def chain_texts(digest: str, texts: Sequence[str]) -> str:
-    """:func:`chain_digest` of parts given as their canonical texts."""
+    """:func:`chain_digest` of parts given as their canonical texts (a part row is written
+    from its text: ``PART_TEXT``)."""
     for text in texts:
         digest = hashlib.sha256(digest.encode() + text.encode()).hexdigest()
     return digest
@@ -1678,12 +1675,10 @@ class _Fold:
         append = bool(update.get("append")) and current is not None
         start = current if append else ""
         parts = data.get("parts") or []
-        texts = entry.part_texts if entry.part_texts is not None else []
-        if entry.part_texts is not None:
-            digest = chain_texts(start, texts)
-        else:  # an entry the fold was given unparsed
-            digest = chain_digest(start, parts, texts)
-        self._pending[data["artifactId"]] = digest
+        texts = entry.part_texts  # parsing wrote them (an entry made otherwise: here)
+        if texts is None:
+            texts = [_encode_part(part) for part in parts]
+        self._pending[data["artifactId"]] = digest = chain_texts(start, texts)
         if append:
             held = self.artifact(data["artifactId"])
             stored_count, after = self._pending_parts.get(
