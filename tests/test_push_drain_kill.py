@@ -13,7 +13,7 @@ import uuid
 from contextlib import ExitStack
 
 import pytest
-from django.db import OperationalError, connection, transaction
+from django.db import connection, transaction
 from django.db.models import F
 
 from tasks_app.models import Agent, PushConfig, RemoteTask, TaskEvent
@@ -48,30 +48,29 @@ def hold_write_lock(held: ExitStack, task: RemoteTask) -> None:
     RemoteTask.objects.filter(pk=task.pk).update(title=F("title"))
 
 
-def seize_sqlite_write_lock(held: ExitStack, task: RemoteTask) -> None:
-    """Take SQLite's write lock in the gap between two of a busy writer's transactions.
+def stall_sqlite_writes(held: ExitStack, task: RemoteTask) -> None:
+    """Hold whoever first writes a log row of ``task`` inside that write, until killed.
 
-    Waiting on the busy timeout, as :func:`hold_write_lock` does, the waiter sleeps ever
-    longer between tries (up to 100 ms) while the writer begins its next transaction within
-    a fraction of a millisecond of its commit: it got the lock only once the whole batch
-    was committed (CI: 1,600 of 1,600). Tried without a wait, again and again, it gets the
-    lock at the writer's first gap.
+    SQLite has one writer at a time and no row locks. Seized between two of the drain's
+    transactions, the write lock came too late at times: the drain had committed its whole
+    batch (CI: 1,600 of 1,600). A trigger that counts a three-way cross join of the log
+    (about 3.8e9 rows, minutes) holds the drain's writer inside that task's transaction
+    instead, every other task committed. Dropped when ``held`` closes (after the kill: the
+    drop waits for the write lock).
     """
+    table = TaskEvent._meta.db_table
     with connection.cursor() as cursor:
-        cursor.execute("PRAGMA busy_timeout = 0")
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                held.enter_context(transaction.atomic())  # BEGIN IMMEDIATE: the write lock
-                break
-            except OperationalError:
-                assert time.monotonic() < deadline, "the write lock was never free"
-    finally:
+        cursor.execute(
+            f"CREATE TRIGGER stall_drain BEFORE INSERT ON {table} "
+            f"WHEN NEW.task_id = {int(task.pk)} BEGIN "
+            f"SELECT count(*) FROM {table} a, {table} b, {table} c; END"
+        )
+
+    def drop() -> None:
         with connection.cursor() as cursor:
-            timeout_ms = int(connection.settings_dict["OPTIONS"]["timeout"] * 1000)
-            cursor.execute(f"PRAGMA busy_timeout = {timeout_ms}")
-    RemoteTask.objects.filter(pk=task.pk).update(title=F("title"))
+            cursor.execute("DROP TRIGGER IF EXISTS stall_drain")
+
+    held.callback(drop)
 
 
 def test_a_worker_killed_mid_batch_leaves_it_to_the_next_worker(start_celery_worker) -> None:
@@ -105,8 +104,8 @@ def test_a_worker_killed_mid_batch_leaves_it_to_the_next_worker(start_celery_wor
     total = TASKS * EACH
     assert r.llen(push.QUEUE_KEY) == total
     pushed = TaskEvent.objects.filter(channel="push")
-    # The worker is held inside the batch by a write lock when it is killed. Killed as soon
-    # as its first commit showed, it had at times committed the whole batch already.
+    # The worker is held inside the batch's last task when it is killed. Killed as soon as
+    # its first commit showed, it had at times committed the whole batch already.
     with ExitStack() as held:
         if connection.vendor == "postgresql":
             # The batch's last task is locked before the drain starts: every other task
@@ -114,15 +113,14 @@ def test_a_worker_killed_mid_batch_leaves_it_to_the_next_worker(start_celery_wor
             hold_write_lock(held, tasks[-1])
             r.delete(push.DRAIN_KEY)
             assert push.schedule_if_waiting()
-            waited = wait_until(lambda: pushed.count() == total - EACH, timeout=120)
-            assert waited, (pushed.count(), first.log_tail())
         else:
-            # SQLite locks the whole database: taken once the first task has committed, the
-            # lock holds the worker at its next write.
+            # The last task's first log row holds the drain inside its transaction.
+            stall_sqlite_writes(held, tasks[-1])
+            held.callback(first.kill)  # before the trigger is dropped, whatever fails
             r.delete(push.DRAIN_KEY)
             assert push.schedule_if_waiting()
-            assert wait_until(pushed.exists, timeout=120, step=0.001), first.log_tail()
-            seize_sqlite_write_lock(held, tasks[-1])
+        waited = wait_until(lambda: pushed.count() == total - EACH, timeout=120)
+        assert waited, (pushed.count(), first.log_tail())
         committed = pushed.count()
         first.kill()
     assert 0 < committed < total, committed  # killed inside the batch, not after it
