@@ -8,7 +8,7 @@ still counts (the state has not moved), shown with who answered and when, withou
 the browser can tell waiting from the task-list summaries alone (state and watcher status),
 so the live badge and the server agree.
 
-The navigation badge (``templatetags/inbox.py``) comes from ``waiting_ids``: one indexed query
+The navigation badge (``templatetags/inbox_tags.py``) comes from ``waiting_ids``: one indexed query
 (the ``state`` index), at most ``COUNT_LIMIT`` + 1 ids; under the limit the ids go to the page
 so that the badge's script knows which tasks it already counted.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from io import StringIO
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from django.core.management import CommandError, call_command
 
 from tests import test_views
 from tests.agents import AGENT_TOKEN, REPO_ROOT, AgentHandle
+from tests.hostile_servers import HostileServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -188,3 +190,26 @@ def test_credentials_do_not_follow_a_card_to_another_origin(
     finally:
         named.close()
         elsewhere.close()
+
+
+@pytest.mark.parametrize("command", [["card"], ["get", "t-1"]])
+def test_timeout_bounds_the_whole_call_not_only_each_read(command: list[str]) -> None:
+    """``--timeout`` set the per-read limit only: a card trickling a byte every 0.25 s kept
+    ``card`` for its fixed 30 s deadline and every other command for 60 s, whatever it said."""
+    server = HostileServer(interval=0.25, trickle_bytes=160).start()  # 40 s to finish
+    try:
+        action, *rest = command
+        start = time.monotonic()
+        with pytest.raises(CommandError, match=r"no complete response after 3 s") as err:
+            call_command(
+                "a2a", action, server.url_for("trickle"), *rest, "--timeout", "3",
+                stdout=StringIO(),
+            )  # fmt: skip
+        elapsed = time.monotonic() - start
+        assert err.value.returncode == 1
+        assert 2.5 < elapsed < 15, elapsed
+        (conn,) = server.conns_for("trickle")
+        assert conn.path.endswith("/.well-known/agent-card.json")
+        assert server.wait_peer_closed(conn), "the command kept the connection open"
+    finally:
+        server.close()

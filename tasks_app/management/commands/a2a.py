@@ -47,6 +47,7 @@ from tasks_app.a2a import (
     user_message,
     validate_card,
 )
+from tasks_app.a2a.card import DEFAULT_CARD_DEADLINE
 from tasks_app.management.arguments import float_between, int_between
 from tasks_app.management.commands._stopping import StoppableCommand
 from tasks_app.management.commands.agents import read_secret
@@ -294,10 +295,14 @@ class Command(StoppableCommand):
                 return
             kwargs: dict[str, Any] = {}
             if timeout:
+                # Each read and the whole call: a reply that trickles a byte a second is
+                # cut at the deadline, not at the per-read timeout.
                 kwargs = {
                     "timeout": timeout,
                     "send_timeout": timeout,
                     "stream_idle_timeout": timeout,
+                    "call_deadline": timeout,
+                    "send_deadline": timeout,
                 }
             client = await A2AClient.connect(
                 options["url"],
@@ -311,7 +316,13 @@ class Command(StoppableCommand):
             await getattr(self, f"_{action}")(client, options)
 
     async def _card(self, options: dict[str, Any], http: httpx.AsyncClient) -> None:
-        result = await fetch_card(options["url"], http=http, timeout=options.get("timeout") or 15.0)
+        timeout = options.get("timeout")
+        result = await fetch_card(
+            options["url"],
+            http=http,
+            timeout=timeout or 15.0,
+            deadline=timeout or DEFAULT_CARD_DEADLINE,
+        )
         card = result.card or {}
         problems = validate_card(card)
         refusal: A2AError | None = None
