@@ -159,6 +159,9 @@ class Agent(models.Model):
     # saved; a card naming another origin waits in ``pending_origin`` for an agent admin.
     credential_origins = models.JSONField(default=list, blank=True, db_default=[])
     pending_origin = models.CharField(max_length=300, blank=True, default="", db_default="")
+    # False once the agent refused a contextId this dashboard chose (A2A 1.0 section 3.4.1:
+    # an agent that cannot take one must refuse the request): its sends go without one.
+    takes_client_context = models.BooleanField(default=True, db_default=True)
     reachable = models.BooleanField(null=True)
     last_error = models.TextField(blank=True)
     last_contact_at = models.DateTimeField(null=True, blank=True)

@@ -1161,7 +1161,10 @@ class Holder:
                     )
                     return Turn(next_status(self.status, Event.ENDED), "send failed")
                 hint = getattr(exc, "snippet", "") or ""
-                return await self._recover_send(client, refreshed, str(exc), hint=hint, own=True)
+                refused = task_services.refuses_our_context(exc, message)
+                return await self._recover_send(
+                    client, refreshed, str(exc), hint=hint, own=True, context_refused=refused
+                )
             if refreshed.phase == RemoteTask.Phase.MESSAGE:
                 return Turn(next_status(self.status, Event.ENDED), "answered with a message")
             if refreshed.outbox:
@@ -1238,9 +1241,20 @@ class Holder:
         return True
 
     async def _recover_send(
-        self, client: A2AClient, task: RemoteTask, reason: str, *, hint: str = "", own: bool = False
+        self,
+        client: A2AClient,
+        task: RemoteTask,
+        reason: str,
+        *,
+        hint: str = "",
+        own: bool = False,
+        context_refused: bool = False,
     ) -> Turn | None:
         """The reply to a send was lost or unreadable: find the task before saying the send failed.
+
+        ``context_refused``: the agent's error refused the contextId chosen here. Not found
+        by it, the message goes again without one (``task_services.send_without_context``):
+        the refusal says the agent took nothing, and every send to it failed alike.
 
         ``own``: the send was this holder's, and its call is over. Else (a holder that
         stopped while sending) the call may still be under way, its holder alive but late
@@ -1291,6 +1305,10 @@ class Holder:
             await eventloop.db(agent_services.mark_reachable, task.agent_id)
             self.state = result.state
             return None
+        if context_refused and await eventloop.db(
+            task_services.send_without_context, self.task_pk, self.token, message, reason
+        ):
+            return None  # read again: the outbox holds the message without a contextId
         if found.absent:
             await eventloop.db(
                 task_services.fail_send,

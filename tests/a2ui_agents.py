@@ -225,9 +225,11 @@ def on_loopback(
     extensions: list[pb.AgentExtension],
     skill: pb.AgentSkill,
     executor: AgentExecutor,
+    handler: type[DefaultRequestHandler] = DefaultRequestHandler,
 ) -> Iterator[str]:
     """Serve ``executor`` on a free port of 127.0.0.1 behind a card (streaming, JSON-RPC at
-    /jsonrpc, ``extensions`` declared); yields the base URL."""
+    /jsonrpc, ``extensions`` declared), its requests taken by ``handler``; yields the base
+    URL."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     card = pb.AgentCard(
@@ -244,17 +246,20 @@ def on_loopback(
         default_output_modes=["text/plain", "application/json"],
         skills=[skill],
     )
-    with served(card, executor, port):
+    with served(card, executor, port, handler):
         yield base
 
 
 @contextlib.contextmanager
-def served(card: pb.AgentCard, executor: AgentExecutor, port: int) -> Iterator[None]:
+def served(
+    card: pb.AgentCard,
+    executor: AgentExecutor,
+    port: int,
+    handler_type: type[DefaultRequestHandler] = DefaultRequestHandler,
+) -> Iterator[None]:
     """Serve ``executor`` behind ``card`` (JSON-RPC at /jsonrpc) on 127.0.0.1:``port``, in a
     thread of the test process, until the block ends."""
-    handler = DefaultRequestHandler(
-        agent_executor=executor, task_store=InMemoryTaskStore(), agent_card=card
-    )
+    handler = handler_type(agent_executor=executor, task_store=InMemoryTaskStore(), agent_card=card)
     app = Starlette(
         routes=[*create_agent_card_routes(card), *create_jsonrpc_routes(handler, "/jsonrpc")]
     )

@@ -1764,6 +1764,10 @@ class _Fold:
         if payload.get("event") == "send-failed" and not self.get("remote_id"):
             self.set(phase=RemoteTask.Phase.FAILED)
             self._unpark("the send failed; nothing is left to watch")
+        if payload.get("event") == "context-refused" and not self.get("remote_id"):
+            # The context chosen here is not the task's: the agent's is adopted when it
+            # names the task (services.tasks.send_without_context).
+            self.set(context_id="")
         if payload.get("event") != "settled":
             self.rows.append(_Row(entry, "system", entry.note or _system_note(payload)))
             return

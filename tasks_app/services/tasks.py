@@ -25,6 +25,7 @@ from tasks_app import metrics, outbound, relay
 from tasks_app.a2a import (
     A2AClient,
     A2AError,
+    RemoteError,
     TaskNotCancelableError,
     TaskNotFoundError,
     a2ui,
@@ -98,7 +99,9 @@ def start_task(
 
     The message carries a ``contextId`` chosen here (a fresh UUID) and a stored
     ``messageId``: if the reply to the send is lost, ``ListTasks`` by that
-    context finds the task the agent created, instead of a blind second send.
+    context finds the task the agent created, instead of a blind second send. An agent
+    that refused such a contextId (``Agent.takes_client_context``, see
+    :func:`send_without_context`) gets none: a lost reply's fate is then unknown.
     """
     require(actor_id, agent.project_id, Perm.OPERATE)
     if not ((text and text.strip()) or data is not None or files):
@@ -109,7 +112,8 @@ def start_task(
     if not agent.interface_url:
         raise TaskActionError(f"{agent.name} has no usable interface; refresh its card.")
     mode = resolve_mode(agent, mode, from_browser=from_browser)
-    message = user_message(text or None, data=data, files=files, context_id=str(uuid.uuid4()))
+    context_id = str(uuid.uuid4()) if agent.takes_client_context else None
+    message = user_message(text or None, data=data, files=files, context_id=context_id)
     message = a2ui.with_capabilities(message, a2ui.declared_version(agent.card))
     with transaction.atomic():
         if not agent_services.hold_in_service(agent.pk):  # retired since it was read
@@ -1239,6 +1243,71 @@ def refused_reply(task_pk: int) -> str:
         .first()
     )
     return (refusal or "")[:300]
+
+
+def refuses_our_context(exc: Exception, message: dict) -> bool:
+    """Whether ``exc``, an agent's error answering the first send of ``message``, refuses
+    the contextId this dashboard chose for it.
+
+    A2A 1.0 (section 3.4.1): an agent that cannot take a client's contextId must refuse the
+    request. No error code is given for it, so the error must name the context: any other
+    refusal (a bad part, an unsupported mode) fails the send as before, and a message that
+    carried no contextId cannot have been refused for one.
+    """
+    return (
+        isinstance(exc, RemoteError)
+        and bool(message.get("contextId"))
+        and "context" in f"{exc.message} {exc.reason or ''}".lower()
+    )
+
+
+def send_without_context(task_pk: int, token: str, message: dict, reason: str) -> bool:
+    """The agent refused the contextId chosen for the first send of ``message`` (and has no
+    task for it): send the same message again without one, and no later send to that agent
+    carries one (``Agent.takes_client_context``).
+
+    1. One compare-and-set on the holder's lease, the phase and the outbox still holding
+       this message with that contextId: the request and the outbox lose the contextId,
+       and ``send_attempted_at`` is cleared (nothing was sent that the agent took).
+    2. A ``context-refused`` entry says so; its fold clears the mirror's ``context_id``
+       (the one chosen here, noted from the start entry), so that the agent's own is
+       adopted when it names the task, and a replay of the log agrees.
+    3. The agent is marked.
+
+    False when the compare-and-set matched nothing (the lease moved on, the send was
+    withdrawn or answered meanwhile): the caller's turn ends as it would have.
+    """
+    message_id, context_id = message.get("messageId") or "", message.get("contextId") or ""
+    without = {key: value for key, value in message.items() if key != "contextId"}
+    if not message_id or not context_id:
+        return False
+    held = RemoteTask.objects.filter(
+        pk=task_pk,
+        lease_token=token,
+        phase=RemoteTask.Phase.SENDING,
+        remote_id="",
+        outbox__message__messageId=message_id,
+        outbox__message__contextId=context_id,
+    )
+    with transaction.atomic():
+        task = held.only("pk", "agent_id", "request", "outbox").first()
+        if task is None:
+            return False
+        won = held.update(
+            request={**(task.request or {}), "message": without},
+            outbox={**(task.outbox or {}), "message": without},
+            send_attempted_at=None,
+        )
+        if not won:
+            return False
+        record(
+            task_pk,
+            {"system": {"event": "context-refused", "detail": reason[:2000]}},
+            "system",
+            fence=token,
+        )
+        Agent.objects.filter(pk=task.agent_id).update(takes_client_context=False)
+    return True
 
 
 def fail_send(
