@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from django.test import Client
+from django.urls import reverse
 
 from tasks_app.models import Agent, RemoteTask, TaskEvent
 from tasks_app.services import audit
@@ -77,11 +79,16 @@ def wait_for_state(task: RemoteTask, state: str, what: str) -> None:
 def test_a_refused_context_is_sent_again_without_one_and_never_given_again(
     mode: str,
     in_process_holders: None,  # noqa: F811
+    django_user_model: Any,
 ) -> None:
     served, executor, handler = refusing_agent()
+    client = Client()
+    client.force_login(django_user_model.objects.create_superuser("root", password="pw-12345678"))
     with served as base:
         agent = add_agent(base, name="refuses contexts")
         assert agent.takes_client_context
+        page = client.get(reverse("agent-detail", args=[agent.pk])).content.decode()
+        assert "agent-context-refused" not in page
         task = task_services.start_task(agent, "hello", mode=mode)
         chosen = task.request["message"]["contextId"]
         wait_for_state(task, "TASK_STATE_INPUT_REQUIRED", "the question")
@@ -97,6 +104,8 @@ def test_a_refused_context_is_sent_again_without_one_and_never_given_again(
         notes = list(task.events.filter(kind=TaskEvent.Kind.SYSTEM).values_list("note", flat=True))
         assert any(note.startswith("context-refused: ") and REFUSAL in note for note in notes)
         assert not Agent.objects.get(pk=agent.pk).takes_client_context
+        page = client.get(reverse("agent-detail", args=[agent.pk])).content.decode()
+        assert 'id="agent-context-refused"' in page
 
         # The answer goes in the agent's context, and the task ends.
         task_services.answer_task(task, "Ann")
