@@ -8,9 +8,12 @@ here is the official a2a-sdk server, its handler refusing a new task's client co
 
 from __future__ import annotations
 
+import json
+from io import StringIO
 from typing import Any
 
 import pytest
+from django.core.management import call_command
 from django.test import Client
 from django.urls import reverse
 
@@ -106,6 +109,9 @@ def test_a_refused_context_is_sent_again_without_one_and_never_given_again(
         assert not Agent.objects.get(pk=agent.pk).takes_client_context
         page = client.get(reverse("agent-detail", args=[agent.pk])).content.decode()
         assert 'id="agent-context-refused"' in page
+        listed = StringIO()
+        call_command("agents", "list", "--json", stdout=listed)
+        assert json.loads(listed.getvalue())["takes_client_context"] is False
 
         # The answer goes in the agent's context, and the task ends.
         task_services.answer_task(task, "Ann")

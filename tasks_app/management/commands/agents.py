@@ -185,6 +185,7 @@ class Command(StoppableCommand):
                     "binding": agent.binding, "interface_url": agent.interface_url,
                     "streaming": agent.streaming, "push": agent.push, "reachable": agent.reachable,
                     "last_error": agent.last_error, "credentials": bool(agent.credentials_encrypted),
+                    "takes_client_context": agent.takes_client_context,
                     "retired_at": agent.retired_at.isoformat() if agent.retired_at else None,
                 }))  # fmt: skip
             return
