@@ -35,32 +35,33 @@ def in_process_holders(monkeypatch) -> Iterator[None]:
     relay.use_loop(None)
 
 
-def ask_and_answer(base: str, name: str) -> RemoteTask:
-    agent = add_agent(base, name=name)
-    task = task_services.start_task(agent, "hello", mode="stream")
-    # The question is recorded and its holder has let the task go: the answer's dispatch
-    # then starts a holder here (no reconciler runs in this test to catch a later one).
-    wait_for(
-        lambda: RemoteTask.objects.filter(
-            pk=task.pk, state="TASK_STATE_INPUT_REQUIRED", lease_token=""
-        ).exists(),
-        timeout=60,
-        what="the question",
-    )
-    task.refresh_from_db()
-    task_services.answer_task(task, "Ann")
+def wait_for_state(task: RemoteTask, state: str, what: str, *, released: bool = True) -> None:
+    """Wait until ``task`` is in ``state`` (and its holder let it go, when ``released``); on
+    timeout, fail saying where it is and what its log holds."""
+    held = {"lease_token": ""} if released else {}
     try:
         wait_for(
-            lambda: RemoteTask.objects.get(pk=task.pk).state == "TASK_STATE_COMPLETED",
+            lambda: RemoteTask.objects.filter(pk=task.pk, state=state, **held).exists(),
             timeout=60,
-            what="the end",
+            what=what,
         )
     except AssertionError:
         task.refresh_from_db()
         rows = list(task.events.order_by("seq").values_list("kind", "channel", "note"))
         raise AssertionError(
-            f"{task.state} {task.watcher_status} {task.watcher_note}: {rows}"
+            f"{task.phase} {task.state} {task.watcher_status} {task.watcher_note}: {rows}"
         ) from None
+
+
+def ask_and_answer(base: str, name: str) -> RemoteTask:
+    agent = add_agent(base, name=name)
+    task = task_services.start_task(agent, "hello", mode="stream")
+    # The question is recorded and its holder has let the task go: the answer's dispatch
+    # then starts a holder here (no reconciler runs in this test to catch a later one).
+    wait_for_state(task, "TASK_STATE_INPUT_REQUIRED", "the question")
+    task.refresh_from_db()
+    task_services.answer_task(task, "Ann")
+    wait_for_state(task, "TASK_STATE_COMPLETED", "the end", released=False)
     return task
 
 

@@ -17,12 +17,14 @@ from django.core.management import call_command
 from django.test import Client
 from django.urls import reverse
 
-from tasks_app.models import Agent, RemoteTask, TaskEvent
+from tasks_app.models import Agent, TaskEvent
 from tasks_app.services import audit
 from tasks_app.services import tasks as task_services
 from tasks_app.services.agents import add_agent
-from tests.test_a2ui_negotiation import in_process_holders  # noqa: F401 (a fixture)
-from tests.test_mirror import wait_for
+from tests.test_a2ui_negotiation import (
+    in_process_holders,  # noqa: F401 (a fixture)
+    wait_for_state,
+)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -61,21 +63,6 @@ def refusing_agent() -> Any:
         "context-refusing", "refuses a client's contextId", [], skill, executor, Refusing
     )
     return served, executor, Refusing
-
-
-def wait_for_state(task: RemoteTask, state: str, what: str) -> None:
-    try:
-        wait_for(
-            lambda: RemoteTask.objects.filter(pk=task.pk, state=state, lease_token="").exists(),
-            timeout=60,
-            what=what,
-        )
-    except AssertionError:
-        task.refresh_from_db()
-        rows = list(task.events.order_by("seq").values_list("kind", "channel", "note"))
-        raise AssertionError(
-            f"{task.phase} {task.state} {task.watcher_status} {task.watcher_note}: {rows}"
-        ) from None
 
 
 @pytest.mark.parametrize("mode", ["stream", "blocking"])
