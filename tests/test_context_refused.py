@@ -16,8 +16,9 @@ import pytest
 from django.core.management import call_command
 from django.test import Client
 from django.urls import reverse
+from django.utils import timezone
 
-from tasks_app.models import Agent, TaskEvent
+from tasks_app.models import Agent, RemoteTask, TaskEvent
 from tasks_app.services import audit
 from tasks_app.services import tasks as task_services
 from tasks_app.services.agents import add_agent
@@ -129,3 +130,46 @@ def test_another_refusal_of_the_first_send_fails_it_as_before() -> None:
     assert not task_services.refuses_our_context(ContentTypeNotSupportedError("no"), ours)
     assert not task_services.refuses_our_context(TaskNotFoundError("no task"), ours)
     assert not task_services.refuses_our_context(ValueError("context"), ours)
+
+
+def test_the_message_loses_its_context_once_and_only_for_the_holder_of_its_send() -> None:
+    """``send_without_context`` is one compare-and-set: a holder whose lease moved on, the
+    same refusal handled twice, or a send withdrawn meanwhile change nothing."""
+    agent = Agent.objects.create(name="refuses", base_url="http://127.0.0.1:9/refuses")
+    message = {"messageId": "m-1", "contextId": "ours", "role": "ROLE_USER",
+               "parts": [{"text": "hello"}]}  # fmt: skip
+    task = RemoteTask.objects.create(
+        agent=agent,
+        phase=RemoteTask.Phase.SENDING,
+        request={"message": message, "metadata": {}},
+        outbox={"message": message, "metadata": {}},
+        context_id="ours",
+        lease_token="holder",
+        send_attempted_at=timezone.now(),
+    )
+    refused = task.events.filter(note__startswith="context-refused")
+
+    assert not task_services.send_without_context(task.pk, "late", message, "no")
+    task.refresh_from_db()
+    assert task.outbox["message"]["contextId"] == "ours" and not refused.exists()
+    assert Agent.objects.get(pk=agent.pk).takes_client_context
+
+    assert task_services.send_without_context(task.pk, "holder", message, REFUSAL)
+    task.refresh_from_db()
+    without = {key: value for key, value in message.items() if key != "contextId"}
+    assert task.outbox["message"] == without == task.request["message"]
+    assert task.send_attempted_at is None and task.context_id == ""
+    assert refused.count() == 1 and not Agent.objects.get(pk=agent.pk).takes_client_context
+
+    # The same refusal again: the outbox no longer holds the message with that context.
+    assert not task_services.send_without_context(task.pk, "holder", message, REFUSAL)
+    assert refused.count() == 1
+
+    # A send withdrawn meanwhile (its outbox emptied) is not put back.
+    other = RemoteTask.objects.create(
+        agent=agent, phase=RemoteTask.Phase.SENDING, request={"message": message},
+        outbox=None, lease_token="holder",
+    )  # fmt: skip
+    assert not task_services.send_without_context(other.pk, "holder", message, REFUSAL)
+    other.refresh_from_db()
+    assert other.outbox is None and other.request["message"]["contextId"] == "ours"

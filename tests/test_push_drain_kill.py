@@ -42,8 +42,8 @@ def wait_until(check, timeout: float, step: float = 0.01) -> bool:
 def hold_write_lock(held: ExitStack, task: RemoteTask) -> None:
     """Open a transaction that writes ``task``'s row and keep it open until ``held`` closes.
 
-    On PostgreSQL that locks the row: the drain's record of that task waits on it. SQLite
-    has one writer at a time: every write of the drain waits on it."""
+    On PostgreSQL that locks the row: the drain's record of that task waits on it (SQLite
+    has no row locks: :func:`stall_sqlite_writes`)."""
     held.enter_context(transaction.atomic())
     RemoteTask.objects.filter(pk=task.pk).update(title=F("title"))
 

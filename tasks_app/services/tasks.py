@@ -1278,9 +1278,9 @@ def send_without_context(task_pk: int, token: str, message: dict, reason: str) -
     withdrawn or answered meanwhile): the caller's turn ends as it would have.
     """
     message_id, context_id = message.get("messageId") or "", message.get("contextId") or ""
-    without = {key: value for key, value in message.items() if key != "contextId"}
     if not message_id or not context_id:
         return False
+    without = {key: value for key, value in message.items() if key != "contextId"}
     held = RemoteTask.objects.filter(
         pk=task_pk,
         lease_token=token,
